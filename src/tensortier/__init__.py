@@ -1,0 +1,34 @@
+"""tensortier: move PyTorch tensors across device, host RAM and NVMe so training breaks the memory wall."""
+
+from tensortier._units import format_size, parse_size
+from tensortier.errors import (
+    BudgetError,
+    ClosedError,
+    ConfigError,
+    CorruptDataError,
+    SpillDirError,
+    TensortierError,
+    TierFullError,
+)
+from tensortier.tiers import DiskHandle, DiskStore, HostPool
+from tensortier.transfer import HostTensor, Transfer, TransferEngine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetError",
+    "ClosedError",
+    "ConfigError",
+    "CorruptDataError",
+    "DiskHandle",
+    "DiskStore",
+    "HostPool",
+    "HostTensor",
+    "SpillDirError",
+    "TensortierError",
+    "TierFullError",
+    "Transfer",
+    "TransferEngine",
+    "format_size",
+    "parse_size",
+]

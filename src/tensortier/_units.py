@@ -1,0 +1,85 @@
+"""Sizes written by people ("512MiB", "4GiB", "1.5GB") turned into bytes, and back.
+
+This is the only place that parses a size; every budget, capacity and threshold goes through it
+so that a typo is caught once, with one message that lists the accepted forms.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from tensortier.errors import ConfigError
+
+_BINARY = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+_DECIMAL = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15}
+_UNITS = {**_BINARY, **_DECIMAL}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+ACCEPTED = (
+    "an integer number of bytes (e.g. 1048576) or a number followed by a unit: "
+    "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000), "
+    "e.g. '512MiB', '4GiB', '1.5GB'"
+)
+
+SizeLike = int | str
+
+
+def parse_size(value: SizeLike, *, name: str = "size", allow_zero: bool = True) -> int:
+    """Return ``value`` in bytes. Raises :class:`ConfigError` naming ``name`` and the accepted forms.
+
+    Units are case-insensitive but must be spelled out: a bare "G" or "4 gigs" is ambiguous
+    (GiB or GB?) and is refused rather than guessed.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: got {value!r}; expected {ACCEPTED}")
+    if isinstance(value, int):
+        nbytes = value
+    elif isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ConfigError(
+                f"{name}: got {value!r}; a float must be a whole number of bytes. "
+                f"Expected {ACCEPTED}"
+            )
+        nbytes = int(value)
+    elif isinstance(value, str):
+        match = _PATTERN.match(value)
+        if match is None:
+            raise ConfigError(f"{name}: cannot parse {value!r}; expected {ACCEPTED}")
+        number, unit = match.group(1), match.group(2).lower()
+        if unit == "":
+            if "." in number:
+                raise ConfigError(
+                    f"{name}: {value!r} has a fraction but no unit; expected {ACCEPTED}"
+                )
+            nbytes = int(number)
+        elif unit in _UNITS:
+            nbytes = int(float(number) * _UNITS[unit])
+        else:
+            raise ConfigError(
+                f"{name}: unknown or ambiguous unit {match.group(2)!r} in {value!r}; "
+                f"expected {ACCEPTED}"
+            )
+    else:
+        raise ConfigError(f"{name}: got {type(value).__name__} {value!r}; expected {ACCEPTED}")
+    if nbytes < 0:
+        raise ConfigError(f"{name}: got {value!r}, a negative size; sizes are >= 0 bytes")
+    if nbytes == 0 and not allow_zero:
+        raise ConfigError(f"{name}: got {value!r}; it must be larger than 0 bytes")
+    return nbytes
+
+
+def format_size(nbytes: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5KiB'."""
+    sign = "-" if nbytes < 0 else ""
+    value = float(abs(nbytes))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            text = f"{value:.0f}" if unit == "B" else f"{value:.3g}"
+            return f"{sign}{text}{unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment

@@ -1,0 +1,1 @@
+"""Benchmarks behind `tensortier bench ...`: one module per area, peers side by side, JSON out."""

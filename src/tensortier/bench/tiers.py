@@ -1,0 +1,176 @@
+"""`tensortier bench tiers`: disk tier bandwidth against `dd` direct I/O on the same directory.
+
+`dd` with O_DIRECT and a large block is the physical limit of the disk behind ``--dir``; the disk
+tier should reach >= 90% of it. On CUDA, the transfer engine's device<->host copies are compared
+with a plain pinned ``copy_``. Run: ``tensortier bench tiers --json out.json [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+from tensortier._units import format_size, parse_size
+from tensortier.bench._common import environment, print_table, write_json
+from tensortier.tiers.disk import DiskStore
+from tensortier.tiers.host import HostPool
+from tensortier.transfer import TransferEngine
+
+_DD_RATE = re.compile(r"(\d+) bytes .* copied, ([0-9.]+) s")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure")
+    p.add_argument(
+        "--size", default=None, help="bytes per measurement (default 2GiB, 512MiB with --quick)"
+    )
+    p.add_argument("--tensor-size", default="64MiB", help="size of each tensor written by the tier")
+    p.add_argument("--repeat", type=int, default=None, help="repetitions, median reported")
+    p.add_argument("--quick", action="store_true", help="small sizes, one repetition")
+    p.add_argument("--json", default=None, help="write rows to this JSON file")
+
+
+def _dd(args: list[str]) -> float:
+    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
+    match = _DD_RATE.search(out)
+    if match is None:
+        raise RuntimeError(f"cannot parse dd output: {out!r}")
+    return int(match.group(1)) / float(match.group(2)) / 1e9
+
+
+def dd_bandwidth(directory: str, nbytes: int) -> tuple[float, float]:
+    """(write, read) GB/s of dd with O_DIRECT, 8 MiB blocks, on a scratch file in ``directory``."""
+    path = os.path.join(directory, f".tt-dd-{os.getpid()}")
+    count = max(1, nbytes // (8 << 20))
+    try:
+        write = _dd(
+            ["if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct", "conv=fsync"]
+        )
+        read = _dd([f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return write, read
+
+
+def tier_bandwidth(directory: str, nbytes: int, tensor_bytes: int) -> tuple[float, float, bool]:
+    """(write, read) GB/s of the disk tier: put ``nbytes`` in tensors, then get them all back."""
+    n = max(1, nbytes // tensor_bytes)
+    tensors = [torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8) for _ in range(n)]
+    with DiskStore(directory, owner="tt-bench") as store, HostPool(nbytes * 2, pin=False) as pool:
+        blocks = [pool.alloc(tensor_bytes) for _ in range(n)]  # read targets, like the engine's
+        for b in blocks:  # steady state: the pool hands out cached blocks whose pages are mapped
+            b.buffer.fill_(0)
+        t0 = time.perf_counter()
+        handles = [f.result() for f in [store.put(t) for t in tensors]]
+        write = n * tensor_bytes / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        outs = [f.result() for f in [store.get(h, into=b.buffer) for h, b in zip(handles, blocks)]]
+        read = n * tensor_bytes / (time.perf_counter() - t0) / 1e9
+        intact = all(torch.equal(a, b) for a, b in zip(tensors, outs))
+        direct = store.direct
+    return write, read, intact and direct
+
+
+def cuda_bandwidth(nbytes: int) -> list[dict]:
+    """Engine device<->host against plain pinned copy_, GB/s."""
+    dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rows = []
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    with TransferEngine(host=HostPool(nbytes * 4)) as engine:
+        for _ in range(2):  # warm the pool and the streams
+            engine.to_host(dev).result().free()
+        peer_d2h = max(timed(lambda: pinned.copy_(dev, non_blocking=True)) for _ in range(3))
+        peer_h2d = max(timed(lambda: dev.copy_(pinned, non_blocking=True)) for _ in range(3))
+        held = []
+        tt_d2h = max(timed(lambda: held.append(engine.to_host(dev).result())) for _ in range(3))
+        host = held[-1]
+        tt_h2d = max(timed(lambda: engine.to_device(host).result()) for _ in range(3))
+        for h in held:
+            h.free()
+    for path, gbps, limit in [
+        ("device->host pinned copy_ (torch)", peer_d2h, peer_d2h),
+        ("device->host (tensortier)", tt_d2h, peer_d2h),
+        ("host->device pinned copy_ (torch)", peer_h2d, peer_h2d),
+        ("host->device (tensortier)", tt_h2d, peer_h2d),
+    ]:
+        rows.append({"path": path, "bytes": nbytes, "gbps": gbps, "ratio_vs_limit": gbps / limit})
+    return rows
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    size = parse_size(args.size or ("512MiB" if args.quick else "2GiB"), name="--size")
+    tensor_bytes = parse_size(args.tensor_size, name="--tensor-size")
+    repeat = args.repeat or (1 if args.quick else 3)
+    print(f"measuring {format_size(size)} x {repeat} in {args.dir} ({environment()['device']})")
+    dd_w, dd_r, tt_w, tt_r = [], [], [], []
+    ok = True
+    for _ in tqdm(range(repeat), desc="tiers", unit="round"):
+        w, r = dd_bandwidth(args.dir, size)
+        dd_w.append(w)
+        dd_r.append(r)
+        w, r, intact = tier_bandwidth(args.dir, size, tensor_bytes)
+        tt_w.append(w)
+        tt_r.append(r)
+        ok = ok and intact
+    dd_w, dd_r = statistics.median(dd_w), statistics.median(dd_r)
+    tt_w, tt_r = statistics.median(tt_w), statistics.median(tt_r)
+    rows = [
+        {
+            "path": "host->disk dd O_DIRECT (limit)",
+            "bytes": size,
+            "gbps": dd_w,
+            "ratio_vs_limit": 1.0,
+        },
+        {
+            "path": "host->disk (tensortier)",
+            "bytes": size,
+            "gbps": tt_w,
+            "ratio_vs_limit": tt_w / dd_w,
+        },
+        {
+            "path": "disk->host dd O_DIRECT (limit)",
+            "bytes": size,
+            "gbps": dd_r,
+            "ratio_vs_limit": 1.0,
+        },
+        {
+            "path": "disk->host (tensortier)",
+            "bytes": size,
+            "gbps": tt_r,
+            "ratio_vs_limit": tt_r / dd_r,
+        },
+    ]
+    if torch.cuda.is_available():
+        rows += cuda_bandwidth(min(size, 1 << 30))
+    print_table(rows, ["path", "bytes", "gbps", "ratio_vs_limit"])
+    if not ok:
+        print("WARNING: data read back differed from what was written, or O_DIRECT was unavailable")
+    write_json(args.json, "tiers", rows, direct_io_and_intact=ok)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_args(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The `tensortier` command: `demo` and `bench <area>`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tensortier.bench import tiers as bench_tiers
+
+BENCHES = {"tiers": bench_tiers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tensortier", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a small model with and without tensortier")
+    from tensortier import demo as demo_mod
+
+    demo_mod.add_args(demo)
+    bench = sub.add_parser("bench", help="benchmarks against the peers a user would pick instead")
+    areas = bench.add_subparsers(dest="area", required=True)
+    for name, module in BENCHES.items():
+        module.add_args(areas.add_parser(name, help=(module.__doc__ or "").splitlines()[0]))
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        demo_mod.run(args)
+    else:
+        BENCHES[args.area].run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

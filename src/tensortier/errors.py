@@ -1,0 +1,67 @@
+"""Typed errors shared by every tier and client.
+
+Each message says what was received and what to do about it; the attributes carry the values so
+code can react without parsing text.
+"""
+
+from __future__ import annotations
+
+
+class TensortierError(Exception):
+    """Base class of every error tensortier raises on purpose."""
+
+
+class ConfigError(TensortierError, ValueError):
+    """A setting that cannot be used as given (a malformed size, an unknown mode)."""
+
+
+class BudgetError(TensortierError):
+    """A memory budget cannot be met; ``minimum`` is the smallest budget that can, when known."""
+
+    def __init__(self, message: str, *, budget: int | None = None, minimum: int | None = None):
+        super().__init__(message)
+        self.budget = budget
+        self.minimum = minimum
+
+
+class TierFullError(TensortierError):
+    """A tier has no room for a request: its budget or capacity is used up, or the disk is full.
+
+    The store that raised it stays usable: nothing was half-written, and freeing data or raising
+    the budget lets the same request succeed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tier: str,
+        requested: int,
+        in_use: int | None = None,
+        limit: int | None = None,
+    ):
+        super().__init__(message)
+        self.tier = tier
+        self.requested = requested
+        self.in_use = in_use
+        self.limit = limit
+
+
+class SpillDirError(TensortierError):
+    """The spill directory is missing, not a directory, or not writable."""
+
+    def __init__(self, message: str, *, path: str):
+        super().__init__(message)
+        self.path = path
+
+
+class CorruptDataError(TensortierError):
+    """Stored data failed validation (checksum, size, or format) and was not used."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class ClosedError(TensortierError):
+    """An operation was attempted on a store or engine after ``close()``."""

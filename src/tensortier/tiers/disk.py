@@ -1,0 +1,586 @@
+"""NVMe tier: tensors in large preallocated files, carved into 4 KiB-aligned extents.
+
+Layout. A store owns a private 0700 directory under ``spill_dir``. It holds *slabs*: files
+preallocated with ``posix_fallocate`` (so a full disk shows up when a slab is made, not in the
+middle of a tensor) and carved into extents by a first-fit free list that merges neighbours on
+free. Repeated put/free of mixed sizes therefore reuses space instead of growing the files.
+
+I/O. Every tensor is split into chunks written or read by a thread pool with ``os.pwrite`` and
+``os.preadv`` (both release the GIL), so several requests are in flight, like an NVMe queue.
+Files are opened with ``O_DIRECT`` when the filesystem allows it, so spilled data does not sit in
+the page cache and the memory it frees stays free; otherwise writes are flushed with
+``sync_file_range`` and dropped with ``posix_fadvise(DONTNEED)``. O_DIRECT needs aligned memory:
+chunks whose memory is not page-aligned go through a per-thread aligned staging buffer.
+
+Failure. A capacity overrun raises :class:`TierFullError` from ``put`` itself; a full disk during
+the write raises it from the returned future. Either way the extent is returned to the free list
+and the store stays usable. ``close()``, garbage collection and leaving the ``with`` block remove
+every file. Nothing is ever unpickled: handles live in memory only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tensortier._units import SizeLike, align_up, format_size, parse_size
+from tensortier.errors import ClosedError, SpillDirError, TierFullError
+from tensortier.tiers.host import PAGE, aligned_empty
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_CHUNK = 16 << 20  # bytes per pwrite/preadv (a multiple of PAGE); 16 MiB measured best here
+
+
+@dataclass(frozen=True)
+class DiskHandle:
+    """Where one tensor lives on disk. Valid until ``DiskStore.free``; never persisted."""
+
+    id: int
+    slab: int
+    offset: int
+    length: int  # bytes reserved, a multiple of PAGE
+    nbytes: int  # bytes of tensor data
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class DiskStats:
+    direct_io: bool = False
+    file_bytes: int = 0  # bytes preallocated in slabs
+    used_bytes: int = 0  # bytes in live extents
+    peak_used_bytes: int = 0
+    live_tensors: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0  # summed over I/O threads
+    read_seconds: float = 0.0
+    puts: int = 0
+    gets: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Slab:
+    """One preallocated file and its free list of (offset, length) extents, sorted by offset."""
+
+    def __init__(self, index: int, path: str, size: int, direct: bool):
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (_O_DIRECT if direct else 0)
+        self.index, self.path, self.size = index, path, size
+        self.fd = os.open(path, flags, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError:
+            os.close(self.fd)
+            os.unlink(path)
+            raise
+        self.free_list: list[tuple[int, int]] = [(0, size)]
+        self.free_bytes = size
+
+    def alloc(self, length: int) -> int | None:
+        for i, (off, ln) in enumerate(self.free_list):  # first fit keeps low offsets hot
+            if ln >= length:
+                if ln == length:
+                    del self.free_list[i]
+                else:
+                    self.free_list[i] = (off + length, ln - length)
+                self.free_bytes -= length
+                return off
+        return None
+
+    def release(self, offset: int, length: int) -> None:
+        self.free_bytes += length
+        i = bisect.bisect_left(self.free_list, (offset, 0))
+        if i > 0:  # merge with the extent before
+            prev_off, prev_len = self.free_list[i - 1]
+            if prev_off + prev_len == offset:
+                offset, length = prev_off, prev_len + length
+                i -= 1
+                del self.free_list[i]
+        if i < len(self.free_list):  # and with the one after
+            next_off, next_len = self.free_list[i]
+            if offset + length == next_off:
+                length += next_len
+                del self.free_list[i]
+        self.free_list.insert(i, (offset, length))
+
+    @property
+    def empty(self) -> bool:
+        return self.free_bytes == self.size
+
+
+class _Files:
+    """The state a finalizer needs to clean up, kept apart from the store so GC can collect it."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.slabs: dict[int, _Slab] = {}
+
+    def cleanup(self, executor: ThreadPoolExecutor) -> None:
+        executor.shutdown(wait=True, cancel_futures=True)
+        for slab in self.slabs.values():
+            with contextlib.suppress(OSError):
+                os.close(slab.fd)
+        self.slabs.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int], None] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    wait_write_wait = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: the range is on disk after it
+
+    def sync(fd: int, offset: int, length: int) -> None:
+        if fn(fd, offset, length, wait_write_wait) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    return sync
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def _call_finished(
+    finished: Callable[[BaseException | None], None], error: BaseException | None
+) -> None:
+    """Run a completion callback; if it fails, hand it its own error so its future still resolves."""
+    try:
+        finished(error)
+    except BaseException as exc:
+        if error is not None:
+            raise
+        finished(exc)
+
+
+def private_dir(spill_dir: str | os.PathLike | None, owner: str) -> str:
+    """Make a private (0700) directory under ``spill_dir``, or explain why it cannot be used."""
+    base = os.fspath(spill_dir) if spill_dir is not None else tempfile.gettempdir()
+    if not os.path.exists(base):
+        raise SpillDirError(
+            f"spill directory {base!r} does not exist; create it (mkdir -p "
+            f"{base}) or pass another spill_dir",
+            path=base,
+        )
+    if not os.path.isdir(base):
+        raise SpillDirError(
+            f"spill directory {base!r} is not a directory; pass a directory "
+            f"on a fast local disk as spill_dir",
+            path=base,
+        )
+    try:
+        root = tempfile.mkdtemp(prefix=f"{owner}-", dir=base)  # mode 0700
+    except OSError as exc:
+        raise SpillDirError(
+            f"cannot create files in spill directory {base!r} ({exc.strerror}); "
+            f"make it writable or pass another spill_dir",
+            path=base,
+        ) from exc
+    return root
+
+
+def _probe_direct(root: str) -> bool:
+    """Can this filesystem do O_DIRECT? (tmpfs and some overlay filesystems cannot.)"""
+    if not _O_DIRECT:
+        return False
+    path = os.path.join(root, ".probe")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        buf = aligned_empty(PAGE)
+        os.pwrite(fd, memoryview(buf.numpy()), 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as a flat contiguous uint8 tensor (a view when already contiguous)."""
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise TypeError(
+            f"only strided (dense) tensors can be stored, got layout {tensor.layout}; "
+            f"call .to_dense() first"
+        )
+    if tensor.is_quantized:
+        raise TypeError(
+            "quantized tensors cannot be stored; call .dequantize() or .int_repr() first"
+        )
+    flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+class DiskStore:
+    """A tensor store on local disk (ideally NVMe) with async, thread-pooled I/O.
+
+    >>> with DiskStore("/mnt/nvme/tt", capacity="64GiB") as store:
+    ...     h = store.put(x).result()      # Future[DiskHandle]
+    ...     y = store.get(h).result()      # bit-identical to x
+    ...     store.free(h)
+
+    ``direct=None`` uses O_DIRECT if the filesystem supports it; ``False`` forces buffered I/O.
+    ``slab_size`` is the preallocation unit; larger tensors get a slab of their own size.
+    """
+
+    def __init__(
+        self,
+        spill_dir: str | os.PathLike | None = None,
+        *,
+        capacity: SizeLike | None = None,
+        slab_size: SizeLike = "256MiB",
+        io_threads: int = 4,
+        direct: bool | None = None,
+        owner: str = "tensortier",
+    ):
+        self.capacity = (
+            None
+            if capacity is None
+            else parse_size(capacity, name="disk capacity", allow_zero=False)
+        )
+        self.slab_size = align_up(parse_size(slab_size, name="slab_size", allow_zero=False), PAGE)
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.root = private_dir(spill_dir, owner)
+        self._files = _Files(self.root)
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tt-disk")
+        self._finalizer = weakref.finalize(self, self._files.cleanup, self._executor)
+        can_direct = _probe_direct(self.root)
+        if direct and not can_direct:
+            self._finalizer()
+            raise SpillDirError(
+                f"direct=True but {self.root!r} does not support O_DIRECT; pass "
+                f"direct=None to fall back to buffered I/O",
+                path=self.root,
+            )
+        self.direct = can_direct if direct is None else bool(direct)
+        self.stats = DiskStats(direct_io=self.direct)
+        self._lock = threading.Lock()
+        self._live: dict[int, DiskHandle] = {}
+        self._ids = itertools.count()
+        self._slab_ids = itertools.count()
+        self._staging = threading.local()
+
+    # ---------------------------------------------------------------- allocation
+    def _allocate(self, length: int) -> tuple[_Slab, int]:
+        with self._lock:
+            self._check_open()
+            for slab in self._files.slabs.values():
+                off = slab.alloc(length)
+                if off is not None:
+                    return slab, off
+            size = max(self.slab_size, length)
+            if self.capacity is not None and self.stats.file_bytes + size > self.capacity:
+                self._trim_locked()
+            if self.capacity is not None and self.stats.file_bytes + size > self.capacity:
+                raise TierFullError(
+                    f"disk tier capacity exceeded: a {format_size(length)} tensor needs a new "
+                    f"{format_size(size)} file but {format_size(self.stats.file_bytes)} of "
+                    f"{format_size(self.capacity)} are allocated ({format_size(self.stats.used_bytes)} "
+                    f"live). Free tensors or raise capacity.",
+                    tier="disk",
+                    requested=length,
+                    in_use=self.stats.used_bytes,
+                    limit=self.capacity,
+                )
+            index = next(self._slab_ids)
+            path = os.path.join(self.root, f"slab-{index:05d}.bin")
+            try:
+                slab = _Slab(index, path, size, self.direct)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise TierFullError(
+                        f"disk full in {self.root!r}: cannot preallocate {format_size(size)} "
+                        f"({exc.strerror}). Free space there or pick another spill_dir.",
+                        tier="disk",
+                        requested=length,
+                        in_use=self.stats.used_bytes,
+                        limit=self.capacity,
+                    ) from exc
+                raise
+            self._files.slabs[index] = slab
+            self.stats.file_bytes += size
+            off = slab.alloc(length)
+            assert off is not None
+            return slab, off
+
+    def _trim_locked(self) -> None:
+        for index, slab in list(self._files.slabs.items()):
+            if slab.empty:
+                os.close(slab.fd)
+                os.unlink(slab.path)
+                del self._files.slabs[index]
+                self.stats.file_bytes -= slab.size
+
+    def trim(self) -> int:
+        """Delete slabs that hold no live tensor; returns the bytes given back to the filesystem."""
+        with self._lock:
+            before = self.stats.file_bytes
+            self._trim_locked()
+            return before - self.stats.file_bytes
+
+    def _release(self, slab: _Slab, offset: int, length: int) -> None:
+        with self._lock:
+            if slab.index in self._files.slabs:
+                slab.release(offset, length)
+
+    # ---------------------------------------------------------------- public API
+    def put(self, tensor: torch.Tensor) -> Future[DiskHandle]:
+        """Start writing ``tensor`` (CPU, any dtype/shape/strides); returns a future of its handle.
+
+        Do not modify ``tensor`` in place until the future is done. Raises :class:`TierFullError`
+        at once when capacity is exceeded; a full disk fails the future with the same error.
+        """
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"DiskStore.put takes CPU tensors, got one on {tensor.device}; "
+                f"use TransferEngine.to_disk to move device tensors"
+            )
+        data = as_bytes(tensor.detach())
+        nbytes = data.numel()
+        length = align_up(nbytes, PAGE)
+        slab, offset = self._allocate(length) if length else (None, 0)
+        handle = DiskHandle(
+            next(self._ids),
+            slab.index if slab else -1,
+            offset,
+            length,
+            nbytes,
+            tensor.dtype,
+            tuple(tensor.shape),
+        )
+        done: Future[DiskHandle] = Future()
+        done.set_running_or_notify_cancel()
+
+        def finished(error: BaseException | None) -> None:
+            if error is None:
+                with self._lock:
+                    self._live[handle.id] = handle
+                    self.stats.used_bytes += length
+                    self.stats.peak_used_bytes = max(
+                        self.stats.peak_used_bytes, self.stats.used_bytes
+                    )
+                    self.stats.live_tensors += 1
+                    self.stats.puts += 1
+                done.set_result(handle)
+            else:
+                if slab is not None:
+                    self._release(slab, offset, length)
+                done.set_exception(self._translate(error, length))
+
+        self._run_chunks(self._write_chunk, slab, offset, data, finished)
+        return done
+
+    def get(self, handle: DiskHandle, *, into: torch.Tensor | None = None) -> Future[torch.Tensor]:
+        """Start reading a tensor back; returns a future of a CPU tensor bit-identical to the one put.
+
+        ``into``: a uint8 buffer of at least ``handle.length`` bytes to read into (page-aligned
+        memory avoids a staging copy); by default a fresh aligned buffer is allocated.
+        """
+        with self._lock:
+            self._check_open()
+            if self._live.get(handle.id) is not handle:
+                raise KeyError(f"{handle} is not live in this store (freed, or from another store)")
+            slab = self._files.slabs.get(handle.slab)
+        if into is None:
+            into = aligned_empty(handle.length)
+        elif (
+            into.dtype != torch.uint8
+            or into.numel() < handle.length
+            or not into.is_contiguous()
+            or into.device.type != "cpu"
+            or into.data_ptr() % 64
+        ):
+            raise ValueError(
+                f"`into` must be a contiguous, 64-byte aligned CPU uint8 tensor of "
+                f">= {handle.length} bytes"
+            )
+        done: Future[torch.Tensor] = Future()
+        done.set_running_or_notify_cancel()
+
+        def finished(error: BaseException | None) -> None:
+            if error is not None:
+                done.set_exception(error)
+                return
+            with self._lock:
+                self.stats.gets += 1
+            done.set_result(into[: handle.nbytes].view(handle.dtype).reshape(handle.shape))
+
+        self._run_chunks(self._read_chunk, slab, handle.offset, into[: handle.length], finished)
+        return done
+
+    def free(self, handle: DiskHandle) -> None:
+        """Give a tensor's extent back. Pending reads of it must have completed."""
+        with self._lock:
+            if self._live.pop(handle.id, None) is None:
+                raise KeyError(f"{handle} is not live in this store (freed twice?)")
+            slab = self._files.slabs.get(handle.slab)
+            if slab is not None:
+                slab.release(handle.offset, handle.length)
+            self.stats.used_bytes -= handle.length
+            self.stats.live_tensors -= 1
+
+    def write(self, tensor: torch.Tensor) -> DiskHandle:
+        """Synchronous :meth:`put`."""
+        return self.put(tensor).result()
+
+    def read(self, handle: DiskHandle) -> torch.Tensor:
+        """Synchronous :meth:`get`."""
+        return self.get(handle).result()
+
+    def __contains__(self, handle: object) -> bool:
+        return isinstance(handle, DiskHandle) and self._live.get(handle.id) is handle
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Wait for pending I/O, then delete every file and the private directory."""
+        self._finalizer()
+        self._live.clear()
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskStore({self.root!r}, live={len(self._live)}, "
+            f"files={format_size(self.stats.file_bytes)}, direct_io={self.direct})"
+        )
+
+    # ---------------------------------------------------------------- I/O
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"DiskStore {self.root!r} is closed")
+
+    def _run_chunks(
+        self,
+        fn,
+        slab: _Slab | None,
+        offset: int,
+        data: torch.Tensor,
+        finished: Callable[[BaseException | None], None],
+    ) -> None:
+        """Run ``fn`` over CHUNK-sized pieces of ``data`` on the pool; call ``finished`` once."""
+        n = data.numel()
+        starts = list(range(0, n, _CHUNK))
+        if not starts:
+            _call_finished(finished, None)
+            return
+        state = {"left": len(starts), "error": None}
+        lock = threading.Lock()
+
+        def one(start: int) -> None:
+            error = None
+            try:
+                fn(slab.fd, offset + start, data[start : start + _CHUNK])
+            except BaseException as exc:  # delivered through the future, not lost in the pool
+                error = exc
+            with lock:
+                if error is not None and state["error"] is None:
+                    state["error"] = error
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                _call_finished(finished, state["error"])
+
+        try:
+            for start in starts:
+                self._executor.submit(one, start)
+        except RuntimeError as exc:  # executor shut down under us
+            raise ClosedError(f"DiskStore {self.root!r} is closed") from exc
+
+    def _stage(self) -> torch.Tensor:
+        buf = getattr(self._staging, "buf", None)
+        if buf is None:
+            buf = self._staging.buf = aligned_empty(_CHUNK)
+        return buf
+
+    def _write_chunk(self, fd: int, pos: int, data: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        n = data.numel()
+        if self.direct and (data.data_ptr() % PAGE or n % PAGE):
+            stage = self._stage()
+            padded = align_up(n, PAGE)
+            stage[:n].copy_(data)
+            if padded > n:
+                stage[n:padded].zero_()
+            data = stage[:padded]
+        view = memoryview(data.numpy())
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], pos + written)
+        if not self.direct:
+            if _sync_file_range is not None:
+                _sync_file_range(fd, pos, len(view))
+            else:
+                os.fdatasync(fd)
+            os.posix_fadvise(fd, pos, len(view), os.POSIX_FADV_DONTNEED)
+        with self._lock:
+            self.stats.bytes_written += n
+            self.stats.write_seconds += time.perf_counter() - t0
+
+    def _read_chunk(self, fd: int, pos: int, data: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        n = data.numel()
+        target = data
+        if self.direct and data.data_ptr() % PAGE:
+            target = self._stage()[:n]
+        view = memoryview(target.numpy())
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [view[got:]], pos + got)
+            if k == 0:
+                raise OSError(errno.EIO, f"short read at offset {pos + got}")
+            got += k
+        if target is not data:
+            data.copy_(target)
+        if not self.direct:
+            os.posix_fadvise(fd, pos, n, os.POSIX_FADV_DONTNEED)
+        with self._lock:
+            self.stats.bytes_read += n
+            self.stats.read_seconds += time.perf_counter() - t0
+
+    def _translate(self, error: BaseException, length: int) -> BaseException:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            full = TierFullError(
+                f"disk full while writing {format_size(length)} to {self.root!r} ({error.strerror}). "
+                f"The write was rolled back; free space there or pick another spill_dir.",
+                tier="disk",
+                requested=length,
+                in_use=self.stats.used_bytes,
+                limit=self.capacity,
+            )
+            full.__cause__ = error
+            return full
+        return error

@@ -1,0 +1,35 @@
+import json
+
+from tensortier.cli import main
+
+
+def test_bench_tiers_writes_rows_against_dd(tmp_path):
+    out = tmp_path / "tiers.json"
+    main(
+        [
+            "bench",
+            "tiers",
+            "--quick",
+            "--size",
+            "32MiB",
+            "--tensor-size",
+            "8MiB",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ]
+    )
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "tiers" and "device" in data["env"]
+    paths = {r["path"]: r for r in data["rows"]}
+    assert {
+        "host->disk dd O_DIRECT (limit)",
+        "host->disk (tensortier)",
+        "disk->host dd O_DIRECT (limit)",
+        "disk->host (tensortier)",
+    } <= set(paths)
+    for row in data["rows"]:
+        assert row["bytes"] == 32 << 20 and row["gbps"] > 0 and row["ratio_vs_limit"] > 0
+    assert data["direct_io_and_intact"] is True
+    assert [p.name for p in tmp_path.iterdir()] == ["tiers.json"]  # scratch files cleaned up

@@ -1,0 +1,60 @@
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    """A spill directory that must be empty again when the test ends (nothing left behind)."""
+    d = tmp_path / "spill"
+    d.mkdir()
+    yield str(d)
+    leftovers = os.listdir(d)
+    assert leftovers == [], f"files left behind in the spill directory: {leftovers}"
+
+
+ALL_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def make_tensor(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=g)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN-safe, -0.0-safe)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    from tensortier.tiers.disk import as_bytes
+
+    return torch.equal(as_bytes(a.cpu()), as_bytes(b.cpu()))

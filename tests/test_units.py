@@ -1,0 +1,71 @@
+import pytest
+
+from tensortier import ConfigError, format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("512MiB", 512 * 2**20),
+        ("4GiB", 4 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("4gib", 4 * 2**30),
+        ("  8 KiB ", 8192),
+        ("100", 100),
+        (4096, 4096),
+        ("0", 0),
+        ("10B", 10),
+        ("2TB", 2 * 10**12),
+        (".5MiB", 2**19),
+    ],
+)
+def test_parses_accepted_forms(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "4 gigs",
+        "4G",
+        "4GiBs",
+        "-1",
+        -5,
+        "1.5",
+        "",
+        "MiB",
+        "4.2.1GiB",
+        None,
+        3.5,
+        float("nan"),
+        True,
+        [1],
+    ],
+)
+def test_rejects_ambiguous_or_negative_with_the_accepted_forms(bad):
+    with pytest.raises(ConfigError) as err:
+        parse_size(bad, name="budget")
+    assert "budget" in str(err.value)
+    if bad not in (-5, "-1"):
+        assert "GiB" in str(err.value)  # names the accepted forms
+
+
+def test_negative_message_says_negative():
+    with pytest.raises(ConfigError, match="negative"):
+        parse_size(-5)
+
+
+def test_zero_can_be_refused():
+    with pytest.raises(ConfigError, match="larger than 0"):
+        parse_size("0GiB", allow_zero=False)
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_format_size():
+    assert format_size(1536) == "1.5KiB"
+    assert format_size(4 * 2**30) == "4GiB"
+    assert format_size(12) == "12B"
