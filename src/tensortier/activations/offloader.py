@@ -122,6 +122,7 @@ class _Record:
         "source",
         "keep_source",
         "fetched",
+        "materialized",
         "handles",
         "served",
         "prefetched",
@@ -143,7 +144,8 @@ class _Record:
         ] = []  # futures of HostTensor (host) or DiskHandle (disk), per payload
         self.source: torch.Tensor | None = None  # the original storage while its write is in flight
         self.keep_source = False
-        self.fetched: Future | None = None  # future of the restored uint8 storage tensor
+        self.fetched: Future | None = None  # future of the payloads read back
+        self.materialized: torch.Tensor | None = None  # restored uint8 storage, while in use
         self.handles = 0  # saved tensors (views) pointing at this record
         self.served = 0  # unpacks since the last fetch
         self.prefetched = False
@@ -286,13 +288,16 @@ class Offloader:
             return packed
         record = packed.record
         t0 = time.perf_counter()
-        storage = self._fetch(record).result()
+        with self._lock:
+            storage = record.materialized
+        if storage is None:
+            storage = self._materialize(record)
         waited = time.perf_counter() - t0
         with self._lock:
             self.stats.wait_seconds += waited
             record.served += 1
             if record.served >= record.handles:  # every view of it has been handed out: let it go
-                record.fetched = None
+                record.fetched = record.materialized = None
                 record.served = 0
             owner = _pass_of(record)
         if owner is not None:
@@ -300,6 +305,20 @@ class Offloader:
         if self.record and owner is not None:
             owner.timings[record.index]["unpack_s"] += waited
         return _view(storage, packed)
+
+    def _materialize(self, record: _Record) -> torch.Tensor:
+        """Finish the record's read on this (the consumer's) thread: on CUDA, ``Transfer.result()``
+        makes the current stream wait for the host->device copy; then decode. One storage per
+        record, shared by all of its views."""
+        parts = self._fetch(record).result()
+        values = [p.result() if isinstance(p, Future) else p for p in parts]
+        value = values[0]
+        if record.codec is not None:
+            value = record.codec.decode(values, record.meta).reshape(-1).view(torch.uint8)
+        with self._lock:
+            if record.materialized is None:
+                record.materialized = value
+            return record.materialized
 
     # ------------------------------------------------------------------ data movement
     def _store(self, record: _Record, data: torch.Tensor) -> None:
@@ -317,13 +336,14 @@ class Offloader:
             self.stats.tensors_offloaded += 1
 
     def _fetch(self, record: _Record, *, prefetch: bool = False) -> Future:
-        """The future of the record's storage bytes on the device; starts the read if needed."""
+        """Future of the record's payloads on the device (transfers still to be finished by the
+        consumer, see ``_materialize``); starts the reads if needed."""
         with self._lock:
             if record.fetched is not None:
                 return record.fetched
             if record.source is not None:  # write still in flight (or kept at the tail): no read
                 done: Future = Future()
-                done.set_result(record.source)
+                done.set_result([record.source])
                 record.fetched = done
                 return done
             record.prefetched = prefetch
@@ -331,29 +351,23 @@ class Offloader:
             setattr(self.stats, counter, getattr(self.stats, counter) + record.nbytes)
             record.fetched = fut = Future()
         parts = [self._read(loc) for loc in record.location]
-        codec, meta = record.codec, record.meta  # never capture the record: its finalizer must run
 
-        def assemble(_: Future | None = None) -> None:
-            if not all(p.done() for p in parts):
+        def assemble(_: Future) -> None:  # never capture the record: its finalizer must run
+            if not all(p.done() for p in parts) or fut.done():
                 return
-            try:
-                values = [p.result() for p in parts]
-                value = values[0]
-                if codec is not None:
-                    value = codec.decode(values, meta).reshape(-1).view(torch.uint8)
-            except BaseException as exc:
-                if not fut.done():
-                    fut.set_exception(exc)
-                return
-            if not fut.done():
-                fut.set_result(value)
+            errors = [p.exception() for p in parts if p.exception() is not None]
+            if errors:
+                fut.set_exception(errors[0])
+            else:
+                fut.set_result([p.result() for p in parts])
 
         for p in parts:
             p.add_done_callback(assemble)
         return fut
 
     def _read(self, location: Future) -> Future:
-        """Read one payload back to the device (chained on its write, which may still run)."""
+        """Start reading one payload back to the device once its write is done; the result is the
+        engine's transfer future (already done), finished later on the consumer's thread."""
         out: Future = Future()
 
         def written(f: Future) -> None:
@@ -363,7 +377,7 @@ class Offloader:
                     inner = self._engine.to_device(where)
                 else:
                     inner = self._engine.from_disk(where, to="device")
-                inner.add_done_callback(lambda g: _settle(g, out))
+                inner.add_done_callback(out.set_result)
             except BaseException as exc:
                 out.set_exception(exc)
 
@@ -387,13 +401,6 @@ _PASS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _pass_of(record: _Record) -> _Pass | None:
     ref = _PASS_OF.get(record)
     return ref() if ref is not None else None
-
-
-def _settle(src: Future, dst: Future) -> None:
-    if src.exception() is not None:
-        dst.set_exception(src.exception())
-    else:
-        dst.set_result(Future.result(src))  # raw value: the engine's wait hook runs on our thread
 
 
 def _movable(t: torch.Tensor) -> bool:
