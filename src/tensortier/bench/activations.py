@@ -3,8 +3,8 @@
 Variants, each in a fresh subprocess so peaks do not leak between them:
 ``plain``, ``checkpoint`` (torch.utils.checkpoint per block), ``save_on_cpu`` (PyTorch's),
 ``tt-host`` and ``tt-disk``. Per variant: peak memory (CUDA: max_memory_allocated; CPU: the
-kernel's peak RSS of the subprocess, reset just before the first forward, minus the RSS at that
-moment), median step seconds over the measured steps, and whether the first step's gradients are
+kernel's peak RSS of the subprocess over all steps, reset just before the first forward, minus the
+RSS at that moment), median step seconds over the measured steps (after one warm-up step), and whether the first step's gradients are
 bit-identical to ``plain``'s (compared by SHA-256 of the gradient bytes).
 """
 
@@ -114,14 +114,15 @@ def _worker(args: argparse.Namespace) -> dict:
 
     rss = _PeakRSS()
     times, grad_hash = [], None
+    # peak over every step, from the moment before the first forward: later steps alone could hide
+    # memory that the allocator kept from the first one
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = rss.reset()
     for step in range(steps + 1):
-        if step == 1:  # measure from a steady state: the warm-up step allocated pools and files
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            else:
-                base = rss.reset()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
