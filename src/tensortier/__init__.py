@@ -1,6 +1,7 @@
 """tensortier: move PyTorch tensors across device, host RAM and NVMe so training breaks the memory wall."""
 
 from tensortier._units import format_size, parse_size
+from tensortier.optim import OffloadedAdamW, stream_parameters
 from tensortier.errors import (
     BudgetError,
     ClosedError,
@@ -24,6 +25,7 @@ __all__ = [
     "DiskStore",
     "HostPool",
     "HostTensor",
+    "OffloadedAdamW",
     "SpillDirError",
     "TensortierError",
     "TierFullError",
@@ -31,4 +33,5 @@ __all__ = [
     "TransferEngine",
     "format_size",
     "parse_size",
+    "stream_parameters",
 ]
