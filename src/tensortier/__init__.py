@@ -1,7 +1,6 @@
 """tensortier: move PyTorch tensors across device, host RAM and NVMe so training breaks the memory wall."""
 
 from tensortier._units import format_size, parse_size
-from tensortier.optim import OffloadedAdamW, stream_parameters
 from tensortier.errors import (
     BudgetError,
     ClosedError,
@@ -11,6 +10,7 @@ from tensortier.errors import (
     TensortierError,
     TierFullError,
 )
+from tensortier.optim import OffloadedAdamW, stream_parameters
 from tensortier.tiers import DiskHandle, DiskStore, HostPool
 from tensortier.transfer import HostTensor, Transfer, TransferEngine
 

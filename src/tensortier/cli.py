@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tensortier.bench import optimizer as bench_optimizer
 from tensortier.bench import tiers as bench_tiers
 
 BENCHES = {"tiers": bench_tiers}
+BENCHES["optimizer"] = bench_optimizer
 
 
 def main(argv: list[str] | None = None) -> int:

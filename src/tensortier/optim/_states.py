@@ -109,7 +109,9 @@ class DiskStates:
 
     def __init__(self, store: DiskStore, depth: int):
         if depth < 2:
-            raise ValueError(f"pipeline depth must be >= 2 (one buffer reading, one writing), got {depth}")
+            raise ValueError(
+                f"pipeline depth must be >= 2 (one buffer reading, one writing), got {depth}"
+            )
         self.store, self.depth = store, depth
         self._layouts: dict[int, _Layout] = {}
         self._committed: dict[int, tuple[DiskHandle, DiskHandle]] = {}
@@ -231,7 +233,9 @@ class DiskStates:
             try:
                 f2 = self.store.put(layout.mv(buf))
             except BaseException:
-                f1.add_done_callback(lambda f: f.exception() is None and self.store.free(f.result()))
+                f1.add_done_callback(
+                    lambda f: f.exception() is None and self.store.free(f.result())
+                )
                 raise
         except BaseException:
             self._release(buf)

@@ -136,26 +136,27 @@ class OffloadedAdamW(torch.optim.Optimizer):
         pipeline_depth: int = 4,
         io_threads: int = 4,
     ):
-        if not 0.0 <= float(lr):
+        if not float(lr) >= 0.0:
             raise ConfigError(f"invalid learning rate {lr}: must be >= 0")
-        if not 0.0 <= eps:
+        if not eps >= 0.0:
             raise ConfigError(f"invalid eps {eps}: must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ConfigError(f"invalid betas {betas}: each must be in [0, 1)")
-        if not 0.0 <= weight_decay:
+        if not weight_decay >= 0.0:
             raise ConfigError(f"invalid weight_decay {weight_decay}: must be >= 0")
         try:
             self.tier = StateTier(states)
         except ValueError:
             raise ConfigError(
-                f"states={states!r} is not a state tier; pass one of "
-                f"{[t.value for t in StateTier]}"
+                f"states={states!r} is not a state tier; pass one of {[t.value for t in StateTier]}"
             ) from None
         self._bucket_bytes = parse_size(bucket_size, name="bucket_size", allow_zero=False)
         self.master_weights = master_weights
         self.overlap = overlap
         self._ready = False
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize
+        )
         super().__init__(params, defaults)
         if self.tier is StateTier.HOST:
             self._states: HostStates | DiskStates = HostStates()
@@ -322,9 +323,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         t0 = time.perf_counter()
         if event is not None:
             event.synchronize()
-        flat = [
-            (g if g.dtype == bucket.dtype else g.to(bucket.dtype)).reshape(-1) for g in grads
-        ]
+        flat = [(g if g.dtype == bucket.dtype else g.to(bucket.dtype)).reshape(-1) for g in grads]
         token, (master, m, v), _ = self._states.load(bucket.id)
         saved = False
         try:
@@ -339,7 +338,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     mp = master[sl]
                     if s.version == -1 or (
                         s.version != s.param._version
-                        and not torch.equal(s.param.detach().reshape(-1).cpu(), mp.to(s.param.dtype))
+                        and not torch.equal(
+                            s.param.detach().reshape(-1).cpu(), mp.to(s.param.dtype)
+                        )
                     ):  # first step, or the user changed the parameter: the parameter wins
                         mp.copy_(s.param.detach().reshape(-1))
                     ps.append(mp)
@@ -524,7 +525,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 state[pos[id(s)]] = entry
         groups, start = [], 0
         for g in self.param_groups:
-            packed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            packed = {
+                k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"
+            }
             packed["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(packed)
@@ -547,7 +550,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 )
         slots = self._index()
         ids = [i for sg in groups for i in sg["params"]]
-        entries = {pos: state_dict["state"].get(i, state_dict["state"].get(str(i))) for pos, i in enumerate(ids)}
+        entries = {
+            pos: state_dict["state"].get(i, state_dict["state"].get(str(i)))
+            for pos, i in enumerate(ids)
+        }
         for pos, e in entries.items():
             if e is None:
                 continue

@@ -108,7 +108,9 @@ class ParameterStreamer:
                 minimum=largest,
             )
         self.stats = StreamStats()
-        self._store = DiskStore(spill_dir, owner="tensortier-params") if self.tier is ParamTier.DISK else None
+        self._store = (
+            DiskStore(spill_dir, owner="tensortier-params") if self.tier is ParamTier.DISK else None
+        )
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tt-params")
         self._pending: dict[int, Future] = {}
         self._installed: dict[int, tuple[int, list[torch.Tensor]]] = {}  # storage ptr -> unit
