@@ -235,6 +235,7 @@ class ParameterStreamer:
         """Install every parameter for the block (e.g. around ``optimizer.step()``), then store
         the possibly updated values back to their tier."""
         self._check_open()
+        self._drop_prefetch()  # they hold values from before the update
         with torch.no_grad():
             for u in self.units:
                 for p, t in zip(u.params, self._fetch(u)):
@@ -252,6 +253,13 @@ class ParameterStreamer:
                             u.homes[i].copy_(p.detach())
                         p.data = u.placeholders[i]
 
+    def _drop_prefetch(self) -> None:
+        for index, fut in list(self._pending.items()):
+            fut.exception()
+            self._live_bytes -= self.units[index].nbytes
+        self._pending.clear()
+        self._last = None
+
     def _check_open(self) -> None:
         if self._loader is None:
             raise ClosedError("this ParameterStreamer is closed")
@@ -260,9 +268,7 @@ class ParameterStreamer:
         """Make the model resident on ``device`` again and remove every hook and file."""
         if self._loader is None:
             return
-        for f in self._pending.values():
-            f.exception()
-        self._pending.clear()
+        self._drop_prefetch()
         with torch.no_grad():
             for u in self.units:
                 for p, t in zip(u.params, self._fetch(u)):
