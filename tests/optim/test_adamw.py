@@ -2,6 +2,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensortier.errors import ClosedError, ConfigError, TierFullError
 from tensortier.optim import OffloadedAdamW
@@ -116,10 +118,8 @@ def test_frozen_and_gradless_params_like_torch():
     opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, bucket_size="1KiB")
     for i, x in enumerate(_batches(10)):
         for m, o in ((ref_m, ref), (tt_m, opt)):
-            if i % 3 == 0:  # the last layer gets no gradient in these steps
-                out = m[2](m[1](m[0](x))).sum()
-            else:
-                out = m(x).sum()
+            # every third step the last layer gets no gradient
+            out = m[2](m[1](m[0](x))).sum() if i % 3 == 0 else m(x).sum()
             out.backward()
             o.step()
             o.zero_grad()
@@ -283,4 +283,34 @@ def test_clip_returns_total_norm_like_torch():
     n1 = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
     n2 = opt.clip_grad_norm_(0.1)
     assert math.isclose(n1.item(), n2.item(), rel_tol=0, abs_tol=0)
+    opt.close()
+
+
+@settings(max_examples=8, deadline=None)
+@given(bucket=st.integers(64, 8192), overlap=st.booleans(), accum=st.integers(1, 3))
+def test_bucketing_never_changes_results(bucket, overlap, accum):
+    """Whatever the bucket size, overlap and accumulation: bit-identical to fused torch AdamW."""
+    ref_m, tt_m = _model(), _model()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+    opt = OffloadedAdamW(
+        tt_m.parameters(), lr=1e-2, weight_decay=0.05, bucket_size=bucket, overlap=overlap
+    )
+    data = _batches(3 * accum)
+    _train(ref_m, ref, data, accum=accum)
+    _train(tt_m, opt, data, accum=accum)
+    for p, q in zip(tt_m.parameters(), ref_m.parameters()):
+        assert torch.equal(p, q)
+    opt.close()
+
+
+@pytest.mark.gpu
+def test_cuda_model_matches_torch_adamw():
+    ref_m, tt_m = _model().cuda(), _model().cuda()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, bucket_size="1KiB")
+    data = [x.cuda() for x in _batches(10)]
+    _train(ref_m, ref, data)
+    _train(tt_m, opt, data)
+    _rel_close(tt_m, ref_m)
+    assert all(p.device.type == "cuda" for p in tt_m.parameters())
     opt.close()

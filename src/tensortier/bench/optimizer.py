@@ -51,6 +51,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=tempfile.gettempdir(), help="spill directory for disk states")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     p.add_argument("--quick", action="store_true", help="small model, few steps")
+    p.add_argument(
+        "--kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the candidate CPU AdamW kernels (fused, foreach, torch.compile)",
+    )
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -181,6 +187,62 @@ def _child(args) -> dict:
     return row
 
 
+def _kernel_child(args) -> dict:
+    """The candidate CPU AdamW kernels on one flat fp32 tensor of --params elements (ms, median)."""
+    import math
+
+    n = int(args.params)
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m, v, step = torch.zeros(n), torch.zeros(n), torch.zeros(())
+    b1, b2 = BETAS
+
+    def fused() -> None:
+        from tensortier.optim._kernel import adamw_
+
+        adamw_([p], [grad], [m], [v], [step], lr=LR, beta1=b1, beta2=b2, eps=1e-8, weight_decay=WD)
+
+    def foreach() -> None:
+        step.add_(1)
+        bc1, bc2 = 1 - b1 ** step.item(), 1 - b2 ** step.item()
+        torch._foreach_mul_([p], 1 - LR * WD)
+        torch._foreach_lerp_([m], [grad], 1 - b1)
+        torch._foreach_mul_([v], b2)
+        torch._foreach_addcmul_([v], [grad], [grad], 1 - b2)
+        d = torch._foreach_sqrt([v])
+        torch._foreach_div_(d, math.sqrt(bc2))
+        torch._foreach_add_(d, 1e-8)
+        torch._foreach_addcdiv_([p], [m], d, -LR / bc1)
+
+    def body(p, grad, m, v, step):
+        step.add_(1)
+        bc1, bc2 = 1 - b1**step, 1 - b2**step
+        p.mul_(1 - LR * WD)
+        m.lerp_(grad, 1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        p.sub_(LR / bc1 * m / (v.sqrt() / bc2.sqrt() + 1e-8))  # inductor fuses this into one loop
+
+    rows = {}
+    cands = {"fused (torch._fused_adamw_)": fused, "foreach (torch._foreach_*)": foreach}
+    try:
+        compiled = torch.compile(body, dynamic=False)
+        t0 = time.perf_counter()
+        compiled(p, grad, m, v, step)
+        rows["compile_s"] = time.perf_counter() - t0
+        cands["torch.compile (inductor C++)"] = lambda: compiled(p, grad, m, v, step)
+    except Exception as exc:  # no compiler, or inductor failed: report, do not hide
+        rows["torch.compile (inductor C++)"] = f"error: {type(exc).__name__}: {exc}"[:300]
+    for name, fn in cands.items():
+        fn()
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        rows[name] = float(np.median(ts)) * 1e3
+    return {"variant": "kernels", "params": n, "ms": rows}
+
+
 def _run_child(variant: str, args, out: str) -> dict:
     cmd = [
         sys.executable,
@@ -213,7 +275,7 @@ def _run_child(variant: str, args, out: str) -> dict:
 
 def run(args) -> list[dict]:
     if args.child:
-        print(json.dumps(_child(args)))
+        print(json.dumps(_kernel_child(args) if args.child == "kernels" else _child(args)))
         return []
     args.params = args.params or (5e6 if args.quick else 50e6)
     args.steps = args.steps or (3 if args.quick else 5)
@@ -231,6 +293,9 @@ def run(args) -> list[dict]:
                 r["max_abs_diff_vs_torch"] = float(
                     np.abs(np.load(path, allow_pickle=False) - ref).max()
                 )
+        kernels = _run_child("kernels", args, os.path.join(tmp, "k.npy")) if args.kernels else None
+    if kernels is not None:
+        print("CPU AdamW kernel candidates (ms per update):", json.dumps(kernels, indent=1))
     by = {r["variant"]: r for r in rows if "error" not in r}
     fast = [by[v]["step_ms"] for v in ("torch-fused", "deepspeed-cpu-adam") if v in by]
     for r in rows:
@@ -259,6 +324,7 @@ def run(args) -> list[dict]:
         args.json,
         "optimizer",
         rows,
+        kernels=kernels,
         params=int(args.params),
         steps=args.steps,
         note=(

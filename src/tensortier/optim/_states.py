@@ -27,6 +27,7 @@ from concurrent.futures import Future
 import torch
 
 from tensortier._units import align_up
+from tensortier.errors import ConfigError
 from tensortier.tiers.disk import DiskHandle, DiskStore
 from tensortier.tiers.host import PAGE, aligned_empty
 
@@ -109,7 +110,7 @@ class DiskStates:
 
     def __init__(self, store: DiskStore, depth: int):
         if depth < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline depth must be >= 2 (one buffer reading, one writing), got {depth}"
             )
         self.store, self.depth = store, depth
