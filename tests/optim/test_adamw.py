@@ -314,3 +314,29 @@ def test_cuda_model_matches_torch_adamw():
     _rel_close(tt_m, ref_m)
     assert all(p.device.type == "cuda" for p in tt_m.parameters())
     opt.close()
+
+
+@pytest.mark.parametrize("states", STATES)
+def test_late_gradient_after_bucket_launched_is_applied(states, spill_dir):
+    """A frozen param given a gradient by hand after backward: its bucket already ran; step() runs
+    a second update for it, reading the first one's result (disk: the not yet committed copy)."""
+
+    def build():
+        m = _model()
+        m[3].bias.requires_grad_(False)
+        return m
+
+    ref_m, tt_m = build(), build()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, states=states, spill_dir=spill_dir)
+    assert len(opt._buckets) == 1
+    for i, x in enumerate(_batches(6)):
+        for m, o in ((ref_m, ref), (tt_m, opt)):
+            m(x).square().mean().backward()
+            m[3].bias.grad = torch.full_like(m[3].bias, 0.1 * (i + 1))
+            o.step()
+            o.zero_grad()
+    for p, q in zip(tt_m.parameters(), ref_m.parameters()):
+        assert torch.equal(p, q)
+    assert opt.stats.launched_in_backward > 0
+    opt.close()

@@ -313,6 +313,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for g in grads:
                 h = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
                 h.copy_(g, non_blocking=True)
+                g.record_stream(stream)  # the allocator must not reuse g before the copy ran
                 out.append(h)
             event = torch.cuda.Event()
             event.record(stream)
