@@ -340,3 +340,18 @@ def test_late_gradient_after_bucket_launched_is_applied(states, spill_dir):
         assert torch.equal(p, q)
     assert opt.stats.launched_in_backward > 0
     opt.close()
+
+
+def test_state_dict_splits_into_tensors_and_json():
+    """What a safetensors + JSON checkpointer needs: every leaf a tensor or a JSON value."""
+    import json
+
+    m = _model(dtype=torch.bfloat16)
+    opt = OffloadedAdamW(_groups(m), lr=1e-2)
+    _train(m, opt, _batches(2, dtype=torch.bfloat16))
+    sd = opt.state_dict()
+    tensors = {f"{k}.{name}": t for k, e in sd["state"].items() for name, t in e.items()}
+    assert all(torch.is_tensor(t) for t in tensors.values())
+    assert any(k.endswith("master_param") for k in tensors)
+    json.dumps(sd["param_groups"])  # plain Python values only
+    opt.close()
