@@ -19,6 +19,7 @@ from tensortier.errors import (
     TensortierError,
     TierFullError,
 )
+from tensortier.optim import OffloadedAdamW, stream_parameters
 from tensortier.tiers import DiskHandle, DiskStore, HostPool
 from tensortier.transfer import HostTensor, Transfer, TransferEngine
 
@@ -40,6 +41,7 @@ __all__ = [
     "DiskStore",
     "HostPool",
     "HostTensor",
+    "OffloadedAdamW",
     "SpillDirError",
     "TensortierError",
     "TierFullError",
@@ -47,4 +49,5 @@ __all__ = [
     "TransferEngine",
     "format_size",
     "parse_size",
+    "stream_parameters",
 ]

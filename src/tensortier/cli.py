@@ -6,11 +6,13 @@ import argparse
 import sys
 
 from tensortier.bench import activations as bench_activations
+from tensortier.bench import optimizer as bench_optimizer
 from tensortier.bench import tiers as bench_tiers
 
 BENCHES = {
     "tiers": bench_tiers,
     "activations": bench_activations,
+    "optimizer": bench_optimizer,
 }
 
 
