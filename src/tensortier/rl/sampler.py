@@ -1,0 +1,224 @@
+"""How a replay buffer picks items: uniformly, or proportionally to priority (PER, Schaul et al. 2016).
+
+Both samplers index *slots* of the store (see ``_store.py``) and are vectorised: one call handles a
+whole batch of adds, removals, draws or priority updates with numpy, never a per-item Python loop
+on the hot path. Configs are dataclasses (``Uniform()``, ``Prioritized(alpha, beta)``); the state
+they build lives in the buffer and is saved with it as plain numpy arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tensortier.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Every stored item is equally likely; importance weights are all 1."""
+
+    def to_dict(self) -> dict:
+        return {"kind": "uniform"}
+
+
+@dataclass(frozen=True)
+class Prioritized:
+    """Proportional prioritized replay: P(i) = p_i^alpha / sum_k p_k^alpha.
+
+    Importance weights are w_i = (N P(i))^-beta / max_j w_j = (p_i / p_min)^(-alpha beta).
+    ``beta`` rises linearly to ``beta_final`` over ``beta_steps`` calls to ``sample`` when
+    ``beta_steps > 0`` (annealing toward 1 removes the bias PER introduces, as in the paper).
+    New items get the largest priority seen so far (``initial_priority`` before any update), so
+    each is sampled soon after it arrives.
+    """
+
+    alpha: float = 0.6
+    beta: float = 0.4
+    beta_final: float = 1.0
+    beta_steps: int = 0
+    initial_priority: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.alpha) and self.alpha >= 0):
+            raise ConfigError(f"Prioritized: alpha must be >= 0, got {self.alpha}")
+        for name in ("beta", "beta_final"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and v >= 0):
+                raise ConfigError(f"Prioritized: {name} must be >= 0, got {v}")
+        if self.beta_steps < 0:
+            raise ConfigError(f"Prioritized: beta_steps must be >= 0, got {self.beta_steps}")
+        if not (np.isfinite(self.initial_priority) and self.initial_priority > 0):
+            raise ConfigError(
+                f"Prioritized: initial_priority must be > 0, got {self.initial_priority}"
+            )
+
+    def to_dict(self) -> dict:
+        return {"kind": "prioritized", **asdict(self)}
+
+
+def sampler_from_dict(d: dict) -> Uniform | Prioritized:
+    d = dict(d)
+    kind = d.pop("kind", None)
+    if kind == "uniform":
+        return Uniform()
+    if kind == "prioritized":
+        return Prioritized(**d)
+    raise ConfigError(f"unknown sampler kind {kind!r}; expected 'uniform' or 'prioritized'")
+
+
+class SumMinTree:
+    """Array-backed sum-tree and min-tree over ``capacity`` leaves, updated level by level."""
+
+    def __init__(self, capacity: int):
+        self.size = 1 << max(1, (capacity - 1).bit_length())
+        self.depth = self.size.bit_length() - 1
+        self.sum = np.zeros(2 * self.size, np.float64)
+        self.min = np.full(2 * self.size, np.inf)
+
+    @property
+    def total(self) -> float:
+        return float(self.sum[1])
+
+    @property
+    def min_positive(self) -> float:
+        return float(self.min[1])
+
+    def leaves(self, slots: np.ndarray) -> np.ndarray:
+        return self.sum[self.size + slots]
+
+    def set(self, slots: np.ndarray, values: np.ndarray) -> None:
+        """Set leaves (values >= 0; 0 means never drawn) and recompute their ancestors."""
+        if len(slots) == 0:
+            return
+        idx = slots.astype(np.int64) + self.size
+        self.sum[idx] = values
+        self.min[idx] = np.where(values > 0, values, np.inf)
+        idx = np.unique(idx >> 1)
+        while True:
+            left = 2 * idx
+            self.sum[idx] = self.sum[left] + self.sum[left + 1]
+            self.min[idx] = np.minimum(self.min[left], self.min[left + 1])
+            if idx[0] == 1:
+                break
+            idx = np.unique(idx >> 1)
+
+    def find(self, mass: np.ndarray) -> np.ndarray:
+        """Leaf slots holding cumulative ``mass`` (vectorised descent); never a zero leaf."""
+        idx = np.ones(len(mass), np.int64)
+        u = mass.copy()
+        for _ in range(self.depth):
+            left = 2 * idx
+            lsum = self.sum[left]
+            right = (u >= lsum) & (self.sum[left + 1] > 0)
+            u -= np.where(right, lsum, 0.0)
+            idx = left + right
+        return idx - self.size
+
+
+class UniformState:
+    """Live slots kept dense (swap-remove), so a uniform draw is one random integer per item."""
+
+    def __init__(self, capacity: int, cfg: Uniform):
+        self.cfg = cfg
+        self.live = np.empty(capacity, np.int64)
+        self.pos = np.full(capacity, -1, np.int64)
+        self.n = 0
+
+    def add(self, slots: np.ndarray, leaves: np.ndarray | None = None) -> None:
+        k = len(slots)
+        self.live[self.n : self.n + k] = slots
+        self.pos[slots] = np.arange(self.n, self.n + k)
+        self.n += k
+
+    def remove(self, slots: np.ndarray) -> None:
+        for s in slots.tolist():
+            p = self.pos[s]
+            if p < 0:
+                continue
+            last = self.live[self.n - 1]
+            self.live[p] = last
+            self.pos[last] = p
+            self.pos[s] = -1
+            self.n -= 1
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        return self.live[rng.integers(0, self.n, n)], np.ones(n, np.float32)
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        pass  # uniform sampling ignores priorities
+
+    def leaves(self, slots: np.ndarray) -> np.ndarray:
+        return np.ones(len(slots))
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+
+class PrioritizedState:
+    def __init__(self, capacity: int, cfg: Prioritized):
+        self.cfg = cfg
+        self.tree = SumMinTree(capacity)
+        self.max_priority = cfg.initial_priority
+        self.samples = 0  # sample() calls, for beta annealing
+
+    @property
+    def beta(self) -> float:
+        c = self.cfg
+        if c.beta_steps <= 0:
+            return c.beta
+        frac = min(1.0, self.samples / c.beta_steps)
+        return c.beta + frac * (c.beta_final - c.beta)
+
+    def add(self, slots: np.ndarray, leaves: np.ndarray | None = None) -> None:
+        if leaves is None:
+            leaves = np.full(len(slots), self.max_priority**self.cfg.alpha)
+        self.tree.set(slots, leaves)
+
+    def remove(self, slots: np.ndarray) -> None:
+        self.tree.set(slots, np.zeros(len(slots)))
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        total = self.tree.total
+        # stratified: one draw in each of n equal slices of the total mass
+        mass = (np.arange(n) + rng.random(n)) * (total / n)
+        np.minimum(mass, np.nextafter(total, 0), out=mass)
+        slots = self.tree.find(mass)
+        slots = slots[rng.permutation(n)]  # strata come out in slot order; do not leak that
+        leaf = self.tree.leaves(slots)
+        weights = (leaf / self.tree.min_positive) ** (-self.beta)
+        self.samples += 1
+        return slots, weights.astype(np.float32)
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        if len(priorities):
+            self.max_priority = max(self.max_priority, float(priorities.max()))
+        # last write wins for repeated slots, as a sequence of single updates would
+        rev = slots[::-1]
+        uniq, first = np.unique(rev, return_index=True)
+        self.tree.set(uniq, priorities[::-1][first] ** self.cfg.alpha)
+
+    def leaves(self, slots: np.ndarray) -> np.ndarray:
+        """p_i^alpha of ``slots``: what is saved, so a reload draws from the same distribution."""
+        return self.tree.leaves(slots)
+
+    def state(self) -> dict:
+        return {"max_priority": self.max_priority, "samples": self.samples}
+
+    def load_state(self, state: dict) -> None:
+        self.max_priority = float(state.get("max_priority", self.cfg.initial_priority))
+        self.samples = int(state.get("samples", 0))
+
+
+def make_state(capacity: int, cfg: Uniform | Prioritized) -> UniformState | PrioritizedState:
+    if isinstance(cfg, Prioritized):
+        return PrioritizedState(capacity, cfg)
+    if isinstance(cfg, Uniform):
+        return UniformState(capacity, cfg)
+    raise ConfigError(
+        f"sampler must be tt.rl.Uniform() or tt.rl.Prioritized(...), got {type(cfg).__name__}"
+    )
