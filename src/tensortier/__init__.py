@@ -15,6 +15,15 @@ from tensortier.transfer import HostTensor, Transfer, TransferEngine
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    if name == "rl":  # RL data service, imported on first use (it never imports Ray itself)
+        import importlib
+
+        return importlib.import_module("tensortier.rl")
+    raise AttributeError(f"module 'tensortier' has no attribute {name!r}")
+
+
 __all__ = [
     "BudgetError",
     "ClosedError",
@@ -31,4 +40,5 @@ __all__ = [
     "TransferEngine",
     "format_size",
     "parse_size",
+    "rl",
 ]

@@ -147,6 +147,8 @@ def _value(kind: str, dtype: str, shape: Sequence[int], raw: np.ndarray) -> Any:
     if kind == "b":
         return raw.tobytes()
     if kind == "pt":
+        if raw.size == 0:
+            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
         t = torch.from_numpy(raw)
         return t.view(_TORCH_DTYPES[dtype]).reshape(shape)
     arr = raw.view(np.dtype(dtype)).reshape(shape)
@@ -174,7 +176,7 @@ def decode_batch(blobs: Sequence[bytes]) -> tuple[Any, bool]:
         return [], False
     raw0, meta, start = _header(blobs[0])
     size = len(blobs[0])
-    same = all(len(b) == size and b[4 : start] == raw0 for b in blobs[1:]) if len(blobs) > 1 else True
+    same = all(len(b) == size and b[4:start] == raw0 for b in blobs[1:]) if len(blobs) > 1 else True
     if not same:
         return [decode(b) for b in blobs], False
     mat = np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
@@ -185,7 +187,9 @@ def decode_batch(blobs: Sequence[bytes]) -> tuple[Any, bool]:
             out[name] = [bytes(row) for row in cols]
             continue
         cols = np.ascontiguousarray(cols)
-        if kind == "pt":
+        if kind == "pt" and n == 0:
+            out[name] = torch.empty(len(blobs), *shape, dtype=_TORCH_DTYPES[dtype])
+        elif kind == "pt":
             out[name] = (
                 torch.from_numpy(cols).view(_TORCH_DTYPES[dtype]).reshape(len(blobs), *shape)
             )

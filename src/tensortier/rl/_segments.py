@@ -83,9 +83,7 @@ class Segments:
         self.active = seg
 
     # ------------------------------------------------------------------ writing
-    def append(
-        self, records: Sequence[tuple[int, int, bytes]]
-    ) -> list[tuple[int, int, int]]:
+    def append(self, records: Sequence[tuple[int, int, bytes]]) -> list[tuple[int, int, int]]:
         """Append (key, flags, payload) records in one write; returns (segment, offset, length).
 
         ``length`` counts the 24-byte record header. Raises TierFullError on a full disk, having

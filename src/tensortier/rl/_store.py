@@ -144,7 +144,9 @@ class ItemStore:
         else:
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"format": "tensortier-rl-segments", "version": 1, "capacity": self.cap}, f)
+                json.dump(
+                    {"format": "tensortier-rl-segments", "version": 1, "capacity": self.cap}, f
+                )
             os.replace(tmp, path)
 
     def _disk(self) -> Segments:

@@ -38,7 +38,11 @@ class MemoryBank:
         fsync: bool = False,
         segment_size: SizeLike = "64MiB",
     ):
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        if (
+            isinstance(capacity, bool)
+            or not isinstance(capacity, (int, np.integer))
+            or capacity < 1
+        ):
             raise ConfigError(f"capacity must be an int >= 1, got {capacity!r}")
         self._lock = threading.RLock()
         self._closed = False

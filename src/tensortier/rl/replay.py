@@ -87,7 +87,9 @@ def _as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
     if arr.ndim == 0:
         arr = arr.reshape(1)
     if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise TypeError(f"{name} must be an int or a 1-D sequence of ints, got {arr.dtype} {arr.shape}")
+        raise TypeError(
+            f"{name} must be an int or a 1-D sequence of ints, got {arr.dtype} {arr.shape}"
+        )
     return arr.astype(np.int64, copy=False)
 
 
@@ -115,12 +117,18 @@ class ReplayBuffer:
         seed: int | None = None,
         segment_size: SizeLike = "64MiB",
     ):
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        if (
+            isinstance(capacity, bool)
+            or not isinstance(capacity, (int, np.integer))
+            or capacity < 1
+        ):
             raise ConfigError(f"capacity must be an int >= 1, got {capacity!r}")
         if max_uses is not None and (not isinstance(max_uses, (int, np.integer)) or max_uses < 1):
             raise ConfigError(f"max_uses must be None or an int >= 1, got {max_uses!r}")
         if not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigError(f"prefetch must be an int >= 0 (batches drawn ahead), got {prefetch!r}")
+            raise ConfigError(
+                f"prefetch must be an int >= 0 (batches drawn ahead), got {prefetch!r}"
+            )
         sampler = Uniform() if sampler is None else sampler
         self.config = ReplayConfig(
             capacity=int(capacity),
@@ -207,7 +215,10 @@ class ReplayBuffer:
 
     def extend(self, items: Iterable[Any]) -> np.ndarray:
         """Store many items in one step (one lock, one batched spill); returns their indices."""
-        blobs = [_codec.encode(it) for it in items]
+        return self._extend_blobs([_codec.encode(it) for it in items])
+
+    def _extend_blobs(self, blobs: list[bytes]) -> np.ndarray:
+        """Add already-encoded items (Ray collectors encode on their side)."""
         with self._lock:
             self._check()
             if len(blobs) > self.capacity:
@@ -258,14 +269,24 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ sampling
     def sample(self, batch_size: int) -> Batch:
         """Draw ``batch_size`` items (with replacement) by the buffer's sampler."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, (int, np.integer))
+            or batch_size < 1
+        ):
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if self.config.prefetch:
             return self._sample_prefetched(int(batch_size))
         with self._lock:
-            return self._sample_locked(int(batch_size))
+            blobs, keys, weights = self._sample_locked(int(batch_size))
+        items, collated = _codec.decode_batch(blobs)  # outside the lock: adds continue meanwhile
+        return Batch(items, keys, weights, collated)
 
-    def _sample_locked(self, n: int) -> Batch:
+    def _sample_blobs(self, n: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        with self._lock:
+            return self._sample_locked(n)
+
+    def _sample_locked(self, n: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         self._check()
         if len(self._store) == 0:
             raise IndexError("cannot sample from an empty ReplayBuffer; add items first")
@@ -278,8 +299,7 @@ class ReplayBuffer:
             if len(done):
                 self._sampler.remove(done)
                 self._store.remove(done)
-        items, collated = _codec.decode_batch(blobs)
-        return Batch(items, keys, weights, collated)
+        return blobs, keys, weights
 
     def _sample_prefetched(self, n: int) -> Batch:
         if self._thread is None or self._prefetch_size != n:
@@ -288,7 +308,9 @@ class ReplayBuffer:
             self._queue = queue.Queue(self.config.prefetch)
             self._stop = threading.Event()
             self._thread = threading.Thread(
-                target=self._prefetch_loop, args=(n, self._queue, self._stop), daemon=True,
+                target=self._prefetch_loop,
+                args=(n, self._queue, self._stop),
+                daemon=True,
                 name="tt-replay-prefetch",
             )
             self._thread.start()
@@ -309,7 +331,13 @@ class ReplayBuffer:
                 with self._lock:
                     if self._closed:
                         return
-                    batch = self._sample_locked(n) if len(self._store) else None
+                    drawn = self._sample_locked(n) if len(self._store) else None
+                if drawn is not None:
+                    blobs, keys, weights = drawn
+                    items, collated = _codec.decode_batch(blobs)
+                    batch = Batch(items, keys, weights, collated)
+                else:
+                    batch = None
             except BaseException as exc:  # handed to the caller of sample()
                 batch = exc
             if batch is None:
@@ -346,9 +374,7 @@ class ReplayBuffer:
         if not np.isfinite(prios).all():
             raise ValueError("priorities must be finite; got NaN or inf (check the loss)")
         if (prios < 0).any():
-            raise ValueError(
-                f"priorities must be >= 0, got {float(prios.min())} (pass |td_error|)"
-            )
+            raise ValueError(f"priorities must be >= 0, got {float(prios.min())} (pass |td_error|)")
         with self._lock:
             self._check()
             issued = self._store.issued(keys)
@@ -430,7 +456,10 @@ class ReplayBuffer:
                         for j, d in zip(need, datas):
                             part[j] = d
                     out.append(
-                        [(int(k), 0, b) for k, b in zip(arrays["keys"][i : i + step].tolist(), part)]
+                        [
+                            (int(k), 0, b)
+                            for k, b in zip(arrays["keys"][i : i + step].tolist(), part)
+                        ]
                     )
                 for fd in out.fds.values():
                     os.fsync(fd)
@@ -520,9 +549,7 @@ class ReplayBuffer:
                 self._sampler.load_state(json.load(f)["sampler_state"])
             pos = np.searchsorted(saved_keys, keys)
             pos = np.minimum(pos, max(len(saved_keys) - 1, 0))
-            known = (
-                saved_keys[pos] == keys if len(saved_keys) else np.zeros(len(keys), bool)
-            )
+            known = saved_keys[pos] == keys if len(saved_keys) else np.zeros(len(keys), bool)
             leaves = np.full(len(keys), getattr(self._sampler, "max_priority", 1.0))
             alpha = getattr(self._sampler.cfg, "alpha", 1.0)
             leaves = leaves**alpha
