@@ -69,52 +69,82 @@ def sampler_from_dict(d: dict) -> Uniform | Prioritized:
 
 
 class SumMinTree:
-    """Array-backed sum-tree and min-tree over ``capacity`` leaves, updated level by level."""
+    """Sum-tree and min-tree over ``capacity`` leaves with a branching factor of 32.
+
+    A wide tree is four levels deep for a million leaves, so a batched update or a batched descent
+    is a handful of numpy calls per level (gather a (batch, 32) block of children, reduce or
+    cumsum it) instead of twenty levels of a binary tree. Parents are recomputed from their
+    children on every update, so sums never drift.
+    """
+
+    B = 32
 
     def __init__(self, capacity: int):
-        self.size = 1 << max(1, (capacity - 1).bit_length())
-        self.depth = self.size.bit_length() - 1
-        self.sum = np.zeros(2 * self.size, np.float64)
-        self.min = np.full(2 * self.size, np.inf)
+        depth = 1
+        while self.B**depth < capacity:
+            depth += 1
+        self.depth = depth
+        self.sums = [np.zeros(self.B ** (depth - j), np.float64) for j in range(depth + 1)]
+        self.mins = [np.full(self.B ** (depth - j), np.inf) for j in range(depth + 1)]
 
     @property
     def total(self) -> float:
-        return float(self.sum[1])
+        return float(self.sums[-1][0])
 
     @property
     def min_positive(self) -> float:
-        return float(self.min[1])
+        return float(self.mins[-1][0])
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
-        return self.sum[self.size + slots]
+        return self.sums[0][slots]
 
     def set(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Set leaves (values >= 0; 0 means never drawn) and recompute their ancestors."""
         if len(slots) == 0:
             return
-        idx = slots.astype(np.int64) + self.size
-        self.sum[idx] = values
-        self.min[idx] = np.where(values > 0, values, np.inf)
-        idx = np.unique(idx >> 1)
-        while True:
-            left = 2 * idx
-            self.sum[idx] = self.sum[left] + self.sum[left + 1]
-            self.min[idx] = np.minimum(self.min[left], self.min[left + 1])
-            if idx[0] == 1:
-                break
-            idx = np.unique(idx >> 1)
+        values = np.asarray(values, np.float64)
+        if len(slots) <= 4:  # single adds: slices beat fancy indexing and unique
+            self._set_few(slots.tolist(), values.tolist())
+            return
+        self.sums[0][slots] = values
+        self.mins[0][slots] = np.where(values > 0, values, np.inf)
+        idx = np.unique(slots // self.B)
+        for j in range(1, self.depth + 1):
+            self.sums[j][idx] = self.sums[j - 1].reshape(-1, self.B)[idx].sum(axis=1)
+            self.mins[j][idx] = self.mins[j - 1].reshape(-1, self.B)[idx].min(axis=1)
+            if j < self.depth:
+                idx //= self.B  # still sorted: duplicates are neighbours
+                idx = idx[np.concatenate(([True], idx[1:] != idx[:-1]))]
+
+    def _set_few(self, slots: list[int], values: list[float]) -> None:
+        B = self.B
+        for slot, v in zip(slots, values):
+            self.sums[0][slot] = v
+            self.mins[0][slot] = v if v > 0 else np.inf
+            p = slot // B
+            for j in range(1, self.depth + 1):
+                self.sums[j][p] = self.sums[j - 1][p * B : p * B + B].sum()
+                self.mins[j][p] = self.mins[j - 1][p * B : p * B + B].min()
+                p //= B
 
     def find(self, mass: np.ndarray) -> np.ndarray:
         """Leaf slots holding cumulative ``mass`` (vectorised descent); never a zero leaf."""
-        idx = np.ones(len(mass), np.int64)
-        u = mass.copy()
-        for _ in range(self.depth):
-            left = 2 * idx
-            lsum = self.sum[left]
-            right = (u >= lsum) & (self.sum[left + 1] > 0)
-            u -= np.where(right, lsum, 0.0)
-            idx = left + right
-        return idx - self.size
+        node = np.zeros(len(mass), np.int64)
+        u = mass.astype(np.float64, copy=True)
+        rows = np.arange(len(mass))
+        for j in range(self.depth - 1, -1, -1):
+            children = self.sums[j].reshape(-1, self.B)[node]
+            cum = np.cumsum(children, axis=1)
+            c = (cum <= u[:, None]).sum(axis=1)
+            over = c >= self.B  # rounding left u at or past the end: take the last non-empty child
+            if over.any():
+                last = self.B - 1 - np.argmax(children[over, ::-1] > 0, axis=1)
+                c[over] = last
+                # aim at the middle of that child so the levels below stay inside it
+                u[over] = cum[over, last] - 0.5 * children[over, last]
+            u -= np.where(c > 0, cum[rows, np.maximum(c - 1, 0)], 0.0)
+            node = node * self.B + c
+        return node
 
 
 class UniformState:
