@@ -91,8 +91,23 @@ class Segments:
         """
         if not records:
             return []
-        if self.active < 0 or self.size[self.active] >= self.segment_size:
-            self._roll()
+        locs: list[tuple[int, int, int]] = []
+        i = 0
+        while i < len(records):  # fill the active segment, roll, continue
+            if self.active < 0 or self.size[self.active] >= self.segment_size:
+                self._roll()
+            room = self.segment_size - self.size[self.active]
+            j, n = i, 0
+            while j < len(records) and (j == i or n + REC.size + len(records[j][2]) <= room):
+                n += REC.size + len(records[j][2])
+                j += 1
+            locs += self._append_chunk(records[i:j])
+            i = j
+        return locs
+
+    def _append_chunk(
+        self, records: Sequence[tuple[int, int, bytes]]
+    ) -> list[tuple[int, int, int]]:
         seg, fd = self.active, self.fds[self.active]
         base = pos = self.size[seg]
         parts, locs = [], []
@@ -268,7 +283,7 @@ class Segments:
                         payload = f.read(plen)
                         bad = len(payload) != plen or zlib.crc32(payload) != crc
                     if bad:
-                        if not last:
+                        if not last or self._valid_after(f, pos, total):
                             raise CorruptDataError(
                                 f"record at offset {pos} of {self.path(seg)} is damaged; the "
                                 f"buffer cannot be recovered safely (move the file away to "
@@ -287,6 +302,21 @@ class Segments:
             self.size[seg] = pos
             self.stats.file_bytes += pos
         self.active = segs[-1] if segs else -1
+
+    @staticmethod
+    def _valid_after(f, pos: int, total: int) -> bool:
+        """Is there an intact record after ``pos``? Then the damage is not a torn tail."""
+        f.seek(pos + 1)
+        data = f.read(total - pos - 1)
+        at = data.find(REC.pack(MAGIC, 0, 0, 0, 0)[:4])
+        while at >= 0:
+            if at + REC.size <= len(data):
+                _, plen, crc, _, _ = REC.unpack_from(data, at)
+                payload = data[at + REC.size : at + REC.size + plen]
+                if len(payload) == plen and zlib.crc32(payload) == crc:
+                    return True
+            at = data.find(data[at : at + 4], at + 1)
+        return False
 
     def close(self, remove: bool) -> None:
         for fd in self.fds.values():
