@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tensortier.bench import replay as bench_replay
 from tensortier.bench import tiers as bench_tiers
 
 BENCHES = {"tiers": bench_tiers}
+BENCHES["replay"] = bench_replay
 
 
 def main(argv: list[str] | None = None) -> int:

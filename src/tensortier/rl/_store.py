@@ -20,6 +20,7 @@ not thread-safe (its owner holds a lock).
 from __future__ import annotations
 
 import json
+import operator
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -213,9 +214,13 @@ class ItemStore:
 
     def blobs(self, slots: np.ndarray) -> list[bytes]:
         """Item blobs of live ``slots``, RAM copies first, the rest in one sorted disk pass."""
-        out = [self.ram[s] for s in slots.tolist()]
-        missing = [i for i, b in enumerate(out) if b is None]
-        if missing:
+        idx = slots.tolist()
+        if len(idx) > 1:
+            out = list(operator.itemgetter(*idx)(self.ram))
+        else:
+            out = [self.ram[s] for s in idx]
+        if None in out:
+            missing = [i for i, b in enumerate(out) if b is None]
             rows = slots[missing]
             locs = np.stack([self.seg[rows], self.off[rows], self.len[rows]], axis=1)
             datas = self._disk().read_many(locs)

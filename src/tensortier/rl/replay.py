@@ -371,20 +371,23 @@ class ReplayBuffer:
                 f"priorities must have one value per index: got shape {prios.shape} for "
                 f"{keys.shape[0]} indices (flatten with .reshape(-1))"
             )
-        if not np.isfinite(prios).all():
-            raise ValueError("priorities must be finite; got NaN or inf (check the loss)")
-        if (prios < 0).any():
+        hi = float(prios.max()) if prios.size else 0.0
+        if prios.size and not (prios.min() >= 0 and hi < np.inf):  # one pass catches NaN too
+            if not np.isfinite(prios).all():
+                raise ValueError("priorities must be finite; got NaN or inf (check the loss)")
             raise ValueError(f"priorities must be >= 0, got {float(prios.min())} (pass |td_error|)")
         with self._lock:
             self._check()
-            issued = self._store.issued(keys)
-            if not issued.all():
-                first = int(keys[np.argmin(issued)])
-                raise KeyError(f"index {first} was never returned by add() on this buffer")
-            slots = self._store.slots(keys)
-            live = slots >= 0
-            self._stale_updates += int((~live).sum())
-            self._sampler.update(slots[live], prios[live])
+            slots = keys % self.capacity
+            live = self._store.keys[slots] == keys
+            if not live.all():  # slow path: stale (skipped) or never issued (refused)
+                issued = self._store.issued(keys)
+                if not issued.all():
+                    first = int(keys[np.argmin(issued)])
+                    raise KeyError(f"index {first} was never returned by add() on this buffer")
+                self._stale_updates += int((~live).sum())
+                slots, prios = slots[live], prios[live]
+            self._sampler.update(slots, prios, hi)
 
     def priorities(self, indices: Any) -> np.ndarray:
         """Current sampling weights p^alpha of ``indices`` (1 for uniform sampling)."""

@@ -69,31 +69,36 @@ def sampler_from_dict(d: dict) -> Uniform | Prioritized:
 
 
 class SumMinTree:
-    """Sum-tree and min-tree over ``capacity`` leaves with a branching factor of 32.
+    """Sum-tree and min-tree over ``capacity`` leaves: 32 children per node, a wide top.
 
-    A wide tree is four levels deep for a million leaves, so a batched update or a batched descent
-    is a handful of numpy calls per level (gather a (batch, 32) block of children, reduce or
-    cumsum it) instead of twenty levels of a binary tree. Parents are recomputed from their
-    children on every update, so sums never drift.
+    Each node has 32 children and the top level holds up to 1024 nodes that are reduced directly,
+    so a million leaves need two levels of nodes. A batched update or descent is then a handful
+    of numpy calls per level (gather a (batch, 32) block of children, reduce or cumsum it) instead
+    of twenty levels of a binary tree. Parents are recomputed from their children on every
+    update, so sums never drift.
     """
 
     B = 32
+    TOP = 1024
 
     def __init__(self, capacity: int):
-        depth = 1
-        while self.B**depth < capacity:
+        depth = 0
+        while -(-capacity // self.B**depth) > self.TOP:
             depth += 1
+        top = -(-capacity // self.B**depth)
         self.depth = depth
-        self.sums = [np.zeros(self.B ** (depth - j), np.float64) for j in range(depth + 1)]
-        self.mins = [np.full(self.B ** (depth - j), np.inf) for j in range(depth + 1)]
+        self.sums = [np.zeros(top * self.B ** (depth - j), np.float64) for j in range(depth + 1)]
+        self.mins = [np.full(top * self.B ** (depth - j), np.inf) for j in range(depth + 1)]
+        self._sums2d = [a.reshape(-1, self.B) for a in self.sums[:-1]]  # children as rows
+        self._mins2d = [a.reshape(-1, self.B) for a in self.mins[:-1]]
 
     @property
     def total(self) -> float:
-        return float(self.sums[-1][0])
+        return float(self.sums[-1].sum())
 
     @property
     def min_positive(self) -> float:
-        return float(self.mins[-1][0])
+        return float(self.mins[-1].min())
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         return self.sums[0][slots]
@@ -103,18 +108,18 @@ class SumMinTree:
         if len(slots) == 0:
             return
         values = np.asarray(values, np.float64)
-        if len(slots) <= 4:  # single adds: slices beat fancy indexing and unique
+        if len(slots) <= 4:  # single adds: slices beat fancy indexing
             self._set_few(slots.tolist(), values.tolist())
             return
+        # numpy assigns repeated indices in order, so the last value of a repeated slot wins;
+        # repeated parents are recomputed twice from the same children, which is harmless
         self.sums[0][slots] = values
         self.mins[0][slots] = np.where(values > 0, values, np.inf)
-        idx = np.unique(slots // self.B)
+        p = slots // self.B
         for j in range(1, self.depth + 1):
-            self.sums[j][idx] = self.sums[j - 1].reshape(-1, self.B)[idx].sum(axis=1)
-            self.mins[j][idx] = self.mins[j - 1].reshape(-1, self.B)[idx].min(axis=1)
-            if j < self.depth:
-                idx //= self.B  # still sorted: duplicates are neighbours
-                idx = idx[np.concatenate(([True], idx[1:] != idx[:-1]))]
+            self.sums[j][p] = self._sums2d[j - 1][p].sum(axis=1)
+            self.mins[j][p] = self._mins2d[j - 1][p].min(axis=1)
+            p = p // self.B
 
     def _set_few(self, slots: list[int], values: list[float]) -> None:
         B = self.B
@@ -127,23 +132,36 @@ class SumMinTree:
                 self.mins[j][p] = self.mins[j - 1][p * B : p * B + B].min()
                 p //= B
 
+    @staticmethod
+    def _pick(children: np.ndarray, cum: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Index of the child whose cumulative range holds u (in place: u becomes the offset)."""
+        c = (cum <= u[:, None]).sum(axis=1) if cum.ndim == 2 else np.searchsorted(cum, u, "right")
+        width = children.shape[-1]
+        over = c >= width  # rounding left u at or past the end: take the last non-empty child
+        if over.any():
+            ch = (
+                children[over]
+                if children.ndim == 2
+                else np.broadcast_to(children, (int(over.sum()), width))
+            )
+            cu = cum[over] if cum.ndim == 2 else np.broadcast_to(cum, ch.shape)
+            last = width - 1 - np.argmax(ch[:, ::-1] > 0, axis=1)
+            c[over] = last
+            rows = np.arange(len(last))
+            u[over] = cu[rows, last] - 0.5 * ch[rows, last]  # the middle of that child
+        below = np.maximum(c - 1, 0)
+        prev = cum[np.arange(len(u)), below] if cum.ndim == 2 else cum[below]
+        u -= np.where(c > 0, prev, 0.0)
+        return c
+
     def find(self, mass: np.ndarray) -> np.ndarray:
         """Leaf slots holding cumulative ``mass`` (vectorised descent); never a zero leaf."""
-        node = np.zeros(len(mass), np.int64)
         u = mass.astype(np.float64, copy=True)
-        rows = np.arange(len(mass))
+        top = self.sums[-1]
+        node = self._pick(top, np.cumsum(top), u)
         for j in range(self.depth - 1, -1, -1):
-            children = self.sums[j].reshape(-1, self.B)[node]
-            cum = np.cumsum(children, axis=1)
-            c = (cum <= u[:, None]).sum(axis=1)
-            over = c >= self.B  # rounding left u at or past the end: take the last non-empty child
-            if over.any():
-                last = self.B - 1 - np.argmax(children[over, ::-1] > 0, axis=1)
-                c[over] = last
-                # aim at the middle of that child so the levels below stay inside it
-                u[over] = cum[over, last] - 0.5 * children[over, last]
-            u -= np.where(c > 0, cum[rows, np.maximum(c - 1, 0)], 0.0)
-            node = node * self.B + c
+            children = self._sums2d[j][node]
+            node = node * self.B + self._pick(children, np.cumsum(children, axis=1), u)
         return node
 
 
@@ -176,7 +194,7 @@ class UniformState:
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         return self.live[rng.integers(0, self.n, n)], np.ones(n, np.float32)
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray, top: float | None = None) -> None:
         pass  # uniform sampling ignores priorities
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
@@ -224,13 +242,13 @@ class PrioritizedState:
         self.samples += 1
         return slots, weights.astype(np.float32)
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray, top: float | None = None) -> None:
+        """Set priorities; for a slot given twice the last value wins, as with single updates."""
         if len(priorities):
-            self.max_priority = max(self.max_priority, float(priorities.max()))
-        # last write wins for repeated slots, as a sequence of single updates would
-        rev = slots[::-1]
-        uniq, first = np.unique(rev, return_index=True)
-        self.tree.set(uniq, priorities[::-1][first] ** self.cfg.alpha)
+            top = float(priorities.max()) if top is None else top
+            self.max_priority = max(self.max_priority, top)
+        a = self.cfg.alpha
+        self.tree.set(slots, priorities if a == 1 else priorities**a)
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         """p_i^alpha of ``slots``: what is saved, so a reload draws from the same distribution."""
