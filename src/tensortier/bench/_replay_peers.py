@@ -129,6 +129,50 @@ def run_torchrl(n, item_bytes, batch, rounds, directory, budget=None):
     return out
 
 
+def run_rllib(n, item_bytes, batch, rounds, directory, budget=None):
+    """RLlib's PrioritizedEpisodeReplayBuffer: transitions arrive as 100-step episode chunks
+    (RLlib's unit of insertion), so add throughput counts timesteps."""
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+    from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
+        PrioritizedEpisodeReplayBuffer,
+    )
+
+    payload = _payload(item_bytes)
+    base = _rss()
+    buf = PrioritizedEpisodeReplayBuffer(capacity=n, alpha=ALPHA)
+    rng = np.random.default_rng(1)
+    out = {"note": "episodes of 100 steps; items = timesteps"}
+    T = 100
+
+    def add():
+        for start in range(0, n, T):
+            steps = min(T, n - start)
+            ep = SingleAgentEpisode(
+                observations=[payload.copy() for _ in range(steps + 1)],
+                actions=[i % 4 for i in range(start, start + steps)],
+                rewards=[float(i) for i in range(start, start + steps)],
+                len_lookback_buffer=0,
+            )
+            buf.add([ep])
+
+    out["add_per_s"] = _timed(add, n)
+    out["rss_after_add"] = _rss() - base
+    prios = [rng.random(batch) + 0.01 for _ in range(rounds)]
+    t_sample = t_update = 0.0
+    for p in prios:  # RLlib updates the priorities of the last sampled batch only
+        t0 = time.perf_counter()
+        buf.sample(num_items=batch, beta=BETA, n_step=1)
+        t1 = time.perf_counter()
+        buf.update_priorities(p)
+        t_update += time.perf_counter() - t1
+        t_sample += t1 - t0
+    out["sample_items_per_s"] = rounds * batch / t_sample
+    out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
+    out["update_items_per_s"] = rounds * batch / t_update
+    out["rss_growth"] = _rss() - base
+    return out
+
+
 def run_deque(n, item_bytes, batch, rounds, directory, budget=None):
     """What one writes without a library: a deque of dicts and a list of priorities."""
     payload = _payload(item_bytes)
@@ -242,6 +286,7 @@ PEERS = {
     "tensortier": run_tensortier,
     "torchrl": run_torchrl,
     "deque": run_deque,
+    "rllib": run_rllib,
     "tensortier-spill": run_tensortier_spill,
     "latency": run_latency,
 }

@@ -3,8 +3,10 @@
 Every peer runs in its own process so its peak RSS is its own. TorchRL's C++ segment tree does not
 load with torch 2.13.0 (its wheels are built against another torch), so the TorchRL peer runs in a
 virtual environment under ``--cache-dir`` with the torch release its wheel was built for (created on
-first use: ``pip install torch==2.15.0 torchrl==0.14.1``, several GB from PyPI). DI-engine (its
-``gym==0.25.1`` dependency does not build) and RLlib are reported as not measured.
+first use: ``pip install torch==2.15.0 torchrl==0.14.1``, several GB from PyPI). RLlib's
+``PrioritizedEpisodeReplayBuffer`` runs in this environment (``pip install "ray[rllib]"``, an
+optional peer); DI-engine is reported as not measured (its ``gym==0.25.1`` dependency does not
+build).
 
 Sections: (1) 100k x 10 KB items (``--quick``: 10k): add, prioritized sample (batch 256) and
 priority update throughput, peak RSS; (2) sample latency with 10k vs 1M items (small items, so the
@@ -293,11 +295,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     notes: dict[str, str] = {
         "di-engine": "not measured: DI-engine 0.5.3 needs gym==0.25.1, whose setup fails to build "
         "with current setuptools ('extras_require must be a dictionary ...')",
-        "rllib": "not measured: see rllib_status",
+        "rllib": "PrioritizedEpisodeReplayBuffer (ray[rllib]) in this environment, fed 100-step "
+        "episodes; its update_priorities applies to the last sampled batch only",
     }
 
     print(f"[1/5] main run: {n} items x {format_size(item_bytes)}, batch {args.batch}")
     main_peers = [("tensortier", sys.executable), ("deque", sys.executable)]
+    if "rllib" not in skip:
+        main_peers.append(("rllib", sys.executable))
     if "torchrl" not in skip:
         py, where = _torchrl_python(args.cache_dir)
         notes["torchrl"] = where
@@ -323,6 +328,15 @@ def run(args: argparse.Namespace) -> list[dict]:
         ratios.update(
             {
                 f"vs_deque_{k}": t[k] / p[k]
+                for k in ("add_per_s", "sample_items_per_s", "update_items_per_s")
+            }
+        )
+
+    if "tensortier" in base and "rllib" in base:
+        t, p = base["tensortier"], base["rllib"]
+        ratios.update(
+            {
+                f"vs_rllib_{k}": t[k] / p[k]
                 for k in ("add_per_s", "sample_items_per_s", "update_items_per_s")
             }
         )
