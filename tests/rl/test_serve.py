@@ -27,7 +27,7 @@ def ray_session(tmp_path_factory):
 def collector(buf, worker: int, n: int) -> list[int]:
     keys = []
     for i in range(n):
-        obs = np.full(64, worker * 1000 + i, np.float32)
+        obs = np.full(256, worker * 1000 + i, np.float32)
         keys.append(buf.add({"obs": obs, "w": worker, "i": i}))
     return keys
 
@@ -35,7 +35,7 @@ def collector(buf, worker: int, n: int) -> list[int]:
 @pytest.mark.slow
 def test_buffer_actor_round_trip_with_collector_processes(ray_session, tmp_path):
     local = ReplayBuffer(1000, sampler=Prioritized(), spill_dir=tmp_path, ram_budget="64KiB")
-    first = local.add({"obs": np.zeros(64, np.float32), "w": -1, "i": 0})
+    first = local.add({"obs": np.zeros(256, np.float32), "w": -1, "i": 0})
     remote = serve(local, num_cpus=0.5)
     assert len(remote) == 1 and remote[first]["w"] == -1  # carried over
     keys = ray.get([collector.remote(remote, w, 50) for w in range(3)])
@@ -44,7 +44,7 @@ def test_buffer_actor_round_trip_with_collector_processes(ray_session, tmp_path)
         got = remote[ks[7]]
         assert got["w"] == w and got["i"] == 7 and (got["obs"] == w * 1000 + 7).all()
     batch = remote.sample(32)
-    assert batch.collated and batch.items["obs"].shape == (32, 64)
+    assert batch.collated and batch.items["obs"].shape == (32, 256)
     assert (batch.items["obs"][:, 0] == batch.items["w"] * 1000 + batch.items["i"]).all()
     remote.update_priorities(batch.indices, torch.rand(32))
     del remote[keys[0][0]]

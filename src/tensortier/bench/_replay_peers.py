@@ -64,7 +64,7 @@ def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
 
     def sample():
         for _ in range(rounds):
-            batches.append(buf.sample(batch))
+            batches.append(buf.sample(batch).indices)  # keep indices only, as a learner does
 
     out["sample_items_per_s"] = _timed(sample, rounds * batch)
     out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
@@ -72,7 +72,7 @@ def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
 
     def update():
         for b, p in zip(batches, prios):
-            buf.update_priorities(b.indices, p)
+            buf.update_priorities(b, p)
 
     out["update_items_per_s"] = _timed(update, rounds * batch)
     out["stats"] = {k: v for k, v in buf.stats.items() if isinstance(v, int)}
@@ -114,7 +114,7 @@ def run_torchrl(n, item_bytes, batch, rounds, directory, budget=None):
 
     def sample():
         for _ in range(rounds):
-            batches.append(rb.sample())
+            batches.append(rb.sample()["index"])
 
     out["sample_items_per_s"] = _timed(sample, rounds * batch)
     out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
@@ -122,7 +122,7 @@ def run_torchrl(n, item_bytes, batch, rounds, directory, budget=None):
 
     def update():
         for b, p in zip(batches, prios):
-            rb.update_priority(b["index"], p)
+            rb.update_priority(b, p)
 
     out["update_items_per_s"] = _timed(update, rounds * batch)
     out["rss_growth"] = _rss() - base
@@ -202,15 +202,15 @@ def run_deque(n, item_bytes, batch, rounds, directory, budget=None):
             w = (len(p) * p[idx]) ** -BETA
             w /= w.max()
             got = [items[i] for i in idx]
-            batch_obs = np.stack([g["obs"] for g in got])
-            drawn.append((idx, w, batch_obs))
+            np.stack([g["obs"] for g in got])  # the collated batch a learner consumes
+            drawn.append((idx, w))
 
     out["sample_items_per_s"] = _timed(sample, rounds * batch)
     out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
     new = [rng.random(batch) + 0.01 for _ in range(rounds)]
 
     def update():
-        for (idx, _, _), p in zip(drawn, new):
+        for (idx, _), p in zip(drawn, new):
             for i, v in zip(idx.tolist(), p.tolist()):
                 prios[i] = v
 
@@ -247,13 +247,13 @@ def run_tensortier_spill(n, item_bytes, batch, rounds, directory, budget=None):
     batches = []
     t0 = time.perf_counter()
     for _ in range(rounds):
-        batches.append(buf.sample(batch))
+        batches.append(buf.sample(batch).indices)
         peak = max(peak, _rss() - base)
     out["sample_items_per_s"] = rounds * batch / (time.perf_counter() - t0)
     out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
     t0 = time.perf_counter()
     for b in batches:
-        buf.update_priorities(b.indices, rng.random(batch) + 0.01)
+        buf.update_priorities(b, rng.random(batch) + 0.01)
     out["update_items_per_s"] = rounds * batch / (time.perf_counter() - t0)
     out["rss_growth"] = peak
     out["rss_growth_over_budget"] = peak / budget

@@ -139,8 +139,8 @@ def _ray_section(directory: str, item_bytes: int, batch: int, seconds: float) ->
             payload = np.random.default_rng(0).integers(0, 255, item_bytes, dtype=np.uint8)
             n, end = 0, time.monotonic() + seconds
             while time.monotonic() < end:
-                buf.extend({"obs": payload, "i": n + k} for k in range(8))
-                n += 8
+                buf.extend({"obs": payload, "i": n + k} for k in range(32))  # rollout chunks
+                n += 32
             return n
 
         remote.add({"obs": np.zeros(item_bytes, np.uint8), "i": -1})
@@ -167,18 +167,22 @@ def _ray_section(directory: str, item_bytes: int, batch: int, seconds: float) ->
 
         # parameter store through Ray's object store: one ray.put per version, 8 readers
         pstore = serve(ParamStore(), num_cpus=0)
-        state = {f"layer{i}.weight": torch.randn(1024, 1024 * 25 // 4 // 4) for i in range(4)}
+        state = {f"layer{i}.weight": torch.randn(100_000_000 // 4 // 4) for i in range(4)}
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
 
-        @ray.remote(num_cpus=0.25)
-        def reader(store, version: int) -> float:
-            p = store.get(min_version=version, timeout=120)
-            s = sum(float(t.view(-1)[::1024].sum()) for t in p.values())  # touch every 4 KiB
-            return time.monotonic() + 0 * s
+        @ray.remote(num_cpus=0.1)
+        class Reader:
+            def read(self, store, version: int) -> float:
+                p = store.get(min_version=version, timeout=300)
+                for t in p.values():
+                    float(t.view(-1)[::1024].sum())  # touch every 4 KiB page
+                return time.monotonic()
 
+        readers = [Reader.remote() for _ in range(8)]
         pstore.publish(state)
-        ray.get([reader.remote(pstore, 1) for _ in range(8)])  # warm workers
-        pending = [reader.remote(pstore, 2) for _ in range(8)]
+        ray.get([r.read.remote(pstore, 1) for r in readers])  # readers started and warm
+        pending = [r.read.remote(pstore, 2) for r in readers]
+        time.sleep(1.0)  # every reader is waiting inside get()
         t0 = time.monotonic()
         pstore.publish(state)
         done = max(ray.get(pending))
