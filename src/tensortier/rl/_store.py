@@ -280,8 +280,11 @@ class ItemStore:
     def _to_ram(self, slots: np.ndarray, keys: np.ndarray, blobs: list[bytes]) -> None:
         need = sum(len(b) + _OBJ for b in blobs)
         if self.stats.ram_bytes + need > self.budget:
-            # spill at least 1/16 of the budget at a time, so writes are large and rare
-            self._spill(self.stats.ram_bytes + need - self.budget + self.budget // 16)
+            # spill a little more than needed (1/16 of the budget, at most 16 MiB) so writes
+            # are large and rare
+            self._spill(
+                self.stats.ram_bytes + need - self.budget + min(self.budget // 16, 16 << 20)
+            )
         spill = []
         for s, k, b in zip(slots.tolist(), keys.tolist(), blobs):
             size = len(b) + _OBJ
