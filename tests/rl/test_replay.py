@@ -187,10 +187,15 @@ def test_stale_priority_updates_are_skipped():
 
 
 def test_bad_spill_dir(tmp_path):
-    buf = ReplayBuffer(10, ram_budget="1KiB", spill_dir=tmp_path / "missing")
+    buf = ReplayBuffer(2, ram_budget="1KiB", spill_dir=tmp_path / "missing", sampler=Prioritized())
+    small = buf.add(item(0, size=10))  # fits in RAM: no spill directory needed yet
     with pytest.raises(SpillDirError, match="mkdir"):
-        buf.add(item(0, size=1000))
-    assert len(buf) == 0 or True  # the slot was taken; the item is not readable
+        buf.add(item(1, size=1000))  # too big for RAM, and the spill directory is missing
+    assert len(buf) == 1 and buf.indices().tolist() == [small]  # the failed add left nothing
+    assert buf.sample(4).indices.tolist() == [small] * 4
+    (tmp_path / "missing").mkdir()
+    k = buf.add(item(2, size=1000))  # fixed: the same request now succeeds
+    assert buf[k]["i"] == 2 and buf[small]["i"] == 0
     buf.close()
 
 

@@ -235,30 +235,57 @@ class ItemStore:
         return q[self.keys[q % self.cap] == q]
 
     # ------------------------------------------------------------------ changes
-    def add(self, blobs: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """Store ``blobs``; returns (their keys, slots of items evicted to make room)."""
+    def add(self, blobs: list[bytes], on_evict=None) -> tuple[np.ndarray, np.ndarray]:
+        """Store ``blobs``; returns (their keys, slots of items evicted to make room).
+
+        ``on_evict(slots)`` runs as soon as items are evicted (before any write), so the caller's
+        sampler stays consistent even if a write then fails. A failed add stores none of
+        ``blobs`` (the error, e.g. TierFullError or SpillDirError, propagates).
+        """
         n = len(blobs)
         if n > self.cap:
             raise ConfigError(f"cannot add {n} items at once to a store of capacity {self.cap}")
         evicted = self._evict(n - self.nfree) if n > self.nfree else np.empty(0, np.int64)
+        if on_evict is not None and len(evicted):
+            on_evict(evicted)
         slots = self.free[self.nfree - n : self.nfree][::-1].copy()
         self.nfree -= n
         keys = (self.seq + np.arange(n, dtype=np.int64)) * self.cap + slots
         self.seq += n
         self.keys[slots] = keys
         self.seg[slots] = -1
-        if self.durable:
-            locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
-            for s, (seg, off, ln) in zip(slots.tolist(), locs):
-                self.seg[s], self.off[s], self.len[s] = seg, off, ln
-            self.stats.disk_items += n
-        self._to_ram(slots, keys, blobs)
+        try:
+            if self.durable:
+                locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
+                for s, (seg, off, ln) in zip(slots.tolist(), locs):
+                    self.seg[s], self.off[s], self.len[s] = seg, off, ln
+                self.stats.disk_items += n
+            self._to_ram(slots, keys, blobs)
+        except BaseException:
+            self._undo_add(slots)
+            raise
         self.fifo.push(keys)
         if len(self.fifo) > 2 * self.cap + 1024:
             q = self.fifo.view()
             self.fifo.filter(self.keys[q % self.cap] == q)
         self.stats.items += n
         return keys, evicted
+
+    def _undo_add(self, slots: np.ndarray) -> None:
+        """Forget half-added ``slots`` (a write failed): their slots go back to the free list."""
+        for s in slots.tolist():
+            blob = self.ram[s]
+            if blob is not None:
+                self.ram[s] = None
+                self.stats.ram_bytes -= len(blob) + _OBJ
+                self.stats.ram_items -= 1
+            if self.seg[s] >= 0 and self.segments is not None:
+                self.segments.release(int(self.seg[s]), int(self.len[s]))
+                self.stats.disk_items -= 1
+                self.seg[s] = -1
+        self.keys[slots] = -1
+        self.free[self.nfree : self.nfree + len(slots)] = slots[::-1]
+        self.nfree += len(slots)
 
     def restore(self, keys: np.ndarray, blobs: list[bytes]) -> None:
         """Put items back under their saved keys (a load into an empty store)."""

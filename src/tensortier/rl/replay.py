@@ -225,10 +225,8 @@ class ReplayBuffer:
                 raise ConfigError(
                     f"extend got {len(blobs)} items, more than capacity {self.capacity}"
                 )
-            keys, evicted = self._store.add(blobs)
+            keys, _ = self._store.add(blobs, on_evict=self._sampler.remove)
             slots = keys % self.capacity
-            if len(evicted):
-                self._sampler.remove(evicted)
             self._uses[slots] = 0
             self._sampler.add(slots)
             return keys
