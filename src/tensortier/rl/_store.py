@@ -4,9 +4,11 @@ Keys. An item's key is ``seq * capacity + slot``: ``seq`` counts adds, so keys g
 order (FIFO order is key order) and are never reused, and ``slot = key % capacity`` finds the
 item's row in the index arrays without a dict. A key whose slot now holds another key is stale.
 
-Index (per slot, numpy): key, disk location (segment, offset, length); per RAM item one ``bytes``
-object in a list. That is ~40 bytes per slot of capacity, the "small overhead per item" outside
-the RAM budget. RAM order and FIFO order are numpy rings of keys; removed keys are skipped lazily.
+Index (per slot, numpy): key, disk location (segment, offset, length), a list entry for the RAM
+copy, the free-slot stack; RAM order and FIFO order are numpy rings of keys (removed keys are
+skipped lazily, the FIFO ring is compacted past 2x capacity). With the replay buffer's use counts
+and sum/min trees that is about 100 bytes per slot of capacity (~95 MiB for 1M slots), the
+"small overhead per item" outside the RAM budget.
 
 Tiering. Item bytes in RAM (blob length + 33 bytes of Python object header) stay under
 ``ram_budget``: an add that would exceed it first moves the oldest RAM items to the active segment
