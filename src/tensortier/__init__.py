@@ -25,6 +25,15 @@ from tensortier.transfer import HostTensor, Transfer, TransferEngine
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    if name == "rl":  # RL data service, imported on first use (it never imports Ray itself)
+        import importlib
+
+        return importlib.import_module("tensortier.rl")
+    raise AttributeError(f"module 'tensortier' has no attribute {name!r}")
+
+
 __all__ = [
     "offload_stats",
     "offload_module",
@@ -50,4 +59,5 @@ __all__ = [
     "format_size",
     "parse_size",
     "stream_parameters",
+    "rl",
 ]

@@ -7,12 +7,14 @@ import sys
 
 from tensortier.bench import activations as bench_activations
 from tensortier.bench import optimizer as bench_optimizer
+from tensortier.bench import replay as bench_replay
 from tensortier.bench import tiers as bench_tiers
 
 BENCHES = {
     "tiers": bench_tiers,
     "activations": bench_activations,
     "optimizer": bench_optimizer,
+    "replay": bench_replay,
 }
 
 

@@ -1,0 +1,305 @@
+"""One replay-buffer peer measured in its own process (so peak RSS is its own).
+
+Run as ``python _replay_peers.py PEER N ITEM_BYTES BATCH ROUNDS DIR [BUDGET]``; prints one JSON
+line. Imports only numpy/torch/psutil at the top so it also runs in the TorchRL virtual
+environment, where tensortier is not installed; each peer imports its library itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+ALPHA, BETA = 0.6, 0.4
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _payload(nbytes: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+
+
+def _timed(fn, count: int) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return count / (time.perf_counter() - t0)
+
+
+def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
+    from tensortier.rl import Prioritized, ReplayBuffer
+
+    payload = _payload(item_bytes)
+    base = _rss()
+    buf = ReplayBuffer(
+        n,
+        ram_budget=budget or (2 * n * (item_bytes + 200)),
+        spill_dir=directory,
+        sampler=Prioritized(alpha=ALPHA, beta=BETA),
+        seed=0,
+    )
+    rng = np.random.default_rng(1)
+    out = {}
+
+    def add():
+        for i in range(n):
+            buf.add({"obs": payload.copy(), "action": i % 4, "reward": float(i)})
+
+    out["add_per_s"] = _timed(add, n)
+    out["rss_after_add"] = _rss() - base
+    batches = []
+
+    def sample():
+        for _ in range(rounds):
+            batches.append(buf.sample(batch).indices)  # keep indices only, as a learner does
+
+    out["sample_items_per_s"] = _timed(sample, rounds * batch)
+    out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
+    prios = [rng.random(batch) + 0.01 for _ in range(rounds)]
+
+    def update():
+        for b, p in zip(batches, prios):
+            buf.update_priorities(b, p)
+
+    out["update_items_per_s"] = _timed(update, rounds * batch)
+    out["stats"] = {k: v for k, v in buf.stats.items() if isinstance(v, int)}
+    out["rss_growth"] = _rss() - base
+    buf.close()
+    return out
+
+
+def run_torchrl(n, item_bytes, batch, rounds, directory, budget=None):
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, PrioritizedSampler, TensorDictReplayBuffer
+
+    payload = _payload(item_bytes)
+    base = _rss()
+    rb = TensorDictReplayBuffer(
+        storage=LazyMemmapStorage(n, scratch_dir=directory),
+        sampler=PrioritizedSampler(n, alpha=ALPHA, beta=BETA),
+        batch_size=batch,
+    )
+    rng = np.random.default_rng(1)
+    out = {"torch": torch.__version__}
+
+    def add():
+        for i in range(n):
+            td = TensorDict(
+                {
+                    "obs": torch.from_numpy(payload.copy()),
+                    "action": torch.tensor(i % 4),
+                    "reward": torch.tensor(float(i)),
+                },
+                [],
+            )
+            rb.add(td)
+
+    out["add_per_s"] = _timed(add, n)
+    out["rss_after_add"] = _rss() - base
+    batches = []
+
+    def sample():
+        for _ in range(rounds):
+            batches.append(rb.sample()["index"])
+
+    out["sample_items_per_s"] = _timed(sample, rounds * batch)
+    out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
+    prios = [torch.from_numpy(rng.random(batch) + 0.01).float() for _ in range(rounds)]
+
+    def update():
+        for b, p in zip(batches, prios):
+            rb.update_priority(b, p)
+
+    out["update_items_per_s"] = _timed(update, rounds * batch)
+    out["rss_growth"] = _rss() - base
+    return out
+
+
+def run_rllib(n, item_bytes, batch, rounds, directory, budget=None):
+    """RLlib's PrioritizedEpisodeReplayBuffer: transitions arrive as 100-step episode chunks
+    (RLlib's unit of insertion), so add throughput counts timesteps."""
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+    from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
+        PrioritizedEpisodeReplayBuffer,
+    )
+
+    payload = _payload(item_bytes)
+    base = _rss()
+    buf = PrioritizedEpisodeReplayBuffer(capacity=n, alpha=ALPHA)
+    rng = np.random.default_rng(1)
+    out = {"note": "episodes of 100 steps; items = timesteps"}
+    T = 100
+
+    def add():
+        for start in range(0, n, T):
+            steps = min(T, n - start)
+            ep = SingleAgentEpisode(
+                observations=[payload.copy() for _ in range(steps + 1)],
+                actions=[i % 4 for i in range(start, start + steps)],
+                rewards=[float(i) for i in range(start, start + steps)],
+                len_lookback_buffer=0,
+            )
+            buf.add([ep])
+
+    out["add_per_s"] = _timed(add, n)
+    out["rss_after_add"] = _rss() - base
+    prios = [rng.random(batch) + 0.01 for _ in range(rounds)]
+    t_sample = t_update = 0.0
+    for p in prios:  # RLlib updates the priorities of the last sampled batch only
+        t0 = time.perf_counter()
+        buf.sample(num_items=batch, beta=BETA, n_step=1)
+        t1 = time.perf_counter()
+        buf.update_priorities(p)
+        t_update += time.perf_counter() - t1
+        t_sample += t1 - t0
+    out["sample_items_per_s"] = rounds * batch / t_sample
+    out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
+    out["update_items_per_s"] = rounds * batch / t_update
+    out["rss_growth"] = _rss() - base
+    return out
+
+
+def run_deque(n, item_bytes, batch, rounds, directory, budget=None):
+    """What one writes without a library: a deque of dicts and a list of priorities."""
+    payload = _payload(item_bytes)
+    base = _rss()
+    items: collections.deque = collections.deque(maxlen=n)
+    prios: list[float] = []
+    rng = np.random.default_rng(1)
+    out = {}
+
+    def add():
+        maxp = 1.0
+        for i in range(n):
+            items.append({"obs": payload.copy(), "action": i % 4, "reward": float(i)})
+            prios.append(maxp)
+            if len(prios) > n:
+                prios.pop(0)
+
+    out["add_per_s"] = _timed(add, n)
+    out["rss_after_add"] = _rss() - base
+    drawn = []
+
+    def sample():
+        for _ in range(rounds):
+            p = np.asarray(prios) ** ALPHA
+            p /= p.sum()
+            idx = rng.choice(len(p), batch, p=p)
+            w = (len(p) * p[idx]) ** -BETA
+            w /= w.max()
+            got = [items[i] for i in idx]
+            np.stack([g["obs"] for g in got])  # the collated batch a learner consumes
+            drawn.append((idx, w))
+
+    out["sample_items_per_s"] = _timed(sample, rounds * batch)
+    out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
+    new = [rng.random(batch) + 0.01 for _ in range(rounds)]
+
+    def update():
+        for (idx, _), p in zip(drawn, new):
+            for i, v in zip(idx.tolist(), p.tolist()):
+                prios[i] = v
+
+    out["update_items_per_s"] = _timed(update, rounds * batch)
+    out["rss_growth"] = _rss() - base
+    return out
+
+
+def run_tensortier_spill(n, item_bytes, batch, rounds, directory, budget=None):
+    """Store n items with a RAM budget far below n * item_bytes; report RSS against the budget."""
+    from tqdm import tqdm
+
+    from tensortier.rl import Prioritized, ReplayBuffer
+
+    payload = _payload(item_bytes)
+    base = _rss()
+    buf = ReplayBuffer(
+        n,
+        ram_budget=budget,
+        spill_dir=directory,
+        sampler=Prioritized(alpha=ALPHA, beta=BETA),
+        seed=0,
+    )
+    out = {"budget": budget}
+    peak = 0
+    t0 = time.perf_counter()
+    step = 1000
+    for start in tqdm(range(0, n, step), desc="spill run: add", unit_scale=step, leave=False):
+        for i in range(start, min(n, start + step)):
+            buf.add({"obs": payload.copy(), "action": i % 4, "reward": float(i)})
+        peak = max(peak, _rss() - base)
+    out["add_per_s"] = n / (time.perf_counter() - t0)
+    rng = np.random.default_rng(1)
+    batches = []
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        batches.append(buf.sample(batch).indices)
+        peak = max(peak, _rss() - base)
+    out["sample_items_per_s"] = rounds * batch / (time.perf_counter() - t0)
+    out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
+    t0 = time.perf_counter()
+    for b in batches:
+        buf.update_priorities(b, rng.random(batch) + 0.01)
+    out["update_items_per_s"] = rounds * batch / (time.perf_counter() - t0)
+    out["rss_growth"] = peak
+    out["rss_growth_over_budget"] = peak / budget
+    out["stats"] = {k: v for k, v in buf.stats.items() if isinstance(v, int)}
+    buf.close()
+    return out
+
+
+def run_latency(n, item_bytes, batch, rounds, directory, budget=None):
+    """Prioritized sample latency of tensortier with n small items (index/sampler scaling)."""
+    from tensortier.rl import Prioritized, ReplayBuffer
+
+    buf = ReplayBuffer(n, ram_budget="8GiB", sampler=Prioritized(alpha=ALPHA, beta=BETA), seed=0)
+    payload = _payload(item_bytes)
+    step = 10_000
+    for start in range(0, n, step):
+        buf.extend({"obs": payload, "i": i} for i in range(start, min(n, start + step)))
+    rng = np.random.default_rng(0)
+    buf.update_priorities(buf.indices(), rng.random(n) + 0.01)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        buf.sample(batch)
+        times.append(time.perf_counter() - t0)
+    buf.close()
+    return {"sample_ms": float(np.median(times)) * 1e3}
+
+
+PEERS = {
+    "tensortier": run_tensortier,
+    "torchrl": run_torchrl,
+    "deque": run_deque,
+    "rllib": run_rllib,
+    "tensortier-spill": run_tensortier_spill,
+    "latency": run_latency,
+}
+
+
+def main(argv: list[str]) -> None:
+    peer, n, item_bytes, batch, rounds, directory = argv[:6]
+    budget = int(argv[6]) if len(argv) > 6 else None
+    out = PEERS[peer](int(n), int(item_bytes), int(batch), int(rounds), directory, budget)
+    out["peak_rss"] = _peak_rss()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path = [p for p in sys.path if os.path.abspath(p) != os.path.dirname(__file__)]
+    main(sys.argv[1:])

@@ -1,0 +1,442 @@
+"""`tensortier bench replay`: prioritized replay against TorchRL and a deque, spill, Ray, params.
+
+Every peer runs in its own process so its peak RSS is its own. TorchRL's C++ segment tree does not
+load with torch 2.13.0 (its wheels are built against another torch), so the TorchRL peer runs in a
+virtual environment under ``--cache-dir`` with the torch release its wheel was built for (created on
+first use: ``pip install torch==2.15.0 torchrl==0.14.1``, several GB from PyPI). RLlib's
+``PrioritizedEpisodeReplayBuffer`` runs in this environment (``pip install "ray[rllib]"``, an
+optional peer); DI-engine is reported as not measured (its ``gym==0.25.1`` dependency does not
+build).
+
+Sections: (1) 100k x 10 KB items (``--quick``: 10k): add, prioritized sample (batch 256) and
+priority update throughput, peak RSS; (2) sample latency with 10k vs 1M items (small items, so the
+sampler and index are what scale); (3) a spill run: 1M x 10 KB with a 2 GiB RAM budget
+(``--spill-items`` to scale it down at the same RAM/total ratio); (4) Ray: 4 collector tasks adding,
+1 learner sampling; (5) parameter store: publish 100 MB to 8 reader processes.
+Run: ``tensortier bench replay --json benchmarks/results/replay-cpu.json [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from tensortier._units import format_size, parse_size
+from tensortier.bench._common import environment, print_table, write_json
+
+PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_replay_peers.py")
+TORCHRL_SPEC = ["torch==2.15.0", "torchrl==0.14.1", "numpy", "psutil"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="spill / scratch directory")
+    p.add_argument(
+        "--items", type=int, default=None, help="items in the main run (100k; 10k quick)"
+    )
+    p.add_argument("--item-bytes", default="10KB", help="bytes of each item's observation")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=None, help="sample/update batches (200; 50 quick)")
+    p.add_argument(
+        "--spill-items", type=int, default=None, help="items in the spill run (1M; 0 skips)"
+    )
+    p.add_argument(
+        "--spill-budget", default=None, help="RAM budget of the spill run (2GiB, scaled)"
+    )
+    p.add_argument("--skip", default="", help="comma list of sections to skip: torchrl,ray,params")
+    p.add_argument(
+        "--cache-dir",
+        default=os.path.join(os.path.expanduser("~"), ".cache", "tensortier"),
+        help="where the TorchRL virtual environment is created",
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes")
+    p.add_argument("--json", default=None, help="write rows to this JSON file")
+
+
+# ---------------------------------------------------------------------- peers in subprocesses
+def _run_peer(
+    python: str,
+    peer: str,
+    n: int,
+    item_bytes: int,
+    batch: int,
+    rounds: int,
+    directory: str,
+    budget: int | None = None,
+    env: dict | None = None,
+) -> dict:
+    scratch = tempfile.mkdtemp(prefix=f"tt-bench-{peer}-", dir=directory)
+    cmd = [python, PEERS_SCRIPT, peer, str(n), str(item_bytes), str(batch), str(rounds), scratch]
+    if budget is not None:
+        cmd.append(str(budget))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (proc.stderr or proc.stdout)[-600:]
+    return {"error": f"exit {proc.returncode}: {tail.strip()}"}
+
+
+def _torchrl_python(cache_dir: str) -> tuple[str | None, str]:
+    """A python that can run TorchRL's PrioritizedSampler, creating its venv on first use."""
+    probe = (
+        "import torch, torchrl; from torchrl.data import PrioritizedSampler; "
+        "PrioritizedSampler(8, 0.6, 0.4); print(torch.__version__, torchrl.__version__)"
+    )
+    here = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if here.returncode == 0:
+        return sys.executable, f"this environment ({here.stdout.strip()})"
+    venv = os.path.join(cache_dir, "torchrl-venv")
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        print(f"creating {venv} for TorchRL ({' '.join(TORCHRL_SPEC)}; several GB from PyPI)")
+        os.makedirs(cache_dir, exist_ok=True)
+        made = subprocess.run([sys.executable, "-m", "venv", venv])
+        if made.returncode == 0:
+            made = subprocess.run([python, "-m", "pip", "install", "-q", *TORCHRL_SPEC])
+        if made.returncode != 0:
+            shutil.rmtree(venv, ignore_errors=True)
+            return None, "could not create the TorchRL virtual environment"
+    there = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    if there.returncode != 0:
+        return None, f"TorchRL venv cannot load its segment tree: {there.stderr[-300:]}"
+    return python, f"{venv} ({there.stdout.strip()})"
+
+
+# ---------------------------------------------------------------------- Ray section
+def _ray_section(directory: str, item_bytes: int, batch: int, seconds: float) -> list[dict]:
+    import ray
+
+    from tensortier.rl import ParamStore, Prioritized, ReplayBuffer, serve
+
+    tmp = tempfile.mkdtemp(prefix="tt-ray-", dir="/tmp")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    rows = []
+    try:
+        local = ReplayBuffer(200_000, ram_budget="1GiB", spill_dir=directory, sampler=Prioritized())
+        remote = serve(local, num_cpus=0.5)
+
+        @ray.remote(num_cpus=0.25)
+        def collector(buf, seconds: float, item_bytes: int) -> int:
+            payload = np.random.default_rng(0).integers(0, 255, item_bytes, dtype=np.uint8)
+            n, end = 0, time.monotonic() + seconds
+            while time.monotonic() < end:
+                buf.extend({"obs": payload, "i": n + k} for k in range(32))  # rollout chunks
+                n += 32
+            return n
+
+        remote.add({"obs": np.zeros(item_bytes, np.uint8), "i": -1})
+        ray.get(collector.remote(remote, 0.5, item_bytes))  # start workers before timing
+        futures = [collector.remote(remote, seconds, item_bytes) for _ in range(4)]
+        t0 = time.perf_counter()
+        samples = 0
+        while time.perf_counter() - t0 < seconds:
+            b = remote.sample(batch)
+            remote.update_priorities(b.indices, np.random.rand(len(b)) + 0.01)
+            samples += len(b)
+        added = sum(ray.get(futures))
+        wall = time.perf_counter() - t0
+        rows.append(
+            {
+                "section": "ray",
+                "peer": "tensortier serve (4 collectors, 1 learner)",
+                "add_per_s": added / wall,
+                "sample_items_per_s": samples / wall,
+            }
+        )
+        remote.close()
+        local.close()
+
+        # parameter store through Ray's object store: one ray.put per version, 8 readers
+        pstore = serve(ParamStore(), num_cpus=0)
+        state = {f"layer{i}.weight": torch.randn(100_000_000 // 4 // 4) for i in range(4)}
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+        @ray.remote(num_cpus=0.1)
+        class Reader:
+            def read(self, store, version: int) -> float:
+                p = store.get(min_version=version, timeout=300)
+                for t in p.values():
+                    float(t.view(-1)[::1024].sum())  # touch every 4 KiB page
+                return time.monotonic()
+
+        readers = [Reader.remote() for _ in range(8)]
+        pstore.publish(state)
+        ray.get([r.read.remote(pstore, 1) for r in readers])  # readers started and warm
+        pending = [r.read.remote(pstore, 2) for r in readers]
+        time.sleep(1.0)  # every reader is waiting inside get()
+        t0 = time.monotonic()
+        pstore.publish(state)
+        done = max(ray.get(pending))
+        rows.append(
+            {
+                "section": "params",
+                "peer": "tensortier serve(ParamStore) via Ray",
+                "bytes": nbytes,
+                "publish_to_8_readers_s": done - t0,
+            }
+        )
+        pstore.close()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+# ---------------------------------------------------------------------- parameter store section
+def _shm_reader(path: str, versions: int, q) -> None:
+    from tensortier.rl import ParamStore
+
+    r = ParamStore.attach(path)
+    for v in range(1, versions + 1):
+        p = r.get(min_version=v, timeout=120)
+        for t in p.values():
+            t.view(torch.uint8).numpy()[::4096].sum()  # touch every page
+        q.put((p.version, time.monotonic()))
+        del p
+
+
+def _queue_reader(inq, outq, versions: int) -> None:
+    for _ in range(versions):
+        state = inq.get()
+        for a in state.values():
+            a[::1024].sum()
+        outq.put(time.monotonic())
+
+
+def _params_section(nbytes: int, readers: int = 8) -> list[dict]:
+    from tensortier.rl import ParamStore
+
+    per = nbytes // 4 // 4
+    state = {f"layer{i}.weight": torch.randn(per) for i in range(4)}
+    ctx = mp.get_context("fork")
+    rows = []
+    with ParamStore(keep=2) as ps:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_shm_reader, args=(ps.path, 3, q)) for _ in range(readers)]
+        for p in procs:
+            p.start()
+        ps.publish(state)
+        [q.get() for _ in procs]  # version 1 read by all: warm
+        lat = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            ps.publish(state)
+            t_pub = time.monotonic() - t0
+            lat.append((t_pub, max(q.get()[1] for _ in procs) - t0))
+        for p in procs:
+            p.join()
+        rows.append(
+            {
+                "section": "params",
+                "peer": "tensortier ParamStore (shm)",
+                "bytes": nbytes,
+                "publish_s": min(x for x, _ in lat),
+                "publish_to_8_readers_s": min(y for _, y in lat),
+            }
+        )
+    # baseline: a multiprocessing.Queue per reader (each reader gets a pickled copy)
+    arrays = {k: v.numpy() for k, v in state.items()}
+    inqs = [ctx.Queue() for _ in range(readers)]
+    outq = ctx.Queue()
+    procs = [ctx.Process(target=_queue_reader, args=(iq, outq, 2)) for iq in inqs]
+    for p in procs:
+        p.start()
+    for iq in inqs:
+        iq.put(arrays)
+    [outq.get() for _ in procs]
+    t0 = time.monotonic()
+    for iq in inqs:
+        iq.put(arrays)
+    done = max(outq.get() for _ in procs)
+    for p in procs:
+        p.join()
+    rows.append(
+        {
+            "section": "params",
+            "peer": "multiprocessing.Queue per reader (copies)",
+            "bytes": nbytes,
+            "publish_to_8_readers_s": done - t0,
+        }
+    )
+    return rows
+
+
+# ---------------------------------------------------------------------- driver
+def run(args: argparse.Namespace) -> list[dict]:
+    item_bytes = parse_size(args.item_bytes, name="--item-bytes")
+    n = args.items or (10_000 if args.quick else 100_000)
+    rounds = args.rounds or (50 if args.quick else 200)
+    spill_n = (
+        args.spill_items if args.spill_items is not None else (50_000 if args.quick else 1_000_000)
+    )
+    full_spill_bytes = 1_000_000 * item_bytes
+    spill_budget = (
+        parse_size(args.spill_budget, name="--spill-budget")
+        if args.spill_budget
+        else int((2 << 30) * spill_n * item_bytes / full_spill_bytes)
+    )
+    skip = set(filter(None, args.skip.split(",")))
+    rows: list[dict] = []
+    notes: dict[str, str] = {
+        "di-engine": "not measured: DI-engine 0.5.3 needs gym==0.25.1, whose setup fails to build "
+        "with current setuptools ('extras_require must be a dictionary ...')",
+        "rllib": "PrioritizedEpisodeReplayBuffer (ray[rllib]) in this environment, fed 100-step "
+        "episodes; its update_priorities applies to the last sampled batch only",
+    }
+
+    print(f"[1/5] main run: {n} items x {format_size(item_bytes)}, batch {args.batch}")
+    main_peers = [("tensortier", sys.executable), ("deque", sys.executable)]
+    if "rllib" not in skip:
+        main_peers.append(("rllib", sys.executable))
+    if "torchrl" not in skip:
+        py, where = _torchrl_python(args.cache_dir)
+        notes["torchrl"] = where
+        if py:
+            main_peers.insert(1, ("torchrl", py))
+    for peer, py in main_peers:
+        env = None
+        if peer == "torchrl":
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        res = _run_peer(py, peer, n, item_bytes, args.batch, rounds, args.dir, env=env)
+        rows.append({"section": "main", "peer": peer, "items": n, **res})
+        print(f"  {peer}: {res.get('error') or 'ok'}")
+    base = {r["peer"]: r for r in rows if r["section"] == "main" and "error" not in r}
+    ratios = {}
+    if "tensortier" in base and "torchrl" in base:
+        t, p = base["tensortier"], base["torchrl"]
+        ratios = {
+            f"vs_torchrl_{k}": t[k] / p[k]
+            for k in ("add_per_s", "sample_items_per_s", "update_items_per_s")
+        }
+    if "tensortier" in base and "deque" in base:
+        t, p = base["tensortier"], base["deque"]
+        ratios.update(
+            {
+                f"vs_deque_{k}": t[k] / p[k]
+                for k in ("add_per_s", "sample_items_per_s", "update_items_per_s")
+            }
+        )
+
+    if "tensortier" in base and "rllib" in base:
+        t, p = base["tensortier"], base["rllib"]
+        ratios.update(
+            {
+                f"vs_rllib_{k}": t[k] / p[k]
+                for k in ("add_per_s", "sample_items_per_s", "update_items_per_s")
+            }
+        )
+
+    print("[2/5] sample latency vs buffer size (100-byte items)")
+    lat = {}
+    for size in (10_000, 100_000 if args.quick else 1_000_000):
+        res = _run_peer(sys.executable, "latency", size, 100, args.batch, 100, args.dir)
+        lat[size] = res.get("sample_ms")
+        rows.append({"section": "latency", "peer": "tensortier", "items": size, **res})
+    sizes = sorted(lat)
+    if all(lat.values()):
+        ratios["latency_ratio_large_vs_10k"] = lat[sizes[-1]] / lat[sizes[0]]
+
+    if spill_n:
+        print(
+            f"[3/5] spill run: {spill_n} x {format_size(item_bytes)}, budget "
+            f"{format_size(spill_budget)} (needs {format_size(spill_n * item_bytes)} of disk)"
+        )
+        res = _run_peer(
+            sys.executable,
+            "tensortier-spill",
+            spill_n,
+            item_bytes,
+            args.batch,
+            rounds,
+            args.dir,
+            spill_budget,
+        )
+        rows.append(
+            {
+                "section": "spill",
+                "peer": "tensortier",
+                "items": spill_n,
+                "scaled_down": spill_n < 1_000_000,
+                **res,
+            }
+        )
+
+    if "ray" not in skip:
+        print("[4/5] Ray: 4 collectors + 1 learner; ParamStore through the object store")
+        try:
+            rows += _ray_section(args.dir, item_bytes, args.batch, 5.0 if args.quick else 15.0)
+        except Exception as exc:  # reported, not hidden
+            rows.append({"section": "ray", "peer": "tensortier serve", "error": repr(exc)})
+    if "params" not in skip:
+        print("[5/5] parameter store: publish 100 MB to 8 readers")
+        rows += _params_section(parse_size("100MB"))
+
+    cols = [
+        "section",
+        "peer",
+        "items",
+        "add_per_s",
+        "sample_items_per_s",
+        "sample_ms",
+        "update_items_per_s",
+        "peak_rss",
+        "rss_growth",
+        "publish_to_8_readers_s",
+        "error",
+    ]
+    printable = []
+    for r in rows:
+        r2 = dict(r)
+        for k in ("peak_rss", "rss_growth"):
+            if isinstance(r2.get(k), int):
+                r2[k] = format_size(r2[k])
+        printable.append(r2)
+    print_table(printable, cols)
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3g}")
+    write_json(
+        args.json,
+        "replay",
+        rows,
+        ratios=ratios,
+        peers=notes,
+        settings={
+            "items": n,
+            "item_bytes": item_bytes,
+            "batch": args.batch,
+            "rounds": rounds,
+            "spill_items": spill_n,
+            "spill_budget": spill_budget,
+            "env": environment(),
+        },
+    )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_args(parser)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,474 @@
+"""The storage under ReplayBuffer and MemoryBank: keyed item blobs in RAM up to a budget, then on disk.
+
+Keys. An item's key is ``seq * capacity + slot``: ``seq`` counts adds, so keys grow in insertion
+order (FIFO order is key order) and are never reused, and ``slot = key % capacity`` finds the
+item's row in the index arrays without a dict. A key whose slot now holds another key is stale.
+
+Index (per slot, numpy): key, disk location (segment, offset, length), a list entry for the RAM
+copy, the free-slot stack; RAM order and FIFO order are numpy rings of keys (removed keys are
+skipped lazily, the FIFO ring is compacted past 2x capacity). With the replay buffer's use counts
+and sum/min trees that is about 100 bytes per slot of capacity (~95 MiB for 1M slots), the
+"small overhead per item" outside the RAM budget.
+
+Tiering. Item bytes in RAM (blob length + 33 bytes of Python object header) stay under
+``ram_budget``: an add that would exceed it first moves the oldest RAM items to the active segment
+in one batched write (non-durable) or just drops their RAM copies (durable buffers write every
+item through to disk when it is added, so an acknowledged add survives a crash).
+
+This module owns bytes and their location; it knows nothing of sampling or priorities, and it is
+not thread-safe (its owner holds a lock).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import shutil
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tensortier.errors import ConfigError, SpillDirError
+from tensortier.rl._segments import TOMBSTONE, Segments
+from tensortier.tiers.disk import private_dir
+
+_OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
+_META = "store.json"
+
+
+class KeyQueue:
+    """Keys in insertion order (a growable numpy ring); invalid keys are skipped by the reader."""
+
+    def __init__(self, n: int = 1024):
+        self.buf = np.empty(max(n, 16), np.int64)
+        self.head = self.tail = 0
+
+    def __len__(self) -> int:
+        return self.tail - self.head
+
+    def push(self, keys: np.ndarray | list[int]) -> None:
+        keys = np.asarray(keys, np.int64)
+        if self.tail + len(keys) > len(self.buf):
+            live = self.buf[self.head : self.tail]
+            new = np.empty(max(2 * (len(live) + len(keys)), 16), np.int64)
+            new[: len(live)] = live
+            self.buf, self.head, self.tail = new, 0, len(live)
+        self.buf[self.tail : self.tail + len(keys)] = keys
+        self.tail += len(keys)
+
+    def view(self) -> np.ndarray:
+        return self.buf[self.head : self.tail]
+
+    def filter(self, mask: np.ndarray) -> None:
+        """Keep only keys where ``mask`` (aligned with :meth:`view`) is True."""
+        kept = self.view()[mask]
+        self.buf = np.empty(max(2 * len(kept), 16), np.int64)
+        self.buf[: len(kept)] = kept
+        self.head, self.tail = 0, len(kept)
+
+
+@dataclass
+class StoreStats:
+    items: int = 0
+    ram_items: int = 0
+    ram_bytes: int = 0
+    peak_ram_bytes: int = 0
+    disk_items: int = 0
+    spilled_items: int = 0
+    evicted_items: int = 0
+    disk_reads: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class ItemStore:
+    def __init__(
+        self,
+        capacity: int,
+        ram_budget: int,
+        spill_dir: str | os.PathLike | None,
+        *,
+        durable: bool = False,
+        fsync: bool = False,
+        segment_size: int = 64 << 20,
+        owner: str = "tt-rl",
+    ):
+        self.cap = capacity
+        self.budget = ram_budget
+        self.durable = durable
+        self.keys = np.full(capacity, -1, np.int64)
+        self.seg = np.full(capacity, -1, np.int32)
+        self.off = np.zeros(capacity, np.int64)
+        self.len = np.zeros(capacity, np.int32)
+        self.ram: list[bytes | None] = [None] * capacity
+        self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
+        self.nfree = capacity
+        self.seq = 0
+        self.fifo = KeyQueue()
+        self.ram_order = KeyQueue()
+        self.stats = StoreStats()
+        self.compaction_paused = 0
+        self._spill_dir = spill_dir
+        self._owner = owner
+        self.segments: Segments | None = None
+        self._private = not durable
+        self.recovered: np.ndarray = np.empty(0, np.int64)
+        self.segment_size = segment_size
+        self.fsync = fsync
+        if durable:
+            if spill_dir is None:
+                raise ConfigError(
+                    "durable=True needs spill_dir: the directory whose segments survive a restart"
+                )
+            root = os.fspath(spill_dir)
+            try:
+                os.makedirs(root, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise SpillDirError(
+                    f"cannot create durable buffer directory {root!r} ({exc.strerror})", path=root
+                ) from exc
+            self._check_meta(root)
+            self.segments = Segments(root, segment_size=segment_size, fsync=fsync)
+            self._recover()
+
+    # ------------------------------------------------------------------ setup
+    def _check_meta(self, root: str) -> None:
+        path = os.path.join(root, _META)
+        if os.path.exists(path):
+            with open(path) as f:
+                meta = json.load(f)
+            if meta.get("capacity") != self.cap:
+                raise ConfigError(
+                    f"durable buffer in {root!r} was created with capacity={meta.get('capacity')}, "
+                    f"got capacity={self.cap}; reopen it with the same capacity"
+                )
+        else:
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(
+                    {"format": "tensortier-rl-segments", "version": 1, "capacity": self.cap}, f
+                )
+            os.replace(tmp, path)
+
+    def _disk(self) -> Segments:
+        if self.segments is None:
+            self.segments = Segments(
+                private_dir(self._spill_dir, self._owner),
+                segment_size=self.segment_size,
+                fsync=self.fsync,
+            )
+        return self.segments
+
+    def _recover(self) -> None:
+        """Rebuild the index from the segments: the last record of each key wins."""
+        segs = self.segments
+        assert segs is not None
+        latest: dict[int, tuple[int, int, int, int]] = {}
+        for key, flags, seg, off, length in segs.scan():
+            latest[key] = (flags, seg, off, length)
+        live = sorted(k for k, v in latest.items() if v[0] != TOMBSTONE)
+        if len(live) > self.cap:
+            live = live[-self.cap :]
+        if latest:
+            self.seq = max(latest) // self.cap + 1
+        for key in live:
+            _, seg, off, length = latest[key]
+            slot = key % self.cap
+            if self.keys[slot] > key:  # (cannot happen with intact tombstones) newest wins
+                continue
+            if self.keys[slot] < 0:
+                self.stats.items += 1
+            self.keys[slot], self.seg[slot], self.off[slot], self.len[slot] = key, seg, off, length
+        for slot in np.nonzero(self.keys >= 0)[0]:
+            segs.add_live(int(self.seg[slot]), int(self.len[slot]))
+        self._rebuild_free()
+        used = self.keys >= 0
+        order = np.sort(self.keys[used])
+        self.fifo.push(order)
+        self.stats.disk_items = int(used.sum())
+        self.recovered = order
+        for seg in segs.candidates(0.5):
+            self._compact(seg)
+
+    def _rebuild_free(self) -> None:
+        empty = np.nonzero(self.keys < 0)[0][::-1]
+        self.free = np.empty(self.cap, np.int64)
+        self.free[: len(empty)] = empty
+        self.nfree = len(empty)
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return self.cap - self.nfree
+
+    def slots(self, keys: np.ndarray) -> np.ndarray:
+        """Slots of ``keys``; -1 where a key is not live (removed, evicted or never issued)."""
+        keys = np.asarray(keys, np.int64)
+        slots = np.where(keys >= 0, keys % self.cap, 0)
+        ok = (keys >= 0) & (self.keys[slots] == keys)
+        return np.where(ok, slots, -1)
+
+    def issued(self, keys: np.ndarray) -> np.ndarray:
+        """True where a key was handed out by this store at some point (it may be gone now)."""
+        keys = np.asarray(keys, np.int64)
+        return (keys >= 0) & (keys < self.seq * self.cap)
+
+    def blobs(self, slots: np.ndarray) -> list[bytes]:
+        """Item blobs of live ``slots``, RAM copies first, the rest in one sorted disk pass."""
+        idx = slots.tolist()
+        if len(idx) > 1:
+            out = list(operator.itemgetter(*idx)(self.ram))
+        else:
+            out = [self.ram[s] for s in idx]
+        if None in out:
+            missing = [i for i, b in enumerate(out) if b is None]
+            rows = slots[missing]
+            locs = np.stack([self.seg[rows], self.off[rows], self.len[rows]], axis=1)
+            datas = self._disk().read_many(locs)
+            self.stats.disk_reads += len(missing)
+            for i, d in zip(missing, datas):
+                out[i] = d
+        return out  # type: ignore[return-value]
+
+    def order(self) -> np.ndarray:
+        """Live keys, oldest first."""
+        q = self.fifo.view()
+        return q[self.keys[q % self.cap] == q]
+
+    # ------------------------------------------------------------------ changes
+    def add(self, blobs: list[bytes], on_evict=None) -> tuple[np.ndarray, np.ndarray]:
+        """Store ``blobs``; returns (their keys, slots of items evicted to make room).
+
+        ``on_evict(slots)`` runs as soon as items are evicted (before any write), so the caller's
+        sampler stays consistent even if a write then fails. A failed add stores none of
+        ``blobs`` (the error, e.g. TierFullError or SpillDirError, propagates).
+        """
+        n = len(blobs)
+        if n > self.cap:
+            raise ConfigError(f"cannot add {n} items at once to a store of capacity {self.cap}")
+        evicted = self._evict(n - self.nfree) if n > self.nfree else np.empty(0, np.int64)
+        if on_evict is not None and len(evicted):
+            on_evict(evicted)
+        slots = self.free[self.nfree - n : self.nfree][::-1].copy()
+        self.nfree -= n
+        keys = (self.seq + np.arange(n, dtype=np.int64)) * self.cap + slots
+        self.seq += n
+        self.keys[slots] = keys
+        self.seg[slots] = -1
+        try:
+            if self.durable:
+                locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
+                for s, (seg, off, ln) in zip(slots.tolist(), locs):
+                    self.seg[s], self.off[s], self.len[s] = seg, off, ln
+                self.stats.disk_items += n
+            self._to_ram(slots, keys, blobs)
+        except BaseException:
+            self._undo_add(slots)
+            raise
+        self.fifo.push(keys)
+        if len(self.fifo) > 2 * self.cap + 1024:
+            q = self.fifo.view()
+            self.fifo.filter(self.keys[q % self.cap] == q)
+        self.stats.items += n
+        return keys, evicted
+
+    def _undo_add(self, slots: np.ndarray) -> None:
+        """Forget half-added ``slots`` (a write failed): their slots go back to the free list."""
+        for s in slots.tolist():
+            blob = self.ram[s]
+            if blob is not None:
+                self.ram[s] = None
+                self.stats.ram_bytes -= len(blob) + _OBJ
+                self.stats.ram_items -= 1
+            if self.seg[s] >= 0 and self.segments is not None:
+                self.segments.release(int(self.seg[s]), int(self.len[s]))
+                self.stats.disk_items -= 1
+                self.seg[s] = -1
+        self.keys[slots] = -1
+        self.free[self.nfree : self.nfree + len(slots)] = slots[::-1]
+        self.nfree += len(slots)
+
+    def restore(self, keys: np.ndarray, blobs: list[bytes]) -> None:
+        """Put items back under their saved keys (a load into an empty store)."""
+        slots = keys % self.cap
+        if (self.keys[slots] >= 0).any():
+            raise ValueError("restore: two saved items map to one slot (capacity changed?)")
+        self.keys[slots] = keys
+        self.seg[slots] = -1
+        self.seq = max(self.seq, int(keys.max()) // self.cap + 1) if len(keys) else self.seq
+        if self.durable:
+            locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
+            for s, (seg, off, ln) in zip(slots.tolist(), locs):
+                self.seg[s], self.off[s], self.len[s] = seg, off, ln
+        self._to_ram(slots, keys, blobs)
+        self.fifo.push(keys)
+        self.stats.items += len(keys)
+        self._rebuild_free()
+
+    def _to_ram(self, slots: np.ndarray, keys: np.ndarray, blobs: list[bytes]) -> None:
+        need = sum(len(b) + _OBJ for b in blobs)
+        if self.stats.ram_bytes + need > self.budget:
+            # spill a little more than needed (1/16 of the budget, at most 16 MiB) so writes
+            # are large and rare
+            self._spill(
+                self.stats.ram_bytes + need - self.budget + min(self.budget // 16, 16 << 20)
+            )
+        spill = []
+        for s, k, b in zip(slots.tolist(), keys.tolist(), blobs):
+            size = len(b) + _OBJ
+            if self.stats.ram_bytes + size <= self.budget:
+                self.ram[s] = b
+                self.stats.ram_bytes += size
+                self.stats.ram_items += 1
+            elif self.seg[s] < 0:  # larger than what is left of the budget: straight to disk
+                spill.append((s, k, b))
+        ram_keys = [k for s, k in zip(slots.tolist(), keys.tolist()) if self.ram[s] is not None]
+        self.ram_order.push(ram_keys)
+        self.stats.peak_ram_bytes = max(self.stats.peak_ram_bytes, self.stats.ram_bytes)
+        if spill:
+            self._write([s for s, _, _ in spill], [k for _, k, _ in spill], [b for *_, b in spill])
+
+    def _write(self, slots: list[int], keys: list[int], blobs: list[bytes]) -> None:
+        locs = self._disk().append([(k, 0, b) for k, b in zip(keys, blobs)])
+        for s, (seg, off, ln) in zip(slots, locs):
+            self.seg[s], self.off[s], self.len[s] = seg, off, ln
+        self.stats.disk_items += len(slots)
+        self.stats.spilled_items += len(slots)
+
+    def _spill(self, nbytes: int) -> None:
+        """Move the oldest RAM items out of RAM until ``nbytes`` are freed."""
+        q = self.ram_order.view()
+        freed, dropped, i, out_s, out_k, out_b = 0, 0, 0, [], [], []
+        while freed < nbytes and i < len(q):
+            key = int(q[i])
+            i += 1
+            s = key % self.cap
+            blob = self.ram[s]
+            if self.keys[s] != key or blob is None:
+                continue
+            if self.seg[s] < 0:
+                out_s.append(s)
+                out_k.append(key)
+                out_b.append(blob)
+            self.ram[s] = None
+            freed += len(blob) + _OBJ
+            dropped += 1
+        self.ram_order.head += i
+        if out_s:
+            try:
+                self._write(out_s, out_k, out_b)
+            except BaseException:
+                for s, b in zip(out_s, out_b):  # put them back: nothing is lost
+                    self.ram[s] = b
+                self.ram_order.head -= i
+                raise
+            # (items already on disk just lost their RAM copy)
+        self.stats.ram_bytes -= freed
+        self.stats.ram_items -= dropped
+
+    def replace(self, slot: int, blob: bytes) -> None:
+        """Overwrite the item in ``slot`` (same key): in RAM if it is there, else a new disk record."""
+        key = int(self.keys[slot])
+        old = self.ram[slot]
+        if old is not None and self.stats.ram_bytes - len(old) + len(blob) <= self.budget:
+            self.ram[slot] = blob
+            self.stats.ram_bytes += len(blob) - len(old)
+            if self.durable:
+                self._relocate(slot, key, blob)
+            return
+        if old is not None:
+            self.ram[slot] = None
+            self.stats.ram_bytes -= len(old) + _OBJ
+            self.stats.ram_items -= 1
+        self._relocate(slot, key, blob)
+
+    def _relocate(self, slot: int, key: int, blob: bytes) -> None:
+        segs = self._disk()
+        old_seg, old_len = int(self.seg[slot]), int(self.len[slot])
+        [(seg, off, ln)] = segs.append([(key, 0, blob)])
+        self.seg[slot], self.off[slot], self.len[slot] = seg, off, ln
+        if old_seg >= 0:
+            segs.release(old_seg, old_len)
+        else:
+            self.stats.disk_items += 1
+        self._maybe_compact()
+
+    def remove(self, slots: np.ndarray, *, evicted: bool = False) -> None:
+        """Forget live ``slots``; their disk space comes back through compaction."""
+        if len(slots) == 0:
+            return
+        segs = self.segments
+        keys = self.keys[slots].copy()
+        if self.durable and segs is not None:
+            segs.append([(int(k), TOMBSTONE, b"") for k in keys.tolist()])
+        for s in slots.tolist():
+            blob = self.ram[s]
+            if blob is not None:
+                self.ram[s] = None
+                self.stats.ram_bytes -= len(blob) + _OBJ
+                self.stats.ram_items -= 1
+            if self.seg[s] >= 0 and segs is not None:
+                segs.release(int(self.seg[s]), int(self.len[s]))
+                self.stats.disk_items -= 1
+                self.seg[s] = -1
+        self.keys[slots] = -1
+        self.free[self.nfree : self.nfree + len(slots)] = slots
+        self.nfree += len(slots)
+        self.stats.items -= len(slots)
+        if evicted:
+            self.stats.evicted_items += len(slots)
+        self._maybe_compact()
+
+    def _evict(self, n: int) -> np.ndarray:
+        """Remove the ``n`` oldest items (FIFO); returns their slots."""
+        q = self.fifo.view()
+        out, i = [], 0
+        while len(out) < n and i < len(q):
+            key = int(q[i])
+            i += 1
+            s = key % self.cap
+            if self.keys[s] == key:
+                out.append(s)
+        self.fifo.head += i
+        slots = np.asarray(out, np.int64)
+        self.remove(slots, evicted=True)
+        return slots
+
+    # ------------------------------------------------------------------ compaction
+    def _maybe_compact(self) -> None:
+        if self.segments is None or self.compaction_paused:
+            return
+        for seg in self.segments.candidates(0.5):
+            self._compact(seg)
+
+    def _compact(self, seg: int) -> None:
+        """Copy ``seg``'s live records (and tombstones still needed) to the active segment."""
+        segs = self.segments
+        assert segs is not None
+        if seg == segs.active:
+            return
+        slots = np.nonzero((self.seg == seg) & (self.keys >= 0))[0]
+        tomb = segs.needed_tombstones(seg)
+        payloads = []
+        if len(slots):
+            locs = np.stack([self.seg[slots], self.off[slots], self.len[slots]], axis=1)
+            payloads = segs.read_many(locs)
+        records = [(int(self.keys[s]), 0, p) for s, p in zip(slots.tolist(), payloads)]
+        records += [(k, TOMBSTONE, b"") for k in tomb]
+        if records and segs.size.get(segs.active, 0) >= segs.segment_size:
+            segs.active = -1  # roll before copying, so the copy does not land in a candidate
+        locs = segs.append(records)
+        for s, (nseg, off, ln) in zip(slots.tolist(), locs):
+            self.seg[s], self.off[s], self.len[s] = nseg, off, ln
+        segs.stats.compactions += 1
+        segs.stats.bytes_compacted += sum(ln for _, _, ln in locs)
+        segs.drop(seg)
+
+    def close(self) -> None:
+        if self.segments is not None:
+            self.segments.close(remove=self._private)
+            if self._private:
+                shutil.rmtree(self.segments.root, ignore_errors=True)
+            self.segments = None
+        self.ram = [None] * self.cap

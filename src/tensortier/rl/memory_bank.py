@@ -1,0 +1,155 @@
+"""MemoryBank: a FIFO of variable-size items with fast index access, on the replay buffer's storage.
+
+Same storage as :class:`~tensortier.rl.ReplayBuffer` (RAM up to a budget, then segment files,
+FIFO eviction at capacity, never-reused indices) without a sampler: what an agent's episodic
+memory or a retrieval store needs. ``get_many`` reads disk-resident items in one sorted pass.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from tensortier._units import SizeLike, parse_size
+from tensortier.errors import ClosedError, ConfigError
+from tensortier.rl import _codec
+from tensortier.rl._store import ItemStore
+from tensortier.rl.replay import _as_index_array
+
+
+class MemoryBank:
+    """``bank.append(item) -> index``; ``bank[index]``; ``bank[index] = item``; ``del bank[index]``.
+
+    >>> bank = tt.rl.MemoryBank(100_000, ram_budget="2GiB", spill_dir="/data/mb")
+    >>> i = bank.append({"embedding": e, "text": b"..."})
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        ram_budget: SizeLike = "1GiB",
+        spill_dir: str | os.PathLike | None = None,
+        durable: bool = False,
+        fsync: bool = False,
+        segment_size: SizeLike = "64MiB",
+    ):
+        if (
+            isinstance(capacity, bool)
+            or not isinstance(capacity, (int, np.integer))
+            or capacity < 1
+        ):
+            raise ConfigError(f"capacity must be an int >= 1, got {capacity!r}")
+        self._lock = threading.RLock()
+        self._closed = False
+        self._store = ItemStore(
+            int(capacity),
+            parse_size(ram_budget, name="ram_budget"),
+            spill_dir,
+            durable=durable,
+            fsync=fsync,
+            segment_size=parse_size(segment_size, name="segment_size", allow_zero=False),
+            owner="tt-membank",
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self._store.cap
+
+    @property
+    def stats(self) -> dict:
+        with self._lock:
+            return self._store.stats.as_dict()
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError("this MemoryBank is closed")
+
+    def _slots(self, keys: np.ndarray) -> np.ndarray:
+        slots = self._store.slots(keys)
+        if (slots < 0).any():
+            first = int(keys[np.argmax(slots < 0)])
+            raise KeyError(
+                f"index {first} is not in the memory bank: it was deleted, evicted, or never "
+                f"returned by append()"
+            )
+        return slots
+
+    def append(self, item: Any) -> int:
+        """Store ``item`` at the end (evicting the oldest at capacity); returns its index."""
+        return int(self.extend([item])[0])
+
+    def extend(self, items: Iterable[Any]) -> np.ndarray:
+        blobs = [_codec.encode(it) for it in items]
+        with self._lock:
+            self._check()
+            return self._store.add(blobs)[0]
+
+    def get_many(self, indices: Sequence[int] | np.ndarray) -> list[Any]:
+        """Items at ``indices`` in order; disk-resident ones in one offset-sorted pass."""
+        keys = _as_index_array(indices, "indices")
+        with self._lock:
+            self._check()
+            blobs = self._store.blobs(self._slots(keys))
+        return [_codec.decode(b) for b in blobs]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.get_many([index])[0]
+
+    def __setitem__(self, index: int, item: Any) -> None:
+        blob = _codec.encode(item)
+        with self._lock:
+            self._check()
+            [slot] = self._slots(_as_index_array(index, "index"))
+            self._store.replace(int(slot), blob)
+
+    def __delitem__(self, index: int | Sequence[int]) -> None:
+        keys = _as_index_array(index, "index")
+        with self._lock:
+            self._check()
+            self._store.remove(np.unique(self._slots(keys)))
+
+    def __contains__(self, index: object) -> bool:
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+            return False
+        with self._lock:
+            return bool(self._store.slots(np.array([index]))[0] >= 0)
+
+    def indices(self) -> np.ndarray:
+        """Indices of stored items, oldest first."""
+        with self._lock:
+            return self._store.order()
+
+    def __iter__(self) -> Iterator[Any]:
+        """Items oldest first (a snapshot of the indices; items deleted meanwhile are skipped)."""
+        for key in self.indices().tolist():
+            try:
+                yield self[key]
+            except KeyError:
+                continue
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._store.close()
+
+    def __enter__(self) -> MemoryBank:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self._store.close()
+        except Exception:
+            pass

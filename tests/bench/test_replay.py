@@ -1,0 +1,24 @@
+import json
+
+import pytest
+
+from tensortier.cli import main
+
+
+@pytest.mark.slow
+def test_bench_replay_runs_peers_and_writes_ratios(tmp_path):
+    out = tmp_path / "replay.json"
+    main(
+        [
+            "bench", "replay", "--quick", "--items", "600", "--rounds", "4",
+            "--item-bytes", "2KB", "--spill-items", "800", "--spill-budget", "256KiB", "--skip", "torchrl,rllib,ray,params",
+            "--dir", str(tmp_path), "--json", str(out),
+        ]
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    rows = {(r["section"], r["peer"]): r for r in data["rows"]}
+    assert {("main", "tensortier"), ("main", "deque"), ("spill", "tensortier")} <= set(rows)
+    main_row = rows[("main", "tensortier")]
+    assert "error" not in main_row and main_row["add_per_s"] > 0 and main_row["peak_rss"] > 0
+    assert rows[("spill", "tensortier")]["stats"]["disk_items"] > 0
+    assert "vs_deque_sample_items_per_s" in data["ratios"]

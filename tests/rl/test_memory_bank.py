@@ -1,0 +1,37 @@
+import numpy as np
+import pytest
+
+from tensortier.errors import ConfigError
+from tensortier.rl import MemoryBank
+
+
+def test_fifo_index_access_and_variable_sizes_on_ram_and_disk(spill_dir):
+    bank = MemoryBank(50, ram_budget="8KiB", spill_dir=spill_dir, segment_size="8KiB")
+    rng = np.random.default_rng(0)
+    items = {}
+    for i in range(80):
+        it = {
+            "e": rng.standard_normal(rng.integers(1, 400)).astype(np.float32),
+            "t": bytes([i]) * i,
+        }
+        items[bank.append(it)] = it
+    assert len(bank) == 50 and bank.stats["disk_items"] > 0
+    keys = bank.indices().tolist()
+    assert keys == sorted(items)[30:]
+    for k in keys:
+        got = bank[k]
+        assert got["e"].tobytes() == items[k]["e"].tobytes() and got["t"] == items[k]["t"]
+    assert [g["t"] for g in bank.get_many(keys[::-7])] == [items[k]["t"] for k in keys[::-7]]
+    bank[keys[0]] = {"e": np.zeros(2), "t": b"new"}
+    assert bank[keys[0]]["t"] == b"new"
+    del bank[keys[1]]
+    assert keys[1] not in bank and len(bank) == 49
+    with pytest.raises(KeyError):
+        bank[keys[1]]
+    assert [it["t"] for it in bank][:2] == [b"new", items[keys[2]]["t"]]
+    bank.close()
+
+
+def test_bad_capacity():
+    with pytest.raises(ConfigError):
+        MemoryBank(0)
