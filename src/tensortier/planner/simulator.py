@@ -170,7 +170,10 @@ class _Memory:
         for t, d in sorted(self.events, key=lambda e: (e[0], e[1] > 0)):
             level += d
             peak = max(peak, level)
-            timeline.append((t, level))
+            if timeline[-1][0] == t:  # one point per instant: no zero-width dips in the plot
+                timeline[-1] = (t, level)
+            else:
+                timeline.append((t, level))
         return peak, timeline
 
 
@@ -346,6 +349,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
             spans.append(Span("compute", now, now + u.fwd_s, f"recompute {u.name}"))
             now += u.fwd_s
             overhead += u.fwd_s
+            start = now
         now += u.bwd_s
         spans.append(Span("compute", start, now, f"bwd {u.name}"))
         dev.add(now, u.grad_bytes)
