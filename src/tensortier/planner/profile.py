@@ -79,6 +79,7 @@ class Profile:
     unified: bool = True  # host RAM is the device's memory (CPU): host-tier bytes count as device
     base_bytes: int = 0  # resident for the whole step (counted in every peak)
     workspace_bytes: int = 0  # transient memory beyond saved tensors and grads (calibrated)
+    offload_overhead_bytes: int = 0  # persistent buffers of the offload machinery (reported only)
     other_fwd_s: float = 0.0  # forward compute outside every unit (loss, ...)
     other_bwd_s: float = 0.0
     prefetch_bytes: int = 256 << 20  # the offloader's read-ahead window

@@ -12,8 +12,10 @@ The model (SwapAdvisor/AutoTM style, driven by a measured :class:`Profile`):
   backward waits for its reads (that wait is the *exposed transfer time*);
 * a recomputed unit keeps only its inputs during the gap; its backward first reruns its forward.
 
-Peak memory is ``base + workspace + max over time of (saved bytes resident + payloads in flight
-+ gradients allocated so far)``. The simulator never runs a model and never touches a tier.
+Peak memory is the steady-state peak of an iteration: ``base + workspace + max over time of
+(saved bytes resident + payloads in flight + gradients allocated so far)``. Memory held across
+iterations (parameters, optimizer state, the offloader's persistent staging buffers, reported as
+``Profile.offload_overhead_bytes``) is not part of it, as with CUDA's ``max_memory_allocated``. The simulator never runs a model and never touches a tier.
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ class Plan:
             "actions": {u: a.label() for u, a in self.actions.items()},
             "codecs": {str(k): v for k, v in self.codecs.items() if v},
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        actions = {}
+        for unit, label in d["actions"].items():
+            mode, _, codec = label.partition("+")
+            actions[unit] = UnitAction(Mode(mode), compress=codec == "codec")
+        return cls(d["policy"], actions, {int(k): v for k, v in d.get("codecs", {}).items()})
 
 
 @dataclass
