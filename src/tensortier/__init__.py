@@ -1,6 +1,15 @@
 """tensortier: move PyTorch tensors across device, host RAM and NVMe so training breaks the memory wall."""
 
 from tensortier._units import format_size, parse_size
+from tensortier.activations import (
+    Action,
+    Offloader,
+    OffloadStats,
+    SavedTensorInfo,
+    offload,
+    offload_module,
+    offload_stats,
+)
 from tensortier.errors import (
     BudgetError,
     ClosedError,
@@ -16,6 +25,13 @@ from tensortier.transfer import HostTensor, Transfer, TransferEngine
 __version__ = "0.1.0"
 
 __all__ = [
+    "offload_stats",
+    "offload_module",
+    "offload",
+    "SavedTensorInfo",
+    "OffloadStats",
+    "Offloader",
+    "Action",
     "BudgetError",
     "ClosedError",
     "ConfigError",

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tensortier.bench import activations as bench_activations
 from tensortier.bench import tiers as bench_tiers
 
-BENCHES = {"tiers": bench_tiers}
+BENCHES = {
+    "tiers": bench_tiers,
+    "activations": bench_activations,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
