@@ -6,11 +6,13 @@ import argparse
 import sys
 
 from tensortier.bench import activations as bench_activations
+from tensortier.bench import planner as bench_planner
 from tensortier.bench import tiers as bench_tiers
 
 BENCHES = {
     "tiers": bench_tiers,
     "activations": bench_activations,
+    "planner": bench_planner,
 }
 
 
@@ -21,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     from tensortier import demo as demo_mod
 
     demo_mod.add_args(demo)
+    from tensortier.planner import cli as plan_mod
+
+    plan_mod.add_args(sub.add_parser("plan", help="choose what to keep, swap, compress, recompute"))
     bench = sub.add_parser("bench", help="benchmarks against the peers a user would pick instead")
     areas = bench.add_subparsers(dest="area", required=True)
     for name, module in BENCHES.items():
@@ -28,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo_mod.run(args)
+    elif args.command == "plan":
+        return plan_mod.run(args)
     else:
         BENCHES[args.area].run(args)
     return 0

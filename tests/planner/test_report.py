@@ -11,7 +11,7 @@ from tensortier.planner.report import write_report  # noqa: E402
 def test_report_writes_html_and_a_png(make_profile, tmp_path):
     p = make_profile(n_units=6, per_unit=2, zero_frac=0.6)
     budget = int(0.4 * p.saved_bytes)
-    opts = Options(search_iters=50)
+    opts = Options(search_iters=50, margin=0.0)
     choice = choose(p, budget, "auto", opts)
     html_path, png_path = write_report(
         tmp_path / "plan.html", p, choice, plan_all(p, budget, opts), budget=budget

@@ -635,6 +635,10 @@ def offload(to: str = "disk", **kwargs) -> Offloader:
     Calls with the same settings reuse one offloader (its spill files, host pool and learned
     prefetch order), so a training loop can write ``with tt.offload(...):`` every step.
     """
+    if kwargs.get("budget") is not None:  # a budget: the planner chooses (tensortier.planner)
+        from tensortier.planner.runtime import planned_offload
+
+        return planned_offload(to=to, **kwargs)
     key = (to, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     cached = _CACHE.get(key)
     if cached is None or cached._hooks is not None:

@@ -40,6 +40,7 @@ class Options:
     seed: int = 0
     search_iters: int = 600
     search_seconds: float = 20.0
+    margin: float = 0.1  # plan for (1 - margin) x budget: bandwidth measured at start-up drifts
 
 
 @dataclass
@@ -58,7 +59,19 @@ def _tiers(profile: Profile, opts: Options) -> tuple[str, ...]:
 
 def evaluate(profile: Profile, plan: Plan, opts: Options) -> Choice:
     resolve_codecs(profile, plan, allow_lossy=opts.allow_lossy)
+    _canonical(profile, plan)
     return Choice(plan, simulate(profile, plan))
+
+
+def _canonical(profile: Profile, plan: Plan) -> None:
+    """Drop choices with no effect: "+codec" where no codec pays; unified host without a codec."""
+    with_codec = {t.unit for t in profile.tensors if plan.codecs.get(t.index)}
+    for unit, a in list(plan.actions.items()):
+        if a.compress and unit not in with_codec:
+            a = UnitAction(a.mode)
+        if a.mode == Mode.HOST and not a.compress and profile.unified:
+            a = UnitAction(Mode.KEEP)
+        plan.actions[unit] = a
 
 
 def _plan(name: str, actions: dict[str, UnitAction]) -> Plan:
@@ -276,7 +289,10 @@ def choose(
 ) -> Choice:
     """The plan of ``policy`` for ``budget``; raises :class:`BudgetError` if it does not fit."""
     opts = opts or Options()
-    b = parse_size(budget, name="budget", allow_zero=False)
+    given = parse_size(budget, name="budget", allow_zero=False)
+    if not 0 <= opts.margin < 1:
+        raise ConfigError(f"margin must be in [0, 1), got {opts.margin}")
+    b = int(given * (1 - opts.margin))
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if policy == "auto":
@@ -294,11 +310,17 @@ def choose(
         if one.meets(b):
             return one
         tried = [one]
-    minimum = _smallest(profile, opts, tried)
+    reached = _smallest(profile, opts, tried)
+    minimum = int(math.ceil(reached / (1 - opts.margin)))
     raise BudgetError(
-        f"no {policy} plan fits a budget of {format_size(b)}: the smallest peak this model "
-        f"reaches is {format_size(minimum)} (policy {policy!r}). Raise the budget to at least "
-        f"{format_size(minimum)}, allow more tiers, or use policy='auto'.",
-        budget=b,
+        f"no {policy} plan fits a budget of {format_size(given)}: the smallest peak this model "
+        f"reaches is {format_size(reached)} (policy {policy!r}, {opts.margin:.0%} margin). Raise "
+        f"the budget to at least {format_size(minimum)}"
+        + (
+            ", allow more tiers, or use policy='auto'."
+            if policy != "auto"
+            else ", or allow more tiers."
+        ),
+        budget=given,
         minimum=minimum,
     )

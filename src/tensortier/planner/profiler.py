@@ -158,6 +158,26 @@ class PeakMeter:
         return max(0, self.peak - self.start)
 
 
+def release_freed_memory(threshold: int = 128 << 10) -> bool:
+    """Make glibc return freed blocks of ``threshold`` bytes or more to the OS (``mallopt``).
+
+    glibc's adaptive mmap threshold otherwise serves activations from the heap after the first
+    free, and the process's RSS never falls below the plain peak: offloading would save nothing
+    that a CPU memory budget can see. Same effect as ``MALLOC_MMAP_THRESHOLD_=131072``. Returns
+    whether it applied (False off glibc).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(
+            libc.mallopt(m_trim_threshold, threshold)
+        )
+    except (OSError, AttributeError):
+        return False
+
+
 def _reset_hwm() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:

@@ -11,7 +11,9 @@ plain offloader (``with off: loss = model(x)`` then ``loss.backward()``), it
    recompute have their ``forward`` wrapped in non-reentrant ``torch.utils.checkpoint``
    (restored by :meth:`PlannedOffload.close`).
 
-It raises :class:`BudgetError` (with ``.minimum``) at step 3 when no plan fits the budget.
+It raises :class:`BudgetError` (with ``.minimum``) at step 3 when no plan fits the budget. On a
+CPU-only machine it sets glibc's mmap threshold (``release_freed_memory``) so that activations
+freed by the plan leave the process's RSS, which is what a CPU budget measures.
 This module never moves bytes itself: the activation offloader does.
 """
 
@@ -149,6 +151,9 @@ class PlannedOffload:
         if self.iteration < cfg.warmup:
             if self._rss0 is None and not torch.cuda.is_available():
                 from tensortier._device import rss_bytes
+                from tensortier.planner.profiler import release_freed_memory
+
+                release_freed_memory()  # else RSS never drops below the plain peak
 
                 self._rss0 = rss_bytes()
             if self._warm is None:
@@ -247,9 +252,13 @@ class PlannedOffload:
                 off.close()
 
 
+_CACHE: dict = {}
+
+
 def planned_offload(
     budget: SizeLike,
     *,
+    to: str = "auto",
     spill_dir: str | None = None,
     policy: str = "auto",
     warmup: int = 1,
@@ -257,17 +266,36 @@ def planned_offload(
     host_budget: SizeLike = "8GiB",
     options: Options | None = None,
     report: str | None = None,
+    min_bytes: SizeLike | None = None,
 ) -> PlannedOffload:
-    """``tt.offload(budget=...)``: profile, plan and run under a memory budget."""
-    return PlannedOffload(
-        PlanConfig(
-            budget=parse_size(budget, name="budget", allow_zero=False),
-            policy=policy,
-            spill_dir=spill_dir,
-            warmup=warmup,
-            prefetch=None if prefetch is None else parse_size(prefetch, name="prefetch"),
-            host_budget=parse_size(host_budget, name="host_budget", allow_zero=False),
-            options=options,
-            report=report,
-        )
+    """``tt.offload(budget=...)``: profile, plan and run under a memory budget.
+
+    ``to="host"`` restricts the plan to the host tier; ``"disk"`` or ``"auto"`` let it use host
+    and disk (on a CPU-only machine, host only pays with a codec). ``min_bytes`` is ignored: the
+    planner decides per tensor. Calls with the same settings return the same object, so a
+    training loop can write ``with tt.offload(budget=...):`` every step.
+    """
+    from tensortier.errors import ConfigError
+
+    if to not in ("host", "disk", "auto"):
+        raise ConfigError(f"to must be 'host', 'disk' or 'auto', got {to!r}")
+    opts = options or Options()
+    if to == "host":
+        opts = Options(**{**opts.__dict__, "tiers": ("host",)})
+    config = PlanConfig(
+        budget=parse_size(budget, name="budget", allow_zero=False),
+        policy=policy,
+        spill_dir=spill_dir,
+        warmup=warmup,
+        prefetch=None if prefetch is None else parse_size(prefetch, name="prefetch"),
+        host_budget=parse_size(host_budget, name="host_budget", allow_zero=False),
+        options=opts,
+        report=report,
     )
+    key = repr(config)
+    cached = _CACHE.get(key)
+    if cached is None or cached._active is not None:
+        cached = PlannedOffload(config)
+        _CACHE.clear()  # one cached configuration: switching settings releases the old one
+        _CACHE[key] = cached
+    return cached
