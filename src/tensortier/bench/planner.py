@@ -109,7 +109,9 @@ def _worker(args) -> dict:
         del loss
         model.zero_grad(set_to_none=True)
         overhead = max(0, rss_bytes() - rss0)  # the offloader's buffers and threads stay
-        prof = Profiler(spill_dir=args.spill_dir, device=device, prefetch=args.prefetch)
+        prof = Profiler(
+            spill_dir=args.spill_dir, device=device, prefetch=args.prefetch, offloader=warm
+        )
         with prof.forward():
             loss = model(x, y)
         loss.backward()
@@ -118,7 +120,6 @@ def _worker(args) -> dict:
         )
         warm.close()
         profile.save(args.profile_out)
-        prof.offloader.close()
         return {"step_s": profile.measured_step_s, "peak_bytes": profile.measured_peak_bytes}
     ctx = None
     recompute = None

@@ -61,14 +61,13 @@ def profile_gpt(args) -> object:
     loss.backward()
     del loss
     model.zero_grad(set_to_none=True)
-    prof = Profiler(spill_dir=args.spill_dir)
+    prof = Profiler(spill_dir=args.spill_dir, offloader=warm)
     with prof.forward():
         loss = model(x, y)
     loss.backward()
     profile = calibrate(
         prof.finish(meta={"model": "gpt", "config": cfg.__dict__, "batch": args.batch})
     )
-    prof.offloader.close()
     warm.close()
     return profile
 

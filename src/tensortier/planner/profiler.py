@@ -220,6 +220,7 @@ class Profiler:
         prefetch: int = 256 << 20,
         host_budget: int = 8 << 30,
         device: torch.device | None = None,
+        offloader=None,
     ):
         from tensortier._device import default_device
 
@@ -237,7 +238,7 @@ class Profiler:
         self.inputs: dict[str, int] = {}
         self.grads: dict[str, int] = {}
         self.order: list[str] = []
-        self.offloader = None
+        self.offloader = offloader  # reuse the warm-up's: its buffers are not this iteration's
         self._hooks: list = []
         self._t_fwd = self._t_fwd_end = self._t_bwd_end = 0.0
         self._meter: PeakMeter | None = None
@@ -281,14 +282,22 @@ class Profiler:
         from tensortier.activations import Action, Offloader
 
         probe, tier = self.probe, self.tier
-        self.offloader = Offloader(
-            "disk" if tier == "disk" else "host",
-            spill_dir=self.spill_dir,
-            decide=lambda info: Action(tier, probe),
-            record=True,
-            prefetch=self.prefetch,
-            host_budget=self.host_budget,
-        )
+
+        def decide(info):
+            return Action(tier, probe)
+
+        if self.offloader is None:
+            self.offloader = Offloader(
+                "disk" if tier == "disk" else "host",
+                spill_dir=self.spill_dir,
+                decide=decide,
+                record=True,
+                prefetch=self.prefetch,
+                host_budget=self.host_budget,
+            )
+        else:
+            self.offloader.decide, self.offloader.record = decide, True
+            self.offloader.records = []
         self._hooks = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post),

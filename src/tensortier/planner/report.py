@@ -85,6 +85,11 @@ def render_png(profile: Profile, choice: Choice, budget: int | None = None) -> b
                 linewidth=0.3,
                 height=0.7,
             )
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=k) for k, c in COLORS.items() if k != "decode"]
+    handles.append(Patch(color="#dd8452", label="copy"))
+    ax_gantt.legend(handles=handles, loc="lower right", fontsize=7, ncol=4)
     ax_gantt.set_yticks(range(len(LANES)), LANES)
     ax_gantt.invert_yaxis()
     ax_gantt.set_xlabel("seconds")

@@ -177,6 +177,7 @@ class PlannedOffload:
                 )
                 self._overhead = max(0, rss_bytes() - self._rss0 - grads)
             self._profiler = Profiler(
+                offloader=self._warm,
                 spill_dir=cfg.spill_dir,
                 bandwidth=cfg.bandwidth,
                 allow_lossy=bool(cfg.options and cfg.options.allow_lossy),
@@ -205,9 +206,7 @@ class PlannedOffload:
         prof = self._profiler
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
         root = prof.root
-        if self._warm is not None:
-            self._warm.close()
-            self._warm = None
+
         self.choice = choose(self.profile, cfg.budget, cfg.policy, cfg.options)
         plan = self.choice.plan
         log.info(
@@ -228,16 +227,23 @@ class PlannedOffload:
             )
         from tensortier.activations import Offloader
 
-        if prof.offloader is not None:
+        if prof.offloader is not None and prof.offloader is not self._warm:
             prof.offloader.close()
         self._recompute = Recompute(root, plan.recomputed()) if root is not None else None
-        self.offloader = Offloader(
-            "auto",
-            spill_dir=cfg.spill_dir,
-            decide=make_decide(self.profile, plan),
-            prefetch=cfg.prefetch,
-            host_budget=cfg.host_budget,
-        )
+        if self._warm is not None:  # same spill files and buffers; plan decides from now on
+            self.offloader, self._warm = self._warm, None
+            self.offloader.decide = make_decide(self.profile, plan)
+            self.offloader.record, self.offloader.records = False, []
+            self.offloader.to = "auto"  # host tier full: spill to disk
+            self.offloader._attach_disk()
+        else:
+            self.offloader = Offloader(
+                "auto",
+                spill_dir=cfg.spill_dir,
+                decide=make_decide(self.profile, plan),
+                prefetch=cfg.prefetch,
+                host_budget=cfg.host_budget,
+            )
 
     @property
     def stats(self):

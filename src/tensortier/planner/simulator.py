@@ -8,8 +8,9 @@ The model (SwapAdvisor/AutoTM style, driven by a measured :class:`Profile`):
   at their measured bandwidth. On a unified machine (CPU) "device" memory is host RAM, so a swap
   to disk is one ``h2disk`` hop and host-tier bytes count in the device peak;
 * a saved tensor's device bytes are freed when its outbound copy completes; in backward, reads
-  are issued in need order as early as the offloader's prefetch window allows, and a unit's
-  backward waits for its reads (that wait is the *exposed transfer time*);
+  are issued in need order as early as the offloader's prefetch window allows; a unit's backward
+  consumes its saved tensors one at a time (reverse pack order, freeing each after use) and
+  waits for a read that has not arrived (that wait is the *exposed transfer time*);
 * a recomputed unit keeps only its inputs during the gap; its backward first reruns its forward.
 
 Peak memory is the steady-state peak of an iteration: ``base + workspace + max over time of
@@ -283,17 +284,14 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
     # ---------------------------------------------------------------- backward
     rank = {u.name: i for i, u in enumerate(profile.units)}
     order = sorted(reads, key=lambda r: (-rank[r.t.unit], -r.t.index))  # need order
-    by_unit: dict[str, list[int]] = {}
-    for k, r in enumerate(order):
-        by_unit.setdefault(r.t.unit, []).append(k)
     issued: list[_Read] = []  # in issue order; consumption follows the same order
     window, bwd_start, exposed = profile.prefetch_bytes, now, 0.0
     state = {"head": 0, "inflight": 0.0, "last": bwd_start}
     nxt = 0
 
-    def issue(r: _Read, force: bool) -> bool:
+    def issue(r: _Read, force: bool, not_before: float = 0.0) -> bool:
         # reads start in need order (FIFO), so a start time never precedes the previous one
-        s = max(r.avail, state["last"])
+        s = max(r.avail, state["last"], not_before)
         while True:
             while state["head"] < len(issued):  # drop reads already consumed by time s
                 x = issued[state["head"]]
@@ -320,62 +318,66 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
         state["inflight"] += r.payload
         return True
 
+    read_of = {r.t.index: r for r in order}
+
+    def pump() -> None:  # start every read the window allows, in need order
+        nonlocal nxt
+        while nxt < len(order) and (order[nxt].issued or issue(order[nxt], False)):
+            nxt += 1
+
     for u in reversed(profile.units):
         action = plan.action(u.name)
-        while nxt < len(order) and order[nxt].t.unit != u.name and issue(order[nxt], False):
-            nxt += 1
-        idx = by_unit.get(u.name, [])
-        mine = [order[k] for k in idx]
-        for r in mine:
-            if not r.issued:
-                issue(r, True)
-        if idx:
-            nxt = max(nxt, idx[-1] + 1)
-        arrive = max((r.arrive for r in mine), default=now)
-        if arrive > now:
-            spans.append(Span("compute", now, arrive, "wait"))
-            exposed += arrive - now
-            now = arrive
-        for r in mine:
-            r.consume = now
-            if r.codec is not None:
-                _, dec = codec_seconds(profile, r.t, r.codec)
-                dev.add(now, r.t.nbytes)
-                spans.append(Span("compute", now, now + dec, f"decode {r.codec} #{r.t.index}"))
-                now += dec
-                overhead += dec
-                arrived_in = (
-                    dev
-                    if path_of(profile, r.tier, r.codec, outbound=False)[-1:] == ["h2d"]
-                    else (host if r.codec in HOST_CODECS or r.tier == "disk" else dev)
-                )
-                arrived_in.add(now, -r.payload)
-        start = now
         ts = groups.get(u.name, [])
         recompute = action.mode == Mode.RECOMPUTE and u.recomputable
-        if recompute:
-            for t in ts:
-                dev.add(now, t.nbytes)
+        pump()
+        if recompute:  # the unit's forward runs again and materialises its saved tensors
+            dev.add(now, sum(t.nbytes for t in ts))
             spans.append(Span("compute", now, now + u.fwd_s, f"recompute {u.name}"))
             now += u.fwd_s
             overhead += u.fwd_s
-            start = now
-        now += u.bwd_s
+        start = now
+        # autograd consumes the unit's saved tensors in reverse pack order, one node at a time,
+        # and frees each once its node ran
+        need = list(reversed(ts))
+        seg = u.bwd_s / max(1, len(need))
+        if not need:
+            now += u.bwd_s
+        for t in need:
+            r = None if recompute else read_of.get(t.index)
+            if r is not None:
+                if not r.issued:
+                    issue(r, True, now)  # on demand: the window had no room for it earlier
+                if r.arrive > now:
+                    spans.append(Span("compute", now, r.arrive, "wait"))
+                    exposed += r.arrive - now
+                    now = r.arrive
+                r.consume = now
+                if r.codec is not None:
+                    _, dec = codec_seconds(profile, r.t, r.codec)
+                    dev.add(now, r.t.nbytes)
+                    spans.append(Span("compute", now, now + dec, f"decode {r.codec} #{t.index}"))
+                    now += dec
+                    overhead += dec
+                    arrived_in = (
+                        dev
+                        if path_of(profile, r.tier, r.codec, outbound=False)[-1:] == ["h2d"]
+                        else (host if r.codec in HOST_CODECS or r.tier == "disk" else dev)
+                    )
+                    arrived_in.add(now, -r.payload)
+                pump()
+            now += seg
+            if recompute:
+                dev.add(now, -t.nbytes)
+            elif r is not None:  # raw bytes arrived in the device (h2d) or, unified, in RAM
+                dev.add(now, -(t.nbytes if r.codec is not None else r.payload))
+            elif t.index in resident:
+                n, mem = resident.pop(t.index)
+                mem.add(now, -n)
         spans.append(Span("compute", start, now, f"bwd {u.name}"))
         dev.add(now, u.grad_bytes)
         if recompute:
-            dev.add(now, -u.input_bytes - sum(t.nbytes for t in ts))
-        for t in ts:
-            if t.index in resident:
-                n, mem = resident.pop(t.index)
-                mem.add(now, -n)
-        for r in mine:
-            if r.codec is not None:
-                dev.add(now, -r.t.nbytes)
-            else:  # raw bytes arrived in the device (h2d) or, on a unified machine, in RAM
-                dev.add(now, -r.payload)
-        while nxt < len(order) and issue(order[nxt], False):  # reads whose window just opened
-            nxt += 1
+            dev.add(now, -u.input_bytes)
+        pump()
     peak, timeline = dev.sweep()
     host_peak = peak if profile.unified else host.sweep()[0]
     base = profile.base_bytes + profile.workspace_bytes
