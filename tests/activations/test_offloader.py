@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 import tensortier as tt
 from tensortier import BudgetError, ConfigError
-from tensortier._device import open_fds
+from tensortier._device import open_fds, rss_bytes
 from tensortier.models.gpt import GPT, GPTConfig, random_batch
 
 TIERS = ["disk", "host"]
@@ -277,6 +277,32 @@ def test_twenty_iterations_no_growth(spill_dir):
         used.append(off._disk.stats.used_bytes)
     assert fds[-1] <= fds[1] and files[-1] == files[1] and used[-1] == 0
     assert off.stats.order_reused == 19
+    off.close()
+
+
+def test_twenty_iterations_no_growth_of_memory(spill_dir):
+    """~32 MiB of activations per iteration: a leak of one iteration's worth would show at once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(1024, 512)
+    off = tt.Offloader(
+        "disk", spill_dir=spill_dir, min_bytes=0, prefetch="8MiB", max_inflight="8MiB"
+    )
+    rss, lent = [], []
+    for _ in range(20):
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        del loss
+        gc.collect()
+        off._engine.synchronize()
+        rss.append(rss_bytes())
+        lent.append(off._host.stats.in_use)
+    assert rss[-1] - rss[4] < 24 << 20, (
+        f"RSS grew by {(rss[-1] - rss[4]) >> 20} MiB over 15 iterations"
+    )
+    assert lent[-1] == 0 and off._host.stats.peak_reserved <= 64 << 20
     off.close()
 
 
