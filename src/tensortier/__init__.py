@@ -20,6 +20,7 @@ from tensortier.errors import (
     TierFullError,
 )
 from tensortier.tiers import DiskHandle, DiskStore, HostPool
+from tensortier.tiers.codecs import get_codec
 from tensortier.transfer import HostTensor, Transfer, TransferEngine
 
 __version__ = "0.1.0"
@@ -46,5 +47,6 @@ __all__ = [
     "Transfer",
     "TransferEngine",
     "format_size",
+    "get_codec",
     "parse_size",
 ]
