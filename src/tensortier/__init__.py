@@ -19,6 +19,7 @@ from tensortier.errors import (
     TensortierError,
     TierFullError,
 )
+from tensortier.optim import OffloadedAdamW, stream_parameters
 from tensortier.tiers import DiskHandle, DiskStore, HostPool
 from tensortier.tiers.codecs import get_codec
 from tensortier.transfer import HostTensor, Transfer, TransferEngine
@@ -41,6 +42,7 @@ __all__ = [
     "DiskStore",
     "HostPool",
     "HostTensor",
+    "OffloadedAdamW",
     "SpillDirError",
     "TensortierError",
     "TierFullError",
@@ -49,4 +51,5 @@ __all__ = [
     "format_size",
     "get_codec",
     "parse_size",
+    "stream_parameters",
 ]

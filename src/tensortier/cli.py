@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tensortier.bench import activations as bench_activations
+from tensortier.bench import optimizer as bench_optimizer
 from tensortier.bench import planner as bench_planner
 from tensortier.bench import tiers as bench_tiers
 
@@ -13,6 +14,7 @@ BENCHES = {
     "tiers": bench_tiers,
     "activations": bench_activations,
     "planner": bench_planner,
+    "optimizer": bench_optimizer,
 }
 
 

@@ -299,9 +299,10 @@ def test_twenty_iterations_no_growth_of_memory(spill_dir):
         off._engine.synchronize()
         rss.append(rss_bytes())
         lent.append(off._host.stats.in_use)
-    assert rss[-1] - rss[4] < 24 << 20, (
-        f"RSS grew by {(rss[-1] - rss[4]) >> 20} MiB over 15 iterations"
-    )
+    # glibc's heap moves by +-20 MiB between iterations; leaking one iteration's activations would
+    # add 32 MiB per iteration, i.e. hundreds of MiB between these two medians
+    early, late = sorted(rss[3:8])[2], sorted(rss[15:20])[2]
+    assert late - early < 96 << 20, f"RSS grew by {(late - early) >> 20} MiB over 12 iterations"
     assert lent[-1] == 0 and off._host.stats.peak_reserved <= 64 << 20
     off.close()
 
