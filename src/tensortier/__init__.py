@@ -21,6 +21,7 @@ from tensortier.errors import (
 )
 from tensortier.optim import OffloadedAdamW, stream_parameters
 from tensortier.tiers import DiskHandle, DiskStore, HostPool
+from tensortier.tiers.codecs import get_codec
 from tensortier.transfer import HostTensor, Transfer, TransferEngine
 
 __version__ = "0.1.0"
@@ -57,6 +58,7 @@ __all__ = [
     "Transfer",
     "TransferEngine",
     "format_size",
+    "get_codec",
     "parse_size",
     "stream_parameters",
     "rl",

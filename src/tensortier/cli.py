@@ -7,12 +7,14 @@ import sys
 
 from tensortier.bench import activations as bench_activations
 from tensortier.bench import optimizer as bench_optimizer
+from tensortier.bench import planner as bench_planner
 from tensortier.bench import replay as bench_replay
 from tensortier.bench import tiers as bench_tiers
 
 BENCHES = {
     "tiers": bench_tiers,
     "activations": bench_activations,
+    "planner": bench_planner,
     "optimizer": bench_optimizer,
     "replay": bench_replay,
 }
@@ -25,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     from tensortier import demo as demo_mod
 
     demo_mod.add_args(demo)
+    from tensortier.planner import cli as plan_mod
+
+    plan_mod.add_args(sub.add_parser("plan", help="choose what to keep, swap, compress, recompute"))
     bench = sub.add_parser("bench", help="benchmarks against the peers a user would pick instead")
     areas = bench.add_subparsers(dest="area", required=True)
     for name, module in BENCHES.items():
@@ -32,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo_mod.run(args)
+    elif args.command == "plan":
+        return plan_mod.run(args)
     else:
         BENCHES[args.area].run(args)
     return 0

@@ -313,7 +313,7 @@ class Offloader:
         parts = self._fetch(record).result()
         values = [p.result() if isinstance(p, Future) else p for p in parts]
         value = values[0]
-        if record.codec is not None:
+        if record.codec is not None and not isinstance(parts, _Source):
             value = record.codec.decode(values, record.meta).reshape(-1).view(torch.uint8)
         with self._lock:
             if record.materialized is None:
@@ -343,7 +343,7 @@ class Offloader:
                 return record.fetched
             if record.source is not None:  # write still in flight (or kept at the tail): no read
                 done: Future = Future()
-                done.set_result([record.source])
+                done.set_result(_Source([record.source]))  # raw bytes: nothing to decode
                 record.fetched = done
                 return done
             record.prefetched = prefetch
@@ -396,6 +396,10 @@ class Offloader:
 
 _last_stats: OffloadStats | None = None  # for offload_stats(); never keeps an Offloader alive
 _PASS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Source(list):
+    """A record's own source storage, handed back before its write finished (not payloads)."""
 
 
 def _pass_of(record: _Record) -> _Pass | None:
@@ -635,6 +639,10 @@ def offload(to: str = "disk", **kwargs) -> Offloader:
     Calls with the same settings reuse one offloader (its spill files, host pool and learned
     prefetch order), so a training loop can write ``with tt.offload(...):`` every step.
     """
+    if kwargs.get("budget") is not None:  # a budget: the planner chooses (tensortier.planner)
+        from tensortier.planner.runtime import planned_offload
+
+        return planned_offload(to=to, **kwargs)
     key = (to, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     cached = _CACHE.get(key)
     if cached is None or cached._hooks is not None:

@@ -1,0 +1,109 @@
+"""`tensortier plan`: profile a model (or load a profile), choose a plan, print it, draw a report.
+
+tensortier plan --model gpt --layers 24 --budget 2GiB --policy auto --report plan.html
+tensortier plan --profile prof.json --budget 2GiB          # no model: plan from a saved profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+from tensortier._units import format_size, parse_size
+from tensortier.errors import BudgetError
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt", choices=["gpt"], help="model to profile")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--embd", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--budget", required=True, help="memory budget, e.g. 2GiB")
+    p.add_argument(
+        "--policy",
+        default="auto",
+        help="keep, swap_all, recompute_all, flashneuron, capuchin, search or auto",
+    )
+    p.add_argument("--spill-dir", default=tempfile.gettempdir(), help="directory for the disk tier")
+    p.add_argument("--profile", default=None, help="plan from this profile JSON instead of a model")
+    p.add_argument("--save-profile", default=None, help="write the measured profile to this JSON")
+    p.add_argument("--report", default=None, help="write an HTML report (and PNG) here")
+    p.add_argument("--lossy", action="store_true", help="allow fp16/bf16 down-cast codecs")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search policy")
+
+
+def profile_gpt(args) -> object:
+    """Warm-up iteration, then one profiled iteration of a GPT with random tokens."""
+    import torch
+
+    from tensortier.activations import Offloader
+    from tensortier.models.gpt import GPT, GPTConfig, random_batch
+    from tensortier.planner.profiler import Profiler, calibrate, release_freed_memory
+
+    release_freed_memory()
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.embd,
+        block_size=args.seq,
+        vocab_size=args.vocab,
+    )
+    model = GPT(cfg)
+    x, y = random_batch(cfg, args.batch, args.seq)
+    warm = Offloader("disk", spill_dir=args.spill_dir, decide=lambda info: "disk")
+    with warm:
+        loss = model(x, y)
+    loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+    prof = Profiler(spill_dir=args.spill_dir, offloader=warm)
+    with prof.forward():
+        loss = model(x, y)
+    loss.backward()
+    profile = calibrate(
+        prof.finish(meta={"model": "gpt", "config": cfg.__dict__, "batch": args.batch})
+    )
+    warm.close()
+    return profile
+
+
+def run(args) -> int:
+    from tensortier.bench._common import print_table
+    from tensortier.planner.policies import Options, choose, plan_all
+    from tensortier.planner.profile import Profile
+    from tensortier.planner.report import action_rows, write_report
+
+    budget = parse_size(args.budget, name="--budget", allow_zero=False)
+    profile = Profile.load(args.profile) if args.profile else profile_gpt(args)
+    if args.save_profile:
+        profile.save(args.save_profile)
+    opts = Options(seed=args.seed, allow_lossy=args.lossy)
+    print(
+        f"profile: {len(profile.tensors)} saved tensors, {format_size(profile.saved_bytes)}; "
+        + ", ".join(
+            f"{c} {profile.bandwidth.of(c) / 1e9:.2f} GB/s"
+            for c in ("d2h", "h2d", "h2disk", "disk2h")
+        )
+    )
+    try:
+        choice = choose(profile, budget, args.policy, opts)
+    except BudgetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_table(action_rows(profile, choice.plan), ["unit", "action", "saved", "tensors", "codecs"])
+    r = choice.result
+    print(
+        f"plan {choice.plan.policy}: predicted peak {format_size(r.peak_bytes)} "
+        f"(budget {format_size(budget)}), step {r.step_s:.3f}s, exposed transfer {r.exposed_s:.3f}s"
+    )
+    if args.report:
+        html_path, png_path = write_report(
+            args.report, profile, choice, plan_all(profile, budget, opts), budget=budget
+        )
+        print(f"wrote {html_path} and {png_path}")
+    return 0

@@ -1,0 +1,326 @@
+"""Policies that turn a profile and a memory budget into a plan, every one judged by the simulator.
+
+* ``keep``: nothing moves (the baseline peak).
+* ``swap_all`` (vDNN): every unit's saved tensors go to the fastest tier that has room.
+* ``recompute_all`` (Chen et al.): every recomputable unit is checkpointed.
+* ``flashneuron``: in forward order, offload what hides behind forward compute; where raw bytes
+  do not hide, compress them if that makes them hide; then offload the rest in order of least
+  slowdown until the budget is met.
+* ``capuchin``: from ``keep``, repeatedly take the action with the most bytes freed per second of
+  added step time: a swap (free when its transfer hides) or a recompute.
+* ``search``: simulated annealing over per-unit actions (SwapAdvisor-style), seeded with the
+  heuristics' plans, bounded by an iteration count (deterministic for a seed) and a time limit.
+* ``auto``: every policy above; the fastest plan that meets the budget.
+
+When no plan meets the budget, :class:`BudgetError` says the smallest budget any plan meets.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tensortier._units import SizeLike, format_size, parse_size
+from tensortier.errors import BudgetError, ConfigError
+from tensortier.planner.profile import Profile
+from tensortier.planner.simulator import Mode, Plan, SimResult, UnitAction, resolve_codecs, simulate
+
+POLICIES = ("keep", "swap_all", "recompute_all", "flashneuron", "capuchin", "search", "auto")
+
+
+@dataclass
+class Options:
+    """Knobs a user rarely needs: which tiers exist, lossy codecs, search effort."""
+
+    tiers: tuple[str, ...] = ("host", "disk")
+    allow_lossy: bool = False
+    seed: int = 0
+    search_iters: int = 600
+    search_seconds: float = 20.0
+    margin: float = 0.1  # plan for (1 - margin) x budget: bandwidth measured at start-up drifts
+
+
+@dataclass
+class Choice:
+    plan: Plan
+    result: SimResult
+
+    def meets(self, budget: int) -> bool:
+        return self.result.peak_bytes <= budget
+
+
+def _tiers(profile: Profile, opts: Options) -> tuple[str, ...]:
+    """On a unified machine raw bytes on the host tier save nothing: only disk moves them away."""
+    return tuple(t for t in opts.tiers if t in ("host", "disk"))
+
+
+def evaluate(profile: Profile, plan: Plan, opts: Options) -> Choice:
+    resolve_codecs(profile, plan, allow_lossy=opts.allow_lossy)
+    _canonical(profile, plan)
+    return Choice(plan, simulate(profile, plan))
+
+
+def _canonical(profile: Profile, plan: Plan) -> None:
+    """Drop choices with no effect: "+codec" where no codec pays; unified host without a codec."""
+    with_codec = {t.unit for t in profile.tensors if plan.codecs.get(t.index)}
+    for unit, a in list(plan.actions.items()):
+        if a.compress and unit not in with_codec:
+            a = UnitAction(a.mode)
+        if a.mode == Mode.HOST and not a.compress and profile.unified:
+            a = UnitAction(Mode.KEEP)
+        plan.actions[unit] = a
+
+
+def _plan(name: str, actions: dict[str, UnitAction]) -> Plan:
+    return Plan(name, dict(actions))
+
+
+def _swap_tier(profile: Profile, opts: Options) -> str:
+    tiers = _tiers(profile, opts)
+    if not tiers:
+        raise ConfigError("no offload tier allowed: pass tiers=('host', 'disk') or a subset")
+    if profile.unified:
+        return "disk" if "disk" in tiers else "host"
+    return "host" if "host" in tiers and profile.host_budget is None else tiers[-1]
+
+
+def _candidates(profile: Profile, opts: Options, unit) -> list[UnitAction]:
+    out = [UnitAction(Mode.KEEP)]
+    for tier in _tiers(profile, opts):
+        mode = Mode(tier)
+        if not (profile.unified and tier == "host"):
+            out.append(UnitAction(mode))
+        out.append(UnitAction(mode, compress=True))
+    if unit.recomputable:
+        out.append(UnitAction(Mode.RECOMPUTE))
+    return out
+
+
+# ------------------------------------------------------------------ heuristics
+def keep(profile: Profile, budget: int, opts: Options) -> Choice:
+    return evaluate(profile, _plan("keep", {u.name: UnitAction() for u in profile.units}), opts)
+
+
+def swap_all(profile: Profile, budget: int, opts: Options) -> Choice:
+    mode = Mode(_swap_tier(profile, opts))
+    actions = {u.name: UnitAction(mode) for u in profile.units}
+    return evaluate(profile, _plan("swap_all", actions), opts)
+
+
+def recompute_all(profile: Profile, budget: int, opts: Options) -> Choice:
+    actions = {
+        u.name: UnitAction(Mode.RECOMPUTE if u.recomputable else Mode.KEEP) for u in profile.units
+    }
+    return evaluate(profile, _plan("recompute_all", actions), opts)
+
+
+def _greedy(
+    profile: Profile,
+    budget: int,
+    opts: Options,
+    name: str,
+    start: dict[str, UnitAction],
+    options: Callable[[str], list[UnitAction]],
+) -> Choice:
+    """From ``start``, take the change with most bytes saved per second added until under budget."""
+    actions = dict(start)
+    best = evaluate(profile, _plan(name, actions), opts)
+    while best.result.peak_bytes > budget:
+        pick, pick_score, pick_choice = None, -math.inf, None
+        for u in profile.units:
+            if actions[u.name].mode != Mode.KEEP:
+                continue
+            for a in options(u.name):
+                trial = evaluate(profile, _plan(name, {**actions, u.name: a}), opts)
+                saved = best.result.peak_bytes - trial.result.peak_bytes
+                cost = max(trial.result.step_s - best.result.step_s, 1e-6)
+                # a change that frees nothing alone may enable the next one (a read-ahead
+                # window shifts): take the cheapest of those when nothing frees bytes
+                score = saved / cost if saved > 0 else (-1e12 * cost if saved == 0 else -math.inf)
+                if score > pick_score:
+                    pick, pick_score, pick_choice = (u.name, a), score, trial
+        if pick is None or pick_choice is None:
+            break  # nothing left that lowers the peak
+        actions[pick[0]] = pick[1]
+        best = pick_choice
+    return best
+
+
+def capuchin(profile: Profile, budget: int, opts: Options) -> Choice:
+    tier = Mode(_swap_tier(profile, opts))
+    units = {u.name: u for u in profile.units}
+
+    def options(name: str) -> list[UnitAction]:
+        out = [UnitAction(tier)] if not (profile.unified and tier == Mode.HOST) else []
+        if units[name].recomputable:
+            out.append(UnitAction(Mode.RECOMPUTE))
+        return out
+
+    start = {u.name: UnitAction() for u in profile.units}
+    if not (profile.unified and tier == Mode.HOST):  # first: every swap whose transfer hides
+        start = _hidden_swaps(profile, budget, opts, "capuchin", start, [UnitAction(tier)])
+    return _greedy(profile, budget, opts, "capuchin", start, options)
+
+
+def _hidden_swaps(
+    profile: Profile,
+    budget: int,
+    opts: Options,
+    name: str,
+    actions: dict[str, UnitAction],
+    tries: list[UnitAction],
+) -> dict[str, UnitAction]:
+    """In forward order (longest reuse distance first), the first of ``tries`` that costs no time."""
+    actions = dict(actions)
+    current = evaluate(profile, _plan(name, actions), opts)
+    slack = 1e-3 * max(current.result.step_s, 1e-9)
+    for u in profile.units:
+        if current.result.peak_bytes <= budget:
+            break
+        if not profile.tensors_of(u.name):
+            continue
+        for a in tries:
+            trial = evaluate(profile, _plan(name, {**actions, u.name: a}), opts)
+            if trial.result.step_s <= current.result.step_s + slack:
+                actions[u.name], current = a, trial
+                break
+    return actions
+
+
+def flashneuron(profile: Profile, budget: int, opts: Options) -> Choice:
+    tier = Mode(_swap_tier(profile, opts))
+    raw_ok = not (profile.unified and tier == Mode.HOST)
+    tries = ([UnitAction(tier)] if raw_ok else []) + [UnitAction(tier, compress=True)]
+    start = {u.name: UnitAction() for u in profile.units}
+    actions = _hidden_swaps(profile, budget, opts, "flashneuron", start, tries)
+
+    def options(name: str) -> list[UnitAction]:
+        return ([UnitAction(tier)] if raw_ok else []) + [UnitAction(tier, compress=True)]
+
+    return _greedy(profile, budget, opts, "flashneuron", actions, options)
+
+
+# ------------------------------------------------------------------ search
+def _fitness(result: SimResult, budget: int) -> float:
+    over = max(0, result.peak_bytes - budget) / max(budget, 1)
+    return result.step_s * (1.0 + 10.0 * over) + (1e3 * result.step_s if over > 0 else 0.0)
+
+
+def search(
+    profile: Profile, budget: int, opts: Options, seeds: list[Choice] | None = None
+) -> Choice:
+    """Simulated annealing over per-unit actions, seeded with the heuristics' plans."""
+    rng = random.Random(opts.seed)
+    if seeds is None:
+        seeds = [f(profile, budget, opts) for f in (swap_all, recompute_all, capuchin, flashneuron)]
+    names = [u.name for u in profile.units]
+    cands = {u.name: _candidates(profile, opts, u) for u in profile.units}
+    current = min(seeds, key=lambda c: _fitness(c.result, budget))
+    cur_f = _fitness(current.result, budget)
+    best, best_f = current, cur_f
+    temp0 = 0.05 * max(cur_f, 1e-9)
+    deadline = time.monotonic() + opts.search_seconds
+    for i in range(opts.search_iters):
+        if time.monotonic() > deadline:
+            break
+        actions = dict(current.plan.actions)
+        for _ in range(1 + (rng.random() < 0.3)):  # one or two units change
+            name = rng.choice(names)
+            actions[name] = rng.choice(cands[name])
+        trial = evaluate(profile, _plan("search", actions), opts)
+        f = _fitness(trial.result, budget)
+        temp = temp0 * (1.0 - i / opts.search_iters) + 1e-12
+        if f < cur_f or rng.random() < math.exp(-(f - cur_f) / temp):
+            current, cur_f = trial, f
+            if f < best_f:
+                best, best_f = trial, f
+    best.plan.policy = "search"
+    return best
+
+
+HEURISTICS: dict[str, Callable[[Profile, int, Options], Choice]] = {
+    "keep": keep,
+    "swap_all": swap_all,
+    "recompute_all": recompute_all,
+    "flashneuron": flashneuron,
+    "capuchin": capuchin,
+}
+
+
+def plan_all(profile: Profile, budget: SizeLike, opts: Options | None = None) -> dict[str, Choice]:
+    """Every policy's plan for ``budget`` (the search seeded with the others), keyed by name."""
+    opts = opts or Options()
+    b = parse_size(budget, name="budget", allow_zero=False)
+    out = {name: f(profile, b, opts) for name, f in HEURISTICS.items()}
+    out["search"] = search(
+        profile,
+        b,
+        opts,
+        seeds=[out[k] for k in ("swap_all", "recompute_all", "capuchin", "flashneuron")],
+    )
+    return out
+
+
+def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
+    """The lowest peak any plan reaches: the tried ones and every unit offloaded or recomputed."""
+    floor = [c.result.peak_bytes for c in choices]
+    most = {}
+    for u in profile.units:
+        best = None
+        for a in _candidates(profile, opts, u):
+            if a.mode == Mode.KEEP:
+                continue
+            single = evaluate(profile, _plan("min", {u.name: a}), opts).result.peak_bytes
+            if best is None or single < best[0]:
+                best = (single, a)
+        most[u.name] = best[1] if best else UnitAction()
+    floor.append(evaluate(profile, _plan("min", most), opts).result.peak_bytes)
+    return min(floor)
+
+
+def choose(
+    profile: Profile,
+    budget: SizeLike,
+    policy: str = "auto",
+    opts: Options | None = None,
+) -> Choice:
+    """The plan of ``policy`` for ``budget``; raises :class:`BudgetError` if it does not fit."""
+    opts = opts or Options()
+    given = parse_size(budget, name="budget", allow_zero=False)
+    if not 0 <= opts.margin < 1:
+        raise ConfigError(f"margin must be in [0, 1), got {opts.margin}")
+    b = int(given * (1 - opts.margin))
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy == "auto":
+        everything = plan_all(profile, b, opts)
+        fitting = [c for c in everything.values() if c.meets(b)]
+        if fitting:
+            best = min(fitting, key=lambda c: (c.result.step_s, c.result.peak_bytes))
+            best.plan.policy = f"auto:{best.plan.policy}"
+            return best
+        tried = list(everything.values())
+    else:
+        one = (
+            search(profile, b, opts) if policy == "search" else HEURISTICS[policy](profile, b, opts)
+        )
+        if one.meets(b):
+            return one
+        tried = [one]
+    reached = _smallest(profile, opts, tried)
+    minimum = int(math.ceil(reached / (1 - opts.margin)))
+    raise BudgetError(
+        f"no {policy} plan fits a budget of {format_size(given)}: the smallest peak this model "
+        f"reaches is {format_size(reached)} (policy {policy!r}, {opts.margin:.0%} margin). Raise "
+        f"the budget to at least {format_size(minimum)}"
+        + (
+            ", allow more tiers, or use policy='auto'."
+            if policy != "auto"
+            else ", or allow more tiers."
+        ),
+        budget=given,
+        minimum=minimum,
+    )

@@ -1,0 +1,393 @@
+"""Event simulation of one training iteration under a plan: predicted peak memory and step time.
+
+The model (SwapAdvisor/AutoTM style, driven by a measured :class:`Profile`):
+
+* one **compute stream** runs the units' forward in order, then their backward in reverse;
+  codec encode/decode, the per-move issue cost and recompute run on it too;
+* four **copy channels** (``d2h``, ``h2d``, ``h2disk``, ``disk2h``) each move one payload at a time
+  at their measured bandwidth. On a unified machine (CPU) "device" memory is host RAM, so a swap
+  to disk is one ``h2disk`` hop and host-tier bytes count in the device peak;
+* a saved tensor's device bytes are freed when its outbound copy completes; in backward, reads
+  are issued in need order as early as the offloader's prefetch window allows; a unit's backward
+  consumes its saved tensors one at a time (reverse pack order, freeing each after use) and
+  waits for a read that has not arrived (that wait is the *exposed transfer time*);
+* a recomputed unit keeps only its inputs during the gap; its backward first reruns its forward.
+
+Peak memory is the steady-state peak of an iteration: ``base + workspace + max over time of
+(saved bytes resident + payloads in flight + gradients allocated so far)``. Memory held across
+iterations (parameters, optimizer state, the offloader's persistent staging buffers, reported as
+``Profile.offload_overhead_bytes``) is not part of it, as with CUDA's ``max_memory_allocated``. The simulator never runs a model and never touches a tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tensortier.planner.profile import Profile, TensorProfile
+
+HOST_CODECS = ("zstd", "lz4")  # run on host bytes: encoding already moves the data to the host
+
+
+class Mode(str, Enum):
+    KEEP = "keep"
+    HOST = "host"
+    DISK = "disk"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class UnitAction:
+    mode: Mode = Mode.KEEP
+    compress: bool = False  # host/disk: use the cheapest codec where it pays (see choose_codec)
+
+    def label(self) -> str:
+        return self.mode.value + ("+codec" if self.compress else "")
+
+
+@dataclass
+class Plan:
+    """Per-unit actions and the codec resolved for each offloaded tensor (by pack index)."""
+
+    policy: str
+    actions: dict[str, UnitAction]
+    codecs: dict[int, str | None] = field(default_factory=dict)
+
+    def action(self, unit: str) -> UnitAction:
+        return self.actions.get(unit, UnitAction())
+
+    def tier_of(self, t: TensorProfile) -> str:
+        mode = self.action(t.unit).mode
+        return mode.value if mode in (Mode.HOST, Mode.DISK) else "keep"
+
+    def recomputed(self) -> list[str]:
+        return [u for u, a in self.actions.items() if a.mode == Mode.RECOMPUTE]
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "actions": {u: a.label() for u, a in self.actions.items()},
+            "codecs": {str(k): v for k, v in self.codecs.items() if v},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        actions = {}
+        for unit, label in d["actions"].items():
+            mode, _, codec = label.partition("+")
+            actions[unit] = UnitAction(Mode(mode), compress=codec == "codec")
+        return cls(d["policy"], actions, {int(k): v for k, v in d.get("codecs", {}).items()})
+
+
+@dataclass
+class Span:
+    lane: str  # "compute" or a channel name
+    start: float
+    end: float
+    label: str
+
+
+@dataclass
+class SimResult:
+    peak_bytes: int
+    step_s: float
+    exposed_s: float  # compute stream waiting on transfers
+    overhead_s: float  # codec, issue and recompute time added to the compute stream
+    forward_s: float
+    host_peak_bytes: int
+    timeline: list[tuple[float, int]]  # (time, device bytes) after each change
+    spans: list[Span]
+
+    def summary(self) -> dict:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "step_s": self.step_s,
+            "exposed_s": self.exposed_s,
+            "overhead_s": self.overhead_s,
+            "host_peak_bytes": self.host_peak_bytes,
+        }
+
+
+# ------------------------------------------------------------------ cost helpers
+def path_of(profile: Profile, tier: str, codec: str | None, *, outbound: bool) -> list[str]:
+    """The channels a payload crosses, in order."""
+    on_host = codec in HOST_CODECS  # the codec already left the payload on the host
+    if tier == "host":
+        return [] if profile.unified or on_host else (["d2h"] if outbound else ["h2d"])
+    if profile.unified or on_host:
+        return ["h2disk"] if outbound else ["disk2h"]
+    return ["d2h", "h2disk"] if outbound else ["disk2h", "h2d"]
+
+
+def move_seconds(profile: Profile, tier: str, codec: str | None, nbytes: float) -> float:
+    """Busy time of the slowest channel both ways (the pipelined cost of moving ``nbytes``)."""
+    bw = profile.bandwidth
+    total = 0.0
+    for outbound in (True, False):
+        hops = path_of(profile, tier, codec, outbound=outbound)
+        total += max((nbytes / bw.of(c) for c in hops), default=0.0)
+    return total
+
+
+def codec_seconds(profile: Profile, t: TensorProfile, codec: str) -> tuple[float, float]:
+    speed = profile.codecs[codec]
+    return t.nbytes / speed.encode_bps, t.nbytes / speed.decode_bps
+
+
+def choose_codec(
+    profile: Profile, t: TensorProfile, tier: str, *, allow_lossy: bool = False
+) -> str | None:
+    """The codec with the lowest encode + move + decode time, if it beats moving raw bytes.
+
+    On the unified host tier nothing moves, so a codec is chosen when it saves memory at all
+    (the lowest time among codecs that shrink the tensor by >= 10%).
+    """
+    raw = move_seconds(profile, tier, None, t.nbytes)
+    best, best_cost = None, float("inf") if tier == "host" and profile.unified else raw
+    for name, ratio in sorted(t.ratios.items()):
+        speed = profile.codecs.get(name)
+        if speed is None or (not speed.lossless and not allow_lossy) or ratio > 0.9:
+            continue
+        enc, dec = codec_seconds(profile, t, name)
+        cost = enc + dec + move_seconds(profile, tier, name, t.nbytes * ratio)
+        if cost < best_cost:
+            best, best_cost = name, cost
+    return best
+
+
+def resolve_codecs(profile: Profile, plan: Plan, *, allow_lossy: bool = False) -> Plan:
+    """Fills ``plan.codecs`` for every tensor of a unit whose action asks for compression."""
+    codecs: dict[int, str | None] = {}
+    for t in profile.tensors:
+        a = plan.action(t.unit)
+        if a.mode in (Mode.HOST, Mode.DISK) and a.compress:
+            codecs[t.index] = choose_codec(profile, t, a.mode.value, allow_lossy=allow_lossy)
+    plan.codecs = codecs
+    return plan
+
+
+# ------------------------------------------------------------------ simulation
+class _Memory:
+    def __init__(self) -> None:
+        self.events: list[tuple[float, int]] = []
+
+    def add(self, t: float, n: float) -> None:
+        if n:
+            self.events.append((t, int(n)))
+
+    def sweep(self) -> tuple[int, list[tuple[float, int]]]:
+        level, peak, timeline = 0, 0, [(0.0, 0)]
+        # frees before allocations at the same instant: a buffer is reused, not doubled
+        for t, d in sorted(self.events, key=lambda e: (e[0], e[1] > 0)):
+            level += d
+            peak = max(peak, level)
+            if timeline[-1][0] == t:  # one point per instant: no zero-width dips in the plot
+                timeline[-1] = (t, level)
+            else:
+                timeline.append((t, level))
+        return peak, timeline
+
+
+@dataclass
+class _Read:
+    t: TensorProfile
+    tier: str
+    codec: str | None
+    payload: float
+    avail: float  # outbound copy finished
+    arrive: float = 0.0
+    consume: float | None = None
+    issued: bool = False
+
+
+def simulate(profile: Profile, plan: Plan) -> SimResult:
+    """Runs one iteration of ``plan`` on ``profile``'s costs; see the module docstring."""
+    bw = profile.bandwidth
+    dev = _Memory()
+    host = dev if profile.unified else _Memory()  # where host-side payloads live
+    spans: list[Span] = []
+    chan = dict.fromkeys(("d2h", "h2d", "h2disk", "disk2h"), 0.0)
+    now, overhead = 0.0, 0.0
+    # a hop allocates its destination when it starts and frees its source when it ends
+    src_of = {"d2h": dev, "h2disk": host, "disk2h": None, "h2d": host}
+    dst_of = {"d2h": host, "h2disk": None, "disk2h": host, "h2d": dev}
+
+    def hop(channel: str, ready: float, nbytes: float, label: str) -> float:
+        start = max(ready, chan[channel])
+        end = start + nbytes / bw.of(channel)
+        chan[channel] = end
+        spans.append(Span(channel, start, end, label))
+        if dst_of[channel] is not None:
+            dst_of[channel].add(start, nbytes)
+        if src_of[channel] is not None:
+            src_of[channel].add(end, -nbytes)
+        return end
+
+    groups: dict[str, list[TensorProfile]] = {}
+    for t in profile.tensors:
+        groups.setdefault(t.unit, []).append(t)
+
+    # ---------------------------------------------------------------- forward
+    reads: list[_Read] = []
+    resident: dict[int, tuple[float, _Memory]] = {}  # bytes held until the unit's backward
+    for u in profile.units:
+        action = plan.action(u.name)
+        ts = groups.get(u.name, [])
+        start = now
+        if action.mode == Mode.RECOMPUTE and u.recomputable:
+            dev.add(start, u.input_bytes)
+            for k, t in enumerate(ts):  # alive only while the unit runs
+                dev.add(start + u.fwd_s * (k + 1) / (len(ts) + 1), t.nbytes)
+                dev.add(start + u.fwd_s, -t.nbytes)
+            now += u.fwd_s
+            spans.append(Span("compute", start, now, f"fwd {u.name} (ckpt)"))
+            continue
+        seg = u.fwd_s / max(1, len(ts))
+        if not ts:
+            now += u.fwd_s
+        for t in ts:
+            now += seg
+            dev.add(now, t.nbytes)
+            tier = plan.tier_of(t)
+            codec = plan.codecs.get(t.index) if tier != "keep" else None
+            hops = path_of(profile, tier, codec, outbound=True) if tier != "keep" else []
+            if tier == "keep" or (codec is None and not hops):  # nothing leaves the device
+                resident[t.index] = (t.nbytes, dev)
+                continue
+            now += bw.issue_s
+            overhead += bw.issue_s
+            payload: float = t.nbytes
+            where = dev
+            if codec is not None:
+                enc, _ = codec_seconds(profile, t, codec)
+                spans.append(Span("compute", now, now + enc, f"encode {codec} #{t.index}"))
+                now += enc
+                overhead += enc
+                payload = t.nbytes * t.ratios[codec]
+                where = host if codec in HOST_CODECS else dev
+                where.add(now, payload)
+                dev.add(now, -t.nbytes)
+            ready = now
+            for c in hops:
+                ready = hop(c, ready, payload, f"{c} #{t.index}")
+                where = dst_of[c] or where
+            if tier == "host":  # the payload waits in memory for its backward
+                resident[t.index] = (payload, where)
+            reads.append(_Read(t, tier, codec, payload, avail=ready))
+        spans.append(Span("compute", start, now, f"fwd {u.name}"))
+    extra = profile.other_fwd_s + profile.other_bwd_s
+    if extra:
+        spans.append(Span("compute", now, now + extra, "loss"))
+    now += extra
+    forward_s = now
+
+    # ---------------------------------------------------------------- backward
+    rank = {u.name: i for i, u in enumerate(profile.units)}
+    order = sorted(reads, key=lambda r: (-rank[r.t.unit], -r.t.index))  # need order
+    issued: list[_Read] = []  # in issue order; consumption follows the same order
+    window, bwd_start, exposed = profile.prefetch_bytes, now, 0.0
+    state = {"head": 0, "inflight": 0.0, "last": bwd_start}
+    nxt = 0
+
+    def issue(r: _Read, force: bool, not_before: float = 0.0) -> bool:
+        # reads start in need order (FIFO), so a start time never precedes the previous one
+        s = max(r.avail, state["last"], not_before)
+        while True:
+            while state["head"] < len(issued):  # drop reads already consumed by time s
+                x = issued[state["head"]]
+                if x.consume is None or x.consume > s:
+                    break
+                state["inflight"] -= x.payload
+                state["head"] += 1
+            pending = state["inflight"]
+            if force or not pending or pending + r.payload <= window:
+                break
+            x = issued[state["head"]]
+            if x.consume is None:
+                return False  # the window opens when a unit not yet simulated consumes
+            s = x.consume
+        state["last"] = s
+        ready = s
+        for c in path_of(profile, r.tier, r.codec, outbound=False):
+            ready = hop(c, ready, r.payload, f"{c} #{r.t.index}")
+        if r.tier == "host":
+            resident.pop(r.t.index, None)
+        r.arrive = ready
+        r.issued = True
+        issued.append(r)
+        state["inflight"] += r.payload
+        return True
+
+    read_of = {r.t.index: r for r in order}
+
+    def pump() -> None:  # start every read the window allows, in need order
+        nonlocal nxt
+        while nxt < len(order) and (order[nxt].issued or issue(order[nxt], False)):
+            nxt += 1
+
+    for u in reversed(profile.units):
+        action = plan.action(u.name)
+        ts = groups.get(u.name, [])
+        recompute = action.mode == Mode.RECOMPUTE and u.recomputable
+        pump()
+        if recompute:  # the unit's forward runs again and materialises its saved tensors
+            dev.add(now, sum(t.nbytes for t in ts))
+            spans.append(Span("compute", now, now + u.fwd_s, f"recompute {u.name}"))
+            now += u.fwd_s
+            overhead += u.fwd_s
+        start = now
+        # autograd consumes the unit's saved tensors in reverse pack order, one node at a time,
+        # and frees each once its node ran
+        need = list(reversed(ts))
+        seg = u.bwd_s / max(1, len(need))
+        if not need:
+            now += u.bwd_s
+        for t in need:
+            r = None if recompute else read_of.get(t.index)
+            if r is not None:
+                if not r.issued:
+                    issue(r, True, now)  # on demand: the window had no room for it earlier
+                if r.arrive > now:
+                    spans.append(Span("compute", now, r.arrive, "wait"))
+                    exposed += r.arrive - now
+                    now = r.arrive
+                r.consume = now
+                if r.codec is not None:
+                    _, dec = codec_seconds(profile, r.t, r.codec)
+                    dev.add(now, r.t.nbytes)
+                    spans.append(Span("compute", now, now + dec, f"decode {r.codec} #{t.index}"))
+                    now += dec
+                    overhead += dec
+                    arrived_in = (
+                        dev
+                        if path_of(profile, r.tier, r.codec, outbound=False)[-1:] == ["h2d"]
+                        else (host if r.codec in HOST_CODECS or r.tier == "disk" else dev)
+                    )
+                    arrived_in.add(now, -r.payload)
+                pump()
+            now += seg
+            if recompute:
+                dev.add(now, -t.nbytes)
+            elif r is not None:  # raw bytes arrived in the device (h2d) or, unified, in RAM
+                dev.add(now, -(t.nbytes if r.codec is not None else r.payload))
+            elif t.index in resident:
+                n, mem = resident.pop(t.index)
+                mem.add(now, -n)
+        spans.append(Span("compute", start, now, f"bwd {u.name}"))
+        dev.add(now, u.grad_bytes)
+        if recompute:
+            dev.add(now, -u.input_bytes)
+        pump()
+    peak, timeline = dev.sweep()
+    host_peak = peak if profile.unified else host.sweep()[0]
+    base = profile.base_bytes + profile.workspace_bytes
+    return SimResult(
+        peak_bytes=int(base + peak),
+        step_s=now,
+        exposed_s=exposed,
+        overhead_s=overhead,
+        forward_s=forward_s,
+        host_peak_bytes=int(host_peak),
+        timeline=[(t, base + b) for t, b in timeline],
+        spans=spans,
+    )

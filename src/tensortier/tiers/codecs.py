@@ -1,0 +1,351 @@
+"""Codecs that shrink a tensor before it moves to a slower tier, and their measured cost.
+
+A codec turns one tensor into a few payload tensors (what actually crosses the tier) plus a small
+metadata dict, and back. Lossless codecs are bit-exact for every dtype they accept (``-0.0`` and
+NaN payloads included, because they compare and copy bit patterns, never float values); the lossy
+down-cast codecs are opt-in and say so in ``lossless = False``.
+
+This module owns the encodings and the helpers that *measure* their speed and ratio for the
+planner's profile. It never decides when to use a codec: the planner's simulator does that
+("encode + move + decode beats move").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tensortier.errors import ConfigError, CorruptDataError
+
+# Integer dtype with the same width: codecs compare and move bit patterns, never values.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+#: Every dtype the lossless codecs accept (complex is moved as pairs of its real dtype).
+LOSSLESS_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """What the activation offloader calls; ``decode`` returns on the payloads' device."""
+
+    name: str
+    lossless: bool
+
+    def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]: ...
+
+    def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor: ...
+
+
+def _check_dtype(codec: str, t: torch.Tensor, accepted: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in accepted:
+        names = ", ".join(str(d).removeprefix("torch.") for d in accepted)
+        raise ConfigError(
+            f"codec {codec!r} cannot encode a {t.dtype} tensor; it accepts {names}. "
+            "Use codec=None (raw bytes) for this tensor."
+        )
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of ``t``'s values with the same bit patterns (a copy if not contiguous)."""
+    flat = t.contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(_BITS[flat.element_size()])
+
+
+def _meta(t: torch.Tensor) -> dict:
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {name!r} in codec metadata")
+    return dtype
+
+
+def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype == torch.bool:
+        return torch.uint8
+    width = torch.empty(0, dtype=dtype).element_size()
+    return _BITS[width // 2 if dtype.is_complex else width]
+
+
+def _from_bits(bits: torch.Tensor, meta: dict) -> torch.Tensor:
+    dtype, shape = _dtype(meta["dtype"]), tuple(meta["shape"])
+    if dtype.is_complex:
+        real = torch.float32 if dtype == torch.complex64 else torch.float64
+        return torch.view_as_complex(bits.view(real).reshape(-1, 2)).reshape(shape)
+    if dtype == torch.bool:
+        return bits.view(torch.bool).reshape(shape)
+    return bits.view(dtype).reshape(shape)
+
+
+class SparseCodec:
+    """Bitmask of the nonzero elements plus the packed nonzeros (FlashNeuron/Gist/cDMA style).
+
+    Pays for ReLU outputs and dropout masks: a tensor with a fraction ``z`` of zeros shrinks to
+    ``1/(8*itemsize) + (1 - z)`` of its bytes. Runs with torch on the tensor's own device.
+    """
+
+    name = "sparse"
+    lossless = True
+
+    def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+        _check_dtype(self.name, t, LOSSLESS_DTYPES)
+        bits = _as_bits(t)
+        mask = bits != 0
+        pad = (-mask.numel()) % 8
+        padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
+        packed = (padded * _BIT_WEIGHTS.to(t.device)).sum(dim=1, dtype=torch.uint8)
+        return [packed, bits[mask]], {**_meta(t), "n": bits.numel()}
+
+    def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+        packed, values = payloads
+        n = int(meta["n"])
+        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        mask = ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:n].bool()
+        bits = torch.zeros(n, dtype=values.dtype, device=values.device)
+        bits[mask] = values
+        return _from_bits(bits, meta)
+
+
+class _HostBytesCodec:
+    """Compresses the tensor's bytes on the host; payload is one uint8 CPU tensor."""
+
+    name = "bytes"
+    lossless = True
+
+    def _compress(self, data: memoryview) -> bytes:
+        raise NotImplementedError
+
+    def _decompress(self, data: memoryview, size: int) -> bytes:
+        raise NotImplementedError
+
+    def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+        _check_dtype(self.name, t, LOSSLESS_DTYPES)
+        raw = _as_bits(t).cpu().view(torch.uint8).numpy()
+        out = self._compress(memoryview(raw))
+        payload = torch.frombuffer(bytearray(out), dtype=torch.uint8) if out else torch.empty(0)
+        return [payload.to(torch.uint8)], {**_meta(t), "nbytes": raw.nbytes}
+
+    def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+        (payload,) = payloads
+        size = int(meta["nbytes"])
+        raw = self._decompress(memoryview(payload.cpu().numpy()), size) if size else b""
+        if len(raw) != size:
+            raise CorruptDataError(
+                f"{self.name} payload decoded to {len(raw)} bytes, expected {size}"
+            )
+        bits = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0)
+        bits = bits.to(torch.uint8).view(_bits_dtype(_dtype(meta["dtype"])))
+        return _from_bits(bits, meta).to(payload.device)
+
+
+class ZstdCodec(_HostBytesCodec):
+    """zstandard at a low level: the best ratio per CPU second for dense activations on host."""
+
+    lossless = True
+
+    def __init__(self, level: int = 1, threads: int = 0):
+        import zstandard
+
+        self.name = f"zstd{level}" if level != 1 else "zstd"
+        self._c = zstandard.ZstdCompressor(level=level, threads=threads)
+        self._d = zstandard.ZstdDecompressor()
+
+    def _compress(self, data: memoryview) -> bytes:
+        return self._c.compress(data)
+
+    def _decompress(self, data: memoryview, size: int) -> bytes:
+        return self._d.decompress(data, max_output_size=size)
+
+
+class Lz4Codec(_HostBytesCodec):
+    """lz4 frame: lower ratio than zstd, several times faster to decode."""
+
+    name = "lz4"
+    lossless = True
+
+    def _compress(self, data: memoryview) -> bytes:
+        import lz4.frame
+
+        return lz4.frame.compress(data, compression_level=0)
+
+    def _decompress(self, data: memoryview, size: int) -> bytes:
+        import lz4.frame
+
+        return lz4.frame.decompress(data)
+
+
+class CastCodec:
+    """Opt-in lossy down-cast of float32 activations to fp16 or bf16 (half the bytes).
+
+    Not bit-exact: gradients change slightly. Use it only where the user accepts that
+    (``allow_lossy=True`` in the planner).
+    """
+
+    lossless = False
+
+    def __init__(self, to: torch.dtype = torch.bfloat16):
+        if to not in (torch.float16, torch.bfloat16):
+            raise ConfigError(
+                f"CastCodec: to={to} is not supported; use torch.float16 or torch.bfloat16"
+            )
+        self.to = to
+        self.name = "fp16" if to == torch.float16 else "bf16"
+
+    def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+        _check_dtype(self.name, t, (torch.float32,))
+        return [t.to(self.to)], _meta(t)
+
+    def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+        return payloads[0].to(_dtype(meta["dtype"])).reshape(tuple(meta["shape"]))
+
+
+def get_codec(name: str) -> Codec:
+    """The codec called ``name``: sparse, zstd, lz4, fp16 or bf16."""
+    factories = {
+        "sparse": SparseCodec,
+        "zstd": ZstdCodec,
+        "lz4": Lz4Codec,
+        "fp16": lambda: CastCodec(torch.float16),
+        "bf16": lambda: CastCodec(torch.bfloat16),
+    }
+    if name not in factories:
+        raise ConfigError(f"unknown codec {name!r}; choose one of {', '.join(factories)}")
+    return factories[name]()
+
+
+LOSSLESS_CODECS = ("sparse", "zstd", "lz4")
+LOSSY_CODECS = ("fp16", "bf16")
+
+
+def accepts(name: str, dtype: torch.dtype) -> bool:
+    """Whether codec ``name`` can encode tensors of ``dtype``."""
+    return dtype == torch.float32 if name in LOSSY_CODECS else dtype in LOSSLESS_DTYPES
+
+
+def payload_bytes(payloads: list[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in payloads)
+
+
+def zero_fraction(t: torch.Tensor) -> float:
+    """Fraction of elements whose bit pattern is all zeros (what the sparse codec drops)."""
+    if t.numel() == 0:
+        return 0.0
+    return float((_as_bits(t) == 0).sum().item()) / _as_bits(t).numel()
+
+
+def sparse_ratio(zero_frac: float, itemsize: int) -> float:
+    """Predicted payload/raw bytes of :class:`SparseCodec` for a given zero fraction."""
+    return 1.0 / (8 * itemsize) + (1.0 - zero_frac)
+
+
+@dataclass
+class CodecSpeed:
+    """Measured throughput of one codec on this machine, in raw bytes per second."""
+
+    name: str
+    encode_bps: float
+    decode_bps: float
+    ratio: float  # payload / raw bytes on the calibration sample
+    lossless: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_codec(
+    codec: Codec, sample: torch.Tensor, *, repeat: int = 3
+) -> tuple[CodecSpeed, bool]:
+    """Times encode and decode of ``sample`` (best of ``repeat``); also reports bit-exactness."""
+    raw = sample.numel() * sample.element_size()
+    enc_best = dec_best = float("inf")
+    payloads, meta, out = [], {}, sample
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        payloads, meta = codec.encode(sample)
+        t1 = time.perf_counter()
+        out = codec.decode(payloads, meta)
+        t2 = time.perf_counter()
+        enc_best, dec_best = min(enc_best, t1 - t0), min(dec_best, t2 - t1)
+    exact = bool(torch.equal(_as_bits(out), _as_bits(sample))) if codec.lossless else False
+    speed = CodecSpeed(
+        name=codec.name,
+        encode_bps=raw / max(enc_best, 1e-9),
+        decode_bps=raw / max(dec_best, 1e-9),
+        ratio=payload_bytes(payloads) / max(raw, 1),
+        lossless=codec.lossless,
+    )
+    return speed, exact
+
+
+def calibration_sample(
+    nbytes: int = 4 << 20, *, zero_frac: float = 0.5, seed: int = 0
+) -> torch.Tensor:
+    """An fp32 activation-like sample: post-ReLU Gaussian values with ``zero_frac`` zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(1, nbytes // 4), generator=g)
+    keep = torch.rand(x.shape, generator=g) >= zero_frac
+    return (x.abs() * keep).float()
+
+
+def measure_codecs(
+    names: tuple[str, ...] = LOSSLESS_CODECS + LOSSY_CODECS, *, nbytes: int = 4 << 20
+) -> dict[str, CodecSpeed]:
+    """Calibrates every codec in ``names`` on one sample; the planner's profile stores the result."""
+    sample = calibration_sample(nbytes)
+    return {n: measure_codec(get_codec(n), sample)[0] for n in names}
+
+
+def estimate_ratio(
+    name: str, t: torch.Tensor, *, zero_frac: float | None = None, sample_bytes: int = 1 << 20
+) -> float:
+    """Payload/raw bytes of codec ``name`` on ``t``: exact for sparse and casts, sampled for zstd/lz4."""
+    if name in LOSSY_CODECS:
+        return 0.5
+    if name == "sparse":
+        z = zero_fraction(t) if zero_frac is None else zero_frac
+        return sparse_ratio(z, 1 if t.dtype == torch.bool else t.element_size())
+    bits = _as_bits(t.detach())
+    n = max(1, sample_bytes // bits.element_size())
+    head = bits[:n]
+    payloads, _ = get_codec(name).encode(head)
+    return payload_bytes(payloads) / max(1, head.numel() * head.element_size())
+
+
+__all__ = [
+    "Codec",
+    "CastCodec",
+    "CodecSpeed",
+    "Lz4Codec",
+    "SparseCodec",
+    "ZstdCodec",
+    "accepts",
+    "estimate_ratio",
+    "get_codec",
+    "measure_codec",
+    "measure_codecs",
+    "sparse_ratio",
+    "zero_fraction",
+]
