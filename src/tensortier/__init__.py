@@ -1,6 +1,7 @@
 """tensortier: move PyTorch tensors across device, host RAM and NVMe so training breaks the memory wall."""
 
 from tensortier._units import format_size, parse_size
+from tensortier.checkpoint import Checkpointer
 from tensortier.errors import (
     BudgetError,
     ClosedError,
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BudgetError",
+    "Checkpointer",
     "ClosedError",
     "ConfigError",
     "CorruptDataError",
