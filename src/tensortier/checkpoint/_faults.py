@@ -2,8 +2,8 @@
 
 When the environment variable ``TENSORTIER_CHECKPOINT_FAULT`` is ``"<point>@<save>[:<hit>]"``, the
 process sends itself SIGKILL the ``hit``-th time (default 1) it reaches ``point`` during its
-``save``-th persist. Unset (always, outside tests), :func:`point` is a dictionary lookup. Points are
-named in PROTOCOL.md.
+``save``-th persist. The variable is read at the start of each persist; unset (always, outside
+tests), :func:`point` is one comparison. Points are named in PROTOCOL.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _parse(spec: str | None) -> tuple[str, int, int] | None:
     return name, int(save or 1), int(hit or 1)
 
 
-_TARGET = _parse(os.environ.get(ENV))
+_TARGET: tuple[str, int, int] | None = None
 _lock = threading.Lock()
 _save = 0
 _hits: dict[str, int] = {}
@@ -31,7 +31,8 @@ _hits: dict[str, int] = {}
 
 def begin_save() -> None:
     """Called once at the start of each persist."""
-    global _save
+    global _save, _TARGET
+    _TARGET = _parse(os.environ.get(ENV))
     if _TARGET is None:
         return
     with _lock:
