@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tensortier.bench import checkpoint as bench_checkpoint
 from tensortier.bench import tiers as bench_tiers
 
 BENCHES = {"tiers": bench_tiers}
+BENCHES["checkpoint"] = bench_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -26,6 +28,29 @@ from tensortier.errors import TierFullError
 CHUNK = 16 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _pwrite = os.pwrite  # module-level so tests can simulate a full disk
+
+
+class CpuClock:
+    """CPU seconds (user + system) spent by background work, summed over the threads it ran on.
+
+    On a CPU-only machine these are seconds taken from training, so the adaptive interval counts
+    them as cost even when iteration timings are too noisy to show the slowdown.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def wrap(self, fn: Callable) -> Callable:
+        def timed(*args):
+            t0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self.seconds += time.thread_time() - t0
+
+        return timed
 
 
 def step_dir(root: str, step: int) -> str:
@@ -54,9 +79,11 @@ def persist(
     body: dict,
     pool: ThreadPoolExecutor,
     direct: bool,
+    clock: CpuClock | None = None,
 ) -> tuple[str, int]:
     """Write ``step-N/`` durably; returns (its path, bytes written). ``body`` gets the checksums."""
     _faults.begin_save()
+    clock = clock or CpuClock()
     final = step_dir(root, step)
     tmp = final + ".incomplete"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -69,7 +96,7 @@ def persist(
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if direct else 0)
             fds.append(os.open(os.path.join(tmp, shard.file), flags, 0o644))
         crc_jobs = [
-            (shard, e, pool.submit(crc, img[shard.data_start + e.offset :][: e.nbytes]))
+            (shard, e, pool.submit(clock.wrap(crc), img[shard.data_start + e.offset :][: e.nbytes]))
             for shard, img in zip(shards, images)
             for e in shard.entries
         ]
@@ -85,7 +112,7 @@ def persist(
             written += shard.file_bytes
             write_jobs.append(
                 [
-                    pool.submit(chunk, fd, image, s, min(s + CHUNK, length))
+                    pool.submit(clock.wrap(chunk), fd, image, s, min(s + CHUNK, length))
                     for s in range(0, length, CHUNK)
                 ]
             )
@@ -99,7 +126,9 @@ def persist(
             os.fsync(fd)
             _faults.point("file-synced")
 
-        finish_jobs = [pool.submit(finish, *args) for args in zip(fds, shards, write_jobs)]
+        finish_jobs = [
+            pool.submit(clock.wrap(finish), *args) for args in zip(fds, shards, write_jobs)
+        ]
         jobs += finish_jobs
         for job in finish_jobs:  # first error wins; the rest are waited for before cleanup
             job.result()

@@ -5,7 +5,10 @@ divided by the time of k iterations, stays under the allowed overhead p: k = cos
 Here the cost is *measured*, not modelled: every call of ``maybe_save`` timestamps one iteration,
 iterations with no checkpoint activity give the baseline t_iter (a running median), and each
 checkpoint's cost is the extra time of the iterations it touched (the blocking part of the
-snapshot, waits before the optimizer step, and the slowdown while persisting in the background).
+snapshot, waits before the optimizer step, and the slowdown while persisting in the background),
+but never less than what is measured without noise: the seconds the loop was blocked plus, when
+the state lives in host memory and so competes with training for the same cores, the CPU seconds
+of the background copy and persist.
 The rule is applied to running totals, so one-off costs such as the first snapshot's buffer
 allocation are amortised too: a checkpoint starts only when the total cost so far plus the
 expected cost of this one fits in p times the steps run. A checkpoint never starts while the
@@ -47,9 +50,13 @@ class AutoInterval:
     def started(self) -> None:
         self.open_cost = 0.0
 
-    def finished(self) -> float:
-        """The checkpoint being accounted is fully persisted; returns its measured cost."""
-        cost = max(0.0, self.open_cost or 0.0)
+    def finished(self, floor: float = 0.0) -> float:
+        """The checkpoint being accounted is persisted; returns its cost.
+
+        ``floor`` is a cost known without timing noise (blocked seconds, plus on CPU the CPU
+        seconds of the background work); the cost is the larger of it and the measured excess.
+        """
+        cost = max(0.0, floor, self.open_cost or 0.0)
         self.open_cost = None
         self.total_cost += cost
         a = self.smoothing

@@ -42,7 +42,7 @@ from tensortier.checkpoint._format import (
     read_tensors,
     write_header,
 )
-from tensortier.checkpoint._persist import persist, step_dir
+from tensortier.checkpoint._persist import CpuClock, persist, step_dir
 from tensortier.checkpoint._policy import AutoInterval
 from tensortier.checkpoint._tree import decode, encode
 from tensortier.errors import BudgetError, ClosedError, ConfigError, CorruptDataError, SpillDirError
@@ -233,6 +233,7 @@ class Checkpointer:
         self._last_call: float | None = None
         self._last_saved: int | None = None
         self._stall = 0.0
+        self._background_cpu = 0.0  # CPU seconds of the last checkpoint's background work
 
     # ------------------------------------------------------------------ public API
     @property
@@ -265,7 +266,8 @@ class Checkpointer:
             if self._last_call is not None:
                 self._auto.observe(now - self._last_call, busy=busy)
             if busy and (self._persist is None or self._persist.done()):
-                self.stats.last_cost_seconds = self._auto.finished()
+                floor = self.stats.last_stall_seconds + self._background_cpu
+                self.stats.last_cost_seconds = self._auto.finished(floor)
                 self.stats.interval = self._auto.interval
                 if self.stats.history:
                     self.stats.history[-1]["cost_s"] = self.stats.last_cost_seconds
@@ -505,12 +507,15 @@ class Checkpointer:
                     dst.copy_(as_bytes(t), non_blocking=True)
             cuda_done = self._cuda_done = side.record_event()
 
+        clock = CpuClock()
+
         def copy_late() -> float:
             for dst, t in late_cpu:
                 dst.copy_(as_bytes(t))
             return time.monotonic()
 
-        snapshot = self._snapshot = self._copier.submit(copy_late)
+        snapshot = self._snapshot = self._copier.submit(clock.wrap(copy_late))
+        on_host = not late_cuda
         body = {
             "format": FORMAT,
             "version": VERSION,
@@ -524,13 +529,18 @@ class Checkpointer:
         nbytes = sum(s.file_bytes for s in shards)
 
         def job() -> None:
+            t0 = time.thread_time()
             copied = snapshot.result()
             if cuda_done is not None:
                 cuda_done.synchronize()
                 copied = time.monotonic()
-            path, written = persist(self.root, step, shards, images, body, self._io, self.direct)
+            path, written = persist(
+                self.root, step, shards, images, body, self._io, self.direct, clock
+            )
             done = time.monotonic()
             self._retain(step)
+            cpu = clock.seconds + time.thread_time() - t0
+            self._background_cpu = cpu if on_host else 0.0
             self.stats.committed += 1
             self.stats.last_committed_step = step
             self.stats.last_snapshot_seconds = copied - t_copy
@@ -543,6 +553,7 @@ class Checkpointer:
                     "snapshot_s": copied - t_copy,
                     "persist_s": done - copied,
                     "stall_s": self.stats.last_stall_seconds,
+                    "background_cpu_s": cpu,
                 }
             )
             log.info(
