@@ -313,3 +313,22 @@ def test_auto_interval_is_measured_and_reported(tmp_path):
         assert ck.interval is not None and ck.interval >= 1
         assert ck.stats.last_cost_seconds is not None
         assert ck.stats.history[0]["persist_s"] > 0
+
+
+@pytest.mark.gpu
+def test_cuda_state_snapshots_on_a_side_stream_and_resumes(tmp_path):
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    with Checkpointer(tmp_path, every=1) as ck:
+        for i in range(3):
+            model(torch.randn(8, 64, device="cuda")).pow(2).mean().backward()
+            opt.step()  # the pre-hook orders it after the snapshot copy
+            opt.zero_grad()
+            ck.maybe_save(i, model=model, optimizer=opt)
+        ck.wait()
+        expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    fresh = torch.nn.Linear(64, 64).cuda()
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(model=fresh).saved_step == 2
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v.cpu(), expected[k])
