@@ -353,8 +353,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             rows.append({"variant": key, "error": f"{type(item[3]).__name__}: {item[3]}"})
     idle = idle_persist_gbps(model, opt, args.dir)
     # every="auto" against a plain run of the same length, back to back
+    # plain runs before and after the auto run: their mean cancels slow drifts of a shared machine
     c0 = time.process_time()
-    plain = train(model, opt, width, args.batch, auto_steps, device)
+    plain_before = train(model, opt, width, args.batch, auto_steps, device)
     plain_cpu = time.process_time() - c0
     root = tempfile.mkdtemp(prefix="tt-bench-ckpt-", dir=args.dir)
     try:
@@ -377,6 +378,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         peak = rss.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    c0 = time.process_time()
+    plain_after = train(model, opt, width, args.batch, auto_steps, device)
+    plain_cpu = (plain_cpu + time.process_time() - c0) / 2
+    plain = (plain_before + plain_after) / 2
     auto_row = {
         "variant": f"tensortier every=auto (max_overhead={args.max_overhead})",
         "steps": auto_steps,
@@ -386,6 +391,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "total_stall_s": ck.stats.stall_seconds,
         "peak_extra_rss": peak,
         "plain_loop_s": plain,
+        "plain_loop_before_after_s": [plain_before, plain_after],
         "auto_loop_s": auto,
         "slowdown": auto / plain - 1,
         # CPU seconds of this process: less sensitive to other tenants of a shared machine

@@ -3,7 +3,8 @@
 The snapshot copies model parameters and optimizer state into reused host images of the
 safetensors files while the next forward and backward run (a thread on CPU, a side stream on
 CUDA); only the next ``optimizer.step()`` waits for it (a step pre-hook enforces this even if the
-user forgets ``before_optimizer_step``). Tensors that forward may change (buffers such as
+user forgets ``before_optimizer_step``; anything else that changes parameters or optimizer state
+in place, such as an EMA update, must call ``before_optimizer_step`` first). Tensors that forward may change (buffers such as
 BatchNorm statistics), RNG states, the scheduler and ``extra`` are captured before ``maybe_save``
 returns. The persist runs on one background thread; at most one checkpoint is in flight, so the
 host memory is one set of images, reused for every save. Errors of a background persist are
