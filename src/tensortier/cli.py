@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tensortier.bench import activations as bench_activations
 from tensortier.bench import checkpoint as bench_checkpoint
+from tensortier.bench import optimizer as bench_optimizer
 from tensortier.bench import tiers as bench_tiers
 
-BENCHES = {"tiers": bench_tiers}
-BENCHES["checkpoint"] = bench_checkpoint
+BENCHES = {
+    "tiers": bench_tiers,
+    "activations": bench_activations,
+    "optimizer": bench_optimizer,
+    "checkpoint": bench_checkpoint,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

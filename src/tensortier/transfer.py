@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 import torch
 
 from tensortier._units import SizeLike, parse_size
-from tensortier.errors import ClosedError
+from tensortier.errors import ClosedError, TierFullError
 from tensortier.tiers.disk import DiskHandle, DiskStore, as_bytes
 from tensortier.tiers.host import HostBlock, HostPool, aligned_empty
 
@@ -264,8 +264,12 @@ class TransferEngine:
         disk = self._need_disk()
         fut = self._start("disk2h", handle.nbytes)
         if to == "device" and self.device.type == "cpu":  # process memory: read straight into it
+            try:
+                into = self.host.lend(handle.length)  # recycled memory: no first-touch page faults
+            except TierFullError:
+                into = None
             self._forward_disk(
-                disk.get(handle),
+                disk.get(handle, into=into),
                 fut,
                 "disk2h",
                 handle.nbytes,

@@ -115,3 +115,19 @@ def test_pinned_on_cuda():
         b = pool.alloc(1 << 20)
         assert b.buffer.is_pinned()
         b.free()
+
+
+def test_lent_tensor_returns_to_the_pool_when_its_storage_dies():
+    with HostPool("16MiB", pin=False) as pool:
+        t = pool.lend(1 << 20)
+        assert t.numel() == 1 << 20 and t.data_ptr() % PAGE == 0
+        view = t[10:20].view(torch.int16)  # a view keeps the storage (and the block) alive
+        ptr = t.data_ptr()
+        del t
+        gc.collect()
+        assert pool.stats.in_use == 1 << 20
+        del view
+        gc.collect()
+        assert pool.stats.in_use == 0
+        again = pool.lend(1 << 20)
+        assert again.data_ptr() == ptr and pool.stats.hits == 1

@@ -1,0 +1,13 @@
+"""Model-state offload: AdamW state and master weights on host RAM or NVMe, parameter streaming."""
+
+from tensortier.optim.adamw import OffloadedAdamW, OffloadStats, StateTier
+from tensortier.optim.streaming import ParameterStreamer, ParamTier, stream_parameters
+
+__all__ = [
+    "OffloadStats",
+    "OffloadedAdamW",
+    "ParamTier",
+    "ParameterStreamer",
+    "StateTier",
+    "stream_parameters",
+]

@@ -1,0 +1,335 @@
+"""Where a bucket's optimizer state lives between steps: host RAM, or the disk tier.
+
+A bucket's state is three flat vectors of its master dtype: the master weights and Adam's two
+moments. ``load`` hands the update a writable (master, exp_avg, exp_avg_sq) triple; ``save``
+records the result; ``commit`` makes every save of the step durable at once, ``abort`` drops them.
+
+Disk protocol (no partial step). Saved states go to *fresh* extents; the extents of the last
+committed step stay untouched until ``commit`` has seen every write of this step succeed, then
+the old extents are freed. A failed write (``TierFullError``) therefore leaves the committed
+state whole, and the optimizer writes parameters back only after ``commit``. The price is disk
+space for two copies of the state during a step.
+
+Host memory bound (disk). All I/O goes through ``depth`` ring buffers of one bucket's state
+each, so the optimizer's host memory is ``depth * 3 * bucket_bytes`` whatever the model size.
+Reads run ahead (``prefetch``) and writes behind (a buffer returns to the ring when its write
+completes), both through the disk store's futures.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import torch
+
+from tensortier._units import align_up
+from tensortier.errors import ConfigError
+from tensortier.tiers.disk import DiskHandle, DiskStore
+from tensortier.tiers.host import PAGE, aligned_empty
+
+State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # master, exp_avg, exp_avg_sq
+
+
+class HostStates:
+    """Every bucket's state resident in host RAM; saves are in place, so commit has nothing to do."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[int, torch.Tensor] = {}
+
+    def add(self, bucket_id: int, numel: int, dtype: torch.dtype) -> None:
+        self._bufs[bucket_id] = torch.zeros(3, numel, dtype=dtype)
+
+    def has(self, bucket_id: int) -> bool:
+        return True
+
+    def load(self, bucket_id: int) -> tuple[object, State, bool]:
+        b = self._bufs[bucket_id]
+        return None, (b[0], b[1], b[2]), False
+
+    def save(self, bucket_id: int, token: object, state: State) -> None:
+        pass
+
+    def blank(self, bucket_id: int) -> tuple[object, State]:
+        b = self._bufs[bucket_id]
+        b.zero_()
+        return None, (b[0], b[1], b[2])
+
+    def discard(self, token: object) -> None:
+        pass
+
+    def read(self, bucket_id: int) -> State:
+        b = self._bufs[bucket_id]
+        return b[0], b[1], b[2]
+
+    def prefetch(self, bucket_ids: list[int]) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def masters(self, bucket_ids: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        for i in bucket_ids:
+            yield i, self._bufs[i][0]
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def close(self) -> None:
+        self._bufs.clear()
+
+
+class _Layout:
+    """Byte layout of a ring buffer: [master | pad to page | exp_avg, exp_avg_sq | pad]."""
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        es = torch.empty((), dtype=dtype).element_size()
+        self.numel, self.dtype = numel, dtype
+        self.master_bytes = numel * es
+        self.mv_offset = align_up(self.master_bytes, PAGE)
+        self.total = self.mv_offset + align_up(2 * numel * es, PAGE)
+
+    def views(self, buf: torch.Tensor) -> State:
+        master = buf[: self.master_bytes].view(self.dtype)
+        mv = buf[self.mv_offset : self.mv_offset + 2 * self.master_bytes].view(self.dtype)
+        return master, mv[: self.numel], mv[self.numel :]
+
+    def mv(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.mv_offset : self.mv_offset + 2 * self.master_bytes].view(self.dtype)
+
+
+class DiskStates:
+    """Bucket states in a :class:`DiskStore`, streamed through ``depth`` host ring buffers."""
+
+    def __init__(self, store: DiskStore, depth: int):
+        if depth < 2:
+            raise ConfigError(
+                f"pipeline depth must be >= 2 (one buffer reading, one writing), got {depth}"
+            )
+        self.store, self.depth = store, depth
+        self._layouts: dict[int, _Layout] = {}
+        self._committed: dict[int, tuple[DiskHandle, DiskHandle]] = {}
+        self._pending: dict[int, tuple[Future, Future]] = {}
+        self._reads: dict[int, tuple[torch.Tensor, Future, Future]] = {}
+        self._ring: queue.Queue[torch.Tensor] = queue.Queue()
+        self._buffer_bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, bucket_id: int, numel: int, dtype: torch.dtype) -> None:
+        layout = _Layout(numel, dtype)
+        self._layouts[bucket_id] = layout
+        if layout.total > self._buffer_bytes:  # (re)size the ring to the largest bucket
+            self._drain_ring()
+            self._buffer_bytes = layout.total
+            for _ in range(self.depth):
+                self._ring.put(aligned_empty(layout.total))
+
+    def _drain_ring(self) -> None:
+        for _ in range(self.depth if self._buffer_bytes else 0):
+            self._ring.get()
+
+    @property
+    def host_bytes(self) -> int:
+        return self.depth * self._buffer_bytes
+
+    def has(self, bucket_id: int) -> bool:
+        return bucket_id in self._committed or bucket_id in self._pending
+
+    # ------------------------------------------------------------ buffers
+    def _take(self, avoid: int) -> torch.Tensor:
+        """A free ring buffer; steals one from a read-ahead of another bucket rather than deadlock."""
+        while True:
+            try:
+                return self._ring.get(timeout=0.05)
+            except queue.Empty:
+                with self._lock:
+                    victim = next((i for i in self._reads if i != avoid), None)
+                    read = self._reads.pop(victim) if victim is not None else None
+                if read is not None:
+                    buf, f1, f2 = read
+                    for f in (f1, f2):
+                        f.exception()
+                    return buf
+
+    def _release(self, buf: torch.Tensor) -> None:
+        self._ring.put(buf)
+
+    def _start_read(self, bucket_id: int, buf: torch.Tensor) -> tuple[Future, Future]:
+        layout = self._layouts[bucket_id]
+        if bucket_id in self._pending:  # updated twice in one step: read the newer copy
+            hm, hmv = (f.result() for f in self._pending[bucket_id])
+        else:
+            hm, hmv = self._committed[bucket_id]
+        f1 = self.store.get(hm, into=buf[: layout.mv_offset])
+        f2 = self.store.get(hmv, into=buf[layout.mv_offset :])
+        return f1, f2
+
+    # ------------------------------------------------------------ protocol
+    def prefetch(self, bucket_ids: list[int]) -> None:
+        """Start reading these buckets' states into free ring buffers, never waiting for one."""
+        for i in bucket_ids:
+            with self._lock:
+                if i in self._reads or i in self._pending or i not in self._committed:
+                    continue
+            try:
+                buf = self._ring.get_nowait()
+            except queue.Empty:
+                return
+            f1, f2 = self._start_read(i, buf)
+            with self._lock:
+                self._reads[i] = (buf, f1, f2)
+
+    def load(self, bucket_id: int) -> tuple[object, State, bool]:
+        """(token, state, fresh): a ring buffer holding the bucket's state; zeros when never saved."""
+        layout = self._layouts[bucket_id]
+        with self._lock:
+            read = self._reads.pop(bucket_id, None)
+        if read is not None:
+            buf, f1, f2 = read
+        else:
+            buf = self._take(avoid=bucket_id)
+            if not self.has(bucket_id):
+                buf.zero_()
+                return buf, layout.views(buf), True
+            f1, f2 = self._start_read(bucket_id, buf)
+        try:
+            f1.result()
+            f2.result()
+        except BaseException:
+            self._release(buf)
+            raise
+        return buf, layout.views(buf), False
+
+    def blank(self, bucket_id: int) -> tuple[object, State]:
+        """A zeroed ring buffer to fill with a state to ``save`` (used by ``load_state_dict``)."""
+        buf = self._take(avoid=bucket_id)
+        buf.zero_()
+        return buf, self._layouts[bucket_id].views(buf)
+
+    def discard(self, token: object) -> None:
+        """Give back a buffer from ``load``/``blank`` that will not be saved."""
+        self._release(token)
+
+    def read(self, bucket_id: int) -> State:
+        """A private copy of the committed state (zeros when never saved)."""
+        token, state, _ = self.load(bucket_id)
+        try:
+            return tuple(t.clone() for t in state)
+        finally:
+            self._release(token)
+
+    def save(self, bucket_id: int, token: object, state: State) -> None:
+        """Write the state to fresh extents (write-behind); the buffer returns when both writes end."""
+        buf = token
+        layout = self._layouts[bucket_id]
+        try:
+            f1 = self.store.put(state[0])
+            try:
+                f2 = self.store.put(layout.mv(buf))
+            except BaseException:
+                f1.add_done_callback(
+                    lambda f: f.exception() is None and self.store.free(f.result())
+                )
+                raise
+        except BaseException:
+            self._release(buf)
+            raise
+        left = [2]
+
+        def done(_f: Future) -> None:
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._release(buf)
+
+        f1.add_done_callback(done)
+        f2.add_done_callback(done)
+        previous = self._pending.get(bucket_id)
+        self._pending[bucket_id] = (f1, f2)
+        if previous is not None:  # superseded within the step: its reads are over, free it
+            for h in (f.result() for f in previous):
+                self.store.free(h)
+
+    def _settle(self) -> tuple[dict[int, tuple[DiskHandle, DiskHandle]], BaseException | None]:
+        ok, error = {}, None
+        for i, (f1, f2) in self._pending.items():
+            handles = []
+            for f in (f1, f2):
+                exc = f.exception()
+                if exc is None:
+                    handles.append(f.result())
+                elif error is None:
+                    error = exc
+            if len(handles) == 2:
+                ok[i] = (handles[0], handles[1])
+            else:
+                for h in handles:
+                    self.store.free(h)
+        self._pending.clear()
+        return ok, error
+
+    def commit(self) -> None:
+        """All writes of the step succeeded: free the old extents. Otherwise drop the new ones, raise."""
+        ok, error = self._settle()
+        if error is not None:
+            for hs in ok.values():
+                for h in hs:
+                    self.store.free(h)
+            raise error
+        for i, hs in ok.items():
+            old = self._committed.get(i)
+            self._committed[i] = hs
+            if old is not None:
+                for h in old:
+                    self.store.free(h)
+
+    def abort(self) -> None:
+        ok, _ = self._settle()
+        for hs in ok.values():
+            for h in hs:
+                self.store.free(h)
+
+    def drop_prefetch(self) -> None:
+        with self._lock:
+            reads, self._reads = self._reads, {}
+        for buf, f1, f2 in reads.values():
+            f1.exception()
+            f2.exception()
+            self._release(buf)
+
+    def masters(self, bucket_ids: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Committed master weights of these buckets, read ``depth - 1`` buckets ahead."""
+        self.drop_prefetch()
+        inflight: deque = deque()
+        todo = deque(i for i in bucket_ids if i in self._committed)
+        try:
+            while todo or inflight:
+                while todo and len(inflight) < self.depth - 1:
+                    i = todo.popleft()
+                    buf = self._take(avoid=i)
+                    layout = self._layouts[i]
+                    hm = self._committed[i][0]
+                    inflight.append((i, buf, self.store.get(hm, into=buf[: layout.mv_offset])))
+                i, buf, fut = inflight.popleft()
+                try:
+                    fut.result()
+                    yield i, self._layouts[i].views(buf)[0]
+                finally:
+                    self._release(buf)
+        finally:  # consumer stopped early or a read failed: settle the rest, return their buffers
+            for _, buf, fut in inflight:
+                fut.exception()
+                self._release(buf)
+
+    def close(self) -> None:
+        self.drop_prefetch()
+        self.abort()
+        self.store.close()

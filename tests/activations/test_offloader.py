@@ -1,0 +1,455 @@
+import gc
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import tensortier as tt
+from tensortier import BudgetError, ConfigError
+from tensortier._device import open_fds, rss_bytes
+from tensortier.models.gpt import GPT, GPTConfig, random_batch
+
+TIERS = ["disk", "host"]
+
+
+def mlp():
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)
+    )
+
+
+def cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def gpt():
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128))
+
+
+def _inputs(name):
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return (torch.randn(32, 64, generator=g),)
+    if name == "cnn":
+        return (torch.randn(8, 3, 16, 16, generator=g),)
+    return random_batch(gpt().cfg, 4)
+
+
+def _step(model, inputs, ctx=None, autocast=False):
+    """One forward/backward; returns (loss, grads). BatchNorm stats are reset for each call."""
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.reset_running_stats()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if ctx is not None:
+            with ctx:
+                out = model(*inputs)
+        else:
+            out = model(*inputs)
+    loss = out if out.dim() == 0 else out.float().square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_gradients_bit_identical_to_no_offload(spill_dir, name, tier, autocast):
+    torch.manual_seed(0)
+    model = {"mlp": mlp, "cnn": cnn, "gpt": gpt}[name]()
+    inputs = _inputs(name)
+    ref_loss, ref = _step(model, inputs, autocast=autocast)
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0, host_budget="256MiB")
+    for _ in range(2):  # second pass reuses the learned prefetch order
+        loss, grads = _step(model, inputs, off, autocast=autocast)
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(a, b) for a, b in zip(ref, grads))
+    assert off.stats.tensors_offloaded > 0 and off.stats.bytes_offloaded[tier] > 0
+    assert off.stats.order_reused == 1
+    off.close()
+
+
+def test_parameters_and_buffers_are_never_copied(spill_dir):
+    lin = nn.Linear(512, 512)
+    x = torch.randn(4, 512, requires_grad=True)
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    with off:
+        y = lin(x).relu().sum()
+    # saved: x (input), weight (param: by reference), relu output -> 2 offloaded, the weight is not
+    assert off.stats.bytes_offloaded["disk"] < lin.weight.numel() * 4
+    y.backward()
+    off.close()
+
+
+def test_views_of_one_storage_move_once_and_come_back_as_views(spill_dir):
+    base = torch.randn(256, 256, requires_grad=True)
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a.sum() + b.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            seen.append((a, b))
+            return torch.ones_like(a) * g, torch.ones_like(b) * g
+
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    with off:
+        h = base * 2
+        a, b = h[:128], h.t()[::2]  # two differently-strided views of one storage
+        out = Probe.apply(a, b)
+    assert off.stats.tensors_offloaded == 1 and off.stats.bytes_deduplicated == 256 * 256 * 4
+    out.backward()
+    ra, rb = seen[0]
+    assert ra.untyped_storage().data_ptr() == rb.untyped_storage().data_ptr()
+    assert ra.stride() == (256, 1) and rb.stride() == (2, 256)
+    assert torch.equal(ra, (base * 2)[:128].detach()) and torch.equal(
+        rb, (base * 2).t()[::2].detach()
+    )
+    off.close()
+
+
+def test_same_tensor_saved_by_two_ops_is_moved_once(spill_dir):
+    x = torch.randn(64, 64, requires_grad=True)
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    with off:
+        h = x.exp()  # saved by exp (output), by mul (twice) and by sin
+        y = (h * h).sum() + h.sin().sum()
+    y.backward()
+    ref = x.grad.clone()
+    x.grad = None
+    h = x.exp()
+    ((h * h).sum() + h.sin().sum()).backward()
+    assert torch.equal(ref, x.grad)
+    assert off.stats.tensors_offloaded == 1
+    off.close()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_retain_graph_and_second_backward(spill_dir, tier):
+    torch.manual_seed(0)
+    model = mlp()
+    x = torch.randn(16, 64)
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0)
+    with off:
+        loss = model(x).square().mean()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    loss.backward()
+    for g, p in zip(first, model.parameters()):
+        assert torch.equal(p.grad, 2 * g)
+    off.close()
+
+
+def test_double_backward(spill_dir):
+    x = torch.randn(128, requires_grad=True)
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    with off:
+        y = (x.sin() * x).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    g.sum().backward()
+    expected = (2 * x.cos() - x * x.sin()).detach()
+    assert torch.allclose(x.grad, expected)
+    x2 = x.detach().requires_grad_()
+    (g2,) = torch.autograd.grad((x2.sin() * x2).sum(), x2, create_graph=True)
+    g2.sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    off.close()
+
+
+def test_no_grad_and_inference_mode_are_untouched(spill_dir):
+    model = mlp()
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    with off, torch.no_grad():
+        model(torch.randn(8, 64))
+    with off, torch.inference_mode():
+        model(torch.randn(8, 64))
+    assert off.stats.tensors_packed == 0 and len(off._disk) == 0
+    off.close()
+
+
+def test_checkpoint_blocks_inside(spill_dir):
+    torch.manual_seed(0)
+    model = mlp()
+    x = torch.randn(16, 64)
+
+    def fwd():
+        h = checkpoint(model[:3], x, use_reentrant=False)
+        return model[3:](h).square().mean()
+
+    model.zero_grad()
+    fwd().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    with off:
+        loss = fwd()
+    loss.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+    off.close()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_exception_mid_forward_releases_everything(spill_dir, tier):
+    model = mlp()
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0)
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"), off:
+        h = model[:4](torch.randn(32, 64))
+        Boom()(h)
+    del h
+    gc.collect()
+    off._engine.synchronize()
+    assert off.stats.tensors_offloaded > 0
+    assert len(off._disk or []) == 0 and off._host.stats.in_use == 0
+    # the hooks were popped: later work is not offloaded
+    before = off.stats.tensors_packed
+    model(torch.randn(4, 64)).sum().backward()
+    assert off.stats.tensors_packed == before
+    off.close()
+    assert os.listdir(spill_dir) == []
+
+
+def test_graph_never_backpropagated_releases_files(spill_dir):
+    model = mlp()
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    with off:
+        loss = model(torch.randn(32, 64)).sum()
+    assert len(off._disk) > 0 or off._engine.stats.count["h2disk"] >= 0
+    off._engine.synchronize()
+    assert len(off._disk) > 0
+    del loss
+    gc.collect()
+    off._engine.synchronize()
+    assert len(off._disk) == 0
+    off.close()
+
+
+def test_one_shot_offload_cleans_up_its_directory_when_dropped(tmp_path):
+    d = tmp_path / "spill"
+    d.mkdir()
+    off = tt.Offloader("disk", spill_dir=str(d), min_bytes=0)
+    with off:
+        loss = mlp()(torch.randn(8, 64)).sum()
+    loss.backward()
+    del off, loss
+    gc.collect()
+    assert os.listdir(d) == []
+
+
+def test_twenty_iterations_no_growth(spill_dir):
+    torch.manual_seed(0)
+    model = gpt()
+    x, y = random_batch(model.cfg, 4)
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    fds, files, used = [], [], []
+    for _ in range(20):
+        with off:
+            loss = model(x, y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        off._engine.synchronize()
+        gc.collect()
+        fds.append(open_fds())
+        files.append(off._disk.stats.file_bytes)
+        used.append(off._disk.stats.used_bytes)
+    assert fds[-1] <= fds[1] and files[-1] == files[1] and used[-1] == 0
+    assert off.stats.order_reused == 19
+    off.close()
+
+
+def test_twenty_iterations_no_growth_of_memory(spill_dir):
+    """~32 MiB of activations per iteration: a leak of one iteration's worth would show at once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(1024, 512)
+    off = tt.Offloader(
+        "disk", spill_dir=spill_dir, min_bytes=0, prefetch="8MiB", max_inflight="8MiB"
+    )
+    rss, lent = [], []
+    for _ in range(20):
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        del loss
+        gc.collect()
+        off._engine.synchronize()
+        rss.append(rss_bytes())
+        lent.append(off._host.stats.in_use)
+    # glibc's heap moves by +-20 MiB between iterations; leaking one iteration's activations would
+    # add 32 MiB per iteration, i.e. hundreds of MiB between these two medians
+    early, late = sorted(rss[3:8])[2], sorted(rss[15:20])[2]
+    assert late - early < 96 << 20, f"RSS grew by {(late - early) >> 20} MiB over 12 iterations"
+    assert lent[-1] == 0 and off._host.stats.peak_reserved <= 64 << 20
+    off.close()
+
+
+def test_prefetch_order_falls_back_when_graph_changes(spill_dir):
+    model = mlp()
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0)
+    for batch in (8, 8, 16, 16):
+        with off:
+            loss = model(torch.randn(batch, 64)).sum()
+        loss.backward()
+    assert off.stats.passes == 4 and off.stats.order_reused == 2  # pass 2 and pass 4
+    off.close()
+
+
+def test_prefetch_reads_ahead_of_backward(spill_dir):
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(12)])
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0, prefetch="1MiB")
+    for _ in range(2):
+        with off:
+            loss = model(torch.randn(256, 256)).sum()
+        off._engine.synchronize()  # every write done: the tail cannot be kept, reads are needed
+        loss.backward()
+    s = off.stats
+    assert s.bytes_prefetched > 0
+    assert s.bytes_on_demand < s.bytes_prefetched
+    off.close()
+
+
+def test_min_bytes_keeps_small_tensors(spill_dir):
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes="1MiB")
+    with off:
+        loss = mlp()(torch.randn(8, 64)).sum()
+    loss.backward()
+    assert off.stats.tensors_offloaded == 0 and off.stats.bytes_kept > 0
+    off.close()
+
+
+def test_decide_hook_sees_modules_and_chooses(spill_dir):
+    model = mlp()
+    infos = []
+
+    def decide(info):
+        infos.append(info)
+        return "keep" if info.module == "1" else tt.Action("disk")
+
+    off = tt.Offloader("disk", spill_dir=spill_dir, decide=decide)
+    with off:
+        loss = model(torch.randn(8, 64)).square().mean()
+    loss.backward()
+    modules = {i.module for i in infos}
+    assert {"0", "1", "2"} <= modules
+    assert [i.index for i in infos] == sorted(i.index for i in infos)
+    assert any(i.grad_fn == "ReluBackward0" for i in infos)
+    assert off.stats.bytes_kept > 0 and off.stats.bytes_offloaded["disk"] > 0
+    off.close()
+
+
+def test_record_collects_profile(spill_dir):
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0, record=True)
+    with off:
+        loss = mlp()(torch.randn(8, 64)).sum()
+    loss.backward()
+    assert off.records and {"nbytes", "module", "pack_s", "unpack_s", "tier"} <= set(off.records[0])
+    off.close()
+
+
+def test_budget_that_cannot_hold_one_tensor_fails_fast(spill_dir):
+    off = tt.Offloader("host", min_bytes=0, host_budget="64KiB")
+    with pytest.raises(BudgetError, match="cannot hold even one saved tensor") as err, off:
+        nn.Linear(64, 512)(torch.randn(64, 64)).relu()
+    assert err.value.minimum > 64 * 1024
+    off.close()
+
+
+def test_auto_spills_to_disk_when_host_budget_is_used(spill_dir):
+    torch.manual_seed(0)
+    model = mlp()
+    x = torch.randn(64, 64)
+    _, ref = _step(model, (x,))
+    off = tt.Offloader("auto", spill_dir=spill_dir, min_bytes=0, host_budget="128KiB")
+    _, grads = _step(model, (x,), off)
+    assert all(torch.equal(a, b) for a, b in zip(ref, grads))
+    assert off.stats.bytes_offloaded["host"] > 0 and off.stats.bytes_offloaded["disk"] > 0
+    off.close()
+
+
+def test_bad_settings_are_refused(spill_dir):
+    with pytest.raises(ConfigError, match="to must be one of"):
+        tt.Offloader("gpu")
+    with pytest.raises(ConfigError):
+        tt.Offloader("disk", spill_dir=spill_dir, min_bytes="1 meg")
+    with pytest.raises(ConfigError):
+        tt.Action("ssd")
+    with pytest.raises(tt.SpillDirError):
+        tt.Offloader("disk", spill_dir=os.path.join(spill_dir, "missing"))
+
+
+def test_offload_function_reuses_the_offloader_and_reports_stats(spill_dir):
+    model = mlp()
+    for _ in range(2):
+        with tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0) as off:
+            loss = model(torch.randn(8, 64)).sum()
+        loss.backward()
+    assert tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0) is off
+    stats = tt.offload_stats()
+    assert stats["passes"] == 2 and stats["bytes_offloaded"]["disk"] > 0
+    off.close()
+
+
+def test_offload_module_only_offloads_inside_the_module(spill_dir):
+    torch.manual_seed(0)
+    model = gpt()
+    x, y = random_batch(model.cfg, 2)
+    _, ref = _step(model, (x, y))
+    handle = tt.offload_module(model.transformer.h, to="disk", spill_dir=spill_dir, min_bytes=0)
+    _, grads = _step(model, (x, y))
+    assert all(torch.equal(a, b) for a, b in zip(ref, grads))
+    off = handle.offloader
+    inside = off.stats.tensors_packed
+    assert inside > 0
+    handle.remove()
+    _step(model, (x, y))
+    assert off.stats.tensors_packed == inside
+    off.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", TIERS)
+def test_cuda_gradients_match_and_pack_does_not_sync(spill_dir, tier):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=512)).cuda()
+    x, y = random_batch(model.cfg, 8, device="cuda")
+    model.zero_grad()
+    model(x, y).backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0)
+    torch.cuda.synchronize()
+    # any device-wide or stream sync inside pack would raise under sync debug mode "error"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with off:
+            loss = model(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    loss.backward()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+    off.close()

@@ -1,0 +1,357 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensortier.errors import ClosedError, ConfigError, TierFullError
+from tensortier.optim import OffloadedAdamW
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Linear(24, 3)
+    )
+    return m.to(dtype)
+
+
+def _groups(m):
+    return [
+        {"params": list(m[0].parameters()), "weight_decay": 0.1},
+        {"params": list(m[2].parameters()) + list(m[3].parameters()), "lr": 3e-3},
+    ]
+
+
+def _batches(n, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, 12, generator=g).to(dtype) for _ in range(n)]
+
+
+def _train(model, opt, batches, *, accum=1, clip=None, sched=None):
+    for i in range(0, len(batches), accum):
+        for x in batches[i : i + accum]:
+            model(x).square().mean().backward()
+        if clip is not None:
+            if isinstance(opt, OffloadedAdamW):
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def _rel_close(a, b, tol=1e-6):
+    for p, q in zip(a.parameters(), b.parameters()):
+        err = (p.double() - q.double()).abs().max().item()
+        scale = max(q.double().abs().max().item(), 1e-12)
+        assert err <= tol * scale, (err, scale)
+
+
+STATES = ["host", "disk"]
+
+
+@pytest.mark.parametrize("states", STATES)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_matches_torch_adamw_groups_sched_clip_accum(states, overlap, spill_dir):
+    ref_m, tt_m = _model(), _model()
+    ref = torch.optim.AdamW(_groups(ref_m), lr=1e-2, weight_decay=0.01)
+    opt = OffloadedAdamW(
+        _groups(tt_m),
+        lr=1e-2,
+        weight_decay=0.01,
+        states=states,
+        spill_dir=spill_dir,
+        bucket_size="2KiB",
+        overlap=overlap,
+    )
+    sched_ref = torch.optim.lr_scheduler.StepLR(ref, step_size=3, gamma=0.5)
+    sched_tt = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    data = _batches(40)  # 20 steps of 2 accumulated backward passes
+    _train(ref_m, ref, data, accum=2, clip=0.05, sched=sched_ref)
+    _train(tt_m, opt, data, accum=2, clip=0.05, sched=sched_tt)
+    _rel_close(tt_m, ref_m)
+    assert opt.param_groups[1]["lr"] == ref.param_groups[1]["lr"]
+    opt.close()
+
+
+@pytest.mark.parametrize("states", STATES)
+def test_overlap_launches_in_backward_and_matches_fused_bitwise(states, spill_dir):
+    ref_m, tt_m = _model(), _model()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
+    opt = OffloadedAdamW(
+        tt_m.parameters(), lr=1e-2, states=states, spill_dir=spill_dir, bucket_size="1KiB"
+    )
+    data = _batches(20)
+    _train(ref_m, ref, data)
+    _train(tt_m, opt, data)
+    for p, q in zip(tt_m.parameters(), ref_m.parameters()):
+        assert torch.equal(p, q)
+    assert opt.stats.launched_in_backward > 0  # buckets were updated while backward ran
+    opt.close()
+
+
+def test_accumulation_beyond_learned_count_raises():
+    m = _model()
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+    x = _batches(3)
+    m(x[0]).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    m(x[1]).sum().backward()
+    with pytest.raises(RuntimeError, match="backward pass"):
+        m(x[2]).sum().backward()
+    opt.close()
+
+
+def test_frozen_and_gradless_params_like_torch():
+    def build():
+        m = _model()
+        m[0].bias.requires_grad_(False)
+        return m
+
+    ref_m, tt_m = build(), build()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, bucket_size="1KiB")
+    for i, x in enumerate(_batches(10)):
+        for m, o in ((ref_m, ref), (tt_m, opt)):
+            # every third step the last layer gets no gradient
+            out = m[2](m[1](m[0](x))).sum() if i % 3 == 0 else m(x).sum()
+            out.backward()
+            o.step()
+            o.zero_grad()
+    _rel_close(tt_m, ref_m)
+    sd, rsd = opt.state_dict(), ref.state_dict()
+    assert set(sd["state"]) == set(rsd["state"])  # frozen bias has no state, like torch
+    for k in rsd["state"]:
+        assert sd["state"][k]["step"].item() == rsd["state"][k]["step"].item()
+    opt.close()
+
+
+@pytest.mark.parametrize("states", STATES)
+def test_state_dict_roundtrip_resumes_exactly(states, spill_dir):
+    a, b = _model(), _model()
+    data = _batches(20)
+    opt_a = OffloadedAdamW(a.parameters(), lr=1e-2, states=states, spill_dir=spill_dir)
+    _train(a, opt_a, data)
+    opt_b = OffloadedAdamW(b.parameters(), lr=1e-2, states=states, spill_dir=spill_dir)
+    _train(b, opt_b, data[:10])
+    sd = opt_b.state_dict()
+    for entry in sd["state"].values():  # tensors and plain values only: safetensors + JSON
+        assert all(torch.is_tensor(v) for v in entry.values())
+    opt_b.close()  # disk states: the files are gone, the state survives in sd
+    opt_c = OffloadedAdamW(b.parameters(), lr=1.0, states=states, spill_dir=spill_dir)
+    opt_c.load_state_dict(sd)
+    assert opt_c.param_groups[0]["lr"] == 1e-2
+    _train(b, opt_c, data[10:])
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    opt_a.close()
+    opt_c.close()
+
+
+def test_loads_torch_adamw_state_dict():
+    a, b = _model(), _model()
+    data = _batches(12)
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    _train(a, ref, data[:6])
+    with torch.no_grad():
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.copy_(p)
+    opt = OffloadedAdamW(b.parameters(), lr=1e-2)
+    opt.load_state_dict(ref.state_dict())
+    _train(a, ref, data[6:])
+    _train(b, opt, data[6:])
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_model_keeps_fp32_masters(dtype):
+    ref_m = _model()
+    tt_m = _model(dtype=dtype)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, fused=True)
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-3)
+    for x in _batches(5):
+        ref_m(x).square().mean().backward()
+        for p, q in zip(tt_m.parameters(), ref_m.parameters()):
+            p.grad = q.grad.to(dtype)  # same gradients, rounded to the model dtype
+        ref.step()
+        opt.step()
+        ref.zero_grad()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    for i, (p, q) in enumerate(zip(tt_m.parameters(), ref_m.parameters())):
+        master = sd["state"][i]["master_param"]
+        assert master.dtype == torch.float32
+        assert torch.equal(p, master.to(dtype))  # the model holds its master, rounded
+        assert (master - q).abs().max().item() < 1e-2 * max(q.abs().max().item(), 1)
+    opt.close()
+
+
+def test_user_change_to_param_wins_over_master():
+    m = _model()
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+    _train(m, opt, _batches(2))
+    with torch.no_grad():
+        m[0].weight.fill_(0.5)  # e.g. model.load_state_dict after the optimizer exists
+    ref = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    ref.load_state_dict(opt.state_dict())
+    clone = _model()
+    clone.load_state_dict(m.state_dict())
+    ref2 = torch.optim.AdamW(clone.parameters(), lr=1e-2, fused=True)
+    ref2.load_state_dict(opt.state_dict())
+    _train(m, opt, _batches(1, seed=5))
+    _train(clone, ref2, _batches(1, seed=5))
+    for p, q in zip(m.parameters(), clone.parameters()):
+        assert torch.equal(p, q)
+    opt.close()
+
+
+def test_disk_full_applies_nothing(spill_dir):
+    m = _model()
+    nbytes = sum(p.numel() for p in m.parameters()) * 4
+    # room for one copy of the state (plus slab rounding), not the two a step needs
+    opt = OffloadedAdamW(
+        m.parameters(),
+        lr=1e-2,
+        states="disk",
+        spill_dir=spill_dir,
+        bucket_size="4KiB",  # one bucket; a slab holds exactly its 12 KiB state
+        disk_capacity=16 * 1024,
+    )
+    assert nbytes <= 4096 and len(opt._buckets) == 1
+    data = _batches(3)
+    _train(m, opt, data[:1])
+    before = [p.detach().clone() for p in m.parameters()]
+    sd_before = opt.state_dict()
+    m(data[1]).square().mean().backward()
+    with pytest.raises(TierFullError):
+        opt.step()
+    for p, q in zip(m.parameters(), before):
+        assert torch.equal(p, q)  # no parameter half-updated
+    sd_after = opt.state_dict()
+    for k, e in sd_before["state"].items():
+        for key, t in e.items():
+            assert torch.equal(t, sd_after["state"][k][key])
+    opt.close()
+
+
+def test_disk_host_memory_is_bounded(spill_dir):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(16)])  # ~4 MiB of fp32
+    opt = OffloadedAdamW(
+        m.parameters(), states="disk", spill_dir=spill_dir, bucket_size="256KiB", pipeline_depth=3
+    )
+    bound = 3 * 3 * (256 * 1024 + 4096)  # depth * (master + 2 moments) * bucket (+ page rounding)
+    assert opt.stats.host_state_bytes <= bound
+    full = sum(p.numel() for p in m.parameters()) * 12
+    assert bound < full / 4
+    for x in torch.randn(3, 4, 256):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.stats.host_state_bytes <= bound  # the ring never grows
+    assert opt._states.store.stats.used_bytes >= full  # the state is on disk
+    opt.close()
+
+
+def test_bad_config_and_closed():
+    m = _model()
+    with pytest.raises(ConfigError, match="states"):
+        OffloadedAdamW(m.parameters(), states="gpu")
+    with pytest.raises(ConfigError, match="bucket_size"):
+        OffloadedAdamW(m.parameters(), bucket_size="lots")
+    with pytest.raises(ConfigError, match="learning rate"):
+        OffloadedAdamW(m.parameters(), lr=-1)
+    opt = OffloadedAdamW(m.parameters())
+    opt.close()
+    with pytest.raises(ClosedError):
+        opt.step()
+
+
+def test_clip_returns_total_norm_like_torch():
+    a, b = _model(), _model()
+    x = _batches(1)[0]
+    a(x).sum().backward()
+    b(x).sum().backward()
+    opt = OffloadedAdamW(b.parameters())
+    n1 = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
+    n2 = opt.clip_grad_norm_(0.1)
+    assert math.isclose(n1.item(), n2.item(), rel_tol=0, abs_tol=0)
+    opt.close()
+
+
+@settings(max_examples=8, deadline=None)
+@given(bucket=st.integers(64, 8192), overlap=st.booleans(), accum=st.integers(1, 3))
+def test_bucketing_never_changes_results(bucket, overlap, accum):
+    """Whatever the bucket size, overlap and accumulation: bit-identical to fused torch AdamW."""
+    ref_m, tt_m = _model(), _model()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+    opt = OffloadedAdamW(
+        tt_m.parameters(), lr=1e-2, weight_decay=0.05, bucket_size=bucket, overlap=overlap
+    )
+    data = _batches(3 * accum)
+    _train(ref_m, ref, data, accum=accum)
+    _train(tt_m, opt, data, accum=accum)
+    for p, q in zip(tt_m.parameters(), ref_m.parameters()):
+        assert torch.equal(p, q)
+    opt.close()
+
+
+@pytest.mark.gpu
+def test_cuda_model_matches_torch_adamw():
+    ref_m, tt_m = _model().cuda(), _model().cuda()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, bucket_size="1KiB")
+    data = [x.cuda() for x in _batches(10)]
+    _train(ref_m, ref, data)
+    _train(tt_m, opt, data)
+    _rel_close(tt_m, ref_m)
+    assert all(p.device.type == "cuda" for p in tt_m.parameters())
+    opt.close()
+
+
+@pytest.mark.parametrize("states", STATES)
+def test_late_gradient_after_bucket_launched_is_applied(states, spill_dir):
+    """A frozen param given a gradient by hand after backward: its bucket already ran; step() runs
+    a second update for it, reading the first one's result (disk: the not yet committed copy)."""
+
+    def build():
+        m = _model()
+        m[3].bias.requires_grad_(False)
+        return m
+
+    ref_m, tt_m = build(), build()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, states=states, spill_dir=spill_dir)
+    assert len(opt._buckets) == 1
+    for i, x in enumerate(_batches(6)):
+        for m, o in ((ref_m, ref), (tt_m, opt)):
+            m(x).square().mean().backward()
+            m[3].bias.grad = torch.full_like(m[3].bias, 0.1 * (i + 1))
+            o.step()
+            o.zero_grad()
+    for p, q in zip(tt_m.parameters(), ref_m.parameters()):
+        assert torch.equal(p, q)
+    assert opt.stats.launched_in_backward > 0
+    opt.close()
+
+
+def test_state_dict_splits_into_tensors_and_json():
+    """What a safetensors + JSON checkpointer needs: every leaf a tensor or a JSON value."""
+    import json
+
+    m = _model(dtype=torch.bfloat16)
+    opt = OffloadedAdamW(_groups(m), lr=1e-2)
+    _train(m, opt, _batches(2, dtype=torch.bfloat16))
+    sd = opt.state_dict()
+    tensors = {f"{k}.{name}": t for k, e in sd["state"].items() for name, t in e.items()}
+    assert all(torch.is_tensor(t) for t in tensors.values())
+    assert any(k.endswith("master_param") for k in tensors)
+    json.dumps(sd["param_groups"])  # plain Python values only
+    opt.close()
