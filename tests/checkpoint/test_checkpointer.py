@@ -343,3 +343,38 @@ def test_cuda_state_snapshots_on_a_side_stream_and_resumes(tmp_path):
         assert ck.restore(model=fresh).saved_step == 2
     for k, v in fresh.state_dict().items():
         assert torch.equal(v.cpu(), expected[k])
+
+
+def test_offloaded_adamw_resumes_exactly(tmp_path):
+    def make(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+        )
+        return model, tt.OffloadedAdamW(model.parameters(), lr=1e-2, overlap=False)
+
+    def steps(model, opt, ck, start, stop):
+        losses = []
+        for i in range(start, stop):
+            loss = model(torch.randn(8, 16)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if ck is not None:
+                ck.maybe_save(i, model=model, optimizer=opt)
+        return losses
+
+    model, opt = make(0)
+    expected = steps(model, opt, None, 0, 10)
+    opt.close()
+    model, opt = make(0)
+    with Checkpointer(tmp_path, every=3) as ck:
+        assert steps(model, opt, ck, 0, 7) == expected[:7]  # saves after steps 2 and 5
+    opt.close()
+    model, opt = make(1)
+    with Checkpointer(tmp_path) as ck:
+        state = ck.restore(model=model, optimizer=opt)
+        assert state.step == 6
+        assert steps(model, opt, ck, 6, 10) == expected[6:]
+    opt.close()
