@@ -10,6 +10,7 @@ from tensortier.activations import (
     offload_module,
     offload_stats,
 )
+from tensortier.checkpoint import Checkpointer
 from tensortier.errors import (
     BudgetError,
     ClosedError,
@@ -44,6 +45,7 @@ __all__ = [
     "Offloader",
     "Action",
     "BudgetError",
+    "Checkpointer",
     "ClosedError",
     "ConfigError",
     "CorruptDataError",

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tensortier.bench import activations as bench_activations
+from tensortier.bench import checkpoint as bench_checkpoint
 from tensortier.bench import optimizer as bench_optimizer
 from tensortier.bench import planner as bench_planner
 from tensortier.bench import replay as bench_replay
@@ -17,6 +18,7 @@ BENCHES = {
     "planner": bench_planner,
     "optimizer": bench_optimizer,
     "replay": bench_replay,
+    "checkpoint": bench_checkpoint,
 }
 
 

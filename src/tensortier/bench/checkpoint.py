@@ -1,0 +1,449 @@
+"""`tensortier bench checkpoint`: training stall and persist speed of torch.save, DCP async_save, tensortier.
+
+An MLP whose parameters plus AdamW state make about ``--state-size`` trains on CPU (or a lent GPU);
+each variant checkpoints every ``--every`` steps in the same run: ``torch.save`` (synchronous, as
+most loops do), ``torch.distributed.checkpoint.async_save`` (single process) and
+``tt.Checkpointer``. Per variant: the seconds the loop was blocked per checkpoint, the time until
+the checkpoint was durable, its bandwidth against ``dd`` O_DIRECT on the same directory (the disk
+limit of the tiers benchmark), peak extra RSS, and the loop slowdown against the same steps with no
+checkpoint. Then ``every="auto"`` with ``--max-overhead`` runs ``--auto-steps`` steps against a
+plain run of the same length. Run: ``tensortier bench checkpoint --json out.json [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from tensortier._device import default_device, rss_bytes
+from tensortier._units import format_size, parse_size
+from tensortier.bench._common import environment, print_table, write_json
+from tensortier.bench.tiers import dd_bandwidth
+from tensortier.checkpoint import Checkpointer
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory for the checkpoints")
+    p.add_argument(
+        "--state-size", default=None, help="model+optimizer bytes (default 1GiB, 128MiB --quick)"
+    )
+    p.add_argument("--every", type=int, default=None, help="steps between checkpoints (10)")
+    p.add_argument("--checkpoints", type=int, default=None, help="checkpoints per variant (3)")
+    p.add_argument("--auto-steps", type=int, default=None, help="steps of the auto run (200)")
+    p.add_argument("--max-overhead", type=float, default=0.035, help="auto run's allowed slowdown")
+    p.add_argument("--batch", type=int, default=32, help="rows per training step")
+    p.add_argument("--quick", action="store_true", help="small state, fewer steps")
+    p.add_argument("--json", default=None, help="write rows to this JSON file")
+
+
+class _PeakRSS:
+    """Samples this process's RSS every few milliseconds; ``peak`` is the largest seen."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(0, self.peak - self.start)
+
+
+def build(state_bytes: int, device: torch.device, layers: int = 4):
+    """An MLP of ``layers`` square layers with AdamW state that totals about ``state_bytes``."""
+    params = state_bytes // 12  # fp32 weights + exp_avg + exp_avg_sq
+    width = max(8, int(math.sqrt(params / layers)))
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    model = nn.Sequential(*mods).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt, width
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(model, opt, width, batch, steps, device, *, before_step=None, after_step=None) -> float:
+    """Run ``steps`` steps; returns the wall time, including whatever the hooks block."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        x = torch.randn(batch, width, device=device)
+        model(x).pow(2).mean().backward()
+        if before_step is not None:
+            before_step()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if after_step is not None:
+            after_step(i)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _fsync_tree(path: str) -> None:
+    for base, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(base, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+class _Variant:
+    """Checkpoint every ``every`` steps with one method; records stall and time-to-durable.
+
+    ``stalls``: seconds the loop was blocked per checkpoint. ``persists``: seconds from the end of
+    the blocking part (or of the snapshot, for tensortier) until the files were durable.
+    """
+
+    name = ""
+
+    def __init__(self, root: str, every: int):
+        self.root, self.every = root, every
+        self.stalls: list[float] = []
+        self.persists: list[float] = []
+        self.nbytes = 0
+
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self, model, opt, i: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        pass
+
+
+class TorchSave(_Variant):
+    name = "torch.save (sync)"
+
+    def after_step(self, model, opt, i):
+        if (i + 1) % self.every:
+            return
+        path = os.path.join(self.root, f"step-{i}.pt")
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        t1 = time.perf_counter()
+        _fsync_tree(self.root)  # what durability costs on top (not counted as the loop's stall)
+        self.stalls.append(t1 - t0)
+        self.persists.append(time.perf_counter() - t0)
+        self.nbytes = os.path.getsize(path)
+        os.unlink(path)
+
+
+class DcpAsync(_Variant):
+    name = "torch DCP async_save"
+
+    def __init__(self, root, every):
+        super().__init__(root, every)
+        self.future = None
+        self.pending = None
+        self.pg = False
+
+    def _collect(self) -> None:
+        """The previous save is done: record its time-to-durable and size, remove its files."""
+        t0, done_box, path = self.pending
+        self.persists.append(done_box[0] - t0 if done_box else float("nan"))
+        self.nbytes = sum(
+            os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(path) for f in fs
+        )
+        shutil.rmtree(path, ignore_errors=True)
+        self.pending = None
+
+    def after_step(self, model, opt, i):
+        import torch.distributed.checkpoint as dcp
+
+        if (i + 1) % self.every:
+            return
+        t0 = time.perf_counter()
+        if self.future is not None:  # DCP's docs: wait for the previous save before the next
+            self.future.result()
+            self._collect()
+        waited = time.perf_counter() - t0
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        path = os.path.join(self.root, f"step-{i}")
+        t0 = time.perf_counter()
+        try:
+            future = dcp.async_save(state, checkpoint_id=path)
+        except (RuntimeError, ValueError) as exc:  # needs a process group on this build
+            if self.pg:
+                raise
+            self._init_gloo(exc)
+            future = dcp.async_save(state, checkpoint_id=path)
+        self.stalls.append(waited + time.perf_counter() - t0)
+        done_box: list[float] = []
+        future.add_done_callback(lambda _f: done_box.append(time.perf_counter()))
+        self.future, self.pending = future, (t0, done_box, path)
+
+    def _init_gloo(self, exc: BaseException) -> None:
+        import torch.distributed as dist
+
+        warnings.warn(
+            f"DCP async_save needs a process group ({exc}); using gloo, world size 1", stacklevel=2
+        )
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        self.pg = True
+
+    def finish(self):
+        if self.future is not None:
+            self.future.result()
+            self._collect()
+            self.future = None
+
+
+class Tensortier(_Variant):
+    name = "tensortier Checkpointer"
+
+    def __init__(self, root, every, **settings):
+        super().__init__(root, every)
+        self.ck = Checkpointer(root, keep=2, every=every, **settings)
+        self.current: float | None = None  # blocked seconds charged to the newest checkpoint
+
+    def before_step(self):
+        t0 = time.perf_counter()
+        self.ck.before_optimizer_step()
+        if self.current is not None:
+            self.current += time.perf_counter() - t0
+
+    def after_step(self, model, opt, i):
+        t0 = time.perf_counter()
+        started = self.ck.maybe_save(i, model=model, optimizer=opt)
+        blocked = time.perf_counter() - t0
+        if started:
+            if self.current is not None:
+                self.stalls.append(self.current)
+            self.current = blocked
+        elif self.current is not None:
+            self.current += blocked
+
+    def finish(self):
+        self.ck.close()  # its wait shows in the loop time, not in a checkpoint's stall
+        if self.current is not None:
+            self.stalls.append(self.current)
+        hist = list(self.ck.stats.history)
+        self.persists = [h["persist_s"] for h in hist]
+        self.durables = [h["snapshot_s"] + h["persist_s"] for h in hist]
+        self.nbytes = hist[-1]["bytes"] if hist else 0
+
+
+def idle_persist_gbps(model, opt, directory: str) -> float:
+    """tensortier's persist bandwidth with the training loop idle (the writer alone)."""
+    root = tempfile.mkdtemp(prefix="tt-bench-ckpt-", dir=directory)
+    try:
+        with Checkpointer(root, every=1) as ck:
+            for step in range(2):  # the first save allocates and faults in the images
+                ck.save(step, model=model, optimizer=opt)
+                ck.wait()
+            return ck.stats.last_persist_gbps
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _measure(variant_fn: Callable[[str], _Variant], model, opt, width, args, steps, device, base):
+    root = tempfile.mkdtemp(prefix="tt-bench-ckpt-", dir=args.dir)
+    try:
+        variant = variant_fn(root)
+        after = variant.after_step
+        rss = _PeakRSS()
+        t0 = time.perf_counter()
+        train(
+            model,
+            opt,
+            width,
+            args.batch,
+            steps,
+            device,
+            before_step=variant.before_step,
+            after_step=lambda i: after(model, opt, i),
+        )
+        variant.finish()
+        loop = time.perf_counter() - t0
+        peak = rss.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return variant, loop, peak
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    quick = args.quick
+    state = parse_size(args.state_size or ("128MiB" if quick else "1GiB"), name="--state-size")
+    every = args.every or (5 if quick else 10)
+    count = args.checkpoints or (2 if quick else 3)
+    auto_steps = args.auto_steps or (60 if quick else 200)
+    device = default_device()
+    model, opt, width = build(state, device)
+    steps = every * count
+    print(
+        f"state {format_size(state)} (MLP width {width}) on {environment()['device']}, "
+        f"checkpoint every {every} steps x {count}, auto run {auto_steps} steps, dir {args.dir}"
+    )
+    train(model, opt, width, args.batch, 3, device)  # warm up: optimizer state exists
+    dd_write, _ = dd_bandwidth(args.dir, min(state, 1 << 30))
+    rows = []
+    base_runs = [train(model, opt, width, args.batch, steps, device)]
+    variants: list[tuple[str, Callable[[str], _Variant]]] = [
+        ("torch.save", lambda r: TorchSave(r, every)),
+        ("dcp", lambda r: DcpAsync(r, every)),
+        ("tensortier", lambda r: Tensortier(r, every)),
+    ]
+    measured = []
+    for _key, fn in tqdm(variants, desc="checkpoint variants", unit="variant"):
+        try:
+            measured.append(_measure(fn, model, opt, width, args, steps, device, None))
+        except Exception as exc:  # report honestly, keep the other variants
+            print(f"variant failed: {type(exc).__name__}: {exc}")
+            measured.append((None, None, None, exc))
+    base_runs.append(train(model, opt, width, args.batch, steps, device))
+    base = statistics.mean(base_runs)
+    save_stall = None
+    for item in measured:
+        if len(item) == 4:
+            continue
+        variant, loop, peak = item
+        stall = statistics.median(variant.stalls) if variant.stalls else float("nan")
+        persist = statistics.median(variant.persists) if variant.persists else float("nan")
+        durables = getattr(variant, "durables", variant.persists)
+        durable = statistics.median(durables) if durables else float("nan")
+        if isinstance(variant, TorchSave):
+            save_stall = stall
+        gbps = variant.nbytes / persist / 1e9 if persist else float("nan")
+        rows.append(
+            {
+                "variant": variant.name,
+                "state_bytes": variant.nbytes,
+                "stall_s": stall,
+                "stall_vs_torch_save": stall / save_stall if save_stall else float("nan"),
+                "persist_s": persist,
+                "durable_s": durable,
+                "persist_gbps": gbps,
+                "persist_vs_disk_limit": gbps / dd_write if dd_write else float("nan"),
+                "peak_extra_rss": peak,
+                "slowdown": loop / base - 1,
+            }
+        )
+    for (key, _), item in zip(variants, measured):
+        if len(item) == 4:
+            rows.append({"variant": key, "error": f"{type(item[3]).__name__}: {item[3]}"})
+    idle = idle_persist_gbps(model, opt, args.dir)
+    # every="auto" against a plain run of the same length, back to back
+    # plain runs before and after the auto run: their mean cancels slow drifts of a shared machine
+    c0 = time.process_time()
+    plain_before = train(model, opt, width, args.batch, auto_steps, device)
+    plain_cpu = time.process_time() - c0
+    root = tempfile.mkdtemp(prefix="tt-bench-ckpt-", dir=args.dir)
+    try:
+        ck = Checkpointer(root, keep=2, every="auto", max_overhead=args.max_overhead)
+        rss = _PeakRSS()
+        t0, c0 = time.perf_counter(), time.process_time()
+        train(
+            model,
+            opt,
+            width,
+            args.batch,
+            auto_steps,
+            device,
+            before_step=ck.before_optimizer_step,
+            after_step=lambda i: ck.maybe_save(i, model=model, optimizer=opt),
+        )
+        ck.close()
+        auto = time.perf_counter() - t0
+        auto_cpu = time.process_time() - c0
+        peak = rss.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    c0 = time.process_time()
+    plain_after = train(model, opt, width, args.batch, auto_steps, device)
+    plain_cpu = (plain_cpu + time.process_time() - c0) / 2
+    plain = (plain_before + plain_after) / 2
+    auto_row = {
+        "variant": f"tensortier every=auto (max_overhead={args.max_overhead})",
+        "steps": auto_steps,
+        "checkpoints": ck.stats.committed,
+        "interval": ck.stats.interval,
+        "steps_saved": [h["step"] for h in ck.stats.history],
+        "total_stall_s": ck.stats.stall_seconds,
+        "peak_extra_rss": peak,
+        "plain_loop_s": plain,
+        "plain_loop_before_after_s": [plain_before, plain_after],
+        "auto_loop_s": auto,
+        "slowdown": auto / plain - 1,
+        # CPU seconds of this process: less sensitive to other tenants of a shared machine
+        "plain_cpu_s": plain_cpu,
+        "auto_cpu_s": auto_cpu,
+        "cpu_slowdown": auto_cpu / plain_cpu - 1,
+    }
+    print_table(
+        rows,
+        [
+            "variant",
+            "stall_s",
+            "stall_vs_torch_save",
+            "persist_s",
+            "durable_s",
+            "persist_gbps",
+            "persist_vs_disk_limit",
+            "peak_extra_rss",
+            "slowdown",
+        ],
+    )
+    print(
+        f"\nauto: {auto_row['checkpoints']} checkpoints in {auto_steps} steps at steps "
+        f"{auto_row['steps_saved']}, interval {auto_row['interval']}, slowdown "
+        f"{auto_row['slowdown']:.2%} wall, {auto_row['cpu_slowdown']:.2%} CPU time (target < "
+        f"{args.max_overhead:.1%}); disk limit (dd) "
+        f"{dd_write:.2f} GB/s; tensortier persist with the loop idle {idle:.2f} GB/s "
+        f"({idle / dd_write:.0%} of it)"
+    )
+    write_json(
+        args.json,
+        "checkpoint",
+        rows,
+        auto=auto_row,
+        disk_limit_gbps=dd_write,
+        tensortier_idle_persist_gbps=idle,
+        tensortier_idle_persist_vs_disk_limit=idle / dd_write,
+        every=every,
+        checkpoints_per_variant=count,
+        baseline_loop_s=base,
+        iteration_s=base / steps,
+        state_size=state,
+        dir=args.dir,
+    )
+    return rows + [auto_row]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_args(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

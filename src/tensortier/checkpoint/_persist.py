@@ -1,0 +1,176 @@
+"""Persist one snapshot: parallel writes, fsync, manifest last, atomic rename (see PROTOCOL.md).
+
+Runs on the checkpointer's background thread. Data goes from the page-aligned snapshot images
+straight to the files with ``os.pwrite`` in 16 MiB chunks on a thread pool (O_DIRECT when the
+filesystem allows, so a checkpoint does not evict the page cache and the bytes hit the disk once),
+checksums are computed on the same pool, and nothing is visible under its final name until the
+directory rename. Any failure removes the ``.incomplete`` directory and is re-raised, a full disk
+as :class:`TierFullError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import torch
+
+from tensortier._units import format_size
+from tensortier.checkpoint import _faults
+from tensortier.checkpoint._format import MANIFEST, Shard, crc, entry_info, manifest_bytes
+from tensortier.errors import TierFullError
+
+CHUNK = 16 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_pwrite = os.pwrite  # module-level so tests can simulate a full disk
+
+
+class CpuClock:
+    """CPU seconds (user + system) spent by background work, summed over the threads it ran on.
+
+    On a CPU-only machine these are seconds taken from training, so the adaptive interval counts
+    them as cost even when iteration timings are too noisy to show the slowdown.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def wrap(self, fn: Callable) -> Callable:
+        def timed(*args):
+            t0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self.seconds += time.thread_time() - t0
+
+        return timed
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step}")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview, pos: int) -> None:
+    done = 0
+    while done < len(view):
+        done += _pwrite(fd, view[done:], pos + done)
+
+
+def persist(
+    root: str,
+    step: int,
+    shards: list[Shard],
+    images: list[torch.Tensor],
+    body: dict,
+    pool: ThreadPoolExecutor,
+    direct: bool,
+    clock: CpuClock | None = None,
+) -> tuple[str, int]:
+    """Write ``step-N/`` durably; returns (its path, bytes written). ``body`` gets the checksums."""
+    _faults.begin_save()
+    clock = clock or CpuClock()
+    final = step_dir(root, step)
+    tmp = final + ".incomplete"
+    shutil.rmtree(tmp, ignore_errors=True)
+    fds: list[int] = []
+    jobs: list = []  # every pool job of this persist, waited for before cleanup
+    written = 0
+    try:
+        os.mkdir(tmp, 0o755)
+        for shard in shards:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if direct else 0)
+            fds.append(os.open(os.path.join(tmp, shard.file), flags, 0o644))
+        crc_jobs = [
+            (shard, e, pool.submit(clock.wrap(crc), img[shard.data_start + e.offset :][: e.nbytes]))
+            for shard, img in zip(shards, images)
+            for e in shard.entries
+        ]
+        jobs += [job for _, _, job in crc_jobs]
+
+        def chunk(fd: int, image: torch.Tensor, start: int, end: int) -> None:
+            _write_all(fd, memoryview(image[start:end].numpy()), start)
+            _faults.point("chunk-written")
+
+        write_jobs = []
+        for fd, shard, image in zip(fds, shards, images):
+            length = shard.image_bytes if direct else shard.file_bytes
+            written += shard.file_bytes
+            write_jobs.append(
+                [
+                    pool.submit(clock.wrap(chunk), fd, image, s, min(s + CHUNK, length))
+                    for s in range(0, length, CHUNK)
+                ]
+            )
+            jobs += write_jobs[-1]
+
+        def finish(fd: int, shard: Shard, chunks: list) -> None:
+            for job in chunks:  # queued before this job (FIFO), so they never wait for a thread
+                job.result()
+            if direct:
+                os.ftruncate(fd, shard.file_bytes)  # drop the O_DIRECT padding of the last page
+            os.fsync(fd)
+            _faults.point("file-synced")
+
+        finish_jobs = [
+            pool.submit(clock.wrap(finish), *args) for args in zip(fds, shards, write_jobs)
+        ]
+        jobs += finish_jobs
+        for job in finish_jobs:  # first error wins; the rest are waited for before cleanup
+            job.result()
+        tensors = body["tensors"]
+        for shard, entry, job in crc_jobs:
+            tensors[entry.name] = entry_info(entry, shard, job.result())
+        body["created"] = time.time()
+        data = manifest_bytes(body)
+        fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fds.append(fd)
+        half = len(data) // 2
+        _write_all(fd, memoryview(data)[:half], 0)
+        _faults.point("manifest-partial")
+        _write_all(fd, memoryview(data)[half:], half)
+        os.fsync(fd)
+        _faults.point("manifest-synced")
+        fsync_dir(tmp)
+        _faults.point("before-rename")
+        if os.path.exists(final):  # the same step saved again (a resumed run): replace it
+            old = final + f".deleting-{os.getpid()}"
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, final)
+        _faults.point("after-rename")
+        fsync_dir(root)
+        _faults.point("after-dir-fsync")
+        return final, written
+    except BaseException as exc:
+        wait(jobs)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise TierFullError(
+                f"disk full while writing checkpoint step {step} ({format_size(written)}) to "
+                f"{root!r} ({exc.strerror}). The partial checkpoint was removed and earlier ones "
+                f"are intact; free space there, lower keep=, or point the Checkpointer elsewhere.",
+                tier="disk",
+                requested=written,
+            ) from exc
+        raise
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

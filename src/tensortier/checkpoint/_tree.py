@@ -1,0 +1,180 @@
+"""Non-tensor state as JSON, tensors as named references: the only way state is serialised.
+
+A state tree (a model/optimizer/scheduler ``state_dict``, RNG states, the user's ``extra``) is
+turned into plain JSON in which every tensor is replaced by ``{"$tt": "tensor", "name": ...}`` and
+stored separately (in safetensors files). Values JSON cannot hold exactly get a tag from a short
+allow-list (tuples, non-string dict keys, non-finite floats, numpy arrays, dtypes, bytes). Decoding
+resolves only those tags: nothing is imported, evaluated or unpickled, so a crafted manifest can at
+worst be rejected. Anything else is refused at save time with the path to the offending value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tensortier.errors import ConfigError, CorruptDataError
+
+TAG = "$tt"
+
+_NP_DTYPES = {
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+}
+_TORCH_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _TORCH_DTYPES:
+        raise ConfigError(f"tensors of dtype {dtype} cannot be checkpointed; convert them first")
+    return name
+
+
+def dtype_from_name(name: object) -> torch.dtype:
+    if not isinstance(name, str) or name not in _TORCH_DTYPES:
+        raise CorruptDataError(f"unknown dtype {name!r} in manifest")
+    return _TORCH_DTYPES[name]
+
+
+def encode(obj: object, path: str, add_tensor: Callable[[str, torch.Tensor], str]) -> object:
+    """JSON-ready copy of ``obj``; tensors are handed to ``add_tensor(path, t)`` which names them."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return float(obj)
+        return {TAG: "float", "value": repr(obj)}
+    if isinstance(obj, torch.Tensor):
+        return {TAG: "tensor", "name": add_tensor(path, obj)}
+    if isinstance(obj, np.generic):
+        return encode(obj.item(), path, add_tensor)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.name not in _NP_DTYPES:
+            raise ConfigError(f"{path}: numpy arrays of dtype {obj.dtype} cannot be checkpointed")
+        return {
+            TAG: "ndarray",
+            "dtype": obj.dtype.name,
+            "shape": list(obj.shape),
+            "data": obj.tolist(),
+        }
+    if isinstance(obj, torch.dtype):
+        return {TAG: "dtype", "name": dtype_name(obj)}
+    if isinstance(obj, bytes):
+        return {TAG: "bytes", "hex": obj.hex()}
+    if isinstance(obj, (list, tuple)):
+        items = [encode(v, f"{path}[{i}]", add_tensor) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {TAG: "tuple", "items": items}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and TAG not in obj:
+            return {k: encode(v, f"{path}/{k}", add_tensor) for k, v in obj.items()}
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+                raise ConfigError(
+                    f"{path}: dict key {k!r} of type {type(k).__name__} cannot be checkpointed; "
+                    f"use str, int, float, bool or None keys"
+                )
+            items.append(
+                [encode(k, f"{path}<key>", add_tensor), encode(v, f"{path}/{k}", add_tensor)]
+            )
+        return {TAG: "dict", "items": items}
+    raise ConfigError(
+        f"{path}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be checkpointed; only "
+        f"tensors, numpy arrays and JSON-like data (dict, list, tuple, str, int, float, bool, "
+        f"None) are stored, never pickled. Convert it (e.g. to a dict) before saving"
+    )
+
+
+def decode(obj: object, tensors: dict[str, torch.Tensor]) -> object:
+    """Inverse of :func:`encode`; ``tensors`` maps names to the loaded tensors."""
+    if obj is None or isinstance(obj, (bool, str, int, float)):
+        return obj
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        raise CorruptDataError(f"unexpected {type(obj).__name__} in manifest")
+    if TAG not in obj:
+        return {k: decode(v, tensors) for k, v in obj.items()}
+    tag = obj[TAG]
+    if tag == "tensor":
+        name = obj.get("name")
+        if name not in tensors:
+            raise CorruptDataError(f"manifest refers to tensor {name!r} that is not in the files")
+        return tensors[name]
+    if tag == "tuple":
+        return tuple(decode(v, tensors) for v in _list(obj, "items"))
+    if tag == "dict":
+        out = {}
+        for pair in _list(obj, "items"):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise CorruptDataError("malformed dict entry in manifest")
+            key = decode(pair[0], tensors)
+            if isinstance(key, (dict, list, torch.Tensor)):
+                raise CorruptDataError("unhashable dict key in manifest")
+            out[key] = decode(pair[1], tensors)
+        return out
+    if tag == "float":
+        value = obj.get("value")
+        if value not in ("nan", "inf", "-inf"):
+            raise CorruptDataError(f"bad float {value!r} in manifest")
+        return float(value)
+    if tag == "ndarray":
+        dtype, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
+        if dtype not in _NP_DTYPES or not isinstance(shape, list):
+            raise CorruptDataError(f"bad ndarray (dtype {dtype!r}) in manifest")
+        try:
+            return np.asarray(data, dtype=np.dtype(dtype)).reshape(shape)
+        except (TypeError, ValueError) as exc:
+            raise CorruptDataError(f"bad ndarray in manifest: {exc}") from exc
+    if tag == "dtype":
+        return dtype_from_name(obj.get("name"))
+    if tag == "bytes":
+        try:
+            return bytes.fromhex(obj.get("hex", ""))
+        except (TypeError, ValueError) as exc:
+            raise CorruptDataError("bad bytes value in manifest") from exc
+    raise CorruptDataError(f"unknown tag {tag!r} in manifest; refusing to interpret it")
+
+
+def _list(obj: dict, key: str) -> list:
+    value = obj.get(key)
+    if not isinstance(value, list):
+        raise CorruptDataError(f"manifest entry tagged {obj[TAG]!r} lacks a list {key!r}")
+    return value

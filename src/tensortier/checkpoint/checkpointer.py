@@ -1,0 +1,645 @@
+"""``Checkpointer``: two-phase checkpoints (snapshot to host RAM, persist in the background).
+
+The snapshot copies model parameters and optimizer state into reused host images of the
+safetensors files while the next forward and backward run (a thread on CPU, a side stream on
+CUDA); only the next ``optimizer.step()`` waits for it (a step pre-hook enforces this even if the
+user forgets ``before_optimizer_step``; anything else that changes parameters or optimizer state
+in place, such as an EMA update, must call ``before_optimizer_step`` first). Tensors that forward may change (buffers such as
+BatchNorm statistics), RNG states, the scheduler and ``extra`` are captured before ``maybe_save``
+returns. The persist runs on one background thread; at most one checkpoint is in flight, so the
+host memory is one set of images, reused for every save. Errors of a background persist are
+raised in the caller at the next ``maybe_save``/``save``/``wait``/``close``. The commit protocol
+is in PROTOCOL.md next to this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from tensortier._units import SizeLike, format_size, parse_size
+from tensortier.checkpoint import _faults
+from tensortier.checkpoint._format import (
+    FORMAT,
+    STEP_DIR,
+    VERSION,
+    Entry,
+    plan,
+    read_manifest,
+    read_tensors,
+    write_header,
+)
+from tensortier.checkpoint._persist import CpuClock, persist, step_dir
+from tensortier.checkpoint._policy import AutoInterval
+from tensortier.checkpoint._tree import decode, encode
+from tensortier.errors import BudgetError, ClosedError, ConfigError, CorruptDataError, SpillDirError
+from tensortier.tiers.disk import _probe_direct, as_bytes
+from tensortier.tiers.host import aligned_empty
+
+log = logging.getLogger("tensortier.checkpoint")
+_STALE = re.compile(r"^step-\d+\.(incomplete|deleting-\d+)$")
+LOCK_FILE = ".tensortier-checkpoint.lock"
+
+
+@dataclass
+class CheckpointConfig:
+    """Settings of a :class:`Checkpointer`; validated at construction."""
+
+    keep: int = 3
+    every: int | str = "auto"
+    max_overhead: float = 0.035
+    host_budget: SizeLike | None = None  # None: exactly what the state needs
+    shard_size: SizeLike = "256MiB"
+    io_threads: int = 4
+    direct: bool | None = None  # O_DIRECT when the filesystem supports it
+    warmup: int = 3  # clean iterations measured before the first "auto" checkpoint
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, int) or self.keep < 2:
+            raise ConfigError(
+                f"keep={self.keep!r}: keep at least 2 checkpoints, since the newest one may still "
+                f"be writing (or be damaged) when you need to resume"
+            )
+        if self.every != "auto" and (
+            not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1
+        ):
+            raise ConfigError(f"every={self.every!r}: pass a number of steps >= 1, or 'auto'")
+        if not 0 < self.max_overhead < 1:
+            raise ConfigError(
+                f"max_overhead={self.max_overhead!r}: pass the allowed slowdown as a fraction, "
+                f"e.g. 0.035 for 3.5%"
+            )
+        self.shard_bytes = parse_size(self.shard_size, name="shard_size", allow_zero=False)
+        self.host_bytes = (
+            None
+            if self.host_budget is None
+            else parse_size(self.host_budget, name="host_budget", allow_zero=False)
+        )
+        if self.io_threads < 1:
+            raise ConfigError(f"io_threads={self.io_threads!r}: pass 1 or more")
+
+
+@dataclass
+class CheckpointState:
+    """What :meth:`Checkpointer.restore` found. ``step`` is the first step to run next."""
+
+    step: int
+    saved_step: int
+    path: str
+    extra: object = None
+
+
+@dataclass
+class CheckpointStats:
+    saves: int = 0  # checkpoints started
+    committed: int = 0  # checkpoints durable under their final name
+    last_committed_step: int | None = None
+    interval: int | None = None  # steps between checkpoints (every=K, or the auto choice)
+    stall_seconds: float = 0.0  # total time the training loop was blocked by checkpointing
+    last_stall_seconds: float = 0.0  # blocking in maybe_save + wait before the optimizer step
+    last_snapshot_seconds: float = 0.0  # time to copy the state to host memory
+    last_persist_seconds: float = 0.0  # time from the end of the snapshot to the durable rename
+    last_persist_bytes: int = 0
+    last_cost_seconds: float | None = None  # auto: measured loop slowdown caused by a checkpoint
+    waited_for_persist: int = 0  # saves that had to wait for the previous persist (every=K)
+    host_bytes: int = 0  # snapshot images held (reused by every save)
+    history: deque = field(default_factory=lambda: deque(maxlen=100))
+
+    @property
+    def last_persist_gbps(self) -> float:
+        t = self.last_persist_seconds
+        return self.last_persist_bytes / t / 1e9 if t else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["history"] = list(self.history)
+        d["last_persist_gbps"] = self.last_persist_gbps
+        return d
+
+
+def _complete_steps(root: str) -> list[int]:
+    steps = []
+    for name in os.listdir(root):
+        m = STEP_DIR.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            steps.append(int(m.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def rng_state() -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            warnings.warn(
+                f"the checkpoint holds RNG states of {len(cuda)} CUDA devices but this process "
+                f"sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}; CUDA "
+                f"random streams are not restored, so the resumed run may differ",
+                stacklevel=3,
+            )
+
+
+class Checkpointer:
+    """Crash-consistent, CheckFreq-style checkpoints of model, optimizer, scheduler, RNG and extra.
+
+    >>> ck = Checkpointer("ckpts/", keep=3, every="auto", max_overhead=0.035)
+    >>> state = ck.restore(model=model, optimizer=opt, scheduler=sched)   # None on a fresh start
+    >>> ...  # loss.backward(); ck.before_optimizer_step(); opt.step()
+    >>> ck.maybe_save(step, model=model, optimizer=opt, scheduler=sched, extra={"epoch": 3})
+    >>> ck.close()                                                        # waits for the persist
+
+    Only this object writes to ``directory`` (an exclusive lock is held until ``close``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, **settings):
+        self.config = CheckpointConfig(**settings)
+        self.root = os.path.abspath(os.fspath(directory))
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise SpillDirError(
+                f"cannot create checkpoint directory {self.root!r} ({exc.strerror}); pass a "
+                f"writable directory",
+                path=self.root,
+            ) from exc
+        if not os.path.isdir(self.root) or not os.access(self.root, os.W_OK | os.X_OK):
+            raise SpillDirError(
+                f"checkpoint directory {self.root!r} is not a writable directory; fix its "
+                f"permissions or pass another one",
+                path=self.root,
+            )
+        self._lock_fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise ConfigError(
+                f"another Checkpointer is writing to {self.root!r}; close it first or give each "
+                f"run its own directory"
+            ) from exc
+        for name in os.listdir(self.root):  # debris of a crashed run: never a valid checkpoint
+            if _STALE.match(name):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        cfg = self.config
+        self.direct = _probe_direct(self.root) if cfg.direct is None else cfg.direct
+        self.stats = CheckpointStats(interval=cfg.every if isinstance(cfg.every, int) else None)
+        self._auto = (
+            AutoInterval(cfg.max_overhead, warmup=cfg.warmup) if cfg.every == "auto" else None
+        )
+        self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tt-ckpt-io")
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tt-ckpt-persist")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="tt-ckpt-snapshot")
+        self._finalizer = weakref.finalize(
+            self, Checkpointer._shutdown, self._io, self._worker, self._copier, self._lock_fd
+        )
+        self._images: list[torch.Tensor] = []
+        self._signature: tuple | None = None
+        self._shards: list = []
+        self._slots: dict[str, torch.Tensor] = {}
+        self._snapshot: Future | None = None
+        self._cuda_done: torch.cuda.Event | None = None
+        self._persist: Future | None = None
+        self._error: BaseException | None = None
+        self._hooked: weakref.WeakSet = weakref.WeakSet()
+        self._hooks: list = []
+        self._last_call: float | None = None
+        self._last_saved: int | None = None
+        self._stall = 0.0
+        self._background_cpu = 0.0  # CPU seconds of the last checkpoint's background work
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def interval(self) -> int | None:
+        """Steps between checkpoints: ``every``, or the adaptive choice once measured."""
+        return self.stats.interval
+
+    def checkpoints(self) -> list[str]:
+        """Paths of the complete checkpoints, newest first (not yet verified)."""
+        return [step_dir(self.root, s) for s in _complete_steps(self.root)]
+
+    def maybe_save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: object | None = None,
+        extra: object = None,
+    ) -> bool:
+        """Call after every optimizer step; starts a checkpoint of ``step`` when one is due.
+
+        Returns whether a checkpoint was started. Raises the error of a failed background persist.
+        """
+        self._check_open()
+        self._raise_pending()
+        now = time.monotonic()
+        if self._auto is not None:
+            busy = self._auto.open_cost is not None
+            if self._last_call is not None:
+                self._auto.observe(now - self._last_call, busy=busy)
+            if busy and (self._persist is None or self._persist.done()):
+                floor = self.stats.last_stall_seconds + self._background_cpu
+                self.stats.last_cost_seconds = self._auto.finished(floor)
+                self.stats.interval = self._auto.interval
+                if self.stats.history:
+                    self.stats.history[-1]["cost_s"] = self.stats.last_cost_seconds
+                log.info(
+                    "checkpoint cost %.3fs at %.3fs/iteration: interval now %s steps",
+                    self.stats.last_cost_seconds,
+                    self._auto.t_iter,
+                    self.stats.interval,
+                )
+            self._last_call = now
+            due = self._auto.due() and (self._persist is None or self._persist.done())
+        else:
+            due = (step + 1) % int(self.config.every) == 0
+        if not due or step == self._last_saved:
+            return False
+        self._start(step, model, optimizer, scheduler, extra, entered=now)
+        if self._auto is not None:
+            self._auto.started()
+        return True
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: object | None = None,
+        extra: object = None,
+    ) -> None:
+        """Start a checkpoint of ``step`` now (waiting for the previous persist if needed)."""
+        self._check_open()
+        self._raise_pending()
+        self._start(step, model, optimizer, scheduler, extra, entered=time.monotonic())
+
+    def before_optimizer_step(self) -> None:
+        """Wait until the snapshot has copied the parameters and optimizer state.
+
+        Also runs automatically as a step pre-hook of every optimizer passed to ``maybe_save``.
+        """
+        if self._snapshot is None and self._cuda_done is None:
+            return
+        t0 = time.monotonic()
+        if self._snapshot is not None:
+            snap, self._snapshot = self._snapshot, None
+            snap.result()
+        if self._cuda_done is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_done)
+            self._cuda_done = None
+        waited = time.monotonic() - t0
+        self._stall += waited
+        self.stats.stall_seconds += waited
+        self.stats.last_stall_seconds += waited
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is durable; raise its error if it failed."""
+        self.before_optimizer_step()
+        if self._persist is not None:
+            with contextlib.suppress(BaseException):
+                self._persist.result()
+        self._raise_pending()
+
+    def restore(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: object | None = None,
+        step: int | None = None,
+        rng: bool = True,
+    ) -> CheckpointState | None:
+        """Load the newest checkpoint that verifies; ``None`` when there is none.
+
+        Every checksum is checked before anything is loaded. A damaged checkpoint is skipped with
+        a warning naming the defect; if every checkpoint is damaged, :class:`CorruptDataError`.
+        """
+        self._check_open()
+        self.wait()
+        steps = _complete_steps(self.root)
+        if step is not None:
+            if step not in steps:
+                raise ConfigError(
+                    f"no complete checkpoint of step {step} in {self.root!r}; found {steps}"
+                )
+            steps = [step]
+        problems = []
+        for s in steps:
+            path = step_dir(self.root, s)
+            try:
+                body = read_manifest(path)
+                if body["step"] != s:
+                    raise CorruptDataError(f"manifest says step {body['step']}", path=path)
+                tree = decode(body.get("state"), read_tensors(path, body))
+                if not isinstance(tree, dict):
+                    raise CorruptDataError("manifest state is not a mapping", path=path)
+            except CorruptDataError as exc:
+                problems.append(f"{path}: {exc}")
+                warnings.warn(
+                    f"checkpoint {path} is unusable ({exc}); falling back to an older one",
+                    stacklevel=2,
+                )
+                continue
+            self._apply(tree, path, model, optimizer, scheduler, rng)
+            self._last_saved = s
+            log.info("restored %s", path)
+            return CheckpointState(step=s + 1, saved_step=s, path=path, extra=tree.get("extra"))
+        if problems:
+            raise CorruptDataError(
+                f"no usable checkpoint in {self.root!r}: " + "; ".join(problems) + ". Move them "
+                "away to start fresh, or restore a specific step=",
+                path=self.root,
+            )
+        return None
+
+    def close(self) -> None:
+        """Wait for the last persist, release buffers and the directory lock; re-raise its error."""
+        if self._finalizer.alive:
+            try:
+                self.wait()
+            finally:
+                for handle in self._hooks:
+                    handle.remove()
+                self._hooks.clear()
+                self._release_images()
+                self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # keep the original exception; still finish and release what we can
+            with contextlib.suppress(BaseException):
+                self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpointer({self.root!r}, keep={self.config.keep}, every={self.config.every!r}, "
+            f"interval={self.stats.interval}, committed={self.stats.committed})"
+        )
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _shutdown(io, worker, copier, lock_fd) -> None:
+        for ex in (copier, worker, io):
+            ex.shutdown(wait=True)
+        with contextlib.suppress(OSError):
+            os.close(lock_fd)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"Checkpointer {self.root!r} is closed")
+
+    def _raise_pending(self) -> None:
+        """Raise (once) the error of a background persist that failed."""
+        if self._persist is not None and self._persist.done():
+            error = self._persist.exception()
+            if error is not None:
+                self._persist = None
+                if self._auto is not None:
+                    self._auto.open_cost = None  # a failed checkpoint is not a cost sample
+                raise error
+
+    def _hook(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer in self._hooked:
+            return
+        self._hooked.add(optimizer)
+        me = weakref.ref(self)
+
+        def pre_step(*_args, **_kwargs) -> None:
+            ck = me()
+            if ck is not None:
+                ck.before_optimizer_step()
+
+        self._hooks.append(optimizer.register_step_pre_hook(pre_step))
+
+    def _start(self, step, model, optimizer, scheduler, extra, *, entered: float) -> None:
+        self._stall = 0.0
+        self.stats.last_stall_seconds = 0.0
+        if self._persist is not None and not self._persist.done():
+            self.stats.waited_for_persist += 1
+            log.info("checkpoint of step %d waits for the previous persist", step)
+        self.wait()
+        if optimizer is not None:
+            self._hook(optimizer)
+        params = {p.data_ptr() for p in model.parameters()} if model is not None else set()
+        tensors: list[tuple[str, torch.Tensor, bool]] = []  # name, tensor, copy in background
+        names: set[str] = set()
+
+        def collector(background: bool, is_param: bool = False):
+            def add(path: str, t: torch.Tensor) -> str:
+                name = path
+                while name in names:
+                    name += "'"
+                names.add(name)
+                late = background or (is_param and t.data_ptr() in params)
+                tensors.append((name, t.detach(), late))
+                return name
+
+            return add
+
+        state = {
+            "model": encode(model.state_dict(), "model", collector(False, True))
+            if model is not None
+            else None,
+            "optimizer": encode(optimizer.state_dict(), "optimizer", collector(True))
+            if optimizer is not None
+            else None,
+            "scheduler": encode(scheduler.state_dict(), "scheduler", collector(False))
+            if scheduler is not None
+            else None,
+            "rng": encode(rng_state(), "rng", collector(False)),
+            "extra": encode(extra, "extra", collector(False)),
+        }
+        self._layout(tensors)
+        t_copy = time.monotonic()
+        late_cpu, late_cuda = [], []
+        for name, t, late in tensors:
+            dst = self._slots[name]
+            if not late:
+                dst.copy_(as_bytes(t))
+            elif t.device.type == "cuda":
+                late_cuda.append((dst, t))
+            else:
+                late_cpu.append((dst, t))
+        cuda_done = None
+        if late_cuda:  # device->pinned host on a side stream, ordered after the step just taken
+            side = torch.cuda.Stream(device=late_cuda[0][1].device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for dst, t in late_cuda:
+                    t.record_stream(side)
+                    dst.copy_(as_bytes(t), non_blocking=True)
+            cuda_done = self._cuda_done = side.record_event()
+
+        clock = CpuClock()
+
+        def copy_late() -> float:
+            for dst, t in late_cpu:
+                dst.copy_(as_bytes(t))
+            return time.monotonic()
+
+        snapshot = self._snapshot = self._copier.submit(clock.wrap(copy_late))
+        on_host = not late_cuda
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "torch": torch.__version__,
+            "files": [s.file for s in self._shards],
+            "tensors": {},
+            "state": state,
+        }
+        shards, images = self._shards, list(self._images)
+        nbytes = sum(s.file_bytes for s in shards)
+
+        def job() -> None:
+            t0 = time.thread_time()
+            copied = snapshot.result()
+            if cuda_done is not None:
+                cuda_done.synchronize()
+                copied = time.monotonic()
+            path, written = persist(
+                self.root, step, shards, images, body, self._io, self.direct, clock
+            )
+            done = time.monotonic()
+            self._retain(step)
+            cpu = clock.seconds + time.thread_time() - t0
+            self._background_cpu = cpu if on_host else 0.0
+            self.stats.committed += 1
+            self.stats.last_committed_step = step
+            self.stats.last_snapshot_seconds = copied - t_copy
+            self.stats.last_persist_seconds = done - copied
+            self.stats.last_persist_bytes = written
+            self.stats.history.append(
+                {
+                    "step": step,
+                    "bytes": written,
+                    "snapshot_s": copied - t_copy,
+                    "persist_s": done - copied,
+                    "stall_s": self.stats.last_stall_seconds,
+                    "background_cpu_s": cpu,
+                }
+            )
+            log.info(
+                "checkpoint %s: %s, snapshot %.3fs, persist %.3fs (%.2f GB/s)",
+                path,
+                format_size(written),
+                copied - t_copy,
+                done - copied,
+                written / max(done - copied, 1e-9) / 1e9,
+            )
+
+        self._persist = self._worker.submit(job)
+        self._last_saved = step
+        self.stats.saves += 1
+        blocked = time.monotonic() - entered
+        self._stall += blocked
+        self.stats.stall_seconds += blocked
+        self.stats.last_stall_seconds += blocked
+        log.debug(
+            "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
+        )
+
+    def _layout(self, tensors: list[tuple[str, torch.Tensor, bool]]) -> None:
+        """(Re)build the shard images when the set of tensors changed; otherwise reuse them."""
+        signature = tuple((n, t.dtype, tuple(t.shape)) for n, t, _ in tensors)
+        if signature == self._signature:
+            return
+        entries = [
+            Entry(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t, _ in tensors
+        ]
+        shards = plan(entries, self.config.shard_bytes)
+        need = sum(s.image_bytes for s in shards)
+        budget = self.config.host_bytes
+        if budget is not None and need > budget:
+            raise BudgetError(
+                f"a checkpoint of this state needs {format_size(need)} of host memory for its "
+                f"snapshot but host_budget is {format_size(budget)}; raise host_budget to at "
+                f"least {format_size(need)}",
+                budget=budget,
+                minimum=need,
+            )
+        self._release_images()
+        pin = torch.cuda.is_available()  # pinned: device->host copies are DMA and asynchronous
+        self._images = [aligned_empty(s.image_bytes, pin=pin) for s in shards]
+        self._slots = {}
+        for shard, block in zip(shards, self._images):
+            write_header(shard, block)
+            for e in shard.entries:
+                start = shard.data_start + e.offset
+                self._slots[e.name] = block[start : start + e.nbytes]
+        self._shards, self._signature = shards, signature
+        self.stats.host_bytes = need
+
+    def _release_images(self) -> None:
+        self._images, self._slots, self._signature = [], {}, None
+
+    def _retain(self, newest: int) -> None:
+        """Delete all but the ``keep`` newest complete checkpoints, never ``newest`` itself."""
+        steps = _complete_steps(self.root)
+        keep = set(steps[: self.config.keep]) | {newest}
+        for s in steps:
+            if s in keep:
+                continue
+            path = step_dir(self.root, s)
+            doomed = f"{path}.deleting-{os.getpid()}"
+            try:
+                os.rename(path, doomed)  # atomic: restore never sees a half-deleted checkpoint
+            except OSError as exc:  # the new checkpoint is committed; do not fail it for this
+                log.warning("could not remove old checkpoint %s: %s", path, exc)
+                continue
+            _faults.point("retention-renamed")
+            shutil.rmtree(doomed, ignore_errors=True)
+            _faults.point("retention-deleted")
+
+    def _apply(self, tree, path, model, optimizer, scheduler, rng) -> None:
+        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+            if obj is not None and tree.get(name) is None:
+                raise ConfigError(
+                    f"checkpoint {path} holds no {name} state, but a {name} was passed to restore"
+                )
+        if model is not None:
+            model.load_state_dict(tree["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(tree["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(tree["scheduler"])
+        if rng and tree.get("rng") is not None:
+            set_rng_state(tree["rng"])

@@ -1,0 +1,41 @@
+import json
+
+import pytest
+
+from tensortier.cli import main
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_runs_the_three_variants_side_by_side(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    main(
+        [
+            "bench",
+            "checkpoint",
+            "--quick",
+            "--state-size",
+            "8MiB",
+            "--every",
+            "2",
+            "--checkpoints",
+            "2",
+            "--auto-steps",
+            "12",
+            "--batch",
+            "4",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ]
+    )
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "checkpoint" and "device" in data["env"]
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert {"torch.save (sync)", "tensortier Checkpointer"} <= set(rows)
+    assert "torch DCP async_save" in rows or "dcp" in rows  # measured, or its error reported
+    tt_row = rows["tensortier Checkpointer"]
+    assert tt_row["state_bytes"] > 8e6 * 0.9 and tt_row["persist_gbps"] > 0
+    assert rows["torch.save (sync)"]["stall_vs_torch_save"] == 1
+    assert data["auto"]["steps"] == 12 and data["disk_limit_gbps"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.json"]  # scratch removed
