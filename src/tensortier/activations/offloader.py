@@ -351,17 +351,24 @@ class Offloader:
             setattr(self.stats, counter, getattr(self.stats, counter) + record.nbytes)
             record.fetched = fut = Future()
         parts = [self._read(loc) for loc in record.location]
+        lock = threading.Lock()
 
+        # Completed futures keep their callbacks, so every closure below lets go of what it holds
+        # once it has fired: read buffers are then freed by refcount the moment backward is done
+        # with them, not whenever the cyclic garbage collector happens to run.
         def assemble(_: Future) -> None:  # never capture the record: its finalizer must run
-            if not all(p.done() for p in parts) or fut.done():
-                return
-            errors = [p.exception() for p in parts if p.exception() is not None]
+            with lock:
+                if not parts or not all(p.done() for p in parts):
+                    return
+                finished = parts[:]
+                parts.clear()
+            errors = [p.exception() for p in finished if p.exception() is not None]
             if errors:
                 fut.set_exception(errors[0])
             else:
-                fut.set_result([p.result() for p in parts])
+                fut.set_result([p.result() for p in finished])
 
-        for p in parts:
+        for p in list(parts):
             p.add_done_callback(assemble)
         return fut
 
@@ -369,17 +376,19 @@ class Offloader:
         """Start reading one payload back to the device once its write is done; the result is the
         engine's transfer future (already done), finished later on the consumer's thread."""
         out: Future = Future()
+        box = [out]  # taken by the first callback to fire (see _fetch)
 
         def written(f: Future) -> None:
+            target = box.pop()
             try:
                 where = f.result()
                 if isinstance(where, HostTensor):
                     inner = self._engine.to_device(where)
                 else:
                     inner = self._engine.from_disk(where, to="device")
-                inner.add_done_callback(out.set_result)
+                inner.add_done_callback(_relay_to(target))
             except BaseException as exc:
-                out.set_exception(exc)
+                target.set_exception(exc)
 
         location.add_done_callback(written)
         return out
@@ -405,6 +414,16 @@ class _Source(list):
 def _pass_of(record: _Record) -> _Pass | None:
     ref = _PASS_OF.get(record)
     return ref() if ref is not None else None
+
+
+def _relay_to(dst: Future) -> Callable[[Future], None]:
+    """A callback that resolves ``dst`` with the finished future, then forgets ``dst``."""
+    box = [dst]
+
+    def relay(src: Future) -> None:
+        box.pop().set_result(src)
+
+    return relay
 
 
 def _movable(t: torch.Tensor) -> bool:
