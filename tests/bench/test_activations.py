@@ -1,0 +1,28 @@
+import json
+
+from tensortier.cli import main
+
+
+def test_bench_activations_quick_writes_rows(tmp_path):
+    out = tmp_path / "act.json"
+    main(
+        [
+            "bench",
+            "activations",
+            "--quick",
+            "--variants",
+            "plain,tt-disk",
+            "--spill-dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ]
+    )
+    data = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert set(rows) == {"plain", "tt-disk"}
+    for r in rows.values():
+        assert r["peak_bytes"] > 0 and r["step_s"] > 0 and "device" in r
+        assert r["grads_match"] is True  # lossless offload: bit-identical gradients
+    assert rows["tt-disk"]["offload"]["bytes_offloaded"]["disk"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["act.json"]  # spill files cleaned up
