@@ -12,6 +12,7 @@ plain run of the same length. Run: ``tensortier bench checkpoint --json out.json
 
 from __future__ import annotations
 
+import abc
 import argparse
 import math
 import os
@@ -114,7 +115,7 @@ def _fsync_tree(path: str) -> None:
                 os.close(fd)
 
 
-class _Variant:
+class _Variant(abc.ABC):
     """Checkpoint every ``every`` steps with one method; records stall and time-to-durable.
 
     ``stalls``: seconds the loop was blocked per checkpoint. ``persists``: seconds from the end of
@@ -129,14 +130,15 @@ class _Variant:
         self.persists: list[float] = []
         self.nbytes = 0
 
-    def before_step(self) -> None:
-        pass
+    def before_step(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
+        return None
 
+    @abc.abstractmethod
     def after_step(self, model, opt, i: int) -> None:
-        raise NotImplementedError
+        """Checkpoint (or not) after optimizer step ``i``; record the seconds the loop was blocked."""
 
-    def finish(self) -> None:
-        pass
+    def finish(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
+        return None
 
 
 class TorchSave(_Variant):

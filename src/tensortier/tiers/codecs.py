@@ -12,6 +12,7 @@ planner's profile. It never decides when to use a codec: the planner's simulator
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
@@ -129,17 +130,19 @@ class SparseCodec:
         return _from_bits(bits, meta)
 
 
-class _HostBytesCodec:
+class _HostBytesCodec(abc.ABC):
     """Compresses the tensor's bytes on the host; payload is one uint8 CPU tensor."""
 
     name = "bytes"
     lossless = True
 
+    @abc.abstractmethod
     def _compress(self, data: memoryview) -> bytes:
-        raise NotImplementedError
+        """The compressed bytes."""
 
+    @abc.abstractmethod
     def _decompress(self, data: memoryview, size: int) -> bytes:
-        raise NotImplementedError
+        """``size`` bytes back from ``data``."""
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
