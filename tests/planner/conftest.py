@@ -17,8 +17,10 @@ def chain(
     bw: float = 2 * GB,
     unified: bool = True,
     zero_frac: float = 0.0,
+    transient_factor: float = 0.0,
 ) -> Profile:
-    """A stack of identical units, each saving ``per_unit`` tensors."""
+    """A stack of identical units, each saving ``per_unit`` tensors (no op temporaries unless
+    ``transient_factor`` says so, so that every byte of a peak can be counted by hand)."""
     units, tensors = [], []
     for i in range(n_units):
         name = f"h.{i}"
@@ -46,6 +48,7 @@ def chain(
         codecs=speeds,
         unified=unified,
         prefetch_bytes=4 * GB,
+        transient_factor=transient_factor,
     )
 
 

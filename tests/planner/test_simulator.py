@@ -18,7 +18,30 @@ def _two_units(bw: float, unified: bool = True) -> Profile:
         tensors=[TensorProfile(0, "a", GB)],
         bandwidth=Bandwidth(d2h=bw, h2d=bw, h2disk=bw, disk2h=bw),
         unified=unified,
+        transient_factor=0.0,
     )
+
+
+def test_an_ops_temporaries_count_while_it_runs():
+    p = _two_units(GB)
+    p.transient_factor = 1.0  # a's backward holds its saved tensor and as much again
+    assert simulate(p, Plan("keep", {})).peak_bytes == 2 * GB
+    p.transient_factor = 0.5
+    assert simulate(p, Plan("keep", {})).peak_bytes == int(1.5 * GB)
+
+
+def test_calibrate_fits_the_measured_keep_peak_and_the_cost_of_moving_bytes():
+    from tensortier.planner.profiler import calibrate
+
+    p = _two_units(10 * GB)  # transfers take 0.1 s each: hidden
+    every = Plan("all", {"a": UnitAction(Mode.DISK), "b": UnitAction(Mode.DISK)})
+    p.keep_peak_bytes = int(1.25 * GB)
+    p.offload_step_s = simulate(p, every).step_s + 0.2  # 0.2 s lost to copy threads
+    calibrate(p)
+    assert p.transient_factor == pytest.approx(0.25, abs=1e-6)
+    assert p.move_s_per_byte == pytest.approx(0.2 / (2 * GB), rel=1e-3)
+    assert simulate(p, every).step_s == pytest.approx(p.offload_step_s, rel=1e-3)
+    assert simulate(p, Plan("keep", {})).peak_bytes == pytest.approx(1.25 * GB, rel=1e-6)
 
 
 def test_keep_costs_compute_only_and_holds_everything():

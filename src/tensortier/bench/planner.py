@@ -1,17 +1,20 @@
 """`tensortier bench planner`: the planner's predictions against measurement, per policy.
 
-For each GPT shape: a fresh subprocess runs plain training (the reference peak); another warms up
-and profiles one iteration (every saved tensor to disk) and writes the profile; the planner then
-builds every policy's plan for a budget of ``--budget-frac`` x the plain peak, and each plan runs
-in its own fresh subprocess. Per policy: predicted and measured peak memory (CPU: the RSS
-high-water mark of the measured steps minus RSS before them, after one warm-up step, so memory
-held across iterations such as the offloader's staging buffers is excluded, as CUDA's max
-allocated excludes host memory; CUDA: max allocated) and step time (median of
-the measured steps), the errors, whether the budget was met, and whether gradients match plain
-(lossless plans must match exactly). ``auto`` is compared with the better of ``swap_all`` and
-``recompute_all``, the two plans a user would otherwise pick.
+Each GPT shape runs in one fresh subprocess, the way a user's job would: plain training gives
+the reference peak; one warm-up iteration, the probe pass and ``--timing-iters`` clean timing
+passes give the profile; every policy plans for a budget of ``--budget-frac`` x the plain peak;
+then the plans run in rounds, one step of every plan per round (the first round warms each up).
+Interleaving matters on a shared host: its slow minutes (CPU steal) then hit every plan alike.
 
-Subprocesses run with ``MALLOC_MMAP_THRESHOLD_`` fixed so that RSS follows live bytes (glibc's
+Per policy: predicted and measured peak memory (CPU: the RSS high-water mark of a step minus
+RSS before it, the highest over the rounds, so memory held across iterations such as the
+offloader's staging buffers is excluded, as CUDA's max allocated excludes host memory) and step
+time (the fastest round, as the profile keeps each unit's fastest time: steal only adds time;
+the median is reported beside it), the errors, whether the budget was met, and whether gradients
+match plain (lossless plans must match exactly). ``auto`` is compared with the better of
+``swap_all`` and ``recompute_all`` that meets the budget, the plans a user would otherwise pick.
+
+The subprocess runs with ``MALLOC_MMAP_THRESHOLD_`` fixed so that RSS follows live bytes (glibc's
 adaptive threshold otherwise keeps freed activations in the heap), the same for every variant.
 Run: ``tensortier bench planner --json benchmarks/results/planner-cpu.json [--quick]``.
 """
@@ -42,19 +45,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--budget-frac", type=float, default=0.25, help="budget / plain peak")
+    p.add_argument("--steps", type=int, default=4, help="measured rounds (after 1 warm-up round)")
     p.add_argument(
-        "--steps", type=int, default=3, help="measured steps per variant (after 1 warm-up)"
+        "--timing-iters", type=int, default=4, help="clean timing iterations in the profile"
     )
     p.add_argument("--policies", default=",".join(VARIANTS))
     p.add_argument("--spill-dir", default=tempfile.gettempdir())
     p.add_argument("--threads", type=int, default=0, help="torch threads in workers (0: default)")
     p.add_argument("--quick", action="store_true", help="one small shape, 2 measured steps")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--plan", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--profile-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--save-profiles", default=None, help="write each shape's profile JSON here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--prefetch", type=int, default=None, help=argparse.SUPPRESS)
 
 
 # ------------------------------------------------------------------ worker side
@@ -86,94 +88,171 @@ def _grad_digest(model) -> str:
     return h.hexdigest()
 
 
+def _plan_for(profile, policy: str, budget: int):
+    from tensortier.planner.policies import HEURISTICS, Options, choose, search
+
+    opts = Options(seed=0)
+    if policy == "auto":
+        return choose(profile, budget, "auto", opts)
+    if policy == "search":
+        return search(profile, budget, opts)
+    return HEURISTICS[policy](profile, budget, opts)
+
+
 def _worker(args) -> dict:
+    """One shape in one process: plain, profile, every policy's plan, measured in rounds."""
     import torch
 
-    from tensortier.planner.profiler import PeakMeter
+    from tensortier.activations import Offloader
+    from tensortier.planner.profiler import PeakMeter, Profiler, calibrate
+    from tensortier.planner.runtime import Recompute, default_prefetch, make_decide
 
     model, x, y = _model(args)
     device = torch.device("cpu")
-    times: list[float] = []
-    if args.worker == "profile":
-        from tensortier._device import rss_bytes
-        from tensortier.activations import Offloader
-        from tensortier.planner.profiler import Profiler
 
-        rss0 = rss_bytes()
-        warm = Offloader(
-            "disk", spill_dir=args.spill_dir, decide=lambda info: "disk", prefetch=args.prefetch
-        )
-        with warm:
+    def step(ctx=None, recompute=()) -> tuple[float, int]:
+        model.zero_grad(set_to_none=True)
+        wrap = Recompute(model, list(recompute)) if recompute else None
+        try:
+            with PeakMeter(device) as meter:
+                t0 = time.perf_counter()
+                if ctx is not None:
+                    with ctx:
+                        loss = model(x, y)
+                else:
+                    loss = model(x, y)
+                loss.backward()
+                del loss
+                dt = time.perf_counter() - t0
+        finally:
+            if wrap is not None:
+                wrap.remove()
+        return dt, meter.delta
+
+    step()  # warm-up: lazy initialisation, first-touch of the allocator
+    plain_peak = min(step()[1] for _ in range(2))
+    plain_grads = _grad_digest(model)
+    budget = int(args.budget_frac * plain_peak)
+    prefetch = default_prefetch(budget)
+
+    warm = Offloader(
+        "disk", spill_dir=args.spill_dir, decide=lambda info: "disk", prefetch=prefetch
+    )
+    step(warm)
+    prof = Profiler(spill_dir=args.spill_dir, device=device, prefetch=prefetch, offloader=warm)
+    model.zero_grad(set_to_none=True)
+    with prof.forward():
+        loss = model(x, y)
+    loss.backward()
+    del loss
+    for _ in range(args.timing_iters):
+        model.zero_grad(set_to_none=True)
+        with prof.timing():
             loss = model(x, y)
         loss.backward()
         del loss
-        model.zero_grad(set_to_none=True)
-        overhead = max(0, rss_bytes() - rss0)  # the offloader's buffers and threads stay
-        prof = Profiler(
-            spill_dir=args.spill_dir, device=device, prefetch=args.prefetch, offloader=warm
-        )
-        with prof.forward():
-            loss = model(x, y)
-        loss.backward()
-        profile = prof.finish(
-            meta={"shape": args.shape, "seq": args.seq}, offload_overhead=overhead
-        )
-        warm.close()
-        profile.save(args.profile_out)
-        return {"step_s": profile.measured_step_s, "peak_bytes": profile.measured_peak_bytes}
-    ctx = None
-    recompute = None
-    if args.worker == "plan":
-        from tensortier.activations import Offloader
-        from tensortier.planner.profile import Profile
-        from tensortier.planner.runtime import Recompute, make_decide
-        from tensortier.planner.simulator import Plan
+    t0 = time.perf_counter()
+    profile = calibrate(prof.finish(meta={"shape": args.shape, "seq": args.seq}))
+    profile_s = time.perf_counter() - t0
+    warm.close()
+    if args.save_profiles:
+        profile.save(os.path.join(args.save_profiles, f"profile-{args.shape}.json"))
 
-        with open(args.plan) as f:
-            spec = json.load(f)
-        profile = Profile.from_dict(spec["profile"])
-        plan = Plan.from_dict(spec["plan"])
-        recompute = Recompute(model, plan.recomputed())
-        ctx = Offloader(
-            "auto",
-            spill_dir=args.spill_dir,
-            decide=make_decide(profile, plan),
-            prefetch=profile.prefetch_bytes,
-        )
-    meter = None
-    for i in range(1 + args.steps):
-        model.zero_grad(set_to_none=True)
-        if i == 1:  # steady state: after one warm-up step (lazy init, the offloader's buffers)
-            meter = PeakMeter(device).__enter__()
+    variants: dict[str, dict] = {}
+    for policy in args.policies.split(","):
         t0 = time.perf_counter()
-        if ctx is not None:
-            with ctx:
-                loss = model(x, y)
-        else:
-            loss = model(x, y)
-        loss.backward()
-        del loss
-        if i:
-            times.append(time.perf_counter() - t0)
-    meter.__exit__(None, None, None)
-    digest = _grad_digest(model)
-    if recompute is not None:
-        recompute.remove()
-    if ctx is not None:
-        ctx.close()
-    return {"step_s": statistics.median(times), "peak_bytes": meter.delta, "grads": digest}
+        try:
+            choice = _plan_for(profile, policy, budget)
+        except Exception as e:  # BudgetError: report it, run nothing
+            variants[policy] = {"error": str(e)}
+            continue
+        plan = choice.plan
+        ctx = None
+        if any(a.mode.value in ("host", "disk") for a in plan.actions.values()):
+            ctx = Offloader(
+                "auto",
+                spill_dir=args.spill_dir,
+                decide=make_decide(profile, plan),
+                prefetch=prefetch,
+            )
+        variants[policy] = {
+            "choice": choice,
+            "ctx": ctx,
+            "plan_s": time.perf_counter() - t0,
+            "times": [],
+            "peaks": [],
+        }
+    runnable = {k: v for k, v in variants.items() if "choice" in v}
+    # rounds: every variant runs one step per round (round 0 warms each variant up), so slow
+    # minutes of a shared host spread over all variants instead of hitting one
+    for r in range(1 + args.steps):
+        for v in runnable.values():
+            dt, peak = step(v["ctx"], v["choice"].plan.recomputed())
+            if r:
+                v["times"].append(dt)
+                v["peaks"].append(peak)
+    rows = []
+    for policy, v in variants.items():
+        if "error" in v:
+            rows.append({"shape": args.shape, "policy": policy, "error": v["error"]})
+            continue
+        choice, pred = v["choice"], v["choice"].result
+        step(v["ctx"], choice.plan.recomputed())
+        grads = _grad_digest(model)
+        if v["ctx"] is not None:
+            v["ctx"].close()
+        lossless = all(profile.codecs[c].lossless for c in choice.plan.codecs.values() if c)
+        measured_step, measured_peak = min(v["times"]), max(v["peaks"])
+        rows.append(
+            {
+                "shape": args.shape,
+                "policy": policy,
+                "plan": choice.plan.policy,
+                "budget_bytes": budget,
+                "pred_peak_bytes": pred.peak_bytes,
+                "peak_bytes": measured_peak,
+                "peak_err_pct": 100 * (pred.peak_bytes - measured_peak) / max(1, measured_peak),
+                "pred_step_s": pred.step_s,
+                "step_s": measured_step,
+                "step_median_s": statistics.median(v["times"]),
+                "step_err_pct": 100 * (pred.step_s - measured_step) / measured_step,
+                "meets_budget": measured_peak <= budget,
+                "grads_match": grads == plain_grads if lossless else None,
+                "plan_s": v["plan_s"],
+                "actions": choice.plan.to_dict()["actions"],
+            }
+        )
+    return {
+        "rows": rows,
+        "plain_peak_bytes": plain_peak,
+        "budget_bytes": budget,
+        "saved_bytes": profile.saved_bytes,
+        "transient_factor": profile.transient_factor,
+        "profile_s": profile_s,
+        "timing": profile.meta.get("timing"),
+    }
 
 
-def _spawn(args, worker: str, **extra) -> dict:
-    cmd = [sys.executable, "-m", "tensortier.bench.planner", "--worker", worker]
-    for k in ("seq", "heads", "vocab", "steps", "spill_dir", "threads"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    for k, v in extra.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
+def _spawn(args, shape: str) -> dict:
+    cmd = [sys.executable, "-m", "tensortier.bench.planner", "--worker", "--shape", shape]
+    for k in (
+        "seq",
+        "heads",
+        "vocab",
+        "steps",
+        "spill_dir",
+        "threads",
+        "timing_iters",
+        "budget_frac",
+        "policies",
+        "save_profiles",
+    ):
+        if getattr(args, k) is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
-        raise RuntimeError(f"{worker} worker failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"worker for {shape} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -182,91 +261,32 @@ def run(args) -> list[dict]:
     if args.worker:
         print(json.dumps(_worker(args)))
         return []
-    from tensortier.planner.policies import HEURISTICS, Options, choose, search
-    from tensortier.planner.profile import Profile
-    from tensortier.planner.profiler import calibrate
-    from tensortier.planner.runtime import default_prefetch
-
     shapes = ["2x192x8"] if args.quick else args.shapes.split(",")
     if args.quick:
         args.steps = min(args.steps, 2)
-    policies = [p for p in args.policies.split(",") if p]
     rows: list[dict] = []
     summary: list[dict] = []
-    bar = tqdm(total=len(shapes) * (2 + len(policies)), desc="bench planner")
-    with tempfile.TemporaryDirectory(prefix="tt-bench-plan-") as tmp:
-        for shape in shapes:
-            plain = _spawn(args, "plain", shape=shape)
-            bar.update()
-            budget = int(args.budget_frac * plain["peak_bytes"])
-            prof_path = os.path.join(tmp, f"profile-{shape}.json")
-            prefetch = default_prefetch(budget)
-            _spawn(args, "profile", shape=shape, profile_out=prof_path, prefetch=prefetch)
-            bar.update()
-            profile = calibrate(Profile.load(prof_path))
-            opts = Options(seed=0)
-            shape_rows = {}
-            for policy in policies:
-                t0 = time.perf_counter()
-                if policy == "auto":
-                    try:
-                        choice = choose(profile, budget, "auto", opts)
-                    except Exception as e:  # BudgetError: report it, run nothing
-                        shape_rows[policy] = {"shape": shape, "policy": policy, "error": str(e)}
-                        rows.append(shape_rows[policy])
-                        bar.update()
-                        continue
-                elif policy == "search":
-                    choice = search(profile, budget, opts)
-                else:
-                    choice = HEURISTICS[policy](profile, budget, opts)
-                plan_s = time.perf_counter() - t0
-                spec = os.path.join(tmp, f"plan-{shape}-{policy}.json")
-                with open(spec, "w") as f:
-                    json.dump({"profile": profile.to_dict(), "plan": choice.plan.to_dict()}, f)
-                measured = _spawn(args, "plan", shape=shape, plan=spec)
-                bar.update()
-                pred = choice.result
-                lossless = all(profile.codecs[c].lossless for c in choice.plan.codecs.values() if c)
-                row = {
-                    "shape": shape,
-                    "policy": policy,
-                    "plan": choice.plan.policy,
-                    "budget_bytes": budget,
-                    "pred_peak_bytes": pred.peak_bytes,
-                    "peak_bytes": measured["peak_bytes"],
-                    "peak_err_pct": 100
-                    * (pred.peak_bytes - measured["peak_bytes"])
-                    / max(1, measured["peak_bytes"]),
-                    "pred_step_s": pred.step_s,
-                    "step_s": measured["step_s"],
-                    "step_err_pct": 100 * (pred.step_s - measured["step_s"]) / measured["step_s"],
-                    "meets_budget": measured["peak_bytes"] <= budget,
-                    "grads_match": measured["grads"] == plain["grads"] if lossless else None,
-                    "plan_s": plan_s,
-                    "actions": choice.plan.to_dict()["actions"],
-                }
-                shape_rows[policy] = row
-                rows.append(row)
-            best_peer = [
-                shape_rows[p]["step_s"]
-                for p in ("swap_all", "recompute_all")
-                if p in shape_rows and shape_rows[p].get("meets_budget")
-            ] or [shape_rows[p]["step_s"] for p in ("swap_all", "recompute_all") if p in shape_rows]
-            auto = shape_rows.get("auto", {})
-            summary.append(
-                {
-                    "shape": shape,
-                    "plain_peak_bytes": plain["peak_bytes"],
-                    "plain_step_s": plain["step_s"],
-                    "budget_bytes": budget,
-                    "saved_bytes": profile.saved_bytes,
-                    "auto_meets_budget": auto.get("meets_budget"),
-                    "auto_speedup_vs_best_peer": (min(best_peer) / auto["step_s"])
-                    if best_peer and "step_s" in auto
-                    else None,
-                }
-            )
+    bar = tqdm(shapes, desc="bench planner")
+    for shape in bar:
+        out = _spawn(args, shape)
+        rows += out["rows"]
+        by = {r["policy"]: r for r in out["rows"]}
+        peers = [by[p] for p in ("swap_all", "recompute_all") if "step_s" in by.get(p, {})]
+        fitting = [r for r in peers if r["meets_budget"]] or peers
+        auto = by.get("auto", {})
+        summary.append(
+            {
+                "shape": shape,
+                **{k: out[k] for k in out if k != "rows"},
+                "auto_meets_budget": auto.get("meets_budget"),
+                "best_peer": min(fitting, key=lambda r: r["step_s"])["policy"] if fitting else None,
+                "auto_speedup_vs_best_peer": (
+                    min(r["step_s"] for r in fitting) / auto["step_s"]
+                    if fitting and "step_s" in auto
+                    else None
+                ),
+            }
+        )
     bar.close()
     print_table(
         [

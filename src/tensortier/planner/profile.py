@@ -78,7 +78,9 @@ class Profile:
     codecs: dict[str, CodecSpeed] = field(default_factory=dict)
     unified: bool = True  # host RAM is the device's memory (CPU): host-tier bytes count as device
     base_bytes: int = 0  # resident for the whole step (counted in every peak)
-    workspace_bytes: int = 0  # transient memory beyond saved tensors and grads (calibrated)
+    workspace_bytes: int = 0  # constant memory beyond saved tensors and grads
+    transient_factor: float = 1.5  # an op's temporaries / the saved tensor it makes or uses
+    move_s_per_byte: float = 0.0  # compute seconds lost per byte moved (copy threads, CPU)
     offload_overhead_bytes: int = 0  # persistent buffers of the offload machinery (reported only)
     other_fwd_s: float = 0.0  # forward compute outside every unit (loss, ...)
     other_bwd_s: float = 0.0
@@ -86,6 +88,8 @@ class Profile:
     host_budget: int | None = None  # host bytes the host tier may use (None: no limit)
     measured_peak_bytes: int | None = None  # of the profiled iteration itself
     measured_step_s: float | None = None
+    keep_peak_bytes: int | None = None  # of a timing iteration that kept everything (calibrates)
+    offload_step_s: float | None = None  # of a timing iteration that offloaded all (calibrates)
     meta: dict = field(default_factory=dict)
 
     # --- derived -------------------------------------------------------------------------

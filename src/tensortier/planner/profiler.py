@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -199,14 +200,27 @@ def _status_bytes(field: str) -> int:
 
 
 class Profiler:
-    """Records one forward + backward. Use :meth:`forward` around the forward pass, then
-    call :meth:`finish` after ``backward()`` to get the :class:`Profile`.
+    """Records one probed forward + backward, then optional clean timing iterations.
 
     >>> prof = Profiler(spill_dir="/mnt/nvme/tt")
-    >>> with prof.forward():
+    >>> with prof.forward():          # pass 1: every saved tensor, its sparsity and codec ratios
     ...     loss = model(x)
     >>> loss.backward()
+    >>> for _ in range(2):            # timing passes: compute time without the probe's overhead
+    ...     with prof.timing():
+    ...         loss = model(x)
+    ...     loss.backward()
     >>> profile = prof.finish()
+
+    Pass 1's compute times include the probe (zero counting and codec trials on every tensor) and
+    the disk traffic of every saved tensor; on the 2-core CI machine that doubled them. When the
+    whole iteration fits in free memory, timing passes alternate: one with nothing offloaded (the
+    compute time a plan adds its transfers to; its peak calibrates the transient memory model),
+    then one with everything on disk without the probe (its step time calibrates what a moved
+    byte costs the compute, see :func:`calibrate`). Otherwise every timing pass offloads and pack
+    and unpack time are subtracted. Each unit keeps its fastest time over the passes: a shared
+    host's CPU steal only adds time.
+    On CUDA the hooks synchronize, so the times are kernel time, not launch time.
     """
 
     def __init__(
@@ -221,9 +235,13 @@ class Profiler:
         host_budget: int = 8 << 30,
         device: torch.device | None = None,
         offloader=None,
+        timing: str = "auto",
     ):
         from tensortier._device import default_device
+        from tensortier.errors import ConfigError
 
+        if timing not in ("auto", "keep", "offload"):
+            raise ConfigError(f"timing must be 'auto', 'keep' or 'offload', got {timing!r}")
         self.device = device or default_device()
         self.spill_dir, self.tier = spill_dir, tier
         self.bandwidth = bandwidth
@@ -231,20 +249,29 @@ class Profiler:
         names = LOSSLESS_CODECS + (LOSSY_CODECS if allow_lossy else ())
         self.probe = ProbeCodec(names)
         self.prefetch, self.host_budget = prefetch, host_budget
+        self.timing_mode = timing
         self.root: nn.Module | None = None
         self.units: dict[int, str] = {}  # id(module) -> unit name
-        self.fwd: dict[str, list[float]] = {}
-        self.grad_at: dict[str, float] = {}
         self.inputs: dict[str, int] = {}
         self.grads: dict[str, int] = {}
         self.order: list[str] = []
         self.offloader = offloader  # reuse the warm-up's: its buffers are not this iteration's
         self._hooks: list = []
-        self._t_fwd = self._t_fwd_end = self._t_bwd_end = 0.0
-        self._meter: PeakMeter | None = None
+        self._param_hooks: list = []
+        self._passes: list[_Pass] = []  # [0] is the probe pass, then the timing passes
+        self._cur: _Pass | None = None
+        self.tensors: list[TensorProfile] = []
 
     # ------------------------------------------------------------------ hooks
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _pre(self, module: nn.Module, args) -> None:
+        cur = self._cur
+        if cur is None:
+            return
         if self.root is None:
             self.root = module
             named = plan_units(module)
@@ -257,30 +284,79 @@ class Profiler:
                         seen.add(p.untyped_storage().data_ptr())
                         ptrs.append(p.numel() * p.element_size())
                 self.grads[name] = sum(ptrs)
+            for p in module.parameters():  # the last accumulation ends the backward
+                if p.requires_grad:
+                    self._param_hooks.append(p.register_post_accumulate_grad_hook(self._grad_done))
         name = self.units.get(id(module))
-        if name is not None and name not in self.fwd:
-            self.order.append(name)
-            self.inputs[name] = sum(t.untyped_storage().nbytes() for t in _tensors(args))
-            self.fwd[name] = [time.perf_counter(), 0.0]
+        if name is not None and name not in cur.fwd:  # not again while a checkpoint recomputes
+            if len(self._passes) == 0:
+                self.order.append(name)
+                self.inputs[name] = sum(t.untyped_storage().nbytes() for t in _tensors(args))
+            cur.fwd[name] = [self._now(), 0.0]
 
     def _post(self, module: nn.Module, args, output) -> None:
+        cur = self._cur
         name = self.units.get(id(module))
-        if name is None or name not in self.fwd or self.fwd[name][1]:
+        if cur is None or name is None or name not in cur.fwd or cur.fwd[name][1]:
             return
-        self.fwd[name][1] = time.perf_counter()
+        cur.fwd[name][1] = self._now()
         outs = [t for t in _tensors(output) if t.requires_grad]
         if outs:
 
-            def mark(grad, name=name):
-                self.grad_at.setdefault(name, time.perf_counter())
+            def mark(grad, name=name, cur=cur):
+                cur.grad_at.setdefault(name, self._now())
 
             outs[0].register_hook(mark)
 
+    def _grad_done(self, param) -> None:
+        if self._cur is not None and self._cur.t_fwd_end:
+            self._cur.last_grad = self._now()
+
+    @contextmanager
+    def _pass(self, kind: str, offloader) -> Iterator[Profiler]:
+        self._close_pass()
+        cur = self._cur = _Pass(kind)
+        self._hooks = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre),
+            nn.modules.module.register_module_forward_hook(self._post),
+        ]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        cur.meter = PeakMeter(self.device).__enter__()
+        cur.t_fwd = time.perf_counter()
+        try:
+            if offloader is None:
+                yield self
+            else:
+                with offloader:
+                    yield self
+        finally:
+            cur.t_fwd_end = self._now()
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+
+    def _close_pass(self) -> None:
+        """The pass whose backward has run: read its peak and its offloader's records."""
+        cur, self._cur = self._cur, None
+        if cur is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        cur.meter.__exit__(None, None, None)
+        cur.t_end = cur.last_grad or time.perf_counter()
+        if cur.kind != "keep" and self.offloader is not None:
+            cur.records = sorted(self.offloader.records, key=lambda r: r["index"])
+        self._passes.append(cur)
+
     @contextmanager
     def forward(self) -> Iterator[Profiler]:
-        """Run the forward pass to profile inside this block (once)."""
+        """Pass 1: run the forward to profile inside this block (once), then ``backward()``."""
         from tensortier.activations import Action, Offloader
+        from tensortier.errors import ConfigError
 
+        if self._passes or self._cur is not None:
+            raise ConfigError("Profiler.forward() runs once; use Profiler.timing() afterwards")
         probe, tier = self.probe, self.tier
 
         def decide(info):
@@ -298,40 +374,111 @@ class Profiler:
         else:
             self.offloader.decide, self.offloader.record = decide, True
             self.offloader.records = []
-        self._hooks = [
-            nn.modules.module.register_module_forward_pre_hook(self._pre),
-            nn.modules.module.register_module_forward_hook(self._post),
-        ]
-        self._meter = PeakMeter(self.device).__enter__()
-        self._t_fwd = time.perf_counter()
-        try:
-            with self.offloader:
+        with self._pass("probe", self.offloader):
+            yield self
+
+    @contextmanager
+    def timing(self) -> Iterator[Profiler]:
+        """A timing pass (after pass 1's backward; repeatable): see the class docstring."""
+        from tensortier.activations import Action
+        from tensortier.errors import ConfigError
+
+        if not self._passes and self._cur is None:
+            raise ConfigError("run Profiler.forward() (and its backward) before a timing pass")
+        self._close_pass()
+        kind = self.timing_mode
+        if kind == "auto":  # keep, offload, keep, ...: the offload passes calibrate move costs
+            keep_next = len(self._passes) % 2 == 1
+            kind = "keep" if keep_next and self._keep_fits() else "offload"
+        if kind == "keep":
+            with self._pass("keep", None):
                 yield self
-        finally:
-            self._t_fwd_end = time.perf_counter()
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
+            return
+        tier = self.tier
+        self.offloader.decide = lambda info: Action(tier)
+        self.offloader.record, self.offloader.records = True, []
+        with self._pass("offload", self.offloader):
+            yield self
+
+    def _keep_fits(self) -> bool:
+        """Whether an iteration that keeps every saved tensor fits in free memory, with room."""
+        probe = self._passes[0]
+        need = 2 * sum(int(r["nbytes"]) for r in probe.records)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device
+            )
+            return need <= 0.8 * (free + cached)
+        import psutil
+
+        return need <= 0.5 * psutil.virtual_memory().available
 
     def finish(self, *, meta: dict | None = None, offload_overhead: int = 0) -> Profile:
-        """After ``backward()``: the profile of the iteration (measures bandwidth if not given)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t_end = time.perf_counter()
-        if self._meter is not None:
-            self._meter.__exit__(None, None, None)
-        off = self.offloader
-        records = sorted(off.records, key=lambda r: r["index"]) if off is not None else []
+        """After the last ``backward()``: the profile (measures bandwidth if not given)."""
+        self._close_pass()
+        for h in self._param_hooks:
+            h.remove()
+        self._param_hooks = []
+        if not self._passes:
+            from tensortier.errors import ConfigError
+
+            raise ConfigError("nothing profiled: run Profiler.forward() and backward() first")
+        probe, timed = self._passes[0], self._passes[1:]
         unit_names = list(self.order)
+        tensors = self._tensors(probe, unit_names)
+        # compute time of every pass, with the offloader's own work taken out
+        keep = [p for p in timed if p.kind == "keep"]
+        offload = [p for p in timed if p.kind == "offload"]
+        runs = [_times(p, unit_names, tensors) for p in (keep or offload or [probe])]
+        units = []
+        for n in unit_names:
+            units.append(
+                UnitProfile(
+                    name=n,
+                    fwd_s=min(r["fwd"][n] for r in runs),
+                    bwd_s=min(r["bwd"][n] for r in runs),
+                    input_bytes=self.inputs.get(n, 0),
+                    grad_bytes=self.grads.get(n, 0),
+                    recomputable=True,
+                )
+            )
+        if any(t.unit == "" for t in tensors):
+            units.append(UnitProfile("", 0.0, 0.0, recomputable=False))
+        bw = self.bandwidth or _bandwidth(self.spill_dir, self.device)
+        codecs = self.codecs or _codec_speeds()
+        return Profile(
+            device=self.device.type,
+            units=units,
+            tensors=tensors,
+            bandwidth=bw,
+            codecs=codecs,
+            unified=self.device.type != "cuda",
+            other_fwd_s=min(r["other_fwd"] for r in runs),
+            other_bwd_s=min(r["other_bwd"] for r in runs),
+            prefetch_bytes=self.prefetch,
+            offload_overhead_bytes=offload_overhead if self.device.type != "cuda" else 0,
+            host_budget=self.host_budget if self.device.type == "cuda" else None,
+            measured_peak_bytes=probe.meter.delta,
+            measured_step_s=min(p.t_end - p.t_fwd for p in (keep or offload or [probe])),
+            keep_peak_bytes=min(p.meter.delta for p in keep) if keep else None,
+            offload_step_s=min(p.t_end - p.t_fwd for p in offload) if keep and offload else None,
+            meta={
+                "profiled_tier": self.tier,
+                "timing": "keep" if keep else ("offload" if offload else "probe"),
+                "timing_passes": len(timed),
+                **(meta or {}),
+            },
+        )
+
+    def _tensors(self, probe: _Pass, unit_names: list[str]) -> list[TensorProfile]:
         tensors = []
         probes = iter(self.probe.seen)  # one per record that went through the codec, in order
         pending = next(probes, None)
-        seen: dict[int, float] = {}
-        for r in records:
-            probe = {"zero_frac": 0.0, "ratios": {}, "probe_s": 0.0}
+        for r in probe.records:
+            seen = {"zero_frac": 0.0, "ratios": {}, "probe_s": 0.0}
             if pending is not None and pending["nbytes"] == r["nbytes"]:
-                probe, pending = pending, next(probes, None)
-            seen[r["index"]] = probe["probe_s"]
+                seen, pending = pending, next(probes, None)
             tensors.append(
                 TensorProfile(
                     index=r["index"],
@@ -341,63 +488,58 @@ class Profiler:
                     shape=list(r["shape"]),
                     module=r["module"],
                     op=r["grad_fn"],
-                    zero_frac=probe["zero_frac"],
-                    ratios=probe["ratios"],
-                    pack_s=max(0.0, r["pack_s"] - probe["probe_s"]),
+                    zero_frac=seen["zero_frac"],
+                    ratios=seen["ratios"],
+                    pack_s=max(0.0, r["pack_s"] - seen["probe_s"]),
                     unpack_s=r["unpack_s"],
                 )
             )
-        # backward: a unit runs from the gradient of its output to the next gradient event
-        events = sorted((t, n) for n, t in self.grad_at.items())
-        bwd: dict[str, float] = {}
-        for i, (t, n) in enumerate(events):
-            nxt = events[i + 1][0] if i + 1 < len(events) else t_end
-            bwd[n] = max(0.0, nxt - t)
-        first_grad = events[0][0] if events else t_end
-        units = []
-        for n in unit_names:
-            ts = [t for t in tensors if t.unit == n]
-            f0, f1 = self.fwd[n]
-            units.append(
-                UnitProfile(
-                    name=n,
-                    fwd_s=max(0.0, f1 - f0 - sum(t.pack_s + _probe(seen, t) for t in ts)),
-                    bwd_s=max(0.0, bwd.get(n, 0.0) - sum(t.unpack_s for t in ts)),
-                    input_bytes=self.inputs.get(n, 0),
-                    grad_bytes=self.grads.get(n, 0),
-                    recomputable=True,
-                )
-            )
-        loose = [t for t in tensors if t.unit == ""]
-        fwd_total = self._t_fwd_end - self._t_fwd
-        unit_fwd = sum(f1 - f0 for f0, f1 in self.fwd.values())
-        if loose:
-            units.append(UnitProfile("", 0.0, 0.0, recomputable=False))
-        other_fwd = max(0.0, fwd_total - unit_fwd - sum(t.pack_s + _probe(seen, t) for t in loose))
-        other_bwd = max(0.0, first_grad - self._t_fwd_end - sum(t.unpack_s for t in loose))
-        bw = self.bandwidth or _bandwidth(self.spill_dir, self.device)
-        codecs = self.codecs or _codec_speeds()
-        step_s = t_end - self._t_fwd
-        return Profile(
-            device=self.device.type,
-            units=units,
-            tensors=tensors,
-            bandwidth=bw,
-            codecs=codecs,
-            unified=self.device.type != "cuda",
-            other_fwd_s=other_fwd,
-            other_bwd_s=other_bwd,
-            prefetch_bytes=self.prefetch,
-            offload_overhead_bytes=offload_overhead if self.device.type != "cuda" else 0,
-            host_budget=self.host_budget if self.device.type == "cuda" else None,
-            measured_peak_bytes=self._meter.delta if self._meter else None,
-            measured_step_s=step_s,
-            meta={"profiled_tier": self.tier, **(meta or {})},
-        )
+        return tensors
 
 
-def _probe(seen: dict[int, float], t: TensorProfile) -> float:
-    return seen.get(t.index, 0.0)
+@dataclass
+class _Pass:
+    """Timestamps of one profiled iteration."""
+
+    kind: str  # "probe", "keep" or "offload"
+    fwd: dict[str, list[float]] = field(default_factory=dict)  # unit -> [start, end]
+    grad_at: dict[str, float] = field(default_factory=dict)  # unit -> its output's gradient
+    t_fwd: float = 0.0
+    t_fwd_end: float = 0.0
+    last_grad: float = 0.0  # the last parameter gradient accumulated: the backward's end
+    t_end: float = 0.0
+    records: list[dict] = field(default_factory=list)  # the offloader's, when it ran
+    meter: PeakMeter | None = None
+
+
+def _times(p: _Pass, unit_names: list[str], tensors: list[TensorProfile]) -> dict:
+    """Per-unit forward/backward compute seconds of one pass, pack/unpack (and probe) removed."""
+    unit_of_index = {t.index: t.unit for t in tensors}
+    pack: dict[str, float] = {}
+    unpack: dict[str, float] = {}
+    for r in p.records:  # a keep pass has none
+        u = unit_of_index.get(r["index"], "")
+        pack[u] = pack.get(u, 0.0) + r["pack_s"]  # the probe's work happened inside pack
+        unpack[u] = unpack.get(u, 0.0) + r["unpack_s"]
+    # backward: a unit runs from the gradient of its output to the next gradient event
+    events = sorted((t, n) for n, t in p.grad_at.items())
+    bwd_raw: dict[str, float] = {}
+    for i, (t, n) in enumerate(events):
+        nxt = events[i + 1][0] if i + 1 < len(events) else p.t_end
+        bwd_raw[n] = max(0.0, nxt - t)
+    first_grad = events[0][0] if events else p.t_end
+    fwd, bwd = {}, {}
+    for n in unit_names:
+        f0, f1 = p.fwd.get(n, (0.0, 0.0))
+        fwd[n] = max(0.0, f1 - f0 - pack.get(n, 0.0))
+        bwd[n] = max(0.0, bwd_raw.get(n, 0.0) - unpack.get(n, 0.0))
+    unit_fwd = sum(f1 - f0 for f0, f1 in p.fwd.values())
+    return {
+        "fwd": fwd,
+        "bwd": bwd,
+        "other_fwd": max(0.0, p.t_fwd_end - p.t_fwd - unit_fwd - pack.get("", 0.0)),
+        "other_bwd": max(0.0, first_grad - p.t_fwd_end - unpack.get("", 0.0)),
+    }
 
 
 def _bandwidth(spill_dir: str | None, device: torch.device) -> Bandwidth:
@@ -413,15 +555,41 @@ def _codec_speeds() -> dict[str, CodecSpeed]:
 
 
 def calibrate(profile: Profile) -> Profile:
-    """Sets ``workspace_bytes``: temporaries every plan pays beyond saved tensors and gradients.
+    """Fits the two constants the simulator cannot know from first principles to measurement.
 
-    Model: 1.5x the largest saved tensor (in backward that tensor, its gradient and a temporary
-    of about half its size coexist; on the GPT benchmark shapes this is the logits). The peak
-    measured in the profiled iteration is *not* used: the probe codec and the all-to-disk plan
-    of that iteration add 10-20 MiB of their own that a planned iteration does not have (seen
-    on the CPU benchmark), which inflated every prediction. It stays in
-    ``measured_peak_bytes`` for reference.
+    * ``transient_factor``: so that the simulated ``keep`` plan peaks where the measured keep
+      iteration did (``keep_peak_bytes``). Without it the default (1.5: in backward a saved
+      tensor, its gradient and a temporary of about half its size coexist) stays.
+    * ``move_s_per_byte``: compute time lost per byte moved, so that the simulated all-offload
+      plan takes as long as the measured offload iteration (``offload_step_s``). On a CPU the
+      copy threads share the cores with compute; on a GPU this comes out near zero.
+
+    The probe pass's own peak and time are never used: the probe adds work a plan does not have.
     """
-    largest = max((t.nbytes for t in profile.tensors), default=0)
-    profile.workspace_bytes = max(profile.workspace_bytes, int(1.5 * largest))
+    from tensortier.planner.simulator import Mode, Plan, UnitAction, simulate
+
+    if profile.keep_peak_bytes and profile.tensors:
+        target = profile.keep_peak_bytes
+        keep = Plan("keep", {})
+
+        def peak(f: float) -> int:
+            profile.transient_factor = f
+            return simulate(profile, keep).peak_bytes
+
+        lo, hi = 0.0, 8.0
+        if peak(lo) >= target:
+            hi = lo
+        elif peak(hi) <= target:
+            lo = hi
+        for _ in range(30):  # the peak grows monotonically with the factor
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if peak(mid) < target else (lo, mid)
+        profile.transient_factor = hi
+    if profile.offload_step_s and profile.tensors:
+        tier = Mode(profile.meta.get("profiled_tier", "disk"))
+        every = Plan("offload", {u.name: UnitAction(tier) for u in profile.units})
+        profile.move_s_per_byte = 0.0
+        predicted = simulate(profile, every).step_s
+        moved = 2 * profile.saved_bytes  # out in forward, back in backward
+        profile.move_s_per_byte = max(0.0, (profile.offload_step_s - predicted) / moved)
     return profile

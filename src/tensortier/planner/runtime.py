@@ -5,7 +5,10 @@ plain offloader (``with off: loss = model(x)`` then ``loss.backward()``), it
 
 1. warms up (``warmup`` iterations with every saved tensor on disk: first-touch page faults,
    lazy initialisation and thread start-up are not the model's cost),
-2. profiles the next iteration (:class:`Profiler`), measures the tier bandwidths, and
+2. profiles the next iteration (:class:`Profiler`: every saved tensor, its sparsity and codec
+   ratios), then times ``timing_iters`` clean iterations (one with nothing offloaded when it fits
+   in free memory, one with everything on disk: they calibrate the simulator), measures the
+   tier bandwidths, and
 3. from the following iteration on runs the plan the policy chose: the saved tensors of each
    unit go where the plan says (with the codec it chose per tensor), and units chosen for
    recompute have their ``forward`` wrapped in non-reentrant ``torch.utils.checkpoint``
@@ -110,6 +113,7 @@ class PlanConfig:
     policy: str = "auto"
     spill_dir: str | None = None
     warmup: int = 1
+    timing_iters: int = 2  # clean timing passes after the probe (see Profiler)
     prefetch: int | None = None  # None: default_prefetch(budget)
     host_budget: int = 8 << 30
     options: Options | None = None
@@ -136,6 +140,7 @@ class PlannedOffload:
         self._root: nn.Module | None = None
         self._active = None
         self._root_hook = None
+        self._profiled = 0  # profiler passes run: the probe, then the timing passes
 
     # the outermost module run in the forward is the model the plan's unit names refer to
     def _catch_root(self, module: nn.Module, args) -> None:
@@ -146,7 +151,7 @@ class PlannedOffload:
         from tensortier.activations import Offloader
 
         cfg = self.config
-        if self._profiler is not None and self.profile is None:
+        if self.profile is None and self._profiled > cfg.timing_iters:
             self._finish_profile()
         if self.iteration < cfg.warmup:
             if self._rss0 is None and not torch.cuda.is_available():
@@ -166,6 +171,9 @@ class PlannedOffload:
             self._root_hook = nn.modules.module.register_module_forward_pre_hook(self._catch_root)
             self._active = self._warm
             self._warm.__enter__()
+        elif self.profile is None and self._profiler is not None:  # a timing pass
+            self._active = self._profiler.timing()
+            self._active.__enter__()
         elif self.profile is None:
             if self._rss0 is not None:  # what the warm-up left behind: the offloader's buffers
                 from tensortier._device import rss_bytes
@@ -200,6 +208,8 @@ class PlannedOffload:
             active.__exit__(exc_type, exc, tb)
         if exc_type is None:
             self.iteration += 1
+            if self.profile is None and active is not self._warm:
+                self._profiled += 1
 
     def _finish_profile(self) -> None:
         cfg = self.config
@@ -268,6 +278,7 @@ def planned_offload(
     spill_dir: str | None = None,
     policy: str = "auto",
     warmup: int = 1,
+    timing_iters: int = 2,
     prefetch: SizeLike | None = None,
     host_budget: SizeLike = "8GiB",
     options: Options | None = None,
@@ -293,6 +304,7 @@ def planned_offload(
         policy=policy,
         spill_dir=spill_dir,
         warmup=warmup,
+        timing_iters=timing_iters,
         prefetch=None if prefetch is None else parse_size(prefetch, name="prefetch"),
         host_budget=parse_size(host_budget, name="host_budget", allow_zero=False),
         options=opts,

@@ -14,7 +14,9 @@ The model (SwapAdvisor/AutoTM style, driven by a measured :class:`Profile`):
 * a recomputed unit keeps only its inputs during the gap; its backward first reruns its forward.
 
 Peak memory is the steady-state peak of an iteration: ``base + workspace + max over time of
-(saved bytes resident + payloads in flight + gradients allocated so far)``. Memory held across
+(saved bytes resident + payloads in flight + gradients allocated so far + the temporaries of the
+op running now)``. An op's temporaries are ``transient_factor`` x the saved tensor it produces
+(forward) or consumes (backward): the factor is calibrated against a measured iteration. Memory held across
 iterations (parameters, optimizer state, the offloader's persistent staging buffers, reported as
 ``Profile.offload_overhead_bytes``) is not part of it, as with CUDA's ``max_memory_allocated``. The simulator never runs a model and never touches a tier.
 """
@@ -26,7 +28,8 @@ from enum import Enum
 
 from tensortier.planner.profile import Profile, TensorProfile
 
-HOST_CODECS = ("zstd", "lz4")  # run on host bytes: encoding already moves the data to the host
+HOST_CODECS = ("zstd", "lz4")
+_TICK = 1e-9  # the shortest op: zero-time units still order their memory events  # run on host bytes: encoding already moves the data to the host
 
 
 class Mode(str, Enum):
@@ -212,16 +215,21 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
     src_of = {"d2h": dev, "h2disk": host, "disk2h": None, "h2d": host}
     dst_of = {"d2h": host, "h2disk": None, "disk2h": host, "h2d": dev}
 
-    def hop(channel: str, ready: float, nbytes: float, label: str) -> float:
+    def hop(channel: str, ready: float, nbytes: float, label: str, count: bool = True) -> float:
         start = max(ready, chan[channel])
         end = start + nbytes / bw.of(channel)
         chan[channel] = end
         spans.append(Span(channel, start, end, label))
-        if dst_of[channel] is not None:
+        if dst_of[channel] is not None and count:
             dst_of[channel].add(start, nbytes)
         if src_of[channel] is not None:
             src_of[channel].add(end, -nbytes)
         return end
+
+    def transient(start: float, end: float, nbytes: float) -> None:
+        """Temporaries of the op that produces (forward) or consumes (backward) a saved tensor."""
+        dev.add(start, profile.transient_factor * nbytes)
+        dev.add(end, -profile.transient_factor * nbytes)
 
     groups: dict[str, list[TensorProfile]] = {}
     for t in profile.tensors:
@@ -237,15 +245,18 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
         if action.mode == Mode.RECOMPUTE and u.recomputable:
             dev.add(start, u.input_bytes)
             for k, t in enumerate(ts):  # alive only while the unit runs
-                dev.add(start + u.fwd_s * (k + 1) / (len(ts) + 1), t.nbytes)
+                at = start + u.fwd_s * (k + 1) / (len(ts) + 1)
+                dev.add(at, t.nbytes)
+                transient(at, at + u.fwd_s / (len(ts) + 1), t.nbytes)
                 dev.add(start + u.fwd_s, -t.nbytes)
             now += u.fwd_s
             spans.append(Span("compute", start, now, f"fwd {u.name} (ckpt)"))
             continue
-        seg = u.fwd_s / max(1, len(ts))
+        seg = max(u.fwd_s / max(1, len(ts)), _TICK)  # a tick: every op's temporaries show
         if not ts:
             now += u.fwd_s
         for t in ts:
+            transient(now, now + seg, t.nbytes)
             now += seg
             dev.add(now, t.nbytes)
             tier = plan.tier_of(t)
@@ -254,16 +265,18 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
             if tier == "keep" or (codec is None and not hops):  # nothing leaves the device
                 resident[t.index] = (t.nbytes, dev)
                 continue
-            now += bw.issue_s
-            overhead += bw.issue_s
             payload: float = t.nbytes
+            if codec is not None:
+                payload = t.nbytes * t.ratios[codec]
+            cost = bw.issue_s + payload * profile.move_s_per_byte  # copy threads share the cores
+            now += cost
+            overhead += cost
             where = dev
             if codec is not None:
                 enc, _ = codec_seconds(profile, t, codec)
                 spans.append(Span("compute", now, now + enc, f"encode {codec} #{t.index}"))
                 now += enc
                 overhead += enc
-                payload = t.nbytes * t.ratios[codec]
                 where = host if codec in HOST_CODECS else dev
                 where.add(now, payload)
                 dev.add(now, -t.nbytes)
@@ -309,7 +322,9 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
         state["last"] = s
         ready = s
         for c in path_of(profile, r.tier, r.codec, outbound=False):
-            ready = hop(c, ready, r.payload, f"{c} #{r.t.index}")
+            # unified: reads land in the host pool's buffers, resident from the first iteration
+            # on (persistent, like the staging buffers); they count once backward holds them
+            ready = hop(c, ready, r.payload, f"{c} #{r.t.index}", count=not pooled)
         if r.tier == "host":
             resident.pop(r.t.index, None)
         r.arrive = ready
@@ -318,6 +333,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
         state["inflight"] += r.payload
         return True
 
+    pooled = profile.unified
     read_of = {r.t.index: r for r in order}
 
     def pump() -> None:  # start every read the window allows, in need order
@@ -332,6 +348,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
         pump()
         if recompute:  # the unit's forward runs again and materialises its saved tensors
             dev.add(now, sum(t.nbytes for t in ts))
+            transient(now, now + u.fwd_s, max((t.nbytes for t in ts), default=0))
             spans.append(Span("compute", now, now + u.fwd_s, f"recompute {u.name}"))
             now += u.fwd_s
             overhead += u.fwd_s
@@ -339,7 +356,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
         # autograd consumes the unit's saved tensors in reverse pack order, one node at a time,
         # and frees each once its node ran
         need = list(reversed(ts))
-        seg = u.bwd_s / max(1, len(need))
+        seg = max(u.bwd_s / max(1, len(need)), _TICK)
         if not need:
             now += u.bwd_s
         for t in need:
@@ -352,6 +369,11 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
                     exposed += r.arrive - now
                     now = r.arrive
                 r.consume = now
+                if pooled and r.tier == "disk":
+                    dev.add(now, r.payload)
+                cost = r.payload * profile.move_s_per_byte
+                now += cost
+                overhead += cost
                 if r.codec is not None:
                     _, dec = codec_seconds(profile, r.t, r.codec)
                     dev.add(now, r.t.nbytes)
@@ -365,6 +387,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
                     )
                     arrived_in.add(now, -r.payload)
                 pump()
+            transient(now, now + seg, t.nbytes)
             now += seg
             if recompute:
                 dev.add(now, -t.nbytes)
