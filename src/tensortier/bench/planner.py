@@ -257,6 +257,22 @@ def _spawn(args, shape: str) -> dict:
 
 
 # ------------------------------------------------------------------ driver
+def _relative_to_keep(rows: list[dict]) -> None:
+    """Step-time error of each plan's slowdown over ``keep`` (predicted ratio vs measured ratio).
+
+    The profile is taken minutes before the plans run; on a shared host the machine's speed
+    drifts in between (the same plain iteration measured 0.83-1.3 s within minutes here). The
+    ratio to ``keep`` measured in the same rounds cancels that drift; what remains is the model.
+    """
+    keep = next((r for r in rows if r["policy"] == "keep" and "step_s" in r), None)
+    for r in rows:
+        if keep is not None and "step_s" in r:
+            pred = r["pred_step_s"] / keep["pred_step_s"]
+            meas = r["step_s"] / keep["step_s"]
+            r["pred_slowdown"], r["slowdown"] = pred, meas
+            r["slowdown_err_pct"] = 100 * (pred - meas) / meas
+
+
 def run(args) -> list[dict]:
     if args.worker:
         print(json.dumps(_worker(args)))
@@ -269,6 +285,7 @@ def run(args) -> list[dict]:
     bar = tqdm(shapes, desc="bench planner")
     for shape in bar:
         out = _spawn(args, shape)
+        _relative_to_keep(out["rows"])
         rows += out["rows"]
         by = {r["policy"]: r for r in out["rows"]}
         peers = [by[p] for p in ("swap_all", "recompute_all") if "step_s" in by.get(p, {})]
@@ -298,6 +315,9 @@ def run(args) -> list[dict]:
                 "pred_step_s": r.get("pred_step_s"),
                 "step_s": r.get("step_s"),
                 "step_err%": r.get("step_err_pct"),
+                "pred_x_keep": r.get("pred_slowdown"),
+                "x_keep": r.get("slowdown"),
+                "x_keep_err%": r.get("slowdown_err_pct"),
                 "budget": r.get("meets_budget"),
                 "grads": r.get("grads_match"),
             }
@@ -312,6 +332,9 @@ def run(args) -> list[dict]:
             "pred_step_s",
             "step_s",
             "step_err%",
+            "pred_x_keep",
+            "x_keep",
+            "x_keep_err%",
             "budget",
             "grads",
         ],
