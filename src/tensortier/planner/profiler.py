@@ -559,7 +559,9 @@ def calibrate(profile: Profile) -> Profile:
 
     * ``transient_factor``: so that the simulated ``keep`` plan peaks where the measured keep
       iteration did (``keep_peak_bytes``). Without it the default (1.5: in backward a saved
-      tensor, its gradient and a temporary of about half its size coexist) stays.
+      tensor, its gradient and a temporary of about half its size coexist) stays, as it does
+      when the measured peak is below the saved bytes (an allocator reused freed heap memory,
+      so RSS did not see the iteration).
     * ``move_s_per_byte``: compute time lost per byte moved, so that the simulated all-offload
       plan takes as long as the measured offload iteration (``offload_step_s``). On a CPU the
       copy threads share the cores with compute; on a GPU this comes out near zero.
@@ -568,7 +570,8 @@ def calibrate(profile: Profile) -> Profile:
     """
     from tensortier.planner.simulator import Mode, Plan, UnitAction, simulate
 
-    if profile.keep_peak_bytes and profile.tensors:
+    # a peak below the saved bytes did not see live memory (freed heap reused): not a measurement
+    if profile.tensors and (profile.keep_peak_bytes or 0) >= profile.saved_bytes:
         target = profile.keep_peak_bytes
         keep = Plan("keep", {})
 
