@@ -129,3 +129,17 @@ def test_codecs_through_the_offloader_keep_gradients_bit_identical(tmp_path, cod
         off.close()
     assert off.stats.tensors_offloaded > 0
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, m.parameters()))
+
+
+def test_bench_compares_each_plans_slowdown_over_keep():
+    from tensortier.bench.planner import _relative_to_keep
+
+    rows = [
+        {"policy": "keep", "pred_step_s": 1.0, "step_s": 2.0},
+        {"policy": "swap_all", "pred_step_s": 1.5, "step_s": 2.4},
+        {"policy": "auto", "error": "no plan fits"},
+    ]
+    _relative_to_keep(rows)
+    assert rows[1]["pred_slowdown"] == 1.5 and rows[1]["slowdown"] == pytest.approx(1.2)
+    assert rows[1]["slowdown_err_pct"] == pytest.approx(25.0)
+    assert "slowdown" not in rows[2]

@@ -131,3 +131,19 @@ def test_prefetch_window_limits_reads_in_flight(make_profile):
     bwd = sorted((s for s in r.spans if s.label.startswith("bwd")), key=lambda s: s.start)
     for read, unit in zip(reads[1:], bwd):
         assert read.start >= unit.start - 1e-9
+
+
+def test_unified_reads_land_in_the_resident_pool_and_count_once_backward_holds_them():
+    p = _two_units(GB)
+    p.tensors.append(TensorProfile(1, "b", GB))  # kept: resident until b's backward ends
+    p.prefetch_bytes = 2 * GB  # a's tensor is read back while b's backward runs
+    swap = Plan("swap", {"a": UnitAction(Mode.DISK)})
+    assert simulate(p, swap).peak_bytes == GB  # not 2 GB: in flight it sits in pool pages
+
+
+def test_moving_bytes_costs_compute_in_proportion():
+    p = _two_units(10 * GB)
+    swap = Plan("swap", {"a": UnitAction(Mode.DISK)})
+    base = simulate(p, swap).step_s
+    p.move_s_per_byte = 1e-10  # 0.1 s per GB, out and back
+    assert simulate(p, swap).step_s == pytest.approx(base + 0.2)

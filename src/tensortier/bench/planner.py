@@ -104,6 +104,7 @@ def _worker(args) -> dict:
     import torch
 
     from tensortier.activations import Offloader
+    from tensortier.errors import BudgetError
     from tensortier.planner.profiler import PeakMeter, Profiler, calibrate
     from tensortier.planner.runtime import Recompute, default_prefetch, make_decide
 
@@ -163,7 +164,7 @@ def _worker(args) -> dict:
         t0 = time.perf_counter()
         try:
             choice = _plan_for(profile, policy, budget)
-        except Exception as e:  # BudgetError: report it, run nothing
+        except BudgetError as e:  # report it, run nothing
             variants[policy] = {"error": str(e)}
             continue
         plan = choice.plan
