@@ -1,7 +1,10 @@
+import gc
 import os
 
 import pytest
 import torch
+
+from tensortier._lifetime import quiesce
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,6 +37,8 @@ def spill_dir(tmp_path):
     d = tmp_path / "spill"
     d.mkdir()
     yield str(d)
+    gc.collect()  # stores a test dropped without close() are cleaned up by the reaper thread
+    quiesce()
     leftovers = os.listdir(d)
     assert leftovers == [], f"files left behind in the spill directory: {leftovers}"
 

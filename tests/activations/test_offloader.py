@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 import tensortier as tt
 from tensortier import BudgetError, ConfigError
 from tensortier._device import open_fds, rss_bytes
+from tensortier._lifetime import quiesce
 from tensortier.models.gpt import GPT, GPTConfig, random_batch
 
 TIERS = ["disk", "host"]
@@ -261,6 +262,7 @@ def test_one_shot_offload_cleans_up_its_directory_when_dropped(tmp_path):
     loss.backward()
     del off, loss
     gc.collect()
+    assert quiesce()  # GC hands the cleanup to the reaper thread (tensortier._lifetime)
     assert os.listdir(d) == []
 
 

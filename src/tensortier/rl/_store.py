@@ -24,14 +24,13 @@ from __future__ import annotations
 import json
 import operator
 import os
-import shutil
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from tensortier._lifetime import private_dir, remove_private_dir
 from tensortier.errors import ConfigError, SpillDirError
 from tensortier.rl._segments import TOMBSTONE, Segments
-from tensortier.tiers.disk import private_dir
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
 _META = "store.json"
@@ -469,6 +468,6 @@ class ItemStore:
         if self.segments is not None:
             self.segments.close(remove=self._private)
             if self._private:
-                shutil.rmtree(self.segments.root, ignore_errors=True)
+                remove_private_dir(self.segments.root)
             self.segments = None
         self.ram = [None] * self.cap

@@ -26,7 +26,6 @@ import json
 import mmap
 import os
 import re
-import shutil
 import struct
 import threading
 import time
@@ -35,10 +34,11 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from tensortier._lifetime import private_dir, remove_private_dir
 from tensortier._units import align_up
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError
 from tensortier.rl._codec import _TORCH_DTYPES
-from tensortier.tiers.disk import as_bytes, private_dir
+from tensortier.tiers.disk import as_bytes
 
 _MAGIC = b"TTPARAM1"
 _HEAD = struct.Struct("<8sQ")  # magic, header length
@@ -183,7 +183,7 @@ class ParamStore:
         self._version = 0
         self._seq = 0
         self._closed = False
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+        self._finalizer = weakref.finalize(self, remove_private_dir, self.path)
         self._reader = ParamReader(self.path)
         self.stats = {"published": 0, "bytes_published": 0, "freed": 0, "publish_seconds": 0.0}
 

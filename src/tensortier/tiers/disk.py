@@ -27,17 +27,15 @@ import ctypes.util
 import errno
 import itertools
 import os
-import shutil
-import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 
+from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
 from tensortier._units import SizeLike, align_up, format_size, parse_size
 from tensortier.errors import ClosedError, SpillDirError, TierFullError
 from tensortier.tiers.host import PAGE, aligned_empty
@@ -127,7 +125,11 @@ class _Slab:
 
 
 class _Files:
-    """The state a finalizer needs to clean up, kept apart from the store so GC can collect it."""
+    """The state cleanup needs, kept apart from the store so GC can collect it.
+
+    ``cleanup`` joins the I/O threads, so it runs on the caller's thread (``close()``) or on the
+    reaper thread after the store is collected, never inside GC (``tensortier._lifetime``).
+    """
 
     def __init__(self, root: str):
         self.root = root
@@ -139,7 +141,7 @@ class _Files:
             with contextlib.suppress(OSError):
                 os.close(slab.fd)
         self.slabs.clear()
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_private_dir(self.root)
 
 
 def _libc_sync_file_range() -> Callable[[int, int, int], None] | None:
@@ -187,32 +189,6 @@ def _call_finished(
         if error is not None:
             raise
         finished(exc)
-
-
-def private_dir(spill_dir: str | os.PathLike | None, owner: str) -> str:
-    """Make a private (0700) directory under ``spill_dir``, or explain why it cannot be used."""
-    base = os.fspath(spill_dir) if spill_dir is not None else tempfile.gettempdir()
-    if not os.path.exists(base):
-        raise SpillDirError(
-            f"spill directory {base!r} does not exist; create it (mkdir -p "
-            f"{base}) or pass another spill_dir",
-            path=base,
-        )
-    if not os.path.isdir(base):
-        raise SpillDirError(
-            f"spill directory {base!r} is not a directory; pass a directory "
-            f"on a fast local disk as spill_dir",
-            path=base,
-        )
-    try:
-        root = tempfile.mkdtemp(prefix=f"{owner}-", dir=base)  # mode 0700
-    except OSError as exc:
-        raise SpillDirError(
-            f"cannot create files in spill directory {base!r} ({exc.strerror}); "
-            f"make it writable or pass another spill_dir",
-            path=base,
-        ) from exc
-    return root
 
 
 def _probe_direct(root: str) -> bool:
@@ -283,7 +259,7 @@ class DiskStore:
         self.root = private_dir(spill_dir, owner)
         self._files = _Files(self.root)
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tt-disk")
-        self._finalizer = weakref.finalize(self, self._files.cleanup, self._executor)
+        self._finalizer = Finalizer(self, self._files.cleanup, self._executor)
         can_direct = _probe_direct(self.root)
         if direct and not can_direct:
             self._finalizer()

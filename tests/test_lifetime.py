@@ -1,0 +1,136 @@
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from tensortier import _lifetime
+from tensortier._device import normalize_device
+from tensortier._lifetime import DirLock, Finalizer, private_dir, quiesce, reclaim_stale
+from tensortier.errors import ConfigError, SpillDirError
+
+
+class _Owner:
+    pass
+
+
+def test_explicit_call_runs_now_and_once():
+    ran = []
+    owner = _Owner()
+    f = Finalizer(owner, ran.append, 1)
+    assert f.alive
+    f()
+    f()
+    assert ran == [1] and not f.alive
+    del owner
+    gc.collect()
+    assert quiesce()
+    assert ran == [1]
+
+
+def test_collection_hands_cleanup_to_the_reaper_thread():
+    seen = []
+    owner = _Owner()
+    Finalizer(owner, lambda: seen.append(threading.current_thread().name))
+    cycle = [owner]
+    cycle.append(cycle)
+    del owner, cycle
+    gc.collect()
+    assert quiesce()
+    assert seen == ["tt-reaper"]
+
+
+def test_finalizer_never_blocks_under_threading_locks():
+    """GC inside threading's bookkeeping must not join threads (the reliability repro's deadlock)."""
+    child = r"""
+import gc, threading
+from tensortier._lifetime import Finalizer, quiesce
+class O: pass
+o = O()
+t = threading.Thread(target=lambda: None); t.start()
+Finalizer(o, t.join)
+c = [o]; c.append(c); del o, c
+gc.disable()
+with threading._shutdown_locks_lock:
+    gc.collect()
+assert quiesce(10)
+print("OK")
+"""
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert "OK" in r.stdout, r.stderr
+
+
+def test_cleanup_runs_at_interpreter_exit(tmp_path):
+    marker = tmp_path / "ran"
+    child = f"""
+from tensortier._lifetime import Finalizer
+class O: pass
+o = O()
+Finalizer(o, open, {str(marker)!r}, "w")
+"""
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=60)
+    assert marker.exists()
+
+
+def test_private_dir_is_0700_owned_and_removed(tmp_path):
+    root = private_dir(tmp_path, "tt-test")
+    assert oct(os.stat(root).st_mode & 0o777) == "0o700"
+    assert os.path.exists(os.path.join(root, _lifetime.OWNER_FILE))
+    assert reclaim_stale(tmp_path) == []  # our own live directory is never reclaimed
+    _lifetime.remove_private_dir(root)
+    assert not os.path.exists(root)
+
+
+def test_dead_owners_directories_are_reclaimed(tmp_path):
+    child = f"""
+import os, signal
+from tensortier._lifetime import private_dir
+print(private_dir({str(tmp_path)!r}, "tt-test"), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL
+    dead = r.stdout.strip()
+    assert os.path.isdir(dead)
+    foreign = tmp_path / "tt-test-notours1"  # no owner file: not ours to delete
+    foreign.mkdir()
+    live = private_dir(tmp_path, "tt-test")  # the first directory under a parent sweeps it
+    assert not os.path.exists(dead)
+    assert foreign.exists() and os.path.exists(live)
+    _lifetime.remove_private_dir(live)
+
+
+def test_private_dir_errors_name_the_fix(tmp_path):
+    with pytest.raises(SpillDirError, match="does not exist"):
+        private_dir(tmp_path / "missing", "tt-test")
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(SpillDirError, match="not a directory"):
+        private_dir(f, "tt-test")
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(SpillDirError, match="writable"):
+            private_dir(ro, "tt-test")
+
+
+def test_dir_lock_excludes_and_is_released_by_gc(tmp_path):
+    a = DirLock(tmp_path, what="test writer")
+    with pytest.raises(ConfigError, match=f"another test writer.*pid {os.getpid()}"):
+        DirLock(tmp_path, what="test writer")
+    del a
+    gc.collect()
+    b = DirLock(tmp_path, what="test writer")
+    b.release()
+    assert not b.held
+    DirLock(tmp_path, what="test writer").release()
+
+
+def test_normalize_device():
+    assert normalize_device("cpu") == torch.device("cpu")
+    assert normalize_device(torch.device("cpu", 0)) == torch.ones(1).device
+    assert normalize_device(None).type in ("cpu", "cuda")
