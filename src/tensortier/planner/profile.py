@@ -23,6 +23,9 @@ from tensortier._units import SizeLike, parse_size
 from tensortier.tiers.codecs import CodecSpeed, measure_codecs
 
 CHANNELS = ("d2h", "h2d", "h2disk", "disk2h")
+# A probe transfer (16 MiB) not done after this long is a stuck disk or device: raise
+# (concurrent.futures.TimeoutError) instead of hanging the first planned step.
+PROBE_TIMEOUT_S = 300.0
 FORMAT = 1
 
 
@@ -179,13 +182,15 @@ def measure_bandwidth(
     with HostPool(2 * n * size + (64 << 20)) as pool, DiskStore(spill_dir, owner="tt-plan") as disk:
         eng = TransferEngine(host=pool, disk=disk, device=dev)
         try:
-            warm = [eng.to_host(t).result() for t in src]  # maps the pool's pages
+            warm = [
+                eng.to_host(t).result(timeout=PROBE_TIMEOUT_S) for t in src
+            ]  # maps the pool's pages
             for h in warm:
                 h.free()
             t0 = time.perf_counter()
             futs = [eng.to_host(t) for t in src]
             issue_s = (time.perf_counter() - t0) / n
-            hosts = [f.result() for f in futs]
+            hosts = [f.result(timeout=PROBE_TIMEOUT_S) for f in futs]
             d2h = n * size / (time.perf_counter() - t0)
             # On CUDA ``result()`` of a device-bound move only makes the current stream wait on
             # the copy's event: synchronize before reading the clock, or the issue time is
@@ -193,19 +198,25 @@ def measure_bandwidth(
             # cudaMalloc is not bandwidth either.
             for _ in range(2 if cuda else 1):
                 if cuda:
-                    torch.cuda.synchronize(dev)
+                    torch.cuda.synchronize(dev)  # bounded: the random fill and earlier copies
                 t0 = time.perf_counter()
-                backs = [f.result() for f in [eng.to_device(h, free=False) for h in hosts]]
+                backs = [
+                    f.result(timeout=PROBE_TIMEOUT_S)
+                    for f in [eng.to_device(h, free=False) for h in hosts]
+                ]
                 if cuda:
                     torch.cuda.synchronize(dev)  # bounded: waits for the copies just issued
                 h2d = n * size / (time.perf_counter() - t0)
                 del backs
             t0 = time.perf_counter()
-            handles = [f.result() for f in [disk.put(h.tensor) for h in hosts]]
+            handles = [
+                f.result(timeout=PROBE_TIMEOUT_S) for f in [disk.put(h.tensor) for h in hosts]
+            ]
             h2disk = n * size / (time.perf_counter() - t0)
             t0 = time.perf_counter()
             outs = [
-                f.result() for f in [disk.get(hd, into=h.tensor) for hd, h in zip(handles, hosts)]
+                f.result(timeout=PROBE_TIMEOUT_S)
+                for f in [disk.get(hd, into=h.tensor) for hd, h in zip(handles, hosts)]
             ]
             disk2h = n * size / (time.perf_counter() - t0)
             del outs

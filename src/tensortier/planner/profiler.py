@@ -180,7 +180,7 @@ class PeakMeter:
 
     def __enter__(self) -> PeakMeter:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # bounded: kernels this process queued
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = self.peak = self.peak_allocated = torch.cuda.memory_allocated(self.device)
             return self
@@ -328,7 +328,7 @@ class Profiler:
     def _now(self, cur: _Pass | None = None) -> float:
         """Host time; on CUDA in a pass that times its units, after the queued kernels ran."""
         if self.device.type == "cuda" and (cur is None or cur.sync_units):
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # bounded: kernels this pass queued so far
         return time.perf_counter()
 
     def _pre(self, module: nn.Module, args) -> None:
