@@ -246,7 +246,9 @@ def test_cuda_streaming_on_a_side_compute_stream_without_syncs():
     m, _ = _gpt(n_layer=4, n_embd=1024)
     x, y = random_batch(cfg, 4, device="cuda")
     ref(x, y).backward()
-    streamer = tt.stream_parameters(m, device="cuda")
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    # a budget that holds everything: the rate limiter never needs to wait for the GPU
+    streamer = tt.stream_parameters(m, budget=2 * total, device="cuda")
     compute = torch.cuda.Stream()
     try:
         for _ in range(2):  # the second pass reuses memory the first freed

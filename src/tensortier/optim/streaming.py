@@ -20,7 +20,11 @@ and an event is recorded after the copy; the stream that uses the values (the cu
 the forward, or of the backward node that unpacks a token) waits on that event, and the tensors
 are ``record_stream``-ed on it, so the allocator reuses their memory only after that stream's work
 queued so far is done. The pinned source of an in-flight copy stays reserved by PyTorch's host
-allocator, which records the copy's stream on the block.
+allocator, which records the copy's stream on the block. The host runs ahead of the GPU, so
+memory the host has let go of may still be in use by queued kernels: every unit the host is done
+with leaves an event on its stream, and a load that would put more than ``budget`` bytes on the
+device waits for the oldest of those events first (FSDP's rate limiter); prefetches never wait,
+they are skipped.
 
 A model can be streamed by one streamer at a time: streaming it again would record the first
 streamer's NaN placeholders as weights, so it raises :class:`ConfigError`.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -198,6 +203,9 @@ class ParameterStreamer:
         self._saved_ctx = None
         self._depth = 0
         self._last: _Load | None = None
+        # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
+        self._releasing: deque[tuple[Any, int]] = deque()
+        self._releasing_bytes = 0
         self._closed = False
         with torch.no_grad():
             for s in slots:
@@ -269,11 +277,31 @@ class ParameterStreamer:
                 load.streams.add(stream.cuda_stream)
         return load.tensors
 
+    def _released(self, nbytes: int) -> None:
+        """The host is done with ``nbytes`` of a unit; the device is done at this event."""
+        if self._cuda:
+            event = torch.cuda.Event(blocking=True)  # a waiting host sleeps instead of spinning
+            event.record(torch.cuda.current_stream(self.device))
+            self._releasing.append((event, nbytes))
+            self._releasing_bytes += nbytes
+
+    def _make_room(self, nbytes: int, *, wait: bool) -> bool:
+        """Whether ``nbytes`` more fit under ``budget`` on the device (waiting if ``wait``)."""
+        while self._releasing and self._releasing[0][0].query():
+            self._releasing_bytes -= self._releasing.popleft()[1]
+        while self._releasing and self._live_bytes + self._releasing_bytes + nbytes > self.budget:
+            if not wait:
+                return False
+            event, n = self._releasing.popleft()
+            event.synchronize()  # bounded: recorded after kernels that are already queued
+            self._releasing_bytes -= n
+        return True
+
     def _prefetch(self, index: int) -> None:
         if not 0 <= index < len(self.units) or index in self._pending:
             return
         u = self.units[index]
-        if self._live_bytes + u.nbytes > self.budget:
+        if self._live_bytes + u.nbytes > self.budget or not self._make_room(u.nbytes, wait=False):
             return
         self._live_bytes += u.nbytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._live_bytes)
@@ -285,6 +313,7 @@ class ParameterStreamer:
             self.stats.prefetch_hits += 1
             self._live_bytes -= u.nbytes
         else:
+            self._make_room(u.nbytes, wait=True)
             load = self._start(u)
         self._ready(load)
         self.stats.loads += 1
@@ -314,13 +343,14 @@ class ParameterStreamer:
                     self._installed.pop(s.param.data.untyped_storage().data_ptr(), None)
                     s.param.data = s.placeholder
             self._live_bytes -= u.nbytes
+            self._released(u.nbytes)
 
         return post
 
     def _enter(self, module, args) -> None:
         self._depth += 1
         if self._depth == 1:
-            self._last = None
+            self._release_last()
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
@@ -348,11 +378,22 @@ class ParameterStreamer:
         if last is not None and last.unit == x.unit:
             tensors = self._ready(last)  # another saved view of the unit just loaded
         else:
-            last = self._last = self._load(self.units[x.unit])
+            self._release_last()
+            u = self.units[x.unit]
+            last = self._last = self._load(u)
+            self._live_bytes += u.nbytes
             tensors = last.tensors
             self._prefetch(x.unit - 1)  # backward runs the units in reverse
         base = tensors[x.slot]
         return base.as_strided(x.shape, x.stride, base.storage_offset() + x.offset)
+
+    def _release_last(self) -> None:
+        """Backward moved on from the unit it loaded last (its views are in queued kernels)."""
+        if self._last is not None:
+            nbytes = self.units[self._last.unit].nbytes
+            self._live_bytes -= nbytes
+            self._released(nbytes)
+            self._last = None
 
     # ------------------------------------------------------------ resident views
     def _install_all(self) -> None:
@@ -390,7 +431,7 @@ class ParameterStreamer:
                 load.future.exception()  # bounded: one read or copy; its error is not ours
             self._live_bytes -= self.units[index].nbytes
         self._pending.clear()
-        self._last = None
+        self._release_last()
 
     def _check_open(self) -> None:
         if self._closed:
