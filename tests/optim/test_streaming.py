@@ -67,3 +67,203 @@ def test_budget_too_small_names_minimum():
     assert info.value.minimum == 16 * 16 * 4 + 16 * 4
     with pytest.raises(ConfigError):
         tt.stream_parameters(_model(), tier="tape")
+
+
+# ---------------------------------------------------------------- devices, tied weights, nesting
+def _layernorm_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+    )
+
+
+def test_device_spelled_with_an_index_is_the_same_device():
+    """``device=cpu:0`` (as ``"cuda"`` vs ``cuda:0``) must match the tensors' ``cpu``: else
+    nothing is tokenised, LayerNorm keeps the Parameter itself and backward reads NaN."""
+    ref, m = _layernorm_model(), _layernorm_model()
+    x = torch.randn(8, 16)
+    ref(x).pow(2).mean().backward()
+    streamer = tt.stream_parameters(m, device=torch.device("cpu", 0))
+    try:
+        m(x).pow(2).mean().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert streamer.device == torch.device("cpu")
+        # backward loaded the parameters again: autograd held tokens, not the installed values
+        assert streamer.stats.loads > len(streamer.units)
+    finally:
+        streamer.close()
+
+
+def test_tied_weights_are_stored_once_and_match_the_resident_model():
+    from tensortier.models.gpt import GPT, GPTConfig, random_batch
+
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    torch.manual_seed(0)
+    m = GPT(cfg)
+    assert m.transformer.wte.weight is m.lm_head.weight
+    x, y = random_batch(cfg, 2)
+    streamer = tt.stream_parameters(m)
+    owners = [u.index for u in streamer.units if any(p is m.lm_head.weight for p in u.params)]
+    assert len(owners) == 2  # installed for both modules that use it
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    try:
+        for _ in range(2):
+            loss_ref, loss = ref(x, y), m(x, y)
+            assert torch.equal(loss, loss_ref)
+            loss_ref.backward()
+            loss.backward()
+            for p, q in zip(m.parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad)
+            opt_ref.step()
+            with streamer.resident():
+                opt.step()
+            opt_ref.zero_grad()
+            opt.zero_grad()
+        assert sum(s.param is m.lm_head.weight for s in streamer._slots) == 1  # stored once
+    finally:
+        streamer.close()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert m.transformer.wte.weight is m.lm_head.weight
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_streaming_a_streamed_model_is_refused_and_nothing_is_lost(tier, spill_dir):
+    ref, m = _model(), _model()
+    first = tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    with pytest.raises(ConfigError, match="already streamed.*close"):
+        tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    with pytest.raises(ConfigError, match="already streamed"):
+        tt.stream_parameters(m[2], tier="host")  # part of it, too
+    first.close()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    again = tt.stream_parameters(m)  # closed: the model can be streamed again
+    again.close()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_forward_that_raises_puts_the_placeholders_back():
+    class Boom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+            self.fail = True
+
+        def forward(self, x):
+            y = x * self.w
+            if self.fail:
+                raise RuntimeError("boom")
+            return y
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), Boom())
+    ref = [p.detach().clone() for p in m.parameters()]
+    streamer = tt.stream_parameters(m)
+    with pytest.raises(RuntimeError, match="boom"):
+        m(torch.randn(2, 4))
+    assert all(torch.isnan(p).all() for p in m.parameters())
+    m[1].fail = False
+    m(torch.randn(2, 4)).sum().backward()
+    streamer.close()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref))
+
+
+def test_a_dropped_streamer_is_cleaned_up_by_the_reaper(spill_dir):
+    import gc
+    import threading
+
+    from tensortier._lifetime import quiesce
+
+    m = _model()
+    tt.stream_parameters(m, tier="disk", spill_dir=spill_dir)
+    m(torch.randn(2, 8))
+    del m
+    gc.collect()
+    assert quiesce()
+    assert not [t for t in threading.enumerate() if t.name.startswith("tt-params")]
+    # (the spill_dir fixture checks that the files are gone)
+
+
+# ---------------------------------------------------------------- CUDA (review findings #2, #10)
+def _gpt(n_layer=8, n_embd=512, vocab=256, seq=64):
+    from tensortier.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=n_layer, n_head=8, n_embd=n_embd, block_size=seq, vocab_size=vocab)
+    torch.manual_seed(0)
+    return GPT(cfg), cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cuda_device_without_index_streams_and_matches_resident(tier, spill_dir):
+    from tensortier.models.gpt import random_batch
+
+    ref, cfg = _gpt()
+    ref = ref.cuda()
+    m, _ = _gpt()  # stays on CPU: the streamer brings it to the GPU
+    x, y = random_batch(cfg, 2, device="cuda")
+    param_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss_ref = ref(x, y)
+    activations = torch.cuda.max_memory_allocated() - base
+    loss_ref.backward()
+    streamer = tt.stream_parameters(m, device="cuda", tier=tier, spill_dir=spill_dir)
+    try:
+        assert streamer.device == torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = m(x, y)
+        torch.cuda.synchronize()
+        streamed_peak = torch.cuda.max_memory_allocated() - base
+        loss.backward()
+        assert torch.equal(loss, loss_ref)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        # the forward held a few modules' parameters, never all of them
+        assert streamed_peak < activations + param_bytes // 2
+    finally:
+        streamer.close()
+
+
+@pytest.mark.gpu
+def test_cuda_streaming_on_a_side_compute_stream_without_syncs():
+    """Copies on the streamer's own stream, consumers wait on its event and ``record_stream``
+    the values: a forward on a non-default stream reads the parameters only once they landed,
+    and the forward and backward never synchronize the host."""
+    from tensortier.models.gpt import random_batch
+
+    ref, cfg = _gpt(n_layer=4, n_embd=1024)
+    ref = ref.cuda()
+    m, _ = _gpt(n_layer=4, n_embd=1024)
+    x, y = random_batch(cfg, 4, device="cuda")
+    ref(x, y).backward()
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    # a budget that holds everything: the rate limiter never needs to wait for the GPU
+    streamer = tt.stream_parameters(m, budget=2 * total, device="cuda")
+    compute = torch.cuda.Stream()
+    try:
+        for _ in range(2):  # the second pass reuses memory the first freed
+            m.zero_grad(set_to_none=True)
+            compute.wait_stream(torch.cuda.current_stream())
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.cuda.stream(compute):
+                    torch.cuda._sleep(50_000_000)  # compute lags: a racy read would see garbage
+                    loss = m(x, y)
+                    loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.current_stream().wait_stream(compute)
+            for p, q in zip(m.parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad)
+    finally:
+        streamer.close()

@@ -31,6 +31,38 @@ def test_plan_units_and_unit_of():
     assert unit_of("", ["0"]) == ""
 
 
+def test_plan_units_open_nested_stacks_but_never_a_block():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))  # stays inside
+
+    class Backbone(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+            self.norm = nn.LayerNorm(8)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = Backbone()
+            self.head = nn.Linear(8, 2)
+
+    assert list(plan_units(Model())) == [
+        "backbone.emb",
+        "backbone.layers.0",
+        "backbone.layers.1",
+        "backbone.layers.2",
+        "backbone.norm",
+        "head",
+    ]
+    stack = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)))
+    assert list(plan_units(stack)) == ["0", "1", "2"]  # the root's blocks, not their layers
+
+
 def test_recompute_wrapper_is_exact_and_removable():
     m = _mlp()
     x = torch.randn(64, 256)
@@ -143,3 +175,93 @@ def test_bench_compares_each_plans_slowdown_over_keep():
     assert rows[1]["pred_slowdown"] == 1.5 and rows[1]["slowdown"] == pytest.approx(1.2)
     assert rows[1]["slowdown_err_pct"] == pytest.approx(25.0)
     assert "slowdown" not in rows[2]
+
+
+# ---------------------------------------------------------------- RNG, tiers, cache (issue 12 #7)
+def _dropout_mlp(width: int = 256, depth: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [
+        nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.2)) for _ in range(depth)
+    ]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+def _train(model, x, steps, ctx=None) -> list[torch.Tensor]:
+    """SGD steps from seed 1; the losses, then the parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        if ctx is None:
+            loss = model(x).square().mean()
+        else:
+            with ctx:
+                loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        out.append(loss.detach())
+    return out + [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy", ["auto", "recompute_all"])
+def test_dropout_training_is_bit_identical_through_profiling_and_plan(spill_dir, policy):
+    """The bandwidth probe used to draw from the global RNG at the first planned step, so
+    dropout masks diverged from plain training from there on."""
+    x = torch.randn(256, 256)
+    plain = _train(_dropout_mlp(), x, 6)
+    off = planned_offload("64MiB", spill_dir=spill_dir, policy=policy, options=FAST)
+    try:
+        planned = _train(_dropout_mlp(), x, 6, off)  # warm-up, probe, 2 timing passes, plan x2
+        assert off.choice is not None  # the last two steps ran the plan
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_host_tier_profiles_through_host_not_disk(spill_dir):
+    m, x = _mlp(width=256, depth=3), torch.randn(128, 256)
+    off = planned_offload("256MiB", to="host", spill_dir=spill_dir, options=FAST)
+    try:
+        for _ in range(5):
+            m.zero_grad(set_to_none=True)
+            with off:
+                loss = m(x).sum()
+            loss.backward()
+            if off.profile is None:  # warm-up and profiling: the tier asked for, no spill files
+                assert os.listdir(spill_dir) == []
+        assert off.profile.meta["profiled_tier"] == "host"
+        assert off.offloader.stats.bytes_offloaded["disk"] == 0
+        assert off.offloader.stats.bytes_offloaded["host"] > 0
+    finally:
+        off.close()
+
+
+def test_switching_settings_closes_the_replaced_planned_offload(spill_dir):
+    from tensortier.errors import ClosedError
+
+    m, x = _mlp(width=128, depth=2), torch.randn(32, 128)
+    old = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    with old:  # the warm-up iteration: spill files in a private directory
+        loss = m(x).sum()
+    loss.backward()
+    assert len(os.listdir(spill_dir)) == 1
+    new = planned_offload("32MiB", spill_dir=spill_dir, options=FAST)
+    assert new is not old
+    assert os.listdir(spill_dir) == []  # released now, not whenever the GC gets to it
+    with pytest.raises(ClosedError, match="tt.offload"):
+        old.__enter__()
+    new.close()
+
+
+@pytest.mark.gpu
+def test_cuda_dropout_training_is_bit_identical_through_profiling_and_plan(tmp_path):
+    x = torch.randn(256, 256, device="cuda")
+    plain = _train(_dropout_mlp().cuda(), x, 6)
+    off = planned_offload("64MiB", spill_dir=str(tmp_path), options=FAST)
+    try:
+        planned = _train(_dropout_mlp().cuda(), x, 6, off)
+        assert off.choice is not None and off.profile.meta["profiled_tier"] == "host"
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))

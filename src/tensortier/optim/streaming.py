@@ -1,14 +1,33 @@
 """Parameter streaming: parameters live on host RAM or disk and visit the device per module.
 
-A *unit* is a module that owns parameters directly. Between uses, each of its parameters holds a
-NaN placeholder of the right shape (one element, expanded), so autograd, ``.grad`` and optimizers
-still see the parameter's shape, and any use outside the owning module's forward fails loudly
-instead of silently computing with stale values. A forward pre-hook installs the unit's real
-values (prefetched while the previous unit ran), a forward hook puts the placeholders back.
-Autograd would keep the installed tensors alive until backward; a saved-tensors hook replaces
-them by a token, and backward loads the parameter again (prefetching the unit before it) when the
-token is unpacked. Values are copied, never recomputed, so outputs and gradients are bit-identical
-to the resident model.
+A *unit* is a module that owns parameters directly. Parameters are kept once each (a *slot* per
+unique ``nn.Parameter``): a parameter shared by several modules (tied embeddings) has one home
+and is installed for every module that uses it, counted so that the inner of two users does not
+take it away from the outer. Between uses each parameter holds a NaN placeholder of the right
+shape (one element, expanded), so autograd, ``.grad`` and optimizers still see the parameter's
+shape, and any use outside the owning module's forward fails loudly instead of silently computing
+with stale values. A forward pre-hook installs the unit's real values (prefetched while the
+previous unit ran), a forward hook puts the placeholders back. Autograd would keep the installed
+tensors alive until backward; a saved-tensors hook replaces them by a token, and backward loads
+the parameter again (prefetching the unit before it) when the token is unpacked. Values are
+copied, never recomputed, so outputs and gradients are bit-identical to the resident model.
+
+Copies on CUDA (the copy-stream pattern of torchtune's ``OffloadActivations``): host-to-device
+copies run on one side stream per streamer, from pinned memory (the host tier's homes are
+pinned; the disk tier reads into pinned staging on the loader thread), so they overlap the
+compute stream instead of queueing on it. The copy's destination is allocated on the side stream
+and an event is recorded after the copy; the stream that uses the values (the current stream of
+the forward, or of the backward node that unpacks a token) waits on that event, and the tensors
+are ``record_stream``-ed on it, so the allocator reuses their memory only after that stream's work
+queued so far is done. The pinned source of an in-flight copy stays reserved by PyTorch's host
+allocator, which records the copy's stream on the block. The host runs ahead of the GPU, so
+memory the host has let go of may still be in use by queued kernels: every unit the host is done
+with leaves an event on its stream, and a load that would put more than ``budget`` bytes on the
+device waits for the oldest of those events first (FSDP's rate limiter); prefetches never wait,
+they are skipped.
+
+A model can be streamed by one streamer at a time: streaming it again would record the first
+streamer's NaN placeholders as weights, so it raises :class:`ConfigError`.
 
 This module owns the parameter tensors' storage only; it never changes gradients.
 """
@@ -16,17 +35,25 @@ This module owns the parameter tensors' storage only; it never changes gradients
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import nn
 
+from tensortier._device import cuda_available, normalize_device
+from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
 from tensortier.tiers.disk import DiskHandle, DiskStore
+
+# attribute set on a streamed Parameter: a weakref to its streamer (one streamer per parameter)
+_OWNER_ATTR = "_tensortier_streamer"
 
 
 class ParamTier(str, Enum):
@@ -45,23 +72,60 @@ class StreamStats:
 
 
 @dataclass(eq=False)
+class _Slot:
+    """One unique parameter: its home on the tier, its placeholder, how many users installed it."""
+
+    name: str  # qualified name of its first owner (error messages)
+    param: nn.Parameter
+    nbytes: int
+    home: Any = None  # a (pinned on CUDA) host tensor, or a DiskHandle
+    placeholder: torch.Tensor | None = None
+    installs: int = 0  # units whose forward is running with it installed
+
+
+@dataclass(eq=False)
 class _Unit:
     index: int
     module: nn.Module
-    names: list[str]
-    params: list[nn.Parameter]
+    slots: list[_Slot]
     nbytes: int
-    homes: list = field(default_factory=list)  # host tensors or DiskHandles
-    placeholders: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [s.param for s in self.slots]
+
+
+@dataclass(eq=False)
+class _Load:
+    """Values of one unit on their way to the device (or there)."""
+
+    unit: int
+    future: Future | None = None  # loader-thread job returning (tensors, event)
+    tensors: list[torch.Tensor] | None = None
+    event: Any = None  # CUDA: recorded on the side stream after the copies
+    streams: set = field(default_factory=set)  # consumer streams that waited on ``event``
 
 
 @dataclass(frozen=True)
 class _Token:
     unit: int
-    slot: int
+    slot: int  # position in the unit's slots
     shape: tuple
     stride: tuple
     offset: int  # relative to the parameter's own storage offset
+
+
+def _placeholder(p: nn.Parameter, device: torch.device) -> torch.Tensor:
+    fill = float("nan") if (p.dtype.is_floating_point or p.dtype.is_complex) else 0
+    return torch.full((1,), fill, dtype=p.dtype, device=device).expand(p.shape)
+
+
+def _shutdown(loader: ThreadPoolExecutor | None, store: DiskStore | None) -> None:
+    """Cleanup that waits (joins the loader thread): run by ``close()`` or by the reaper."""
+    if loader is not None:
+        loader.shutdown(wait=True)  # its only job kind (a read or a copy) completes or raises
+    if store is not None:
+        store.close()
 
 
 class ParameterStreamer:
@@ -83,18 +147,26 @@ class ParameterStreamer:
                 f"tier={tier!r} is not a parameter tier; pass one of {[t.value for t in ParamTier]}"
             ) from None
         self.model = model
-        self.units: list[_Unit] = []
-        for m in model.modules():
-            named = [(n, p) for n, p in m._parameters.items() if p is not None]
-            if named:
-                nbytes = sum(p.numel() * p.element_size() for _, p in named)
-                self.units.append(
-                    _Unit(len(self.units), m, [n for n, _ in named], [p for _, p in named], nbytes)
-                )
+        self.units, slots = _build_units(model)
         if not self.units:
             raise ConfigError("the model has no parameters to stream")
-        first = self.units[0].params[0]
-        self.device = torch.device(device) if device is not None else first.device
+        for s in slots:
+            owner = getattr(s.param, _OWNER_ATTR, None)
+            if owner is not None and owner() is not None:
+                raise ConfigError(
+                    f"parameter {s.name!r} is already streamed by another ParameterStreamer "
+                    f"(its values are that streamer's NaN placeholders); call close() on it "
+                    f"first (that makes the model resident again), or keep using it"
+                )
+        self._slots = slots
+        first = slots[0].param
+        # a tensor's .device is always "cuda:<i>" / "cpu": compare against the normalised form
+        if device is not None and torch.device(device).type == "cuda" and not cuda_available():
+            raise ConfigError(
+                f"device={device!r} but CUDA is not available; pass device='cpu' or leave it "
+                f"None (the parameters' device)"
+            )
+        self.device = normalize_device(device if device is not None else first.device)
         largest = max(u.nbytes for u in self.units)
         self.budget = (
             2 * largest if budget is None else parse_size(budget, name="budget", allow_zero=False)
@@ -107,76 +179,156 @@ class ParameterStreamer:
                 budget=self.budget,
                 minimum=largest,
             )
+        self._cuda = self.device.type == "cuda"
         self.stats = StreamStats()
         self._store = (
             DiskStore(spill_dir, owner="tensortier-params") if self.tier is ParamTier.DISK else None
         )
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tt-params")
-        self._pending: dict[int, Future] = {}
-        self._installed: dict[int, tuple[int, list[torch.Tensor]]] = {}  # storage ptr -> unit
+        # CUDA host tier: copies are issued inline on the side stream, no thread needed
+        need_thread = self._store is not None or not self._cuda
+        self._loader = (
+            ThreadPoolExecutor(1, thread_name_prefix="tt-params") if need_thread else None
+        )
+        self._finalizer = Finalizer(self, _shutdown, self._loader, self._store)
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        try:
+            self._store_homes()
+        except BaseException:
+            self._finalizer()  # nothing was swapped yet: the model is untouched
+            raise
+        self._pending: dict[int, _Load] = {}
+        self._installed: dict[int, tuple[int, int]] = {}  # storage ptr -> (unit, slot position)
         self._live_bytes = 0
         self._hooks = []
         self._saved_ctx = None
         self._depth = 0
-        self._last: tuple[int, list[torch.Tensor]] | None = None
+        self._last: _Load | None = None
+        # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
+        self._releasing: deque[tuple[Any, int]] = deque()
+        self._releasing_bytes = 0
+        self._closed = False
         with torch.no_grad():
-            for u in self.units:
-                for p in u.params:
-                    if self._store is not None:
-                        u.homes.append(self._store.write(p.detach().cpu()))
-                    else:
-                        home = p.detach().to("cpu", copy=True)
-                        if self.device.type == "cuda":
-                            home = home.pin_memory()
-                        u.homes.append(home)
-                    ph = torch.full((1,), float("nan"), dtype=p.dtype, device=self.device)
-                    u.placeholders.append(ph.expand(p.shape))
-                    p.data = u.placeholders[-1]
-                self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
-                self._hooks.append(u.module.register_forward_hook(self._make_post(u)))
+            for s in slots:
+                s.param.data = s.placeholder
+                setattr(s.param, _OWNER_ATTR, weakref.ref(self))
+        for u in self.units:
+            self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
+            self._hooks.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
         self._hooks.append(model.register_forward_pre_hook(self._enter))
-        self._hooks.append(model.register_forward_hook(self._exit))
+        self._hooks.append(model.register_forward_hook(self._exit, always_call=True))
+
+    def _store_homes(self) -> None:
+        """Copy every parameter to its tier, before any parameter is touched."""
+        with torch.no_grad():
+            for s in self._slots:
+                p = s.param.detach()
+                if self._store is not None:
+                    s.home = self._store.write(p.cpu())
+                else:
+                    home = p.to("cpu", copy=True)
+                    s.home = home.pin_memory() if self._cuda else home
+                s.placeholder = _placeholder(s.param, self.device)
 
     # ------------------------------------------------------------ loading
-    def _fetch(self, u: _Unit) -> list[torch.Tensor]:
-        out = []
-        for home in u.homes:
-            if isinstance(home, DiskHandle):
-                t = self._store.read(home)
-                out.append(t.to(self.device) if self.device.type != "cpu" else t)
+    def _read(self, u: _Unit) -> tuple[list[torch.Tensor], Any]:
+        """Loader thread: read (disk) or copy (CPU) one unit; on CUDA also start the H2D copy."""
+        host = []
+        for s in u.slots:
+            if isinstance(s.home, DiskHandle):
+                # CUDA: read into pinned memory so that the H2D copy below is asynchronous
+                into = (
+                    torch.empty(s.home.length, dtype=torch.uint8, pin_memory=True)
+                    if self._cuda
+                    else None
+                )
+                host.append(self._store.get(s.home, into=into).result())  # bounded: one read
             else:
-                out.append(home.to(self.device, non_blocking=True, copy=True))
-        return out
+                host.append(s.home.clone())  # CPU device: the copy is the load
+        if not self._cuda:
+            return host, None
+        return self._to_device(host)
+
+    def _to_device(self, host: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        """Copy pinned host tensors on the side stream; the event marks their arrival."""
+        with torch.cuda.stream(self._side):  # destinations come from the side stream's pool
+            out = [h.to(self.device, non_blocking=True) for h in host]
+            event = torch.cuda.Event()
+            event.record(self._side)
+        return out, event
+
+    def _start(self, u: _Unit) -> _Load:
+        if self._loader is None:  # CUDA, host tier: the homes are pinned, issue the copies now
+            tensors, event = self._to_device([s.home for s in u.slots])
+            return _Load(u.index, tensors=tensors, event=event)
+        return _Load(u.index, future=self._loader.submit(self._read, u))
+
+    def _ready(self, load: _Load) -> list[torch.Tensor]:
+        """The unit's tensors, usable on the current stream."""
+        if load.future is not None:
+            # bounded: the job is one disk read per parameter, or a copy; it completes or raises
+            load.tensors, load.event = load.future.result()
+            load.future = None
+        if load.event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            if stream.cuda_stream not in load.streams:
+                stream.wait_event(load.event)  # a device-side wait: the host never blocks
+                for t in load.tensors:
+                    t.record_stream(stream)  # no reuse of the memory before this stream is done
+                load.streams.add(stream.cuda_stream)
+        return load.tensors
+
+    def _released(self, nbytes: int) -> None:
+        """The host is done with ``nbytes`` of a unit; the device is done at this event."""
+        if self._cuda:
+            event = torch.cuda.Event(blocking=True)  # a waiting host sleeps instead of spinning
+            event.record(torch.cuda.current_stream(self.device))
+            self._releasing.append((event, nbytes))
+            self._releasing_bytes += nbytes
+
+    def _make_room(self, nbytes: int, *, wait: bool) -> bool:
+        """Whether ``nbytes`` more fit under ``budget`` on the device (waiting if ``wait``)."""
+        while self._releasing and self._releasing[0][0].query():
+            self._releasing_bytes -= self._releasing.popleft()[1]
+        while self._releasing and self._live_bytes + self._releasing_bytes + nbytes > self.budget:
+            if not wait:
+                return False
+            event, n = self._releasing.popleft()
+            event.synchronize()  # bounded: recorded after kernels that are already queued
+            self._releasing_bytes -= n
+        return True
 
     def _prefetch(self, index: int) -> None:
         if not 0 <= index < len(self.units) or index in self._pending:
             return
         u = self.units[index]
-        if self._live_bytes + u.nbytes > self.budget:
+        if self._live_bytes + u.nbytes > self.budget or not self._make_room(u.nbytes, wait=False):
             return
         self._live_bytes += u.nbytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._live_bytes)
-        self._pending[index] = self._loader.submit(self._fetch, u)
+        self._pending[index] = self._start(u)
 
-    def _load(self, u: _Unit) -> list[torch.Tensor]:
-        fut = self._pending.pop(u.index, None)
-        if fut is not None:
+    def _load(self, u: _Unit) -> _Load:
+        load = self._pending.pop(u.index, None)
+        if load is not None:
             self.stats.prefetch_hits += 1
             self._live_bytes -= u.nbytes
-            tensors = fut.result()
         else:
-            tensors = self._fetch(u)
+            self._make_room(u.nbytes, wait=True)
+            load = self._start(u)
+        self._ready(load)
         self.stats.loads += 1
         self.stats.bytes_loaded += u.nbytes
-        return tensors
+        return load
 
     # ------------------------------------------------------------ hooks
     def _make_pre(self, u: _Unit):
         def pre(module, args):
-            tensors = self._load(u)
-            for p, t in zip(u.params, tensors):
-                p.data = t
-                self._installed[t.untyped_storage().data_ptr()] = (u.index, p)
+            tensors = self._load(u).tensors
+            for pos, (s, t) in enumerate(zip(u.slots, tensors)):
+                if s.installs == 0:  # else an enclosing user of a shared parameter installed it
+                    s.param.data = t
+                    self._installed[t.untyped_storage().data_ptr()] = (u.index, pos)
+                s.installs += 1
             self._live_bytes += u.nbytes
             self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._live_bytes)
             self._prefetch(u.index + 1)
@@ -185,17 +337,20 @@ class ParameterStreamer:
 
     def _make_post(self, u: _Unit):
         def post(module, args, output):
-            for p, ph in zip(u.params, u.placeholders):
-                self._installed.pop(p.data.untyped_storage().data_ptr(), None)
-                p.data = ph
+            for s in u.slots:
+                s.installs -= 1
+                if s.installs == 0:
+                    self._installed.pop(s.param.data.untyped_storage().data_ptr(), None)
+                    s.param.data = s.placeholder
             self._live_bytes -= u.nbytes
+            self._released(u.nbytes)
 
         return post
 
     def _enter(self, module, args) -> None:
         self._depth += 1
         if self._depth == 1:
-            self._last = None
+            self._release_last()
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
@@ -206,30 +361,48 @@ class ParameterStreamer:
             self._saved_ctx = None
 
     def _pack(self, t: torch.Tensor):
-        if t.device != self.device or not self._installed:
+        if not self._installed or t.device != self.device:
             return t
         hit = self._installed.get(t.untyped_storage().data_ptr())
         if hit is None:
             return t
-        unit, p = hit
-        slot = next(i for i, q in enumerate(self.units[unit].params) if q is p)
-        rel = t.storage_offset() - p.data.storage_offset()
-        return _Token(unit, slot, tuple(t.shape), tuple(t.stride()), rel)
+        unit, pos = hit
+        base = self.units[unit].slots[pos].param.data
+        rel = t.storage_offset() - base.storage_offset()
+        return _Token(unit, pos, tuple(t.shape), tuple(t.stride()), rel)
 
     def _unpack(self, x):
         if not isinstance(x, _Token):
             return x
-        u = self.units[x.unit]
-        if self._last is not None and self._last[0] == x.unit:
-            tensors = self._last[1]  # another saved view of the unit just loaded
+        last = self._last
+        if last is not None and last.unit == x.unit:
+            tensors = self._ready(last)  # another saved view of the unit just loaded
         else:
-            tensors = self._load(u)
-            self._last = (x.unit, tensors)
+            self._release_last()
+            u = self.units[x.unit]
+            last = self._last = self._load(u)
+            self._live_bytes += u.nbytes
+            tensors = last.tensors
             self._prefetch(x.unit - 1)  # backward runs the units in reverse
         base = tensors[x.slot]
         return base.as_strided(x.shape, x.stride, base.storage_offset() + x.offset)
 
+    def _release_last(self) -> None:
+        """Backward moved on from the unit it loaded last (its views are in queued kernels)."""
+        if self._last is not None:
+            nbytes = self.units[self._last.unit].nbytes
+            self._live_bytes -= nbytes
+            self._released(nbytes)
+            self._last = None
+
     # ------------------------------------------------------------ resident views
+    def _install_all(self) -> None:
+        for u in self.units:
+            for s, t in zip(u.slots, self._ready(self._start(u))):
+                if s.installs == 0:
+                    s.param.data = t
+                s.installs += 1
+
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
         """Install every parameter for the block (e.g. around ``optimizer.step()``), then store
@@ -237,54 +410,77 @@ class ParameterStreamer:
         self._check_open()
         self._drop_prefetch()  # they hold values from before the update
         with torch.no_grad():
-            for u in self.units:
-                for p, t in zip(u.params, self._fetch(u)):
-                    p.data = t
+            self._install_all()
             try:
                 yield
             finally:
-                for u in self.units:
-                    for i, p in enumerate(u.params):
-                        if self._store is not None:
-                            new = self._store.write(p.detach().cpu())
-                            self._store.free(u.homes[i])
-                            u.homes[i] = new
-                        else:
-                            u.homes[i].copy_(p.detach())
-                        p.data = u.placeholders[i]
+                for s in self._slots:
+                    value = s.param.detach()
+                    if self._store is not None:
+                        new = self._store.write(value.cpu())
+                        self._store.free(s.home)
+                        s.home = new
+                    else:
+                        s.home.copy_(value)  # synchronous: the home is not read before it lands
+                    s.param.data = s.placeholder
+                    s.installs = 0
 
     def _drop_prefetch(self) -> None:
-        for index, fut in list(self._pending.items()):
-            fut.exception()
+        for index, load in list(self._pending.items()):
+            if load.future is not None:
+                load.future.exception()  # bounded: one read or copy; its error is not ours
             self._live_bytes -= self.units[index].nbytes
         self._pending.clear()
-        self._last = None
+        self._release_last()
 
     def _check_open(self) -> None:
-        if self._loader is None:
-            raise ClosedError("this ParameterStreamer is closed")
+        if self._closed:
+            raise ClosedError("this ParameterStreamer is closed; call stream_parameters() again")
 
     def close(self) -> None:
         """Make the model resident on ``device`` again and remove every hook and file."""
-        if self._loader is None:
+        if self._closed:
             return
         self._drop_prefetch()
         with torch.no_grad():
-            for u in self.units:
-                for p, t in zip(u.params, self._fetch(u)):
-                    p.data = t
+            for s in self._slots:
+                s.installs = 0
+            self._install_all()
+        for s in self._slots:
+            s.installs = 0
+            with contextlib.suppress(AttributeError):
+                delattr(s.param, _OWNER_ATTR)
         for h in self._hooks:
             h.remove()
-        self._loader.shutdown(wait=True)
-        self._loader = None
-        if self._store is not None:
-            self._store.close()
+        self._hooks = []
+        self._closed = True
+        self._finalizer()
 
     def __enter__(self) -> ParameterStreamer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _build_units(model: nn.Module) -> tuple[list[_Unit], list[_Slot]]:
+    """One unit per module that owns parameters; one slot per unique Parameter (by identity)."""
+    slots: dict[int, _Slot] = {}
+    units: list[_Unit] = []
+    for mname, m in model.named_modules():  # each module once, under its first name
+        mine: list[_Slot] = []
+        for pname, p in m._parameters.items():
+            if p is None:
+                continue
+            slot = slots.get(id(p))
+            if slot is None:
+                name = f"{mname}.{pname}" if mname else pname
+                slot = slots[id(p)] = _Slot(name, p, p.numel() * p.element_size())
+            if slot not in mine:
+                mine.append(slot)
+        if mine:
+            units.append(_Unit(len(units), m, mine, sum(s.nbytes for s in mine)))
+    return units, list(slots.values())
 
 
 def stream_parameters(
@@ -298,6 +494,8 @@ def stream_parameters(
     """Keep ``model``'s parameters on host RAM (or disk) and bring each module's parameters to
     ``device`` only for its forward and backward, prefetching the next module within ``budget``
     bytes of installed parameters (default: twice the largest module). Outputs and gradients are
-    identical to the resident model. Wrap optimizer steps in ``with streamer.resident():``.
+    identical to the resident model; parameters shared by several modules (tied weights) are
+    stored once. Wrap optimizer steps in ``with streamer.resident():``. A model is streamed by
+    one streamer at a time (``ConfigError`` otherwise: close the first one).
     """
     return ParameterStreamer(model, budget=budget, tier=tier, device=device, spill_dir=spill_dir)

@@ -23,6 +23,9 @@ from tensortier._units import SizeLike, parse_size
 from tensortier.tiers.codecs import CodecSpeed, measure_codecs
 
 CHANNELS = ("d2h", "h2d", "h2disk", "disk2h")
+# A probe transfer (16 MiB) not done after this long is a stuck disk or device: raise
+# (concurrent.futures.TimeoutError) instead of hanging the first planned step.
+PROBE_TIMEOUT_S = 300.0
 FORMAT = 1
 
 
@@ -167,29 +170,53 @@ def measure_bandwidth(
     total = parse_size(nbytes, name="nbytes", allow_zero=False)
     size = min(total, parse_size(chunk, name="chunk", allow_zero=False))
     n = max(1, total // size)
-    dev = torch.device(device) if device is not None else _default_device()
-    src = [torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev) for _ in range(n)]
+    from tensortier._device import normalize_device
+
+    dev = normalize_device(device)
+    cuda = dev.type == "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)  # never the training's RNG (dropout masks)
+    src = [
+        torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev, generator=gen)
+        for _ in range(n)
+    ]
     with HostPool(2 * n * size + (64 << 20)) as pool, DiskStore(spill_dir, owner="tt-plan") as disk:
         eng = TransferEngine(host=pool, disk=disk, device=dev)
         try:
-            warm = [eng.to_host(t).result() for t in src]  # maps the pool's pages
+            warm = [
+                eng.to_host(t).result(timeout=PROBE_TIMEOUT_S) for t in src
+            ]  # maps the pool's pages
             for h in warm:
                 h.free()
             t0 = time.perf_counter()
             futs = [eng.to_host(t) for t in src]
             issue_s = (time.perf_counter() - t0) / n
-            hosts = [f.result() for f in futs]
+            hosts = [f.result(timeout=PROBE_TIMEOUT_S) for f in futs]
             d2h = n * size / (time.perf_counter() - t0)
+            # On CUDA ``result()`` of a device-bound move only makes the current stream wait on
+            # the copy's event: synchronize before reading the clock, or the issue time is
+            # measured instead of the copy. One untimed round first: the destinations'
+            # cudaMalloc is not bandwidth either.
+            for _ in range(2 if cuda else 1):
+                if cuda:
+                    torch.cuda.synchronize(dev)  # bounded: the random fill and earlier copies
+                t0 = time.perf_counter()
+                backs = [
+                    f.result(timeout=PROBE_TIMEOUT_S)
+                    for f in [eng.to_device(h, free=False) for h in hosts]
+                ]
+                if cuda:
+                    torch.cuda.synchronize(dev)  # bounded: waits for the copies just issued
+                h2d = n * size / (time.perf_counter() - t0)
+                del backs
             t0 = time.perf_counter()
-            backs = [f.result() for f in [eng.to_device(h, free=False) for h in hosts]]
-            h2d = n * size / (time.perf_counter() - t0)
-            del backs
-            t0 = time.perf_counter()
-            handles = [f.result() for f in [disk.put(h.tensor) for h in hosts]]
+            handles = [
+                f.result(timeout=PROBE_TIMEOUT_S) for f in [disk.put(h.tensor) for h in hosts]
+            ]
             h2disk = n * size / (time.perf_counter() - t0)
             t0 = time.perf_counter()
             outs = [
-                f.result() for f in [disk.get(hd, into=h.tensor) for hd, h in zip(handles, hosts)]
+                f.result(timeout=PROBE_TIMEOUT_S)
+                for f in [disk.get(hd, into=h.tensor) for hd, h in zip(handles, hosts)]
             ]
             disk2h = n * size / (time.perf_counter() - t0)
             del outs
@@ -205,9 +232,3 @@ def measure_bandwidth(
 def measure_codec_speeds() -> dict[str, CodecSpeed]:
     """Codec throughput on this machine (4 MiB post-ReLU-like fp32 sample)."""
     return measure_codecs()
-
-
-def _default_device() -> torch.device:
-    from tensortier._device import default_device
-
-    return default_device()

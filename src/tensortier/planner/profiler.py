@@ -9,8 +9,10 @@ reads the memory high-water mark. Pack and unpack seconds are subtracted from th
 the profile holds compute time, and the simulator adds transfers back per plan.
 
 Planning units are the modules one action applies to: the root's children, with ``ModuleList``/
-``ModuleDict`` containers opened (transformer blocks, embeddings, heads; the layers of a
-``Sequential`` model). Recompute works at that granularity through ``torch.utils.checkpoint``.
+``ModuleDict`` containers and every module that holds a stack of repeated blocks opened
+(transformer blocks, embeddings, heads; the layers of a ``Sequential`` model; the layers nested
+inside a Hugging Face model). Recompute works at that granularity through
+``torch.utils.checkpoint``.
 """
 
 from __future__ import annotations
@@ -34,17 +36,66 @@ from tensortier.tiers.codecs import (
 )
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # hold modules but have no forward of their own
+_STACKS = (nn.ModuleList, nn.Sequential)  # where repeated blocks live
+
+
+def _structure(module: nn.Module, memo: dict[int, tuple]) -> tuple:
+    """What makes two blocks interchangeable for planning: types, names, parameter shapes."""
+    key = id(module)
+    if key not in memo:
+        params = tuple(
+            (n, tuple(p.shape), str(p.dtype))
+            for n, p in module._parameters.items()
+            if p is not None
+        )
+        children = tuple((n, _structure(c, memo)) for n, c in module.named_children())
+        memo[key] = (type(module).__qualname__, params, children)
+    return memo[key]
+
+
+def _is_stack(module: nn.Module, memo: dict[int, tuple]) -> bool:
+    """A ModuleList/Sequential of two or more structurally identical blocks with parameters
+    (``transformer.h``, ``model.layers``, ``encoder.layer``)."""
+    if not isinstance(module, _STACKS):
+        return False
+    blocks = list(module.children())
+    if len(blocks) < 2 or next(blocks[0].parameters(), None) is None:
+        return False
+    first = _structure(blocks[0], memo)
+    return all(_structure(b, memo) == first for b in blocks[1:])
 
 
 def plan_units(root: nn.Module) -> dict[str, nn.Module]:
-    """Qualified name -> module of every planning unit under ``root`` (definition order)."""
+    """Qualified name -> module of every planning unit under ``root`` (definition order).
+
+    The root's children are units, except that ``ModuleList``/``ModuleDict`` containers, stacks
+    of repeated blocks and every module that holds a stack somewhere below it are opened: their
+    children become units instead. A Hugging Face model (``GPT2LMHeadModel``: ``transformer``
+    and ``lm_head``) thus plans per layer (``transformer.h.0``, ...) and keeps its embeddings,
+    final norm and head as units of their own. A block of a stack is never opened.
+    """
+    memo: dict[int, tuple] = {}
+    holds: dict[int, bool] = {}
+
+    def holds_stack(module: nn.Module) -> bool:
+        key = id(module)
+        if key not in holds:
+            holds[key] = _is_stack(module, memo) or any(holds_stack(c) for c in module.children())
+        return holds[key]
+
     out: dict[str, nn.Module] = {}
 
     def walk(module: nn.Module, prefix: str, top: bool) -> None:
         children = list(module.named_children())
-        if (top or isinstance(module, _CONTAINERS)) and children:
+        opened = top or isinstance(module, _CONTAINERS) or holds_stack(module)
+        if opened and children:
+            stack = _is_stack(module, memo)
             for name, child in children:
-                walk(child, f"{prefix}.{name}" if prefix else name, False)
+                path = f"{prefix}.{name}" if prefix else name
+                if stack:
+                    out[path] = child  # one block: a unit, never opened
+                else:
+                    walk(child, path, False)
         elif not top:
             out[prefix] = module
 
@@ -109,23 +160,29 @@ class ProbeCodec:
 class PeakMeter:
     """High-water mark of device memory (CUDA allocator) or of process RSS (CPU).
 
-    On Linux the RSS high-water mark is reset on entry (``/proc/self/clear_refs``) and read back
-    (``VmHWM``) on exit, so the peak is exact and no earlier high hides it; elsewhere a thread
-    samples RSS every ``interval`` seconds.
+    CUDA: ``peak`` is the *reserved* high-water mark (``max_memory_reserved``: segments,
+    fragmentation and per-stream pools; what an out-of-memory is measured against), ``start``
+    what was allocated at entry, so ``delta`` is what the pass needed beyond the live tensors it
+    started with. Memory the allocator had cached at entry counts (the pass could use it): after
+    a warm-up of the same shape that is the iteration's own need. ``peak_allocated`` keeps
+    ``max_memory_allocated`` for reports.
+    CPU: on Linux the RSS high-water mark is reset on entry (``/proc/self/clear_refs``) and read
+    back (``VmHWM``) on exit, so the peak is exact and no earlier high hides it; elsewhere a
+    thread samples RSS every ``interval`` seconds.
     """
 
     def __init__(self, device: torch.device, interval: float = 0.002):
         self.device, self.interval = device, interval
-        self.start = self.peak = 0
+        self.start = self.peak = self.peak_allocated = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hwm = False
 
     def __enter__(self) -> PeakMeter:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # bounded: kernels this process queued
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.start = self.peak = torch.cuda.memory_allocated(self.device)
+            self.start = self.peak = self.peak_allocated = torch.cuda.memory_allocated(self.device)
             return self
         from tensortier._device import rss_bytes
 
@@ -144,15 +201,18 @@ class PeakMeter:
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.synchronize(self.device)  # the pass's own kernels: they finish
+            self.peak_allocated = torch.cuda.max_memory_allocated(self.device)
+            self.peak = max(self.peak_allocated, torch.cuda.max_memory_reserved(self.device))
             return
         if self._hwm:
-            self.peak = max(self.start, _status_bytes("VmHWM"))
+            self.peak = self.peak_allocated = max(self.start, _status_bytes("VmHWM"))
             return
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            # bounded: the sampler checks the stop event every ``interval`` seconds
+            self._thread.join(timeout=max(1.0, 10 * self.interval))
+        self.peak_allocated = self.peak
 
     @property
     def delta(self) -> int:
@@ -216,11 +276,13 @@ class Profiler:
     the disk traffic of every saved tensor; on the 2-core CI machine that doubled them. When the
     whole iteration fits in free memory, timing passes alternate: one with nothing offloaded (the
     compute time a plan adds its transfers to; its peak calibrates the transient memory model),
-    then one with everything on disk without the probe (its step time calibrates what a moved
+    then one with everything on ``tier`` without the probe (its step time calibrates what a moved
     byte costs the compute, see :func:`calibrate`). Otherwise every timing pass offloads and pack
     and unpack time are subtracted. Each unit keeps its fastest time over the passes: a shared
     host's CPU steal only adds time.
-    On CUDA the hooks synchronize, so the times are kernel time, not launch time.
+    On CUDA the hooks of the passes that time units synchronize, so the times are kernel time,
+    not launch time; an offload pass after a keep pass times only the whole step, with CUDA
+    events (first kernel to last gradient), so its copies overlap compute as in a plan.
     """
 
     def __init__(
@@ -263,9 +325,10 @@ class Profiler:
         self.tensors: list[TensorProfile] = []
 
     # ------------------------------------------------------------------ hooks
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _now(self, cur: _Pass | None = None) -> float:
+        """Host time; on CUDA in a pass that times its units, after the queued kernels ran."""
+        if self.device.type == "cuda" and (cur is None or cur.sync_units):
+            torch.cuda.synchronize(self.device)  # bounded: kernels this pass queued so far
         return time.perf_counter()
 
     def _pre(self, module: nn.Module, args) -> None:
@@ -292,37 +355,46 @@ class Profiler:
             if len(self._passes) == 0:
                 self.order.append(name)
                 self.inputs[name] = sum(t.untyped_storage().nbytes() for t in _tensors(args))
-            cur.fwd[name] = [self._now(), 0.0]
+            cur.fwd[name] = [self._now(cur), 0.0]
 
     def _post(self, module: nn.Module, args, output) -> None:
         cur = self._cur
         name = self.units.get(id(module))
         if cur is None or name is None or name not in cur.fwd or cur.fwd[name][1]:
             return
-        cur.fwd[name][1] = self._now()
+        cur.fwd[name][1] = self._now(cur)
         outs = [t for t in _tensors(output) if t.requires_grad]
         if outs:
 
             def mark(grad, name=name, cur=cur):
-                cur.grad_at.setdefault(name, self._now())
+                cur.grad_at.setdefault(name, self._now(cur))
 
             outs[0].register_hook(mark)
 
     def _grad_done(self, param) -> None:
-        if self._cur is not None and self._cur.t_fwd_end:
-            self._cur.last_grad = self._now()
+        cur = self._cur
+        if cur is None or not cur.t_fwd_end:
+            return
+        if cur.end_event is not None:  # CUDA, no unit timing: mark the stream, do not drain it
+            cur.end_event.record(torch.cuda.current_stream(self.device))
+            cur.last_grad = time.perf_counter()
+        else:
+            cur.last_grad = self._now(cur)
 
     @contextmanager
-    def _pass(self, kind: str, offloader) -> Iterator[Profiler]:
+    def _pass(self, kind: str, offloader, *, sync_units: bool = True) -> Iterator[Profiler]:
         self._close_pass()
-        cur = self._cur = _Pass(kind)
+        cur = self._cur = _Pass(kind, sync_units=sync_units)
         self._hooks = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post),
         ]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        cur.meter = PeakMeter(self.device).__enter__()
+        cur.meter = PeakMeter(self.device).__enter__()  # CUDA: synchronizes first
+        if self.device.type == "cuda" and not sync_units:
+            stream = torch.cuda.current_stream(self.device)
+            cur.start_event = torch.cuda.Event(enable_timing=True)
+            cur.end_event = torch.cuda.Event(enable_timing=True)
+            cur.start_event.record(stream)
         cur.t_fwd = time.perf_counter()
         try:
             if offloader is None:
@@ -331,7 +403,7 @@ class Profiler:
                 with offloader:
                     yield self
         finally:
-            cur.t_fwd_end = self._now()
+            cur.t_fwd_end = self._now(cur)
             for h in self._hooks:
                 h.remove()
             self._hooks = []
@@ -341,10 +413,10 @@ class Profiler:
         cur, self._cur = self._cur, None
         if cur is None:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        cur.meter.__exit__(None, None, None)
+        cur.meter.__exit__(None, None, None)  # CUDA: synchronizes (this pass's kernels) first
         cur.t_end = cur.last_grad or time.perf_counter()
+        if cur.end_event is not None and cur.last_grad:  # device time, first kernel to last grad
+            cur.t_end = cur.t_fwd + cur.start_event.elapsed_time(cur.end_event) / 1e3
         if cur.kind != "keep" and self.offloader is not None:
             cur.records = sorted(self.offloader.records, key=lambda r: r["index"])
         self._passes.append(cur)
@@ -397,7 +469,11 @@ class Profiler:
         tier = self.tier
         self.offloader.decide = lambda info: Action(tier)
         self.offloader.record, self.offloader.records = True, []
-        with self._pass("offload", self.offloader):
+        # Once a keep pass gave the unit times, an offload pass only times the whole step (it
+        # calibrates move_s_per_byte): synchronizing at every unit boundary would drain the copy
+        # streams there and charge the compute for transfers a plan overlaps.
+        sync_units = not any(p.kind == "keep" for p in self._passes)
+        with self._pass("offload", self.offloader, sync_units=sync_units):
             yield self
 
     def _keep_fits(self) -> bool:
@@ -445,8 +521,9 @@ class Profiler:
             )
         if any(t.unit == "" for t in tensors):
             units.append(UnitProfile("", 0.0, 0.0, recomputable=False))
-        bw = self.bandwidth or _bandwidth(self.spill_dir, self.device)
-        codecs = self.codecs or _codec_speeds()
+        with own_rng(self.device):
+            bw = self.bandwidth or _bandwidth(self.spill_dir, self.device)
+            codecs = self.codecs or _codec_speeds()
         return Profile(
             device=self.device.type,
             units=units,
@@ -502,6 +579,7 @@ class _Pass:
     """Timestamps of one profiled iteration."""
 
     kind: str  # "probe", "keep" or "offload"
+    sync_units: bool = True  # CUDA: synchronize at unit boundaries (unit times are used)
     fwd: dict[str, list[float]] = field(default_factory=dict)  # unit -> [start, end]
     grad_at: dict[str, float] = field(default_factory=dict)  # unit -> its output's gradient
     t_fwd: float = 0.0
@@ -510,6 +588,8 @@ class _Pass:
     t_end: float = 0.0
     records: list[dict] = field(default_factory=list)  # the offloader's, when it ran
     meter: PeakMeter | None = None
+    start_event: torch.cuda.Event | None = None  # CUDA passes that do not time units
+    end_event: torch.cuda.Event | None = None
 
 
 def _times(p: _Pass, unit_names: list[str], tensors: list[TensorProfile]) -> dict:
@@ -540,6 +620,18 @@ def _times(p: _Pass, unit_names: list[str], tensors: list[TensorProfile]) -> dic
         "other_fwd": max(0.0, p.t_fwd_end - p.t_fwd - unit_fwd - pack.get("", 0.0)),
         "other_bwd": max(0.0, first_grad - p.t_fwd_end - unpack.get("", 0.0)),
     }
+
+
+@contextmanager
+def own_rng(device: torch.device) -> Iterator[None]:
+    """Run the planner's own work under a forked RNG (CPU and ``device``'s CUDA generator).
+
+    Training must draw the same dropout masks with the planner as without it: whatever the
+    planner draws (bandwidth probe data, codec samples) is undone when the block ends.
+    """
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        yield
 
 
 def _bandwidth(spill_dir: str | None, device: torch.device) -> Bandwidth:

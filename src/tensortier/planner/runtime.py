@@ -3,12 +3,14 @@
 ``tt.offload(budget="6GiB", spill_dir=...)`` returns a :class:`PlannedOffload`. Used like the
 plain offloader (``with off: loss = model(x)`` then ``loss.backward()``), it
 
-1. warms up (``warmup`` iterations with every saved tensor on disk: first-touch page faults,
-   lazy initialisation and thread start-up are not the model's cost),
+1. warms up (``warmup`` iterations with every saved tensor on the profiled tier, see
+   :func:`profiled_tier`: first-touch page faults, lazy initialisation and thread start-up are
+   not the model's cost),
 2. profiles the next iteration (:class:`Profiler`: every saved tensor, its sparsity and codec
    ratios), then times ``timing_iters`` clean iterations (one with nothing offloaded when it fits
-   in free memory, one with everything on disk: they calibrate the simulator), measures the
-   tier bandwidths, and
+   in free memory, one with everything on the profiled tier: they calibrate the simulator),
+   measures the tier bandwidths under a forked RNG (training draws the same dropout masks as
+   without the planner), and
 3. from the following iteration on runs the plan the policy chose: the saved tensors of each
    unit go where the plan says (with the codec it chose per tensor), and units chosen for
    recompute have their ``forward`` wrapped in non-reentrant ``torch.utils.checkpoint``
@@ -107,10 +109,20 @@ class Recompute:
         self._wrapped = []
 
 
+def profiled_tier(to: str, device: torch.device) -> str:
+    """The tier the warm-up and profiling iterations offload to: the one the user asked for;
+    for ``"auto"``, host on CUDA (the fast tier a plan fills first) and disk on a CPU-only
+    machine (where host RAM *is* the device memory, so only disk keeps profiling in budget)."""
+    if to in ("host", "disk"):
+        return to
+    return "host" if device.type == "cuda" else "disk"
+
+
 @dataclass
 class PlanConfig:
     budget: int
     policy: str = "auto"
+    to: str = "auto"  # the tiers the plan may use: "host", "disk" or "auto" (both)
     spill_dir: str | None = None
     warmup: int = 1
     timing_iters: int = 2  # clean timing passes after the probe (see Profiler)
@@ -141,6 +153,7 @@ class PlannedOffload:
         self._active = None
         self._root_hook = None
         self._profiled = 0  # profiler passes run: the probe, then the timing passes
+        self._closed = False
 
     # the outermost module run in the forward is the model the plan's unit names refer to
     def _catch_root(self, module: nn.Module, args) -> None:
@@ -151,6 +164,14 @@ class PlannedOffload:
         from tensortier.activations import Offloader
 
         cfg = self.config
+        if self._closed:
+            from tensortier.errors import ClosedError
+
+            raise ClosedError(
+                "this planned offload is closed (close() was called, or tt.offload() was called "
+                "with other settings, which releases the previous one); call "
+                "tt.offload(budget=...) again"
+            )
         if self.profile is None and self._profiled > cfg.timing_iters:
             self._finish_profile()
         if self.iteration < cfg.warmup:
@@ -162,11 +183,14 @@ class PlannedOffload:
 
                 self._rss0 = rss_bytes()
             if self._warm is None:
+                tier = self._tier()
                 self._warm = Offloader(
-                    "disk",
+                    # "auto": a host tier that is full spills to disk instead of failing
+                    "disk" if tier == "disk" else ("host" if cfg.to == "host" else "auto"),
                     spill_dir=cfg.spill_dir,
-                    decide=lambda info: "disk",
+                    decide=lambda info: tier,
                     prefetch=cfg.prefetch,
+                    host_budget=cfg.host_budget,
                 )
             self._root_hook = nn.modules.module.register_module_forward_pre_hook(self._catch_root)
             self._active = self._warm
@@ -186,6 +210,7 @@ class PlannedOffload:
                 self._overhead = max(0, rss_bytes() - self._rss0 - grads)
             self._profiler = Profiler(
                 offloader=self._warm,
+                tier=self._tier(),
                 spill_dir=cfg.spill_dir,
                 bandwidth=cfg.bandwidth,
                 allow_lossy=bool(cfg.options and cfg.options.allow_lossy),
@@ -211,7 +236,18 @@ class PlannedOffload:
             if self.profile is None and active is not self._warm:
                 self._profiled += 1
 
+    def _tier(self) -> str:
+        from tensortier._device import default_device
+
+        return profiled_tier(self.config.to, default_device())
+
     def _finish_profile(self) -> None:
+        from tensortier.planner.profiler import own_rng
+
+        with own_rng(self._profiler.device):  # nothing here may move the training's RNG
+            self._plan()
+
+    def _plan(self) -> None:
         cfg = self.config
         prof = self._profiler
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
@@ -244,11 +280,12 @@ class PlannedOffload:
             self.offloader, self._warm = self._warm, None
             self.offloader.decide = make_decide(self.profile, plan)
             self.offloader.record, self.offloader.records = False, []
-            self.offloader.to = "auto"  # host tier full: spill to disk
-            self.offloader._attach_disk()
+            if cfg.to != "host":  # host-only plans never go to disk
+                self.offloader.to = "auto"  # host tier full: spill to disk
+                self.offloader._attach_disk()
         else:
             self.offloader = Offloader(
-                "auto",
+                "host" if cfg.to == "host" else "auto",
                 spill_dir=cfg.spill_dir,
                 decide=make_decide(self.profile, plan),
                 prefetch=cfg.prefetch,
@@ -261,11 +298,15 @@ class PlannedOffload:
 
     def close(self) -> None:
         """Undo the checkpoint wrappers and release the offloaders' memory and files."""
+        self._closed = True
         if self._recompute is not None:
             self._recompute.remove()
+            self._recompute = None
+        closed: list = []
         for off in (self.offloader, self._warm, self._profiler and self._profiler.offloader):
-            if off is not None:
+            if off is not None and all(off is not c for c in closed):
                 off.close()
+                closed.append(off)
 
 
 _CACHE: dict = {}
@@ -302,6 +343,7 @@ def planned_offload(
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
         policy=policy,
+        to=to,
         spill_dir=spill_dir,
         warmup=warmup,
         timing_iters=timing_iters,
@@ -314,6 +356,11 @@ def planned_offload(
     cached = _CACHE.get(key)
     if cached is None or cached._active is not None:
         cached = PlannedOffload(config)
-        _CACHE.clear()  # one cached configuration: switching settings releases the old one
+        # one cached configuration: switching settings releases the old one (its pinned host
+        # pool, spill files and threads), unless it is running right now (nested use)
+        for old in _CACHE.values():
+            if old._active is None:
+                old.close()
+        _CACHE.clear()
         _CACHE[key] = cached
     return cached
