@@ -1,12 +1,24 @@
+import builtins
+import errno
+import gc
+import hashlib
+import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
 from tensortier._device import rss_bytes
-from tensortier.errors import ClosedError, ConfigError, SpillDirError
-from tensortier.rl import Prioritized, ReplayBuffer
+from tensortier._lifetime import quiesce
+from tensortier.errors import ClosedError, ConfigError, CorruptDataError, SpillDirError
+from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer
 
 
 def item(i: int, size: int = 100) -> dict:
@@ -247,3 +259,361 @@ def test_rss_stays_under_budget_while_storing_10x(spill_dir):
     got = buf[int(buf.indices()[0])]
     assert got["i"] == 0 and (got["obs"] == payload).all()
     buf.close()
+
+
+def run_with_deadline(fn, seconds: float = 30.0):
+    """Run ``fn`` on a thread; fail (instead of hanging the suite) if it has not returned."""
+    out: dict = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still blocked after {seconds} s"
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_sample_of_an_empty_or_drained_buffer_raises_with_and_without_prefetch(prefetch):
+    # with prefetch, sample() used to block forever where prefetch=0 raised IndexError
+    buf = ReplayBuffer(10, prefetch=prefetch, max_uses=1, seed=0)
+    assert isinstance(run_with_deadline(lambda: buf.sample(1))["error"], IndexError)
+    k = buf.add(item(0))
+    assert run_with_deadline(lambda: buf.sample(1))["value"].indices.tolist() == [k]
+    got = run_with_deadline(lambda: buf.sample(1))  # drained by max_uses
+    assert isinstance(got["error"], IndexError) and "max_uses" in str(got["error"])
+    got = run_with_deadline(lambda: buf.sample(1, timeout=0.2))
+    assert isinstance(got["error"], IndexError) and "waiting" in str(got["error"])
+    buf.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_sample_with_timeout_waits_for_an_add(prefetch):
+    buf = ReplayBuffer(10, prefetch=prefetch, seed=0)
+    adder = threading.Timer(0.2, lambda: buf.add(item(7)))
+    adder.start()
+    got = run_with_deadline(lambda: buf.sample(3, timeout=30))
+    adder.join()
+    assert got["value"].items["i"].tolist() == [7, 7, 7]
+    buf.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_wakes_a_sampler_waiting_without_timeout(prefetch):
+    buf = ReplayBuffer(10, prefetch=prefetch)
+    closer = threading.Timer(0.2, buf.close)
+    closer.start()
+    got = run_with_deadline(lambda: buf.sample(1, timeout=None))
+    closer.join()
+    assert isinstance(got["error"], ClosedError)
+
+
+def test_dropped_prefetching_buffer_is_collected_and_its_thread_ends(spill_dir):
+    buf = ReplayBuffer(100, prefetch=2, ram_budget="2KiB", spill_dir=spill_dir, seed=0)
+    buf.extend(item(i) for i in range(50))
+    buf.sample(4)
+    thread = buf._prefetcher.thread
+    ref = weakref.ref(buf)
+    del buf  # no close(): the prefetch thread must not keep it alive
+    gc.collect()
+    quiesce()
+    assert ref() is None
+    thread.join(10)
+    assert not thread.is_alive()  # and the spill_dir fixture checks the files are gone
+
+
+def test_prefetch_hands_errors_to_the_caller():
+    buf = ReplayBuffer(10, prefetch=1, seed=0)
+    buf.add(item(0))
+    real = buf._sample_locked
+
+    def broken(n):
+        raise CorruptDataError("disk said no")
+
+    buf._sample_locked = broken
+    got = run_with_deadline(lambda: buf.sample(1))
+    assert isinstance(got["error"], CorruptDataError)
+    buf._sample_locked = real
+    assert len(buf.sample(2)) == 2
+    buf.close()
+
+
+@pytest.mark.parametrize("capacity", [10, 2])  # not full: an empty slot; full: infinite weights
+def test_all_zero_priorities_draw_live_items_uniformly_with_unit_weights(capacity):
+    buf = ReplayBuffer(capacity, sampler=Prioritized(), seed=0)
+    keys = [buf.add(item(i)) for i in range(2)]
+    buf.update_priorities(keys, [0.0, 0.0])
+    batch = buf.sample(400)
+    assert set(batch.indices.tolist()) == set(keys)
+    assert (batch.weights == 1).all()
+    counts = np.bincount(batch.items["i"], minlength=2)
+    assert counts.min() > 120  # 200 expected each; p < 1e-9 under uniform draws
+    buf.update_priorities(keys[:1], [3.0])  # one positive priority: zero is never drawn again
+    assert set(buf.sample(50).indices.tolist()) == {keys[0]}
+    buf.close()
+
+
+def test_update_priorities_refuses_indices_add_never_returned():
+    buf = ReplayBuffer(4, sampler=Prioritized(alpha=1.0), seed=0)
+    keys = [buf.add(item(i)) for i in range(4)]
+    assert keys == [0, 5, 10, 15]
+    before = buf.priorities(keys).copy()
+    for bad in ([1, 2, 3], [keys[0], 7], [-1], [10**9]):
+        with pytest.raises(KeyError, match="never returned"):
+            buf.update_priorities(bad, np.full(len(bad), 100.0))
+    np.testing.assert_array_equal(buf.priorities(keys), before)
+    with pytest.raises(KeyError, match="never returned"):
+        buf[2]
+    sampled = buf.sample(4).indices
+    buf.extend(item(i) for i in range(4))  # evicts all four: stale, not never issued
+    buf.update_priorities(sampled, np.ones(4))
+    assert buf.stats["stale_updates"] == 4
+    buf.close()
+
+
+def test_update_priorities_knows_indices_after_a_reload(tmp_path):
+    buf = ReplayBuffer(8, sampler=Prioritized(), seed=0)
+    keys = buf.extend(item(i) for i in range(6))
+    del buf[int(keys[1])]
+    buf.save(tmp_path / "saved")
+    buf.close()
+    new = ReplayBuffer.load(tmp_path / "saved")
+    with pytest.raises(KeyError, match="never returned"):
+        new.update_priorities([int(keys[0]) + 1], [1.0])  # same add as keys[0], another slot
+    new.update_priorities([int(keys[1])], [1.0])  # deleted before the save: stale
+    assert new.stats["stale_updates"] == 1
+    k = new.add(item(9))
+    assert k > keys.max()
+    new.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"capacity": 10**12}, "capacity"),
+        ({"capacity": 10, "spill_dir": 123}, "spill_dir"),
+        ({"capacity": 10, "durable": "yes", "spill_dir": "/tmp"}, "durable"),
+        ({"capacity": 10, "fsync": 1}, "fsync"),
+        ({"capacity": 10, "durable": True}, "spill_dir"),
+        ({"capacity": 10, "seed": "x"}, "seed"),
+        ({"capacity": 10, "seed": -1}, "seed"),
+        ({"capacity": 10, "max_uses": True}, "max_uses"),
+        ({"capacity": 10, "prefetch": True}, "prefetch"),
+        ({"capacity": 10, "sampler": Prioritized}, "sampler"),
+        ({"capacity": 10, "segment_size": 0}, "segment_size"),
+    ],
+)
+def test_bad_arguments_are_config_errors_naming_them(kwargs, name):
+    with pytest.raises(ConfigError, match=name):
+        ReplayBuffer(**kwargs)
+
+
+def test_bad_memory_bank_arguments_are_config_errors_naming_them():
+    for kwargs, name in [
+        ({"capacity": 10**12}, "capacity"),
+        ({"capacity": 10, "durable": True}, "spill_dir"),
+        ({"capacity": 10, "spill_dir": 1.5}, "spill_dir"),
+    ]:
+        with pytest.raises(ConfigError, match=name):
+            MemoryBank(**kwargs)
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0, True, "4", None])
+def test_bad_batch_size_is_a_config_error_naming_the_fix(n):
+    buf = ReplayBuffer(10, sampler=Prioritized())
+    buf.add(item(0))
+    with pytest.raises(ConfigError, match="batch_size must be an int >= 1"):
+        buf.sample(n)
+    with pytest.raises(ConfigError, match="batch_size"):
+        buf._sample_blobs(n)  # what tt.rl.serve's actor calls
+    with pytest.raises(ConfigError, match="timeout"):
+        buf.sample(1, timeout=-1)
+    buf.close()
+
+
+def flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def tree_digest(d) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def saved_copy(tmp_path, n: int = 5):
+    buf = ReplayBuffer(10, sampler=Prioritized(), seed=0)
+    buf.extend(item(i) for i in range(n))
+    buf.save(tmp_path / "saved")
+    buf.close()
+    return tmp_path / "saved"
+
+
+def test_load_never_modifies_the_saved_copy(tmp_path, spill_dir):
+    saved = saved_copy(tmp_path)
+    flip_last_byte(saved / "seg-00000000.ttr")  # the last record: a "torn tail" to a recovery
+    before = tree_digest(saved)
+    with pytest.raises(CorruptDataError, match="left unchanged"):
+        ReplayBuffer.load(saved, spill_dir=spill_dir, ram_budget=0)
+    assert tree_digest(saved) == before  # and the spill_dir fixture checks nothing is left
+
+
+def test_load_only_reads(tmp_path, monkeypatch):
+    # a read-only copy (read-only mount, archive, another user's files) must load: nothing in
+    # the saved directory may be opened for writing or created
+    saved = saved_copy(tmp_path)
+    real_open, real_os_open = builtins.open, os.open
+    inside = str(saved)
+
+    def spy_open(file, mode="r", *a, **k):
+        if str(file).startswith(inside) and any(c in mode for c in "wax+"):
+            raise OSError(errno.EROFS, "Read-only file system", file)
+        return real_open(file, mode, *a, **k)
+
+    def spy_os_open(path, flags, *a, **k):
+        if str(path).startswith(inside) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_os_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy_open)
+    monkeypatch.setattr(os, "open", spy_os_open)
+    new = ReplayBuffer.load(saved)
+    assert len(new) == 5 and new[int(new.indices()[4])]["i"] == 4
+    new.close()
+
+
+class _Evil:
+    def __reduce__(self):
+        return (open, (_Evil.marker, "w"))
+
+
+def _damage(kind: str, d) -> None:
+    meta_path, npz = d / "buffer.json", d / "state.npz"
+    meta = json.loads(meta_path.read_text())
+    z = dict(np.load(npz))
+    if kind == "truncated json":
+        os.truncate(meta_path, 20)
+    elif kind == "npz bit flip":
+        data = bytearray(npz.read_bytes())
+        data[len(data) // 2] ^= 1
+        npz.write_bytes(bytes(data))
+    elif kind == "no config":
+        meta.pop("config")
+        meta_path.write_text(json.dumps(meta))
+    elif kind == "capacity string":
+        meta["config"]["capacity"] = "10"
+        meta_path.write_text(json.dumps(meta))
+    elif kind == "unknown sampler":
+        meta["config"]["sampler"] = {"kind": "prioritized", "gamma": 2}
+        meta_path.write_text(json.dumps(meta))
+    elif kind == "keys out of order":
+        z["keys"] = z["keys"][::-1].copy()
+        np.savez(npz, **z)
+    elif kind == "NaN priority":
+        z["leaves"][0] = np.nan
+        np.savez(npz, **z)
+    elif kind == "key beyond seq":
+        z["keys"][-1] += 10**6
+        np.savez(npz, **z)
+    elif kind == "pickled object array":
+        z["keys"] = np.array([_Evil()], dtype=object)
+        np.savez(npz, **z)  # savez pickles object arrays; load must never unpickle them
+    elif kind == "bad sampler state":
+        meta["sampler_state"] = {"max_priority": -1}
+        meta_path.write_text(json.dumps(meta))
+    elif kind == "missing npz":
+        os.remove(npz)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "truncated json",
+        "npz bit flip",
+        "no config",
+        "capacity string",
+        "unknown sampler",
+        "keys out of order",
+        "NaN priority",
+        "key beyond seq",
+        "pickled object array",
+        "bad sampler state",
+        "missing npz",
+    ],
+)
+def test_damaged_saved_state_is_corrupt_data_error(tmp_path, spill_dir, kind):
+    saved = saved_copy(tmp_path)
+    _Evil.marker = str(tmp_path / "unpickled")
+    _damage(kind, saved)
+    with pytest.raises(CorruptDataError):
+        ReplayBuffer.load(saved, spill_dir=spill_dir, ram_budget=0)
+    assert not os.path.exists(_Evil.marker)
+
+
+def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch, spill_dir):
+    buf = spilled(spill_dir, capacity=50)
+    buf.extend(item(i) for i in range(50))
+
+    def disk_full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("tensortier.rl._saved.write", disk_full)
+    with pytest.raises(SpillDirError, match="No space left"):
+        buf.save(tmp_path / "saved")
+    assert not os.path.exists(tmp_path / "saved")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpillDirError):
+        buf.save(tmp_path / "empty")
+    assert os.listdir(tmp_path / "empty") == []  # a directory it did not make stays, empty
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SpillDirError, match="save"):
+        buf.save(tmp_path / "file")
+    buf.save(tmp_path / "saved")  # the buffer is unharmed
+    assert len(ReplayBuffer.load(tmp_path / "saved")) == 50
+    buf.close()
+
+
+SIGKILLED = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    from tensortier.rl import MemoryBank, ReplayBuffer
+    rb = ReplayBuffer(10, ram_budget=0, spill_dir=sys.argv[1])
+    rb.add({"x": np.ones(100)})
+    mb = MemoryBank(10, ram_budget=0, spill_dir=sys.argv[1])
+    mb.append({"x": np.ones(100)})
+    print(sorted(os.listdir(sys.argv[1])), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_spill_areas_of_a_killed_process_are_reclaimed_on_restart(spill_dir):
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGKILLED, spill_dir], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-1000:]
+    left = os.listdir(spill_dir)
+    assert len(left) == 2 and all(n.startswith(("tt-replay-", "tt-membank-")) for n in left)
+    # the restarted job's store reclaims them when it starts, before it spills anything
+    # (MemoryBank runs the same ItemStore code)
+    with ReplayBuffer(10, spill_dir=spill_dir) as restarted:
+        assert os.listdir(spill_dir) == []
+        restarted.add(item(1))
+
+
+def test_reclaiming_leaves_a_live_owners_spill_area_alone(spill_dir):
+    live = ReplayBuffer(10, ram_budget=0, spill_dir=spill_dir)
+    live.add(item(0))
+    mine = os.listdir(spill_dir)
+    assert len(mine) == 1
+    with ReplayBuffer(10, spill_dir=spill_dir), MemoryBank(10, spill_dir=spill_dir):
+        assert os.listdir(spill_dir) == mine
+    assert live[int(live.indices()[0])]["i"] == 0
+    live.close()

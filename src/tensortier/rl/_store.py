@@ -5,10 +5,12 @@ order (FIFO order is key order) and are never reused, and ``slot = key % capacit
 item's row in the index arrays without a dict. A key whose slot now holds another key is stale.
 
 Index (per slot, numpy): key, disk location (segment, offset, length), a list entry for the RAM
-copy, the free-slot stack; RAM order and FIFO order are numpy rings of keys (removed keys are
+copy, the free-slot stack, the slot each of the last ``capacity`` adds used (to tell an index
+never issued from a stale one); RAM order and FIFO order are numpy rings of keys (removed keys are
 skipped lazily, the FIFO ring is compacted past 2x capacity). With the replay buffer's use counts
-and sum/min trees that is about 100 bytes per slot of capacity (~95 MiB for 1M slots), the
-"small overhead per item" outside the RAM budget.
+and sum/min trees that is about 110 bytes per slot of capacity (~105 MiB for 1M slots), the
+"small overhead per item" outside the RAM budget; :func:`check_args` refuses a capacity whose
+index does not fit in the memory available.
 
 Tiering. Item bytes in RAM (blob length + 33 bytes of Python object header) stay under
 ``ram_budget``: an add that would exceed it first moves the oldest RAM items to the active segment
@@ -25,15 +27,81 @@ import json
 import operator
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
+import psutil
 
-from tensortier._lifetime import private_dir, remove_private_dir
-from tensortier.errors import ConfigError, SpillDirError
+from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale, remove_private_dir
+from tensortier._units import format_size
+from tensortier.errors import ConfigError, CorruptDataError, SpillDirError
 from tensortier.rl._segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
 _META = "store.json"
+_FORMAT_VERSION = 2  # 2: records checksum their header too (see _segments.py); 1 is still read
+# index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, free
+# stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
+SLOT_BYTES = 80
+
+
+def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
+    """``indices`` (an int, a sequence, an array or a tensor of ints) as a 1-D int64 array."""
+    if hasattr(indices, "detach"):
+        indices = indices.detach().cpu().numpy()
+    arr = np.asarray(indices)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise TypeError(
+            f"{name} must be an int or a 1-D sequence of ints (as returned by add()), got "
+            f"{arr.dtype} {arr.shape}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def check_args(
+    what: str,
+    capacity: Any,
+    *,
+    spill_dir: Any,
+    durable: Any,
+    fsync: Any,
+    extra_slot_bytes: int = 0,
+) -> int:
+    """Validate the arguments every item store takes, before anything is allocated.
+
+    Returns ``capacity`` as an int. The index is allocated up front (about ``SLOT_BYTES +
+    extra_slot_bytes`` per slot), so a capacity whose index cannot fit in the memory available now
+    is refused here instead of failing (or swapping) inside numpy.
+    """
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ConfigError(
+            f"{what}: capacity must be an int >= 1 (the most items it holds), got {capacity!r}"
+        )
+    per_slot = SLOT_BYTES + extra_slot_bytes
+    need = int(capacity) * per_slot
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ConfigError(
+            f"{what}: capacity={int(capacity)} needs about {format_size(need)} of index in RAM "
+            f"({per_slot} bytes per slot, allocated up front), but only {format_size(available)} "
+            f"is available; lower capacity (items beyond ram_budget live on disk, their index "
+            f"does not)"
+        )
+    if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+        raise ConfigError(
+            f"{what}: spill_dir must be a path (str or os.PathLike) or None, got "
+            f"{type(spill_dir).__name__} {spill_dir!r}"
+        )
+    for name, value in (("durable", durable), ("fsync", fsync)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ConfigError(f"{what}: {name} must be True or False, got {value!r}")
+    if durable and spill_dir is None:
+        raise ConfigError(
+            f"{what}: durable=True needs spill_dir, the directory whose segments survive a restart"
+        )
+    return int(capacity)
 
 
 class KeyQueue:
@@ -82,7 +150,33 @@ class StoreStats:
         return asdict(self)
 
 
+class _Files:
+    """What a store's cleanup needs, with no reference to the store (see ``LIFETIME.md``)."""
+
+    def __init__(self, private: bool):
+        self.segments: Segments | None = None
+        self.private = private  # a private spill directory: removed with its files
+        self.lock: DirLock | None = None  # durable: one writer per directory
+
+    def close(self) -> None:
+        segs, self.segments = self.segments, None
+        if segs is not None:
+            segs.close(remove=self.private)
+            if self.private:
+                remove_private_dir(segs.root)
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release()  # last: the files are closed before another writer may open them
+
+
 class ItemStore:
+    """Keyed item blobs in RAM up to ``ram_budget``, then in segment files (see the module doc).
+
+    ``what`` names the owner in messages ("ReplayBuffer", "MemoryBank"). Files are removed (a
+    private spill directory) or released (a durable directory's lock) by :meth:`close`, or by the
+    reaper thread when the store is garbage collected.
+    """
+
     def __init__(
         self,
         capacity: int,
@@ -93,10 +187,12 @@ class ItemStore:
         fsync: bool = False,
         segment_size: int = 64 << 20,
         owner: str = "tt-rl",
+        what: str = "store",
     ):
         self.cap = capacity
         self.budget = ram_budget
         self.durable = durable
+        self.what = what
         self.keys = np.full(capacity, -1, np.int64)
         self.seg = np.full(capacity, -1, np.int32)
         self.off = np.zeros(capacity, np.int64)
@@ -105,60 +201,126 @@ class ItemStore:
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
         self.nfree = capacity
         self.seq = 0
+        # slot used by each of the last `capacity` adds (by seq % capacity; -1: not known), so an
+        # index that add() never returned is told apart from one that went stale
+        self.issued_slot = np.full(capacity, -1, np.int64)
         self.fifo = KeyQueue()
         self.ram_order = KeyQueue()
         self.stats = StoreStats()
         self.compaction_paused = 0
         self._spill_dir = spill_dir
         self._owner = owner
-        self.segments: Segments | None = None
-        self._private = not durable
+        self._files = _Files(private=not durable)
+        self._finalizer = Finalizer(self, self._files.close)
         self.recovered: np.ndarray = np.empty(0, np.int64)
         self.segment_size = segment_size
         self.fsync = fsync
         if durable:
             if spill_dir is None:
                 raise ConfigError(
-                    "durable=True needs spill_dir: the directory whose segments survive a restart"
+                    f"{what}: durable=True needs spill_dir, the directory whose segments survive "
+                    f"a restart"
                 )
-            root = os.fspath(spill_dir)
             try:
-                os.makedirs(root, mode=0o700, exist_ok=True)
-            except OSError as exc:
-                raise SpillDirError(
-                    f"cannot create durable buffer directory {root!r} ({exc.strerror})", path=root
-                ) from exc
-            self._check_meta(root)
-            self.segments = Segments(root, segment_size=segment_size, fsync=fsync)
-            self._recover()
+                self._open_durable(os.fspath(spill_dir))
+            except BaseException:
+                self._finalizer()
+                raise
+        elif spill_dir is not None and os.path.isdir(spill_dir):
+            reclaim_stale(spill_dir)  # spill areas of processes that died (even by SIGKILL)
+
+    @property
+    def segments(self) -> Segments | None:
+        return self._files.segments
 
     # ------------------------------------------------------------------ setup
+    def _open_durable(self, root: str) -> None:
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise SpillDirError(
+                f"{self.what}: cannot create the durable directory spill_dir={root!r} "
+                f"({exc.strerror}); pass a writable spill_dir",
+                path=root,
+            ) from exc
+        try:
+            self._files.lock = DirLock(root, what=f"durable {self.what}")
+        except SpillDirError as exc:
+            cause = exc.__cause__
+            reason = cause.strerror if isinstance(cause, OSError) else str(exc)
+            raise SpillDirError(
+                f"{self.what}: durable spill_dir={root!r} is not writable ({reason}); a durable "
+                f"buffer writes its segments there: make it writable or pass another spill_dir "
+                f"(to read a saved copy from a read-only place, use ReplayBuffer.load)",
+                path=root,
+            ) from exc
+        self._check_meta(root)
+        self._files.segments = Segments(root, segment_size=self.segment_size, fsync=self.fsync)
+        self._recover()
+
     def _check_meta(self, root: str) -> None:
         path = os.path.join(root, _META)
         if os.path.exists(path):
-            with open(path) as f:
-                meta = json.load(f)
+            try:
+                with open(path) as f:
+                    meta = json.load(f)
+                if not isinstance(meta, dict):
+                    raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+            except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
+                raise CorruptDataError(
+                    f"{path} is damaged ({exc}); it records the capacity of the durable buffer "
+                    f"in {root!r}: restore it, or rewrite it as "
+                    f'{{"format": "tensortier-rl-segments", "version": {_FORMAT_VERSION}, '
+                    f'"capacity": <the capacity>}}',
+                    path=path,
+                ) from exc
+            version = meta.get("version")
+            if meta.get("format") != "tensortier-rl-segments" or not isinstance(version, int):
+                raise CorruptDataError(
+                    f"{path} does not describe a tensortier durable buffer; pass another spill_dir",
+                    path=path,
+                )
+            if version > _FORMAT_VERSION:
+                raise CorruptDataError(
+                    f"the durable buffer in {root!r} has format version {version}, newer than "
+                    f"this tensortier reads ({_FORMAT_VERSION}); upgrade tensortier",
+                    path=path,
+                )
             if meta.get("capacity") != self.cap:
                 raise ConfigError(
                     f"durable buffer in {root!r} was created with capacity={meta.get('capacity')}, "
                     f"got capacity={self.cap}; reopen it with the same capacity"
                 )
-        else:
-            tmp = path + ".tmp"
+            if version == _FORMAT_VERSION:
+                return
+        self._write_meta(path)
+
+    def _write_meta(self, path: str) -> None:
+        tmp = path + ".tmp"
+        meta = {
+            "format": "tensortier-rl-segments",
+            "version": _FORMAT_VERSION,
+            "capacity": self.cap,
+        }
+        try:
             with open(tmp, "w") as f:
-                json.dump(
-                    {"format": "tensortier-rl-segments", "version": 1, "capacity": self.cap}, f
-                )
+                json.dump(meta, f)
             os.replace(tmp, path)
+        except OSError as exc:
+            raise SpillDirError(
+                f"{self.what}: cannot write {path!r} ({exc.strerror}); make spill_dir writable "
+                f"or pass another one",
+                path=os.path.dirname(path),
+            ) from exc
 
     def _disk(self) -> Segments:
-        if self.segments is None:
-            self.segments = Segments(
+        if self._files.segments is None:
+            self._files.segments = Segments(
                 private_dir(self._spill_dir, self._owner),
                 segment_size=self.segment_size,
                 fsync=self.fsync,
             )
-        return self.segments
+        return self._files.segments
 
     def _recover(self) -> None:
         """Rebuild the index from the segments: the last record of each key wins."""
@@ -183,6 +345,7 @@ class ItemStore:
         for slot in np.nonzero(self.keys >= 0)[0]:
             segs.add_live(int(self.seg[slot]), int(self.len[slot]))
         self._rebuild_free()
+        self._note_issued(np.fromiter(latest, np.int64, len(latest)))
         used = self.keys >= 0
         order = np.sort(self.keys[used])
         self.fifo.push(order)
@@ -209,9 +372,44 @@ class ItemStore:
         return np.where(ok, slots, -1)
 
     def issued(self, keys: np.ndarray) -> np.ndarray:
-        """True where a key was handed out by this store at some point (it may be gone now)."""
+        """False where a key was certainly never handed out by this store.
+
+        Exact for keys of the last ``capacity`` adds (the store remembers which slot each used);
+        an older key that is no longer live cannot be told from a stale one and counts as issued.
+        """
         keys = np.asarray(keys, np.int64)
-        return (keys >= 0) & (keys < self.seq * self.cap)
+        seqs = keys // self.cap
+        ok = (keys >= 0) & (seqs < self.seq)
+        recent = ok & (seqs >= self.seq - self.cap)
+        known = self.issued_slot[np.where(recent, seqs % self.cap, 0)]
+        return ok & ~(recent & (known >= 0) & (known != keys % self.cap))
+
+    def _note_issued(self, keys: np.ndarray) -> None:
+        """Remember the slots of ``keys`` among the last ``capacity`` adds (after a reload)."""
+        seqs = keys // self.cap
+        recent = seqs >= self.seq - self.cap
+        self.issued_slot[seqs[recent] % self.cap] = keys[recent] % self.cap
+
+    def live_slots(self, keys: np.ndarray, added_by: str = "add()") -> np.ndarray:
+        """Slots of ``keys``; KeyError naming the first key that is not live, and why."""
+        slots = self.slots(keys)
+        bad = slots < 0
+        if bad.any():
+            first = int(keys[np.argmax(bad)])
+            if self.issued(np.array([first]))[0]:
+                why = f"it was deleted, evicted or used up (or never returned by {added_by})"
+            else:
+                why = f"it was never returned by {added_by} on this {self.what}"
+            raise KeyError(
+                f"index {first} is not in the {self.what} ({int(bad.sum())} of {len(keys)} "
+                f"missing): {why}"
+            )
+        return slots
+
+    def contains(self, index: object) -> bool:
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+            return False
+        return bool(self.slots(np.array([index], np.int64))[0] >= 0)
 
     def blobs(self, slots: np.ndarray) -> list[bytes]:
         """Item blobs of live ``slots``, RAM copies first, the rest in one sorted disk pass."""
@@ -251,8 +449,10 @@ class ItemStore:
             on_evict(evicted)
         slots = self.free[self.nfree - n : self.nfree][::-1].copy()
         self.nfree -= n
-        keys = (self.seq + np.arange(n, dtype=np.int64)) * self.cap + slots
+        seqs = self.seq + np.arange(n, dtype=np.int64)
+        keys = seqs * self.cap + slots
         self.seq += n
+        self.issued_slot[seqs % self.cap] = slots
         self.keys[slots] = keys
         self.seg[slots] = -1
         try:
@@ -291,8 +491,8 @@ class ItemStore:
     def restore(self, keys: np.ndarray, blobs: list[bytes]) -> None:
         """Put items back under their saved keys (a load into an empty store)."""
         slots = keys % self.cap
-        if (self.keys[slots] >= 0).any():
-            raise ValueError("restore: two saved items map to one slot (capacity changed?)")
+        if (self.keys[slots] >= 0).any() or len(np.unique(slots)) != len(slots):
+            raise CorruptDataError("two saved items map to one slot: the saved index is damaged")
         self.keys[slots] = keys
         self.seg[slots] = -1
         self.seq = max(self.seq, int(keys.max()) // self.cap + 1) if len(keys) else self.seq
@@ -304,6 +504,12 @@ class ItemStore:
         self.fifo.push(keys)
         self.stats.items += len(keys)
         self._rebuild_free()
+
+    def finish_restore(self, seq: int) -> None:
+        """After :meth:`restore`: continue keys after ``seq`` adds; remember the live keys' slots."""
+        self.seq = max(self.seq, seq)
+        self.issued_slot[:] = -1
+        self._note_issued(self.order())
 
     def _to_ram(self, slots: np.ndarray, keys: np.ndarray, blobs: list[bytes]) -> None:
         need = sum(len(b) + _OBJ for b in blobs)
@@ -465,9 +671,5 @@ class ItemStore:
         segs.drop(seg)
 
     def close(self) -> None:
-        if self.segments is not None:
-            self.segments.close(remove=self._private)
-            if self._private:
-                remove_private_dir(self.segments.root)
-            self.segments = None
+        self._finalizer()
         self.ram = [None] * self.cap

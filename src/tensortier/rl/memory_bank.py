@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 
 from tensortier._units import SizeLike, parse_size
-from tensortier.errors import ClosedError, ConfigError
+from tensortier.errors import ClosedError
 from tensortier.rl import _codec
-from tensortier.rl._store import ItemStore
-from tensortier.rl.replay import _as_index_array
+from tensortier.rl._store import ItemStore, as_index_array, check_args
 
 
 class MemoryBank:
@@ -38,22 +37,21 @@ class MemoryBank:
         fsync: bool = False,
         segment_size: SizeLike = "64MiB",
     ):
-        if (
-            isinstance(capacity, bool)
-            or not isinstance(capacity, (int, np.integer))
-            or capacity < 1
-        ):
-            raise ConfigError(f"capacity must be an int >= 1, got {capacity!r}")
+        capacity = check_args(
+            "MemoryBank", capacity, spill_dir=spill_dir, durable=durable, fsync=fsync
+        )
+        durable, fsync = bool(durable), bool(fsync)
         self._lock = threading.RLock()
         self._closed = False
         self._store = ItemStore(
-            int(capacity),
+            capacity,
             parse_size(ram_budget, name="ram_budget"),
             spill_dir,
             durable=durable,
             fsync=fsync,
             segment_size=parse_size(segment_size, name="segment_size", allow_zero=False),
             owner="tt-membank",
+            what="MemoryBank",
         )
 
     @property
@@ -73,14 +71,7 @@ class MemoryBank:
             raise ClosedError("this MemoryBank is closed")
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
-        slots = self._store.slots(keys)
-        if (slots < 0).any():
-            first = int(keys[np.argmax(slots < 0)])
-            raise KeyError(
-                f"index {first} is not in the memory bank: it was deleted, evicted, or never "
-                f"returned by append()"
-            )
-        return slots
+        return self._store.live_slots(keys, "append()")
 
     def append(self, item: Any) -> int:
         """Store ``item`` at the end (evicting the oldest at capacity); returns its index."""
@@ -94,7 +85,7 @@ class MemoryBank:
 
     def get_many(self, indices: Sequence[int] | np.ndarray) -> list[Any]:
         """Items at ``indices`` in order; disk-resident ones in one offset-sorted pass."""
-        keys = _as_index_array(indices, "indices")
+        keys = as_index_array(indices, "indices")
         with self._lock:
             self._check()
             blobs = self._store.blobs(self._slots(keys))
@@ -107,20 +98,18 @@ class MemoryBank:
         blob = _codec.encode(item)
         with self._lock:
             self._check()
-            [slot] = self._slots(_as_index_array(index, "index"))
+            [slot] = self._slots(as_index_array(index, "index"))
             self._store.replace(int(slot), blob)
 
     def __delitem__(self, index: int | Sequence[int]) -> None:
-        keys = _as_index_array(index, "index")
+        keys = as_index_array(index, "index")
         with self._lock:
             self._check()
             self._store.remove(np.unique(self._slots(keys)))
 
     def __contains__(self, index: object) -> bool:
-        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
-            return False
         with self._lock:
-            return bool(self._store.slots(np.array([index]))[0] >= 0)
+            return self._store.contains(index)
 
     def indices(self) -> np.ndarray:
         """Indices of stored items, oldest first."""
@@ -136,6 +125,8 @@ class MemoryBank:
                 continue
 
     def close(self) -> None:
+        """Delete spill files (a durable bank keeps its segments). A bank dropped without
+        ``close()`` is cleaned up by the reaper thread after garbage collection."""
         with self._lock:
             if not self._closed:
                 self._closed = True
@@ -146,10 +137,3 @@ class MemoryBank:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            if not self._closed:
-                self._store.close()
-        except Exception:
-            pass

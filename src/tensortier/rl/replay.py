@@ -4,11 +4,16 @@ Indices. ``add`` returns an int index that stays valid until the item is deleted
 capacity) or used up (``max_uses``); indices are never reused, so a stale one is refused rather than
 silently pointing at a newer item. ``update_priorities`` skips indices that went stale between
 ``sample`` and the update (counted in ``stats["stale_updates"]``), which is the normal case for a
-learner racing collectors; an index that was never issued is an error.
+learner racing collectors; an index that add() never returned is a KeyError (exactly for the last
+``capacity`` adds, see ``ItemStore.issued``).
 
 Concurrency. One lock guards the buffer; every public method is thread-safe. ``prefetch=k`` draws
 up to ``k`` batches ahead on a background thread: those batches were drawn from the priorities
 current at draw time (as with TorchRL's prefetch), and their ``max_uses`` accounting happens then.
+``sample`` behaves the same with and without prefetch: IndexError at once when nothing can be
+drawn (empty, or drained by ``max_uses``, and no batch drawn ahead), or after waiting up to
+``timeout`` seconds for an add. The prefetch thread holds only a weak reference to the buffer, so a
+dropped buffer is collected and its thread stops (see ``LIFETIME.md``).
 
 Persistence. ``save(dir)`` holds the lock only while it copies the index (numpy arrays); item
 bytes are then copied from RAM references and from append-only segments that are pinned (no
@@ -21,26 +26,35 @@ priorities, which a reopen restores (items added after the last checkpoint get t
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import queue
 import threading
 import time
+import traceback
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, parse_size
-from tensortier.errors import ClosedError, ConfigError, CorruptDataError
-from tensortier.rl import _codec
+from tensortier.errors import ClosedError, ConfigError, CorruptDataError, SpillDirError
+from tensortier.rl import _codec, _saved
 from tensortier.rl._segments import Segments
-from tensortier.rl._store import ItemStore
-from tensortier.rl.sampler import Prioritized, Uniform, make_state, sampler_from_dict
+from tensortier.rl._store import ItemStore, as_index_array, check_args
+from tensortier.rl.sampler import Prioritized, Uniform, make_state
 
-_STATE = "state.npz"
-_META = "buffer.json"
+log = logging.getLogger(__name__)
+_STATE, _META = _saved.STATE, _saved.META
+# per slot of capacity, beyond the store's index: use count 4, sampler (sum + min trees 17, or the
+# uniform sampler's dense live array and positions 16)
+_SLOT_BYTES = 24
+_STOP_WAIT = (
+    5.0  # seconds close() waits for the prefetch thread (it checks its stop flag every 0.1 s)
+)
 
 
 @dataclass
@@ -80,17 +94,84 @@ class ReplayConfig:
         }
 
 
-def _as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
-    if hasattr(indices, "detach"):
-        indices = indices.detach().cpu().numpy()
-    arr = np.asarray(indices)
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise TypeError(
-            f"{name} must be an int or a 1-D sequence of ints, got {arr.dtype} {arr.shape}"
+_as_index_array = as_index_array  # (kept for callers of the old private name)
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, (int, np.integer))
+        or batch_size < 1
+    ):
+        raise ConfigError(
+            f"batch_size must be an int >= 1 (items drawn per sample, with replacement), got "
+            f"{batch_size!r}"
         )
-    return arr.astype(np.int64, copy=False)
+    return int(batch_size)
+
+
+def _check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ConfigError(
+            f"timeout must be None (wait for an add) or seconds >= 0, got {timeout!r}"
+        )
+    return float(timeout)
+
+
+class _Prefetcher:
+    """The queue, stop flag and thread of one prefetch run; refers to the buffer only weakly."""
+
+    def __init__(self, buf: ReplayBuffer, n: int, depth: int):
+        self.n = n
+        self.queue: queue.Queue = queue.Queue(depth)
+        self.stop = threading.Event()
+        self.pending = 0  # batches drawn (or failed) and not yet queued; written by the thread only
+        self.thread = threading.Thread(
+            target=_prefetch_run,
+            args=(weakref.ref(buf), self),
+            daemon=True,
+            name="tt-replay-prefetch",
+        )
+        self.finalizer = Finalizer(buf, _stop_thread, self.stop, self.thread)
+        self.thread.start()
+
+
+def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread is not threading.current_thread() and thread.ident is not None:
+        thread.join(_STOP_WAIT)  # bounded: the loop looks at `stop` at least every 0.1 s
+        if thread.is_alive():
+            log.warning("tensortier: replay prefetch thread still busy after %.0f s", _STOP_WAIT)
+
+
+_STOP = object()
+
+
+def _prefetch_run(ref: weakref.ref, p: _Prefetcher) -> None:
+    """Draw batches ahead into ``p.queue`` until stopped, closed, or the buffer is collected."""
+    while not p.stop.is_set():
+        buf = ref()
+        if buf is None:
+            return
+        try:
+            got = buf._prefetch_one(p)
+        except BaseException as exc:  # handed to the caller of sample()
+            traceback.clear_frames(exc.__traceback__)  # its frames must not keep `buf` alive
+            got = exc
+        del buf  # hold no strong reference while waiting below
+        if got is None:
+            continue
+        if got is _STOP:
+            return
+        while not p.stop.is_set():
+            try:
+                p.queue.put(got, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        p.pending -= 1
 
 
 class ReplayBuffer:
@@ -117,52 +198,78 @@ class ReplayBuffer:
         seed: int | None = None,
         segment_size: SizeLike = "64MiB",
     ):
-        if (
-            isinstance(capacity, bool)
-            or not isinstance(capacity, (int, np.integer))
-            or capacity < 1
+        # every argument is checked before anything is allocated or created
+        capacity = check_args(
+            "ReplayBuffer",
+            capacity,
+            spill_dir=spill_dir,
+            durable=durable,
+            fsync=fsync,
+            extra_slot_bytes=_SLOT_BYTES,
+        )
+        durable, fsync = bool(durable), bool(fsync)
+        if max_uses is not None and (
+            isinstance(max_uses, bool)
+            or not isinstance(max_uses, (int, np.integer))
+            or max_uses < 1
         ):
-            raise ConfigError(f"capacity must be an int >= 1, got {capacity!r}")
-        if max_uses is not None and (not isinstance(max_uses, (int, np.integer)) or max_uses < 1):
-            raise ConfigError(f"max_uses must be None or an int >= 1, got {max_uses!r}")
-        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(
+                f"max_uses must be None or an int >= 1 (draws before an item is removed), got "
+                f"{max_uses!r}"
+            )
+        if (
+            isinstance(prefetch, bool)
+            or not isinstance(prefetch, (int, np.integer))
+            or prefetch < 0
+        ):
             raise ConfigError(
                 f"prefetch must be an int >= 0 (batches drawn ahead), got {prefetch!r}"
             )
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
+        ):
+            raise ConfigError(f"seed must be None or an int >= 0, got {seed!r}")
         sampler = Uniform() if sampler is None else sampler
+        if not isinstance(sampler, (Uniform, Prioritized)):
+            raise ConfigError(
+                f"sampler must be tt.rl.Uniform() or tt.rl.Prioritized(...), got {sampler!r}"
+            )
         self.config = ReplayConfig(
-            capacity=int(capacity),
+            capacity=capacity,
             ram_budget=parse_size(ram_budget, name="ram_budget"),
             spill_dir=None if spill_dir is None else os.fspath(spill_dir),
             sampler=sampler,
             max_uses=None if max_uses is None else int(max_uses),
             durable=durable,
             fsync=fsync,
-            prefetch=prefetch,
-            seed=seed,
+            prefetch=int(prefetch),
+            seed=None if seed is None else int(seed),
             segment_size=parse_size(segment_size, name="segment_size", allow_zero=False),
         )
-        self._sampler = make_state(self.config.capacity, sampler)
         self._lock = threading.RLock()
-        self._rng = np.random.default_rng(seed)
-        self._uses = np.zeros(self.config.capacity, np.int32)
-        self._stale_updates = 0
+        self._cond = threading.Condition(self._lock)  # notified by adds and close()
         self._closed = False
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._prefetch_size = 0
+        self._prefetcher: _Prefetcher | None = None
+        self._stale_updates = 0
         self._store = ItemStore(
-            self.config.capacity,
+            capacity,
             self.config.ram_budget,
             self.config.spill_dir,
             durable=durable,
             fsync=fsync,
             segment_size=self.config.segment_size,
             owner="tt-replay",
+            what="ReplayBuffer",
         )
-        if durable:
-            self._restore_durable()
+        try:
+            self._sampler = make_state(capacity, sampler)
+            self._rng = np.random.default_rng(seed)
+            self._uses = np.zeros(capacity, np.int32)
+            if durable:
+                self._restore_durable()
+        except BaseException:
+            self._store.close()  # releases the durable directory's lock
+            raise
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:
@@ -188,25 +295,15 @@ class ReplayBuffer:
             return out
 
     def __contains__(self, index: object) -> bool:
-        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
-            return False
         with self._lock:
-            return bool(self._store.slots(np.array([index]))[0] >= 0)
+            return self._store.contains(index)
 
     def _check(self) -> None:
         if self._closed:
             raise ClosedError("this ReplayBuffer is closed")
 
     def _slots(self, indices: np.ndarray) -> np.ndarray:
-        slots = self._store.slots(indices)
-        bad = slots < 0
-        if bad.any():
-            first = int(indices[np.argmax(bad)])
-            raise KeyError(
-                f"index {first} is not in the buffer ({int(bad.sum())} of {len(indices)} missing): "
-                f"it was deleted, evicted, used up, or never returned by add()"
-            )
-        return slots
+        return self._store.live_slots(indices)
 
     # ------------------------------------------------------------------ add / get / update / delete
     def add(self, item: Any) -> int:
@@ -223,18 +320,20 @@ class ReplayBuffer:
             self._check()
             if len(blobs) > self.capacity:
                 raise ConfigError(
-                    f"extend got {len(blobs)} items, more than capacity {self.capacity}"
+                    f"extend got {len(blobs)} items, more than capacity {self.capacity}; add them "
+                    f"in chunks of at most {self.capacity}"
                 )
             keys, _ = self._store.add(blobs, on_evict=self._sampler.remove)
             slots = keys % self.capacity
             self._uses[slots] = 0
             self._sampler.add(slots)
+            self._cond.notify_all()  # samplers waiting for items (cheap when nobody waits)
             return keys
 
     def __getitem__(self, index: int | Sequence[int] | np.ndarray) -> Any:
         """The item at ``index`` (or a list of items for a sequence of indices), RAM or disk."""
         single = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
-        keys = _as_index_array(index, "index")
+        keys = as_index_array(index, "index")
         with self._lock:
             self._check()
             blobs = self._store.blobs(self._slots(keys))
@@ -246,14 +345,14 @@ class ReplayBuffer:
         blob = _codec.encode(item)
         with self._lock:
             self._check()
-            [slot] = self._slots(_as_index_array(index, "index"))
+            [slot] = self._slots(as_index_array(index, "index"))
             self._store.replace(int(slot), blob)
 
     def __setitem__(self, index: int, item: Any) -> None:
         self.update(index, item)
 
     def __delitem__(self, index: int | Sequence[int] | np.ndarray) -> None:
-        keys = _as_index_array(index, "index")
+        keys = as_index_array(index, "index")
         with self._lock:
             self._check()
             slots = np.unique(self._slots(keys))
@@ -265,30 +364,55 @@ class ReplayBuffer:
         self.__delitem__(indices)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, batch_size: int) -> Batch:
-        """Draw ``batch_size`` items (with replacement) by the buffer's sampler."""
-        if (
-            isinstance(batch_size, bool)
-            or not isinstance(batch_size, (int, np.integer))
-            or batch_size < 1
-        ):
-            raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    def sample(self, batch_size: int, *, timeout: float | None = 0.0) -> Batch:
+        """Draw ``batch_size`` items (with replacement) by the buffer's sampler.
+
+        When nothing can be drawn (the buffer is empty or drained by ``max_uses``, and no batch was
+        drawn ahead), wait up to ``timeout`` seconds for an add, then raise IndexError; the default
+        0 raises at once, ``None`` waits until an item arrives or the buffer is closed
+        (ClosedError). The same holds with and without ``prefetch``.
+        """
+        n = _check_batch_size(batch_size)
+        wait = _check_timeout(timeout)
         if self.config.prefetch:
-            return self._sample_prefetched(int(batch_size))
-        with self._lock:
-            blobs, keys, weights = self._sample_locked(int(batch_size))
+            return self._sample_prefetched(n, wait)
+        blobs, keys, weights = self._draw(n, wait)
         items, collated = _codec.decode_batch(blobs)  # outside the lock: adds continue meanwhile
         return Batch(items, keys, weights, collated)
 
-    def _sample_blobs(self, n: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-        with self._lock:
-            return self._sample_locked(n)
+    def _sample_blobs(
+        self, n: int, timeout: float | None = 0.0
+    ) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """A batch as encoded blobs (the Ray actor: the learner decodes on its side)."""
+        return self._draw(_check_batch_size(n), _check_timeout(timeout))
+
+    def _empty(self, timeout: float | None) -> IndexError:
+        waited = f" after waiting {timeout:g} s" if timeout else ""
+        drained = " (drained by max_uses)" if self.config.max_uses is not None else ""
+        return IndexError(
+            f"cannot sample from an empty ReplayBuffer{drained}{waited}; add items first, or pass "
+            f"sample(..., timeout=seconds) to wait for collectors"
+        )
+
+    def _draw(self, n: int, timeout: float | None) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._check()
+                if len(self._store):
+                    return self._sample_locked(n)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise self._empty(timeout)
+                # woken by an add or close(); the 1 s tick only re-checks (timeout=None waits
+                # until one of those happens, which is what the caller asked for)
+                self._cond.wait(1.0 if left is None else min(left, 1.0))
 
     def _sample_locked(self, n: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         self._check()
         if len(self._store) == 0:
-            raise IndexError("cannot sample from an empty ReplayBuffer; add items first")
-        slots, weights = self._sampler.sample(n, self._rng)
+            raise self._empty(None)
+        slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
         keys = self._store.keys[slots].copy()
         blobs = self._store.blobs(slots)
         if self.config.max_uses is not None:
@@ -299,81 +423,90 @@ class ReplayBuffer:
                 self._store.remove(done)
         return blobs, keys, weights
 
-    def _sample_prefetched(self, n: int) -> Batch:
-        if self._thread is None or self._prefetch_size != n:
-            self._stop_prefetch()
-            self._prefetch_size = n
-            self._queue = queue.Queue(self.config.prefetch)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=self._prefetch_loop,
-                args=(n, self._queue, self._stop),
-                daemon=True,
-                name="tt-replay-prefetch",
-            )
-            self._thread.start()
-        assert self._queue is not None
+    def _live_slots(self) -> np.ndarray:
+        """Every live slot (O(capacity): only the all-priorities-zero fallback needs it)."""
+        return np.flatnonzero(self._store.keys >= 0)
+
+    def _sample_prefetched(self, n: int, timeout: float | None) -> Batch:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._check()
+            p = self._prefetcher
+            if p is None or p.n != n or not p.thread.is_alive():
+                # a new batch size (batches drawn ahead for the old one are dropped), or a
+                # thread that ended: start again
+                self._stop_prefetch()
+                p = self._prefetcher = _Prefetcher(self, n, self.config.prefetch)
             try:
-                got = self._queue.get(timeout=0.1)
+                got = p.queue.get_nowait()
             except queue.Empty:
-                continue
+                with self._cond:
+                    self._check()
+                    idle = len(self._store) == 0 and p.pending == 0 and p.queue.empty()
+                    if idle:  # nothing stored, nothing being drawn, nothing drawn ahead
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise self._empty(timeout) from None
+                        self._cond.wait(0.1 if left is None else min(left, 0.1))
+                        continue
+                try:  # a batch is being drawn: the thread queues it within a draw's time
+                    got = p.queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
             if isinstance(got, BaseException):
                 raise got
             return got
 
-    def _prefetch_loop(self, n: int, q: queue.Queue, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                with self._lock:
-                    if self._closed:
-                        return
-                    drawn = self._sample_locked(n) if len(self._store) else None
-                if drawn is not None:
-                    blobs, keys, weights = drawn
-                    items, collated = _codec.decode_batch(blobs)
-                    batch = Batch(items, keys, weights, collated)
-                else:
-                    batch = None
-            except BaseException as exc:  # handed to the caller of sample()
-                batch = exc
-            if batch is None:
-                time.sleep(0.001)
-                continue
-            while not stop.is_set():
-                try:
-                    q.put(batch, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+    def _prefetch_one(self, p: _Prefetcher) -> Batch | object | None:
+        """(Prefetch thread) draw one batch; None when there is nothing to draw yet."""
+        with self._cond:
+            if self._closed:
+                return _STOP
+            if not len(self._store):
+                self._cond.wait(0.1)  # an add wakes it; the tick lets it see `stop`
+                return None
+            p.pending += 1  # from here on something is queued: a batch or the error
+            blobs, keys, weights = self._sample_locked(p.n)
+        items, collated = _codec.decode_batch(blobs)
+        return Batch(items, keys, weights, collated)
 
     def _stop_prefetch(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
+        p, self._prefetcher = self._prefetcher, None
+        if p is not None:
+            p.finalizer()
 
+    # ------------------------------------------------------------------ priorities
     def update_priorities(self, indices: Any, priorities: Any) -> None:
         """Set the priorities of sampled items (e.g. ``|td_error|``); one value per index.
 
-        Priorities must be finite and >= 0. Indices that went stale since they were sampled are
-        skipped; an index never issued raises KeyError and nothing is changed.
+        Priorities must be finite and >= 0 (0: never drawn while another item has a positive
+        priority; when all are 0, items are drawn uniformly with weights 1). Indices that went
+        stale since they were sampled are skipped and counted in ``stats["stale_updates"]``; an
+        index that add() never returned raises KeyError and nothing is changed. (The buffer
+        remembers which index each of its last ``capacity`` adds returned; an older index that is
+        no longer stored cannot be told from a stale one and is skipped.)
         """
-        keys = _as_index_array(indices)
+        keys = as_index_array(indices)
         if hasattr(priorities, "detach"):
             priorities = priorities.detach().float().cpu().numpy()
-        prios = np.asarray(priorities, np.float64)
+        try:
+            prios = np.asarray(priorities, np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"priorities must be numbers, one per index, got {type(priorities).__name__}"
+            ) from exc
         if prios.shape != keys.shape:
-            raise ValueError(
+            raise ConfigError(
                 f"priorities must have one value per index: got shape {prios.shape} for "
                 f"{keys.shape[0]} indices (flatten with .reshape(-1))"
             )
         hi = float(prios.max()) if prios.size else 0.0
         if prios.size and not (prios.min() >= 0 and hi < np.inf):  # one pass catches NaN too
             if not np.isfinite(prios).all():
-                raise ValueError("priorities must be finite; got NaN or inf (check the loss)")
-            raise ValueError(f"priorities must be >= 0, got {float(prios.min())} (pass |td_error|)")
+                raise ConfigError("priorities must be finite; got NaN or inf (check the loss)")
+            raise ConfigError(
+                f"priorities must be >= 0, got {float(prios.min())} (pass |td_error|)"
+            )
         with self._lock:
             self._check()
             slots = keys % self.capacity
@@ -382,15 +515,19 @@ class ReplayBuffer:
                 issued = self._store.issued(keys)
                 if not issued.all():
                     first = int(keys[np.argmin(issued)])
-                    raise KeyError(f"index {first} was never returned by add() on this buffer")
+                    raise KeyError(
+                        f"index {first} was never returned by add() on this buffer (pass "
+                        f"batch.indices from sample(), not positions in the batch)"
+                    )
                 self._stale_updates += int((~live).sum())
                 slots, prios = slots[live], prios[live]
             self._sampler.update(slots, prios, hi)
 
     def priorities(self, indices: Any) -> np.ndarray:
         """Current sampling weights p^alpha of ``indices`` (1 for uniform sampling)."""
-        keys = _as_index_array(indices)
+        keys = as_index_array(indices)
         with self._lock:
+            self._check()
             return np.asarray(self._sampler.leaves(self._slots(keys)), np.float64)
 
     def indices(self) -> np.ndarray:
@@ -410,29 +547,34 @@ class ReplayBuffer:
 
     def _state_meta(self) -> dict:
         return {
-            "format": "tensortier-replay",
-            "version": 1,
+            "format": _saved.FORMAT,
+            "version": _saved.VERSION,
             "config": self.config.to_dict(),
             "sampler_state": self._sampler.state(),
             "seq": int(self._store.seq),
         }
 
-    @staticmethod
-    def _write_state(dirname: str, arrays: dict, meta: dict) -> None:
-        tmp = os.path.join(dirname, _STATE + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        os.replace(tmp, os.path.join(dirname, _STATE))
-        tmp = os.path.join(dirname, _META + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(tmp, os.path.join(dirname, _META))
-
     def save(self, dirname: str | os.PathLike) -> None:
-        """Write items, priorities and sampler state to ``dirname`` (created; must be empty)."""
+        """Write items, priorities and sampler state to ``dirname`` (created; must be empty).
+
+        A failed save removes what it wrote (and ``dirname`` if it made it).
+        """
+        if not isinstance(dirname, (str, os.PathLike)):
+            raise ConfigError(f"save: dirname must be a path, got {type(dirname).__name__}")
         dirname = os.fspath(dirname)
-        os.makedirs(dirname, exist_ok=True)
-        if os.listdir(dirname):
-            raise ConfigError(f"save: {dirname!r} is not empty; pass a new or empty directory")
+        with self._lock:
+            self._check()
+        made = not os.path.lexists(dirname)
+        try:
+            os.makedirs(dirname, exist_ok=True)
+            if os.listdir(dirname):
+                raise ConfigError(f"save: {dirname!r} is not empty; pass a new or empty directory")
+        except OSError as exc:
+            raise SpillDirError(
+                f"save: cannot use {dirname!r} as the save directory ({exc.strerror}); pass a "
+                f"writable, new or empty directory",
+                path=dirname,
+            ) from exc
         store = self._store
         with self._lock:  # a short pause: copy the index, pin the segments
             self._check()
@@ -441,10 +583,13 @@ class ReplayBuffer:
             slots = arrays["keys"] % self.capacity
             ram = [store.ram[s] for s in slots.tolist()]
             locs = np.stack([store.seg[slots], store.off[slots], store.len[slots]], axis=1)
+            root = store.segments.root if store.segments is not None else None
             store.compaction_paused += 1
             if store.segments is not None:
                 store.segments.pinned += 1
         try:
+            # our own descriptors: the store's LRU belongs to the threads holding the lock
+            src = Segments(root, readonly=True) if root is not None else None
             out = Segments(dirname, segment_size=self.config.segment_size)
             try:
                 step = 2048
@@ -452,8 +597,8 @@ class ReplayBuffer:
                     part = ram[i : i + step]
                     need = [j for j, b in enumerate(part) if b is None]
                     if need:
-                        assert store.segments is not None
-                        datas = store.segments.read_many(locs[i : i + step][need])
+                        assert src is not None
+                        datas = src.read_many(locs[i : i + step][need])
                         for j, d in zip(need, datas):
                             part[j] = d
                     out.append(
@@ -462,11 +607,21 @@ class ReplayBuffer:
                             for k, b in zip(arrays["keys"][i : i + step].tolist(), part)
                         ]
                     )
-                for fd in out.fds.values():
-                    os.fsync(fd)
+                out.sync()
             finally:
                 out.close(remove=False)
-            self._write_state(dirname, arrays, meta)
+                if src is not None:
+                    src.close(remove=False)
+            _saved.write(dirname, arrays, meta)
+        except BaseException as exc:
+            _remove_saved(dirname, made)
+            if isinstance(exc, OSError):
+                raise SpillDirError(
+                    f"save: cannot write to {dirname!r} ({exc.strerror}); free space there or "
+                    f"pass another directory (nothing was left behind)",
+                    path=dirname,
+                ) from exc
+            raise
         finally:
             with self._lock:
                 store.compaction_paused -= 1
@@ -485,69 +640,98 @@ class ReplayBuffer:
         prefetch: int = 0,
         seed: int | None = None,
     ) -> ReplayBuffer:
-        """A new buffer with the items, indices, priorities and use counts saved in ``dirname``."""
+        """A new buffer with the items, indices, priorities and use counts saved in ``dirname``.
+
+        Only reads ``dirname`` (a read-only copy works, and a damaged one is never changed);
+        damage raises CorruptDataError naming the file, before or instead of a partial buffer.
+        """
+        if not isinstance(dirname, (str, os.PathLike)):
+            raise ConfigError(f"load: dirname must be a path, got {type(dirname).__name__}")
         dirname = os.fspath(dirname)
-        try:
-            with open(os.path.join(dirname, _META)) as f:
-                meta = json.load(f)
-            with np.load(os.path.join(dirname, _STATE), allow_pickle=False) as z:
-                arrays = {k: z[k] for k in ("keys", "leaves", "uses")}
-        except FileNotFoundError as exc:
-            raise CorruptDataError(
-                f"{dirname!r} holds no saved ReplayBuffer ({exc.filename} is missing)",
-                path=dirname,
-            ) from exc
-        if meta.get("format") != "tensortier-replay":
-            raise CorruptDataError(f"{dirname!r} is not a saved ReplayBuffer", path=dirname)
+        fix = "load another copy (the saved files were left unchanged)"
+        meta, sampler, arrays = _saved.read(dirname, fix=fix)
         cfg = meta["config"]
         buf = cls(
             cfg["capacity"],
             ram_budget=cfg["ram_budget"] if ram_budget is None else ram_budget,
             spill_dir=spill_dir,
-            sampler=sampler_from_dict(cfg["sampler"]),
+            sampler=sampler,
             max_uses=cfg["max_uses"],
             prefetch=prefetch,
             seed=seed,
             segment_size=cfg["segment_size"],
         )
-        src = Segments(dirname)
         try:
-            records = [(k, seg, off, ln) for k, fl, seg, off, ln in src.scan() if fl == 0]
-            by_key = {k: (seg, off, ln) for k, seg, off, ln in records}
+            buf._load_items(dirname, arrays, fix)
+            buf._store.finish_restore(meta["seq"])
+            slots = arrays["keys"] % buf.capacity
+            buf._sampler.add(slots, arrays["leaves"])
+            buf._uses[slots] = arrays["uses"]
+            try:
+                buf._sampler.load_state(meta["sampler_state"])
+            except (TypeError, ValueError) as exc:
+                raise CorruptDataError(
+                    f"{os.path.join(dirname, _META)}: sampler_state is not valid ({exc}); {fix}",
+                    path=dirname,
+                ) from exc
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
+    def _load_items(self, dirname: str, arrays: dict[str, np.ndarray], fix: str) -> None:
+        src = Segments(dirname, readonly=True)
+        try:
+            by_key = {k: (seg, off, ln) for k, fl, seg, off, ln in src.scan() if fl == 0}
             keys = arrays["keys"]
             missing = [int(k) for k in keys.tolist() if k not in by_key]
             if missing:
                 raise CorruptDataError(
-                    f"{dirname!r}: {len(missing)} saved items have no record (first: {missing[0]})",
+                    f"{dirname!r}: {len(missing)} saved items have no record (first: "
+                    f"{missing[0]}); {fix}",
                     path=dirname,
                 )
             step = 2048
             for i in range(0, len(keys), step):
                 part = keys[i : i + step]
                 locs = np.array([by_key[int(k)] for k in part.tolist()], np.int64).reshape(-1, 3)
-                blobs = src.read_many(locs)
-                buf._store.restore(part, blobs)
+                self._store.restore(part, src.read_many(locs))
+        except OSError as exc:
+            raise CorruptDataError(
+                f"cannot read the saved segments in {dirname!r} ({exc}); {fix}", path=dirname
+            ) from exc
         finally:
             src.close(remove=False)
-        buf._store.seq = max(buf._store.seq, int(meta["seq"]))
-        slots = arrays["keys"] % buf.capacity
-        buf._sampler.add(slots, arrays["leaves"])
-        buf._uses[slots] = arrays["uses"]
-        buf._sampler.load_state(meta["sampler_state"])
-        return buf
 
     def _restore_durable(self) -> None:
         store = self._store
         keys = store.recovered
         slots = keys % self.capacity
         leaves = None
-        root = store.segments.root if store.segments is not None else ""
-        state_path = os.path.join(root, _STATE)
-        if os.path.exists(state_path):
-            with np.load(state_path, allow_pickle=False) as z:
-                saved_keys, saved_leaves, saved_uses = z["keys"], z["leaves"], z["uses"]
-            with open(os.path.join(root, _META)) as f:
-                self._sampler.load_state(json.load(f)["sampler_state"])
+        assert store.segments is not None
+        root = store.segments.root
+        have = [os.path.exists(os.path.join(root, name)) for name in (_STATE, _META)]
+        if any(have) and not all(have):  # a crash during the first checkpoint()
+            log.warning(
+                "tensortier: %s has only one of %s and %s; reopening without priorities",
+                root,
+                _STATE,
+                _META,
+            )
+        elif all(have):
+            fix = (
+                f"remove {_STATE} and {_META} from {root!r} to reopen the items at the max "
+                f"priority with fresh use counts"
+            )
+            meta, _, saved = _saved.read(root, fix=fix)
+            try:
+                self._sampler.load_state(meta["sampler_state"])
+            except (TypeError, ValueError) as exc:
+                raise CorruptDataError(
+                    f"{os.path.join(root, _META)}: sampler_state is not valid ({exc}); {fix}",
+                    path=root,
+                ) from exc
+            saved_keys, saved_leaves, saved_uses = saved["keys"], saved["leaves"], saved["uses"]
             pos = np.searchsorted(saved_keys, keys)
             pos = np.minimum(pos, max(len(saved_keys) - 1, 0))
             known = saved_keys[pos] == keys if len(saved_keys) else np.zeros(len(keys), bool)
@@ -564,21 +748,33 @@ class ReplayBuffer:
             raise ConfigError("checkpoint() is for durable=True buffers; use save(dir) otherwise")
         with self._lock:
             self._check()
-            arrays, meta = self._state_arrays(), self._state_meta()
-            assert self._store.segments is not None
-            self._write_state(self._store.segments.root, arrays, meta)
+            self._checkpoint_locked()
+
+    def _checkpoint_locked(self) -> None:
+        assert self._store.segments is not None
+        _saved.write(self._store.segments.root, self._state_arrays(), self._state_meta())
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Stop prefetching; delete spill files (a durable buffer checkpoints and keeps them)."""
+        """Stop prefetching; delete spill files (a durable buffer checkpoints and keeps them).
+
+        A buffer dropped without ``close()`` has its spill files removed (and a durable
+        directory's lock released, without a checkpoint) by the reaper thread after garbage
+        collection.
+        """
         if self._closed:
             return
-        self._stop_prefetch()
-        if self.config.durable:
-            self.checkpoint()
-        with self._lock:
-            self._closed = True
-            self._store.close()
+        self._stop_prefetch()  # outside the lock: the prefetch thread takes it
+        with self._cond:
+            if self._closed:
+                return
+            try:
+                if self.config.durable:
+                    self._checkpoint_locked()
+            finally:
+                self._closed = True
+                self._store.close()
+                self._cond.notify_all()  # samplers waiting for items get ClosedError
 
     def __enter__(self) -> ReplayBuffer:
         return self
@@ -586,16 +782,27 @@ class ReplayBuffer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            if not self._closed:
-                self._stop.set()
-                self._store.close()
-        except Exception:
-            pass
-
     def __repr__(self) -> str:
         return (
             f"ReplayBuffer(len={len(self)}, capacity={self.capacity}, "
             f"sampler={self.config.sampler}, ram_budget={self.config.ram_budget})"
         )
+
+
+def _remove_saved(dirname: str, made: bool) -> None:
+    """Undo a failed save: remove the files it wrote (the directory was empty), and the
+    directory if the save made it."""
+    try:
+        names = os.listdir(dirname)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(dirname, name))
+        except OSError:
+            pass
+    if made:
+        try:
+            os.rmdir(dirname)
+        except OSError:
+            pass

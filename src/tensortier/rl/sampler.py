@@ -8,7 +8,8 @@ they build lives in the buffer and is saved with it as plain numpy arrays.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -41,6 +42,14 @@ class Prioritized:
     initial_priority: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "beta_final", "initial_priority"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise ConfigError(f"Prioritized: {name} must be a number, got {v!r}")
+        if isinstance(self.beta_steps, bool) or not isinstance(self.beta_steps, (int, np.integer)):
+            raise ConfigError(
+                f"Prioritized: beta_steps must be an int (sample() calls), got {self.beta_steps!r}"
+            )
         if not (np.isfinite(self.alpha) and self.alpha >= 0):
             raise ConfigError(f"Prioritized: alpha must be >= 0, got {self.alpha}")
         for name in ("beta", "beta_final"):
@@ -59,11 +68,17 @@ class Prioritized:
 
 
 def sampler_from_dict(d: dict) -> Uniform | Prioritized:
+    """The sampler config ``to_dict`` wrote; ConfigError for anything else."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a sampler config is a dict, got {type(d).__name__}")
     d = dict(d)
     kind = d.pop("kind", None)
     if kind == "uniform":
         return Uniform()
     if kind == "prioritized":
+        unknown = set(d) - {f.name for f in fields(Prioritized)}
+        if unknown:
+            raise ConfigError(f"unknown Prioritized settings {sorted(unknown)}")
         return Prioritized(**d)
     raise ConfigError(f"unknown sampler kind {kind!r}; expected 'uniform' or 'prioritized'")
 
@@ -210,7 +225,9 @@ class UniformState:
             self.pos[s] = -1
             self.n -= 1
 
-    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def sample(
+        self, n: int, rng: np.random.Generator, live: Callable[[], np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         return self.live[rng.integers(0, self.n, n)], np.ones(n, np.float32)
 
     def update(self, slots: np.ndarray, priorities: np.ndarray, top: float | None = None) -> None:
@@ -249,8 +266,23 @@ class PrioritizedState:
     def remove(self, slots: np.ndarray) -> None:
         self.tree.set(slots, np.zeros(len(slots)))
 
-    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def sample(
+        self, n: int, rng: np.random.Generator, live: Callable[[], np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` slots drawn by priority, and their importance weights.
+
+        Priority 0 means "never drawn" while any item has a positive priority. When every live
+        item has priority 0 there is no distribution to draw from; then items are drawn
+        uniformly from ``live()`` (the live slots) with weights 1, as Reverb's prioritized
+        selector and TorchRL's sampler (which adds eps to every priority) both end up doing.
+        """
         total = self.tree.total
+        if not total > 0:
+            slots = live() if live is not None else np.empty(0, np.int64)
+            if len(slots) == 0:
+                raise IndexError("cannot sample: no live item")
+            self.samples += 1
+            return slots[rng.integers(0, len(slots), n)], np.ones(n, np.float32)
         # stratified: one draw in each of n equal slices of the total mass
         mass = (np.arange(n) + rng.random(n)) * (total / n)
         np.minimum(mass, np.nextafter(total, 0), out=mass)
@@ -277,8 +309,15 @@ class PrioritizedState:
         return {"max_priority": self.max_priority, "samples": self.samples}
 
     def load_state(self, state: dict) -> None:
-        self.max_priority = float(state.get("max_priority", self.cfg.initial_priority))
-        self.samples = int(state.get("samples", 0))
+        """Restore what :meth:`state` returned; ValueError (nothing changed) if it is malformed."""
+        top = state.get("max_priority", self.cfg.initial_priority)
+        samples = state.get("samples", 0)
+        if isinstance(top, bool) or not isinstance(top, (int, float)) or not 0 < top < np.inf:
+            raise ValueError(f"max_priority must be a finite number > 0, got {top!r}")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        self.max_priority = float(top)
+        self.samples = samples
 
 
 def make_state(capacity: int, cfg: Uniform | Prioritized) -> UniformState | PrioritizedState:

@@ -1,0 +1,123 @@
+"""A replay buffer's saved state: ``buffer.json`` (config, sampler state) and ``state.npz`` (arrays).
+
+Reading trusts nothing: the npz is opened with ``allow_pickle=False`` (an object array is refused,
+never unpickled), and every field of both files is checked (types, shapes, ranges, keys that fit
+the capacity and the add count) before a buffer is built, so damage surfaces as one
+:class:`~tensortier.errors.CorruptDataError` naming the file, never as a parser's exception or a
+half-restored buffer. Nothing here writes to the directory it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from tensortier.errors import ConfigError, CorruptDataError
+from tensortier.rl.sampler import Prioritized, Uniform, sampler_from_dict
+
+STATE = "state.npz"
+META = "buffer.json"
+FORMAT = "tensortier-replay"
+VERSION = 1
+ARRAYS = ("keys", "leaves", "uses")
+
+
+def write(dirname: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    """Replace the state files in ``dirname``, each atomically.
+
+    ``buffer.json`` goes first: a crash between the two replaces leaves a newer ``seq`` with
+    older arrays, which is still consistent (keys only grow), never arrays the meta cannot explain.
+    """
+    tmp = os.path.join(dirname, META + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, os.path.join(dirname, META))
+    tmp = os.path.join(dirname, STATE + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, os.path.join(dirname, STATE))
+
+
+def read(dirname: str, *, fix: str) -> tuple[dict, Uniform | Prioritized, dict[str, np.ndarray]]:
+    """(meta, sampler config, arrays) saved in ``dirname``, all validated.
+
+    ``fix`` ends the CorruptDataError message (what the user can do about damage).
+    """
+    meta_path, state_path = os.path.join(dirname, META), os.path.join(dirname, STATE)
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read())
+        with np.load(state_path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in ARRAYS}
+    except FileNotFoundError as exc:
+        raise CorruptDataError(
+            f"{dirname!r} holds no saved ReplayBuffer ({exc.filename} is missing)", path=dirname
+        ) from exc
+    except PermissionError as exc:
+        raise ConfigError(
+            f"cannot read {exc.filename!r} ({exc.strerror}); make the saved buffer readable"
+        ) from exc
+    except Exception as exc:  # a damaged file makes json/zipfile/numpy raise almost anything
+        raise CorruptDataError(
+            f"the saved state in {dirname!r} is damaged ({type(exc).__name__}: {exc}); {fix}",
+            path=dirname,
+        ) from exc
+    try:
+        sampler = _check_meta(meta)
+        _check_arrays(arrays, meta)
+    except (ValueError, TypeError, KeyError) as exc:  # ConfigError is a ValueError
+        raise CorruptDataError(
+            f"the saved state in {dirname!r} is not valid ({exc}); {fix}", path=dirname
+        ) from exc
+    return meta, sampler, arrays
+
+
+def _int(d: dict, name: str, low: int, *, none: bool = False) -> None:
+    v = d.get(name)
+    if none and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+
+
+def _check_meta(meta: Any) -> Uniform | Prioritized:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{META} is not a saved ReplayBuffer's")
+    version = meta.get("version")
+    if version != VERSION:
+        raise ValueError(
+            f"format version {version!r}; this tensortier reads version {VERSION} (a newer "
+            f"version needs a newer tensortier)"
+        )
+    cfg = meta.get("config")
+    if not isinstance(cfg, dict):
+        raise ValueError("config must be an object")
+    _int(cfg, "capacity", 1)
+    _int(cfg, "ram_budget", 0)
+    _int(cfg, "segment_size", 1)
+    _int(cfg, "max_uses", 1, none=True)
+    _int(meta, "seq", 0)
+    if not isinstance(meta.get("sampler_state"), dict):
+        raise ValueError("sampler_state must be an object")
+    return sampler_from_dict(cfg.get("sampler"))
+
+
+def _check_arrays(arrays: dict[str, np.ndarray], meta: dict) -> None:
+    keys, leaves, uses = (arrays[k] for k in ARRAYS)
+    cap, seq = meta["config"]["capacity"], meta["seq"]
+    for name, arr, kind in (("keys", keys, "i"), ("leaves", leaves, "f"), ("uses", uses, "i")):
+        if arr.ndim != 1 or arr.dtype.kind != kind or len(arr) != len(keys):
+            raise ValueError(
+                f"{name}: expected {len(keys)} values of kind {kind!r}, got {arr.dtype} {arr.shape}"
+            )
+    if len(keys) > cap:
+        raise ValueError(f"{len(keys)} items saved in a buffer of capacity {cap}")
+    if len(keys):
+        if keys[0] < 0 or (np.diff(keys) <= 0).any() or keys[-1] // cap >= seq:
+            raise ValueError("keys must be increasing, >= 0 and issued before the save")
+        if len(np.unique(keys % cap)) != len(keys):
+            raise ValueError("two keys map to one slot")
+        if not (np.isfinite(leaves).all() and (leaves >= 0).all() and (uses >= 0).all()):
+            raise ValueError("priorities must be finite and >= 0, use counts >= 0")

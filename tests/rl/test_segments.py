@@ -1,0 +1,119 @@
+"""Segment files: whole-record checksums, format-1 records, bounded descriptors, read-only scans."""
+
+import hashlib
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from tensortier.errors import CorruptDataError
+from tensortier.rl._segments import MAGIC_V1, REC, TOMBSTONE, Segments
+
+
+def write(root, records, **kw) -> Segments:
+    segs = Segments(str(root), **kw)
+    segs.append(records)
+    segs.close(remove=False)
+    return segs
+
+
+def scan(root, **kw) -> list[tuple[int, int, int, int, int]]:
+    segs = Segments(str(root), **kw)
+    try:
+        return list(segs.scan())
+    finally:
+        segs.close(remove=False)
+
+
+def offset_of(path, i: int) -> int:
+    with open(path, "rb") as f:
+        data = f.read()
+    off = 0
+    for _ in range(i):
+        off += REC.size + REC.unpack_from(data, off)[1]
+    return off
+
+
+def flip(path, at: int, mask: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+
+
+@pytest.mark.parametrize(
+    "field,at,mask",
+    [("length", 4, 0x01), ("flags", 12, 0x01), ("key", 16, 0x04), ("key", 23, 0x80)],
+)
+def test_a_flipped_bit_in_any_header_field_is_detected(tmp_path, field, at, mask):
+    # before format 2 the CRC covered the payload only: a flags bit made an item a tombstone
+    # and a key bit moved it to another index, both accepted silently
+    write(tmp_path, [(k, 0, bytes([k]) * 40) for k in range(10)])
+    path = str(tmp_path / "seg-00000000.ttr")
+    flip(path, offset_of(path, 3) + at, mask)
+    with pytest.raises(CorruptDataError, match="offset"):
+        scan(tmp_path)
+
+
+def test_read_many_checks_the_header_too(tmp_path):
+    segs = Segments(str(tmp_path))
+    locs = np.array(segs.append([(k, 0, bytes([k]) * 40) for k in range(4)]), np.int64)
+    flip(segs.path(0), int(locs[2, 1]) + 16, 0x01)  # key 2 -> key 3
+    assert segs.read_many(locs[:2]) == [bytes([0]) * 40, bytes([1]) * 40]
+    with pytest.raises(CorruptDataError, match="failed its check"):
+        segs.read_many(locs[2:3])
+    segs.close(remove=True)
+
+
+def test_format_1_records_are_still_read(tmp_path):
+    def v1(key: int, flags: int, payload: bytes) -> bytes:
+        return REC.pack(MAGIC_V1, len(payload), zlib.crc32(payload), flags, key) + payload
+
+    with open(tmp_path / "seg-00000000.ttr", "wb") as f:
+        f.write(v1(0, 0, b"a" * 10) + v1(1, 0, b"b" * 7) + v1(0, TOMBSTONE, b""))
+    segs = Segments(str(tmp_path))
+    got = list(segs.scan())
+    assert [(k, fl) for k, fl, *_ in got] == [(0, 0), (1, 0), (0, TOMBSTONE)]
+    locs = np.array([got[1][2:]], np.int64)
+    assert segs.read_many(locs) == [b"b" * 7]
+    segs.append([(2, 0, b"c" * 5)])  # new records are format 2, in the same file
+    segs.close(remove=False)
+    assert [k for k, *_ in scan(tmp_path)] == [0, 1, 0, 2]
+
+
+def test_a_format_1_item_turned_tombstone_is_still_caught(tmp_path):
+    # format 1 cannot checksum flags, but a tombstone never has a payload
+    payload = b"x" * 12
+    rec = REC.pack(MAGIC_V1, len(payload), zlib.crc32(payload), TOMBSTONE, 0) + payload
+    good = REC.pack(MAGIC_V1, 3, zlib.crc32(b"yyy"), 0, 1) + b"yyy"
+    (tmp_path / "seg-00000000.ttr").write_bytes(rec + good)
+    with pytest.raises(CorruptDataError):
+        scan(tmp_path)
+
+
+def test_readonly_scan_refuses_a_torn_tail_and_changes_nothing(tmp_path):
+    write(tmp_path, [(k, 0, b"z" * 30) for k in range(5)])
+    path = tmp_path / "seg-00000000.ttr"
+    with open(path, "ab") as f:
+        f.write(b"TTR2\x10\x00")  # half a header: a torn tail
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(CorruptDataError, match="left unchanged"):
+        scan(tmp_path, readonly=True)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert len(scan(tmp_path)) == 5  # the owner's (writable) scan truncates it, as before
+
+
+def test_open_descriptors_stay_bounded_with_many_segments(tmp_path):
+    segs = Segments(str(tmp_path), segment_size=256, max_open=4)
+    locs = np.array(segs.append([(k, 0, bytes([k % 256]) * 300) for k in range(200)]), np.int64)
+    assert len(segs.segments) == 200 and segs.stats.open_files <= 4
+    order = np.random.default_rng(0).permutation(200)
+    got = segs.read_many(locs[order])
+    assert got == [bytes([k % 256]) * 300 for k in order.tolist()]
+    assert segs.stats.open_files <= 4
+    fds = len(os.listdir("/proc/self/fd"))
+    segs.close(remove=True)
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    assert os.listdir(tmp_path) == []
