@@ -431,8 +431,9 @@ class ParamStore:
             if _NAME.match(f)
         )
         base = os.path.dirname(self.path)
+        what = f"publish: version {version}" if version else "ParamStore(): the control file"
         return TierFullError(
-            f"publish: version {version} needs {format_size(nbytes)} in {base!r} but only "
+            f"{what} needs {format_size(nbytes)} in {base!r} but only "
             f"{format_size(free)} of {format_size(size)} are free there (this store holds "
             f"{format_size(held)}: keep={self.keep} versions plus those readers hold, and a new "
             f"version is written before the oldest is freed). Give the machine or container more "
