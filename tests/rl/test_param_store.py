@@ -191,6 +191,10 @@ def test_use_after_close_and_bad_arguments_are_typed():
         ParamStore(keep=True)
     with pytest.raises(TypeError, match="shm_dir"):
         ParamStore(shm_dir=3)
+    with pytest.raises(TypeError, match="path"):
+        ParamStore.attach(3)
+    with pytest.raises(ConfigError, match="no ParamStore"):
+        ParamStore.attach(os.path.join(ps.path, "latest"))  # a file, not a store's directory
     ps.close()
     for call in (ps.get, lambda: ps.get(timeout=0.1), lambda: ps.wait_for(1), ps.versions):
         with pytest.raises(ClosedError):

@@ -199,6 +199,12 @@ def test_remote_sample_validates_batch_size_and_closed_handles(ray_session):
             with pytest.raises(ConfigError, match="batch_size"):
                 _call(remote.actor.sample.remote(n), "ReplayBuffer")
         assert remote.sample(2).indices.shape == (2,)
+        with pytest.raises(TypeError, match="index"):  # checked here, not wrapped by Ray
+            remote["a"]
+        with pytest.raises(TypeError, match="index"):
+            remote.update("a", {"x": np.arange(3)})
+        with pytest.raises(TypeError, match="indices"):
+            remote.update_priorities([[0.5]], [1.0])
         with pytest.raises(KeyError):  # other errors keep Ray's wrapper, which is a KeyError too
             remote[12345]
     finally:

@@ -150,11 +150,13 @@ class ParamReader:
     """Reads versions published by a :class:`ParamStore` at ``path`` (any process on this machine)."""
 
     def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"attach: path must be a ParamStore's .path (a str), got {path!r}")
         self.path = os.fspath(path)
         ctrl = os.path.join(self.path, "latest")
         try:
             fd = os.open(ctrl, os.O_RDONLY)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:
             raise ConfigError(
                 f"no ParamStore at {self.path!r}; pass the publisher's ParamStore.path"
             ) from exc

@@ -36,7 +36,7 @@ from tensortier.errors import ClosedError, ConfigError, TensortierError
 from tensortier.rl import _codec
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import Params, ParamStore, _check_version, _deadline
-from tensortier.rl.replay import Batch, ReplayBuffer
+from tensortier.rl.replay import Batch, ReplayBuffer, _as_index_array
 
 _START_TIMEOUT = 120.0  # seconds serve() waits for the actor to be scheduled and built
 _WAIT_CHUNK = 1.0  # longest one parameter wait holds an actor thread (seconds)
@@ -220,20 +220,24 @@ class RemoteReplayBuffer:
     def update_priorities(self, indices, priorities) -> None:
         if hasattr(priorities, "detach"):
             priorities = priorities.detach().float().cpu().numpy()
-        self._do("update_priorities", np.asarray(indices), np.asarray(priorities))
+        keys = _as_index_array(indices)  # typed errors here, not wrapped by Ray
+        self._do("update_priorities", keys, np.asarray(priorities))
 
     def __getitem__(self, index):
-        single = isinstance(index, (int, np.integer))
-        items = [_codec.decode(b) for b in self._do("get_blobs", index)]
+        single = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+        keys = _as_index_array(index, "index")
+        items = [_codec.decode(b) for b in self._do("get_blobs", keys)]
         return items[0] if single else items
 
     def update(self, index: int, item: Any) -> None:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"update: index must be an int returned by add(), got {index!r}")
         self._do("update", int(index), _codec.encode(item))
 
     __setitem__ = update
 
     def __delitem__(self, index) -> None:
-        self._do("delete", index)
+        self._do("delete", _as_index_array(index, "index"))
 
     def __len__(self) -> int:
         return self._do("length")
