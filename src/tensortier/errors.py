@@ -10,6 +10,17 @@ from __future__ import annotations
 class TensortierError(Exception):
     """Base class of every error tensortier raises on purpose."""
 
+    def __reduce__(self):
+        # Pickle the attributes too (Ray carries an actor's errors to the caller this way); the
+        # default re-calls __init__ with the message only, which fails on keyword-only fields.
+        return (_rebuild, (type(self), self.args), self.__dict__)
+
+
+def _rebuild(cls: type[TensortierError], args: tuple) -> TensortierError:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    return err
+
 
 class ConfigError(TensortierError, ValueError):
     """A setting that cannot be used as given (a malformed size, an unknown mode)."""

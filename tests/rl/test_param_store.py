@@ -1,11 +1,19 @@
+import errno
 import gc
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 
+from tensortier._lifetime import quiesce
+from tensortier.errors import ClosedError, ConfigError, TierFullError
 from tensortier.rl import ParamStore
+from tensortier.rl.param_store import ParamReader
 from tests.conftest import bit_equal
 
 
@@ -102,3 +110,186 @@ def test_readers_in_other_processes_never_see_a_torn_version():
         assert all(torn == 0 for _, torn, _ in results), results
         assert all(seen > 10 and nver > 2 for seen, _, nver in results), results
         assert v > 10
+
+
+# ---------------------------------------------------------------------- faults (issue 18)
+def _in_thread(fn, limit: float = 30.0):
+    """Run ``fn`` in a thread; returns what it returned or raised (a hang fails, not blocks, the test)."""
+    out = {}
+
+    def go():
+        try:
+            out["r"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["r"] = exc
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"still running after {limit}s"
+    return out["r"]
+
+
+def test_get_before_first_publish_honours_timeout_and_sleeps(monkeypatch):
+    polls = []
+    real = getattr(ParamReader, "_read", None)
+    monkeypatch.setattr(
+        ParamReader, "_read", lambda self: polls.append(1) or real(self), raising=False
+    )
+    with ParamStore() as ps:
+        for call in (lambda: ps.get(min_version=0, timeout=0.3), lambda: ps.get(timeout=0.3)):
+            polls.clear()
+            assert isinstance(_in_thread(call), TimeoutError)
+            # back-off polling: ~40 reads in 0.3 s; a busy spin makes hundreds of thousands
+            assert len(polls) < 1000, len(polls)
+
+
+def test_reader_of_a_closed_store_gets_closed_error():
+    pub = ParamStore()
+    pub.publish({"w": torch.ones(4)})
+    reader = ParamStore.attach(pub.path)
+    held = reader.get()
+    out: list = []
+    waiting = threading.Thread(target=lambda: out.append(_in_thread(lambda: reader.wait_for(2))))
+    waiting.start()
+    pub.close()  # wakes the waiting reader
+    waiting.join(30)
+    assert isinstance(out[0], ClosedError), out
+    for call in (reader.get, lambda: reader.get(timeout=1.0), lambda: reader.wait_for(1)):
+        assert isinstance(_in_thread(call), ClosedError)
+    assert (held["w"] == 1).all()  # mapped pages outlive the store
+    reader.close()
+    with pytest.raises(ClosedError):
+        reader.get()
+
+
+def test_store_dropped_without_close_is_closed_for_readers():
+    ps = ParamStore()
+    ps.publish({"w": torch.ones(4)})
+    path, reader = ps.path, ParamStore.attach(ps.path)
+    del ps
+    gc.collect()
+    assert quiesce()  # the reaper ran the cleanup (a finalizer never deletes files itself)
+    assert not os.path.exists(path)
+    assert isinstance(_in_thread(lambda: reader.get(min_version=2, timeout=5)), ClosedError)
+
+
+def test_use_after_close_and_bad_arguments_are_typed():
+    ps = ParamStore()
+    ps.publish({"w": torch.ones(2)})
+    with pytest.raises(TypeError, match="state_dict"):
+        ps.publish([torch.ones(2)])
+    with pytest.raises(TypeError, match="keys"):
+        ps.publish({3: torch.ones(2)})
+    for bad in (-1, "2", 1.5, True):
+        with pytest.raises(ConfigError, match="version"):
+            ps.get(min_version=bad)
+    for bad in (-1, "1", float("nan")):
+        with pytest.raises(ConfigError, match="timeout"):
+            ps.wait_for(1, timeout=bad)
+    with pytest.raises(ConfigError, match="keep"):
+        ParamStore(keep=True)
+    with pytest.raises(TypeError, match="shm_dir"):
+        ParamStore(shm_dir=3)
+    with pytest.raises(TypeError, match="path"):
+        ParamStore.attach(3)
+    with pytest.raises(ConfigError, match="no ParamStore"):
+        ParamStore.attach(os.path.join(ps.path, "latest"))  # a file, not a store's directory
+    ps.close()
+    for call in (ps.get, lambda: ps.get(timeout=0.1), lambda: ps.wait_for(1), ps.versions):
+        with pytest.raises(ClosedError):
+            call()
+    with pytest.raises(ClosedError):
+        ps.publish({"w": torch.ones(2)})
+
+
+def test_full_shm_raises_tier_full_and_the_store_stays_usable(tmp_path, monkeypatch):
+    with ParamStore(shm_dir=tmp_path) as ps:
+        ps.publish({"w": torch.ones(4)})
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        with pytest.raises(TierFullError, match="shm-size") as info:
+            ps.publish({"w": torch.ones(1 << 20)})
+        assert info.value.tier == "shm" and info.value.requested > 4 << 20
+        assert "shm_dir" in str(info.value) and "free" in str(info.value)
+        assert ps.version == 1 and ps.versions() == [1]
+        assert sorted(os.listdir(ps.path)) == [".tt-owner", "latest", "v-000000000001.ttp"]
+        monkeypatch.undo()
+        assert ps.publish({"w": torch.full((4,), 2.0)}) == 2
+        assert (ps.get()["w"] == 2).all()
+
+
+_FULL_SHM_CHILD = r"""
+import os, sys, torch
+from tensortier.errors import TierFullError
+from tensortier.rl import ParamStore
+ps = ParamStore(shm_dir=sys.argv[1])
+ps.publish({"w": torch.ones(4)})
+try:
+    ps.publish({"w": torch.ones(8 << 20)})  # 32 MiB into a 16 MiB tmpfs
+except TierFullError as e:
+    print("FULL", e)
+assert sorted(os.listdir(ps.path)) == [".tt-owner", "latest", "v-000000000001.ttp"]
+assert ps.publish({"w": torch.full((4,), 3.0)}) == 2 and (ps.get()["w"] == 3).all()
+ps.close()
+print("OK")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_publish_into_a_real_small_tmpfs_does_not_sigbus(tmp_path):
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], check=True)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _FULL_SHM_CHILD, str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])  # -7: killed by SIGBUS
+    assert "FULL" in r.stdout and "OK" in r.stdout, r.stdout
+
+
+_KILLED_PUBLISHER = r"""
+import os, signal, sys, torch
+from tensortier.rl import ParamStore
+ps = ParamStore(shm_dir=sys.argv[1])
+ps.publish({"w": torch.full((1000,), 7.0)})
+print(ps.path, flush=True)
+sys.stdin.readline()  # the test attached and holds version 1
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sigkilled_publisher_is_detected_and_its_directory_reclaimed(tmp_path):
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_PUBLISHER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        path = child.stdout.readline().strip()
+        reader = ParamStore.attach(path)
+        held = reader.get()  # holds a shared flock on v-1 while its tensors live
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.wait(60) == -signal.SIGKILL
+    finally:
+        child.kill()
+    assert isinstance(_in_thread(lambda: reader.wait_for(2)), ClosedError)
+    assert os.path.isdir(path)
+    # The next store made there reclaims the dead publisher's directory; the reader's shared
+    # locks on version files do not keep it (the owner lock is a different file).
+    with ParamStore(shm_dir=tmp_path) as fresh:
+        assert not os.path.exists(path)
+        assert os.listdir(tmp_path) == [os.path.basename(fresh.path)]
+    assert (held["w"] == 7).all()  # the mapping outlives the files
+    assert isinstance(_in_thread(lambda: reader.get(timeout=5)), ClosedError)

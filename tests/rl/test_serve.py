@@ -1,10 +1,16 @@
+import os
+import pickle
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
 
+from tensortier.errors import ClosedError, ConfigError  # noqa: E402
 from tensortier.rl import ParamStore, Prioritized, ReplayBuffer, serve  # noqa: E402
+from tensortier.rl.serve import _PARAM_THREADS, _call  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +87,162 @@ def test_param_store_actor_publishes_once_per_version(ray_session):
 def test_serve_refuses_other_objects():
     with pytest.raises(Exception, match="ReplayBuffer"):
         serve(object())
+
+
+# ---------------------------------------------------------------------- faults (issues 12, 18)
+def _in_thread(fn, limit: float = 60.0):
+    """Run ``fn`` in a thread; returns what it returned or raised (a hang fails, not blocks, the test)."""
+    out = {}
+
+    def go():
+        try:
+            out["r"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["r"] = exc
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"still running after {limit}s"
+    return out["r"]
+
+
+def _copies(spill_dir) -> list[str]:
+    return [f for f in os.listdir(spill_dir) if f.startswith("tt-serve-")]
+
+
+@ray.remote
+def add_and_read(buf, params, worker: int) -> float:  # default resources: needs a whole CPU
+    key = buf.add({"obs": np.full(4, worker, np.float32)})
+    return float(buf[key]["obs"][0]) + float(params.get(timeout=30)["w"].sum())
+
+
+def test_default_actors_leave_the_cpus_to_collectors(ray_session):
+    """Issue 12 #10: on a 2-CPU cluster a served buffer and ParamStore must not take both CPUs."""
+    buf = serve(ReplayBuffer(100))
+    params = serve(ParamStore())
+    try:
+        params.publish({"w": torch.ones(3)})
+        refs = [add_and_read.remote(buf, params, w) for w in range(2)]
+        done, _ = ray.wait(refs, num_returns=2, timeout=120)
+        assert len(done) == 2, "collector tasks never started"
+        assert sorted(ray.get(refs)) == [3.0, 4.0] and len(buf) == 2
+    finally:
+        buf.close()
+        params.close()
+
+
+def test_a_request_no_node_can_hold_fails_at_once_and_leaves_no_copy(ray_session, spill_dir):
+    b = ReplayBuffer(10, spill_dir=spill_dir)
+    b.add({"x": np.arange(3)})
+    for request in ({"num_cpus": 8}, {"num_gpus": 1}, {"resources": {"no_such_thing": 1}}):
+        err = _in_thread(lambda request=request: serve(b, **request))
+        assert isinstance(err, ConfigError), err
+        assert "no node" in str(err) and "num_cpus=0" in str(err)
+    assert _copies(spill_dir) == []
+    assert len(b) == 1
+    b.close()
+
+
+def test_bad_options_are_refused_before_anything_is_copied(spill_dir):
+    b = ReplayBuffer(10, spill_dir=spill_dir)
+    b.add({"x": np.arange(3)})
+    for kwargs in ({"num_cpus": -1}, {"num_cpus": "1"}, {"start_timeout": -1}, {"name": 3}):
+        with pytest.raises(ConfigError):
+            serve(b, **kwargs)
+    with pytest.raises(ConfigError, match="no_such_option"):
+        serve(b, no_such_option=1)
+    assert _copies(spill_dir) == []
+    b.close()
+
+
+def test_an_actor_that_cannot_start_in_time_is_cancelled(ray_session, spill_dir):
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self) -> bool:
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ready.remote())
+    b = ReplayBuffer(10, spill_dir=spill_dir)
+    b.add({"x": np.arange(3)})
+    try:
+        with pytest.warns(RuntimeWarning, match="num_cpus=0"):
+            err = _in_thread(lambda: serve(b, num_cpus=1, start_timeout=1.0))
+        assert isinstance(err, TimeoutError), err
+        assert "CPU=1" in str(err) and "start_timeout" in str(err)
+        assert _copies(spill_dir) == []
+    finally:
+        ray.kill(hog)
+        b.close()
+
+
+def test_errors_raised_by_the_actor_reach_the_caller_typed(ray_session, tmp_path):
+    d = tmp_path / "durable"
+    ReplayBuffer(10, durable=True, spill_dir=d).close()
+    meta = d / "store.json"
+    meta.write_text(meta.read_text().replace('"capacity": 10', '"capacity": 99'))
+    with pytest.raises(ConfigError, match="capacity=99"):  # raised by the actor's constructor
+        serve(ReplayBuffer(10, durable=True, spill_dir=d))
+
+
+def test_remote_sample_validates_batch_size_and_closed_handles(ray_session):
+    local = ReplayBuffer(10, sampler=Prioritized())
+    local.add({"x": np.arange(3)})
+    remote = serve(local)
+    copy = pickle.loads(pickle.dumps(remote))  # what a collector holds
+    try:
+        for n in (0, -1, 2.5, "3", True):
+            with pytest.raises(ConfigError, match="batch_size"):
+                remote.sample(n)
+        for n in (0, -1):  # the actor validates too, and its ConfigError arrives as itself
+            with pytest.raises(ConfigError, match="batch_size"):
+                _call(remote.actor.sample.remote(n), "ReplayBuffer")
+        assert remote.sample(2).indices.shape == (2,)
+        with pytest.raises(TypeError, match="index"):  # checked here, not wrapped by Ray
+            remote["a"]
+        with pytest.raises(TypeError, match="index"):
+            remote.update("a", {"x": np.arange(3)})
+        with pytest.raises(TypeError, match="indices"):
+            remote.update_priorities([[0.5]], [1.0])
+        with pytest.raises(KeyError):  # other errors keep Ray's wrapper, which is a KeyError too
+            remote[12345]
+    finally:
+        remote.close()
+        local.close()
+    remote.close()  # idempotent
+    with pytest.raises(ClosedError):
+        remote.sample(1)
+    with pytest.raises(ClosedError):  # another handle to the ended actor
+        len(copy)
+
+
+def test_remote_param_store_types_its_errors(ray_session):
+    remote = serve(ParamStore())
+    copy = pickle.loads(pickle.dumps(remote))
+    try:
+        with pytest.raises(TypeError, match="state_dict"):
+            remote.publish([torch.ones(2)])
+        with pytest.raises(ConfigError, match="min_version"):
+            remote.get(min_version=-1)
+        with pytest.raises(ConfigError, match="timeout"):
+            remote.get(timeout="1")
+        assert remote.publish({"w": torch.ones(2)}) == 1
+    finally:
+        remote.close()
+    with pytest.raises(ClosedError):
+        remote.get(timeout=1)
+    with pytest.raises(ClosedError):
+        copy.get(timeout=5)
+
+
+def test_more_waiting_readers_than_actor_threads_do_not_block_publish(ray_session):
+    remote = serve(ParamStore())
+    try:
+        # each asks to wait an hour; the actor answers within _WAIT_CHUNK and frees the thread
+        waiting = [remote.actor.get.remote(1, 3600.0) for _ in range(_PARAM_THREADS + 8)]
+        assert _in_thread(lambda: remote.publish({"w": torch.ones(2)})) == 1
+        assert len(ray.get(waiting, timeout=60)) == _PARAM_THREADS + 8
+        assert remote.get(timeout=30).version == 1
+    finally:
+        remote.close()

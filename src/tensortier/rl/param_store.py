@@ -4,9 +4,15 @@ Protocol (see also ``param_store.md``). The publisher owns a private 0700 direct
 memory (``/dev/shm`` when present). Each version is one file ``v-<version>.ttp``: a JSON header
 (name, dtype, shape, offset of every tensor) and the tensors' bytes, 64-byte aligned. A version is
 written to a temporary name and renamed into place when complete, so no reader can open a
-half-written version; it is never modified afterwards. The newest version number is published in
-a small ``latest`` control file through a seqlock (odd sequence = write in progress; a reader
-retries until it sees the same even sequence before and after reading).
+half-written version; it is never modified afterwards. Its whole size is reserved
+(``posix_fallocate``) before a byte is written through the mapping, so a full tmpfs raises
+:class:`TierFullError` instead of killing the process with SIGBUS. The newest version number and a
+"closed" flag are published in a small ``latest`` control file through a seqlock (odd sequence =
+write in progress; a reader retries until it sees the same even sequence before and after reading).
+
+Readers wait by polling ``latest`` with exponential back-off (0.2 ms to 10 ms: no futex, no busy
+spin). A wait ends when the version appears, at ``timeout``, or with :class:`ClosedError` when the
+publisher closed the store or its process died (its owner lock in the directory is free).
 
 Readers ``mmap`` a version copy-on-write (``MAP_PRIVATE``): tensors are views of the shared pages,
 no copy is made, and a reader that writes into its tensors changes only its own pages. While a
@@ -21,9 +27,12 @@ This module never pickles; dtypes are looked up in a fixed table.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
+import math
 import mmap
+import numbers
 import os
 import re
 import struct
@@ -34,21 +43,87 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from tensortier._lifetime import private_dir, remove_private_dir
-from tensortier._units import align_up
-from tensortier.errors import ClosedError, ConfigError, CorruptDataError
+from tensortier._lifetime import OWNER_FILE, Finalizer, private_dir, remove_private_dir
+from tensortier._units import align_up, format_size
+from tensortier.errors import ClosedError, ConfigError, CorruptDataError, TierFullError
 from tensortier.rl._codec import _TORCH_DTYPES
 from tensortier.tiers.disk import as_bytes
 
 _MAGIC = b"TTPARAM1"
 _HEAD = struct.Struct("<8sQ")  # magic, header length
-_CTRL = struct.Struct("<QQ")  # seqlock sequence, latest version
+_SEQ = struct.Struct("<Q")  # seqlock sequence (odd: a write is in progress)
+_BODY = struct.Struct("<QQ")  # latest version, closed flag (after the sequence)
+_CTRL = struct.Struct("<QQQ")  # sequence, latest version, closed flag
+_POLL_MIN, _POLL_MAX = 0.0002, 0.01  # reader back-off (seconds)
+_LIVENESS_EVERY = 0.5  # seconds between checks that the publisher process still exists
 _ALIGN = 64
 _NAME = re.compile(r"^v-(\d{12})\.ttp$")
 
 
 def _shm_base() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _check_version(value: object, arg: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigError(
+            f"{arg} must be an int >= 0 (a version number; 0 or 1: any published version), "
+            f"got {value!r}"
+        )
+    return max(int(value), 1)  # version 0 means "nothing published": there is nothing to get
+
+
+def _deadline(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or math.isnan(timeout)
+        or timeout < 0
+    ):
+        raise ConfigError(
+            f"timeout must be None (wait as long as it takes) or seconds >= 0, got {timeout!r}"
+        )
+    return time.monotonic() + float(timeout)
+
+
+def _publisher_alive(path: str) -> bool:
+    """Whether a process still holds the owner lock of the store's directory (see ``_lifetime``).
+
+    The lock is taken shared and non-blocking and dropped at once, so this never waits.
+    """
+    try:
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False  # removed: closed, or reclaimed after the publisher died
+    except OSError:
+        return True  # cannot tell; the caller's timeout still bounds the wait
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True  # the publisher holds it
+    finally:
+        os.close(fd)
+    return False
+
+
+def _ctrl_write(ctrl: mmap.mmap, version: int, closed: bool) -> None:
+    """The single writer's seqlock update of ``latest``: odd sequence, body, even sequence."""
+    (seq,) = _SEQ.unpack_from(ctrl, 0)
+    odd = seq + 1 if seq % 2 == 0 else seq + 2
+    _SEQ.pack_into(ctrl, 0, odd)
+    _BODY.pack_into(ctrl, _SEQ.size, version, int(closed))
+    _SEQ.pack_into(ctrl, 0, odd + 1)
+
+
+def _shutdown(ctrl: mmap.mmap, path: str) -> None:
+    """Mark the store closed for readers, then delete its directory (``close()`` or the reaper)."""
+    with contextlib.suppress(ValueError, OSError):
+        _, version, _ = _CTRL.unpack_from(ctrl, 0)
+        _ctrl_write(ctrl, version, closed=True)
+        ctrl.close()
+    remove_private_dir(path)
 
 
 class Params(Mapping):
@@ -75,11 +150,13 @@ class ParamReader:
     """Reads versions published by a :class:`ParamStore` at ``path`` (any process on this machine)."""
 
     def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"attach: path must be a ParamStore's .path (a str), got {path!r}")
         self.path = os.fspath(path)
         ctrl = os.path.join(self.path, "latest")
         try:
             fd = os.open(ctrl, os.O_RDONLY)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:
             raise ConfigError(
                 f"no ParamStore at {self.path!r}; pass the publisher's ParamStore.path"
             ) from exc
@@ -88,59 +165,126 @@ class ParamReader:
         finally:
             os.close(fd)
 
+    def _read(self) -> tuple[int, bool]:
+        """(newest version, closed) read through the seqlock.
+
+        Cannot hang: the sequence is odd only between two 8-byte stores of a live publisher; one
+        that died in between is detected by its free owner lock.
+        """
+        tries = 0
+        while True:
+            try:
+                s1, version, closed = _CTRL.unpack_from(self._ctrl, 0)
+                (s2,) = _SEQ.unpack_from(self._ctrl, 0)
+            except ValueError as exc:  # our mapping of `latest` was closed
+                raise ClosedError(f"this reader of the ParamStore {self.path!r} is closed") from exc
+            if s1 == s2 and s1 % 2 == 0:
+                return version, bool(closed)
+            tries += 1
+            if tries % 1000 == 0 and not _publisher_alive(self.path):
+                raise ClosedError(
+                    f"the process publishing {self.path!r} died while updating it; "
+                    f"publish from a new ParamStore"
+                )
+            time.sleep(0 if tries < 100 else 0.001)
+
+    def _closed_error(self, version: int) -> ClosedError:
+        return ClosedError(
+            f"the ParamStore at {self.path!r} was closed by its publisher (last version "
+            f"{version}); attach to the path of the publisher's new ParamStore"
+        )
+
     @property
     def version(self) -> int:
         """Newest published version (0: nothing published yet)."""
-        while True:
-            s1, v = _CTRL.unpack_from(self._ctrl, 0)
-            s2, _ = _CTRL.unpack_from(self._ctrl, 0)
-            if s1 == s2 and s1 % 2 == 0:
-                return v
-            time.sleep(0)
+        return self._read()[0]
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
-        """Block until a version >= ``version`` is published; returns it. TimeoutError after ``timeout`` s."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.0002
+        """Block until a version >= ``version`` is published; returns it.
+
+        Raises TimeoutError after ``timeout`` seconds, and ClosedError once the publisher closed
+        the store or its process exited (no newer version can come).
+        """
+        want = _check_version(version, "version")
+        deadline = _deadline(timeout)
+        delay = _POLL_MIN
+        next_check = time.monotonic() + _LIVENESS_EVERY
         while True:
-            v = self.version
-            if v >= version:
+            v, closed = self._read()
+            if closed:
+                raise self._closed_error(v)
+            if v >= want:
                 return v
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(
-                    f"ParamStore version {version} not published within {timeout}s (newest is {v})"
+                    f"ParamStore version {want} not published within {timeout}s (newest is {v})"
                 )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            if now >= next_check:
+                if not _publisher_alive(self.path):
+                    raise ClosedError(
+                        f"the process publishing {self.path!r} exited without closing it (last "
+                        f"version {v}); version {want} will never come"
+                    )
+                next_check = now + _LIVENESS_EVERY
+            time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - now)))
+            delay = min(delay * 2, _POLL_MAX)
 
     def get(self, min_version: int = 1, timeout: float | None = None) -> Params:
         """The newest version (waiting until one >= ``min_version`` exists), mapped without copying."""
         self.wait_for(min_version, timeout)
         while True:
-            v = self.version
+            v, closed = self._read()
+            if closed:
+                raise self._closed_error(v)
             try:
                 return self._map(v)
-            except FileNotFoundError:  # replaced and freed between reading `latest` and opening
-                continue
+            except FileNotFoundError:
+                pass
+            # The file named by `latest` is gone: replaced and freed in between (then `latest`
+            # moved on and we retry; each retry needs a newer publish), or the store is gone.
+            newer, closed = self._read()
+            if closed:
+                raise self._closed_error(newer) from None
+            if not os.path.exists(os.path.join(self.path, "latest")):
+                raise ClosedError(
+                    f"the ParamStore at {self.path!r} was removed (its publisher exited)"
+                ) from None
+            if newer == v:
+                raise CorruptDataError(
+                    f"version {v} of {self.path!r} was deleted by something other than its "
+                    f"publisher",
+                    path=self.path,
+                )
 
     def _map(self, version: int) -> Params:
         path = os.path.join(self.path, f"v-{version:012d}.ttp")
         fd = os.open(path, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # held while any tensor of this version lives
-            size = os.fstat(fd).st_size
+            try:  # held while any tensor of this version lives
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # the publisher is freeing it (exclusive lock, then unlink)
+                raise FileNotFoundError(path) from None
+            st = os.fstat(fd)
+            if st.st_nlink == 0:  # freed between open and lock
+                raise FileNotFoundError(path)
+            size = st.st_size
             mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         except BaseException:
             os.close(fd)
             raise
-        weakref.finalize(mm, os.close, fd)  # closing the fd drops the shared lock
-        magic, hlen = _HEAD.unpack_from(mm, 0)
-        if magic != _MAGIC:
-            raise CorruptDataError(f"{path!r} is not a ParamStore version file", path=path)
-        header = json.loads(bytes(mm[_HEAD.size : _HEAD.size + hlen]))
+        weakref.finalize(mm, os.close, fd)  # closing the fd drops the shared lock (never blocks)
+        try:
+            magic, hlen = _HEAD.unpack_from(mm, 0)
+            if magic != _MAGIC:
+                raise ValueError("bad magic")
+            header = json.loads(bytes(mm[_HEAD.size : _HEAD.size + hlen]))
+            entries, hversion = header["tensors"], header["version"]
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
+            raise CorruptDataError(f"{path!r} is not a ParamStore version file", path=path) from exc
         start = align_up(_HEAD.size + hlen, _ALIGN)
         tensors = {}
-        for name, dtype, shape, rel, nbytes in header["tensors"]:
+        for name, dtype, shape, rel, nbytes in entries:
             off = start + rel
             if dtype not in _TORCH_DTYPES or off + nbytes > size:
                 raise CorruptDataError(f"{path!r}: bad entry for {name!r}", path=path)
@@ -149,7 +293,7 @@ class ParamReader:
                 continue
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
             tensors[name] = raw.view(_TORCH_DTYPES[dtype]).reshape(shape)
-        return Params(header["version"], tensors)
+        return Params(hversion, tensors)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -163,27 +307,38 @@ class ParamStore:
     >>> v = params.publish(model.state_dict())          # trainer
     >>> latest = params.get(min_version=v)              # same process
     >>> reader = tt.rl.ParamStore.attach(params.path)   # another process on this machine
+
+    Versions live in ``shm_dir`` (``/dev/shm`` by default, i.e. RAM): it needs room for ``keep + 1``
+    versions while publishing. A full one raises :class:`TierFullError` and the store stays usable.
     """
 
     def __init__(self, *, keep: int = 2, shm_dir: str | os.PathLike | None = None):
-        if not isinstance(keep, int) or keep < 1:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1 (versions kept for readers), got {keep!r}")
+        if shm_dir is not None and not isinstance(shm_dir, (str, os.PathLike)):
+            raise TypeError(
+                f"shm_dir must be a directory path (str or os.PathLike), got {shm_dir!r}; "
+                f"pass None for /dev/shm"
+            )
         self.keep = keep
         base = shm_dir if shm_dir is not None else _shm_base()
         self.path = private_dir(base, "tt-params")
-        ctrl = os.path.join(self.path, "latest")
-        with open(ctrl, "wb") as f:
-            f.write(b"\0" * 4096)
-        fd = os.open(ctrl, os.O_RDWR)
         try:
-            self._ctrl = mmap.mmap(fd, _CTRL.size)
-        finally:
-            os.close(fd)
+            ctrl = os.path.join(self.path, "latest")
+            fd = os.open(ctrl, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                self._reserve(fd, mmap.PAGESIZE, version=0)
+                self._ctrl = mmap.mmap(fd, _CTRL.size)
+            finally:
+                os.close(fd)
+        except BaseException:
+            remove_private_dir(self.path)
+            raise
         self._lock = threading.Lock()
         self._version = 0
-        self._seq = 0
         self._closed = False
-        self._finalizer = weakref.finalize(self, remove_private_dir, self.path)
+        # close() runs it now; after GC the reaper runs it (it takes a lock and deletes files)
+        self._finalizer = Finalizer(self, _shutdown, self._ctrl, self.path)
         self._reader = ParamReader(self.path)
         self.stats = {"published": 0, "bytes_published": 0, "freed": 0, "publish_seconds": 0.0}
 
@@ -196,11 +351,23 @@ class ParamStore:
     def version(self) -> int:
         return self._version
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this ParamStore is closed; make a new ParamStore to publish again")
+
     def publish(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Copy ``state_dict`` (tensors on any device) into a new version; returns its number."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"publish: state_dict must be a mapping name -> tensor (e.g. "
+                f"model.state_dict()), got {type(state_dict).__name__}"
+            )
+        self._check_open()
         t0 = time.perf_counter()
         entries, datas, off = [], [], 0
         for name, t in state_dict.items():
+            if not isinstance(name, str):
+                raise TypeError(f"publish: state_dict keys must be str names, got {name!r}")
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"publish: {name!r} is a {type(t).__name__}, expected a tensor")
             dtype = str(t.dtype).removeprefix("torch.")
@@ -211,8 +378,7 @@ class ParamStore:
             datas.append(data)
             off = align_up(off + data.numel(), _ALIGN)
         with self._lock:
-            if self._closed:
-                raise ClosedError("this ParamStore is closed")
+            self._check_open()
             version = self._version + 1
             # offsets are relative to the data start: the first 64-byte boundary after the header
             header = json.dumps({"version": version, "tensors": entries}).encode()
@@ -222,8 +388,10 @@ class ParamStore:
             tmp = final + ".tmp"
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.ftruncate(fd, max(total, 1))
-                with mmap.mmap(fd, max(total, 1)) as mm:
+                # Reserve every page before writing through the mapping: a write to a page the
+                # filesystem cannot back raises SIGBUS, which no Python code can catch.
+                self._reserve(fd, total, version)
+                with mmap.mmap(fd, total) as mm:
                     _HEAD.pack_into(mm, 0, _MAGIC, len(header))
                     mm[_HEAD.size : _HEAD.size + len(header)] = header
                     for e, data in zip(entries, datas):
@@ -233,19 +401,52 @@ class ParamStore:
                             )
                             dst.copy_(data)
                             del dst
+                os.rename(tmp, final)  # complete before anyone can open it
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # nothing half-published; the version number is not used
+                raise
             finally:
                 os.close(fd)
-            os.rename(tmp, final)  # complete before anyone can open it
-            self._seq += 1
-            _CTRL.pack_into(self._ctrl, 0, self._seq, self._version)  # odd: writing
+            _ctrl_write(self._ctrl, version, closed=False)
             self._version = version
-            self._seq += 1
-            _CTRL.pack_into(self._ctrl, 0, self._seq, version)
             self._free_old()
             self.stats["published"] += 1
             self.stats["bytes_published"] += total
             self.stats["publish_seconds"] += time.perf_counter() - t0
         return version
+
+    def _reserve(self, fd: int, nbytes: int, version: int) -> None:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            raise self._full_error(nbytes, version) from exc
+
+    def _full_error(self, nbytes: int, version: int) -> TierFullError:
+        st = os.statvfs(self.path)
+        free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        held = sum(
+            os.path.getsize(os.path.join(self.path, f))
+            for f in os.listdir(self.path)
+            if _NAME.match(f)
+        )
+        base = os.path.dirname(self.path)
+        what = f"publish: version {version}" if version else "ParamStore(): the control file"
+        return TierFullError(
+            f"{what} needs {format_size(nbytes)} in {base!r} but only "
+            f"{format_size(free)} of {format_size(size)} are free there (this store holds "
+            f"{format_size(held)}: keep={self.keep} versions plus those readers hold, and a new "
+            f"version is written before the oldest is freed). Give the machine or container more "
+            f"shared memory (docker run --shm-size=..., at least "
+            f"{format_size((self.keep + 1) * nbytes)} here; Kubernetes: an emptyDir with "
+            f"medium: Memory) or pass ParamStore(shm_dir=...) a directory with room",
+            tier="shm",
+            requested=nbytes,
+            in_use=size - free,
+            limit=size,
+        )
 
     def _free_old(self) -> None:
         """Delete versions older than the newest ``keep`` that no reader holds."""
@@ -269,23 +470,27 @@ class ParamStore:
 
     def versions(self) -> list[int]:
         """Versions whose files still exist (newest ``keep`` plus any a reader holds)."""
+        self._check_open()
         return sorted(int(m.group(1)) for f in os.listdir(self.path) if (m := _NAME.match(f)))
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
+        self._check_open()
         return self._reader.wait_for(version, timeout)
 
     def get(self, min_version: int = 1, timeout: float | None = None) -> Params:
+        self._check_open()
         return self._reader.get(min_version, timeout)
 
     def close(self) -> None:
-        """Remove every version file; readers that still map one keep their pages until they drop it."""
+        """Remove every version file; readers that still map one keep their pages until they drop it.
+
+        Readers waiting for a version get :class:`ClosedError`.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._reader.close()
-            with contextlib.suppress(Exception):
-                self._ctrl.close()
             self._finalizer()
 
     def __enter__(self) -> ParamStore:

@@ -6,15 +6,24 @@ Collectors encode items to blobs on their side and the learner decodes sampled b
 the actor only moves bytes and updates indexes. A parameter store publishes each version with one
 ``ray.put``; readers get that object (zero-copy from the object store on the same node).
 
+Waits: ``serve`` checks the request against the cluster's nodes up front and waits at most
+``start_timeout`` for the actor. Once it runs, a handle's calls end with the actor's answer, or with
+:class:`ClosedError` when the actor is gone (Ray fails calls to a dead actor); a parameter wait is
+split into calls of at most ``_WAIT_CHUNK`` seconds, so waiting readers never hold all the actor's
+threads and a publish always gets through. Errors tensortier raises inside the actor reach the
+caller as themselves (``ConfigError``, not ``RayTaskError``).
+
 Ray is imported here only when ``serve`` or a handle method runs, never by ``import tensortier``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 import os
-import shutil
-import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -22,11 +31,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensortier.errors import ConfigError
+from tensortier._lifetime import private_dir, remove_private_dir
+from tensortier.errors import ClosedError, ConfigError, TensortierError
 from tensortier.rl import _codec
 from tensortier.rl.memory_bank import MemoryBank
-from tensortier.rl.param_store import Params, ParamStore
-from tensortier.rl.replay import Batch, ReplayBuffer
+from tensortier.rl.param_store import Params, ParamStore, _check_version, _deadline
+from tensortier.rl.replay import Batch, ReplayBuffer, _as_index_array
+
+_START_TIMEOUT = 120.0  # seconds serve() waits for the actor to be scheduled and built
+_WAIT_CHUNK = 1.0  # longest one parameter wait holds an actor thread (seconds)
+_PARAM_THREADS = 64  # concurrent calls a parameter actor serves
 
 
 def _ray():
@@ -39,15 +53,64 @@ def _ray():
     return ray
 
 
+def _check_batch_size(batch_size: object) -> int:
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, (int, np.integer))
+        or batch_size < 1
+    ):
+        raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return int(batch_size)
+
+
+def _end(actor) -> None:
+    """Kill ``actor`` and wait (at most 10 s) until Ray reports it dead, so that no call made
+    after ``close()`` returns, from any handle, still reaches it."""
+    ray = _ray()
+    with contextlib.suppress(Exception):
+        ray.kill(actor)
+        ray.wait([actor.ready.remote()], timeout=10.0)  # fails (ready) once the actor is dead
+
+
+def _call(ref, what: str):
+    """``ray.get`` that raises tensortier's errors from the actor as themselves.
+
+    Cannot hang on a dead actor: Ray fails its pending calls (ActorDiedError -> ClosedError).
+    """
+    ray = _ray()
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, TensortierError):
+            raise exc.cause from exc
+        raise
+    except ray.exceptions.ActorDiedError as exc:
+        raise ClosedError(
+            f"the Ray actor serving this {what} is gone (closed, killed, or its process died); "
+            f"serve the store again"
+        ) from exc
+
+
 # ---------------------------------------------------------------------- actors (plain classes)
 class _BufferActor:
     """Owns a ReplayBuffer or MemoryBank inside the actor process."""
 
     def __init__(self, kind: str, kwargs: dict, saved: str | None):
-        if kind == "replay":
-            self.obj = ReplayBuffer.load(saved, **kwargs) if saved else ReplayBuffer(**kwargs)
-        else:
-            self.obj = MemoryBank(**kwargs)
+        # An error here is kept and raised by ready(): Ray reports a constructor's exception only
+        # as text (ActorDiedError), which would lose its type.
+        self.error: Exception | None = None
+        try:
+            if kind == "replay":
+                self.obj = ReplayBuffer.load(saved, **kwargs) if saved else ReplayBuffer(**kwargs)
+            else:
+                self.obj = MemoryBank(**kwargs)
+        except Exception as exc:
+            self.error = exc
+
+    def ready(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return True
 
     def extend(self, blobs: list[bytes]) -> np.ndarray:
         if isinstance(self.obj, ReplayBuffer):
@@ -56,7 +119,7 @@ class _BufferActor:
             return self.obj._store.add(blobs)[0]
 
     def sample(self, n: int):
-        return self.obj._sample_blobs(n)
+        return self.obj._sample_blobs(_check_batch_size(n))
 
     def update_priorities(self, indices, priorities) -> None:
         self.obj.update_priorities(indices, priorities)
@@ -96,6 +159,9 @@ class _ParamActor:
         self.version = 0
         self.cond = threading.Condition()
 
+    def ready(self) -> bool:
+        return True
+
     def publish(self, boxed: list) -> int:
         with self.cond:
             self.version += 1
@@ -106,8 +172,10 @@ class _ParamActor:
             return self.version
 
     def get(self, min_version: int, timeout: float | None):
+        # At most _WAIT_CHUNK per call: a thread is free again soon, so publish always gets one.
+        chunk = _WAIT_CHUNK if timeout is None else min(timeout, _WAIT_CHUNK)
         with self.cond:
-            if not self.cond.wait_for(lambda: self.version >= min_version, timeout):
+            if not self.cond.wait_for(lambda: self.version >= min_version, chunk):
                 return self.version, None
             return self.version, [self.refs[self.version]]
 
@@ -122,9 +190,16 @@ class RemoteReplayBuffer:
     def __init__(self, actor, kind: str):
         self.actor = actor
         self.kind = kind
+        self._closed = False
 
-    def _get(self, ref):
-        return _ray().get(ref)
+    @property
+    def _what(self) -> str:
+        return "ReplayBuffer" if self.kind == "replay" else "MemoryBank"
+
+    def _do(self, method: str, *args):
+        if self._closed:
+            raise ClosedError(f"this served {self._what} is closed; serve a store again")
+        return _call(getattr(self.actor, method).remote(*args), self._what)
 
     def add(self, item: Any) -> int:
         return int(self.extend([item])[0])
@@ -132,48 +207,78 @@ class RemoteReplayBuffer:
     append = add
 
     def extend(self, items) -> np.ndarray:
-        return self._get(self.actor.extend.remote([_codec.encode(it) for it in items]))
+        return self._do("extend", [_codec.encode(it) for it in items])
 
     def sample(self, batch_size: int) -> Batch:
-        blobs, keys, weights = self._get(self.actor.sample.remote(int(batch_size)))
+        n = _check_batch_size(batch_size)  # before the remote call: a typed error, no round trip
+        if self.kind != "replay":
+            raise TypeError("a served MemoryBank has no sample(); read items by index (bank[i])")
+        blobs, keys, weights = self._do("sample", n)
         items, collated = _codec.decode_batch(blobs)
         return Batch(items, keys, weights, collated)
 
     def update_priorities(self, indices, priorities) -> None:
         if hasattr(priorities, "detach"):
             priorities = priorities.detach().float().cpu().numpy()
-        self._get(self.actor.update_priorities.remote(np.asarray(indices), np.asarray(priorities)))
+        keys = _as_index_array(indices)  # typed errors here, not wrapped by Ray
+        self._do("update_priorities", keys, np.asarray(priorities))
 
     def __getitem__(self, index):
-        single = isinstance(index, (int, np.integer))
-        items = [_codec.decode(b) for b in self._get(self.actor.get_blobs.remote(index))]
+        single = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+        keys = _as_index_array(index, "index")
+        items = [_codec.decode(b) for b in self._do("get_blobs", keys)]
         return items[0] if single else items
 
     def update(self, index: int, item: Any) -> None:
-        self._get(self.actor.update.remote(int(index), _codec.encode(item)))
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"update: index must be an int returned by add(), got {index!r}")
+        self._do("update", int(index), _codec.encode(item))
 
     __setitem__ = update
 
     def __delitem__(self, index) -> None:
-        self._get(self.actor.delete.remote(index))
+        self._do("delete", _as_index_array(index, "index"))
 
     def __len__(self) -> int:
-        return self._get(self.actor.length.remote())
+        return self._do("length")
 
     @property
     def stats(self) -> dict:
-        return self._get(self.actor.stats.remote())
+        return self._do("stats")
 
     def save(self, dirname: str) -> None:
-        self._get(self.actor.save.remote(os.fspath(dirname)))
+        self._do("save", os.fspath(dirname))
 
     def close(self) -> None:
-        """Close the store (deleting its spill files) and end the actor."""
-        ray = _ray()
+        """Close the store (deleting its spill files) and end the actor. Idempotent."""
+        if self._closed:
+            return
         try:
-            ray.get(self.actor.close.remote())
+            with contextlib.suppress(ClosedError):  # already gone: nothing left to close
+                self._do("close")
         finally:
-            ray.kill(self.actor)
+            self._closed = True
+            _end(self.actor)
+
+
+def _payload(state_dict: Mapping[str, torch.Tensor]) -> dict:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"publish: state_dict must be a mapping name -> tensor (e.g. model.state_dict()), "
+            f"got {type(state_dict).__name__}"
+        )
+    payload = {}
+    for name, t in state_dict.items():
+        if not isinstance(name, str):
+            raise TypeError(f"publish: state_dict keys must be str names, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"publish: {name!r} is a {type(t).__name__}, expected a tensor")
+        t = t.detach().cpu().contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _codec._TORCH_DTYPES:
+            raise TypeError(f"publish: {name!r} has unsupported dtype {t.dtype}")
+        payload[name] = (dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+    return payload
 
 
 class RemoteParamStore:
@@ -181,38 +286,44 @@ class RemoteParamStore:
 
     def __init__(self, actor):
         self.actor = actor
+        self._closed = False
+
+    def _do(self, method: str, *args):
+        if self._closed:
+            raise ClosedError("this served ParamStore is closed; serve a ParamStore again")
+        return _call(getattr(self.actor, method).remote(*args), "ParamStore")
 
     def publish(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        ray = _ray()
-        payload = {}
-        for name, t in state_dict.items():
-            t = t.detach().cpu().contiguous()
-            dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in _codec._TORCH_DTYPES:
-                raise TypeError(f"publish: {name!r} has unsupported dtype {t.dtype}")
-            payload[name] = (dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy())
-        ref = ray.put(payload)  # once per version, shared by every reader
-        return ray.get(self.actor.publish.remote([ref]))
+        payload = _payload(state_dict)
+        if self._closed:
+            raise ClosedError("this served ParamStore is closed; serve a ParamStore again")
+        ref = _ray().put(payload)  # once per version, shared by every reader
+        return self._do("publish", [ref])
 
     @property
     def version(self) -> int:
-        return _ray().get(self.actor.latest.remote())
+        return self._do("latest")
+
+    def _wait(self, min_version: object, timeout: object) -> tuple[int, list]:
+        want = _check_version(min_version, "min_version")
+        deadline = _deadline(timeout)
+        while True:
+            left = _WAIT_CHUNK if deadline is None else deadline - time.monotonic()
+            v, boxed = self._do("get", want, max(0.0, min(left, _WAIT_CHUNK)))
+            if boxed is not None:
+                return v, boxed
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"ParamStore version {want} not published within {timeout}s (newest is {v})"
+                )
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
-        v, boxed = _ray().get(self.actor.get.remote(version, timeout))
-        if boxed is None:
-            raise TimeoutError(f"version {version} not published within {timeout}s (newest {v})")
-        return v
+        return self._wait(version, timeout)[0]
 
     def get(self, min_version: int = 1, timeout: float | None = None) -> Params:
         """Newest version >= ``min_version``; tensors are read-only views of Ray's object store."""
-        ray = _ray()
-        v, boxed = ray.get(self.actor.get.remote(min_version, timeout))
-        if boxed is None:
-            raise TimeoutError(
-                f"version {min_version} not published within {timeout}s (newest {v})"
-            )
-        payload = ray.get(boxed[0])
+        v, boxed = self._wait(min_version, timeout)
+        payload = _call(boxed[0], "ParamStore")  # the actor keeps it alive: in the object store
         tensors = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the object store is read-only
@@ -222,68 +333,176 @@ class RemoteParamStore:
         return Params(v, tensors)
 
     def close(self) -> None:
-        _ray().kill(self.actor)
+        """End the actor; readers' later calls raise ClosedError. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _end(self.actor)
+
+
+# ---------------------------------------------------------------------- serve
+def _check_num_cpus(num_cpus: object) -> None:
+    if (
+        isinstance(num_cpus, bool)
+        or not isinstance(num_cpus, numbers.Real)
+        or not math.isfinite(num_cpus)
+        or num_cpus < 0
+    ):
+        raise ConfigError(
+            f"num_cpus must be a number >= 0 (CPUs Ray reserves for the store's actor; the "
+            f"default 0 suits a store, which mostly waits on I/O), got {num_cpus!r}"
+        )
+
+
+def _requested(opts: dict) -> dict[str, float]:
+    req = {"CPU": opts.get("num_cpus"), "GPU": opts.get("num_gpus"), "memory": opts.get("memory")}
+    req.update(opts.get("resources") or {})
+    return {k: float(v) for k, v in req.items() if v}
+
+
+def _fmt(resources: Mapping[str, float], keys) -> str:
+    return ", ".join(f"{k}={resources.get(k, 0):g}" for k in keys) or "none"
+
+
+def _check_resources(ray, opts: dict, what: str) -> dict[str, float]:
+    """ConfigError when no node can ever hold the actor (Ray would wait forever); a warning when it
+    takes the last CPU (tasks that need one, collectors by default, would wait for it)."""
+    req = _requested(opts)
+    strategy = opts.get("scheduling_strategy")
+    if not req or "placement_group" in opts or not (strategy is None or isinstance(strategy, str)):
+        return req  # resources come from a bundle or a chosen node: start_timeout bounds the wait
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if not any(all(node.get(k, 0.0) >= v for k, v in req.items()) for node in nodes):
+        largest = max(nodes, key=lambda n: n.get("CPU", 0.0), default={})
+        raise ConfigError(
+            f"serve: the {what} actor requests {_fmt(req, req)} but no node of the Ray cluster has "
+            f"that much (largest node: {_fmt(largest, req)}; cluster total: "
+            f"{_fmt(ray.cluster_resources(), req)}), so it could never start. Pass num_cpus=0 "
+            f"(the default) or fewer resources, or start Ray with more (ray.init(num_cpus=...))"
+        )
+    if req.get("CPU"):
+        total = ray.cluster_resources().get("CPU", 0.0)
+        left = ray.available_resources().get("CPU", 0.0) - req["CPU"]
+        if left < 1:
+            warnings.warn(
+                f"serve: the {what} actor reserves {req['CPU']:g} CPU, leaving {max(left, 0):g} "
+                f"of the cluster's {total:g} CPUs free: Ray tasks that need a CPU (collectors, "
+                f"num_cpus=1 by default) wait until one frees up. Pass num_cpus=0 (the default) "
+                f"unless the store needs a CPU to itself",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return req
+
+
+def _wait_started(ray, actor, timeout: float | None, what: str, req: dict[str, float]) -> None:
+    """Wait until the actor runs (scheduled and built); ``None`` waits as long as it takes."""
+    ref = actor.ready.remote()
+    done, _ = ray.wait([ref], timeout=timeout)
+    if not done:
+        raise TimeoutError(
+            f"serve: the {what} actor did not start within {timeout}s; it requests "
+            f"{_fmt(req, req)} and the cluster has {_fmt(ray.available_resources(), req)} free "
+            f"of {_fmt(ray.cluster_resources(), req)} (other tasks or actors hold the rest). "
+            f"Free resources, request fewer (num_cpus=0 is the default), or pass a larger "
+            f"start_timeout (None: wait as long as it takes)"
+        )
+    _call(ref, what)  # the constructor's error, typed
 
 
 def serve(
     obj: ReplayBuffer | MemoryBank | ParamStore,
     *,
-    num_cpus: float = 1,
+    num_cpus: float = 0,
     name: str | None = None,
+    start_timeout: float | None = _START_TIMEOUT,
     **actor_options: Any,
 ) -> RemoteReplayBuffer | RemoteParamStore:
-    """Run a store like ``obj`` as a Ray actor and return a picklable handle to it.
+    """Run a store like ``obj`` as a Ray actor and return a picklable handle to it, once it runs.
 
     A ReplayBuffer's items, priorities and indices are carried over (through ``save``/``load`` on
-    this machine) and ``obj`` stays usable and independent; a durable buffer is closed here and
-    reopened by the actor from its directory. Extra ``actor_options`` go to
-    ``ray.remote`` (e.g. ``resources``, ``scheduling_strategy``).
+    this machine; the temporary copy is deleted whatever happens) and ``obj`` stays usable and
+    independent; a durable buffer is closed here and reopened by the actor from its directory.
+
+    The actor reserves no CPU by default (``num_cpus=0``, as Ray advises for actors that mostly
+    wait on I/O), so stores never take the CPUs their collectors need. A request no node of the
+    cluster can hold raises :class:`ConfigError` at once; an actor that has not started after
+    ``start_timeout`` seconds (resources busy) is cancelled with ``TimeoutError``. Extra
+    ``actor_options`` go to ``ray.remote`` (e.g. ``resources``, ``scheduling_strategy``).
     """
     ray = _ray()
+    if not isinstance(obj, (ReplayBuffer, MemoryBank, ParamStore)):
+        raise ConfigError(
+            f"serve takes a ReplayBuffer, MemoryBank or ParamStore, got {type(obj).__name__}"
+        )
+    _check_num_cpus(num_cpus)
+    if start_timeout is not None:
+        _deadline(start_timeout)  # validates: None or seconds >= 0
+    if name is not None and not isinstance(name, str):
+        raise ConfigError(f"name must be a str (the Ray actor's name) or None, got {name!r}")
+    if isinstance(obj, MemoryBank) and len(obj):
+        raise ConfigError("serve an empty MemoryBank (its items are not carried over)")
+    what = type(obj).__name__
     opts = {"num_cpus": num_cpus, **actor_options}
     if name is not None:
         opts["name"] = name
     if isinstance(obj, ParamStore):
-        actor = ray.remote(_ParamActor).options(max_concurrency=64, **opts).remote(obj.keep)
+        opts.setdefault("max_concurrency", _PARAM_THREADS)
+    try:
+        actor_cls = ray.remote(_ParamActor if isinstance(obj, ParamStore) else _BufferActor)
+        actor_cls = actor_cls.options(**opts)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"serve: Ray rejected the actor options {opts}: {exc}") from exc
+    if not ray.is_initialized():
+        ray.init()  # what the first .remote() would do; the resource check needs the cluster
+    req = _check_resources(ray, opts, what)
+
+    copy_dir = actor = None
+    try:
+        if isinstance(obj, ParamStore):
+            args: tuple = (obj.keep,)
+        elif isinstance(obj, ReplayBuffer):
+            c = obj.config
+            kwargs = {
+                "capacity": c.capacity,
+                "ram_budget": c.ram_budget,
+                "spill_dir": c.spill_dir,
+                "sampler": c.sampler,
+                "max_uses": c.max_uses,
+                "durable": c.durable,
+                "seed": c.seed,
+                "segment_size": c.segment_size,
+            }
+            saved = None
+            if c.durable:
+                obj.close()  # checkpointed; the actor reopens the same directory (one owner at a time)
+            elif len(obj):
+                copy_dir = private_dir(c.spill_dir, "tt-serve")  # reclaimed if we are killed
+                saved = os.path.join(copy_dir, "buffer")
+                obj.save(saved)
+                kwargs = {"ram_budget": c.ram_budget, "spill_dir": c.spill_dir, "seed": c.seed}
+            args = ("replay", kwargs, saved)
+        else:
+            s = obj._store
+            kwargs = {
+                "capacity": s.cap,
+                "ram_budget": s.budget,
+                "spill_dir": s._spill_dir,
+                "segment_size": s.segment_size,
+            }
+            args = ("bank", kwargs, None)
+        try:
+            actor = actor_cls.remote(*args)
+        except ValueError as exc:  # e.g. the name is taken
+            raise ConfigError(f"serve: Ray could not create the {what} actor: {exc}") from exc
+        _wait_started(ray, actor, start_timeout, what, req)
+    except BaseException:
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)  # never starts later, holding resources
+        raise
+    finally:
+        if copy_dir is not None:
+            remove_private_dir(copy_dir)  # loaded by the actor, or not needed any more
+    if isinstance(obj, ParamStore):
         return RemoteParamStore(actor)
-    if isinstance(obj, ReplayBuffer):
-        c = obj.config
-        kwargs = {
-            "capacity": c.capacity,
-            "ram_budget": c.ram_budget,
-            "spill_dir": c.spill_dir,
-            "sampler": c.sampler,
-            "max_uses": c.max_uses,
-            "durable": c.durable,
-            "seed": c.seed,
-            "segment_size": c.segment_size,
-        }
-        saved = None
-        if c.durable:
-            obj.close()  # checkpointed; the actor reopens the same directory (one owner at a time)
-        elif len(obj):
-            saved = tempfile.mkdtemp(prefix="tt-serve-", dir=c.spill_dir)
-            os.rmdir(saved)
-            obj.save(saved)
-            kwargs = {"ram_budget": c.ram_budget, "spill_dir": c.spill_dir, "seed": c.seed}
-        actor = ray.remote(_BufferActor).options(**opts).remote("replay", kwargs, saved)
-        handle = RemoteReplayBuffer(actor, "replay")
-        if saved:
-            len(handle)  # the actor has loaded the copy
-            shutil.rmtree(saved, ignore_errors=True)
-        return handle
-    if isinstance(obj, MemoryBank):
-        if len(obj):
-            raise ConfigError("serve an empty MemoryBank (its items are not carried over)")
-        s = obj._store
-        kwargs = {
-            "capacity": s.cap,
-            "ram_budget": s.budget,
-            "spill_dir": s._spill_dir,
-            "segment_size": s.segment_size,
-        }
-        actor = ray.remote(_BufferActor).options(**opts).remote("bank", kwargs, None)
-        return RemoteReplayBuffer(actor, "bank")
-    raise ConfigError(
-        f"serve takes a ReplayBuffer, MemoryBank or ParamStore, got {type(obj).__name__}"
-    )
+    return RemoteReplayBuffer(actor, "replay" if isinstance(obj, ReplayBuffer) else "bank")
