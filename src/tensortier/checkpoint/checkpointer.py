@@ -173,7 +173,9 @@ class Checkpointer:
     >>> ck.maybe_save(step, model=model, optimizer=opt, scheduler=sched, extra={"epoch": 3})
     >>> ck.close()                                                        # waits for the persist
 
-    Only this object writes to ``directory`` (an exclusive lock is held until ``close``).
+    Only this object writes to ``directory`` (an exclusive lock is held until ``close``). One run
+    per directory: after ``restore(step=k)`` (a rollback), the first save retires the checkpoints
+    newer than ``k``, crash-consistently; saving below checkpoints of another run is refused.
     """
 
     def __init__(self, directory: str | os.PathLike, **settings):
