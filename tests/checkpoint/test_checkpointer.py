@@ -40,7 +40,15 @@ def test_exported_at_top_level():
         ({"every": 0}, "steps >= 1"),
         ({"every": "often"}, "'auto'"),
         ({"max_overhead": 3.5}, "fraction"),
+        ({"max_overhead": "0.1"}, "fraction"),
         ({"shard_size": "lots"}, "shard_size"),
+        ({"io_threads": "2"}, "io_threads='2': pass an int"),
+        ({"io_threads": 0}, "io_threads=0: pass an int"),
+        ({"io_threads": 10**6}, "from 1 to 256"),
+        ({"io_threads": True}, "io_threads=True"),
+        ({"direct": "yes"}, "direct='yes'"),
+        ({"warmup": -1}, "warmup=-1"),
+        ({"keep": 2.5}, "keep=2.5"),
     ],
 )
 def test_bad_settings_refused_with_the_fix(tmp_path, kwargs, words):
@@ -154,13 +162,12 @@ def test_retention_keeps_the_newest(tmp_path):
         run(ck, model, opt, sched, 0, 14)
         ck.wait()
         assert ck.checkpoints() == [str(tmp_path / f"step-{s}") for s in (13, 11, 9)]
-    # a run resumed from an older checkpoint never deletes the one it just wrote
-    (tmp_path / "step-99").mkdir()
+    # a run resumed from an older checkpoint keeps the one it just wrote (and retires the newer)
     with Checkpointer(tmp_path, keep=2, every=1) as ck:
-        ck.save(20, model=model)
+        ck.restore(model=model, optimizer=opt, scheduler=sched, step=9)
+        ck.save(10, model=model)
         ck.wait()
-        names = sorted(os.listdir(tmp_path))
-    assert "step-20" in names and "step-99" in names and "step-13" not in names
+        assert ck.checkpoints() == [str(tmp_path / f"step-{s}") for s in (10, 9)]
 
 
 def test_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path):

@@ -2,7 +2,11 @@ import errno
 import gc
 import os
 import stat
+import subprocess
+import sys
 import threading
+import warnings
+import weakref
 
 import pytest
 import torch
@@ -238,6 +242,226 @@ def test_bad_arguments(spill_dir):
         DiskStore(spill_dir, io_threads=0)
     with DiskStore(spill_dir) as s, pytest.raises(TypeError, match="to_dense"):
         s.put(torch.eye(3).to_sparse())
+
+
+@pytest.mark.parametrize("value", ["4", 4.0, True, None, 0, -2, 10**6])
+def test_bad_io_threads_is_a_config_error_naming_it_and_the_fix(spill_dir, value):
+    with pytest.raises(ConfigError, match=r"io_threads=.*pass"):
+        DiskStore(spill_dir, io_threads=value)
+    assert os.listdir(spill_dir) == []  # refused before any directory was made
+
+
+def test_bad_direct_and_tiny_capacity_are_config_errors(spill_dir):
+    with pytest.raises(ConfigError, match="direct='yes'.*True.*False.*None"):
+        DiskStore(spill_dir, direct="yes")
+    with pytest.raises(ConfigError, match="capacity=100.*at least 4KiB"):
+        DiskStore(spill_dir, capacity=100)
+
+
+def test_wrong_operands_are_type_errors_naming_the_argument(spill_dir):
+    with DiskStore(spill_dir) as s:
+        with pytest.raises(TypeError, match=r"put\(tensor\).*got list.*torch.as_tensor"):
+            s.put([1, 2, 3])
+        with pytest.raises(TypeError, match=r"put\(tensor\).*got ndarray"):
+            s.put(torch.ones(3).numpy())
+        with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+        with pytest.raises(TypeError, match="quantized"):
+            s.put(q)
+        with pytest.raises(ValueError, match="CPU tensors.*meta"):
+            s.put(torch.empty(3, device="meta"))
+        with pytest.raises(TypeError, match=r"get\(handle\).*DiskHandle.*got int"):
+            s.get(3)
+        with pytest.raises(TypeError, match=r"free\(handle\).*DiskHandle.*got NoneType"):
+            s.free(None)
+
+
+def test_every_call_after_close_is_a_closed_error(spill_dir):
+    s = DiskStore(spill_dir)
+    h = s.write(torch.ones(10))
+    s.close()
+    for call in (
+        lambda: s.put(torch.ones(10)),
+        lambda: s.put(torch.ones(0)),  # nothing to write, still refused
+        lambda: s.get(h),
+        lambda: s.write(torch.ones(3)),
+    ):
+        with pytest.raises(ClosedError, match="closed"):
+            call()
+    s.free(h)  # a no-op after close: finalizers of other objects may still free extents
+
+
+def test_close_fails_queued_io_instead_of_leaving_futures_unresolved(spill_dir, monkeypatch):
+    gate, started = threading.Event(), threading.Event()
+    s = DiskStore(spill_dir, io_threads=1, slab_size="1MiB")
+    real = s._write_chunk
+
+    def held(fd, pos, data):
+        started.set()
+        assert gate.wait(30)
+        real(fd, pos, data)
+
+    monkeypatch.setattr(s, "_write_chunk", held)
+    running = s.put(torch.ones(10))  # occupies the only I/O thread
+    assert started.wait(30)
+    queued = s.put(torch.ones(10))  # waits in the pool's queue
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    try:
+        error = queued.exception(timeout=10)  # before the fix: never resolved (TimeoutError)
+        assert isinstance(error, ClosedError)
+    finally:
+        gate.set()
+        closer.join(30)
+    assert not closer.is_alive()
+    assert running.exception(timeout=10) is None  # the running write completed
+    assert not os.path.exists(s.root)
+
+
+# --------------------------------------------------------------------------- capacity vs slabs
+def test_capacity_below_the_slab_size_still_stores_tensors(spill_dir):
+    with DiskStore(spill_dir, capacity="8MiB") as s:  # default slab_size is 256MiB
+        assert s.slab_size == 8 << 20
+        x = torch.arange(10.0)
+        assert torch.equal(s.read(s.write(x)), x)
+        big = torch.ones(7 << 18)  # 7 MiB: fits the capacity
+        assert torch.equal(s.read(s.write(big)), big)
+        assert s.stats.file_bytes <= 8 << 20
+        with pytest.raises(TierFullError, match="raise capacity"):
+            s.put(torch.ones(2 << 18))  # 2 MiB more does not fit in 8 MiB
+        assert len(s) == 2
+
+
+def test_last_slab_is_cut_to_the_capacity_left(spill_dir):
+    with DiskStore(spill_dir, capacity="3MiB", slab_size="2MiB") as s:
+        a = s.write(torch.ones(1 << 19))  # 2 MiB: the first slab
+        b = s.write(torch.ones(1 << 18))  # 1 MiB: a 2 MiB slab would exceed 3 MiB; a 1 MiB one fits
+        assert s.stats.file_bytes == 3 << 20
+        assert torch.equal(s.read(b), torch.ones(1 << 18)) and torch.equal(
+            s.read(a), torch.ones(1 << 19)
+        )
+
+
+def test_offload_with_a_small_disk_capacity_works(spill_dir):
+    """What ``tt.offload(to="disk", disk_capacity="64MiB")`` builds (issue 18 #15)."""
+    import tensortier as tt
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    x = torch.randn(1024, 256)
+    m(x).sum().backward()
+    expected = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes="256KiB", disk_capacity="64MiB")
+    try:
+        with off:
+            loss = m(x).sum()
+        loss.backward()  # before the fix: TierFullError (a 256 MiB slab in a 64 MiB capacity)
+        assert off.stats.bytes_offloaded["disk"] > 0
+    finally:
+        off.close()
+    assert all(torch.equal(p.grad, e) for p, e in zip(m.parameters(), expected))
+
+
+# --------------------------------------------------------------------------- lifetime
+def test_free_never_waits_for_the_lock_and_the_space_is_reused_after(spill_dir):
+    """free() runs in finalizers: GC can run it on a thread that already holds the store's lock."""
+    with DiskStore(spill_dir, slab_size="1MiB") as s:
+        h = s.write(torch.ones(1 << 18))  # fills the 1 MiB slab
+        slab = next(iter(s._files.slabs.values()))
+        done = threading.Event()
+
+        def gc_inside_a_locked_section():
+            with s._lock:  # what a GC pass inside put/get bookkeeping looks like
+                s.free(h)  # before the fix: blocks forever on the store's own lock
+                done.set()
+
+        t = threading.Thread(target=gc_inside_a_locked_section, daemon=True)
+        t.start()
+        assert done.wait(10), "free() blocked on the store lock"
+        t.join(10)
+        assert h not in s and len(s) == 0
+        h2 = s.write(torch.ones(1 << 18))  # the next call drains the queue: same slab reused
+        assert len(s._files.slabs) == 1 and h2.slab == slab.index and h2.offset == 0
+        assert s.stats.used_bytes == h2.length and s.stats.live_tensors == 1
+
+
+def test_free_from_a_weakref_finalizer_gives_the_space_back_at_once(spill_dir):
+    with DiskStore(spill_dir, slab_size="1MiB") as s:
+        h = s.write(torch.ones(1 << 18))
+
+        class Record:
+            pass
+
+        r = Record()
+        weakref.finalize(r, s.free, h)
+        del r
+        gc.collect()
+        slab = next(iter(s._files.slabs.values()))
+        assert slab.free_list == [(0, slab.size)] and s.stats.used_bytes == 0
+
+
+def test_dropped_on_its_own_io_thread_still_removes_its_files(spill_dir, monkeypatch):
+    """The last reference dropped in a put() callback: cleanup cannot join the I/O thread there."""
+    gate = threading.Event()
+    real = DiskStore._write_chunk
+
+    def held(self, fd, pos, data):  # the write is still running when the callback is added
+        assert gate.wait(30)
+        real(self, fd, pos, data)
+
+    monkeypatch.setattr(DiskStore, "_write_chunk", held)
+    s = DiskStore(spill_dir, slab_size="1MiB")
+    root = s.root
+    box, ran_on = [s], []
+    fut = s.put(torch.ones(1000))
+
+    def drop(_f):
+        ran_on.append(threading.current_thread().name)
+        box.clear()  # the last reference goes here, on the I/O thread
+
+    fut.add_done_callback(drop)
+    del s
+    gate.set()
+    fut.result(timeout=30)
+    assert ran_on and ran_on[0].startswith("tt-disk")
+    gc.collect()
+    assert quiesce()
+    assert not os.path.exists(root)
+    assert not [
+        fd
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.realpath(f"/proc/self/fd/{fd}").startswith(root)
+    ]
+
+
+def test_collected_under_threading_locks_does_not_deadlock(tmp_path):
+    """GC inside threading's bookkeeping must not join the store's threads (issue 18 #6)."""
+    child = r"""
+import gc, sys, threading, torch
+from tensortier import DiskStore
+from tensortier._lifetime import quiesce
+s = DiskStore(sys.argv[1])
+root = s.root
+s.put(torch.ones(1000)).result()
+cycle = [s]; cycle.append(cycle)
+del s, cycle
+gc.disable()
+with threading._shutdown_locks_lock:
+    gc.collect()
+assert quiesce(20)
+import os
+assert not os.path.exists(root)
+print("OK", flush=True)
+"""
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("a DiskStore collected under threading's locks deadlocked the process")
+    assert "OK" in r.stdout, r.stderr
 
 
 def test_concurrent_puts_and_gets_from_4_threads(spill_dir):

@@ -160,7 +160,11 @@ def read_manifest(path: str) -> dict:
     if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
         raise CorruptDataError("manifest is not a tensortier manifest", path=file)
     body = doc["body"]
-    if crc32c.crc32c(canonical(body)) != doc.get("crc32c"):
+    try:
+        data = canonical(body)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise CorruptDataError(f"manifest body cannot be re-encoded: {exc}", path=file) from exc
+    if crc32c.crc32c(data) != doc.get("crc32c"):
         raise CorruptDataError("manifest checksum mismatch", path=file)
     if body.get("format") != FORMAT or body.get("version") != VERSION:
         raise CorruptDataError(

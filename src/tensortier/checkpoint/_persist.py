@@ -65,6 +65,27 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def retire(root: str, steps: list[int]) -> None:
+    """Remove the checkpoints a rollback abandoned, durably, before the next one commits.
+
+    Renames go in ascending step order, so the abandoned run's newest checkpoint is the last to
+    go: until then ``restore()`` still sees it (as if the rollback had not started); from then on
+    it sees the rolled-back-to step. The directory fsync makes that durable before the new
+    checkpoint's rename can be (PROTOCOL.md, "Rollback").
+    """
+    doomed = []
+    for step in sorted(steps):
+        path = step_dir(root, step)
+        target = f"{path}.deleting-{os.getpid()}"
+        os.rename(path, target)
+        doomed.append(target)
+        _faults.point("rollback-renamed")
+    fsync_dir(root)
+    _faults.point("rollback-synced")
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _write_all(fd: int, view: memoryview, pos: int) -> None:
     done = 0
     while done < len(view):
@@ -81,8 +102,10 @@ def persist(
     direct: bool,
     clock: CpuClock | None = None,
 ) -> tuple[str, int]:
-    """Write ``step-N/`` durably; returns (its path, bytes written). ``body`` gets the checksums."""
-    _faults.begin_save()
+    """Write ``step-N/`` durably; returns (its path, bytes written). ``body`` gets the checksums.
+
+    The caller marks the start of the save for the fault points (``_faults.begin_save``).
+    """
     clock = clock or CpuClock()
     final = step_dir(root, step)
     tmp = final + ".incomplete"

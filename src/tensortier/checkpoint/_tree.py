@@ -3,15 +3,17 @@
 A state tree (a model/optimizer/scheduler ``state_dict``, RNG states, the user's ``extra``) is
 turned into plain JSON in which every tensor is replaced by ``{"$tt": "tensor", "name": ...}`` and
 stored separately (in safetensors files). Values JSON cannot hold exactly get a tag from a short
-allow-list (tuples, non-string dict keys, non-finite floats, numpy arrays, dtypes, bytes). Decoding
-resolves only those tags: nothing is imported, evaluated or unpickled, so a crafted manifest can at
-worst be rejected. Anything else is refused at save time with the path to the offending value.
+allow-list (tuples, non-string dict keys, non-finite floats, numpy arrays as raw little-endian
+bytes, dtypes, bytes). Decoding resolves only those tags: nothing is imported, evaluated or
+unpickled, so a crafted manifest can at worst be rejected (:class:`CorruptDataError`, never a raw
+``TypeError`` or ``RecursionError``: nesting is bounded by ``MAX_DEPTH`` both ways). Anything else
+is refused at save time with the path to the offending value.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -71,8 +73,21 @@ def dtype_from_name(name: object) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
-def encode(obj: object, path: str, add_tensor: Callable[[str, torch.Tensor], str]) -> object:
+MAX_DEPTH = 100  # nesting levels of a state tree; deeper is refused at save and at restore
+
+
+def encode(
+    obj: object,
+    path: str,
+    add_tensor: Callable[[str, torch.Tensor], str],
+    depth: int = 0,
+) -> object:
     """JSON-ready copy of ``obj``; tensors are handed to ``add_tensor(path, t)`` which names them."""
+    if depth > MAX_DEPTH:
+        raise ConfigError(
+            f"{path}: nested more than {MAX_DEPTH} levels deep; flatten it before saving "
+            f"(a checkpoint must be readable without deep recursion)"
+        )
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -84,35 +99,38 @@ def encode(obj: object, path: str, add_tensor: Callable[[str, torch.Tensor], str
     if isinstance(obj, torch.Tensor):
         return {TAG: "tensor", "name": add_tensor(path, obj)}
     if isinstance(obj, np.generic):
-        return encode(obj.item(), path, add_tensor)
+        return encode(obj.item(), path, add_tensor, depth)
     if isinstance(obj, np.ndarray):
         if obj.dtype.name not in _NP_DTYPES:
             raise ConfigError(f"{path}: numpy arrays of dtype {obj.dtype} cannot be checkpointed")
+        # raw little-endian bytes: exact for NaN/inf/-0.0, which JSON numbers cannot carry
+        little = np.ascontiguousarray(obj, dtype=obj.dtype.newbyteorder("<"))
         return {
             TAG: "ndarray",
             "dtype": obj.dtype.name,
             "shape": list(obj.shape),
-            "data": obj.tolist(),
+            "hex": little.tobytes().hex(),
         }
     if isinstance(obj, torch.dtype):
         return {TAG: "dtype", "name": dtype_name(obj)}
     if isinstance(obj, bytes):
         return {TAG: "bytes", "hex": obj.hex()}
+    d = depth + 1
     if isinstance(obj, (list, tuple)):
-        items = [encode(v, f"{path}[{i}]", add_tensor) for i, v in enumerate(obj)]
+        items = [encode(v, f"{path}[{i}]", add_tensor, d) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else {TAG: "tuple", "items": items}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and TAG not in obj:
-            return {k: encode(v, f"{path}/{k}", add_tensor) for k, v in obj.items()}
+            return {k: encode(v, f"{path}/{k}", add_tensor, d) for k, v in obj.items()}
         items = []
         for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+            if not _valid_key(k):
                 raise ConfigError(
                     f"{path}: dict key {k!r} of type {type(k).__name__} cannot be checkpointed; "
-                    f"use str, int, float, bool or None keys"
+                    f"use str, int, float, bool or None keys (or tuples of them)"
                 )
             items.append(
-                [encode(k, f"{path}<key>", add_tensor), encode(v, f"{path}/{k}", add_tensor)]
+                [encode(k, f"{path}<key>", add_tensor, d), encode(v, f"{path}/{k}", add_tensor, d)]
             )
         return {TAG: "dict", "items": items}
     raise ConfigError(
@@ -122,33 +140,46 @@ def encode(obj: object, path: str, add_tensor: Callable[[str, torch.Tensor], str
     )
 
 
-def decode(obj: object, tensors: dict[str, torch.Tensor]) -> object:
-    """Inverse of :func:`encode`; ``tensors`` maps names to the loaded tensors."""
+def _valid_key(key: object) -> bool:
+    if key is None or isinstance(key, (str, int, float, bool)):
+        return True
+    return isinstance(key, tuple) and all(_valid_key(k) for k in key)
+
+
+def decode(obj: object, tensors: Mapping[str, torch.Tensor], depth: int = 0) -> object:
+    """Inverse of :func:`encode`; ``tensors`` maps names to the loaded tensors.
+
+    Anything :func:`encode` cannot have written (unknown tags, wrong types, references to missing
+    tensors, unhashable keys, nesting deeper than ``MAX_DEPTH``) raises :class:`CorruptDataError`.
+    """
     if obj is None or isinstance(obj, (bool, str, int, float)):
         return obj
+    if depth > MAX_DEPTH:
+        raise CorruptDataError(f"manifest state nested more than {MAX_DEPTH} levels deep")
+    d = depth + 1
     if isinstance(obj, list):
-        return [decode(v, tensors) for v in obj]
+        return [decode(v, tensors, d) for v in obj]
     if not isinstance(obj, dict):
         raise CorruptDataError(f"unexpected {type(obj).__name__} in manifest")
     if TAG not in obj:
-        return {k: decode(v, tensors) for k, v in obj.items()}
+        return {k: decode(v, tensors, d) for k, v in obj.items()}
     tag = obj[TAG]
     if tag == "tensor":
         name = obj.get("name")
-        if name not in tensors:
+        if not isinstance(name, str) or name not in tensors:
             raise CorruptDataError(f"manifest refers to tensor {name!r} that is not in the files")
         return tensors[name]
     if tag == "tuple":
-        return tuple(decode(v, tensors) for v in _list(obj, "items"))
+        return tuple(decode(v, tensors, d) for v in _list(obj, "items"))
     if tag == "dict":
         out = {}
         for pair in _list(obj, "items"):
             if not isinstance(pair, list) or len(pair) != 2:
                 raise CorruptDataError("malformed dict entry in manifest")
-            key = decode(pair[0], tensors)
-            if isinstance(key, (dict, list, torch.Tensor)):
-                raise CorruptDataError("unhashable dict key in manifest")
-            out[key] = decode(pair[1], tensors)
+            key = decode(pair[0], tensors, d)
+            if not _valid_key(key):
+                raise CorruptDataError(f"dict key of type {type(key).__name__} in manifest")
+            out[key] = decode(pair[1], tensors, d)
         return out
     if tag == "float":
         value = obj.get("value")
@@ -157,17 +188,26 @@ def decode(obj: object, tensors: dict[str, torch.Tensor]) -> object:
         return float(value)
     if tag == "ndarray":
         dtype, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
-        if dtype not in _NP_DTYPES or not isinstance(shape, list):
+        if (
+            dtype not in _NP_DTYPES
+            or not isinstance(shape, list)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        ):
             raise CorruptDataError(f"bad ndarray (dtype {dtype!r}) in manifest")
         try:
-            return np.asarray(data, dtype=np.dtype(dtype)).reshape(shape)
-        except (TypeError, ValueError) as exc:
+            if "hex" in obj:  # written by this version: raw little-endian bytes
+                little = np.dtype(dtype).newbyteorder("<")
+                flat = np.frombuffer(bytes.fromhex(obj["hex"]), dtype=little)
+                return flat.astype(np.dtype(dtype)).reshape(shape)
+            return np.asarray(data, dtype=np.dtype(dtype)).reshape(shape)  # nested lists (older)
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise CorruptDataError(f"bad ndarray in manifest: {exc}") from exc
     if tag == "dtype":
         return dtype_from_name(obj.get("name"))
     if tag == "bytes":
+        value = obj.get("hex")
         try:
-            return bytes.fromhex(obj.get("hex", ""))
+            return bytes.fromhex(value)
         except (TypeError, ValueError) as exc:
             raise CorruptDataError("bad bytes value in manifest") from exc
     raise CorruptDataError(f"unknown tag {tag!r} in manifest; refusing to interpret it")

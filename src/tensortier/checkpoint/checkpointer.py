@@ -8,17 +8,16 @@ in place, such as an EMA update, must call ``before_optimizer_step`` first). Ten
 BatchNorm statistics), RNG states, the scheduler and ``extra`` are captured before ``maybe_save``
 returns. The persist runs on one background thread; at most one checkpoint is in flight, so the
 host memory is one set of images, reused for every save. Errors of a background persist are
-raised in the caller at the next ``maybe_save``/``save``/``wait``/``close``. The commit protocol
-is in PROTOCOL.md next to this file.
+raised in the caller at the next ``maybe_save``/``save``/``wait``/``close``. The commit protocol,
+the rollback rule and the rules for waits and finalizers are in PROTOCOL.md next to this file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
+import numbers
 import os
-import random
 import re
 import shutil
 import time
@@ -26,11 +25,13 @@ import warnings
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 
+from tensortier._device import normalize_device
+from tensortier._lifetime import DirLock, Finalizer
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.checkpoint import _faults
 from tensortier.checkpoint._format import (
@@ -43,9 +44,11 @@ from tensortier.checkpoint._format import (
     read_tensors,
     write_header,
 )
-from tensortier.checkpoint._persist import CpuClock, persist, step_dir
+from tensortier.checkpoint._persist import CpuClock, persist, retire, step_dir
 from tensortier.checkpoint._policy import AutoInterval
+from tensortier.checkpoint._rng import rng_state, set_rng_state
 from tensortier.checkpoint._tree import decode, encode
+from tensortier.checkpoint._validate import check_fits, check_tree
 from tensortier.errors import BudgetError, ClosedError, ConfigError, CorruptDataError, SpillDirError
 from tensortier.tiers.disk import _probe_direct, as_bytes
 from tensortier.tiers.host import aligned_empty
@@ -53,6 +56,8 @@ from tensortier.tiers.host import aligned_empty
 log = logging.getLogger("tensortier.checkpoint")
 _STALE = re.compile(r"^step-\d+\.(incomplete|deleting-\d+)$")
 LOCK_FILE = ".tensortier-checkpoint.lock"
+MAX_IO_THREADS = 256
+PROGRESS_SECONDS = 60.0  # a wait for a persist logs a warning this often, so a stall shows
 
 
 @dataclass
@@ -69,16 +74,18 @@ class CheckpointConfig:
     warmup: int = 3  # clean iterations measured before the first "auto" checkpoint
 
     def __post_init__(self) -> None:
-        if not isinstance(self.keep, int) or self.keep < 2:
+        if not _is_int(self.keep) or self.keep < 2:
             raise ConfigError(
                 f"keep={self.keep!r}: keep at least 2 checkpoints, since the newest one may still "
                 f"be writing (or be damaged) when you need to resume"
             )
-        if self.every != "auto" and (
-            not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1
-        ):
+        if self.every != "auto" and (not _is_int(self.every) or self.every < 1):
             raise ConfigError(f"every={self.every!r}: pass a number of steps >= 1, or 'auto'")
-        if not 0 < self.max_overhead < 1:
+        if (
+            not isinstance(self.max_overhead, numbers.Real)
+            or isinstance(self.max_overhead, bool)
+            or not 0 < self.max_overhead < 1
+        ):
             raise ConfigError(
                 f"max_overhead={self.max_overhead!r}: pass the allowed slowdown as a fraction, "
                 f"e.g. 0.035 for 3.5%"
@@ -89,8 +96,25 @@ class CheckpointConfig:
             if self.host_budget is None
             else parse_size(self.host_budget, name="host_budget", allow_zero=False)
         )
-        if self.io_threads < 1:
-            raise ConfigError(f"io_threads={self.io_threads!r}: pass 1 or more")
+        if not _is_int(self.io_threads) or not 1 <= self.io_threads <= MAX_IO_THREADS:
+            raise ConfigError(
+                f"io_threads={self.io_threads!r}: pass an int from 1 to {MAX_IO_THREADS}, e.g. "
+                f"io_threads=4 (the number of parallel writes per checkpoint)"
+            )
+        if self.direct is not None and not isinstance(self.direct, bool):
+            raise ConfigError(
+                f"direct={self.direct!r}: pass True, False, or None (O_DIRECT when the filesystem "
+                f"supports it)"
+            )
+        if not _is_int(self.warmup) or self.warmup < 0:
+            raise ConfigError(
+                f"warmup={self.warmup!r}: pass the number of clean iterations (an int >= 0) "
+                f"measured before the first automatic checkpoint"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -140,34 +164,6 @@ def _complete_steps(root: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def rng_state() -> dict:
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    cuda = state.get("cuda")
-    if cuda is not None:
-        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            warnings.warn(
-                f"the checkpoint holds RNG states of {len(cuda)} CUDA devices but this process "
-                f"sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}; CUDA "
-                f"random streams are not restored, so the resumed run may differ",
-                stacklevel=3,
-            )
-
-
 class Checkpointer:
     """Crash-consistent, CheckFreq-style checkpoints of model, optimizer, scheduler, RNG and extra.
 
@@ -177,7 +173,9 @@ class Checkpointer:
     >>> ck.maybe_save(step, model=model, optimizer=opt, scheduler=sched, extra={"epoch": 3})
     >>> ck.close()                                                        # waits for the persist
 
-    Only this object writes to ``directory`` (an exclusive lock is held until ``close``).
+    Only this object writes to ``directory`` (an exclusive lock is held until ``close``). One run
+    per directory: after ``restore(step=k)`` (a rollback), the first save retires the checkpoints
+    newer than ``k``, crash-consistently; saving below checkpoints of another run is refused.
     """
 
     def __init__(self, directory: str | os.PathLike, **settings):
@@ -197,20 +195,16 @@ class Checkpointer:
                 f"permissions or pass another one",
                 path=self.root,
             )
-        self._lock_fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+        self._dirlock = DirLock(self.root, name=LOCK_FILE, what="Checkpointer")
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(self._lock_fd)
-            raise ConfigError(
-                f"another Checkpointer is writing to {self.root!r}; close it first or give each "
-                f"run its own directory"
-            ) from exc
-        for name in os.listdir(self.root):  # debris of a crashed run: never a valid checkpoint
-            if _STALE.match(name):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-        cfg = self.config
-        self.direct = _probe_direct(self.root) if cfg.direct is None else cfg.direct
+            for name in os.listdir(self.root):  # debris of a crashed run: never a valid checkpoint
+                if _STALE.match(name):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            cfg = self.config
+            self.direct = _probe_direct(self.root) if cfg.direct is None else cfg.direct
+        except BaseException:
+            self._dirlock.release()
+            raise
         self.stats = CheckpointStats(interval=cfg.every if isinstance(cfg.every, int) else None)
         self._auto = (
             AutoInterval(cfg.max_overhead, warmup=cfg.warmup) if cfg.every == "auto" else None
@@ -218,20 +212,23 @@ class Checkpointer:
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="tt-ckpt-io")
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tt-ckpt-persist")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="tt-ckpt-snapshot")
-        self._finalizer = weakref.finalize(
-            self, Checkpointer._shutdown, self._io, self._worker, self._copier, self._lock_fd
+        # GC only schedules this (reaper thread): it joins the threads, then drops the lock
+        self._finalizer = Finalizer(
+            self, _shutdown, self._io, self._worker, self._copier, self._dirlock
         )
         self._images: list[torch.Tensor] = []
         self._signature: tuple | None = None
         self._shards: list = []
         self._slots: dict[str, torch.Tensor] = {}
         self._snapshot: Future | None = None
-        self._cuda_done: torch.cuda.Event | None = None
+        self._cuda_done: dict[torch.device, torch.cuda.Event] = {}  # per device: copies queued
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device
         self._persist: Future | None = None
-        self._error: BaseException | None = None
+        self._persist_step: int | None = None
         self._hooked: weakref.WeakSet = weakref.WeakSet()
         self._hooks: list = []
         self._last_call: float | None = None
+        # the step this run continues from: the last one saved or restored (see _start's rollback)
         self._last_saved: int | None = None
         self._stall = 0.0
         self._background_cpu = 0.0  # CPU seconds of the last checkpoint's background work
@@ -307,27 +304,35 @@ class Checkpointer:
         """Wait until the snapshot has copied the parameters and optimizer state.
 
         Also runs automatically as a step pre-hook of every optimizer passed to ``maybe_save``.
+        The CPU copy is a bounded memcpy (no I/O), so it is waited for without a timeout; CUDA
+        copies are waited for on each device's current stream (the host does not block).
         """
-        if self._snapshot is None and self._cuda_done is None:
+        if self._snapshot is None and not self._cuda_done:
             return
         t0 = time.monotonic()
         if self._snapshot is not None:
             snap, self._snapshot = self._snapshot, None
             snap.result()
-        if self._cuda_done is not None:
-            torch.cuda.current_stream().wait_event(self._cuda_done)
-            self._cuda_done = None
+        for device, event in self._cuda_done.items():
+            torch.cuda.current_stream(device).wait_event(event)
+        self._cuda_done = {}
         waited = time.monotonic() - t0
         self._stall += waited
         self.stats.stall_seconds += waited
         self.stats.last_stall_seconds += waited
 
-    def wait(self) -> None:
-        """Block until the checkpoint in flight is durable; raise its error if it failed."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint in flight is durable; raise its error if it failed.
+
+        ``timeout`` (seconds): raise :class:`TimeoutError` if it is still being written by then
+        (it stays in flight; call ``wait`` again). Without one, a warning is logged every minute
+        of waiting, naming the step, so a stalled filesystem shows in the log.
+        """
         self.before_optimizer_step()
         if self._persist is not None:
-            with contextlib.suppress(BaseException):
-                self._persist.result()
+            _await(
+                self._persist, timeout, f"the checkpoint of step {self._persist_step}", self.root
+            )
         self._raise_pending()
 
     def restore(
@@ -359,10 +364,8 @@ class Checkpointer:
             try:
                 body = read_manifest(path)
                 if body["step"] != s:
-                    raise CorruptDataError(f"manifest says step {body['step']}", path=path)
-                tree = decode(body.get("state"), read_tensors(path, body))
-                if not isinstance(tree, dict):
-                    raise CorruptDataError("manifest state is not a mapping", path=path)
+                    raise CorruptDataError(f"manifest says step {body['step']!r}", path=path)
+                tree = _decode_state(body, read_tensors(path, body), path)
             except CorruptDataError as exc:
                 problems.append(f"{path}: {exc}")
                 warnings.warn(
@@ -370,7 +373,8 @@ class Checkpointer:
                     stacklevel=2,
                 )
                 continue
-            self._apply(tree, path, model, optimizer, scheduler, rng)
+            check_fits(tree, path, model, optimizer, scheduler)  # before anything is loaded
+            self._apply(tree, model, optimizer, scheduler, rng)
             self._last_saved = s
             log.info("restored %s", path)
             return CheckpointState(step=s + 1, saved_step=s, path=path, extra=tree.get("extra"))
@@ -382,17 +386,28 @@ class Checkpointer:
             )
         return None
 
-    def close(self) -> None:
-        """Wait for the last persist, release buffers and the directory lock; re-raise its error."""
-        if self._finalizer.alive:
-            try:
-                self.wait()
-            finally:
-                for handle in self._hooks:
-                    handle.remove()
-                self._hooks.clear()
-                self._release_images()
-                self._finalizer()
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the last persist, release buffers and the directory lock; re-raise its error.
+
+        ``timeout``: as in :meth:`wait`; on :class:`TimeoutError` the Checkpointer stays open.
+        """
+        if not self._finalizer.alive:
+            return
+        try:
+            self.wait(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._shut()
+            raise
+        self._shut()
+
+    def _shut(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._release_images()
+        self._finalizer()  # threads are idle: the joins return at once; then the lock goes
 
     @property
     def closed(self) -> bool:
@@ -415,13 +430,6 @@ class Checkpointer:
         )
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _shutdown(io, worker, copier, lock_fd) -> None:
-        for ex in (copier, worker, io):
-            ex.shutdown(wait=True)
-        with contextlib.suppress(OSError):
-            os.close(lock_fd)
-
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError(f"Checkpointer {self.root!r} is closed")
@@ -456,6 +464,7 @@ class Checkpointer:
             self.stats.waited_for_persist += 1
             log.info("checkpoint of step %d waits for the previous persist", step)
         self.wait()
+        abandoned = self._abandoned(step)
         if optimizer is not None:
             self._hook(optimizer)
         params = {p.data_ptr() for p in model.parameters()} if model is not None else set()
@@ -489,24 +498,21 @@ class Checkpointer:
         }
         self._layout(tensors)
         t_copy = time.monotonic()
-        late_cpu, late_cuda = [], []
+        late_cpu = []
+        on_device: dict[torch.device, tuple[list, list]] = {}  # device -> (early, late) copies
         for name, t, late in tensors:
             dst = self._slots[name]
-            if not late:
-                dst.copy_(as_bytes(t))
-            elif t.device.type == "cuda":
-                late_cuda.append((dst, t))
-            else:
+            if t.device.type == "cuda":
+                on_device.setdefault(normalize_device(t.device), ([], []))[late].append((dst, t))
+            elif late:
                 late_cpu.append((dst, t))
-        cuda_done = None
-        if late_cuda:  # device->pinned host on a side stream, ordered after the step just taken
-            side = torch.cuda.Stream(device=late_cuda[0][1].device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for dst, t in late_cuda:
-                    t.record_stream(side)
-                    dst.copy_(as_bytes(t), non_blocking=True)
-            cuda_done = self._cuda_done = side.record_event()
+            else:
+                dst.copy_(as_bytes(t))  # host memory: a memcpy now (forward may change it next)
+        cuda_done = {
+            device: _copy_from_device(device, early, late, self._stream(device))
+            for device, (early, late) in on_device.items()
+        }
+        self._cuda_done = dict(cuda_done)
 
         clock = CpuClock()
 
@@ -516,7 +522,7 @@ class Checkpointer:
             return time.monotonic()
 
         snapshot = self._snapshot = self._copier.submit(clock.wrap(copy_late))
-        on_host = not late_cuda
+        on_host = not cuda_done
         body = {
             "format": FORMAT,
             "version": VERSION,
@@ -531,9 +537,13 @@ class Checkpointer:
 
         def job() -> None:
             t0 = time.thread_time()
-            copied = snapshot.result()
-            if cuda_done is not None:
-                cuda_done.synchronize()
+            _faults.begin_save()
+            if abandoned:  # a rollback: retire the abandoned run's checkpoints before committing
+                retire(self.root, abandoned)
+            copied = snapshot.result()  # a bounded memcpy: no timeout needed
+            if cuda_done:
+                for event in cuda_done.values():  # blocking events: the thread sleeps
+                    event.synchronize()
                 copied = time.monotonic()
             path, written = persist(
                 self.root, step, shards, images, body, self._io, self.direct, clock
@@ -567,6 +577,7 @@ class Checkpointer:
             )
 
         self._persist = self._worker.submit(job)
+        self._persist_step = step
         self._last_saved = step
         self.stats.saves += 1
         blocked = time.monotonic() - entered
@@ -576,6 +587,33 @@ class Checkpointer:
         log.debug(
             "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
         )
+
+    def _abandoned(self, step: int) -> list[int]:
+        """Complete checkpoints that saving ``step`` retires: those of an abandoned future.
+
+        This run continues from the last step it saved or restored (``restore(step=k)``, or a
+        fallback past damaged checkpoints): every checkpoint newer than that belongs to the run
+        it rolled back from (step N itself included, if it exists). Checkpoints newer than
+        ``step`` that this run did not supersede that way belong to another run: refused.
+        """
+        steps = _complete_steps(self.root)
+        base = self._last_saved
+        if any(s > step for s in steps) and (base is None or step < base):
+            raise ConfigError(
+                f"{self.root!r} holds checkpoints of later steps "
+                f"({_steps([s for s in steps if s > step])}) than step {step}, which this "
+                f"Checkpointer neither saved nor restored: saving would mix two runs, and a crash "
+                f"would resume the other one. Call restore() first (to roll back, "
+                f"restore(step=k): the next save retires the later checkpoints), or pass an "
+                f"empty directory"
+            )
+        return sorted(s for s in steps if base is not None and s > base)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
 
     def _layout(self, tensors: list[tuple[str, torch.Tensor, bool]]) -> None:
         """(Re)build the shard images when the set of tensors changed; otherwise reuse them."""
@@ -629,12 +667,8 @@ class Checkpointer:
             shutil.rmtree(doomed, ignore_errors=True)
             _faults.point("retention-deleted")
 
-    def _apply(self, tree, path, model, optimizer, scheduler, rng) -> None:
-        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
-            if obj is not None and tree.get(name) is None:
-                raise ConfigError(
-                    f"checkpoint {path} holds no {name} state, but a {name} was passed to restore"
-                )
+    def _apply(self, tree, model, optimizer, scheduler, rng) -> None:
+        """Load a checkpoint that passed check_tree and check_fits (nothing left to fail on)."""
         if model is not None:
             model.load_state_dict(tree["model"])
         if optimizer is not None:
@@ -643,3 +677,78 @@ class Checkpointer:
             scheduler.load_state_dict(tree["scheduler"])
         if rng and tree.get("rng") is not None:
             set_rng_state(tree["rng"])
+
+
+def _decode_state(body: dict, tensors: dict[str, torch.Tensor], path: str) -> dict:
+    """The manifest's state tree, fully checked; anything malformed is CorruptDataError."""
+    try:
+        return check_tree(decode(body.get("state"), tensors))
+    except CorruptDataError as exc:
+        exc.path = exc.path or path
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        # a net under the explicit checks: a crafted manifest never escapes as a raw error
+        raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _copy_from_device(device, early, late, side: torch.cuda.Stream) -> torch.cuda.Event:
+    """Queue one device's snapshot copies to pinned host memory on its side stream.
+
+    ``side`` first waits for the device's *current* stream (not the current device's), so the
+    copies see the state after the optimizer step queued there. That stream then waits for the
+    early copies (buffers, scheduler, extra: the next forward may change them); the late ones
+    (parameters, optimizer state) need only finish before the next optimizer step, which waits for
+    the returned event (``before_optimizer_step``); the persist thread synchronizes on it.
+    ``record_stream`` keeps the allocator from reusing a source before its copy ran.
+    """
+    compute = torch.cuda.current_stream(device)
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        for dst, t in early:
+            t.record_stream(side)
+            dst.copy_(as_bytes(t), non_blocking=True)
+        if early:
+            compute.wait_event(side.record_event())
+        for dst, t in late:
+            t.record_stream(side)
+            dst.copy_(as_bytes(t), non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # the persist thread sleeps on it, never spins
+        done.record(side)
+    return done
+
+
+def _await(future: Future, timeout: float | None, what: str, root: str) -> None:
+    """Wait for ``future``; log every PROGRESS_SECONDS; TimeoutError after ``timeout`` seconds."""
+    start = time.monotonic()
+    while True:
+        waited = time.monotonic() - start
+        if timeout is not None and waited >= timeout:
+            raise TimeoutError(
+                f"{what} is still being written to {root!r} after {timeout:g}s; it stays in "
+                f"flight: call wait() or close() again, or check that filesystem"
+            )
+        chunk = PROGRESS_SECONDS if timeout is None else min(PROGRESS_SECONDS, timeout - waited)
+        done, _ = wait_futures([future], timeout=chunk)
+        if done:
+            return
+        log.warning("still waiting for %s after %.0fs (%s)", what, time.monotonic() - start, root)
+
+
+def _shutdown(io, worker, copier, dirlock: DirLock) -> None:
+    """Cleanup of a Checkpointer: join its threads, then release the directory lock.
+
+    Runs on the caller's thread at ``close()`` (the threads are idle by then) or on the reaper
+    thread after GC (``tensortier._lifetime``), never inside GC, so joining cannot deadlock or
+    hit "cannot join current thread". The lock goes last: no thread of this writer is left when
+    the next writer starts.
+    """
+    try:
+        for ex in (copier, worker, io):
+            ex.shutdown(wait=True)
+    finally:
+        dirlock.release()
+
+
+def _steps(steps: list[int]) -> str:
+    text = ", ".join(map(str, sorted(steps)[:5]))
+    return text + (", ..." if len(steps) > 5 else "")

@@ -12,15 +12,29 @@ the page cache and the memory it frees stays free; otherwise writes are flushed 
 ``sync_file_range`` and dropped with ``posix_fadvise(DONTNEED)``. O_DIRECT needs aligned memory:
 chunks whose memory is not page-aligned go through a per-thread aligned staging buffer.
 
+Capacity. ``capacity`` bounds the bytes preallocated in slabs; no slab is ever larger than the
+capacity left, so any capacity of at least one page can hold tensors up to its size.
+
 Failure. A capacity overrun raises :class:`TierFullError` from ``put`` itself; a full disk during
 the write raises it from the returned future. Either way the extent is returned to the free list
 and the store stays usable. ``close()``, garbage collection and leaving the ``with`` block remove
 every file. Nothing is ever unpickled: handles live in memory only.
+
+Lifetime and waits (``tensortier/LIFETIME.md``). Cleanup that joins the I/O threads runs through
+``_lifetime.Finalizer``: on the caller's thread at ``close()``, on the reaper thread after GC, never
+inside GC. ``free`` never blocks: it is called from other objects' finalizers and done-callbacks
+(the activation offloader frees extents that way), so it pushes the extent onto a lock-free queue
+and drains that queue only if the store's lock is free at once; otherwise the next call that takes
+the lock drains it. The lock guards only in-memory bookkeeping, never I/O. Every future this store
+returns resolves: a chunk either runs (``pwrite``/``preadv`` complete or fail) or is cancelled by
+``close()``, which fails its future with :class:`ClosedError`; so ``write``/``read`` wait without a
+timeout, and ``close()`` joins threads that only finish chunks already running.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -37,12 +51,14 @@ import torch
 
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
 from tensortier._units import SizeLike, align_up, format_size, parse_size
-from tensortier.errors import ClosedError, SpillDirError, TierFullError
+from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
 from tensortier.tiers.host import PAGE, aligned_empty
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CHUNK = 16 << 20  # bytes per pwrite/preadv (a multiple of PAGE); 16 MiB measured best here
 _STAGE = 4 << 20  # aligned bounce buffer per I/O thread, for memory that is not page-aligned
+MAX_IO_THREADS = 256  # far past what saturates an NVMe queue (4-16); beyond it, a typo
+_handle_ids = itertools.count()  # process-wide: a handle of one store never matches another's
 
 
 @dataclass(frozen=True)
@@ -136,12 +152,17 @@ class _Files:
         self.slabs: dict[int, _Slab] = {}
 
     def cleanup(self, executor: ThreadPoolExecutor) -> None:
+        # Queued chunks are cancelled (their futures fail with ClosedError); running ones finish.
         executor.shutdown(wait=True, cancel_futures=True)
         for slab in self.slabs.values():
             with contextlib.suppress(OSError):
                 os.close(slab.fd)
         self.slabs.clear()
         remove_private_dir(self.root)
+
+
+def _page_floor(n: int) -> int:
+    return max(0, n) // PAGE * PAGE
 
 
 def _libc_sync_file_range() -> Callable[[int, int, int], None] | None:
@@ -253,9 +274,29 @@ class DiskStore:
             if capacity is None
             else parse_size(capacity, name="disk capacity", allow_zero=False)
         )
-        self.slab_size = align_up(parse_size(slab_size, name="slab_size", allow_zero=False), PAGE)
-        if io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if self.capacity is not None and self.capacity < PAGE:
+            raise ConfigError(
+                f"disk capacity={capacity!r} is below one {PAGE}-byte page, so no tensor could be "
+                f"stored; pass a capacity of at least {format_size(PAGE)}, or None for no limit"
+            )
+        slab = align_up(parse_size(slab_size, name="slab_size", allow_zero=False), PAGE)
+        # A slab larger than the capacity could never be made: cap it (puts then work up to capacity).
+        self.slab_size = slab if self.capacity is None else min(slab, _page_floor(self.capacity))
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int):
+            raise ConfigError(
+                f"io_threads={io_threads!r} ({type(io_threads).__name__}): pass the number of I/O "
+                f"threads as an int, e.g. io_threads=4"
+            )
+        if not 1 <= io_threads <= MAX_IO_THREADS:
+            raise ConfigError(
+                f"io_threads={io_threads!r}: pass an int from 1 to {MAX_IO_THREADS} (4-16 saturate "
+                f"an NVMe drive)"
+            )
+        if direct is not None and not isinstance(direct, bool):
+            raise ConfigError(
+                f"direct={direct!r}: pass True (require O_DIRECT), False (buffered I/O) or None "
+                f"(O_DIRECT when the filesystem supports it)"
+            )
         self.root = private_dir(spill_dir, owner)
         self._files = _Files(self.root)
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tt-disk")
@@ -270,9 +311,10 @@ class DiskStore:
             )
         self.direct = can_direct if direct is None else bool(direct)
         self.stats = DiskStats(direct_io=self.direct)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # bookkeeping only; never held across I/O or a wait
         self._live: dict[int, DiskHandle] = {}
-        self._ids = itertools.count()
+        # extents given back by free() and not yet on a free list: (slab, offset, length)
+        self._freed: collections.deque[tuple[int, int, int]] = collections.deque()
         self._slab_ids = itertools.count()
         self._staging = threading.local()
 
@@ -280,17 +322,19 @@ class DiskStore:
     def _allocate(self, length: int) -> tuple[_Slab, int]:
         with self._lock:
             self._check_open()
+            self._drain_freed_locked()
             for slab in self._files.slabs.values():
                 off = slab.alloc(length)
                 if off is not None:
                     return slab, off
-            size = max(self.slab_size, length)
-            if self.capacity is not None and self.stats.file_bytes + size > self.capacity:
+            size = self._new_slab_size(length)
+            if size < max(self.slab_size, length):  # capacity is short: drop empty slabs first
                 self._trim_locked()
-            if self.capacity is not None and self.stats.file_bytes + size > self.capacity:
+                size = self._new_slab_size(length)
+            if size < length:
                 raise TierFullError(
                     f"disk tier capacity exceeded: a {format_size(length)} tensor needs a new "
-                    f"{format_size(size)} file but {format_size(self.stats.file_bytes)} of "
+                    f"file but {format_size(self.stats.file_bytes)} of "
                     f"{format_size(self.capacity)} are allocated ({format_size(self.stats.used_bytes)} "
                     f"live). Free tensors or raise capacity.",
                     tier="disk",
@@ -319,6 +363,13 @@ class DiskStore:
             assert off is not None
             return slab, off
 
+    def _new_slab_size(self, length: int) -> int:
+        """Size of the next slab: ``slab_size`` (or ``length`` if larger), cut to the capacity left."""
+        size = max(self.slab_size, length)
+        if self.capacity is None:
+            return size
+        return min(size, _page_floor(self.capacity - self.stats.file_bytes))
+
     def _trim_locked(self) -> None:
         for index, slab in list(self._files.slabs.items()):
             if slab.empty:
@@ -330,6 +381,7 @@ class DiskStore:
     def trim(self) -> int:
         """Delete slabs that hold no live tensor; returns the bytes given back to the filesystem."""
         with self._lock:
+            self._drain_freed_locked()
             before = self.stats.file_bytes
             self._trim_locked()
             return before - self.stats.file_bytes
@@ -339,6 +391,19 @@ class DiskStore:
             if slab.index in self._files.slabs:
                 slab.release(offset, length)
 
+    def _drain_freed_locked(self) -> None:
+        """Put the extents queued by :meth:`free` back on their slabs' free lists (lock held)."""
+        while True:
+            try:
+                index, offset, length = self._freed.popleft()
+            except IndexError:
+                return
+            slab = self._files.slabs.get(index)
+            if slab is not None:
+                slab.release(offset, length)
+            self.stats.used_bytes -= length
+            self.stats.live_tensors -= 1
+
     # ---------------------------------------------------------------- public API
     def put(self, tensor: torch.Tensor) -> Future[DiskHandle]:
         """Start writing ``tensor`` (CPU, any dtype/shape/strides); returns a future of its handle.
@@ -346,17 +411,23 @@ class DiskStore:
         Do not modify ``tensor`` in place until the future is done. Raises :class:`TierFullError`
         at once when capacity is exceeded; a full disk fails the future with the same error.
         """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"DiskStore.put(tensor): expected a torch.Tensor, got {type(tensor).__name__}; "
+                f"convert it first, e.g. torch.as_tensor(value)"
+            )
         if tensor.device.type != "cpu":
             raise ValueError(
-                f"DiskStore.put takes CPU tensors, got one on {tensor.device}; "
+                f"DiskStore.put(tensor) takes CPU tensors, got one on {tensor.device}; "
                 f"use TransferEngine.to_disk to move device tensors"
             )
+        self._check_open()
         data = as_bytes(tensor.detach())
         nbytes = data.numel()
         length = align_up(nbytes, PAGE)
         slab, offset = self._allocate(length) if length else (None, 0)
         handle = DiskHandle(
-            next(self._ids),
+            next(_handle_ids),
             slab.index if slab else -1,
             offset,
             length,
@@ -392,6 +463,11 @@ class DiskStore:
         ``into``: a uint8 buffer of at least ``handle.length`` bytes to read into (page-aligned
         memory avoids a staging copy); by default a fresh aligned buffer is allocated.
         """
+        if not isinstance(handle, DiskHandle):
+            raise TypeError(
+                f"DiskStore.get(handle): expected the DiskHandle returned by put(), got "
+                f"{type(handle).__name__}"
+            )
         with self._lock:
             self._check_open()
             if self._live.get(handle.id) is not handle:
@@ -425,15 +501,30 @@ class DiskStore:
         return done
 
     def free(self, handle: DiskHandle) -> None:
-        """Give a tensor's extent back. Pending reads of it must have completed."""
-        with self._lock:
-            if self._live.pop(handle.id, None) is None:
-                raise KeyError(f"{handle} is not live in this store (freed twice?)")
-            slab = self._files.slabs.get(handle.slab)
-            if slab is not None:
-                slab.release(handle.offset, handle.length)
-            self.stats.used_bytes -= handle.length
-            self.stats.live_tensors -= 1
+        """Give a tensor's extent back. Pending reads of it must have completed.
+
+        Never blocks and never waits for the store's lock, so finalizers and done-callbacks may
+        call it: the extent goes onto a lock-free queue, drained here when the lock is free at
+        once (the common case: the space is reusable on return) or by the next call that takes it.
+        After ``close()`` it is a no-op (everything was freed).
+        """
+        if not isinstance(handle, DiskHandle):
+            raise TypeError(
+                f"DiskStore.free(handle): expected the DiskHandle returned by put(), got "
+                f"{type(handle).__name__}"
+            )
+        if self.closed:
+            return
+        if self._live.get(handle.id) is not handle:  # ids are process-wide: no foreign match
+            raise KeyError(f"{handle} is not live in this store (freed twice?)")
+        if self._live.pop(handle.id, None) is None:  # atomic: of two racing frees, one wins
+            raise KeyError(f"{handle} is not live in this store (freed twice?)")
+        self._freed.append((handle.slab, handle.offset, handle.length))  # deque.append: atomic
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_freed_locked()
+            finally:
+                self._lock.release()
 
     def write(self, tensor: torch.Tensor) -> DiskHandle:
         """Synchronous :meth:`put`."""
@@ -490,14 +581,9 @@ class DiskStore:
             _call_finished(finished, None)
             return
         state = {"left": len(starts), "error": None}
-        lock = threading.Lock()
+        lock = threading.Lock()  # per request; held for two assignments, never across I/O
 
-        def one(start: int) -> None:
-            error = None
-            try:
-                fn(slab.fd, offset + start, data[start : start + _CHUNK])
-            except BaseException as exc:  # delivered through the future, not lost in the pool
-                error = exc
+        def settle(error: BaseException | None) -> None:
             with lock:
                 if error is not None and state["error"] is None:
                     state["error"] = error
@@ -506,9 +592,21 @@ class DiskStore:
             if last:
                 _call_finished(finished, state["error"])
 
+        def one(start: int) -> None:
+            error = None
+            try:
+                fn(slab.fd, offset + start, data[start : start + _CHUNK])
+            except BaseException as exc:  # delivered through the future, not lost in the pool
+                error = exc
+            settle(error)
+
+        def cancelled(f: Future) -> None:  # close() dropped the queued chunk: fail, never hang
+            if f.cancelled():
+                settle(ClosedError(f"DiskStore {self.root!r} was closed before this I/O ran"))
+
         try:
             for start in starts:
-                self._executor.submit(one, start)
+                self._executor.submit(one, start).add_done_callback(cancelled)
         except RuntimeError as exc:  # executor shut down under us
             raise ClosedError(f"DiskStore {self.root!r} is closed") from exc
 

@@ -1,0 +1,110 @@
+"""Everything a restore checks before it modifies anything (see PROTOCOL.md, "Restore").
+
+Two kinds of defect, two errors. A state tree that this package cannot have written (wrong
+types, malformed optimizer or RNG state) is :class:`CorruptDataError`: the checkpoint is skipped
+and restore falls back to an older one, as for a bad checksum. A well-formed checkpoint that does
+not fit the objects passed to ``restore`` (other parameter names or shapes, another number of
+parameter groups) is :class:`ConfigError`: older checkpoints of the same run would not fit either,
+so nothing falls back and nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensortier.checkpoint._rng import check_rng_state
+from tensortier.errors import ConfigError, CorruptDataError
+
+PARTS = ("model", "optimizer", "scheduler", "rng", "extra")
+
+
+def check_tree(tree: object) -> dict:
+    """The decoded ``state`` of a manifest, checked for structure; raises CorruptDataError."""
+    if not isinstance(tree, dict):
+        raise CorruptDataError("manifest state is not a mapping")
+    unknown = set(tree) - set(PARTS)
+    if unknown:
+        raise CorruptDataError(f"unknown parts {sorted(map(str, unknown))} in manifest state")
+    for part in ("model", "scheduler"):
+        value = tree.get(part)
+        if value is not None and not _str_keyed(value):
+            raise CorruptDataError(f"the {part} state in manifest is not a mapping of names")
+    optimizer = tree.get("optimizer")
+    if optimizer is not None:
+        _check_optimizer(optimizer)
+    if tree.get("rng") is not None:
+        check_rng_state(tree["rng"])
+    return tree
+
+
+def _str_keyed(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+
+
+def _check_optimizer(state: object) -> None:
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+        raise CorruptDataError("the optimizer state in manifest lacks its 'state' mapping")
+    groups = state.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise CorruptDataError("the optimizer state in manifest has malformed 'param_groups'")
+    for entry in state["state"].values():
+        if not isinstance(entry, dict):
+            raise CorruptDataError("a per-parameter optimizer state in manifest is not a mapping")
+
+
+def check_fits(tree: dict, path: str, model, optimizer, scheduler) -> None:
+    """Raise ConfigError (before anything is loaded) if the checkpoint does not fit the objects."""
+    for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+        if obj is not None and tree.get(name) is None:
+            raise ConfigError(
+                f"checkpoint {path} holds no {name} state, but a {name} was passed to restore"
+            )
+    if model is not None:
+        _check_model(tree["model"], model.state_dict(), path)
+    if optimizer is not None:
+        groups = tree["optimizer"]["param_groups"]
+        if len(groups) != len(optimizer.param_groups) or any(
+            len(g["params"]) != len(mine["params"])
+            for g, mine in zip(groups, optimizer.param_groups)
+        ):
+            raise ConfigError(
+                f"checkpoint {path} holds an optimizer with parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]}, the optimizer passed has "
+                f"{[len(g['params']) for g in optimizer.param_groups]}; build the optimizer "
+                f"over the same parameters and groups as the saved run"
+            )
+
+
+def _check_model(saved: dict, own: dict, path: str) -> None:
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [
+        f"{k}: {_shape(saved[k])} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in saved
+        and isinstance(v, torch.Tensor)
+        and (not isinstance(saved[k], torch.Tensor) or saved[k].shape != v.shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_few(unexpected)}")
+        if shapes:
+            parts.append(f"other shapes ({_few(shapes)})")
+        raise ConfigError(
+            f"checkpoint {path} does not fit the model passed to restore: {'; '.join(parts)}. "
+            f"Build the model with the saved run's configuration, or restore into one that has it"
+        )
+
+
+def _shape(value: object) -> str:
+    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _few(items: list[str]) -> str:
+    head = ", ".join(map(str, items[:5]))
+    return head + (f" and {len(items) - 5} more" if len(items) > 5 else "")
