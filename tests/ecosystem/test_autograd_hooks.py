@@ -306,7 +306,9 @@ def test_sparse_saved_tensors_are_left_alone(offload):
     def f(x):
         return (x * x).to_dense()
 
-    x = torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.tensor([1.5, 2.5]), (3,))
+    x = torch.sparse_coo_tensor(
+        torch.tensor([[1, 1]]), torch.tensor([1.5, 2.5]), (3,), check_invariants=True
+    )
     plain = x.clone().requires_grad_()
     moved = x.clone().requires_grad_()
     f(plain).sum().backward()

@@ -60,22 +60,18 @@ def test_offload_module_on_the_block_list_trains_bit_identical(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_offload_module_keeps_block_activations_off_the_device_until_backward(kind):
-    """One offload pass per forward however many blocks are hooked, and nothing read back before
-    backward beyond the prefetch window (issue 12 #4: each block's exit closed a pass and
-    fetched that block's activations straight back)."""
+def test_offload_module_runs_one_pass_per_forward(kind):
+    """One offload pass spans the forward however many blocks are hooked (issue 12 #4: each
+    block's exit closed a pass and fetched that block's activations straight back, so nothing
+    was saved; the GPU check of the memory itself is in ``test_gpu.py``)."""
     model = build(kind)
-    handle = tt.offload_module(blocks(model), to="host", min_bytes=0, prefetch=0)
+    handle = tt.offload_module(blocks(model), to="host", min_bytes=0)
     try:
         for step in range(2):
             loss = model(**batch(kind, step)).loss
             stats = handle.offloader.stats
             assert stats.bytes_offloaded["host"] > 0
-            assert stats.passes == step + 1, (
-                f"{stats.passes} offload passes for {step + 1} forwards"
-            )
-            early = stats.bytes_prefetched + stats.bytes_on_demand
-            assert early == 0, f"{early} bytes read back before backward started"
+            assert stats.passes == step + 1, f"{stats.passes} passes for {step + 1} forwards"
             loss.backward()
             model.zero_grad(set_to_none=True)
     finally:
