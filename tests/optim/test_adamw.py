@@ -1,10 +1,14 @@
 import math
+import sys
+import threading
+import time
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tensortier._lifetime import quiesce
 from tensortier.errors import ClosedError, ConfigError, TierFullError
 from tensortier.optim import OffloadedAdamW
 
@@ -405,3 +409,29 @@ def test_state_dict_splits_into_tensors_and_json():
     assert any(k.endswith("master_param") for k in tensors)
     json.dumps(sd["param_groups"])  # plain Python values only
     opt.close()
+
+
+def test_dropped_on_its_own_worker_thread_still_cleans_up(spill_dir):
+    """Lifetime rules: the last reference dies on the optimizer's worker thread; the cleanup
+    (joining that worker, closing the disk store) must run elsewhere, not fail there."""
+    raised = []
+    hook, sys.unraisablehook = sys.unraisablehook, raised.append
+    try:
+        m = _model()
+        opt = OffloadedAdamW(m.parameters(), lr=1e-2, states="disk", spill_dir=spill_dir)
+        _train(m, opt, _batches(1))
+        worker = opt._worker
+        go = threading.Event()
+        fut = worker.submit(lambda o=opt: go.wait(10))  # the job holds the last reference
+        del opt
+        go.set()
+        fut.result(timeout=10)
+        for _ in range(100):  # the work item (and the optimizer) is freed just after the result
+            if quiesce() and not any(t.is_alive() for t in worker._threads):
+                break
+            time.sleep(0.05)
+    finally:
+        sys.unraisablehook = hook
+    assert not raised, [str(r.exc_value) for r in raised]  # e.g. "cannot join current thread"
+    assert not any(t.is_alive() for t in worker._threads)
+    # the spill_dir fixture checks that the disk store's files are gone
