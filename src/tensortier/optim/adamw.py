@@ -741,7 +741,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not isinstance(self._states, HostStates) or not self.overlap or self._dist:
             return
         for i in self._order:
-            if self._buckets[i].pause == 0:
+            if self._buckets[i].pause == 0 and self._buckets[i].trainable:
                 self._prepared.append(self._worker.submit(self._states.prepare, i))
 
     def _write_back(self, b: _Bucket, slots: list[_Slot], holder, master=None) -> None:
