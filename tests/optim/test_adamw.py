@@ -1,10 +1,14 @@
 import math
+import sys
+import threading
+import time
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tensortier._lifetime import quiesce
 from tensortier.errors import ClosedError, ConfigError, TierFullError
 from tensortier.optim import OffloadedAdamW
 
@@ -94,19 +98,6 @@ def test_overlap_launches_in_backward_and_matches_fused_bitwise(states, spill_di
     opt.close()
 
 
-def test_accumulation_beyond_learned_count_raises():
-    m = _model()
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
-    x = _batches(3)
-    m(x[0]).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    m(x[1]).sum().backward()
-    with pytest.raises(RuntimeError, match="backward pass"):
-        m(x[2]).sum().backward()
-    opt.close()
-
-
 def test_frozen_and_gradless_params_like_torch():
     def build():
         m = _model()
@@ -193,22 +184,85 @@ def test_low_precision_model_keeps_fp32_masters(dtype):
     opt.close()
 
 
-def test_user_change_to_param_wins_over_master():
-    m = _model()
+@pytest.mark.parametrize("seed", range(9))
+def test_user_change_to_param_wins_over_master(seed):
+    """Issue 12 defect 1: this compared against a torch AdamW that load_state_dict had silently
+    turned non-fused (our groups lacked ``fused``); for-loop and fused AdamW round differently in
+    ~1 element in 2000, so the outcome depended on the data (seeds 4, 6, 8 failed on the CI box;
+    other machines' gradients hit other elements). Now the reference stays fused: equal by
+    construction, whatever the data or vector width."""
+    m = _model(seed)
     opt = OffloadedAdamW(m.parameters(), lr=1e-2)
-    _train(m, opt, _batches(2))
+    _train(m, opt, _batches(2, seed=seed))
     with torch.no_grad():
         m[0].weight.fill_(0.5)  # e.g. model.load_state_dict after the optimizer exists
-    ref = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
-    ref.load_state_dict(opt.state_dict())
     clone = _model()
     clone.load_state_dict(m.state_dict())
     ref2 = torch.optim.AdamW(clone.parameters(), lr=1e-2, fused=True)
     ref2.load_state_dict(opt.state_dict())
-    _train(m, opt, _batches(1, seed=5))
-    _train(clone, ref2, _batches(1, seed=5))
+    assert ref2.param_groups[0]["fused"] is True
+    _train(m, opt, _batches(1, seed=seed + 100))
+    _train(clone, ref2, _batches(1, seed=seed + 100))
     for p, q in zip(m.parameters(), clone.parameters()):
         assert torch.equal(p, q)
+    opt.close()
+
+
+TORCH_GROUP_KEYS = set(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0])
+
+
+def test_state_dict_into_fused_torch_adamw_keeps_fused():
+    """Issue 12 defect 11a: torch's load_state_dict replaces its groups with the loaded ones, so
+    every key torch's AdamW has must be there, with fused=True (the kernel we run)."""
+    m = _model()
+    opt = OffloadedAdamW(_groups(m), lr=1e-2)
+    _train(m, opt, _batches(2))
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        assert set(g) == TORCH_GROUP_KEYS
+        assert g["fused"] is True and g["decoupled_weight_decay"] is True
+    ref = torch.optim.AdamW(_groups(_model()), lr=1e-2, fused=True)
+    ref.load_state_dict(sd)
+    assert all(g["fused"] is True and g["foreach"] is None for g in ref.param_groups)
+    assert ref.param_groups[1]["lr"] == 3e-3 and ref.param_groups[0]["weight_decay"] == 0.1
+    opt.close()
+
+
+@pytest.mark.parametrize("variant", [dict(fused=True), dict(foreach=True), dict(foreach=False)])
+def test_loads_any_torch_adamw_state_dict_and_stays_fused(variant):
+    a, b = _model(), _model()
+    data = _batches(10)
+    ref = torch.optim.AdamW(_groups(a), lr=1e-2, **variant)
+    _train(a, ref, data[:4])
+    with torch.no_grad():
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.copy_(p)
+    opt = OffloadedAdamW(_groups(b), lr=1e-2, bucket_size="1KiB")
+    opt.load_state_dict(ref.state_dict())
+    for g in opt.param_groups:  # the loaded group's foreach/fused do not describe our kernel
+        assert g["fused"] is True and g["foreach"] is None
+    fused = torch.optim.AdamW(_groups(_model()), lr=1e-2, fused=True)
+    fused.load_state_dict(opt.state_dict())
+    assert all(g["fused"] is True for g in fused.param_groups)
+    if variant.get("fused"):  # same kernel from here on: bit-identical
+        _train(a, ref, data[4:])
+        _train(b, opt, data[4:])
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+    opt.close()
+
+
+def test_refuses_amsgrad_and_adam_l2_state():
+    m = _model()
+    with pytest.raises(ConfigError, match="amsgrad"):
+        OffloadedAdamW([{"params": m.parameters(), "amsgrad": True}])
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+    for ref in (
+        torch.optim.AdamW(m.parameters(), amsgrad=True),
+        torch.optim.Adam(m.parameters(), weight_decay=0.1),
+    ):
+        with pytest.raises(ConfigError, match="amsgrad|decoupled_weight_decay"):
+            opt.load_state_dict(ref.state_dict())
     opt.close()
 
 
@@ -355,3 +409,29 @@ def test_state_dict_splits_into_tensors_and_json():
     assert any(k.endswith("master_param") for k in tensors)
     json.dumps(sd["param_groups"])  # plain Python values only
     opt.close()
+
+
+def test_dropped_on_its_own_worker_thread_still_cleans_up(spill_dir):
+    """Lifetime rules: the last reference dies on the optimizer's worker thread; the cleanup
+    (joining that worker, closing the disk store) must run elsewhere, not fail there."""
+    raised = []
+    hook, sys.unraisablehook = sys.unraisablehook, raised.append
+    try:
+        m = _model()
+        opt = OffloadedAdamW(m.parameters(), lr=1e-2, states="disk", spill_dir=spill_dir)
+        _train(m, opt, _batches(1))
+        worker = opt._worker
+        go = threading.Event()
+        fut = worker.submit(lambda o=opt: go.wait(10))  # the job holds the last reference
+        del opt
+        go.set()
+        fut.result(timeout=10)
+        for _ in range(100):  # the work item (and the optimizer) is freed just after the result
+            if quiesce() and not any(t.is_alive() for t in worker._threads):
+                break
+            time.sleep(0.05)
+    finally:
+        sys.unraisablehook = hook
+    assert not raised, [str(r.exc_value) for r in raised]  # e.g. "cannot join current thread"
+    assert not any(t.is_alive() for t in worker._threads)
+    # the spill_dir fixture checks that the disk store's files are gone

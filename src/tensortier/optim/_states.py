@@ -1,19 +1,39 @@
 """Where a bucket's optimizer state lives between steps: host RAM, or the disk tier.
 
 A bucket's state is three flat vectors of its master dtype: the master weights and Adam's two
-moments. ``load`` hands the update a writable (master, exp_avg, exp_avg_sq) triple; ``save``
-records the result; ``commit`` makes every save of the step durable at once, ``abort`` drops them.
+moments. Every slot (parameter) starts on a 64-byte boundary (:func:`slot_layout`), like a fresh
+CPU allocation, so the fused kernel sees each slot exactly as it sees a parameter of
+``torch.optim.AdamW(fused=True)``.
+
+Protocol (both tiers). ``load(id, shadow=...)`` hands the update a writable (master, exp_avg,
+exp_avg_sq) triple; ``save`` records the result as *pending*; ``drop(id)`` forgets one bucket's
+pending result (a speculation that turned out wrong); ``commit`` makes every pending result of
+the step the committed state at once, ``abort`` drops them all. ``read`` always returns the
+committed state.
+
+Host protocol. ``load(shadow=True)`` copies the committed state into the bucket's *spare* buffer
+(allocated on first use, so only optimizers that speculate pay for it) and returns the spare;
+``commit`` swaps spare and committed. The committed state is never written by a shadow update,
+so dropping a speculation costs nothing and is exact. ``load(shadow=False)`` returns the
+committed buffers for an in-place update (the non-speculative path, 12 B/param with fp32
+masters). A buffer whose master a device copy is still reading (parameter write-back on CUDA)
+carries that copy's event; it is synchronised before the buffer is written again.
 
 Disk protocol (no partial step). Saved states go to *fresh* extents; the extents of the last
 committed step stay untouched until ``commit`` has seen every write of this step succeed, then
 the old extents are freed. A failed write (``TierFullError``) therefore leaves the committed
 state whole, and the optimizer writes parameters back only after ``commit``. The price is disk
-space for two copies of the state during a step.
+space for two copies of the state during a step. Every load reads the committed extents, so a
+speculative update never changes what a redo reads.
 
 Host memory bound (disk). All I/O goes through ``depth`` ring buffers of one bucket's state
 each, so the optimizer's host memory is ``depth * 3 * bucket_bytes`` whatever the model size.
 Reads run ahead (``prefetch``) and writes behind (a buffer returns to the ring when its write
 completes), both through the disk store's futures.
+
+Waits: ring-buffer takes poll with a timeout and steal read-aheads (no deadlock); disk futures
+complete or fail through the disk store; CUDA events complete once the copies queued before them
+ran (they cannot hang unless the device does).
 """
 
 from __future__ import annotations
@@ -32,58 +52,148 @@ from tensortier.tiers.disk import DiskHandle, DiskStore
 from tensortier.tiers.host import PAGE, aligned_empty
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # master, exp_avg, exp_avg_sq
+ALIGN = 64  # bytes: c10's CPU allocator alignment, and ATen's fused-kernel task unit
+
+
+def slot_layout(numels: list[int], element_size: int) -> tuple[list[int], int]:
+    """Element offsets of consecutive slots, each on a 64-byte boundary, and the padded total."""
+    unit = max(1, ALIGN // element_size)
+    offsets, off = [], 0
+    for n in numels:
+        offsets.append(off)
+        off = align_up(off + n, unit)
+    return offsets, off
+
+
+class _HostBuf:
+    """One copy of a bucket's state: the master (pinned for CUDA write-back) and the moments."""
+
+    __slots__ = ("master", "exp_avg", "exp_avg_sq", "event", "nbytes", "gen", "copy_of")
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool):
+        es = torch.empty((), dtype=dtype).element_size()
+        self.master = aligned_empty(numel * es, pin=pin, alignment=ALIGN).view(dtype)
+        mv = aligned_empty(2 * numel * es, alignment=ALIGN).view(dtype)
+        self.master.zero_()
+        mv.zero_()
+        self.exp_avg, self.exp_avg_sq = mv[:numel], mv[numel:]
+        self.event = None  # CUDA event of the last device copy reading ``master``
+        self.nbytes = 3 * numel * es
+        self.gen = 0  # bumped whenever the content is about to change in place
+        self.copy_of: tuple | None = None  # (buffer, its gen) this one is an exact copy of
+
+    @property
+    def state(self) -> State:
+        return self.master, self.exp_avg, self.exp_avg_sq
+
+    def ready_to_write(self) -> None:
+        """Wait until no device copy reads this buffer any more (a CUDA event: cannot hang)."""
+        ev, self.event = self.event, None
+        if ev is not None:
+            ev.synchronize()
 
 
 class HostStates:
-    """Every bucket's state resident in host RAM; saves are in place, so commit has nothing to do."""
+    """Every bucket's state resident in host RAM; speculative updates go to a spare copy."""
 
-    def __init__(self) -> None:
-        self._bufs: dict[int, torch.Tensor] = {}
+    def __init__(self, pin: bool = False) -> None:
+        self._pin = pin
+        self._meta: dict[int, tuple[int, torch.dtype]] = {}
+        self._committed: dict[int, _HostBuf] = {}
+        self._spare: dict[int, _HostBuf] = {}
+        self._pending: set[int] = set()
 
     def add(self, bucket_id: int, numel: int, dtype: torch.dtype) -> None:
-        self._bufs[bucket_id] = torch.zeros(3, numel, dtype=dtype)
+        self._meta[bucket_id] = (numel, dtype)
+        self._committed[bucket_id] = _HostBuf(numel, dtype, self._pin)
 
     def has(self, bucket_id: int) -> bool:
         return True
 
-    def load(self, bucket_id: int) -> tuple[object, State, bool]:
-        b = self._bufs[bucket_id]
-        return None, (b[0], b[1], b[2]), False
+    def load(self, bucket_id: int, shadow: bool = False) -> tuple[object, State, bool]:
+        """(token, writable state, fresh). ``shadow``: a copy; the committed state stays as it is."""
+        committed = self._committed[bucket_id]
+        if not shadow:
+            committed.ready_to_write()
+            committed.gen += 1
+            return committed, committed.state, False
+        spare = self.prepare(bucket_id)
+        spare.copy_of = None  # about to be written
+        return spare, spare.state, False
+
+    def prepare(self, bucket_id: int) -> _HostBuf:
+        """Make the spare an exact copy of the committed state, unless it already is one.
+
+        The optimizer runs this on its worker right after a step (overlapping the next forward),
+        so a speculative ``load`` during backward finds the copy made.
+        """
+        committed = self._committed[bucket_id]
+        spare = self._spare.get(bucket_id)
+        if spare is None:
+            spare = self._spare[bucket_id] = _HostBuf(*self._meta[bucket_id], self._pin)
+        key = (committed, committed.gen)
+        if spare.copy_of is None or spare.copy_of[0] is not committed or spare.copy_of[1] != key[1]:
+            spare.ready_to_write()
+            for dst, src in zip(spare.state, committed.state):
+                dst.copy_(src)
+            spare.copy_of = key
+        return spare
 
     def save(self, bucket_id: int, token: object, state: State) -> None:
-        pass
+        if token is not self._committed[bucket_id]:
+            self._pending.add(bucket_id)
 
     def blank(self, bucket_id: int) -> tuple[object, State]:
-        b = self._bufs[bucket_id]
-        b.zero_()
-        return None, (b[0], b[1], b[2])
+        self._pending.discard(bucket_id)
+        b = self._committed[bucket_id]
+        b.ready_to_write()
+        b.gen += 1
+        for t in b.state:
+            t.zero_()
+        return b, b.state
 
     def discard(self, token: object) -> None:
         pass
 
+    def drop(self, bucket_id: int) -> None:
+        self._pending.discard(bucket_id)
+
     def read(self, bucket_id: int) -> State:
-        b = self._bufs[bucket_id]
-        return b[0], b[1], b[2]
+        return self._committed[bucket_id].state
+
+    def latest(self, bucket_id: int) -> _HostBuf:
+        """The buffer holding this step's result for the bucket (pending spare, else committed)."""
+        if bucket_id in self._pending:
+            return self._spare[bucket_id]
+        return self._committed[bucket_id]
 
     def prefetch(self, bucket_ids: list[int]) -> None:
         pass
 
     def commit(self) -> None:
-        pass
+        for i in self._pending:
+            self._committed[i], self._spare[i] = self._spare[i], self._committed[i]
+            self._spare[i].copy_of = None
+        self._pending.clear()
 
     def abort(self) -> None:
-        pass
+        self._pending.clear()
 
     def masters(self, bucket_ids: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
         for i in bucket_ids:
-            yield i, self._bufs[i][0]
+            yield i, self._committed[i].master
 
     @property
     def host_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+        """Committed state plus the spares speculation allocated (a second copy of the state)."""
+        return sum(b.nbytes for b in self._committed.values()) + sum(
+            b.nbytes for b in self._spare.values()
+        )
 
     def close(self) -> None:
-        self._bufs.clear()
+        self._committed.clear()
+        self._spare.clear()
+        self._pending.clear()
 
 
 class _Layout:
@@ -108,12 +218,12 @@ class _Layout:
 class DiskStates:
     """Bucket states in a :class:`DiskStore`, streamed through ``depth`` host ring buffers."""
 
-    def __init__(self, store: DiskStore, depth: int):
+    def __init__(self, store: DiskStore, depth: int, pin: bool = False):
         if depth < 2:
             raise ConfigError(
                 f"pipeline depth must be >= 2 (one buffer reading, one writing), got {depth}"
             )
-        self.store, self.depth = store, depth
+        self.store, self.depth, self._pin = store, depth, pin
         self._layouts: dict[int, _Layout] = {}
         self._committed: dict[int, tuple[DiskHandle, DiskHandle]] = {}
         self._pending: dict[int, tuple[Future, Future]] = {}
@@ -129,7 +239,7 @@ class DiskStates:
             self._drain_ring()
             self._buffer_bytes = layout.total
             for _ in range(self.depth):
-                self._ring.put(aligned_empty(layout.total))
+                self._ring.put(aligned_empty(layout.total, pin=self._pin))
 
     def _drain_ring(self) -> None:
         for _ in range(self.depth if self._buffer_bytes else 0):
@@ -140,7 +250,7 @@ class DiskStates:
         return self.depth * self._buffer_bytes
 
     def has(self, bucket_id: int) -> bool:
-        return bucket_id in self._committed or bucket_id in self._pending
+        return bucket_id in self._committed
 
     # ------------------------------------------------------------ buffers
     def _take(self, avoid: int) -> torch.Tensor:
@@ -163,10 +273,7 @@ class DiskStates:
 
     def _start_read(self, bucket_id: int, buf: torch.Tensor) -> tuple[Future, Future]:
         layout = self._layouts[bucket_id]
-        if bucket_id in self._pending:  # updated twice in one step: read the newer copy
-            hm, hmv = (f.result() for f in self._pending[bucket_id])
-        else:
-            hm, hmv = self._committed[bucket_id]
+        hm, hmv = self._committed[bucket_id]  # never a pending copy: a redo starts from committed
         f1 = self.store.get(hm, into=buf[: layout.mv_offset])
         f2 = self.store.get(hmv, into=buf[layout.mv_offset :])
         return f1, f2
@@ -186,8 +293,11 @@ class DiskStates:
             with self._lock:
                 self._reads[i] = (buf, f1, f2)
 
-    def load(self, bucket_id: int) -> tuple[object, State, bool]:
-        """(token, state, fresh): a ring buffer holding the bucket's state; zeros when never saved."""
+    def load(self, bucket_id: int, shadow: bool = True) -> tuple[object, State, bool]:
+        """(token, state, fresh): a ring buffer holding the committed state; zeros when never saved.
+
+        Always a copy (``shadow`` is implied): saves go to fresh extents.
+        """
         layout = self._layouts[bucket_id]
         with self._lock:
             read = self._reads.pop(bucket_id, None)
@@ -258,6 +368,12 @@ class DiskStates:
             for h in (f.result() for f in previous):
                 self.store.free(h)
 
+    def drop(self, bucket_id: int) -> None:
+        """Forget this bucket's pending save; its fresh extents are freed once their writes end."""
+        pending = self._pending.pop(bucket_id, None)
+        for f in pending or ():
+            f.add_done_callback(lambda f: f.exception() is None and self.store.free(f.result()))
+
     def _settle(self) -> tuple[dict[int, tuple[DiskHandle, DiskHandle]], BaseException | None]:
         ok, error = {}, None
         for i, (f1, f2) in self._pending.items():
@@ -284,6 +400,13 @@ class DiskStates:
                 for h in hs:
                     self.store.free(h)
             raise error
+        for i in ok:  # a read-ahead taken before this commit holds the old state: drop it
+            with self._lock:
+                read = self._reads.pop(i, None)
+            if read is not None:
+                read[1].exception()
+                read[2].exception()
+                self._release(read[0])
         for i, hs in ok.items():
             old = self._committed.get(i)
             self._committed[i] = hs

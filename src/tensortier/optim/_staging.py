@@ -1,0 +1,233 @@
+"""Host copies of a bucket's gradients, and the parameter write-back, for ``OffloadedAdamW``.
+
+CPU gradients. A speculative update needs a *snapshot*: the gradient may change before
+``step()`` (clipping, unscaling, edits), and ``step()`` compares the snapshot with the gradient
+then, bit for bit. The copy runs on the optimizer's worker thread (``Staged.wait``) into a
+buffer allocated once per bucket. A non-speculative update reads the gradient tensors directly.
+
+CUDA gradients (written to be correct by construction, compared line by line with torchao's
+``CPUOffloadOptimizer`` and DeepSpeed's ZeRO offload; there is no GPU on the CI machine):
+- one side stream per device, created when the optimizer is built (never one per launch: the
+  stream pool is round-robin and would alias other components' streams);
+- one pinned buffer per bucket, allocated on first use and reused every step; the copy is
+  ``non_blocking`` on the side stream after it waited for the compute stream, the source gets
+  ``record_stream`` so the allocator cannot hand it out before the copy ran, and one event per
+  batch is what the worker waits on;
+- the check in ``step()`` copies the current gradients into one pinned buffer per device and
+  compares them with the snapshot; on a mismatch that copy becomes the bucket's staged gradients;
+- parameter write-back: ``non_blocking`` H2D from the pinned master on the side stream (after it
+  waited for the compute stream), dtype conversion on the device, one event that the compute
+  stream waits on; the event is recorded on the host buffer, which is not written again before it
+  completed (``_states._HostBuf.ready_to_write``).
+
+Waits: CUDA events complete once the copies queued before them ran; they cannot hang unless the
+device does. This module never runs an update and never touches optimizer state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import torch
+
+from tensortier._units import align_up
+from tensortier.optim._states import ALIGN
+from tensortier.tiers.host import aligned_empty
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _libc_memcmp():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).memcmp
+    except (OSError, AttributeError, TypeError):  # no C library to load: torch.equal fallback
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_memcmp = _libc_memcmp()
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality of two CPU tensors (NaN payloads and the sign of zero count).
+
+    ``memcmp`` on dense tensors: measured ~8x faster than ``torch.equal`` on integer views (and
+    ``torch.equal`` on floats says -0.0 == 0.0 and NaN != NaN).
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if _memcmp is not None and a.is_contiguous() and b.is_contiguous():
+        nbytes = a.numel() * a.element_size()
+        return nbytes == 0 or _memcmp(a.data_ptr(), b.data_ptr(), nbytes) == 0
+    it = _INT[a.element_size()]
+    return torch.equal(a.view(it), b.view(it))
+
+
+class Staged:
+    """A bucket's gradients on the host: ``wait()`` returns them once the copy has completed."""
+
+    __slots__ = ("views", "_event", "_fill")
+
+    def __init__(self, views: list[torch.Tensor], event=None, fill=()):
+        self.views, self._event, self._fill = views, event, list(fill)
+
+    def wait(self) -> list[torch.Tensor]:
+        ev, self._event = self._event, None
+        if ev is not None:
+            ev.synchronize()  # copies queued before it: completes unless the device hangs
+        fill, self._fill = self._fill, []
+        for dst, src in fill:  # CPU snapshot, taken on the worker thread
+            dst.copy_(src)
+        return self.views
+
+
+class Staging:
+    """Reusable host gradient buffers per bucket, side streams per device, write-back."""
+
+    def __init__(self, devices: set[torch.device]):
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._bufs: dict[int, tuple[tuple, torch.Tensor, list[int]]] = {}
+        self._check: dict[torch.device, torch.Tensor] = {}
+        self._wb_devices: dict[torch.device, bool] = {}
+        self.add_devices(devices)
+
+    def add_devices(self, devices: set[torch.device]) -> None:
+        for d in devices:
+            if d.type == "cuda" and d not in self._streams:
+                self._streams[d] = torch.cuda.Stream(device=d)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.numel() for _, b, _ in self._bufs.values()) + sum(
+            b.numel() for b in self._check.values()
+        )
+
+    # ------------------------------------------------------------------ buffers
+    @staticmethod
+    def _layout(params: list[torch.Tensor]) -> tuple[list[int], int]:
+        offsets, off = [], 0
+        for p in params:
+            offsets.append(off)
+            off = align_up(off + p.numel() * p.element_size(), ALIGN)
+        return offsets, off
+
+    def _views(self, key: int, all_params: list[torch.Tensor], which: list[int], pin: bool):
+        """Views shaped like ``all_params[i]`` for i in ``which``, into the bucket's buffer."""
+        sig = tuple((p.dtype, p.shape) for p in all_params)
+        entry = self._bufs.get(key)
+        if entry is None or entry[0] != sig:  # allocated once per bucket, then reused
+            offsets, total = self._layout(all_params)
+            entry = self._bufs[key] = (sig, aligned_empty(total, pin=pin, alignment=ALIGN), offsets)
+        _, buf, offsets = entry
+        out = []
+        for i in which:
+            p = all_params[i]
+            nb = p.numel() * p.element_size()
+            out.append(buf[offsets[i] : offsets[i] + nb].view(p.dtype).view(p.shape))
+        return out
+
+    def _check_views(self, device: torch.device, params: list[torch.Tensor]):
+        offsets, total = self._layout(params)
+        buf = self._check.get(device)
+        if buf is None or buf.numel() < total:
+            buf = self._check[device] = aligned_empty(total, pin=True, alignment=ALIGN)
+        return [
+            buf[o : o + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            for o, p in zip(offsets, params)
+        ]
+
+    # ------------------------------------------------------------------ gradients
+    def snapshot(
+        self, key: int, all_params: list[torch.Tensor], which: list[int], grads: list[torch.Tensor]
+    ) -> Staged:
+        """A copy of ``grads`` that later edits of the gradients cannot reach."""
+        device = grads[0].device
+        views = self._views(key, all_params, which, pin=device.type == "cuda")
+        if device.type != "cuda":
+            return Staged(views, fill=zip(views, grads))
+        return self._d2h(device, views, grads)
+
+    def stage(
+        self, key: int, all_params: list[torch.Tensor], which: list[int], grads: list[torch.Tensor]
+    ) -> Staged:
+        """Host gradients for an update that runs now: CPU tensors as they are, CUDA copied."""
+        if grads[0].device.type != "cuda":
+            return Staged(list(grads))
+        return self.snapshot(key, all_params, which, grads)
+
+    def _d2h(self, device, views, grads) -> Staged:
+        stream = self._streams[device]
+        stream.wait_stream(torch.cuda.current_stream(device))  # the gradients are final there
+        with torch.cuda.stream(stream):
+            for v, g in zip(views, grads):
+                v.copy_(g, non_blocking=True)
+                g.record_stream(stream)  # the allocator must not reuse g before the copy ran
+            event = torch.cuda.Event()
+            event.record(stream)
+        return Staged(views, event)
+
+    def matches(self, staged: Staged, grads: list[torch.Tensor]) -> bool:
+        """Whether ``grads`` still hold exactly the snapshot's bits (call after ``staged.wait()``).
+
+        CUDA: the current gradients are copied to the host first; on a mismatch that copy replaces
+        the snapshot, so ``staged.views`` then hold the gradients a redo must use.
+        """
+        views = staged.views
+        if len(views) != len(grads) or any(
+            v.shape != g.shape or v.dtype != g.dtype for v, g in zip(views, grads)
+        ):
+            return False
+        if grads[0].device.type != "cuda":
+            return all(bits_equal(v, g) for v, g in zip(views, grads))
+        device = grads[0].device
+        check = self._check_views(device, grads)
+        self._d2h(device, check, grads).wait()
+        if all(bits_equal(v, c) for v, c in zip(views, check)):
+            return True
+        for v, c in zip(views, check):
+            v.copy_(c)
+        return False
+
+    # ------------------------------------------------------------------ write-back
+    def write_back(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], holder=None) -> None:
+        """Copy masters (host) into parameters; ``holder.event`` guards the host buffer on CUDA.
+
+        ``holder=None`` on CUDA waits for the copies before returning (the buffer is reused).
+        """
+        cuda = [(p, m) for p, m in pairs if p.device.type == "cuda"]
+        for p, m in pairs:
+            if p.device.type != "cuda":
+                p.copy_(m.view(p.shape))
+        if not cuda:
+            return
+        device = cuda[0][0].device  # a bucket holds parameters of one device
+        stream = self._streams[device]
+        if not self._wb_devices.get(device):  # first write-back of this step on the device:
+            stream.wait_stream(torch.cuda.current_stream(device))  # kernels may still read p
+            self._wb_devices[device] = True
+        with torch.cuda.stream(stream):
+            for p, m in cuda:
+                src = m.view(p.shape)
+                if p.dtype == m.dtype:
+                    p.copy_(src, non_blocking=True)
+                else:  # H2D in the master dtype, convert on the device
+                    tmp = torch.empty(p.shape, dtype=m.dtype, device=device)
+                    tmp.copy_(src, non_blocking=True)
+                    p.copy_(tmp)
+            event = torch.cuda.Event()
+            event.record(stream)
+        if holder is None:
+            event.synchronize()
+        else:
+            holder.event = event
+
+    def finish_write_back(self) -> None:
+        """Make each compute stream wait for this step's write-back (one event per device)."""
+        for device in [d for d, used in self._wb_devices.items() if used]:
+            event = torch.cuda.Event()
+            event.record(self._streams[device])
+            torch.cuda.current_stream(device).wait_event(event)
+            self._wb_devices[device] = False

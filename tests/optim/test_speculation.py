@@ -1,0 +1,335 @@
+"""Issue 12 defect 2: whatever the loop does between backward() and step(), OffloadedAdamW with
+speculation gives the bits of ``torch.optim.AdamW(fused=True)`` and of its own ``overlap=False``:
+clipping, GradScaler (skipped steps, explicit unscale_), edits and replacement of ``.grad``,
+accumulation beyond the learned count, zero_grad without step. Parameters, state_dict() and the
+gradients left in ``.grad`` are compared bit for bit."""
+
+import copy
+
+import pytest
+import torch
+
+from tensortier.optim import OffloadedAdamW
+from tensortier.optim._staging import bits_equal
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Linear(24, 3)
+    )
+
+
+def _data(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, 12, generator=g) for _ in range(n)]
+
+
+KINDS = ["torch", "tt", "tt-no-overlap"]
+
+
+def _opt(kind, model, states="host", spill_dir=None):
+    if kind == "torch":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+    return OffloadedAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.05,
+        bucket_size="1KiB",  # 4 buckets
+        overlap=kind == "tt",
+        states=states,
+        spill_dir=spill_dir,
+    )
+
+
+def _run(
+    kind,
+    *,
+    steps=10,
+    edit=None,
+    accum=lambda i: 1,
+    scaler=False,
+    autocast=None,
+    overflow_at=None,
+    states="host",
+    spill_dir=None,
+):
+    """Train ``steps`` steps; returns the model, optimizer, per-step state dicts, last gradients."""
+    m = _model()
+    opt = _opt(kind, m, states, spill_dir)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
+    data = iter(_data(64))
+    history, grads = [], None
+    for i in range(steps):
+        for _ in range(accum(i)):
+            x = next(data)
+            if i == overflow_at:
+                x = x.clone()
+                x[0, 0] = float("inf")  # one overflowing batch, as fp16 training sees now and then
+            with torch.autocast(
+                "cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None
+            ):
+                loss = m(x).float().square().mean()
+            (sc.scale(loss) if sc is not None else loss).backward()
+        if edit is not None:
+            if isinstance(opt, OffloadedAdamW) and getattr(edit, "after_speculation", False):
+                opt._wait_speculation()  # the snapshot surely predates the edit
+            edit(i, m, opt, sc)
+        if sc is not None:
+            sc.step(opt)
+            sc.update()
+        else:
+            opt.step()
+        history.append(copy.deepcopy(opt.state_dict()))  # torch's holds live tensors
+        grads = [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+        opt.zero_grad()
+    return m, opt, history, grads
+
+
+def _same_state(a: dict, b: dict) -> None:
+    assert set(a["state"]) == set(b["state"])
+    for k, e in a["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert bits_equal(e[key], b["state"][k][key]), (k, key)
+
+
+def _check_all_equal(runs) -> None:
+    (m0, _, h0, g0), *rest = runs
+    for m, _, h, g in rest:
+        for p, q in zip(m.parameters(), m0.parameters()):
+            assert bits_equal(p.detach(), q.detach())
+        _same_state(h[-1], h0[-1])
+        for a, b in zip(g, g0):
+            assert (a is None) == (b is None) and (a is None or bits_equal(a, b))
+
+
+def _compare(**kw):
+    runs = [_run(kind, **kw) for kind in KINDS]
+    _check_all_equal(runs)
+    tt = runs[1][1]
+    assert tt.stats.speculated > 0  # the overlapped path really ran
+    for _, opt, _, _ in runs[1:]:
+        opt.close()
+    return runs
+
+
+@pytest.mark.parametrize("states", ["host", "disk"])
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clips every step / never clips
+def test_torch_clip_grad_norm_between_backward_and_step(max_norm, states, spill_dir):
+    def clip(i, m, opt, sc):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+
+    runs = _compare(edit=clip, states=states, spill_dir=spill_dir)
+    if max_norm > 1:  # a clip factor of 1.0 bumps versions but leaves the bits: kept
+        st = runs[1][1].stats
+        assert st.redone == 0 and st.validated == st.speculated
+        assert st.compared_equal == st.validated
+
+
+def test_clipping_every_step_backs_off_and_stays_exact():
+    def clip(i, m, opt, sc):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+
+    clip.after_speculation = True
+    runs = [_run(kind, edit=clip, steps=16) for kind in KINDS]
+    _check_all_equal(runs)
+    st = runs[1][1].stats
+    assert st.validated == 0 and st.redone == st.speculated > 0
+    assert st.paused_bucket_steps > 0
+    assert st.speculated <= 4 * 5  # 4 buckets, speculating at steps 2, 3, 5, 9, 17 at most
+    for _, opt, _, _ in runs[1:]:
+        opt.close()
+
+
+@pytest.mark.parametrize("unscale,clip", [(False, None), (True, None), (True, 0.05)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gradscaler_overflow_step_is_skipped_and_training_continues_equal(dtype, unscale, clip):
+    def edit(i, m, opt, sc):
+        if unscale:  # HF Trainer with fp16 and clipping does this
+            sc.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+
+    runs = _compare(edit=edit, scaler=True, autocast=dtype, overflow_at=4)
+    for kind, (_, opt, history, _) in zip(KINDS, runs):
+        _same_state(history[3], history[4])  # the overflow step left every state untouched
+        if kind != "torch":
+            assert opt.stats.skipped_steps == 1 and opt.stats.steps == 9
+
+
+def test_gradscaler_overflow_in_the_first_step():
+    runs = _compare(scaler=True, autocast=torch.bfloat16, overflow_at=0)
+    for _, _, history, _ in runs:
+        assert all(e["step"].item() == 0 for e in history[0]["state"].values())
+
+
+def _edits(i, m, opt, sc):
+    """Each step edits a different bucket's gradient in a different way."""
+    if i == 2:
+        m[0].weight.grad.mul_(0.5)
+    elif i == 3:
+        m[2].weight.grad = torch.randn_like(m[2].weight) * 0.1  # replaced
+    elif i == 4:
+        m[0].bias.grad.data.mul_(2)  # no version bump
+    elif i == 5:
+        m[3].weight.grad.numpy()[...] *= -1  # no version bump either
+    elif i == 6:
+        m[2].weight.grad.mul_(1.0)  # version bump, same bits
+    elif i == 7:
+        m[3].bias.grad = None  # this parameter sits the step out
+    elif i == 8:
+        m[0].weight.grad.zero_()
+
+
+def test_manual_gradient_edits_and_replacement():
+    _compare(edit=_edits)
+
+
+def test_manual_edits_after_the_snapshot_are_detected(spill_dir):
+    def edits(*a):
+        _edits(*a)
+
+    edits.after_speculation = True
+    runs = [_run(kind, edit=edits) for kind in KINDS]
+    runs.append(_run("tt", edit=edits, states="disk", spill_dir=spill_dir))
+    _check_all_equal(runs)
+    for _, opt, _, _ in runs[1::2]:
+        st = opt.stats
+        assert st.unversioned_edits >= 2  # .data and .numpy() edits: caught by content
+        assert st.compared_equal >= 1  # mul_(1.0): version bumped, speculation kept
+        assert st.redone >= 5
+    for _, opt, _, _ in runs[1:]:
+        opt.close()
+
+
+def test_accumulation_beyond_the_learned_count():
+    """Step 1 teaches one backward pass per step; later steps use 2 and 3: no error, same bits."""
+    runs = _compare(accum=lambda i: [1, 1, 2, 2, 3, 1, 1, 3, 1, 1][i])
+    assert runs[1][1].stats.redone > 0  # the speculations of step 3 (2 passes) were redone
+
+
+def test_zero_grad_without_step_discards_speculation():
+    extra = _data(1, seed=7)[0]
+
+    def edit(i, m, opt, sc):
+        if i in (3, 6):  # a step skipped by the loop (e.g. a NaN loss): no step(), new backward
+            opt.zero_grad()
+            m(extra).square().mean().backward()
+
+    runs = _compare(edit=edit)
+    assert runs[1][1].stats.discarded >= 2
+
+
+def test_second_backward_marks_speculation_stale():
+    def edit(i, m, opt, sc):
+        if i == 4:
+            m(_data(1, seed=9)[0]).square().mean().backward()  # accumulates into .grad
+
+    edit.after_speculation = True
+
+    runs = _compare(edit=edit)
+    assert runs[1][1].stats.redone >= 4
+
+
+def test_state_dict_between_backward_and_step_is_the_committed_state():
+    m = _model()
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB")
+    x = _data(3)
+    for xi in x[:2]:
+        m(xi).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    before = opt.state_dict()
+    m(x[2]).square().mean().backward()
+    assert opt.stats.speculated > 0
+    _same_state(opt.state_dict(), before)  # speculation never writes the committed state
+    opt.step()
+    assert not bits_equal(opt.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+    opt.close()
+
+
+def test_memory_price_of_speculation_is_reported():
+    n = sum(p.numel() for p in _model().parameters())
+    stats = {}
+    for overlap in (False, True):
+        m = _model()
+        opt = OffloadedAdamW(m.parameters(), bucket_size="1KiB", overlap=overlap)
+        for x in _data(3):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        stats[overlap] = opt.stats
+        opt.close()
+    padding = 6 * 3 * 64  # at most 64 bytes of alignment per parameter and state vector
+    assert 12 * n <= stats[False].host_state_bytes <= 12 * n + padding
+    assert stats[False].host_grad_bytes == 0
+    assert stats[True].host_state_bytes >= 24 * n  # a spare copy while speculating
+    assert stats[True].host_grad_bytes >= 4 * n  # the gradient snapshots
+
+
+# ---------------------------------------------------------------------- GPU (from REVIEW #1/#11)
+def _rel_close(a, b, tol):
+    for p, q in zip(a.parameters(), b.parameters()):
+        err = (p.double() - q.double()).abs().max().item()
+        assert err <= tol * max(q.double().abs().max().item(), 1e-12), err
+
+
+@pytest.mark.gpu
+def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap():
+    results = {}
+    for kind in KINDS:
+        m = _model().cuda()
+        opt = _opt(kind, m)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+        for i, x in enumerate(_data(8)):
+            x = x.cuda()
+            if i == 3:
+                x[0, 0] = float("inf")  # one overflow after calibration
+            with torch.autocast("cuda", torch.float16):
+                loss = m(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results[kind] = (m, opt)
+    _rel_close(results["tt"][0], results["torch"][0], tol=1e-5)  # CUDA vs CPU fused kernel
+    for p, q in zip(results["tt"][0].parameters(), results["tt-no-overlap"][0].parameters()):
+        assert torch.equal(p, q)  # same CPU kernel, same gradients: speculation is exact
+    assert results["tt"][1].stats.skipped_steps == 1
+
+
+@pytest.mark.gpu
+def test_cuda_streams_and_pinned_buffers_are_made_once():
+    m = _model().cuda()
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB")
+    ptrs, streams = [], []
+    for x in _data(5):
+        m(x.cuda()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ptrs.append({k: b.data_ptr() for k, (_, b, _) in opt._staging._bufs.items()})
+        streams.append(dict(opt._staging._streams))
+    assert len(streams[-1]) == 1 and all(s == streams[-1] for s in streams)
+    assert ptrs[-1] and all(p == ptrs[-1] for p in ptrs[1:])  # reused every step
+    assert all(b.is_pinned() for _, b, _ in opt._staging._bufs.values())
+    assert opt._states._committed[0].master.is_pinned()
+    opt.close()
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_params_write_back_matches_no_overlap():
+    runs = []
+    for overlap in (True, False):
+        m = _model().cuda().to(torch.bfloat16)
+        opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=overlap)
+        for x in _data(6):
+            m(x.cuda().to(torch.bfloat16)).float().square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e3)
+            opt.step()
+            opt.zero_grad()
+        runs.append(m)
+        opt.close()
+    for p, q in zip(*(r.parameters() for r in runs)):
+        assert torch.equal(p, q)
