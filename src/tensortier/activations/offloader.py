@@ -449,7 +449,10 @@ class Offloader:
     def _materialize(self, record: _Record) -> torch.Tensor:
         """Finish the record's read on this (the consumer's) thread: on CUDA, ``Transfer.result()``
         makes the current stream wait for the host->device copy; then decode. One storage per
-        record, shared by all of its views."""
+        record, shared by all of its views.
+
+        No timeout: the future resolves (value or exception) once the engine resolves the futures
+        it returned, and every branch of ``_read``/``_restore`` passes failures on."""
         parts = self._fetch(record).result()
         values = [p.result() if isinstance(p, Future) else p for p in parts]
         value = values[0]
@@ -563,8 +566,15 @@ def _restore(
         def staged(f: Future) -> None:
             if f.exception() is not None:
                 then(f)
-            else:
-                engine.to_device(Future.result(f), free=True, device=device).add_done_callback(then)
+                return
+            try:
+                inner = engine.to_device(Future.result(f), free=True, device=device)
+            except BaseException as exc:  # e.g. closed: the unpack must raise, never wait forever
+                failed: Future = Future()
+                failed.set_exception(exc)
+                then(failed)
+                return
+            inner.add_done_callback(then)
 
         engine.from_disk(where, to="host").add_done_callback(staged)
 
