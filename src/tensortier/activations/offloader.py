@@ -1,23 +1,26 @@
 """Saved-tensor offload: activations leave the device in forward and come back, prefetched, in backward.
 
 Mechanism (vDNN, FlashNeuron, in eager PyTorch). Inside ``with offloader:`` every tensor autograd
-saves for backward goes through :meth:`Offloader._pack`. Parameters and buffers are returned as-is
-(saved by reference, never copied). Any other tensor's *storage* is moved once to host or disk by the
-:class:`TransferEngine` and the saved tensor becomes a handle (storage record + dtype, size, stride,
-offset); several tensors that share a storage (the same tensor saved twice, views of one base) share
-one record, so they come back as views of one storage with their exact strides. The device copy is
-released as soon as its transfer completes: the engine holds the source only until then.
+saves for backward goes through :meth:`Offloader._pack`. Parameters, buffers and autocast's cached
+weight casts are returned as-is (saved by reference, never copied). Any other tensor's *storage* is
+moved once to host or disk by the :class:`TransferEngine` and the saved tensor becomes a handle
+(storage record + dtype, size, stride, offset); several tensors that share a storage (the same tensor
+saved twice, views of one base) share one record, so they come back as views of one storage with
+their exact strides, on the device they were saved from. The device copy is released as soon as its
+transfer completes: the engine holds the source only until then.
 
-Backward asks for saved tensors roughly in reverse pack order. :meth:`_unpack` waits only if the data
-has not arrived; meanwhile a byte window of the next records, in the order backward consumed them in
-the previous iteration (FlashNeuron's profiled order; reverse pack order when the graph changed), is
-read back ahead of need. At the end of forward, records at the head of that order whose write is
-still in flight keep their source, so the first tensors backward needs are never read from disk.
+One *pass* spans a forward and the backward(s) that follow it, whatever hooks it (``with``, or the
+blocks of :func:`offload_module`). Backward asks for saved tensors roughly in reverse pack order.
+:meth:`_unpack` waits only if the data has not arrived; meanwhile a byte window of the next records,
+in the order backward consumed them in the previous iteration (FlashNeuron's profiled order; reverse
+pack order when the graph changed), is read back ahead of need. At the end of forward, records at
+the head of that order whose write is still in flight keep their source, so the first tensors
+backward needs are never read back. Every backward ends with a callback that empties the window.
 
 Lifetime. Each record frees its host block or disk extent in a weakref finalizer, so a graph that
-raises in forward or is never backpropagated releases everything once dropped. A record can be
-unpacked any number of times (``retain_graph=True``, double backward): once every handle of a record
-has been served, the fetched copy is dropped and a later backward reads it again.
+raises in forward or is never backpropagated releases everything once dropped. Records keep their
+pass (and so the offloader) alive; a dropped offloader's engine, pool and files are released by a
+:class:`tensortier._lifetime.Finalizer` on the reaper thread. See ``PROTOCOL.md``.
 
 This module never decides what to offload beyond ``min_bytes`` and the tier; the planner does that
 through ``decide`` (see ``Action``).
@@ -25,6 +28,8 @@ through ``decide`` (see ``Action``).
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 import time
 import weakref
@@ -36,8 +41,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tensortier import _lifetime
+from tensortier._device import normalize_device
 from tensortier._units import SizeLike, format_size, parse_size
-from tensortier.errors import BudgetError, ConfigError, TierFullError
+from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
 from tensortier.transfer import HostTensor, TransferEngine
@@ -80,16 +87,21 @@ class Action:
             raise ConfigError(f"Action tier must be 'keep', 'host' or 'disk', got {self.tier!r}")
 
 
+_KEEP = Action("keep")
+
+
 @dataclass
 class OffloadStats:
     tensors_packed: int = 0  # saved tensors seen (excluding parameters and buffers)
     tensors_offloaded: int = 0
     bytes_offloaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    bytes_kept: int = 0  # below min_bytes, or kept by the plan
+    bytes_kept: int = 0  # below min_bytes, kept by the plan, or a CPU tensor in a CUDA run
+    bytes_weight_casts: int = 0  # autocast's cached weight casts, left on the device
     bytes_deduplicated: int = 0  # saved again from a storage already moved
     bytes_prefetched: int = 0  # read back ahead of need
     bytes_on_demand: int = 0  # read back only when backward asked
     bytes_kept_at_tail: int = 0  # end-of-forward tensors that never needed a read
+    bytes_prefetch_unused: int = 0  # in the window when a backward ended without using them
     pack_seconds: float = 0.0  # time forward spent in pack (incl. back-pressure)
     wait_seconds: float = 0.0  # time backward waited in unpack for data to arrive
     passes: int = 0
@@ -125,40 +137,40 @@ class _Record:
         "materialized",
         "handles",
         "served",
-        "prefetched",
+        "in_window",
+        "used",
+        "owner",
         "__weakref__",
     )
 
-    def __init__(self, index: int, nbytes: int, device: torch.device, tier: str, codec):
-        self.index, self.nbytes, self.device, self.tier, self.codec = (
-            index,
-            nbytes,
-            device,
-            tier,
-            codec,
-        )
+    def __init__(self, owner: _Pass, index: int, nbytes: int, device: torch.device, tier: str):
+        self.owner = owner  # the pass: kept alive (with its prefetch state) while this record is
+        self.index, self.nbytes, self.device, self.tier = index, nbytes, device, tier
+        self.codec: Codec | None = None
         self.dtype = torch.uint8
         self.meta: dict = {}
-        self.location: list[
-            Future
-        ] = []  # futures of HostTensor (host) or DiskHandle (disk), per payload
+        # futures of HostTensor (host) or DiskHandle (disk), one per payload
+        self.location: list[Future] = []
         self.source: torch.Tensor | None = None  # the original storage while its write is in flight
         self.keep_source = False
         self.fetched: Future | None = None  # future of the payloads read back
         self.materialized: torch.Tensor | None = None  # restored uint8 storage, while in use
         self.handles = 0  # saved tensors (views) pointing at this record
         self.served = 0  # unpacks since the last fetch
-        self.prefetched = False
+        self.in_window = False  # counted in its pass's prefetch window
+        self.used = False  # every handle served in the current backward: do not prefetch again
 
 
 class _Handle:
-    """What autograd holds instead of a saved tensor: a view description over a record."""
+    """What autograd holds instead of a saved tensor: a view description over a record, and the
+    version of the tensor that was saved (PyTorch skips its own check when hooks are set)."""
 
-    __slots__ = ("record", "dtype", "size", "stride", "offset", "__weakref__")
+    __slots__ = ("record", "dtype", "size", "stride", "offset", "version", "saved")
 
     def __init__(self, record: _Record, t: torch.Tensor):
         self.record, self.dtype = record, t.dtype
-        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+        self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+        self.version, self.saved = t._version, weakref.ref(t)
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -180,14 +192,45 @@ def _view(storage_u8: torch.Tensor, h: _Handle) -> torch.Tensor:
     return out.set_(storage_u8.untyped_storage(), base // itemsize + h.offset, h.size, h.stride)
 
 
+def _check_version(h: _Handle) -> None:
+    """Raise PyTorch's own error if the saved tensor was modified in place after it was packed."""
+    t = h.saved()
+    if t is None or t._version == h.version:
+        return
+    size = ", ".join(str(s) for s in t.shape)
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{t.type()} [{size}]] is at version {t._version}; expected version "
+        f"{h.version} instead. Hint: enable anomaly detection to find the operation that failed "
+        "to compute its gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False). "
+        "(Detected by tensortier's offload hooks: the tensor was changed after it was saved.)"
+    )
+
+
+def _close_resources(resources: list) -> None:
+    """Close an offloader's engine (which waits for its transfers), then its pool and disk."""
+    errors = []
+    for r in resources:
+        try:
+            r.close()
+        except BaseException as exc:  # close the others anyway
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 class Offloader:
     """Offloads saved activations while active. Reusable: enter it once per forward pass.
 
     ``to``: ``"host"`` (pinned RAM; the mode for GPUs), ``"disk"`` (NVMe; the mode that saves memory
     on a CPU-only machine, where device memory *is* RAM) or ``"auto"`` (host up to ``host_budget``,
-    then disk). Tensors smaller than ``min_bytes`` stay put. ``prefetch`` bounds the bytes read back
-    ahead of backward. ``decide`` (the planner's hook) overrides ``min_bytes``/``to`` per tensor.
-    ``record=True`` keeps per-tensor timings in ``records`` for profiling.
+    then disk). Tensors smaller than ``min_bytes`` stay put, and so do CPU tensors saved in a CUDA
+    run (they hold no device memory). ``prefetch`` bounds the bytes read back ahead of backward.
+    ``decide`` (the planner's hook) overrides ``min_bytes``/``to`` per tensor. ``record=True`` keeps
+    per-tensor timings in ``records`` for profiling. ``offload_weight_casts=True`` also moves
+    autocast's low-precision weight casts, which by default stay on the device: the autocast cache
+    holds them until autocast exits, so moving them frees nothing before backward and costs their
+    size over the bus both ways (it only lowers memory during backward).
     """
 
     def __init__(
@@ -203,6 +246,7 @@ class Offloader:
         decide: Callable[[SavedTensorInfo], Action | str] | None = None,
         codec: Codec | None = None,
         record: bool = False,
+        offload_weight_casts: bool = False,
     ):
         if to not in TIERS:
             raise ConfigError(f"to must be one of {TIERS}, got {to!r}")
@@ -211,22 +255,34 @@ class Offloader:
         self.host_budget = parse_size(host_budget, name="host_budget", allow_zero=False)
         self.prefetch = parse_size(prefetch, name="prefetch")
         self.decide, self.codec, self.record = decide, codec, record
+        self.offload_weight_casts = offload_weight_casts
         self.spill_dir = spill_dir
         self._disk_args = {"capacity": disk_capacity}
         self._max_inflight = max_inflight
         self._host = HostPool(self.host_budget)
         self._disk: DiskStore | None = None
         self._engine = TransferEngine(host=self._host, disk=None, max_inflight=max_inflight)
-        if to in ("disk", "auto"):
-            self._attach_disk()
+        # what close() (or the reaper, once this offloader is collected) releases, in this order
+        self._resources: list = [self._engine, self._host]
+        self._finalizer = _lifetime.Finalizer(self, _close_resources, self._resources)
+        self.device = normalize_device(self._engine.device)
+        try:
+            if to in ("disk", "auto"):
+                self._attach_disk()
+        except BaseException:
+            self._finalizer()
+            raise
         self.stats = OffloadStats()
         self.records: list[dict] = []
         self._lock = threading.RLock()
         self._hooks: Any = None
         self._module_hooks: list = []
         self._pass: _Pass | None = None
+        self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()  # passes with live records
         # (signature of the pass, order in which backward consumed its records)
         self._learned: tuple[tuple[int, ...], list[int]] | None = None
+        self._learned_blocks = 0  # offload_module: hooked blocks per forward seen last time
+        self._traced = False  # set when torch.compile traced the pack hook (see _COMPILED_HOOKS)
         global _last_stats
         _last_stats = self.stats
 
@@ -234,6 +290,7 @@ class Offloader:
         if self._disk is None:
             self._disk = DiskStore(self.spill_dir, owner="tt-act", **self._disk_args)
             self._engine.disk = self._disk
+            self._resources.append(self._disk)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Offloader:
@@ -241,41 +298,119 @@ class Offloader:
             raise RuntimeError(
                 "this Offloader is already active; nest a different one or exit first"
             )
-        global _last_stats
-        _last_stats = self.stats
-        self._learn_from_previous_pass()
-        self._pass = _Pass(self)
-        self.stats.passes += 1
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        self._module_hooks = [
-            nn.modules.module.register_module_forward_pre_hook(self._pass.enter_module),
-            nn.modules.module.register_module_forward_hook(
-                self._pass.exit_module, always_call=True
-            ),
-        ]
+        self._check_open()
+        self._new_pass()
+        self._activate()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._deactivate(exc_type, exc, tb)
+        if exc_type is None and self._traced:
+            self._traced = False
+            raise ConfigError(_COMPILED_HOOKS)
+        if exc_type is None and self._pass is not None:
+            self._pass.end_forward()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Release the host pool and delete the spill files now (otherwise done once collected)."""
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(
+                "this Offloader is closed (tt.offload() closes the previous settings' offloader "
+                "when the settings change); make a new one, or keep your own tt.Offloader(...) "
+                "to alternate settings"
+            )
+
+    def _new_pass(self) -> _Pass:
+        prev = self._pass
+        if prev is not None and prev.order:
+            seen = dict.fromkeys(prev.consumed_order)
+            order = list(seen) + [i for i in reversed(range(len(prev.order))) if i not in seen]
+            self._learned = (prev.signature(), order)
+        if prev is not None and prev.backward_started:
+            self._learned_blocks = prev.blocks
+        self._pass = p = _Pass(self)
+        self._passes.add(p)
+        self.stats.passes += 1
+        return p
+
+    def _activate(self) -> None:
+        global _last_stats
+        _last_stats = self.stats
+        p = self._pass
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        self._module_hooks = [
+            nn.modules.module.register_module_forward_pre_hook(p.enter_module),
+            nn.modules.module.register_module_forward_hook(p.exit_module, always_call=True),
+        ]
+
+    def _deactivate(self, exc_type=None, exc=None, tb=None) -> None:
         hooks, self._hooks = self._hooks, None
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
-        hooks.__exit__(exc_type, exc, tb)
-        if exc_type is None and self._pass is not None:
-            self._pass.end_forward()
+        if hooks is not None:
+            hooks.__exit__(exc_type, exc, tb)
 
-    def close(self) -> None:
-        """Release the host pool and delete the spill files now (otherwise done at garbage collection)."""
-        self._engine.close()
-        self._host.close()
-        if self._disk is not None:
-            self._disk.close()
+    def _idle(self) -> bool:
+        """Not active and no saved tensor of any pass alive: closing now loses nothing."""
+        if self._hooks is not None:
+            return False
+        return not any(r() is not None for p in list(self._passes) for r in p.order)
+
+    def _release_if_idle(self) -> None:
+        """Close now if nothing needs this offloader any more; else its finalizer will, once the
+        graphs that hold its records (and so the offloader) are gone."""
+        if self._idle():
+            self.close()
+
+    # ------------------------------------------------------------------ offload_module's blocks
+    def _begin_block(self, module: nn.Module) -> bool:
+        """A hooked block starts: continue this forward's pass, or open the next one."""
+        if self._hooks is not None:  # inside `with offloader:` already: that pass covers it
+            return False
+        self._check_open()
+        p = self._pass
+        if p is None or p.backward_started or (p.order and p.order[-1]() is None):
+            p = self._new_pass()  # first block of a new forward (the last graph ran or died)
+        elif p.forward_ended:
+            p.reopen()  # more blocks than the previous forward had
+        self._activate()
+        p.track(module)
+        return True
+
+    def _end_block(self) -> None:
+        self._deactivate()
+        if self._traced:
+            self._traced = False
+            raise ConfigError(_COMPILED_HOOKS)
+        p = self._pass
+        p.blocks += 1
+        if p.blocks == self._learned_blocks:  # the last block the previous forward had
+            p.end_forward()
 
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> Any:
         p = self._pass
-        if p is None or not _movable(t) or p.is_parameter(t):
+        if torch.compiler.is_dynamo_compiling():
+            # dynamo is tracing this hook into a compiled graph, where it would do nothing: the
+            # flag (replayed when the graph runs) makes the hooked block fail with a clear error
+            self._traced = True
+            return t
+        if (
+            p is None
+            or type(t) is not torch.Tensor  # subclasses (DTensor, FakeTensor...) stay untouched
+            or t.layout != torch.strided
+            or t.is_quantized
+            or t.device.type == "meta"
+        ):
             return t
         t0 = time.perf_counter()
         try:
@@ -286,7 +421,12 @@ class Offloader:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
             return packed
+        _check_version(packed)
         record = packed.record
+        owner = record.owner
+        task = torch._C._current_graph_task_id()
+        if task != owner.task:
+            owner.begin_backward(task)
         t0 = time.perf_counter()
         with self._lock:
             storage = record.materialized
@@ -299,17 +439,20 @@ class Offloader:
             if record.served >= record.handles:  # every view of it has been handed out: let it go
                 record.fetched = record.materialized = None
                 record.served = 0
-            owner = _pass_of(record)
-        if owner is not None:
-            owner.consumed(record)
-        if self.record and owner is not None:
-            owner.timings[record.index]["unpack_s"] += waited
+                record.used = True
+        owner.consumed(record)
+        timing = owner.timings.get(record.index) if self.record else None
+        if timing is not None:
+            timing["unpack_s"] += waited
         return _view(storage, packed)
 
     def _materialize(self, record: _Record) -> torch.Tensor:
         """Finish the record's read on this (the consumer's) thread: on CUDA, ``Transfer.result()``
         makes the current stream wait for the host->device copy; then decode. One storage per
-        record, shared by all of its views."""
+        record, shared by all of its views.
+
+        No timeout: the future resolves (value or exception) once the engine resolves the futures
+        it returned, and every branch of ``_read``/``_restore`` passes failures on."""
         parts = self._fetch(record).result()
         values = [p.result() if isinstance(p, Future) else p for p in parts]
         value = values[0]
@@ -326,31 +469,40 @@ class Offloader:
         payloads = [data]
         if record.codec is not None:  # codecs see the typed values of the whole storage
             payloads, record.meta = record.codec.encode(data.view(record.dtype))
+        put = self._engine.to_host if record.tier == "host" else self._engine.to_disk
         for payload in payloads:
-            if record.tier == "host":
-                record.location.append(self._engine.to_host(payload))
-            else:
-                record.location.append(self._engine.to_disk(payload))
+            record.location.append(put(payload))
         with self._lock:
             self.stats.bytes_offloaded[record.tier] += record.nbytes
             self.stats.tensors_offloaded += 1
 
-    def _fetch(self, record: _Record, *, prefetch: bool = False) -> Future:
-        """Future of the record's payloads on the device (transfers still to be finished by the
+    def _claim(self, record: _Record, prefetch: bool) -> tuple[Future, bool]:
+        """Under the lock: the record's fetch future, and whether the caller must start its reads."""
+        if record.fetched is not None:
+            return record.fetched, False
+        done: Future = Future()
+        if record.source is not None:  # write still in flight (or kept at the tail): no read
+            done.set_result(_Source([record.source]))  # raw bytes: nothing to decode
+            record.fetched = done
+            return done, False
+        if prefetch:
+            self.stats.bytes_prefetched += record.nbytes
+        else:
+            self.stats.bytes_on_demand += record.nbytes
+        record.fetched = done
+        return done, True
+
+    def _fetch(self, record: _Record) -> Future:
+        """Future of the record's payloads on its device (transfers still to be finished by the
         consumer, see ``_materialize``); starts the reads if needed."""
         with self._lock:
-            if record.fetched is not None:
-                return record.fetched
-            if record.source is not None:  # write still in flight (or kept at the tail): no read
-                done: Future = Future()
-                done.set_result(_Source([record.source]))  # raw bytes: nothing to decode
-                record.fetched = done
-                return done
-            record.prefetched = prefetch
-            counter = "bytes_prefetched" if prefetch else "bytes_on_demand"
-            setattr(self.stats, counter, getattr(self.stats, counter) + record.nbytes)
-            record.fetched = fut = Future()
-        parts = [self._read(loc) for loc in record.location]
+            fut, start = self._claim(record, prefetch=False)
+        if start:
+            self._start_reads(record, fut)
+        return fut
+
+    def _start_reads(self, record: _Record, fut: Future) -> None:
+        parts = [self._read(loc, record.device) for loc in record.location]
         lock = threading.Lock()
 
         # Completed futures keep their callbacks, so every closure below lets go of what it holds
@@ -370,50 +522,69 @@ class Offloader:
 
         for p in list(parts):
             p.add_done_callback(assemble)
-        return fut
 
-    def _read(self, location: Future) -> Future:
-        """Start reading one payload back to the device once its write is done; the result is the
+    def _read(self, location: Future, device: torch.device) -> Future:
+        """Start reading one payload back to ``device`` once its write is done; the result is the
         engine's transfer future (already done), finished later on the consumer's thread."""
         out: Future = Future()
-        box = [out]  # taken by the first callback to fire (see _fetch)
+        box = [out]  # taken by the first callback to fire (see _start_reads)
 
         def written(f: Future) -> None:
             target = box.pop()
             try:
-                where = f.result()
-                if isinstance(where, HostTensor):
-                    inner = self._engine.to_device(where)
-                else:
-                    inner = self._engine.from_disk(where, to="device")
-                inner.add_done_callback(_relay_to(target))
+                _restore(self._engine, f.result(), device, _relay_to(target))
             except BaseException as exc:
                 target.set_exception(exc)
 
         location.add_done_callback(written)
         return out
 
-    # ------------------------------------------------------------------ prefetch order
-    def _learn_from_previous_pass(self) -> None:
-        prev = self._pass
-        if prev is None or not prev.order:
-            return
-        seen = dict.fromkeys(prev.consumed_order)
-        order = list(seen) + [i for i in reversed(range(len(prev.order))) if i not in seen]
-        self._learned = (prev.signature(), order)
 
-
+_COMPILED_HOOKS = (
+    "torch.compile traced tensortier's saved-tensor hooks into a compiled graph, where they "
+    "offload nothing: they were switched on inside a compiled region (offload_module() on blocks "
+    "of a torch.compile'd model, or `with tt.offload()` inside a compiled function). Call the "
+    "compiled model inside `with tt.offload(...)` instead, or offload_module() an uncompiled model"
+)
 _last_stats: OffloadStats | None = None  # for offload_stats(); never keeps an Offloader alive
-_PASS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FROM_DISK_TAKES_DEVICE = "device" in inspect.signature(TransferEngine.from_disk).parameters
+
+
+def _restore(
+    engine: TransferEngine, where: Any, device: torch.device, then: Callable[[Future], None]
+) -> None:
+    """The one place that asks the engine for a payload back on ``device`` (the saved tensor's
+    own, which may differ from the engine's); ``then`` gets the finished transfer future."""
+    if isinstance(where, HostTensor):
+        engine.to_device(where, device=device).add_done_callback(then)
+    elif _FROM_DISK_TAKES_DEVICE:
+        engine.from_disk(where, to="device", device=device).add_done_callback(then)
+    elif device == normalize_device(engine.device):
+        engine.from_disk(where, to="device").add_done_callback(then)
+    else:  # an engine that reads to its own device only: stage in host memory, then copy
+
+        def staged(f: Future) -> None:
+            if f.exception() is not None:
+                then(f)
+                return
+            try:
+                inner = engine.to_device(Future.result(f), free=True, device=device)
+            except BaseException as exc:  # e.g. closed: the unpack must raise, never wait forever
+                failed: Future = Future()
+                failed.set_exception(exc)
+                then(failed)
+                return
+            inner.add_done_callback(then)
+
+        engine.from_disk(where, to="host").add_done_callback(staged)
 
 
 class _Source(list):
     """A record's own source storage, handed back before its write finished (not payloads)."""
 
 
-def _pass_of(record: _Record) -> _Pass | None:
-    ref = _PASS_OF.get(record)
-    return ref() if ref is not None else None
+def _pass_of(record: _Record) -> _Pass:
+    return record.owner
 
 
 def _relay_to(dst: Future) -> Callable[[Future], None]:
@@ -424,16 +595,6 @@ def _relay_to(dst: Future) -> Callable[[Future], None]:
         box.pop().set_result(src)
 
     return relay
-
-
-def _movable(t: torch.Tensor) -> bool:
-    """Plain dense tensors with real storage; subclasses (DTensor, FakeTensor...) stay untouched."""
-    return (
-        type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and t.device.type != "meta"
-        and not t.is_quantized
-    )
 
 
 def _free_location(engine: TransferEngine, locations: list[Future]) -> None:
@@ -453,8 +614,41 @@ def _free_one(engine: TransferEngine, f: Future) -> None:
         engine.disk.free(where)
 
 
+def _is_weight_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
+    """Autocast's cached cast of a weight (REVIEW #14): a copy in autocast's dtype of an fp32 leaf
+    that requires grad. The autocast cache holds it on the device until autocast exits, so moving
+    it frees nothing there. (Inside the op that saves it, autocast reports itself disabled, so this
+    goes by the cache's own criterion; the same copy made by hand is treated alike.)"""
+    if not torch.is_autocast_cache_enabled():
+        return False
+    cast = t if base is None else base  # linear saves the cast's transpose
+    fn = cast.grad_fn
+    if fn is None or cast.dtype != torch.get_autocast_dtype(t.device.type):
+        return False
+    if fn.name() != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions
+    leaf = getattr(nxt[0][0], "variable", None) if nxt else None
+    return leaf is not None and leaf.dtype == torch.float32
+
+
+def _cudagraph_owned(t: torch.Tensor) -> bool:
+    """A tensor recorded by a CUDA graph (torch.compile mode="reduce-overhead"): its memory is the
+    graph's static pool, which offloading cannot free and the next replay rewrites."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or t.device.type != "cuda":
+        return False
+    try:
+        if not torch._C._is_key_in_tls("tree_manager_containers"):
+            return False
+        manager = trees.get_manager(t.device.index, create_if_none_exists=False)
+        return manager is not None and manager._get_cuda_graph_recorded_tensor_checker()(t)
+    except Exception:  # private API moved: treat it as an ordinary tensor
+        return False
+
+
 class _Pass:
-    """State of one forward (and the backward that follows it)."""
+    """State of one forward (and the backward(s) that follow it)."""
 
     def __init__(self, off: Offloader):
         self.off = off
@@ -468,50 +662,68 @@ class _Pass:
         self.consumed_order: list[int] = []
         self.expected: list[int] = []
         self.cursor = 0
-        self.window = 0  # bytes fetched ahead and not yet consumed
+        self.window = 0  # bytes of the records with in_window set
         self.timings: dict[int, dict] = {}
         self.index = 0
+        self.forward_ended = False
+        self.backward_started = False
+        self.task: int | None = None  # autograd graph task now unpacking this pass
+        self.blocks = 0  # offload_module: hooked blocks finished in this forward
 
     def signature(self) -> tuple[int, ...]:
         return tuple(self.sizes)
 
     # module tracking: parameters/buffers are never moved; names feed the planner
     def enter_module(self, module: nn.Module, args) -> None:
+        if (
+            torch.compiler.is_dynamo_compiling()
+        ):  # traced by dynamo: leave no side effect in the graph
+            return
         if not self.modules and not self.names:
             self.names = {id(m): name for name, m in module.named_modules()}
         self.modules.append(module)
+        self.track(module)
+
+    def exit_module(self, module: nn.Module, args, output) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            return
+        if self.modules and self.modules[-1] is module:
+            self.modules.pop()
+
+    def track(self, module: nn.Module) -> None:
         if id(module) not in self.seen_modules:
             self.seen_modules.add(id(module))
             for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
                 self.param_ptrs.add(t.untyped_storage().data_ptr())
 
-    def exit_module(self, module: nn.Module, args, output) -> None:
-        if self.modules and self.modules[-1] is module:
-            self.modules.pop()
-
-    def is_parameter(self, t: torch.Tensor) -> bool:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-            return True
-        return t.untyped_storage().data_ptr() in self.param_ptrs
-
     def pack(self, t: torch.Tensor) -> Any:
-        off = self.off
+        """Pack a plain ``torch.Tensor`` (not a Parameter: ``_pack`` checked its exact type)."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        base = t._base
+        if ptr in self.param_ptrs or (base is not None and isinstance(base, nn.Parameter)):
+            return t  # a parameter, a view of one, or a buffer: saved by reference
+        off = self.off
+        stats = off.stats
         nbytes = storage.nbytes()
-        off.stats.tensors_packed += 1
+        stats.tensors_packed += 1
         known = self.by_storage.get(ptr)
         if known is not None:
             storage_ref, record_ref = known
             record = record_ref()
             if storage_ref() is storage and record is not None:  # same live storage: move it once
-                off.stats.bytes_deduplicated += nbytes
-                handle = _Handle(record, t)
+                stats.bytes_deduplicated += nbytes
                 record.handles += 1
-                return handle
+                return _Handle(record, t)
+        if t.device.type == "cpu" and off.device.type != "cpu" or _cudagraph_owned(t):
+            stats.bytes_kept += nbytes  # no device memory to free: saved by reference
+            return t
+        if not off.offload_weight_casts and _is_weight_cast(t, base):
+            stats.bytes_weight_casts += nbytes  # the autocast cache holds it on the device anyway
+            return t
         action = self._action(t, nbytes)
         if action.tier == "keep":
-            off.stats.bytes_kept += nbytes
+            stats.bytes_kept += nbytes
             return t
         tier = action.tier
         if tier == "host" and size_class(nbytes) > off.host_budget:
@@ -525,22 +737,21 @@ class _Pass:
                     budget=off.host_budget,
                     minimum=size_class(nbytes),
                 )
-        codec = action.codec
-        if codec is not None and nbytes % t.dtype.itemsize:
-            codec = None  # a storage that is not whole elements of this dtype travels raw
-        record = _Record(self.index, nbytes, t.device, tier, codec)
+        record = _Record(self, self.index, nbytes, t.device, tier)
         record.dtype = t.dtype
-        _PASS_OF[record] = weakref.ref(self)
+        codec = action.codec
+        if codec is not None and nbytes % t.dtype.itemsize == 0:
+            record.codec = codec  # a storage that is not whole elements of this dtype travels raw
         data = _storage_bytes(t)
         try:
-            self._start(record, data)
+            pack_s = self._start(record, data)
         except TierFullError:
             if off.to != "auto" or record.tier != "host":
                 raise
             record.tier = "disk"  # host budget used up: spill the rest to disk
             record.location.clear()
             off._attach_disk()
-            self._start(record, data)
+            pack_s = self._start(record, data)
         record.handles = 1
         self.by_storage[ptr] = (weakref.ref(storage), weakref.ref(record))
         self.order.append(weakref.ref(record))
@@ -554,14 +765,15 @@ class _Pass:
                 "module": self._module_name(),
                 "grad_fn": t.grad_fn.name() if t.grad_fn is not None else "",
                 "tier": record.tier,
-                "pack_s": 0.0,
+                "pack_s": pack_s,
                 "unpack_s": 0.0,
             }
             off.records.append(self.timings[record.index])
         self.index += 1
         return _Handle(record, t)
 
-    def _start(self, record: _Record, data: torch.Tensor) -> None:
+    def _start(self, record: _Record, data: torch.Tensor) -> float:
+        """Start the record's writes; returns the seconds that took."""
         t0 = time.perf_counter()
         record.source = data
         self.off._store(record, data)
@@ -578,14 +790,13 @@ class _Pass:
 
         for loc in record.location:
             loc.add_done_callback(written)
-        if self.off.record:
-            self.timings.setdefault(record.index, {})["pack_s"] = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def _action(self, t: torch.Tensor, nbytes: int) -> Action:
         off = self.off
         if off.decide is None:
             if nbytes < off.min_bytes:
-                return Action("keep")
+                return _KEEP
             tier = "host" if off.to in ("host", "auto") else "disk"
             return Action(tier, off.codec)
         node = t.grad_fn.name() if t.grad_fn is not None else ""
@@ -598,33 +809,86 @@ class _Pass:
     def _module_name(self) -> str:
         return self.names.get(id(self.modules[-1]), "") if self.modules else ""
 
-    # prefetch
+    # ------------------------------------------------------------------ prefetch
     def end_forward(self) -> None:
         """Forward is over: choose the consumption order, keep the tail's sources, start reading."""
         off = self.off
-        n = len(self.order)
-        learned = off._learned
-        if learned is not None and learned[0] == self.signature():
-            self.expected = list(learned[1])
-            off.stats.order_reused += 1
-        else:
-            self.expected = list(reversed(range(n)))
-        budget = off.prefetch
-        for i in self.expected:  # the first records backward needs: keep them if still in flight
-            record = self.order[i]()
-            if record is None or record.nbytes > budget:
-                break
-            budget -= record.nbytes
-            if record.source is not None:
-                record.keep_source = True
-                off.stats.bytes_kept_at_tail += record.nbytes
+        with off._lock:
+            if self.forward_ended:
+                return
+            self.forward_ended = True
+            n = len(self.order)
+            learned = off._learned
+            if learned is not None and learned[0] == self.signature():
+                self.expected = list(learned[1])
+                off.stats.order_reused += 1
+            else:
+                self.expected = list(reversed(range(n)))
+            budget = off.prefetch
+            for i in self.expected:  # the first records backward needs: keep them if in flight
+                record = self.order[i]()
+                if record is None or record.nbytes > budget:
+                    break
+                budget -= record.nbytes
+                if record.source is not None:
+                    record.keep_source = True
+                    off.stats.bytes_kept_at_tail += record.nbytes
         self.pump()
+
+    def reopen(self) -> None:
+        """More of the forward after end_forward (offload_module saw more blocks than last time):
+        forget the prefetch started for a tail that was not the tail."""
+        with self.off._lock:
+            self.forward_ended = False
+            self._reset_reads()
+            self.expected = []
+
+    def begin_backward(self, task: int) -> None:
+        """First unpack of this pass in autograd graph task ``task`` (-1: outside a backward)."""
+        with self.off._lock:
+            if self.task is not None and self.task != -1:  # the last backward's callback never ran
+                self._reset_reads()
+            self.task = task
+            self.backward_started = True
+        self.end_forward()  # offload_module: the forward ends at the latest when backward starts
+        if task != -1:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self.end_backward(task)
+                )
+            except RuntimeError:  # not inside a backward after all
+                pass
+
+    def end_backward(self, task: int) -> None:
+        """Autograd's final callback of the backward that read this pass: empty the window."""
+        with self.off._lock:
+            if self.task == task:
+                self._reset_reads()
+                self.task = None
+
+    def _reset_reads(self) -> None:
+        """Drop fetched copies, kept sources and the window; a later backward reads again (caller
+        holds the lock)."""
+        unused = 0
+        for ref in self.order:
+            r = ref()
+            if r is None:
+                continue
+            if r.in_window:
+                r.in_window = False
+                unused += r.nbytes
+            r.fetched = r.materialized = r.source = None
+            r.keep_source = r.used = False
+            r.served = 0
+        self.off.stats.bytes_prefetch_unused += unused
+        self.window = 0
+        self.cursor = 0
 
     def consumed(self, record: _Record) -> None:
         with self.off._lock:
             self.consumed_order.append(record.index)
-            if record.prefetched:
-                record.prefetched = False
+            if record.in_window:
+                record.in_window = False
                 self.window -= record.nbytes
             record.keep_source = False
             if record.fetched is None:
@@ -633,30 +897,32 @@ class _Pass:
 
     def pump(self) -> None:
         """Start reading the next records in the expected order while the window has room."""
+        off = self.off
         while True:
-            with self.off._lock:
+            with off._lock:
                 if self.cursor >= len(self.expected):
                     return
                 record = self.order[self.expected[self.cursor]]()
-                if (
-                    record is not None
-                    and record.fetched is None
-                    and self.window > 0
-                    and self.window + record.nbytes > self.off.prefetch
-                ):
+                wanted = record is not None and record.fetched is None and not record.used
+                if wanted and self.window > 0 and self.window + record.nbytes > off.prefetch:
                     return
                 self.cursor += 1
-                if record is None or record.fetched is not None:
+                if not wanted:
                     continue
                 self.window += record.nbytes
-            self.off._fetch(record, prefetch=True)
+                record.in_window = True
+                fut, start = off._claim(record, prefetch=True)
+            if start:
+                off._start_reads(record, fut)
 
 
 def offload(to: str = "disk", **kwargs) -> Offloader:
     """Offload saved activations inside a ``with`` block; see :class:`Offloader` for the options.
 
     Calls with the same settings reuse one offloader (its spill files, host pool and learned
-    prefetch order), so a training loop can write ``with tt.offload(...):`` every step.
+    prefetch order), so a training loop can write ``with tt.offload(...):`` every step. Changing
+    the settings closes the previous one (at once if nothing it saved is still alive, else once
+    its graphs are gone).
     """
     if kwargs.get("budget") is not None:  # a budget: the planner chooses (tensortier.planner)
         from tensortier.planner.runtime import planned_offload
@@ -664,10 +930,13 @@ def offload(to: str = "disk", **kwargs) -> Offloader:
         return planned_offload(to=to, **kwargs)
     key = (to, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     cached = _CACHE.get(key)
-    if cached is None or cached._hooks is not None:
+    if cached is None or cached._hooks is not None or cached.closed:
         cached = Offloader(to, **kwargs)
+        old = list(_CACHE.values())
         _CACHE.clear()  # one cached configuration: switching settings releases the old one
         _CACHE[key] = cached
+        for o in old:
+            o._release_if_idle()
     return cached
 
 
@@ -682,44 +951,81 @@ def _hashable(v: Any) -> Any:
 _CACHE: dict = {}
 
 
-class OffloadHandle:
-    """Returned by :func:`offload_module`; ``remove()`` detaches the hooks."""
+class _Blocks:
+    """offload_module's hooks: the saved-tensor hooks are on inside the hooked blocks only, while
+    one pass spans every block of a forward (its end is learned: the number of blocks the last
+    forward ran, else the first unpack)."""
 
-    def __init__(self, offloader: Offloader, hooks: list):
-        self.offloader, self._hooks = offloader, hooks
+    def __init__(self, off: Offloader):
+        self.off = off
+        self.depth = 0
+        self.active = False
+
+    def enter(self, module: nn.Module, args) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            # a block re-run by checkpoint's recomputation inside backward is left alone
+            in_backward = torch._C._current_graph_task_id() != -1
+            self.active = not in_backward and self.off._begin_block(module)
+
+    def leave(self, module: nn.Module, args, output) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self.active:
+            self.active = False
+            self.off._end_block()
+
+
+class OffloadHandle:
+    """Returned by :func:`offload_module`; ``remove()`` detaches the hooks and closes the offloader
+    that :func:`offload_module` made (at once if idle, else once its graphs are gone)."""
+
+    def __init__(self, offloader: Offloader, hooks: list, *, owned: bool):
+        self._offloader: Offloader | None = offloader
+        self._ref = weakref.ref(offloader)
+        self._hooks, self._owned = hooks, owned
+
+    @property
+    def offloader(self) -> Offloader | None:
+        return self._offloader if self._offloader is not None else self._ref()
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        off, self._offloader = self._offloader, None
+        if off is not None and self._owned:
+            off._release_if_idle()
 
 
 def offload_module(module: nn.Module, to: str = "host", **kwargs) -> OffloadHandle:
     """Offload the activations saved inside ``module``'s forward only (each child of a ModuleList).
 
     >>> tt.offload_module(model.transformer.h, to="host")
+
+    Not for ``torch.compile``: dynamo compiles the hooks away (ConfigError when tensortier sees
+    it), and does not guard on hooks added after compiling (they never fire). Call a compiled
+    model inside ``with tt.offload(...)`` instead.
     """
-    off = kwargs.pop("offloader", None) or Offloader(to, **kwargs)
+    given = kwargs.pop("offloader", None)
     targets = list(module) if isinstance(module, nn.ModuleList | nn.ModuleDict) else [module]
     if isinstance(module, nn.ModuleDict):
         targets = list(module.values())
-    depth = [0]
-
-    def enter(mod, args):
-        if depth[0] == 0:
-            off.__enter__()
-        depth[0] += 1
-
-    def leave(mod, args, output):
-        depth[0] -= 1
-        if depth[0] == 0:
-            off.__exit__(None, None, None)
-
+    for m in [module, *targets]:
+        if getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod"):
+            raise ConfigError(
+                f"offload_module() got a torch.compile'd module ({type(m).__name__}): hooks inside "
+                "compiled graphs are compiled away; call the compiled model inside "
+                "`with tt.offload(...)` instead"
+            )
+    off = given or Offloader(to, **kwargs)
+    blocks = _Blocks(off)
+    # a compiled model runs these eagerly, at a graph break around each hooked block
+    enter, leave = torch.compiler.disable(blocks.enter), torch.compiler.disable(blocks.leave)
     hooks = []
     for m in targets:
         hooks.append(m.register_forward_pre_hook(enter))
         hooks.append(m.register_forward_hook(leave, always_call=True))
-    return OffloadHandle(off, hooks)
+    return OffloadHandle(off, hooks, owned=given is None)
 
 
 def offload_stats() -> dict:

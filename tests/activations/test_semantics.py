@@ -1,0 +1,161 @@
+"""Offloading keeps PyTorch's semantics: in-place checks, devices, autocast's cached weight casts."""
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+from torch import nn
+
+import tensortier as tt
+from tensortier.activations import offloader as O
+from tensortier.transfer import TransferEngine
+
+INPLACE = "one of the variables needed for gradient computation has been modified by an inplace"
+
+
+def _saved_then_modified():
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x.exp()  # saved by exp (its output) and by mul
+    y = (h * h).sum()
+    h.add_(1)  # in place after it was saved
+    y.backward()
+
+
+def _inplace_that_autograd_allows():
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(64, 64), nn.Linear(64, 8)
+    x = torch.randn(32, 64, requires_grad=True)
+    h = lin1(x)
+    h.relu_()  # relu_ saves its own output, after the in-place change
+    h = h * 2
+    h.sigmoid_()
+    loss = lin2(h).square().mean()
+    loss.backward()
+    return [x.grad, lin1.weight.grad, lin2.weight.grad]
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_inplace_change_of_a_saved_tensor_raises_like_pytorch(spill_dir, tier):
+    with pytest.raises(RuntimeError, match=INPLACE):  # plain PyTorch
+        _saved_then_modified()
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0)
+    try:
+        # before the fix this ran silently with pack-time (or, racing the copy, new) values
+        with pytest.raises(RuntimeError, match=INPLACE), off:
+            _saved_then_modified()
+        # what autograd allows stays allowed, with identical results
+        ref = _inplace_that_autograd_allows()
+        with off:
+            got = _inplace_that_autograd_allows()
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    finally:
+        off.close()
+
+
+def test_autocast_weight_casts_stay_on_the_device(spill_dir):
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)
+        )
+
+    x = torch.randn(32, 64)
+
+    def step(m, off=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if off is None:
+                out = m(x)
+            else:
+                with off:
+                    out = m(x)
+        out.float().square().mean().backward()
+        return [p.grad for p in m.parameters()]
+
+    ref = step(model())
+    # the second and third Linear save the bf16 cast of their weight, transposed (the first one's
+    # input needs no gradient): 256*256 + 10*256 elements of 2 bytes
+    casts = (256 * 256 + 10 * 256) * 2
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0, record=True)
+    try:
+        grads = step(model(), off)
+        assert all(torch.equal(a, b) for a, b in zip(ref, grads))
+        moved = [(r["dtype"], tuple(r["shape"])) for r in off.records]
+        assert ("torch.bfloat16", (256, 256)) not in moved  # before: moved to disk and back
+        assert ("torch.bfloat16", (256, 10)) not in moved
+        assert off.stats.tensors_offloaded > 0
+    finally:
+        off.close()
+    moved = {}
+    for offload_casts in (False, True):
+        off = tt.Offloader(
+            "disk", spill_dir=spill_dir, min_bytes=0, offload_weight_casts=offload_casts
+        )
+        try:
+            grads = step(model(), off)
+            assert all(torch.equal(a, b) for a, b in zip(ref, grads))  # bit-identical to plain
+            moved[offload_casts] = off.stats.bytes_offloaded["disk"]
+            assert off.stats.bytes_weight_casts == (0 if offload_casts else casts)
+        finally:
+            off.close()
+    assert moved[True] - moved[False] == casts
+
+
+class ElsewhereEngine(TransferEngine):
+    """An engine whose device is not the CPU (as on a CUDA machine): ``to_device`` without
+    ``device=`` lands there, like the real engine's CUDA path. "meta" stands in for the GPU."""
+
+    def __init__(self, **kwargs):
+        kwargs["device"] = "cpu"
+        super().__init__(**kwargs)
+        self.device = torch.device("meta")
+        self.asked: list = []
+
+    def to_device(self, host, *, free=False, device=None):
+        self.asked.append(device)
+        inner = super().to_device(host, free=free, device=torch.device("cpu"))
+        out = Future()
+        target = device if device is not None else self.device
+        inner.add_done_callback(lambda f: out.set_result(f.result().to(target)))
+        return out
+
+
+def test_cpu_saved_tensor_comes_back_on_the_cpu_in_a_device_run(monkeypatch):
+    monkeypatch.setattr(O, "TransferEngine", ElsewhereEngine)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    model(x).square().mean().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    off = tt.Offloader("host", min_bytes=0)
+    try:
+        with off:
+            loss = model(x).square().mean()
+        # CPU tensors hold no device memory in a device run: saved by reference, not moved (before
+        # the fix they were moved and came back on the engine's device)
+        assert off.stats.tensors_offloaded == 0 and off.stats.bytes_kept > 0
+        loss.backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+    finally:
+        off.close()
+
+
+def test_restore_goes_to_the_records_device_through_the_one_call(spill_dir, monkeypatch):
+    """Every read back asks the engine for the saved tensor's own device (``_restore``); with an
+    engine whose disk reads land on its own device only, disk payloads are staged through host."""
+    monkeypatch.setattr(O, "_FROM_DISK_TAKES_DEVICE", False)
+    engine = ElsewhereEngine(disk=tt.DiskStore(spill_dir))
+    try:
+        t = torch.randn(1000)
+        host = engine.to_host(t).result()
+        for where in (host, engine.to_disk(t).result()):
+            out = Future()
+            O._restore(engine, where, torch.device("cpu"), out.set_result)
+            back = out.result(timeout=30).result()
+            assert back.device.type == "cpu" and torch.equal(back, t)
+        assert engine.asked == [torch.device("cpu"), torch.device("cpu")]
+        host.free()
+        assert engine.host.stats.in_use == 0  # the staging block went back to the pool
+    finally:
+        engine.close()
+        engine.disk.close()
