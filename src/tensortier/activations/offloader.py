@@ -165,12 +165,14 @@ class _Handle:
     """What autograd holds instead of a saved tensor: a view description over a record, and the
     version of the tensor that was saved (PyTorch skips its own check when hooks are set)."""
 
-    __slots__ = ("record", "dtype", "size", "stride", "offset", "version", "saved")
+    __slots__ = ("record", "dtype", "size", "stride", "offset", "version", "saved", "base")
 
     def __init__(self, record: _Record, t: torch.Tensor):
         self.record, self.dtype = record, t.dtype
         self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
         self.version, self.saved = t._version, weakref.ref(t)
+        # a view shares its base's version counter and often dies right after the op saved it
+        self.base = weakref.ref(t._base) if t._base is not None else None
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -195,6 +197,8 @@ def _view(storage_u8: torch.Tensor, h: _Handle) -> torch.Tensor:
 def _check_version(h: _Handle) -> None:
     """Raise PyTorch's own error if the saved tensor was modified in place after it was packed."""
     t = h.saved()
+    if t is None and h.base is not None:
+        t = h.base()
     if t is None or t._version == h.version:
         return
     size = ", ".join(str(s) for s in t.shape)
@@ -344,8 +348,9 @@ class Offloader:
         global _last_stats
         _last_stats = self.stats
         p = self._pass
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()  # raises inside disable_saved_tensors_hooks: stay inactive then
+        self._hooks = hooks
         self._module_hooks = [
             nn.modules.module.register_module_forward_pre_hook(p.enter_module),
             nn.modules.module.register_module_forward_hook(p.exit_module, always_call=True),
