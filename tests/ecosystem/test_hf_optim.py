@@ -32,8 +32,9 @@ def fused(params) -> torch.optim.AdamW:
 
 
 def offloaded(params, **kw) -> tt.OffloadedAdamW:
-    # small buckets: several per model, so updates really start during backward
-    return tt.OffloadedAdamW(params, **HP, bucket_size="16KiB", **kw)
+    # small buckets: several per model, so updates really start during backward; overlap=True
+    # forces on CPU the speculation that the default ("auto") keeps for CUDA parameters
+    return tt.OffloadedAdamW(params, **{**HP, "bucket_size": "16KiB", "overlap": True, **kw})
 
 
 # ----------------------------------------------------------------------------- plain loops

@@ -87,7 +87,12 @@ def test_overlap_launches_in_backward_and_matches_fused_bitwise(states, spill_di
     ref_m, tt_m = _model(), _model()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
     opt = OffloadedAdamW(
-        tt_m.parameters(), lr=1e-2, states=states, spill_dir=spill_dir, bucket_size="1KiB"
+        tt_m.parameters(),
+        lr=1e-2,
+        states=states,
+        spill_dir=spill_dir,
+        bucket_size="1KiB",
+        overlap=True,
     )
     data = _batches(20)
     _train(ref_m, ref, data)
@@ -106,7 +111,7 @@ def test_frozen_and_gradless_params_like_torch():
 
     ref_m, tt_m = build(), build()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
-    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, bucket_size="1KiB")
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=True)
     for i, x in enumerate(_batches(10)):
         for m, o in ((ref_m, ref), (tt_m, opt)):
             # every third step the last layer gets no gradient
@@ -126,15 +131,19 @@ def test_frozen_and_gradless_params_like_torch():
 def test_state_dict_roundtrip_resumes_exactly(states, spill_dir):
     a, b = _model(), _model()
     data = _batches(20)
-    opt_a = OffloadedAdamW(a.parameters(), lr=1e-2, states=states, spill_dir=spill_dir)
+    opt_a = OffloadedAdamW(
+        a.parameters(), lr=1e-2, states=states, spill_dir=spill_dir, overlap=True
+    )
     _train(a, opt_a, data)
-    opt_b = OffloadedAdamW(b.parameters(), lr=1e-2, states=states, spill_dir=spill_dir)
+    opt_b = OffloadedAdamW(
+        b.parameters(), lr=1e-2, states=states, spill_dir=spill_dir, overlap=True
+    )
     _train(b, opt_b, data[:10])
     sd = opt_b.state_dict()
     for entry in sd["state"].values():  # tensors and plain values only: safetensors + JSON
         assert all(torch.is_tensor(v) for v in entry.values())
     opt_b.close()  # disk states: the files are gone, the state survives in sd
-    opt_c = OffloadedAdamW(b.parameters(), lr=1.0, states=states, spill_dir=spill_dir)
+    opt_c = OffloadedAdamW(b.parameters(), lr=1.0, states=states, spill_dir=spill_dir, overlap=True)
     opt_c.load_state_dict(sd)
     assert opt_c.param_groups[0]["lr"] == 1e-2
     _train(b, opt_c, data[10:])
@@ -152,7 +161,7 @@ def test_loads_torch_adamw_state_dict():
     with torch.no_grad():
         for p, q in zip(a.parameters(), b.parameters()):
             q.copy_(p)
-    opt = OffloadedAdamW(b.parameters(), lr=1e-2)
+    opt = OffloadedAdamW(b.parameters(), lr=1e-2, overlap=True)
     opt.load_state_dict(ref.state_dict())
     _train(a, ref, data[6:])
     _train(b, opt, data[6:])
@@ -166,7 +175,7 @@ def test_low_precision_model_keeps_fp32_masters(dtype):
     ref_m = _model()
     tt_m = _model(dtype=dtype)
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, fused=True)
-    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-3)
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-3, overlap=True)
     for x in _batches(5):
         ref_m(x).square().mean().backward()
         for p, q in zip(tt_m.parameters(), ref_m.parameters()):
@@ -192,7 +201,7 @@ def test_user_change_to_param_wins_over_master(seed):
     other machines' gradients hit other elements). Now the reference stays fused: equal by
     construction, whatever the data or vector width."""
     m = _model(seed)
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, overlap=True)
     _train(m, opt, _batches(2, seed=seed))
     with torch.no_grad():
         m[0].weight.fill_(0.5)  # e.g. model.load_state_dict after the optimizer exists
@@ -215,7 +224,7 @@ def test_state_dict_into_fused_torch_adamw_keeps_fused():
     """Issue 12 defect 11a: torch's load_state_dict replaces its groups with the loaded ones, so
     every key torch's AdamW has must be there, with fused=True (the kernel we run)."""
     m = _model()
-    opt = OffloadedAdamW(_groups(m), lr=1e-2)
+    opt = OffloadedAdamW(_groups(m), lr=1e-2, overlap=True)
     _train(m, opt, _batches(2))
     sd = opt.state_dict()
     for g in sd["param_groups"]:
@@ -237,7 +246,7 @@ def test_loads_any_torch_adamw_state_dict_and_stays_fused(variant):
     with torch.no_grad():
         for p, q in zip(a.parameters(), b.parameters()):
             q.copy_(p)
-    opt = OffloadedAdamW(_groups(b), lr=1e-2, bucket_size="1KiB")
+    opt = OffloadedAdamW(_groups(b), lr=1e-2, bucket_size="1KiB", overlap=True)
     opt.load_state_dict(ref.state_dict())
     for g in opt.param_groups:  # the loaded group's foreach/fused do not describe our kernel
         assert g["fused"] is True and g["foreach"] is None
@@ -255,8 +264,8 @@ def test_loads_any_torch_adamw_state_dict_and_stays_fused(variant):
 def test_refuses_amsgrad_and_adam_l2_state():
     m = _model()
     with pytest.raises(ConfigError, match="amsgrad"):
-        OffloadedAdamW([{"params": m.parameters(), "amsgrad": True}])
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+        OffloadedAdamW([{"params": m.parameters(), "amsgrad": True}], overlap=True)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, overlap=True)
     for ref in (
         torch.optim.AdamW(m.parameters(), amsgrad=True),
         torch.optim.Adam(m.parameters(), weight_decay=0.1),
@@ -277,6 +286,7 @@ def test_disk_full_applies_nothing(spill_dir):
         spill_dir=spill_dir,
         bucket_size="4KiB",  # one bucket; a slab holds exactly its 12 KiB state
         disk_capacity=16 * 1024,
+        overlap=True,
     )
     assert nbytes <= 4096 and len(opt._buckets) == 1
     data = _batches(3)
@@ -299,7 +309,12 @@ def test_disk_host_memory_is_bounded(spill_dir):
     torch.manual_seed(0)
     m = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(16)])  # ~4 MiB of fp32
     opt = OffloadedAdamW(
-        m.parameters(), states="disk", spill_dir=spill_dir, bucket_size="256KiB", pipeline_depth=3
+        m.parameters(),
+        states="disk",
+        spill_dir=spill_dir,
+        bucket_size="256KiB",
+        pipeline_depth=3,
+        overlap=True,
     )
     bound = 3 * 3 * (256 * 1024 + 4096)  # depth * (master + 2 moments) * bucket (+ page rounding)
     assert opt.stats.host_state_bytes <= bound
@@ -317,12 +332,12 @@ def test_disk_host_memory_is_bounded(spill_dir):
 def test_bad_config_and_closed():
     m = _model()
     with pytest.raises(ConfigError, match="states"):
-        OffloadedAdamW(m.parameters(), states="gpu")
+        OffloadedAdamW(m.parameters(), states="gpu", overlap=True)
     with pytest.raises(ConfigError, match="bucket_size"):
-        OffloadedAdamW(m.parameters(), bucket_size="lots")
+        OffloadedAdamW(m.parameters(), bucket_size="lots", overlap=True)
     with pytest.raises(ConfigError, match="learning rate"):
-        OffloadedAdamW(m.parameters(), lr=-1)
-    opt = OffloadedAdamW(m.parameters())
+        OffloadedAdamW(m.parameters(), lr=-1, overlap=True)
+    opt = OffloadedAdamW(m.parameters(), overlap=True)
     opt.close()
     with pytest.raises(ClosedError):
         opt.step()
@@ -333,7 +348,7 @@ def test_clip_returns_total_norm_like_torch():
     x = _batches(1)[0]
     a(x).sum().backward()
     b(x).sum().backward()
-    opt = OffloadedAdamW(b.parameters())
+    opt = OffloadedAdamW(b.parameters(), overlap=True)
     n1 = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
     n2 = opt.clip_grad_norm_(0.1)
     assert math.isclose(n1.item(), n2.item(), rel_tol=0, abs_tol=0)
@@ -361,7 +376,7 @@ def test_bucketing_never_changes_results(bucket, overlap, accum):
 def test_cuda_model_matches_torch_adamw():
     ref_m, tt_m = _model().cuda(), _model().cuda()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
-    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, bucket_size="1KiB")
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=True)
     data = [x.cuda() for x in _batches(10)]
     _train(ref_m, ref, data)
     _train(tt_m, opt, data)
@@ -382,7 +397,9 @@ def test_late_gradient_after_bucket_launched_is_applied(states, spill_dir):
 
     ref_m, tt_m = build(), build()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
-    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, states=states, spill_dir=spill_dir)
+    opt = OffloadedAdamW(
+        tt_m.parameters(), lr=1e-2, states=states, spill_dir=spill_dir, overlap=True
+    )
     assert len(opt._buckets) == 1
     for i, x in enumerate(_batches(6)):
         for m, o in ((ref_m, ref), (tt_m, opt)):
@@ -401,7 +418,7 @@ def test_state_dict_splits_into_tensors_and_json():
     import json
 
     m = _model(dtype=torch.bfloat16)
-    opt = OffloadedAdamW(_groups(m), lr=1e-2)
+    opt = OffloadedAdamW(_groups(m), lr=1e-2, overlap=True)
     _train(m, opt, _batches(2, dtype=torch.bfloat16))
     sd = opt.state_dict()
     tensors = {f"{k}.{name}": t for k, e in sd["state"].items() for name, t in e.items()}
@@ -418,7 +435,9 @@ def test_dropped_on_its_own_worker_thread_still_cleans_up(spill_dir):
     hook, sys.unraisablehook = sys.unraisablehook, raised.append
     try:
         m = _model()
-        opt = OffloadedAdamW(m.parameters(), lr=1e-2, states="disk", spill_dir=spill_dir)
+        opt = OffloadedAdamW(
+            m.parameters(), lr=1e-2, states="disk", spill_dir=spill_dir, overlap=True
+        )
         _train(m, opt, _batches(1))
         worker = opt._worker
         go = threading.Event()
@@ -435,3 +454,15 @@ def test_dropped_on_its_own_worker_thread_still_cleans_up(spill_dir):
     assert not raised, [str(r.exc_value) for r in raised]  # e.g. "cannot join current thread"
     assert not any(t.is_alive() for t in worker._threads)
     # the spill_dir fixture checks that the disk store's files are gone
+
+
+def test_overlap_auto_speculates_only_for_gpu_parameters():
+    """CPU backward already uses every core: the default does not speculate (nor pay the spare)."""
+    m = _model()
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB")
+    assert opt.overlap is False
+    _train(m, opt, _batches(4))
+    assert opt.stats.speculated == 0 and opt.stats.launched_in_step > 0
+    opt.close()
+    with pytest.raises(ConfigError, match="overlap="):
+        OffloadedAdamW(_model().parameters(), overlap="yes")

@@ -44,7 +44,9 @@ def _worker(rank: int, port: int, out: str) -> None:
                     if kind == "torch":
                         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
                     else:
-                        opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="256B")
+                        opt = OffloadedAdamW(
+                            m.parameters(), lr=1e-2, bucket_size="256B", overlap=True
+                        )
                     _train(ddp, opt, rank, clip)
                     models.append(m)
                     if kind == "tt":

@@ -60,7 +60,7 @@ def test_any_sizes_and_bucket_layout_match_fused_torch(sizes, bucket, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_every_slot_starts_on_a_64_byte_boundary(dtype):
     params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (1, 3, 17, 5, 33)]
-    opt = OffloadedAdamW(params, bucket_size="1MiB", master_weights=False)
+    opt = OffloadedAdamW(params, bucket_size="1MiB", master_weights=False, overlap=True)
     assert len(opt._buckets) == 1
     master, m, v = opt._states.read(0)
     for s in opt._buckets[0].slots:

@@ -233,7 +233,7 @@ def test_second_backward_marks_speculation_stale():
 
 def test_state_dict_between_backward_and_step_is_the_committed_state():
     m = _model()
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB")
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=True)
     x = _data(3)
     for xi in x[:2]:
         m(xi).square().mean().backward()
@@ -303,7 +303,7 @@ def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap():
 @pytest.mark.gpu
 def test_cuda_streams_and_pinned_buffers_are_made_once():
     m = _model().cuda()
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB")
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=True)
     ptrs, streams = [], []
     for x in _data(5):
         m(x.cuda()).square().mean().backward()
