@@ -225,7 +225,9 @@ class _Pending:
         self.event, self.keep, self.on_done, self.on_fail = event, keep, on_done, on_fail
 
     def wait(self) -> None:
-        self.event.synchronize()  # a blocking event: the thread sleeps, with the GIL released
+        # A blocking event: the thread sleeps, GIL released. No timeout: it returns when the copy
+        # (queued behind the producer's kernels) has run, or raises on a device error.
+        self.event.synchronize()
 
     def complete(self) -> None:
         self.keep = self.event = None  # the copy is done: the source may go now, not later

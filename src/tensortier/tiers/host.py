@@ -23,6 +23,7 @@ This module owns host buffers only; it never touches files or devices.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import weakref
 from collections.abc import Iterable
@@ -34,6 +35,7 @@ from tensortier import _lifetime
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import ClosedError, TierFullError
 
+log = logging.getLogger(__name__)
 PAGE = 4096
 _MIN_CLASS = PAGE
 _HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (every device), as cudaHostAlloc's
@@ -133,7 +135,10 @@ def _release_buffers(buffers: list[torch.Tensor], pin: bool) -> None:
     """Unpin buffers the pool let go of; dropping them then returns the memory to the OS."""
     if pin:
         for buffer in buffers:
-            _unregister(buffer)
+            try:
+                _unregister(buffer)
+            except RuntimeError:  # a dead CUDA context: the buffer goes anyway, say so once
+                log.warning("tensortier: could not unpin a host buffer", exc_info=True)
     buffers.clear()
 
 
