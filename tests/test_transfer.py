@@ -3,12 +3,15 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 
 from tensortier import ClosedError, DiskStore, HostPool, TierFullError, TransferEngine
-from tensortier.transfer import HostTensor
+from tensortier._lifetime import quiesce
+from tensortier.tiers.codecs import LOSSLESS_CODECS, get_codec
+from tensortier.transfer import Encoded, HostTensor
 from tests.conftest import ALL_DTYPES, bit_equal, make_tensor
 
 
@@ -137,34 +140,394 @@ def test_wait_time_is_accounted(engine):
     assert engine.stats.wait_seconds >= 0.15
 
 
+# ----------------------------------------------------------------------------- failures give bytes back
+def _finishes(fn, seconds: float = 10.0) -> bool:
+    """Whether ``fn`` returns within ``seconds`` (on a thread: a hang fails the test, not the run)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def _idle(engine) -> bool:
+    return engine._throttle.inflight == 0 and _finishes(engine.synchronize)
+
+
+def test_stale_handle_raises_and_gives_its_bytes_back(engine):
+    """Issue 18 #7: a synchronous KeyError used to keep its bytes in the throttle forever, so
+    synchronize() and close() hung."""
+    h = engine.to_disk(torch.ones(100)).result()
+    engine.from_disk(h, free=True).result()
+    for to in ("device", "host"):
+        with pytest.raises(KeyError):
+            engine.from_disk(h, to=to).result()
+    assert _idle(engine) and engine.host.stats.in_use == 0
+
+
+def test_full_disk_at_submit_raises_and_gives_its_bytes_back(spill_dir):
+    with (
+        DiskStore(spill_dir, slab_size="1MiB", capacity="1MiB") as disk,
+        TransferEngine(host=HostPool("16MiB", pin=False), disk=disk, max_inflight="4MiB") as e,
+    ):
+        keep = e.to_disk(torch.zeros(200_000)).result()  # 800 KB of the 1 MiB
+        for _ in range(8):  # more than max_inflight in total: a leak would block the next call
+            with pytest.raises(TierFullError):
+                e.to_disk(torch.zeros(200_000)).result()
+            host = e.to_host(torch.zeros(200_000)).result()
+            with pytest.raises(TierFullError):
+                e.to_disk(host, free=True).result()
+            assert host.block.freed
+        assert _idle(e) and e.host.stats.in_use == 0
+        disk.free(keep)
+        assert _finishes(e.close)
+
+
+def test_full_host_pool_raises_and_gives_its_bytes_back(spill_dir):
+    with (
+        DiskStore(spill_dir, slab_size="4MiB") as disk,
+        TransferEngine(host=HostPool("1MiB", pin=False), disk=disk, max_inflight="1MiB") as e,
+    ):
+        held = e.to_host(torch.zeros(200_000)).result()
+        h = e.to_disk(torch.zeros(200_000)).result()
+        for _ in range(4):
+            with pytest.raises(TierFullError):
+                e.to_host(torch.zeros(200_000))
+            with pytest.raises(TierFullError):
+                e.from_disk(h, to="host")
+        held.free()
+        assert _idle(e)
+        e.from_disk(h, to="host", free=True).result().free()
+
+
+def test_failed_read_gives_its_bytes_and_block_back(engine, monkeypatch):
+    h = engine.to_disk(torch.randn(5000)).result()
+
+    def eio(*a):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(engine.disk, "_read_chunk", eio)
+    for to in ("host", "device"):
+        with pytest.raises(OSError):
+            engine.from_disk(h, to=to).result()
+    monkeypatch.undo()
+    # the I/O error's traceback (a reference cycle) holds the lent buffer until a GC pass
+    _until(lambda: gc.collect() is not None and engine.host.stats.in_use == 0)
+    assert _idle(engine) and engine.host.stats.in_use == 0
+    engine.disk.free(h)
+
+
+def test_callbacks_on_transfer_threads_never_wait_for_bytes():
+    """REVIEW #13: a thread that gives bytes back (copy workers, completion thread, disk I/O
+    callbacks) must never block in the throttle, or it can wait for bytes only it would release."""
+    with TransferEngine(host=HostPool("16MiB", pin=False), max_inflight="1MiB") as e:
+        held = e._throttle.acquire(1 << 20)  # the bound is full
+        try:
+            chained = e._cpu.submit(lambda: e.to_host(torch.zeros(1 << 18)).result(timeout=10))
+            assert _finishes(lambda: chained.result(timeout=10)), "a transfer thread waited"
+            chained.result().free()
+        finally:
+            held.release()
+
+
+# ----------------------------------------------------------------------------- completion thread
+class _Event:
+    """Stands in for a CUDA event: ``synchronize()`` waits for ``done`` (or raises ``error``)."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.done, self.error = threading.Event(), error
+
+    def synchronize(self):
+        assert self.done.wait(10)
+        if self.error is not None:
+            raise self.error
+
+
+class _Source:
+    """A stand-in for a device tensor whose copy is in flight (weak-referenceable)."""
+
+
+def _pending(engine, event, keep, nbytes=4096):
+    fut = engine._new()
+    ticket = engine._throttle.acquire(nbytes)
+    engine._enqueue(
+        event, keep, lambda: engine._resolve(fut, ticket, "copied"), engine._failer(fut, ticket)
+    )
+    return fut
+
+
+def test_completion_thread_drops_the_source_as_soon_as_its_copy_is_done():
+    """REVIEW #13: the completer kept the last source alive through its loop variable until the
+    next transfer arrived (for a whole optimizer step, say)."""
+    with TransferEngine(host=HostPool("1MiB", pin=False)) as e:
+        event, src = _Event(), _Source()
+        ref = weakref.ref(src)
+        fut = _pending(e, event, src)
+        del src
+        assert ref() is not None  # in flight: the engine keeps it
+        event.done.set()
+        assert fut.result(timeout=10) == "copied"
+        _until(lambda: ref() is None)
+        assert ref() is None, "the completion thread still holds the finished copy's source"
+
+
+def test_device_error_fails_every_pending_transfer_and_the_next_call():
+    """REVIEW #13: an exception on the completion thread used to kill it silently; every future
+    then hung, and so did the throttle, synchronize() and close()."""
+    e = TransferEngine(host=HostPool("1MiB", pin=False))
+    bad = _Event(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    futs = [_pending(e, bad, _Source())] + [_pending(e, _Event(), _Source()) for _ in range(3)]
+    bad.done.set()
+    for f in futs:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            f.result(timeout=10)
+    assert _idle(e)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        e.to_host(torch.zeros(4))
+    assert _finishes(e.close)
+
+
+def test_dropped_engines_leave_no_threads_and_are_collected(spill_dir):
+    """REVIEW #8: the completion thread's target was a bound method, so an engine (its pinned
+    pool, its disk store, its threads) was never collected. 20 engines used and dropped."""
+    TransferEngine(host=HostPool("1MiB", pin=False)).close()  # the reaper thread exists from here
+    gc.collect()
+    quiesce()
+    baseline = {t.ident for t in threading.enumerate()}
+    refs = []
+    for _ in range(20):
+        disk = DiskStore(spill_dir, slab_size="1MiB")
+        e = TransferEngine(host=HostPool("4MiB", pin=False), disk=disk)
+        x = torch.randn(1000)
+        assert torch.equal(e.to_device(e.to_host(x).result(), free=True).result(), x)
+        assert torch.equal(e.from_disk(e.to_disk(x).result(), free=True).result(), x)
+        event = _Event()
+        fut = _pending(e, event, _Source())  # starts the completion thread
+        event.done.set()
+        fut.result(timeout=10)
+        refs.append(weakref.ref(e))
+        del e, disk, fut, event
+    gc.collect()
+    assert quiesce()
+    _until(lambda: {t.ident for t in threading.enumerate()} <= baseline)
+    extra = [t.name for t in threading.enumerate() if t.ident not in baseline]
+    assert extra == [], f"threads left behind: {extra}"
+    assert all(r() is None for r in refs), "an engine was never collected"
+
+
+# ----------------------------------------------------------------------------- devices, defaults
+def test_restores_go_to_the_device_asked_for(engine):
+    """Issue 12 #6: to_device/from_disk take device= (the record's device), normalised."""
+    x = torch.randn(300)
+    for device in ("cpu", "cpu:0", torch.device("cpu", 0)):
+        y = engine.to_device(engine.to_host(x).result(), free=True, device=device).result()
+        assert y.device == torch.device("cpu") and torch.equal(y, x)
+        h = engine.to_disk(x).result()
+        y = engine.from_disk(h, to="device", free=True, device=device).result()
+        assert y.device == torch.device("cpu") and torch.equal(y, x)
+    del y
+    _until(lambda: gc.collect() is not None and engine.host.stats.in_use == 0)
+
+
+def test_engine_without_a_pool_does_not_default_to_a_terabyte():
+    import psutil
+
+    with TransferEngine() as e:
+        assert e.host.budget <= min(4 << 30, psutil.virtual_memory().total // 4)
+        assert torch.equal(e.to_host(torch.ones(8)).result().tensor, torch.ones(8))
+    assert e.host._closed  # the engine made it, so the engine closed it
+
+
+# ----------------------------------------------------------------------------- codecs
+@pytest.mark.parametrize("codec", LOSSLESS_CODECS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_codec_round_trips_through_host_and_disk_are_bit_exact(engine, codec, dtype):
+    """REVIEW #10: raw bytes cross to the host asynchronously and are encoded / decoded on the
+    engine's threads; the results are those of the codec itself, bit for bit."""
+    x = make_tensor((64, 33), dtype).to(_device())[:, ::3]  # non-contiguous
+    c = get_codec(codec)
+    enc = engine.to_host(x, codec=c).result()
+    assert isinstance(enc, Encoded) and all(isinstance(p, HostTensor) for p in enc.parts)
+    direct, _ = c.encode(x.cpu())
+    assert [bit_equal(p.tensor, d) for p, d in zip(enc.parts, direct)] == [True] * len(direct)
+    y = engine.to_device(enc, free=True).result()
+    assert y.device.type == x.device.type and bit_equal(y, x)
+    assert engine.host.stats.in_use == 0
+    on_disk = engine.to_disk(x, codec=c).result()
+    assert all(p in engine.disk for p in on_disk.parts)
+    back = engine.from_disk(on_disk, to="host").result()
+    assert isinstance(back, HostTensor) and bit_equal(back.tensor, x)
+    back.free()
+    y = engine.from_disk(on_disk, to="device", free=True).result()
+    assert bit_equal(y, x) and len(engine.disk) == 0
+    del y
+    _until(lambda: gc.collect() is not None and engine.host.stats.in_use == 0)
+    assert engine.host.stats.in_use == 0 and _idle(engine)
+
+
+def test_sparse_codec_through_the_engine_moves_fewer_bytes(engine):
+    x = torch.relu(torch.randn(1 << 16)) * (torch.rand(1 << 16) < 0.2)
+    enc = engine.to_host(x, codec=get_codec("sparse")).result()
+    assert enc.payload_bytes < 0.3 * enc.nbytes
+    enc.free()
+    assert engine.host.stats.in_use == 0
+
+
+def test_codec_failure_reaches_the_future_and_gives_bytes_back(engine):
+    class Broken:
+        name, lossless = "broken", True
+
+        def encode(self, t):
+            raise ValueError("cannot encode")
+
+        def decode(self, payloads, meta):
+            raise AssertionError
+
+    with pytest.raises(ValueError, match="cannot encode"):
+        engine.to_host(torch.randn(100), codec=Broken()).result()
+    with pytest.raises(ValueError, match="cannot encode"):
+        engine.to_disk(torch.randn(100), codec=Broken()).result()
+    assert _idle(engine) and engine.host.stats.in_use == 0 and len(engine.disk) == 0
+
+
+# ----------------------------------------------------------------------------- GPU (REVIEW #6, #8, #10, #12, #13)
 @pytest.mark.gpu
 def test_d2h_does_not_block_the_compute_stream():
-    """Pack-side copies must never synchronise the compute stream (vDNN's whole point)."""
+    """Pack-side copies must never synchronise the compute stream (vDNN's whole point). The pool
+    is warm (REVIEW #12: the old test timed a cold 256 MiB pinning), and no clock is read: the
+    compute queued before the call must still be pending when it returns."""
     with TransferEngine(host=HostPool("1GiB")) as engine:
-        a = torch.randn(4096, 4096, device="cuda")
         x = torch.randn(64 << 20, device="cuda")  # 256 MiB
+        engine.to_host(x).result().free()  # warm: the 256 MiB block is pinned and cached
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(3):  # a long kernel queue on the compute stream
-            a = a @ a
-            a = a / a.norm()
-        start.record()
-        t0 = time.perf_counter()
-        fut = engine.to_host(x)  # must return while the matmuls are still queued
-        submit_s = time.perf_counter() - t0
-        end.record()
-        assert not end.query() or submit_s < 0.01, "to_host waited for the compute stream"
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of queued compute on the current stream
+        queued = torch.cuda.Event()
+        queued.record()  # completes only once the compute queued before it has run
+        fut = engine.to_host(x)
+        assert not queued.query(), "to_host waited for the compute stream"
         host = fut.result()
         assert torch.equal(host.tensor, x.cpu())
         host.free()
 
 
 @pytest.mark.gpu
-def test_cuda_round_trip_under_concurrent_compute():
+def test_cuda_source_freed_while_its_copy_is_in_flight_is_not_reused_under_it():
+    """REVIEW #12: the copy waits behind a long kernel; the caller drops the source and fills a
+    same-size tensor on the compute stream; the host copy must hold the source's values."""
     with TransferEngine(host=HostPool("1GiB")) as engine:
-        xs = [torch.randn(1 << 20, device="cuda") * i for i in range(8)]
-        hosts = [engine.to_host(x) for x in xs]
-        ys = [engine.to_device(h.result(), free=True).result() for h in hosts]
+        engine.to_host(torch.empty(16 << 20, device="cuda")).result().free()  # warm the pool
+        x = torch.full((16 << 20,), 7.0, device="cuda")
         torch.cuda.synchronize()
-        for x, y in zip(xs, ys):
-            assert torch.equal(x, y)
+        torch.cuda._sleep(1_000_000_000)  # the D2H is queued behind this on the side stream
+        fut = engine.to_host(x)
+        del x  # the engine must keep the source until the copy has run
+        y = torch.empty(16 << 20, device="cuda").fill_(-1.0)  # reuses freed memory if allowed
+        host = fut.result()
+        assert bool((host.tensor == 7.0).all()), "the source was overwritten while being copied"
+        ys = [engine.to_device(engine.to_host(y * i).result(), free=True) for i in range(4)]
+        for i, f in enumerate(ys):
+            assert torch.equal(f.result(), y * i)
+        host.free()
+
+
+@pytest.mark.gpu
+def test_synchronize_waits_for_host_to_device_copies():
+    """REVIEW #13: H2D bytes were released at submission, so synchronize() did not wait for them."""
+    with TransferEngine(host=HostPool("256MiB")) as engine:
+        host = engine.to_host(torch.randn(8 << 20, device="cuda")).result()
+        torch.cuda._sleep(1_000_000_000)  # the H2D waits for the consumer stream, then copies
+        y = engine.to_device(host, free=True).result()
+        engine.synchronize()
+        assert host.block.freed, "synchronize() returned before the copy finished"
+        del y
+
+
+@pytest.mark.gpu
+def test_dropped_cuda_engines_are_collected_with_their_threads():
+    """REVIEW #8 GPU sketch: create, use and drop 20 engines; threads back to baseline."""
+    TransferEngine(host=HostPool("16MiB")).close()
+    gc.collect()
+    quiesce()
+    baseline = threading.active_count()
+    refs = []
+    for _ in range(20):
+        e = TransferEngine(host=HostPool("64MiB"))
+        x = torch.randn(1 << 20, device="cuda")
+        assert torch.equal(e.to_device(e.to_host(x).result(), free=True).result(), x)
+        refs.append(weakref.ref(e))
+        del e
+    gc.collect()
+    assert quiesce()
+    _until(lambda: threading.active_count() <= baseline)
+    assert threading.active_count() == baseline
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.gpu
+def test_cpu_tensor_restored_to_cpu_in_a_cuda_engine(spill_dir):
+    """REVIEW #6: a CPU record restored with device=record.device stays on the CPU."""
+    with DiskStore(spill_dir) as disk, TransferEngine(host=HostPool("64MiB"), disk=disk) as e:
+        assert e.device.type == "cuda"
+        x = torch.randn(1 << 19)
+        y = e.to_device(e.to_host(x).result(), free=True, device=x.device).result()
+        assert y.device.type == "cpu" and torch.equal(y, x)
+        z = e.from_disk(e.to_disk(x).result(), free=True, device=x.device).result()
+        assert z.device.type == "cpu" and torch.equal(z, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+def test_tensor_on_another_gpu_round_trips_on_that_gpu(spill_dir):
+    """REVIEW #6: the engine's default device is cuda:0; a cuda:1 tensor is copied on cuda:1's
+    side streams (after cuda:1's compute) and comes back on cuda:1."""
+    torch.cuda.set_device(0)
+    with DiskStore(spill_dir) as disk, TransferEngine(host=HostPool("256MiB"), disk=disk) as e:
+        dev = torch.device("cuda", 1)
+        x = torch.full((8 << 20,), 3.0, device=dev)
+        with torch.cuda.device(dev):
+            torch.cuda._sleep(1_000_000_000)  # cuda:1's compute still running
+            x.mul_(2)
+        host = e.to_host(x).result()
+        assert bool((host.tensor == 6.0).all()), "the copy did not wait for cuda:1's stream"
+        y = e.to_device(host, free=True, device=dev).result()
+        z = e.from_disk(e.to_disk(x).result(), free=True, device="cuda:1").result()
+        assert y.device == dev == z.device and torch.equal(y, x) and torch.equal(z, x)
+        assert set(e._sides) == {dev}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", LOSSLESS_CODECS)
+def test_codecs_through_the_engine_never_synchronise(codec):
+    """REVIEW #10: with codec= the caller's thread issues only async copies."""
+    with TransferEngine(host=HostPool("256MiB")) as engine:
+        x = torch.relu(torch.randn(1 << 20, device="cuda"))
+        engine.to_device(engine.to_host(x, codec=get_codec(codec)).result(), free=True).result()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fut = engine.to_host(x, codec=get_codec(codec))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        enc = fut.result()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = engine.to_device(enc, free=True).result()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert torch.equal(y, x)
+
+
+@pytest.mark.gpu
+def test_sparse_decode_on_the_device_never_synchronises():
+    c = get_codec("sparse")
+    x = torch.relu(torch.randn(1 << 20))
+    payloads, meta = c.encode(x)
+    on_device = [p.cuda() for p in payloads]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = c.decode(on_device, meta)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(y.cpu(), x)

@@ -1,38 +1,60 @@
 """Asynchronous moves between device, host and disk, returned as futures.
 
-* device -> host: a dedicated CUDA stream waits for the producer (``wait_stream``, no host sync),
-  copies into a pinned pool block and records an event. A completion thread waits on the events in
-  order, then resolves the futures and drops the source tensor, so the source stays alive exactly
-  until its copy has finished (no ``record_stream`` games, no device-wide sync).
-* host -> device: the destination is allocated on the caller's stream, the copy runs on a second
-  side stream, and ``result()`` makes the caller's stream wait on the copy's event (device-side).
+* device -> host: a side stream of the *source's* device waits for that device's current stream
+  (``wait_stream``, no host sync), copies into a pinned pool block and records an event. A
+  completion thread waits on the events in order, then drops the source and resolves the future,
+  so the source stays alive exactly until its copy has finished (no ``record_stream``, no
+  device-wide sync).
+* host -> device: the destination is allocated on the consumer's stream (the caller's current
+  stream of the target device, captured when the call is made), the copy runs on that device's
+  second side stream, and ``result()`` makes the caller's stream wait on the copy's event
+  (device-side). The engine keeps the source block and the destination until the copy is done.
 * host <-> disk: the disk tier's I/O threads.
+* codecs (``codec=``): raw bytes cross PCIe asynchronously and are encoded / decoded on the
+  engine's host threads, so neither the caller nor the device ever waits for a data-dependent size.
 
 On a CPU-only machine "device" is this process's memory: the same calls copy with ``torch`` on a
 worker thread (``copy_`` releases the GIL), and disk reads land directly in the returned tensor.
 
-A byte throttle bounds the data in flight so a burst of requests cannot pin unbounded memory.
+A byte throttle bounds the data in flight so a burst of requests cannot pin unbounded memory. Each
+public call takes its bytes once, on the caller's thread, and gives them back exactly once, when
+its last stage finishes or fails (including failures raised synchronously). Threads that give bytes
+back (the completion thread, copy workers, disk I/O callbacks) never wait for bytes: work chained
+from them may overshoot the bound instead of deadlocking.
+
+Lifetime (``LIFETIME.md``): no thread holds the engine. The completion thread runs a function of
+its queue and a small state object; if the engine is dropped without ``close()``, its
+``_lifetime.Finalizer`` stops the thread and the copy workers on the reaper thread.
+
 This module schedules copies; it never decides *what* to move (that is the clients' and planner's job).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
+from tensortier._device import normalize_device
+from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, parse_size
-from tensortier.errors import ClosedError, TierFullError
+from tensortier.errors import ClosedError, ConfigError
+from tensortier.tiers.codecs import Codec
 from tensortier.tiers.disk import DiskHandle, DiskStore, as_bytes
-from tensortier.tiers.host import HostBlock, HostPool, aligned_empty
+from tensortier.tiers.host import HostBlock, HostPool, aligned_empty, default_budget
 
 T = TypeVar("T")
 DIRECTIONS = ("d2h", "h2d", "h2disk", "disk2h")
+log = logging.getLogger(__name__)
+_STOP_TIMEOUT_S = 30.0  # bound on joining the completion thread at close/GC
 
 
 @dataclass
@@ -71,13 +93,43 @@ class HostTensor:
         self.block.free()
 
 
+@dataclass
+class Encoded:
+    """A tensor stored through a codec: its payloads on the host (``HostTensor``) or on disk
+    (``DiskHandle``), plus what the codec needs to decode them. ``dtype``/``shape``/``nbytes``
+    describe the original tensor."""
+
+    codec: Codec
+    meta: dict
+    parts: list  # list[HostTensor] | list[DiskHandle]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def free(self, disk: DiskStore | None = None) -> None:
+        """Give the payloads back: host blocks to their pool, disk extents to ``disk``."""
+        for part in self.parts:
+            if isinstance(part, HostTensor):
+                if not part.block.freed:
+                    part.free()
+            elif disk is None:
+                raise ValueError("these payloads are on disk: pass the DiskStore, free(disk=...)")
+            elif part in disk:
+                disk.free(part)
+
+
 class Transfer(Future, Generic[T]):
     """A future that accounts the time its caller waited, and can finish on the caller's thread."""
 
     def __init__(self, stats: TransferStats, lock: threading.Lock):
         super().__init__()
         self._stats, self._stats_lock = stats, lock
-        self._on_result = None
+        self._on_result: Callable[[Any], Any] | None = None
+        self.set_running_or_notify_cancel()
 
     def result(self, timeout: float | None = None) -> T:
         if not self.done():
@@ -90,27 +142,183 @@ class Transfer(Future, Generic[T]):
         return self._on_result(value) if self._on_result is not None else value
 
 
+# ------------------------------------------------------------------------- the byte throttle
+_local = threading.local()
+
+
+def _mark_releasing() -> None:
+    """For threads that give bytes back: their acquires never wait (see the module docstring)."""
+    _local.releasing = 1
+
+
+@contextlib.contextmanager
+def _releasing():
+    depth = getattr(_local, "releasing", 0)
+    _local.releasing = depth + 1
+    try:
+        yield
+    finally:
+        _local.releasing = depth
+
+
+class _Ticket:
+    """Bytes one public call took from the throttle; ``release`` gives them back, once."""
+
+    __slots__ = ("nbytes", "_throttle")
+
+    def __init__(self, throttle: _Throttle, nbytes: int):
+        self.nbytes, self._throttle = nbytes, throttle
+
+    def release(self) -> None:
+        self._throttle.release(self)
+
+
 class _Throttle:
-    """Blocks submitters while more than ``limit`` bytes are in flight (one oversize request passes)."""
+    """Blocks submitters while more than ``limit`` bytes are in flight (one oversize request passes).
+
+    A wait here ends when in-flight transfers finish or fail; every path of every transfer releases
+    its ticket, and the threads that release never wait here, so the wait cannot hang while the
+    device and the disk make progress.
+    """
 
     def __init__(self, limit: int, stats: TransferStats):
         self.limit, self.inflight, self.stats = limit, 0, stats
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int) -> None:
+    def acquire(self, nbytes: int) -> _Ticket:
         with self._cond:
-            if self.inflight and self.inflight + nbytes > self.limit:
+            if (
+                self.inflight
+                and self.inflight + nbytes > self.limit
+                and not getattr(_local, "releasing", 0)
+            ):
                 t0 = time.perf_counter()
                 while self.inflight and self.inflight + nbytes > self.limit:
                     self._cond.wait()
                 self.stats.throttle_seconds += time.perf_counter() - t0
             self.inflight += nbytes
             self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.inflight)
+        return _Ticket(self, nbytes)
 
-    def release(self, nbytes: int) -> None:
+    def release(self, ticket: _Ticket) -> None:
         with self._cond:
-            self.inflight -= nbytes
-            self._cond.notify_all()
+            nbytes, ticket.nbytes = ticket.nbytes, 0
+            if nbytes:
+                self.inflight -= nbytes
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.inflight == 0, timeout)
+
+
+# ------------------------------------------------------------------------- the completion thread
+class _Pending:
+    """A device copy in flight: ``event`` completes when it is done; ``keep`` is what must live
+    until then (source, destination); ``on_done``/``on_fail`` finish the transfer."""
+
+    __slots__ = ("event", "keep", "on_done", "on_fail")
+
+    def __init__(
+        self, event, keep, on_done: Callable[[], None], on_fail: Callable[[BaseException], None]
+    ):
+        self.event, self.keep, self.on_done, self.on_fail = event, keep, on_done, on_fail
+
+    def wait(self) -> None:
+        # A blocking event: the thread sleeps, GIL released. No timeout: it returns when the copy
+        # (queued behind the producer's kernels) has run, or raises on a device error.
+        self.event.synchronize()
+
+    def complete(self) -> None:
+        self.keep = self.event = None  # the copy is done: the source may go now, not later
+        on_done, self.on_done, self.on_fail = self.on_done, None, None
+        on_done()
+
+    def fail(self, error: BaseException) -> None:
+        self.keep = self.event = None
+        on_fail, self.on_done, self.on_fail = self.on_fail, None, None
+        if on_fail is not None:
+            on_fail(error)
+
+
+class _Completer:
+    """Waits for device events in submission order on one thread, started at first use.
+
+    The thread runs :func:`_complete_events` on this object, which never refers to the engine.
+    After a device error every pending and later item fails with it, and ``error`` is set so the
+    engine's next call raises it.
+    """
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def put(self, item: _Pending) -> None:
+        if self.thread is None:
+            with self._start_lock:
+                if self.thread is None:
+                    self.thread = threading.Thread(
+                        target=_complete_events, args=(self,), name="tt-cuda-events", daemon=True
+                    )
+                    self.thread.start()
+        self.queue.put(item)
+
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+        thread = self.thread
+        if thread is None:
+            return
+        self.queue.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout)  # bounded: a wedged device must not hang close() or the reaper
+            if thread.is_alive():
+                log.warning(
+                    "tensortier: the transfer completion thread did not stop in %ss", timeout
+                )
+
+
+def _complete_events(completer: _Completer) -> None:
+    _mark_releasing()
+    q = completer.queue
+    while True:
+        item = q.get()  # ends: stop() (close() or the engine's finalizer) posts None
+        if item is None:
+            return
+        try:
+            if completer.error is None:
+                item.wait()
+        except BaseException as exc:  # a device error: fail this and every later transfer
+            completer.error = exc
+            log.error("tensortier: a device copy failed; failing pending transfers", exc_info=True)
+        try:
+            if completer.error is None:
+                item.complete()
+            else:
+                item.fail(completer.error)
+        except BaseException:  # a bug in a continuation must not stop the thread
+            log.exception("tensortier: a transfer continuation failed")
+        del item  # nothing of a finished transfer stays referenced while the thread waits
+
+
+def _shutdown(completer: _Completer, executor: ThreadPoolExecutor) -> None:
+    """The engine's cleanup: ``close()``, or the reaper once the engine was collected."""
+    completer.stop()
+    executor.shutdown(wait=True)  # idle by now: nothing pending refers to a collected engine
+
+
+class _Side:
+    """One device's copy streams, created on first use of that device."""
+
+    __slots__ = ("d2h", "h2d")
+
+    def __init__(self, device: torch.device):
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class TransferEngine:
@@ -120,6 +328,11 @@ class TransferEngine:
     >>> h = engine.to_host(activation)          # Transfer[HostTensor]
     >>> d = engine.to_disk(activation)          # Transfer[DiskHandle]
     >>> x = engine.from_disk(d.result(), to="device").result()
+
+    ``device`` is the default target of ``to_device``/``from_disk(to="device")``; each call may
+    name another with ``device=``. Copies of a tensor on ``cuda:k`` run on ``cuda:k``'s streams.
+    ``host=None`` makes a pool of :func:`~tensortier.tiers.host.default_budget` bytes that the
+    engine owns and closes.
     """
 
     def __init__(
@@ -131,197 +344,242 @@ class TransferEngine:
         device: torch.device | str | None = None,
         threads: int = 2,
     ):
-        self.host = host if host is not None else HostPool("1TiB")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads must be an int >= 1, got {threads!r}; the default is 2")
+        limit = parse_size(max_inflight, name="max_inflight", allow_zero=False)
+        self.device = normalize_device(device)
+        self._owns_host = host is None
+        self.host = host if host is not None else HostPool(default_budget())
         self.disk = disk
-        if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cpu")
-            )
-        self.device = torch.device(device)
         self.stats = TransferStats.empty()
         self._lock = threading.Lock()
-        self._throttle = _Throttle(
-            parse_size(max_inflight, name="max_inflight", allow_zero=False), self.stats
-        )
+        self._throttle = _Throttle(limit, self.stats)
         self._closed = False
-        self._cpu = ThreadPoolExecutor(threads, thread_name_prefix="tt-copy")
-        if self.device.type == "cuda":
-            self._d2h_stream = torch.cuda.Stream(self.device)
-            self._h2d_stream = torch.cuda.Stream(self.device)
-            self._events: queue.Queue = queue.Queue()
-            self._completer = threading.Thread(
-                target=self._complete_events, name="tt-cuda-events", daemon=True
-            )
-            self._completer.start()
+        self._sides: dict[torch.device, _Side] = {}
+        self._completer = _Completer()
+        self._cpu = ThreadPoolExecutor(
+            threads, thread_name_prefix="tt-copy", initializer=_mark_releasing
+        )
+        self._finalizer = Finalizer(self, _shutdown, self._completer, self._cpu)
 
     # ---------------------------------------------------------------- public API
-    def to_host(self, tensor: torch.Tensor) -> Transfer[HostTensor]:
-        """Copy a device (or CPU) tensor into a host pool block."""
+    def to_host(
+        self, tensor: torch.Tensor, *, codec: Codec | None = None
+    ) -> Transfer[HostTensor] | Transfer[Encoded]:
+        """Copy a device (or CPU) tensor into a host pool block.
+
+        With ``codec``: the result is an :class:`Encoded` whose payloads sit in pool blocks; the
+        raw bytes are copied asynchronously and encoded on the engine's host threads.
+        """
         self._check_open()
         src = tensor.detach()
-        nbytes = src.numel() * src.element_size()
-        block = self.host.alloc(nbytes)
-        out = HostTensor(block, src.dtype, tuple(src.shape))
-        fut = self._start("d2h", nbytes)
-        if src.device.type == "cuda":
-            compute = torch.cuda.current_stream(src.device)
-            self._d2h_stream.wait_stream(compute)
-            with torch.cuda.stream(self._d2h_stream):
-                out.tensor.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._d2h_stream)
-            self._events.put((event, fut, out, src, "d2h", nbytes))
-        else:
-            self._on_thread(fut, "d2h", nbytes, lambda: (out.tensor.copy_(src), out)[1])
+        nbytes = _nbytes(src)
+        fut = self._new()
+        ticket = self._throttle.acquire(nbytes)
+        try:
+            if codec is not None:
+
+                def stored(payloads: list[torch.Tensor], meta: dict) -> None:
+                    parts = self._payloads_to_host(payloads)
+                    self._count("d2h", nbytes)
+                    self._resolve(
+                        fut,
+                        ticket,
+                        Encoded(codec, meta, parts, src.dtype, tuple(src.shape), nbytes),
+                    )
+
+                self._encode(src, codec, stored, self._failer(fut, ticket))
+            else:
+                block = self.host.alloc(nbytes)
+                out = HostTensor(block, src.dtype, tuple(src.shape))
+
+                def copied() -> None:
+                    self._count("d2h", nbytes)
+                    self._resolve(fut, ticket, out)
+
+                try:
+                    self._d2h(src, out, copied, self._failer(fut, ticket, block))
+                except BaseException:
+                    block.free()
+                    raise
+        except BaseException:
+            ticket.release()
+            raise
         return fut
 
     def to_device(
         self,
-        host: HostTensor | torch.Tensor,
+        host: HostTensor | Encoded | torch.Tensor,
         *,
         free: bool = False,
-        device: torch.device | None = None,
+        device: torch.device | str | None = None,
     ) -> Transfer[torch.Tensor]:
-        """Copy a host tensor to the device. ``free=True`` returns the host block once copied."""
+        """Copy a host tensor (or decode an :class:`Encoded` one) to ``device`` (default: the
+        engine's). ``free=True`` returns the host block(s) once copied. ``device="cpu"`` gives a
+        CPU tensor, also in an engine whose default device is a GPU."""
         self._check_open()
-        device = torch.device(device) if device is not None else self.device
-        src = host.tensor if isinstance(host, HostTensor) else host
-        nbytes = src.numel() * src.element_size()
-        fut = self._start("h2d", nbytes)
-        release = host.free if (free and isinstance(host, HostTensor)) else None
-        if device.type == "cuda":
-            dst = torch.empty(src.shape, dtype=src.dtype, device=device)  # on the caller's stream
-            self._h2d_stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._h2d_stream):
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._h2d_stream)
-
-            def wait_on_copy(value: torch.Tensor) -> torch.Tensor:
-                torch.cuda.current_stream(device).wait_event(event)  # device-side, no host sync
-                return value
-
-            fut._on_result = wait_on_copy
-            # resolve at once: the consumer's stream waits on the event, not the host
-            self._finish(fut, "h2d", nbytes, dst)
-            self._events.put((event, None, None, (src, dst, release), "h2d-free", 0))
+        target = self._target(device)
+        consumer = self._consumer(target)
+        if isinstance(host, Encoded):
+            if not all(isinstance(p, HostTensor) for p in host.parts):
+                raise ValueError("these payloads are on disk: use from_disk(encoded, to='device')")
+            nbytes = host.nbytes
         else:
-
-            def copy() -> torch.Tensor:
-                out = torch.empty(src.shape, dtype=src.dtype)
-                out.copy_(src)
-                if release is not None:
-                    release()
-                return out
-
-            self._on_thread(fut, "h2d", nbytes, copy)
+            src = host.tensor if isinstance(host, HostTensor) else host.detach()
+            nbytes = _nbytes(src)
+        fut = self._new()
+        ticket = self._throttle.acquire(nbytes)
+        try:
+            if isinstance(host, Encoded):
+                release = host.free if free else None
+                self._decode_to(
+                    fut,
+                    ticket,
+                    host,
+                    [p.tensor for p in host.parts],
+                    "device",
+                    target,
+                    consumer,
+                    release,
+                )
+            else:
+                release = host.free if (free and isinstance(host, HostTensor)) else None
+                self._h2d_future(fut, ticket, src, target, consumer, release)
+        except BaseException:
+            ticket.release()
+            raise
         return fut
 
     def to_disk(
-        self, tensor: torch.Tensor | HostTensor, *, free: bool = False
-    ) -> Transfer[DiskHandle]:
+        self,
+        tensor: torch.Tensor | HostTensor,
+        *,
+        free: bool = False,
+        codec: Codec | None = None,
+    ) -> Transfer[DiskHandle] | Transfer[Encoded]:
         """Write a device, CPU or host-pool tensor to the disk tier.
 
         Device tensors are staged through a host block, which is returned to the pool once written.
-        ``free=True`` frees a given :class:`HostTensor` once written.
+        ``free=True`` frees a given :class:`HostTensor` once written (or once the write failed).
+        With ``codec`` the result is an :class:`Encoded` whose payloads are disk handles.
         """
         self._check_open()
         disk = self._need_disk()
-        if isinstance(tensor, HostTensor):
-            return self._host_to_disk(tensor, free=free)
-        if tensor.device.type == "cuda":
-            staged = self.to_host(tensor)
-            out = Transfer(self.stats, self._lock)
-            out.set_running_or_notify_cancel()
+        is_host = isinstance(tensor, HostTensor)
+        src = tensor.tensor if is_host else tensor.detach()
+        nbytes = tensor.nbytes if is_host else _nbytes(src)
+        fut = self._new()
+        ticket = self._throttle.acquire(nbytes)
+        try:
+            after = tensor.free if (is_host and free) else None
+            if codec is not None:
 
-            def staged_done(f: Future) -> None:
-                if f.exception() is not None:
-                    out.set_exception(f.exception())
-                    return
-                inner = self._host_to_disk(Future.result(f), free=True)
-                inner.add_done_callback(lambda g: _forward(g, out))
+                def encoded(payloads: list[torch.Tensor], meta: dict) -> None:
+                    if after is not None:
+                        after()
 
-            staged.add_done_callback(staged_done)
-            return out
-        data = tensor.detach()
-        nbytes = data.numel() * data.element_size()
-        fut = self._start("h2disk", nbytes)
-        self._forward_disk(disk.put(data), fut, "h2disk", nbytes)
+                    def written(handles: list[DiskHandle]) -> None:
+                        self._resolve(
+                            fut,
+                            ticket,
+                            Encoded(codec, meta, handles, src.dtype, tuple(src.shape), nbytes),
+                        )
+
+                    self._write_all(disk, payloads, written, self._failer(fut, ticket))
+
+                self._encode(src, codec, encoded, self._failer(fut, ticket, after))
+            elif src.device.type == "cuda":
+                block = self.host.alloc(nbytes)
+                staged = HostTensor(block, src.dtype, tuple(src.shape))
+                fail = self._failer(fut, ticket, block)
+
+                def copied() -> None:
+                    self._count("d2h", nbytes)
+
+                    def written(handles: list[DiskHandle]) -> None:
+                        block.free()
+                        self._resolve(fut, ticket, handles[0])
+
+                    self._write_all(disk, [staged.tensor], written, fail)
+
+                try:
+                    self._d2h(src, staged, copied, fail)
+                except BaseException:
+                    block.free()
+                    raise
+            else:  # on the caller's thread: a full tier raises TierFullError here, at once
+                inner = disk.put(src)  # a pool block is page-aligned: O_DIRECT writes from it
+
+                def written(handles: list[DiskHandle]) -> None:
+                    if after is not None:
+                        after()
+                    self._resolve(fut, ticket, handles[0])
+
+                self._collect(disk, [inner], written, self._failer(fut, ticket, after))
+        except BaseException:
+            ticket.release()
+            if is_host and free and not tensor.block.freed:
+                tensor.free()
+            raise
         return fut
 
     def from_disk(
-        self, handle: DiskHandle, *, to: str = "device", free: bool = False
+        self,
+        handle: DiskHandle | Encoded,
+        *,
+        to: str = "device",
+        free: bool = False,
+        device: torch.device | str | None = None,
     ) -> Transfer[torch.Tensor] | Transfer[HostTensor]:
-        """Read a tensor back, to a host pool block (``to="host"``) or to the device.
-
-        ``free=True`` frees the disk extent once read.
-        """
+        """Read a tensor back, to a host pool block (``to="host"``) or to ``device`` (default: the
+        engine's; ``device="cpu"`` reads straight into process memory). An :class:`Encoded` with
+        disk payloads is decoded on the engine's host threads. ``free=True`` frees the disk
+        extent(s) once read."""
         self._check_open()
         if to not in ("host", "device"):
-            raise ValueError(f"to must be 'host' or 'device', got {to!r}")
+            raise ConfigError(f"to must be 'host' or 'device', got {to!r}")
         disk = self._need_disk()
-        fut = self._start("disk2h", handle.nbytes)
-        if to == "device" and self.device.type == "cpu":  # process memory: read straight into it
-            try:
-                into = self.host.lend(handle.length)  # recycled memory: no first-touch page faults
-            except TierFullError:
-                into = None
-            self._forward_disk(
-                disk.get(handle, into=into),
-                fut,
-                "disk2h",
-                handle.nbytes,
-                after=(lambda: disk.free(handle)) if free else None,
+        target = self._target(device) if to == "device" else torch.device("cpu")
+        consumer = self._consumer(target) if to == "device" else None
+        fut = self._new()
+        ticket = self._throttle.acquire(handle.nbytes)
+        try:
+            if isinstance(handle, Encoded):
+                self._from_disk_encoded(fut, ticket, disk, handle, to, target, consumer, free)
+            elif to == "device" and target.type == "cpu":
+                self._read_to_cpu(fut, ticket, disk, handle, free)
+            else:
+                self._read_to_block(fut, ticket, disk, handle, to, target, consumer, free)
+        except BaseException:
+            ticket.release()
+            raise
+        return fut
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every transfer submitted so far has finished (device->host and host->device
+        copies included). Raises ``TimeoutError`` after ``timeout`` seconds (None: no bound; every
+        transfer gives its bytes back when it finishes or fails, so this returns while the device
+        and the disk make progress)."""
+        if getattr(_local, "releasing", 0):
+            raise RuntimeError(
+                "synchronize()/close() called from a transfer's callback would wait for itself; "
+                "call it from your own thread"
             )
-            return fut
-        block = self.host.alloc(handle.length)
-        inner = disk.get(handle, into=block.buffer)
-        host = HostTensor(block, handle.dtype, handle.shape)
-        host.block.nbytes = handle.nbytes
-
-        def read_done(f: Future) -> None:
-            if f.exception() is not None:
-                block.free()
-                self._fail(fut, "disk2h", handle.nbytes, f.exception())
-                return
-            if free:
-                disk.free(handle)
-            self._finish(fut, "disk2h", handle.nbytes, host)
-
-        inner.add_done_callback(read_done)
-        if to == "host":
-            return fut
-        out = Transfer(self.stats, self._lock)
-        out.set_running_or_notify_cancel()
-
-        def to_dev(f: Future) -> None:
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-                return
-            dev = self.to_device(Future.result(f), free=True)
-            out._on_result = dev._on_result
-            dev.add_done_callback(lambda g: _forward(g, out))
-
-        fut.add_done_callback(to_dev)
-        return out
-
-    def synchronize(self) -> None:
-        """Wait until every transfer submitted so far has finished."""
-        with self._throttle._cond:
-            while self._throttle.inflight:
-                self._throttle._cond.wait()
+        if not self._throttle.wait_idle(timeout):
+            raise TimeoutError(
+                f"{self._throttle.inflight} bytes still in flight after {timeout}s; the device or "
+                "the disk is not making progress"
+            )
 
     def close(self) -> None:
+        """Wait for transfers in flight, then stop the engine's threads (and its own host pool)."""
         if self._closed:
             return
         self.synchronize()
         self._closed = True
-        self._cpu.shutdown(wait=True)
-        if self.device.type == "cuda":
-            self._events.put(None)
-            self._completer.join()
+        self._finalizer()
+        if self._owns_host:
+            self.host.close()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -329,93 +587,364 @@ class TransferEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- internals
+    # ---------------------------------------------------------------- plumbing
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("TransferEngine is closed")
+        if self._completer.error is not None:
+            raise self._completer.error  # a device copy failed earlier: say so, never hang
 
     def _need_disk(self) -> DiskStore:
         if self.disk is None:
             raise ValueError("this TransferEngine has no disk tier; pass disk=DiskStore(spill_dir)")
         return self.disk
 
-    def _start(self, direction: str, nbytes: int) -> Transfer:
-        self._throttle.acquire(nbytes)
-        fut: Transfer = Transfer(self.stats, self._lock)
-        fut.set_running_or_notify_cancel()
-        return fut
+    def _target(self, device: torch.device | str | None) -> torch.device:
+        return self.device if device is None else normalize_device(device)
 
-    def _finish(self, fut: Transfer, direction: str, nbytes: int, value) -> None:
+    @staticmethod
+    def _consumer(target: torch.device):
+        """The stream that will use a copy to ``target``: the caller's, captured now."""
+        return torch.cuda.current_stream(target) if target.type == "cuda" else None
+
+    def _side(self, device: torch.device) -> _Side:
+        side = self._sides.get(device)
+        if side is None:
+            with self._lock:
+                side = self._sides.get(device)
+                if side is None:
+                    side = self._sides[device] = _Side(device)
+        return side
+
+    def _new(self) -> Transfer:
+        return Transfer(self.stats, self._lock)
+
+    def _count(self, direction: str, nbytes: int) -> None:
         with self._lock:
             self.stats.bytes[direction] += nbytes
             self.stats.count[direction] += 1
-        self._throttle.release(nbytes)
-        fut.set_result(value)
 
-    def _fail(self, fut: Transfer, direction: str, nbytes: int, error: BaseException) -> None:
-        self._throttle.release(nbytes)
-        fut.set_exception(error)
+    @staticmethod
+    def _resolve(fut: Transfer, ticket: _Ticket, value, on_result=None) -> None:
+        """Finish a transfer: its future first (so ``synchronize`` implies resolved), then bytes."""
+        if on_result is not None:
+            fut._on_result = on_result
+        with _releasing():
+            if not fut.done():
+                fut.set_result(value)
+        ticket.release()
 
-    def _on_thread(self, fut: Transfer, direction: str, nbytes: int, fn) -> None:
+    @staticmethod
+    def _failer(fut: Transfer, ticket: _Ticket, undo=None) -> Callable[[BaseException], None]:
+        """What a stage calls on failure: undo (free a block), fail the future, give bytes back."""
+
+        def fail(error: BaseException) -> None:
+            if fut.done():  # failed after it was handed out: what it holds is the caller's now
+                ticket.release()
+                return
+            try:
+                if isinstance(undo, HostBlock):
+                    if not undo.freed:
+                        undo.free()
+                elif undo is not None:
+                    undo()
+            finally:
+                with _releasing():
+                    if not fut.done():
+                        fut.set_exception(error)
+                ticket.release()
+
+        return fail
+
+    def _on_cpu(self, fn: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
+        """Run ``fn`` on a copy worker; any exception goes to ``fail``."""
+
         def run() -> None:
             try:
-                value = fn()
+                fn()
             except BaseException as exc:
-                self._fail(fut, direction, nbytes, exc)
-            else:
-                self._finish(fut, direction, nbytes, value)
+                fail(exc)
 
         self._cpu.submit(run)
 
-    def _forward_disk(
-        self, inner: Future, fut: Transfer, direction: str, nbytes: int, after=None
-    ) -> None:
+    # ---------------------------------------------------------------- stages
+    def _d2h(self, src: torch.Tensor, out: HostTensor, then: Callable[[], None], fail) -> None:
+        """Copy ``src`` into ``out``; ``then()`` once done (on a releasing thread)."""
+        if src.device.type != "cuda":
+            self._on_cpu(lambda: (out.tensor.copy_(src), then()), fail)
+            return
+        device = src.device
+        side = self._side(device)
+        event = torch.cuda.Event(blocking=True)
+        with torch.cuda.device(device):
+            side.d2h.wait_stream(torch.cuda.current_stream(device))  # after the producer
+            with torch.cuda.stream(side.d2h):
+                out.tensor.copy_(src, non_blocking=True)
+            event.record(side.d2h)
+        self._completer.put(_Pending(event, src, then, fail))  # keeps src until the copy is done
+
+    def _h2d(self, src: torch.Tensor, target: torch.device, consumer, issued, then, fail) -> None:
+        """Copy host ``src`` to ``target``. ``issued(dst, on_result)`` as soon as ``dst`` can be
+        handed out (CUDA: at once, ``on_result`` orders the consumer after the copy); ``then()``
+        once the copy is complete and ``src`` may be reused."""
+        if target.type != "cuda":
+
+            def copy() -> None:
+                out = torch.empty(src.shape, dtype=src.dtype)
+                out.copy_(src)
+                issued(out, None)
+                then()
+
+            self._on_cpu(copy, fail)
+            return
+        side = self._side(target)
+        event = torch.cuda.Event(blocking=True)
+        with torch.cuda.device(target):
+            with torch.cuda.stream(consumer):  # dst belongs to the consumer's stream
+                dst = torch.empty(src.shape, dtype=src.dtype, device=target)
+            side.h2d.wait_stream(consumer)  # dst's memory may have been freed by pending work
+            with torch.cuda.stream(side.h2d):
+                dst.copy_(src, non_blocking=True)
+            event.record(side.h2d)
+
+        def on_result(value: torch.Tensor) -> torch.Tensor:
+            current = torch.cuda.current_stream(target)
+            current.wait_event(event)  # device-side, no host sync
+            if current != consumer:
+                value.record_stream(current)
+            return value
+
+        issued(dst, on_result)
+        self._completer.put(_Pending(event, (src, dst), then, fail))
+
+    def _h2d_future(self, fut, ticket, src, target, consumer, release) -> None:
+        """``to_device`` of a raw host tensor: resolve ``fut`` when issued, bytes back when done."""
+
+        def then() -> None:
+            self._count("h2d", _nbytes(src))
+            if release is not None:
+                release()
+            ticket.release()
+
+        def fail(error: BaseException) -> None:
+            # after a device error the host block may still be read by a dead copy: not reused
+            with _releasing():
+                if not fut.done():
+                    fut.set_exception(error)
+            ticket.release()
+
+        self._h2d(src, target, consumer, lambda dst, on: self._issue(fut, dst, on), then, fail)
+
+    @staticmethod
+    def _issue(fut: Transfer, dst: torch.Tensor, on_result) -> None:
+        if on_result is not None:
+            fut._on_result = on_result
+        with _releasing():
+            if not fut.done():
+                fut.set_result(dst)
+
+    def _encode(self, src: torch.Tensor, codec: Codec, then, fail) -> None:
+        """``then(payloads, meta)`` on a host thread: device tensors are copied raw first."""
+        if src.device.type != "cuda":
+            self._on_cpu(lambda: then(*codec.encode(src)), fail)
+            return
+        block = self.host.alloc(_nbytes(src))
+        raw = HostTensor(block, src.dtype, tuple(src.shape))
+
+        def encode() -> None:
+            try:
+                payloads, meta = codec.encode(raw.tensor)
+            finally:
+                block.free()
+            then(payloads, meta)
+
+        def copied() -> None:
+            self._on_cpu(encode, fail)
+
+        def failed(error: BaseException) -> None:
+            if not block.freed:
+                block.free()
+            fail(error)
+
+        try:
+            self._d2h(src, raw, copied, failed)
+        except BaseException:
+            block.free()
+            raise
+
+    def _payloads_to_host(self, payloads: list[torch.Tensor]) -> list[HostTensor]:
+        parts: list[HostTensor] = []
+        try:
+            for p in payloads:
+                data = as_bytes(p)
+                block = self.host.alloc(data.numel())
+                block.view.copy_(data)
+                parts.append(HostTensor(block, p.dtype, tuple(p.shape)))
+        except BaseException:
+            for part in parts:
+                part.free()
+            raise
+        return parts
+
+    def _write_all(self, disk: DiskStore, tensors: list[torch.Tensor], then, fail) -> None:
+        """``disk.put`` each tensor from a transfer thread: synchronous errors (a full disk) fail
+        like asynchronous ones. ``then(handles)`` once all are written, else free what was written
+        and ``fail``."""
+        futures = []
+        for t in tensors:
+            try:
+                futures.append(disk.put(t))
+            except BaseException as exc:
+                failed: Future = Future()
+                failed.set_exception(exc)
+                futures.append(failed)
+        self._collect(disk, futures, then, fail)
+
+    def _collect(self, disk: DiskStore, futures: list[Future], then, fail) -> None:
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            with _releasing():
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                if errors:
+                    for f in futures:
+                        if f.exception() is None and f.result() in disk:
+                            disk.free(f.result())
+                    fail(errors[0])
+                    return
+                handles = [f.result() for f in futures]
+                self._count("h2disk", sum(h.nbytes for h in handles))
+                then(handles)
+
+        if not futures:
+            with _releasing():
+                then([])
+        for f in futures:
+            f.add_done_callback(one_done)
+
+    def _read_to_cpu(self, fut, ticket, disk: DiskStore, handle: DiskHandle, free: bool) -> None:
+        """Process memory is the target: read straight into it (recycled pool memory when the pool
+        is not pinned: no first-touch page faults; pinned memory is kept for DMA)."""
+        into = None
+        if not self.host.pin:
+            with contextlib.suppress(Exception):  # full pool: the disk allocates instead
+                into = self.host.lend(handle.length)
+        inner = disk.get(handle, into=into)
+
         def done(f: Future) -> None:
-            if f.exception() is not None:
-                self._fail(fut, direction, nbytes, f.exception())
-                return
-            if after is not None:
-                after()
-            self._finish(fut, direction, nbytes, f.result())
+            with _releasing():
+                if f.exception() is not None:
+                    self._failer(fut, ticket)(f.exception())
+                    return
+                try:
+                    if free:
+                        disk.free(handle)
+                except BaseException as exc:
+                    self._failer(fut, ticket)(exc)
+                    return
+                self._count("disk2h", handle.nbytes)
+                self._resolve(fut, ticket, f.result())
 
         inner.add_done_callback(done)
 
-    def _host_to_disk(self, host: HostTensor, *, free: bool) -> Transfer[DiskHandle]:
-        disk = self._need_disk()
-        nbytes = host.nbytes
-        fut = self._start("h2disk", nbytes)
-        # the block is page-aligned, so O_DIRECT writes straight from it
-        self._forward_disk(
-            disk.put(host.tensor), fut, "h2disk", nbytes, after=host.free if free else None
-        )
-        if free:  # also give the block back if the write failed
-            fut.add_done_callback(
-                lambda f: f.exception() is not None and not host.block.freed and host.free()
-            )
-        return fut
+    def _read_to_block(self, fut, ticket, disk, handle, to, target, consumer, free) -> None:
+        block = self.host.alloc(handle.length)
+        try:
+            inner = disk.get(handle, into=block.buffer)
+        except BaseException:
+            block.free()
+            raise
+        host = HostTensor(block, handle.dtype, handle.shape)
+        block.nbytes = handle.nbytes
+        fail = self._failer(fut, ticket, block)
 
-    def _complete_events(self) -> None:
-        """CUDA only: wait for copy events in submission order, then resolve and release."""
-        while True:
-            item = self._events.get()
-            if item is None:
+        def read_done(f: Future) -> None:
+            with _releasing():
+                if f.exception() is not None:
+                    fail(f.exception())
+                    return
+                try:
+                    if free:
+                        disk.free(handle)
+                    self._count("disk2h", handle.nbytes)
+                    if to == "host":
+                        self._resolve(fut, ticket, host)
+                    else:
+                        self._h2d_future(fut, ticket, host.tensor, target, consumer, host.free)
+                except BaseException as exc:
+                    fail(exc)
+
+        inner.add_done_callback(read_done)
+
+    def _from_disk_encoded(
+        self, fut, ticket, disk, enc: Encoded, to, target, consumer, free
+    ) -> None:
+        if not all(isinstance(p, DiskHandle) for p in enc.parts):
+            raise ValueError("these payloads are on the host: use to_device(encoded)")
+        futures = [disk.get(h) for h in enc.parts]  # KeyError for a stale handle: raised here
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            with _releasing():
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                if errors:
+                    self._failer(fut, ticket)(errors[0])
+                    return
+                payloads = [f.result() for f in futures]
+                self._count("disk2h", enc.payload_bytes)
+                release = (lambda: enc.free(disk)) if free else None
+                self._decode_to(fut, ticket, enc, payloads, to, target, consumer, release)
+
+        for f in futures:
+            f.add_done_callback(one_done)
+        if not futures:
+            one_done(Future())
+
+    def _decode_to(
+        self, fut, ticket, enc: Encoded, payloads, to, target, consumer, release
+    ) -> None:
+        """Decode on a host thread, then hand out a host block (``to="host"``), a CPU tensor, or
+        copy the raw bytes to ``target`` from a pool block."""
+
+        def decode() -> None:
+            raw = enc.codec.decode(payloads, enc.meta)
+            if release is not None:
+                release()
+            if to == "device" and target.type != "cuda":
+                self._resolve(fut, ticket, raw)
                 return
-            event, fut, value, keepalive, direction, nbytes = item
-            event.synchronize()  # releases the GIL while the copy runs
-            if direction == "h2d-free":
-                _src, _dst, release = keepalive
-                if release is not None:
-                    release()
-                continue
-            del keepalive  # the source may now be freed: its copy is complete
-            self._finish(fut, direction, nbytes, value)
+            data = as_bytes(raw)
+            block = self.host.alloc(data.numel())
+            block.view.copy_(data)
+            host = HostTensor(block, raw.dtype, tuple(raw.shape))
+            if to == "host":
+                self._resolve(fut, ticket, host)
+            else:
+                self._h2d_future(fut, ticket, host.tensor, target, consumer, host.free)
+
+        self._on_cpu(decode, self._failer(fut, ticket))
+
+    # test seam: the completion path is device-agnostic (any object with ``synchronize()``)
+    def _enqueue(self, event, keep, on_done, on_fail) -> None:
+        self._completer.put(_Pending(event, keep, on_done, on_fail))
 
 
-def _forward(src: Future, dst: Future) -> None:
-    if src.exception() is not None:
-        dst.set_exception(src.exception())
-    else:
-        dst.set_result(Future.result(src))
-
-
-__all__ = ["HostTensor", "Transfer", "TransferEngine", "TransferStats", "aligned_empty", "as_bytes"]
+__all__ = [
+    "Encoded",
+    "HostTensor",
+    "Transfer",
+    "TransferEngine",
+    "TransferStats",
+    "aligned_empty",
+    "as_bytes",
+]

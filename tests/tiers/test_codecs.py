@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -118,3 +119,64 @@ def test_measure_codec_reports_speed_ratio_and_exactness():
     speed, exact = measure_codec(get_codec("sparse"), sample, repeat=1)
     assert exact and speed.encode_bps > 0 and speed.decode_bps > 0
     assert speed.ratio == pytest.approx(sparse_ratio(0.75, 4), abs=0.02)
+
+
+# ----------------------------------------------------------------------------- no syncs on a device
+class _SyncingOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records ops that make a CUDA host wait for the device: reading a value (``item``), sizes
+    that depend on data (``nonzero``, ``masked_select``) and boolean-mask indexing, which needs
+    the mask's count on the host. Runs on CPU: the ops are the same on either device."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in ("aten::nonzero", "aten::masked_select", "aten::_local_scalar_dense"):
+            self.seen.append(name)
+        if name in ("aten::index", "aten::index_put_", "aten::index_put") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])
+        ):
+            self.seen.append(name + " (boolean mask)")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", LOSSLESS_DTYPES, ids=str)
+def test_sparse_device_decode_uses_no_syncing_op_and_is_bit_exact(dtype):
+    """REVIEW #10: decode on a device scattered with ``bits[mask] = values`` (a sync per call)."""
+    from tensortier.tiers.codecs import _scatter_by_mask
+
+    for zero_frac in (0.0, 0.7, 1.0):
+        t = _make(dtype, 999, zero_frac, 3)
+        bits = _bits(t)
+        mask = bits != 0
+        values = bits[mask]  # the encoder's payload (made on the host)
+        mode = _SyncingOps()
+        with mode:
+            out = _scatter_by_mask(mask, values)
+        assert mode.seen == []
+        assert torch.equal(out, bits)
+
+
+def test_sparse_bit_packing_builds_no_host_tensor_per_call(monkeypatch):
+    """REVIEW #10: ``_BIT_WEIGHTS.to(device)`` was a pageable host->device copy on every encode;
+    the shift table is made once per device, on that device."""
+    from tensortier.tiers import codecs
+
+    c = get_codec("sparse")
+    c.encode(torch.ones(10))
+    made = []
+    real = torch.arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: made.append(k) or real(*a, **k))
+    for _ in range(3):
+        out = c.decode(*c.encode(torch.relu(torch.randn(100))))
+    assert made == [] and torch.device("cpu") in codecs._SHIFTS
+    assert out.shape == (100,)
+
+
+def test_corrupt_sparse_payload_raises_a_typed_error():
+    c = get_codec("sparse")
+    (packed, values), meta = c.encode(torch.relu(torch.randn(1000)))
+    with pytest.raises(CorruptDataError):
+        c.decode([packed, values[:-1]], meta)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tensortier import ConfigError, TierFullError
+from tensortier._lifetime import quiesce
 from tensortier.tiers.host import PAGE, HostPool, size_class
 
 
@@ -131,3 +132,166 @@ def test_lent_tensor_returns_to_the_pool_when_its_storage_dies():
         assert pool.stats.in_use == 0
         again = pool.lend(1 << 20)
         assert again.data_ptr() == ptr and pool.stats.hits == 1
+
+
+# ----------------------------------------------------------------------------- lifetimes and pinning
+def _finishes(fn, seconds: float = 5.0) -> bool:
+    """Whether ``fn`` returns within ``seconds`` (run on a thread, so a deadlock fails, not hangs)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def test_freeing_never_takes_the_pool_lock():
+    """Block finalizers run on any thread, possibly one that holds the pool's lock (LIFETIME.md):
+    freeing, explicitly or by GC, only queues the block; the pool takes it back at its next call."""
+    pool = HostPool("16MiB", pin=False)
+    a, b = pool.alloc(1 << 20), pool.alloc(1 << 20)
+
+    def free_both():
+        nonlocal b
+        a.free()
+        b = None  # refcount drop: the finalizer runs here
+        gc.collect()
+
+    with pool._lock:  # as if GC ran on a thread inside alloc()
+        done = _finishes(free_both)
+    assert done, "freeing a block waited for the pool's lock"
+    assert pool.stats.in_use == 0 and pool.stats.cached == 2 << 20
+    pool.close()
+
+
+def test_block_dropped_by_refcount_is_reused_by_the_next_alloc():
+    with HostPool("16MiB", pin=False) as pool:
+        b = pool.alloc(3 << 20)
+        ptr = b.buffer.data_ptr()
+        del b
+        again = pool.alloc(3 << 20)
+        assert again.buffer.data_ptr() == ptr and pool.stats.hits == 1
+        again.free()
+
+
+class _FakePinning:
+    """Stands in for cudaHostRegister/cudaHostUnregister: records what is pinned right now."""
+
+    def __init__(self):
+        self.pinned: dict[int, int] = {}
+        self.peak = 0
+
+    def register(self, buffer):
+        assert buffer.data_ptr() % PAGE == 0 and buffer.numel() % PAGE == 0
+        assert buffer.data_ptr() not in self.pinned
+        self.pinned[buffer.data_ptr()] = buffer.numel()
+        self.peak = max(self.peak, self.bytes)
+
+    def unregister(self, buffer):
+        del self.pinned[buffer.data_ptr()]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.pinned.values())
+
+
+@pytest.fixture
+def pinning(monkeypatch):
+    from tensortier.tiers import host
+
+    fake = _FakePinning()
+    monkeypatch.setattr(host, "_cuda_available", lambda: True)
+    monkeypatch.setattr(host, "_register", fake.register)
+    monkeypatch.setattr(host, "_unregister", fake.unregister)
+    return fake
+
+
+def test_pinned_bytes_are_the_accounted_bytes_and_never_exceed_the_budget(pinning):
+    """PyTorch's host allocator would pin 64 MiB for each 40 MiB class (powers of two) and never
+    unpin; the pool pins exactly its size classes and unpins what it evicts or drops."""
+    budget = 256 << 20
+    with HostPool(budget) as pool:
+        assert pool.pin
+        blocks = []
+        with pytest.raises(TierFullError):
+            while True:
+                blocks.append(pool.alloc(40 << 20))
+        assert len(blocks) == 6 and pinning.bytes == pool.stats.reserved == 6 * (40 << 20)
+        for b in blocks:
+            b.free()
+        assert pinning.bytes == pool.stats.reserved == pool.stats.cached
+        big = pool.alloc(200 << 20)  # evicts cached 40 MiB blocks: they are unpinned
+        assert pool.stats.evictions >= 5 and pinning.bytes == pool.stats.reserved <= budget
+        big.free()
+        assert pool.empty_cache() > 0 and pinning.bytes == 0 == pool.stats.reserved
+        pool.alloc(1 << 20).free()
+    assert pinning.bytes == 0  # close() unpins the cache
+    assert pinning.peak <= budget
+
+
+def test_block_freed_after_close_is_unpinned(pinning):
+    pool = HostPool("16MiB")
+    block = pool.alloc(1 << 20)
+    pool.close()
+    assert pinning.bytes == 1 << 20  # still in use
+    del block
+    gc.collect()
+    assert quiesce()
+    assert pinning.bytes == 0
+
+
+def test_dropped_pool_unpins_its_cache_on_the_reaper(pinning):
+    pool = HostPool("16MiB")
+    pool.warm([1 << 20, 2 << 20])
+    assert pinning.bytes == (1 << 20) + (2 << 20)
+    del pool
+    gc.collect()
+    assert quiesce()
+    assert pinning.bytes == 0
+
+
+def test_warm_makes_later_allocations_hits():
+    with HostPool("64MiB", pin=False) as pool:
+        assert pool.warm([1 << 20, 5 << 20, 5 << 20]) == (1 << 20) + 2 * size_class(5 << 20)
+        misses = pool.stats.misses
+        blocks = [pool.alloc(5 << 20), pool.alloc(5 << 20), pool.alloc(1 << 20)]
+        assert pool.stats.misses == misses and pool.stats.hits == 3
+        for b in blocks:
+            b.free()
+
+
+@pytest.mark.gpu
+def test_pinned_pool_stays_within_its_budget_on_cuda(monkeypatch):
+    """REVIEW #9: 40 MiB blocks until the budget is reached; what is pinned is what is accounted,
+    PyTorch's host allocator is not involved, and close() unpins everything."""
+    from tensortier.tiers import host
+
+    real_register, real_unregister = host._register, host._unregister
+    fake = _FakePinning()
+
+    def register(buffer):
+        real_register(buffer)
+        fake.register(buffer)
+
+    def unregister(buffer):
+        real_unregister(buffer)
+        fake.unregister(buffer)
+
+    monkeypatch.setattr(host, "_register", register)
+    monkeypatch.setattr(host, "_unregister", unregister)
+    before = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    pool = HostPool("1GiB")
+    blocks = []
+    with pytest.raises(TierFullError):
+        while True:
+            blocks.append(pool.alloc(40 << 20))
+    assert all(b.buffer.is_pinned() for b in blocks)
+    assert fake.bytes == pool.stats.reserved <= pool.budget
+    after = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    assert after == before  # no cudaHostAlloc: PyTorch's power-of-two allocator is not used
+    x = torch.randn(10 << 20, device="cuda")
+    blocks[0].view[: x.numel() * 4].view(torch.float32).copy_(x, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(blocks[0].view[: x.numel() * 4].view(torch.float32), x.cpu())
+    for b in blocks:
+        b.free()
+    pool.close()
+    assert fake.bytes == 0

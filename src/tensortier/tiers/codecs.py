@@ -23,7 +23,31 @@ from tensortier.errors import ConfigError, CorruptDataError
 
 # Integer dtype with the same width: codecs compare and move bit patterns, never values.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_SHIFTS: dict[torch.device, torch.Tensor] = {}  # 0..7 per device, made there (no H2D copy)
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return shifts
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host. A device tensor is copied once (the caller needs its values now, so this
+    waits for it); :meth:`TransferEngine.to_host` with ``codec=`` avoids the wait altogether."""
+    return t if t.device.type == "cpu" else t.to("cpu")
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: staged through pinned memory, which
+    PyTorch keeps until the copy has run."""
+    if device.type == "cpu":
+        return t
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(device, non_blocking=True)
+
 
 #: Every dtype the lossless codecs accept (complex is moved as pairs of its real dtype).
 LOSSLESS_DTYPES: tuple[torch.dtype, ...] = (
@@ -105,7 +129,9 @@ class SparseCodec:
     """Bitmask of the nonzero elements plus the packed nonzeros (FlashNeuron/Gist/cDMA style).
 
     Pays for ReLU outputs and dropout masks: a tensor with a fraction ``z`` of zeros shrinks to
-    ``1/(8*itemsize) + (1 - z)`` of its bytes. Runs with torch on the tensor's own device.
+    ``1/(8*itemsize) + (1 - z)`` of its bytes. Encoding runs on the host (the payload's size
+    depends on the data, so a device would have to synchronise to know it); decoding runs on the
+    payloads' device, without synchronising (a prefix-sum gather instead of boolean indexing).
     """
 
     name = "sparse"
@@ -113,21 +139,39 @@ class SparseCodec:
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
-        bits = _as_bits(t)
+        bits = _host_copy(_as_bits(t))
         mask = bits != 0
         pad = (-mask.numel()) % 8
         padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
-        packed = (padded * _BIT_WEIGHTS.to(t.device)).sum(dim=1, dtype=torch.uint8)
+        packed = (padded << _shifts(bits.device)).sum(dim=1, dtype=torch.uint8)
         return [packed, bits[mask]], {**_meta(t), "n": bits.numel()}
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         packed, values = payloads
         n = int(meta["n"])
-        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-        mask = ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:n].bool()
-        bits = torch.zeros(n, dtype=values.dtype, device=values.device)
-        bits[mask] = values
+        mask = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n].bool()
+        if values.device.type == "cpu":
+            if mask.numel() != n or int(mask.sum()) != values.numel():
+                raise CorruptDataError(
+                    f"sparse payload has {values.numel()} values for a mask of "
+                    f"{int(mask.sum())} nonzeros (n={n})"
+                )
+            bits = torch.zeros(n, dtype=values.dtype)
+            bits[mask] = values
+        else:
+            bits = _scatter_by_mask(mask, values)
         return _from_bits(bits, meta)
+
+
+def _scatter_by_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``zeros; out[mask] = values`` with no host sync: the k-th set bit takes ``values[k]``, found
+    by a prefix sum (boolean indexing would need the count of set bits on the host first)."""
+    zeros = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
+    if values.numel() == 0:
+        return zeros
+    index = torch.cumsum(mask, 0) - 1
+    index.clamp_(0, values.numel() - 1)  # a corrupt mask reads wrong values, never out of bounds
+    return torch.where(mask, values.index_select(0, index), zeros)
 
 
 class _HostBytesCodec(abc.ABC):
@@ -146,7 +190,7 @@ class _HostBytesCodec(abc.ABC):
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
-        raw = _as_bits(t).cpu().view(torch.uint8).numpy()
+        raw = _host_copy(_as_bits(t)).view(torch.uint8).numpy()
         out = self._compress(memoryview(raw))
         payload = torch.frombuffer(bytearray(out), dtype=torch.uint8) if out else torch.empty(0)
         return [payload.to(torch.uint8)], {**_meta(t), "nbytes": raw.nbytes}
@@ -154,14 +198,15 @@ class _HostBytesCodec(abc.ABC):
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         (payload,) = payloads
         size = int(meta["nbytes"])
-        raw = self._decompress(memoryview(payload.cpu().numpy()), size) if size else b""
+        data = _host_copy(payload).numpy()  # decompression runs on the host, where bytes are
+        raw = self._decompress(memoryview(data), size) if size else b""
         if len(raw) != size:
             raise CorruptDataError(
                 f"{self.name} payload decoded to {len(raw)} bytes, expected {size}"
             )
         bits = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0)
         bits = bits.to(torch.uint8).view(_bits_dtype(_dtype(meta["dtype"])))
-        return _from_bits(bits, meta).to(payload.device)
+        return _to_device(_from_bits(bits, meta), payload.device)
 
 
 class ZstdCodec(_HostBytesCodec):
