@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from tensortier import ClosedError, DiskStore, HostPool, TierFullError, TransferEngine
+from tensortier import ClosedError, ConfigError, DiskStore, HostPool, TierFullError, TransferEngine
 from tensortier._lifetime import quiesce
 from tensortier.tiers.codecs import LOSSLESS_CODECS, get_codec
 from tensortier.transfer import Encoded, HostTensor
@@ -531,3 +531,14 @@ def test_sparse_decode_on_the_device_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(y.cpu(), x)
+
+
+def test_wrong_argument_types_are_typed_errors_naming_the_fix():
+    with TransferEngine(host=HostPool("1MiB")) as engine:
+        for call in (engine.to_host, engine.to_device):
+            with pytest.raises(TypeError, match="torch.as_tensor"):
+                call([1, 2, 3])
+        with pytest.raises(TypeError, match=r"parse_size\('1KiB'\)"):
+            engine.host.alloc("1KiB")
+        with pytest.raises(ConfigError, match="negative"):
+            engine.host.alloc(-1)

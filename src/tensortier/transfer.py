@@ -321,6 +321,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _check_tensor(where: str, value: object, *also: type) -> None:
+    if not isinstance(value, (torch.Tensor, *also)):
+        kinds = " or ".join(["a torch.Tensor", *(t.__name__ for t in also)])
+        raise TypeError(
+            f"TransferEngine.{where}: expected {kinds}, got {type(value).__name__}; convert it "
+            f"first, e.g. torch.as_tensor(value)"
+        )
+
+
 class TransferEngine:
     """Moves tensors between tiers asynchronously.
 
@@ -372,6 +381,7 @@ class TransferEngine:
         raw bytes are copied asynchronously and encoded on the engine's host threads.
         """
         self._check_open()
+        _check_tensor("to_host(tensor)", tensor)
         src = tensor.detach()
         nbytes = _nbytes(src)
         fut = self._new()
@@ -418,6 +428,7 @@ class TransferEngine:
         engine's). ``free=True`` returns the host block(s) once copied. ``device="cpu"`` gives a
         CPU tensor, also in an engine whose default device is a GPU."""
         self._check_open()
+        _check_tensor("to_device(host)", host, HostTensor, Encoded)
         target = self._target(device)
         consumer = self._consumer(target)
         if isinstance(host, Encoded):
@@ -464,6 +475,7 @@ class TransferEngine:
         With ``codec`` the result is an :class:`Encoded` whose payloads are disk handles.
         """
         self._check_open()
+        _check_tensor("to_disk(tensor)", tensor, HostTensor)
         disk = self._need_disk()
         is_host = isinstance(tensor, HostTensor)
         src = tensor.tensor if is_host else tensor.detach()

@@ -33,7 +33,7 @@ import torch
 
 from tensortier import _lifetime
 from tensortier._units import SizeLike, format_size, parse_size
-from tensortier.errors import ClosedError, TierFullError
+from tensortier.errors import ClosedError, ConfigError, TierFullError
 
 log = logging.getLogger(__name__)
 PAGE = 4096
@@ -226,8 +226,14 @@ class HostPool:
 
     def alloc(self, nbytes: int) -> HostBlock:
         """A block of at least ``nbytes`` bytes, reusing a cached one of the same class if any."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(
+                f"HostPool.alloc(nbytes): expected a byte count as an int, got "
+                f"{type(nbytes).__name__} {nbytes!r}; convert sizes first, e.g. "
+                f"tt.parse_size('1KiB')"
+            )
         if nbytes < 0:
-            raise ValueError(f"cannot allocate a negative size ({nbytes} bytes)")
+            raise ConfigError(f"HostPool.alloc: cannot allocate a negative size ({nbytes} bytes)")
         cls = size_class(nbytes)
         evicted: list[torch.Tensor] = []
         with self._lock:
