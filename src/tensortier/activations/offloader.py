@@ -929,10 +929,13 @@ def offload(to: str = "disk", **kwargs) -> Offloader:
     the settings closes the previous one (at once if nothing it saved is still alive, else once
     its graphs are gone).
     """
-    if kwargs.get("budget") is not None:  # a budget: the planner chooses (tensortier.planner)
-        from tensortier.planner.runtime import planned_offload
-
-        return planned_offload(to=to, **kwargs)
+    budget = kwargs.pop("budget", None)
+    if budget is not None:  # the planner's verb, one layer up: this mechanism never imports it
+        raise ConfigError(
+            f"budget={budget!r}: a memory budget is planned by tensortier.offload "
+            "(tt.offload(budget=..., spill_dir=...)); tensortier.activations.offload takes the "
+            "offloader's own settings (to=, min_bytes=, prefetch=, ...)"
+        )
     key = (to, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     cached = _CACHE.get(key)
     if cached is None or cached._hooks is not None or cached.closed:
