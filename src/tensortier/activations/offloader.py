@@ -43,6 +43,7 @@ from torch import nn
 
 from tensortier import _lifetime
 from tensortier._device import normalize_device
+from tensortier._memory import release_freed_memory
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
 from tensortier.tiers.disk import DiskStore
@@ -247,6 +248,7 @@ class Offloader:
         prefetch: SizeLike = "256MiB",
         max_inflight: SizeLike = "256MiB",
         disk_capacity: SizeLike | None = None,
+        disk_io_threads: int = 4,
         decide: Callable[[SavedTensorInfo], Action | str] | None = None,
         codec: Codec | None = None,
         record: bool = False,
@@ -261,7 +263,8 @@ class Offloader:
         self.decide, self.codec, self.record = decide, codec, record
         self.offload_weight_casts = offload_weight_casts
         self.spill_dir = spill_dir
-        self._disk_args = {"capacity": disk_capacity}
+        # each disk I/O thread keeps a 4 MiB aligned staging buffer: fewer threads, less memory
+        self._disk_args = {"capacity": disk_capacity, "io_threads": disk_io_threads}
         self._max_inflight = max_inflight
         self._host = HostPool(self.host_budget)
         self._disk: DiskStore | None = None
@@ -292,6 +295,10 @@ class Offloader:
 
     def _attach_disk(self) -> None:
         if self._disk is None:
+            if self.device.type == "cpu":
+                # RAM is the device memory: activations written to disk must leave the RSS, which
+                # glibc's adaptive heap never lets them do (see tensortier._memory)
+                release_freed_memory()
             self._disk = DiskStore(self.spill_dir, owner="tt-act", **self._disk_args)
             self._engine.disk = self._disk
             self._resources.append(self._disk)

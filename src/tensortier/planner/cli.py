@@ -40,9 +40,10 @@ def profile_gpt(args) -> object:
     """Warm-up iteration, the probe pass and two timing passes of a GPT with random tokens."""
     import torch
 
+    from tensortier._memory import release_freed_memory
     from tensortier.activations import Offloader
     from tensortier.models.gpt import GPT, GPTConfig, random_batch
-    from tensortier.planner.profiler import Profiler, calibrate, release_freed_memory
+    from tensortier.planner.profiler import Profiler, calibrate
 
     release_freed_memory()
     torch.manual_seed(0)
