@@ -69,8 +69,9 @@ CACHE_FORMAT = 1
 
 
 def default_prefetch(budget: int) -> int:
-    """Read-ahead window for a budget: an eighth of it, between 8 MiB and 256 MiB."""
-    return int(min(256 << 20, max(8 << 20, budget // 8)))
+    """Read-ahead window for a budget: an eighth of it, between 1 MiB and 256 MiB (a record
+    larger than the window is still read ahead alone)."""
+    return int(min(256 << 20, max(1 << 20, budget // 8)))
 
 
 def default_inflight(budget: int) -> int:
@@ -268,13 +269,16 @@ def load_cached(directory: str, key: dict) -> tuple[Profile, Plan, dict] | None:
         return None
 
 
-def save_cached(directory: str, key: dict, profile: Profile, choice: Choice, shapes) -> str:
+def save_cached(
+    directory: str, key: dict, profile: Profile, choice: Choice, shapes, overhead: int = 0
+) -> str:
     """Write atomically (temporary file, then rename): a reader never sees half a plan."""
     os.makedirs(directory, exist_ok=True)
     path = _key_file(directory, key)
     data = {
         "key": key,
         "shapes": shapes,
+        "overhead_bytes": overhead,
         "profile": profile.to_dict(),
         "plan": choice.plan.to_dict(),
         "predicted": choice.result.summary(),
@@ -289,6 +293,28 @@ def save_cached(directory: str, key: dict, profile: Profile, choice: Choice, sha
             os.unlink(tmp)
         raise
     return path
+
+
+def dimension_map(old: list, new: list) -> dict[int, int]:
+    """Tensor dimension sizes of the profiled inputs -> their size for ``new`` inputs (rounded up
+    to the bucket): every product of input dimensions, since a model flattens (batch x sequence
+    is a matmul's rows). Where two products coincide the larger new size wins (memory errs
+    high)."""
+    out: dict[int, int] = {}
+    for (a, _), (b, _) in zip(old, new):
+        if len(a) != len(b) or len(a) > 6:
+            continue
+        nb = [bucket(d) for d in b]
+        for mask in range(1, 1 << len(a)):
+            pa = pb = 1
+            for i in range(len(a)):
+                if mask >> i & 1:
+                    pa, pb = pa * a[i], pb * nb[i]
+            if pa > 1 and pb != pa:
+                out[pa] = max(out.get(pa, pb), pb)
+            elif pa > 1:
+                out.setdefault(pa, pa)
+    return {k: v for k, v in out.items() if k != v}
 
 
 def scale_profile(profile: Profile, sizes: dict[int, int]) -> Profile:
@@ -556,7 +582,9 @@ class PlannedOffload:
             key, self._shapes, self.profile, self.choice
         )
         if cfg.plan_cache and self._shapes is not None:
-            save_cached(cfg.plan_cache, key, self.profile, self.choice, self._shapes)
+            save_cached(
+                cfg.plan_cache, key, self.profile, self.choice, self._shapes, self._overhead
+            )
         if cfg.report:
             from tensortier.planner.report import write_report
 
@@ -620,6 +648,7 @@ class PlannedOffload:
         from tensortier.planner.simulator import simulate
 
         self.profile = profile
+        self._overhead = int(data.get("overhead_bytes", 0))  # as measured when it was planned
         self.choice = Choice(plan, simulate(profile, plan))
         self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(key, shapes, profile, self.choice)
         self.cached = True
@@ -635,17 +664,13 @@ class PlannedOffload:
             return
         if name not in self._buckets:
             base = next(iter(self._buckets.values()))
-            sizes: dict[int, int] = {}
-            for (old, _), (new, _) in zip(base.shapes, shapes):
-                for a, b in zip(old, new):
-                    if a != bucket(b):
-                        sizes[a] = bucket(b)
+            sizes = dimension_map(base.shapes, shapes)
             with own_rng(self.offloader.device):
                 profile = scale_profile(base.profile, sizes)
                 choice = self._choose(profile)
             self._buckets[name] = _Bucket(key, shapes, profile, choice, sizes)
             if self.config.plan_cache:
-                save_cached(self.config.plan_cache, key, profile, choice, shapes)
+                save_cached(self.config.plan_cache, key, profile, choice, shapes, self._overhead)
         self._install(name)
 
     def _install(self, name: str) -> None:
@@ -745,7 +770,7 @@ class PlannedOffload:
         b = self._buckets[self._current]
         b.choice = choice
         if self.config.plan_cache:
-            save_cached(self.config.plan_cache, b.key, b.profile, choice, b.shapes)
+            save_cached(self.config.plan_cache, b.key, b.profile, choice, b.shapes, self._overhead)
         self._install(self._current)
 
     @property
