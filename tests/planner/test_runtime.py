@@ -269,3 +269,28 @@ def test_cuda_dropout_training_is_bit_identical_through_profiling_and_plan(tmp_p
     finally:
         off.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_a_planned_step_over_the_budget_plans_again_with_a_wider_margin(spill_dir):
+    """The first planned steps are measured (forward to the end of backward); one over the
+    budget re-plans at once with the margin widened by the excess: a budget is a promise."""
+    m, x = _mlp(width=512, depth=4), torch.randn(512, 512)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    try:
+        for _ in range(5):  # warm-up, probe, 2 timing passes, first planned step
+            m.zero_grad(set_to_none=True)
+            with off:
+                loss = m(x).sum()
+            loss.backward()
+        assert off.measured_peaks and off.replans == 0
+        before = off.config.options.margin
+        off.measured_peaks.append(2 * (64 << 20))  # as if the step had peaked at twice it
+        off._over = True
+        m.zero_grad(set_to_none=True)
+        with off:
+            loss = m(x).sum()
+        loss.backward()
+    finally:
+        off.close()
+    assert off.replans == 1 and off.config.options.margin >= 1 - (1 - before) / 2
+    assert off.choice.result.peak_bytes <= (1 - off.config.options.margin) * (64 << 20)

@@ -59,7 +59,12 @@ def test_per_operator_policies_train_bit_identical(kind, spill_dir):
     # every block's operators were seen, and its saved tensors traced to the op that made them
     assert all(len(u.ops) > 10 for u in blocks)
     traced = [t for t in profile.tensors if t.unit in {u.name for u in blocks}]
-    assert sum(t.op_index >= 0 for t in traced) >= len(traced) // 2
+    # all but a block's input (made by the unit before it): looked up when each was packed,
+    # since a freed storage's address is soon another op's
+    assert sum(t.op_index >= 0 for t in traced) >= len(traced) - 2 * len(blocks)
+    names = {u.name: {o.index: o.name for o in u.ops} for u in blocks}
+    softmax = [t for t in traced if t.op == "SoftmaxBackward0"]
+    assert softmax and all("softmax" in names[t.unit][t.op_index] for t in softmax)
     for pick in (0, -1):  # the smallest and the largest cache the menu offers
         plan = Plan(
             "sel",

@@ -68,7 +68,7 @@ class Codec(Protocol):
 class SavedTensorInfo:
     """What the planner's ``decide`` sees about one saved tensor at pack time."""
 
-    index: int  # order of packing within this forward
+    index: int  # order of packing within this forward (one per storage decided, kept or moved)
     nbytes: int  # bytes of the storage that would be moved
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -666,7 +666,8 @@ class _Pass:
         self.off = off
         self.order: list[weakref.ref] = []  # records in pack order
         self.sizes: list[int] = []
-        self.by_storage: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # ptr -> (storage, record)
+        # ptr -> (storage, record); record None: the storage was kept
+        self.by_storage: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
         self.param_ptrs: set[int] = set()
         self.modules: list[nn.Module] = []
         self.names: dict[int, str] = {}
@@ -676,7 +677,8 @@ class _Pass:
         self.cursor = 0
         self.window = 0  # bytes of the records with in_window set
         self.timings: dict[int, dict] = {}
-        self.index = 0
+        self.index = 0  # records made (moved storages)
+        self.decided = 0  # storages a decision was made for: SavedTensorInfo.index
         self.forward_ended = False
         self.backward_started = False
         self.task: int | None = None  # autograd graph task now unpacking this pass
@@ -722,7 +724,10 @@ class _Pass:
         known = self.by_storage.get(ptr)
         if known is not None:
             storage_ref, record_ref = known
-            record = record_ref()
+            if record_ref is None and storage_ref() is storage:  # kept before: kept again
+                stats.bytes_kept += nbytes
+                return t
+            record = record_ref() if record_ref is not None else None
             if storage_ref() is storage and record is not None:  # same live storage: move it once
                 stats.bytes_deduplicated += nbytes
                 record.handles += 1
@@ -736,6 +741,8 @@ class _Pass:
         action = self._action(t, nbytes)
         if action.tier == "keep":
             stats.bytes_kept += nbytes
+            # decided once per storage, as moved ones are: saving it again asks nothing
+            self.by_storage[ptr] = (weakref.ref(storage), None)
             return t
         tier = action.tier
         if tier == "host" and size_class(nbytes) > off.host_budget:
@@ -813,8 +820,9 @@ class _Pass:
             return Action(tier, off.codec)
         node = t.grad_fn.name() if t.grad_fn is not None else ""
         info = SavedTensorInfo(
-            self.index, nbytes, t.dtype, tuple(t.shape), self._module_name(), node
+            self.decided, nbytes, t.dtype, tuple(t.shape), self._module_name(), node
         )
+        self.decided += 1
         action = off.decide(info)
         return Action(action) if isinstance(action, str) else action
 

@@ -140,8 +140,9 @@ class ProbeCodec:
     name = "probe"
     lossless = True
 
-    def __init__(self, codecs: tuple[str, ...]):
+    def __init__(self, codecs: tuple[str, ...], producer: dict | None = None):
         self.codecs = codecs
+        self.producer = producer if producer is not None else {}  # storage -> (unit, op index)
         self.seen: list[dict] = []  # in pack order, one per offloaded storage
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
@@ -161,7 +162,8 @@ class ProbeCodec:
                 "ratios": ratios,
                 "probe_s": time.perf_counter() - t0,
                 "nbytes": nbytes,
-                "ptr": t.untyped_storage().data_ptr(),
+                # the op that made this storage, looked up now: once freed, its address is reused
+                "made": self.producer.get(t.untyped_storage().data_ptr()),
             }
         )
         return [t], {}
@@ -281,7 +283,6 @@ class Profiler:
         self.codecs = codecs
         self.probe_bytes = probe_bytes
         names = LOSSLESS_CODECS + (LOSSY_CODECS if allow_lossy else ())
-        self.probe = ProbeCodec(names)
         self.prefetch, self.host_budget = prefetch, host_budget
         self.root: nn.Module | None = None
         self.units: dict[int, str] = {}  # id(module) -> unit name
@@ -295,6 +296,7 @@ class Profiler:
         self._cur: _Pass | None = None
         self._unit_now: str | None = None
         self.recorder = OpRecorder(lambda: self._unit_now, self.device) if record_ops else None
+        self.probe = ProbeCodec(names, self.recorder.producer if self.recorder else None)
         if record_ops:
             preload()
         self.tensors: list[TensorProfile] = []
@@ -596,13 +598,12 @@ class Profiler:
         tensors = []
         probes = iter(self.probe.seen)  # one per record that went through the codec, in order
         pending = next(probes, None)
-        producer = self.recorder.producer if self.recorder is not None else {}
         for r in probe.records:
-            seen = {"zero_frac": 0.0, "ratios": {}, "probe_s": 0.0, "ptr": None}
+            seen = {"zero_frac": 0.0, "ratios": {}, "probe_s": 0.0, "made": None}
             if pending is not None and pending["nbytes"] == r["nbytes"]:
                 seen, pending = pending, next(probes, None)
             unit = unit_of(r["module"], unit_names)
-            made = producer.get(seen["ptr"]) if seen["ptr"] else None
+            made = seen["made"]
             tensors.append(
                 TensorProfile(
                     index=r["index"],
