@@ -52,7 +52,7 @@ VARIANTS = (
     "auto",
 )
 GLOBAL = ("keep", "swap_all", "recompute_all", "flashneuron", "capuchin")
-DEFAULT_MODELS = "gpt:8x192x8,gpt:12x128x8,llama:6x192x8"
+DEFAULT_MODELS = "gpt:12x192x8,gpt:12x128x8,llama:8x192x8"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

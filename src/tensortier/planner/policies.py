@@ -63,7 +63,7 @@ class Options:
     search_seconds: float = 20.0
     margin: float = 0.1  # plan for (1 - margin) x budget: bandwidth measured at start-up drifts
     fine: bool = True  # finer decisions: partial swaps and selective recompute
-    plan_seconds: float = 60.0  # wall-clock bound on planning (every policy of auto together)
+    plan_seconds: float = 30.0  # wall-clock bound on planning (every policy of auto together)
 
 
 @dataclass

@@ -295,6 +295,7 @@ class Profiler:
         self._passes: list[_Pass] = []  # [0] is the probe pass, then the timing passes
         self._cur: _Pass | None = None
         self._unit_now: str | None = None
+        self._sac_op_s: float | None = None
         self.recorder = OpRecorder(lambda: self._unit_now, self.device) if record_ops else None
         self.probe = ProbeCodec(names, self.recorder.producer if self.recorder else None)
         if record_ops:
@@ -524,7 +525,11 @@ class Profiler:
                 self.bandwidth = _bandwidth(self.spill_dir, self.device, self.probe_bytes)
             if self.codecs is None:
                 self.codecs = _codec_speeds()
-            sac_op_s = measure_sac_overhead(self.device) if self.recorder is not None else 0.0
+            if self._sac_op_s is None:
+                self._sac_op_s = (
+                    measure_sac_overhead(self.device) if self.recorder is not None else 0.0
+                )
+            sac_op_s = self._sac_op_s
         passes = [
             {
                 "kind": p.kind,
@@ -792,30 +797,34 @@ def calibrate(profile: Profile) -> Profile:
     return profile
 
 
-def timing_groups(profile: Profile, budget: int, passes: int) -> list[list[str]]:
-    """Unit groups for ``passes`` timing passes, each predicted under ``budget`` when its units
-    keep their saved tensors and the others go to the profiled tier. Units are taken in forward
-    order so every unit is kept in some pass if it fits at all; the groups then repeat (more
-    samples: each unit keeps its fastest time). A unit that never fits is timed offloaded."""
+def timing_group(profile: Profile, budget: int, timed: Iterable[str] = ()) -> list[str]:
+    """Units to keep in one timing pass, predicted under ``budget`` with the others on the
+    profiled tier: units not yet ``timed`` first (forward order), then the others if room is
+    left (each keeps its fastest time over the passes). A unit that never fits is timed
+    offloaded."""
     from tensortier.planner.simulator import simulate
 
     names = [u.name for u in profile.units if u.name and profile.tensors_of(u.name)]
+    timed = set(timed)
 
     def fits(group: list[str]) -> bool:
         run = {"kind": "group", "kept": group, "tier": profile.meta.get("profiled_tier")}
         return simulate(profile, pass_plan(profile, run)).peak_bytes <= budget
 
+    group: list[str] = []
+    for n in [n for n in names if n not in timed] + [n for n in names if n in timed]:
+        if fits(group + [n]):
+            group.append(n)
+    return group
+
+
+def timing_groups(profile: Profile, budget: int, passes: int) -> list[list[str]]:
+    """Groups for ``passes`` timing passes from one profile (see :func:`timing_group`); the
+    runtime instead chooses each pass's group after calibrating on the passes before it."""
     groups: list[list[str]] = []
-    left = list(names)
-    while left and len(groups) < passes:
-        group: list[str] = []
-        for n in list(left):
-            if fits(group + [n]):
-                group.append(n)
-        if not group:
-            break
+    timed: set[str] = set()
+    for _ in range(passes):
+        group = timing_group(profile, budget, timed)
         groups.append(group)
-        left = [n for n in left if n not in group]
-    if not groups:
-        return [[] for _ in range(passes)]
-    return [groups[i % len(groups)] for i in range(passes)]
+        timed |= set(group)
+    return groups

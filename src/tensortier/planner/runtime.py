@@ -57,7 +57,7 @@ from tensortier.planner.profiler import (
     calibrate,
     own_rng,
     plan_units,
-    timing_groups,
+    timing_group,
     unit_of,
 )
 from tensortier.planner.simulator import Mode, Plan, ordinals
@@ -65,6 +65,7 @@ from tensortier.tiers.codecs import get_codec
 
 log = logging.getLogger(__name__)
 MAX_REPLANS = 3
+FIRST_GROUP_SHARE = 0.75  # of the budget, for the first timing pass (see _timing_group)
 CACHE_FORMAT = 1
 
 
@@ -485,10 +486,7 @@ class PlannedOffload:
         if self.iteration < cfg.warmup or self.cached:
             self._active = self._warm
         elif self._profiler is not None:  # a timing pass, under the budget
-            if self._groups is None:
-                self._groups = self._timing_groups()
-            group = self._groups[min(self._profiled - 1, len(self._groups) - 1)]
-            self._active = self._profiler.timing(keep=group)
+            self._active = self._profiler.timing(keep=self._timing_group())
         else:
             if self._rss0 is not None:  # what the warm-up left behind: the offloader's buffers
                 from tensortier._device import rss_bytes
@@ -529,21 +527,24 @@ class PlannedOffload:
     def _pool_budget(self) -> int:
         """Host pool of the offloader. On a CPU-only machine with disk plans it only caches
         read-back buffers, which stay resident between iterations and so count in the budget:
-        capped at one prefetch window (larger reads allocate and free their own memory)."""
+        capped at one prefetch window and a sixteenth of the budget (larger reads allocate and free their own memory)."""
         from tensortier._device import default_device
 
         cfg = self.config
         if default_device().type == "cuda" or cfg.to == "host":
             return cfg.host_budget
-        return min(cfg.host_budget, cfg.prefetch)
+        return min(cfg.host_budget, cfg.prefetch, max(1 << 20, cfg.budget // 16))
 
     def _io_threads(self) -> int:
-        """Disk I/O threads: one per core on a CPU-only machine (each holds a 4 MiB staging
-        buffer, resident, so in the budget; more threads only compete with compute there)."""
+        """Disk I/O threads: each holds a 4 MiB aligned staging buffer, resident, so in the
+        budget on a CPU-only machine, where more threads also take cores from compute: one
+        below a 256 MiB budget, else one per core (at most 4)."""
         from tensortier._device import default_device
 
         if default_device().type == "cuda":
             return 4
+        if self.config.budget < 256 << 20:
+            return 1
         return max(1, min(4, os.cpu_count() or 1))
 
     def _planning_budget(self, margin: float | None = None) -> int:
@@ -559,14 +560,21 @@ class PlannedOffload:
 
         return profiled_tier(self.config.to, default_device())
 
-    def _timing_groups(self) -> list[list[str]]:
-        """Groups of units to keep in the timing passes, each predicted under the budget by the
-        probe's profile (whose transient factor, calibrated on the probe pass, errs high)."""
+    def _timing_group(self) -> list[str]:
+        """The units the next timing pass keeps: predicted under the budget by the profile so
+        far, calibrated on every pass so far (the probe's, then each timing pass's). The first
+        group is chosen for FIRST_GROUP_SHARE of the budget: only the probe calibrated the
+        model then, and the probe offloaded everything. Profile conservatively, then tighten."""
         with own_rng(self._profiler.device):
             prov = calibrate(self._profiler.provisional())
-        groups = timing_groups(prov, self._planning_budget(), self.config.timing_iters)
-        log.info("tensortier timing groups: %s", groups)
-        return groups
+        groups = self._groups if self._groups is not None else []
+        budget = self._planning_budget()
+        if not groups:
+            budget = int(budget * FIRST_GROUP_SHARE)
+        group = timing_group(prov, budget, {u for g in groups for u in g})
+        self._groups = [*groups, group]
+        log.info("tensortier timing pass %d keeps %s", len(self._groups), group)
+        return group
 
     def _finish_profile(self) -> None:
         with own_rng(self._profiler.device):  # nothing here may move the training's RNG
