@@ -179,6 +179,9 @@ def test_bench_summary_finds_the_fastest_policy_that_meets_the_budget():
     assert s["fastest_meeting"] == "fine" and s["best_global"] == "capuchin"
     assert s["auto_within_3pct"] and s["auto_speedup_vs_best_global"] == pytest.approx(2 / 1.52)
     assert s["max_pred_err_pct"] == 0
+    # each plan's slowdown over keep, predicted and measured: host drift cancels out
+    rows[-1]["pred_step_s"] = 1.6  # predicted 1.6x keep, measured 1.52x
+    assert summarize(rows)["max_slowdown_err_pct"] == pytest.approx(100 * (1.6 - 1.52) / 1.52)
 
 
 # ---------------------------------------------------------------- RNG, tiers, cache (issue 12 #7)

@@ -346,6 +346,16 @@ def summarize(rows: list[dict]) -> dict:
         )
     if auto and best_global:
         out["auto_speedup_vs_best_global"] = best_global["step_s"] / auto["step_s"]
+    # the host's speed drifts between the profile and the rounds (CPU steal): each plan's
+    # slowdown over keep, predicted vs measured in the same rounds, cancels the drift
+    keep = by.get("keep")
+    for r in by.values():
+        if keep is not None:
+            r["pred_slowdown"] = r["pred_step_s"] / keep["pred_step_s"]
+            r["slowdown"] = r["step_s"] / keep["step_s"]
+            r["slowdown_err_pct"] = 100 * (r["pred_slowdown"] - r["slowdown"]) / r["slowdown"]
+    if keep is not None:
+        out["max_slowdown_err_pct"] = max(abs(r["slowdown_err_pct"]) for r in by.values())
     errors = []
     for r in by.values():
         for k, m in (("peak", "peak_bytes"), ("step", "step_s")):
@@ -406,6 +416,7 @@ def run(args) -> list[dict]:
                 "step_s": r.get("step_s"),
                 "peak_err%": r.get("peak_err_pct"),
                 "step_err%": r.get("step_err_pct"),
+                "x_keep_err%": r.get("slowdown_err_pct"),
                 "grads": r.get("grads_match"),
             }
             for r in rows
@@ -422,6 +433,7 @@ def run(args) -> list[dict]:
             "step_s",
             "peak_err%",
             "step_err%",
+            "x_keep_err%",
             "grads",
         ],
     )
