@@ -1,0 +1,76 @@
+"""Run a function on N gloo ranks spawned from pytest, with a deadline (never a hang).
+
+``run(fn, world, *args)`` spawns ``world`` processes, each initialising a gloo process group
+(timeout 60 s: a collective some rank never joins fails instead of hanging), calls
+``fn(rank, world, *args)`` and returns the JSON-able results in rank order. A worker's exception
+fails the test with its traceback; a run past ``timeout`` seconds is killed and fails.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist = torch.distributed
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        result = fn(rank, world, *args)
+        payload = {"ok": True, "result": result}
+    except BaseException as exc:  # reported by the parent with the worker's traceback
+        payload = {"ok": False, "error": repr(exc), "traceback": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(payload, f)
+
+
+def run(fn, world: int, *args, timeout: float = 120.0, expect_errors: bool = False) -> list:
+    """Results of ``fn`` per rank; with ``expect_errors`` the per-rank payloads (ok/error)."""
+    with tempfile.TemporaryDirectory(prefix="tt-dist-") as tmp:
+        out = os.path.join(tmp, "result")
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world, free_port(), out, args),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{world} ranks still running after {timeout:.0f}s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        payloads = []
+        for rank in range(world):
+            with open(f"{out}.{rank}") as f:
+                payloads.append(json.load(f))
+    if expect_errors:
+        return payloads
+    for rank, p in enumerate(payloads):
+        assert p["ok"], f"rank {rank} failed:\n{p['traceback']}"
+    return [p["result"] for p in payloads]
