@@ -6,8 +6,6 @@ for bit after 10 steps; the references run in the same processes, so DDP's reduc
 same for both.
 """
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
