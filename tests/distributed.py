@@ -58,19 +58,26 @@ def run(fn, world: int, *args, timeout: float = 120.0, expect_errors: bool = Fal
         )
         deadline = time.monotonic() + timeout
         try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            while any(p.is_alive() for p in ctx.processes):  # a killed rank must not stop the rest
                 if time.monotonic() > deadline:
                     raise AssertionError(f"{world} ranks still running after {timeout:.0f}s")
+                for p in ctx.processes:
+                    p.join(timeout=0.2)
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
         payloads = []
-        for rank in range(world):
-            with open(f"{out}.{rank}") as f:
-                payloads.append(json.load(f))
+        for rank, proc in enumerate(ctx.processes):
+            try:
+                with open(f"{out}.{rank}") as f:
+                    payloads.append(json.load(f))
+            except FileNotFoundError:  # killed (e.g. by a fault point) before reporting
+                payloads.append({"ok": False, "error": f"exit code {proc.exitcode}"})
     if expect_errors:
         return payloads
-    for rank, p in enumerate(payloads):
-        assert p["ok"], f"rank {rank} failed:\n{p['traceback']}"
+    failed = [(r, p) for r, p in enumerate(payloads) if not p["ok"]]
+    assert not failed, "\n".join(
+        f"rank {r} failed:\n{p.get('traceback', p['error'])}" for r, p in failed
+    )
     return [p["result"] for p in payloads]
