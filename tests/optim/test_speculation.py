@@ -333,3 +333,24 @@ def test_cuda_bf16_params_write_back_matches_no_overlap():
         opt.close()
     for p, q in zip(*(r.parameters() for r in runs)):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("states", ["host", "disk"])
+@pytest.mark.parametrize("clip", [None, 1e6])  # no clip / a clip factor of 1.0: bits unchanged
+def test_hyper_parameters_set_between_backward_and_step_are_used(clip, states, spill_dir):
+    """llm.c / build-nanogpt set lr after backward (and clipping): a speculation made with the old
+    lr, betas, eps or weight decay must be redone, never kept (review finding 1)."""
+
+    def schedule(i, m, opt, sc):
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        for g in opt.param_groups:
+            g["lr"] = 1e-2 * (0.9**i)
+            g["weight_decay"] = 0.05 + 0.01 * (i % 3)
+            g["betas"] = (0.9, 0.999) if i % 2 else (0.85, 0.99)
+            g["eps"] = 1e-8 if i % 4 else 1e-6
+
+    schedule.after_speculation = True  # the worker surely read the old values
+    runs = _compare(edit=schedule, states=states, spill_dir=spill_dir)
+    st = runs[1][1].stats
+    assert st.hyper_changed > 0 and st.validated < st.speculated
