@@ -512,8 +512,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 grad_scale=None if scale is None else torch.tensor(scale, dtype=torch.float32),
             )
             self.stats.kernel_seconds += time.perf_counter() - tk
+            saved = True  # save() owns the token from here on, also when it raises
             self._states.save(bucket.id, token, (master, m, v))
-            saved = True
         finally:
             if not saved:
                 self._states.discard(token)
@@ -731,7 +731,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for s in slots
         ]
         hyper = _Hyper.of(self.param_groups[b.group])
-        fut = self._worker.submit(self._update, b, slots, staged, scale, hyper, False, seeds, direct)
+        fut = self._worker.submit(
+            self._update, b, slots, staged, scale, hyper, False, seeds, direct
+        )
         self.stats.launched_in_step += 1
         return b, slots, fut, direct
 
@@ -905,21 +907,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
         try:
             for b in self._buckets:
                 token, (master, m, v) = self._states.blank(b.id)
-                for s in b.slots:
-                    e = entries.get(pos_of[id(s)])
-                    sl = slice(s.offset, s.offset + s.numel)
-                    if e is None:
-                        new_steps[id(s)] = None
-                        continue
-                    m[sl].copy_(e["exp_avg"].reshape(-1))
-                    v[sl].copy_(e["exp_avg_sq"].reshape(-1))
-                    src = e.get("master_param", s.param.detach())
-                    master[sl].copy_(src.reshape(-1))
-                    step = e["step"]
-                    new_steps[id(s)] = torch.tensor(
-                        float(step.item() if torch.is_tensor(step) else step), dtype=torch.float32
-                    )
-                self._states.save(b.id, token, (master, m, v))
+                try:
+                    for s in b.slots:
+                        e = entries.get(pos_of[id(s)])
+                        sl = slice(s.offset, s.offset + s.numel)
+                        if e is None:
+                            new_steps[id(s)] = None
+                            continue
+                        m[sl].copy_(e["exp_avg"].reshape(-1))
+                        v[sl].copy_(e["exp_avg_sq"].reshape(-1))
+                        src = e.get("master_param", s.param.detach())
+                        master[sl].copy_(src.reshape(-1))
+                        step = e["step"]
+                        new_steps[id(s)] = torch.tensor(
+                            float(step.item() if torch.is_tensor(step) else step),
+                            dtype=torch.float32,
+                        )
+                except BaseException:
+                    self._states.discard(token)  # not saved: back to the ring, once
+                    raise
+                self._states.save(b.id, token, (master, m, v))  # owns the token from here
             self._states.commit()
         except BaseException:
             self._states.abort()
