@@ -275,7 +275,8 @@ def _rel_close(a, b, tol):
 
 
 @pytest.mark.gpu
-def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap():
+@pytest.mark.parametrize("max_norm", [0.05, None])  # unscale_ + clip (redone) / plain (kept)
+def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap(max_norm):
     results = {}
     for kind in KINDS:
         m = _model().cuda()
@@ -288,8 +289,9 @@ def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap():
             with torch.autocast("cuda", torch.float16):
                 loss = m(x).float().square().mean()
             scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            if max_norm is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
@@ -298,6 +300,8 @@ def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap():
     for p, q in zip(results["tt"][0].parameters(), results["tt-no-overlap"][0].parameters()):
         assert torch.equal(p, q)  # same CPU kernel, same gradients: speculation is exact
     assert results["tt"][1].stats.skipped_steps == 1
+    if max_norm is None:  # the path that keeps a speculation under a scale really ran on CUDA
+        assert results["tt"][1].stats.validated > 0
 
 
 @pytest.mark.gpu
