@@ -20,10 +20,6 @@ import torch
 from tensortier.errors import ConfigError
 
 
-def dist_module():
-    return torch.distributed
-
-
 def initialized() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized()
@@ -40,6 +36,12 @@ def rank(group=None) -> int:
 
 def world(group=None) -> int:
     return torch.distributed.get_world_size(group) if initialized() else 1
+
+
+def owner(base: str) -> str:
+    """A private directory's owner name that says which rank made it (``tt-act-rank3``), so the
+    spill files of two ranks on one node sit in different, recognisable directories."""
+    return f"{base}-rank{rank()}" if initialized() else base
 
 
 def comm_device(group=None) -> torch.device:

@@ -316,7 +316,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 capacity=disk_capacity,
                 slab_size=slab,
                 io_threads=io_threads,
-                owner="tensortier-optim",
+                owner=_dist.owner("tensortier-optim"),
             )
             try:
                 self._states = DiskStates(store, pipeline_depth, pin=pin)
