@@ -928,7 +928,7 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
                 st = (t.get("optimizer") or {}).get("state")
                 for k, v in (st if isinstance(st, dict) else {}).items():
                     merged.setdefault(k, v)
-            if optimizer is not None and getattr(optimizer, "_sharded", False):
+            if optimizer is not None and getattr(optimizer, "_local_form", False):
                 template = optimizer.state_dict()["state"]  # what this rank holds
                 merged = {k: v for k, v in merged.items() if k in template}
                 like["optimizer"] = {"state": template}

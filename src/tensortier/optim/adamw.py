@@ -125,14 +125,27 @@ class _Slot:
     count: int = 0  # gradients accumulated since the last step()
     has_state: bool = False  # like torch: state exists once a step() saw a gradient for it
     start: int = 0  # sharded: first flat element of the parameter this rank owns
+    local: torch.Tensor | None = None  # what the update writes: the parameter, or its DTensor shard
+
+    def __post_init__(self) -> None:
+        if self.local is None:
+            self.local = _local(self.param)
 
     @property
     def whole(self) -> bool:
-        return self.start == 0 and self.numel == self.param.numel()
+        return self.start == 0 and self.numel == self.local.numel()
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
-        """This slot's elements of ``t`` (the parameter, or its gradient)."""
+        """This slot's elements of ``t`` (a local tensor: the parameter's data, or its gradient)."""
         return t if self.whole else t.reshape(-1)[self.start : self.start + self.numel]
+
+    def tensor(self) -> torch.Tensor:
+        """The parameter data this slot updates (detached; a DTensor's local shard)."""
+        return self.view(self.local.detach())
+
+    def grad(self) -> torch.Tensor | None:
+        g = self.param.grad
+        return None if g is None else self.view(_local(g))
 
 
 @dataclass(frozen=True)
@@ -204,6 +217,19 @@ def _shutdown(worker: ThreadPoolExecutor, states, hooks: list) -> None:
     hooks.clear()
     worker.shutdown(wait=True, cancel_futures=True)  # jobs are finite CPU work (see PROTOCOL.md)
     states.close()
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters and gradients), else the tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _peer_failed(rank: int, applied: bool) -> RuntimeError:
@@ -333,7 +359,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._calibrated = False
         self._accum = 1
         self._last_scale: float | None = None
-        self._dist = self._sharded or _distributed()
+        self._dist = self._sharded or self._fsdp or _distributed()
         self._seen_order: list[int] = []
         self._order: list[int] = []
         self._prepared: list[Future] = []  # spare copies made on the worker after a step
@@ -346,8 +372,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _init_sharding(self, process_group, shard: bool | None) -> None:
         """Decide whether to shard over ``process_group`` and check that every rank agrees."""
         group_active = _dist.active(process_group)
+        # FSDP2 (fully_shard): parameters are DTensors; FSDP already shards them, so each rank
+        # updates its local shards and the state is DTensor-aware (PROTOCOL.md, "FSDP2")
+        self._fsdp = any(_is_dtensor(p) for p in self._all_params())
         if shard is None:
-            shard = group_active
+            shard = group_active and not self._fsdp
+        if shard and self._fsdp:
+            raise ConfigError(
+                "shard=True with DTensor parameters: FSDP2 (fully_shard) already shards them; "
+                "leave shard=None and each rank updates its local shards"
+            )
         if shard and not group_active:
             raise ConfigError(
                 f"shard={shard!r} needs torch.distributed initialised with more than one rank in "
@@ -361,7 +395,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._load = [0] * self._world  # bytes of state per rank, to balance whole parameters
         self._gatherer = Gatherer(process_group, self._world, self._rank) if shard else None
         self._mesh = None
-        if self._sharded:
+        self._agreeing = group_active  # every rank must build the same optimizer
+        if self._agreeing:
             self._agree(self.param_groups, "OffloadedAdamW")
 
     def _agree(self, groups: list[dict], what: str) -> None:
@@ -385,7 +420,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if getattr(self, "_ready", False):
-            if self._sharded:
+            if self._agreeing:
                 self._agree(self.param_groups[-1:], "OffloadedAdamW.add_param_group")
             self._discard_speculation()
             group = self.param_groups[-1]
@@ -439,9 +474,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     for k, (pc, off) in enumerate(zip(mine, offsets))
                 ]
             else:
-                offsets, total = slot_layout([q.numel() for q in current], es)
+                locals_ = [_local(q) for q in current]  # FSDP2: the local shards
+                offsets, total = slot_layout([q.numel() for q in locals_], es)
                 slots = [
-                    _Slot(q, i, off, q.numel()) for i, (q, off) in enumerate(zip(current, offsets))
+                    _Slot(q, i, off, lq.numel(), local=lq)
+                    for i, (q, lq, off) in enumerate(zip(current, locals_, offsets))
                 ]
             b = _Bucket(
                 id=len(self._buckets),
@@ -463,7 +500,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         used = 0
         for p in reversed(params):  # backward produces gradients roughly in reverse order
             es = torch.empty((), dtype=self._master_dtype(p)).element_size()
-            nbytes = p.numel() * es
+            nbytes = _local(p).numel() * es
             if current and (
                 used + nbytes > self._bucket_bytes
                 or self._master_dtype(p) != self._master_dtype(current[0])
@@ -518,12 +555,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _speculate(self, bucket: _Bucket) -> None:
         slots = [s for s in bucket.slots if s.param.grad is not None]
         if not slots or any(
-            s.param.grad.is_sparse or s.version == -1 or s.param._version != s.version
+            s.param.grad.is_sparse or s.version == -1 or s.local._version != s.version
             for s in slots
         ):
             return  # sparse, or the master needs seeding from the parameter: step() does it
-        grads = [s.param.grad for s in slots]
-        params = [s.param for s in bucket.slots]
+        grads = [s.grad() for s in slots]
+        params = [s.tensor() for s in bucket.slots]
         staged = self._staging.snapshot(bucket.id, params, [s.index for s in slots], grads)
         scale = self._last_scale
         hyper = _Hyper.of(self.param_groups[bucket.group])
@@ -535,7 +572,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             grads=[weakref.ref(g) for g in grads],
             ptrs=[g.data_ptr() for g in grads],
             versions=[g._version for g in grads],
-            param_versions=[s.param._version for s in slots],
+            param_versions=[s.local._version for s in slots],
             scale=scale,
             hyper=hyper,
             staged=staged,
@@ -671,7 +708,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._calibrated = True
         if max(counts, default=0) > 0:  # relearn: accumulation may change during training
             self._accum = max(counts)
-        self._dist = _distributed()
+        self._dist = self._sharded or self._fsdp or _distributed()
         self._reset_cycle()
         self._update_memory_stats()
 
@@ -693,7 +730,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._check_open()
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self._all_params())
         scale_t, scale, skip = self._scaler_inputs()
-        if self._sharded:  # every rank takes the same branch (else the all-gathers would hang)
+        if self._sharded or self._fsdp:  # every rank takes the same branch (collectives follow;
+            # under FSDP2 GradScaler checked only the local shards: ShardedGradScaler's reason)
             sparse, skip = _dist.any_true([sparse, skip], self._pg)
         if sparse:
             self._discard_speculation()
@@ -768,7 +806,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._gather_updates(done)
             for s in self._all_slots():
                 if s.version != -1 or id(s) in updated:
-                    s.version = s.param._version
+                    s.version = s.local._version
             if scale_t is not None:  # fused AdamW leaves the unscaled gradients in .grad
                 for p in self._all_params():
                     if p.grad is not None:
@@ -861,7 +899,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return False, True, None
         current = [s for s in b.slots if s.param.grad is not None]
         if current != spec.slots or any(
-            s.param._version != v for s, v in zip(spec.slots, spec.param_versions)
+            s.local._version != v for s, v in zip(spec.slots, spec.param_versions)
         ):
             return False, True, None
         if spec.scale != scale:  # GradScaler changed its scale (or unscale_ was called)
@@ -887,9 +925,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slots = [s for s in b.slots if s.param.grad is not None]
         if not slots:
             return None
-        grads = [s.view(s.param.grad) for s in slots]
+        grads = [s.grad() for s in slots]
         if staged is None:
-            params = [s.view(s.param.detach()) for s in b.slots]
+            params = [s.tensor() for s in b.slots]
             staged = self._staging.stage(b.id, params, [s.index for s in slots], grads)
         direct = [  # sharded: never unscale a gradient in place (other ranks own the rest of it)
             not self._sharded
@@ -899,8 +937,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for g in grads
         ]
         seeds = [
-            s.view(s.param.detach()).reshape(-1).to("cpu")
-            if s.version == -1 or s.param._version != s.version
+            s.tensor().reshape(-1).to("cpu")
+            if s.version == -1 or s.local._version != s.version
             else None
             for s in slots
         ]
@@ -964,10 +1002,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _write_back(self, b: _Bucket, slots: list[_Slot], holder, master=None) -> None:
         master = holder.master if master is None else master
         self._staging.write_back(
-            [(s.param, master[s.offset : s.offset + s.numel]) for s in slots], holder
+            [(s.tensor(), master[s.offset : s.offset + s.numel]) for s in slots], holder
         )
         for s in slots:
-            s.version = s.param._version
+            s.version = s.local._version
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop speculation that no step() consumed, then clear gradients as torch does."""
@@ -1014,11 +1052,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         pos = {id(p): i for i, p in enumerate(self._all_params())}
         state: dict[int, dict] = {}
         for b in self._buckets:
-            if not any(s.has_state or self._sharded for s in b.slots):
+            if not any(s.has_state or self._local_form for s in b.slots):
                 continue
             master, m, v = self._states.read(b.id)
             for s in b.slots:
-                if not (s.has_state or self._sharded):
+                if not (s.has_state or self._local_form):
                     continue
                 sl = slice(s.offset, s.offset + s.numel)
                 stepped = s.has_state
@@ -1029,10 +1067,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 }
                 if b.dtype != s.param.dtype:
                     seeded = s.version != -1
-                    src = master[sl] if seeded else s.view(s.param.detach()).reshape(-1)
+                    src = master[sl] if seeded else s.tensor().reshape(-1)
                     entry["master_param"] = self._shaped(s, src.to("cpu", b.dtype, copy=True))
                 state[pos[id(s.param)]] = entry
         return {"state": state, "param_groups": self._packed_groups()}
+
+    @property
+    def _local_form(self) -> bool:
+        """Sharded or FSDP2: ``state_dict()`` holds this rank's part, one entry per parameter it
+        holds (``step`` 0 when never stepped, so DCP and restores find every key)."""
+        return self._sharded or self._fsdp
 
     def _packed_groups(self) -> list[dict]:
         groups, start = [], 0
@@ -1049,9 +1093,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _shaped(self, s: _Slot, flat: torch.Tensor) -> torch.Tensor:
         """A slot's flat state as the parameter's shape, or its ``Shard(0)`` DTensor (sharded)."""
         p = s.param
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._fsdp and _is_dtensor(p):  # the parameter's own layout
+            return DTensor.from_local(
+                flat.view(s.local.shape),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
         if s.whole:
             return flat.view(p.shape)
-        from torch.distributed.tensor import DTensor, Shard
 
         rows = s.numel // (p.numel() // p.shape[0])
         return DTensor.from_local(
@@ -1079,6 +1133,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         memory for one full copy of the state). ``torch.optim.AdamW(fused=True).load_state_dict``
         and :meth:`load_state_dict` on any world size accept it.
         """
+        if self._fsdp:
+            return self._full_fsdp_state_dict()
         if not self._sharded:
             return self.state_dict()
         self._check_open()
@@ -1100,7 +1156,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         continue
                     flat = read[k][s.offset : s.offset + s.numel]
                     if k == 0 and s.version == -1:
-                        flat = s.view(s.param.detach()).reshape(-1).to("cpu", b.dtype)
+                        flat = s.tensor().reshape(-1).to("cpu", b.dtype)
                     values[s.index] = flat
 
                 def write(i, pc, flat, key=key, plan=b.plan):
@@ -1113,11 +1169,61 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._gatherer.gather(b.plan, values, write=write, dtype=b.dtype)
         return {"state": full, "param_groups": self._packed_groups()}
 
+    def _full_fsdp_state_dict(self) -> dict:
+        """FSDP2: every DTensor state gathered with ``full_tensor()`` (a collective per tensor,
+        in the same parameter order on every rank)."""
+        self._check_open()
+        self._wait_speculation()
+        pos = {id(p): i for i, p in enumerate(self._all_params())}
+
+        def full(s: _Slot, flat: torch.Tensor) -> torch.Tensor:
+            t = self._shaped(s, flat.clone())
+            return t.full_tensor() if _is_dtensor(t) else t
+
+        state: dict[int, dict] = {}
+        for b in self._buckets:
+            if not any(s.has_state for s in b.slots):
+                continue
+            master, m, v = self._states.read(b.id)
+            for s in b.slots:
+                if not s.has_state:
+                    continue
+                sl = slice(s.offset, s.offset + s.numel)
+                entry = {"step": s.step.clone(), "exp_avg": full(s, m[sl])}
+                entry["exp_avg_sq"] = full(s, v[sl])
+                if b.dtype != s.param.dtype:
+                    seeded = s.version != -1
+                    src = master[sl] if seeded else s.tensor().reshape(-1).to("cpu", b.dtype)
+                    entry["master_param"] = full(s, src)
+                state[pos[id(s.param)]] = entry
+        return {"state": state, "param_groups": self._packed_groups()}
+
     def _local_state(self, value, s: _Slot, what: str) -> torch.Tensor:
         """The flat elements of ``value`` this slot holds: from a full tensor (any world size),
         this rank's piece, or a ``Shard(0)`` DTensor over the same group (DCP's sharded form)."""
         from torch.distributed.tensor import DTensor
 
+        p = s.param
+        if self._fsdp and _is_dtensor(p):  # FSDP2: this rank's shard of the parameter's layout
+            if isinstance(value, DTensor):
+                if (
+                    tuple(value.placements) != tuple(p.placements)
+                    or value.device_mesh.size() != p.device_mesh.size()
+                    or tuple(value.shape) != tuple(p.shape)
+                ):
+                    raise ValueError(
+                        f"{what} is a DTensor with placements {value.placements} on "
+                        f"{value.device_mesh.size()} ranks; the parameter has {p.placements} on "
+                        f"{p.device_mesh.size()}: pass its full_tensor() instead"
+                    )
+                return value.to_local().reshape(-1)
+            if torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape):
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                shape, offsets = compute_local_shape_and_global_offset(
+                    p.shape, p.device_mesh, p.placements
+                )
+                return value[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].reshape(-1)
         if isinstance(value, DTensor):
             local = value.to_local()
             same = (
@@ -1179,7 +1285,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 continue
             step = e.get("step")
             step = float(step.item() if torch.is_tensor(step) else step)
-            if self._sharded and step == 0:
+            if self._local_form and step == 0:
                 continue  # a never-stepped entry of the sharded form: fresh state
             what = f"state of parameter {pos[id(s.param)]}"
             parts = []
@@ -1209,7 +1315,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         sl = slice(s.offset, s.offset + s.numel)
                         m[sl].copy_(got[0])
                         v[sl].copy_(got[1])
-                        src = got[2] if got[2] is not None else s.view(s.param.detach())
+                        src = got[2] if got[2] is not None else s.tensor()
                         master[sl].copy_(src.reshape(-1))
                 except BaseException:
                     self._states.discard(token)  # not saved: back to the ring, once
@@ -1223,7 +1329,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             got = loaded.get(id(s))
             s.has_state = got is not None
             s.step = torch.tensor(got[3] if got else 0.0, dtype=torch.float32)
-            s.version = s.param._version if got is not None else -1
+            s.version = s.local._version if got is not None else -1
         for g, sg in zip(self.param_groups, groups):
             for k, v in sg.items():
                 if k != "params" and k not in _TORCH_KEYS:
