@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -20,19 +19,17 @@ import torch
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _entry(rank: int, fn, world: int, store: str, out: str, args: tuple, backend: str) -> None:
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist = torch.distributed
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    dist.init_process_group(  # a file store: no TCP port to race other test runs for
+        backend,
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         result = fn(rank, world, *args)
@@ -45,13 +42,21 @@ def _entry(rank: int, fn, world: int, port: int, out: str, args: tuple) -> None:
         json.dump(payload, f)
 
 
-def run(fn, world: int, *args, timeout: float = 120.0, expect_errors: bool = False) -> list:
-    """Results of ``fn`` per rank; with ``expect_errors`` the per-rank payloads (ok/error)."""
+def run(
+    fn,
+    world: int,
+    *args,
+    timeout: float = 120.0,
+    expect_errors: bool = False,
+    backend: str = "gloo",
+) -> list:
+    """Results of ``fn`` per rank; with ``expect_errors`` the per-rank payloads (ok/error).
+    ``backend="nccl"``: rank r uses GPU r."""
     with tempfile.TemporaryDirectory(prefix="tt-dist-") as tmp:
         out = os.path.join(tmp, "result")
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world, free_port(), out, args),
+            args=(fn, world, os.path.join(tmp, "store"), out, args, backend),
             nprocs=world,
             join=False,
             start_method="spawn",

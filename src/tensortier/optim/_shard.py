@@ -133,10 +133,17 @@ class GatherPlan:
 
 
 class Gatherer:
-    """Runs the per-bucket all-gathers of updated parameter values (reused buffers)."""
+    """Runs the per-bucket all-gathers of updated values through one bounded, reused buffer.
 
-    def __init__(self, group, world: int, rank: int):
+    A bucket's segment is exchanged in rounds of at most ``max_bytes / world`` bytes per rank
+    (64-byte multiples), so the buffer is ``max_bytes`` whatever the size of the largest
+    parameter (a 50k x 4096 embedding would otherwise need its own 800 MB buffer); each round
+    writes the bytes it brought straight into their destinations.
+    """
+
+    def __init__(self, group, world: int, rank: int, max_bytes: int = 4 << 20):
         self.group, self.world, self.rank = group, world, rank
+        self.max_bytes = max_bytes
         self._bufs: dict[torch.device, torch.Tensor] = {}
         self.bytes_sent = 0
         self.collectives = 0
@@ -155,52 +162,85 @@ class Gatherer:
         self,
         plan: GatherPlan,
         values: dict[int, torch.Tensor],
-        write=None,
+        dest=None,
         dtype: torch.dtype | None = None,
     ) -> set[int]:
         """Exchange this rank's updated pieces (``values``: position in ``plan.pieces[rank]`` ->
         new flat values) and write every rank's updated pieces into the parameters; returns the
-        indices (in the bucket) of the parameters written. ``write(index, piece, flat)`` and
-        ``dtype`` replace the parameters and their dtype as the destination (state gathering).
-        A collective: every rank calls it for every bucket, in the same order, even with nothing
-        to send. The all-gather is in place (this rank's segment is its slice of the output), so
-        the buffer is ``world * segment`` bytes, about one bucket in the parameters' dtype.
+        indices (in the bucket) of the parameters written. ``dest(index, piece)`` (a contiguous
+        flat tensor to fill) and ``dtype`` replace the parameters and their dtype as the
+        destination (state gathering). A collective: every rank calls it for every bucket, in the
+        same order, even with nothing to send.
         """
-        write = write or (lambda i, pc, flat: write_piece(plan.params[i], pc, flat))
         device = _dist.comm_device(self.group)
         seg = plan.segment if dtype is None else plan.segment_for(dtype)
         offsets = plan.offsets if dtype is None else plan.offsets_for(dtype)
-        out = self._buffer(device, seg * self.world)[: seg * self.world]
-        send = out[self.rank * seg : (self.rank + 1) * seg]
+        flag_bytes = align_up(max(len(p) for p in plan.pieces), ALIGN)
+        chunk = max(flag_bytes, self.max_bytes // self.world // ALIGN * ALIGN, ALIGN)
+        buf = self._buffer(device, min(seg, chunk) * self.world)
         mine = plan.pieces[self.rank]
-        flags = torch.zeros(len(mine), dtype=torch.uint8)
+        src: dict[int, torch.Tensor] = {}  # this rank's updated pieces as bytes
         for k, pc in enumerate(mine):
             v = values.get(k)
-            if v is None:
-                continue
-            flags[k] = 1
-            dt = dtype or plan.params[pc.index].dtype
-            off = offsets[self.rank][k]
-            send[off : off + pc.numel * _size(dt)].view(dt).copy_(v)
-        if len(mine):
-            send[: len(mine)].copy_(flags)
+            if v is not None:
+                dt = dtype or plan.params[pc.index].dtype
+                src[k] = v.to(dt).contiguous().view(torch.uint8)
+        flags: list[list[int]] = []
+        targets: dict[tuple[int, int], torch.Tensor] = {}  # (rank, k) -> destination bytes
+        finish: list[tuple[int, Piece, torch.Tensor]] = []
+        written: set[int] = set()
         gather = getattr(torch.distributed, "all_gather_single", None)
         gather = gather or torch.distributed.all_gather_into_tensor
-        gather(out, send, group=self.group)
-        self.collectives += 1
-        self.bytes_sent += seg
-        written: set[int] = set()
-        for r in range(self.world):
-            pieces = plan.pieces[r]
-            if not pieces:
-                continue
-            base = r * seg
-            got = out[base : base + len(pieces)].tolist()  # flags (a device sync on GPU)
-            for k, pc in enumerate(pieces):
-                if not got[k]:
-                    continue
-                dt = dtype or plan.params[pc.index].dtype
-                off = base + offsets[r][k]
-                write(pc.index, pc, out[off : off + pc.numel * _size(dt)].view(dt))
-                written.add(pc.index)
+        for lo in range(0, seg, chunk):
+            hi = min(lo + chunk, seg)
+            n = hi - lo
+            out = buf[: n * self.world]
+            send = out[self.rank * n : (self.rank + 1) * n]
+            if lo == 0:
+                send[:flag_bytes].zero_()
+                for k in src:
+                    send[k] = 1
+            for k, data in src.items():
+                _copy_range(send, lo, hi, offsets[self.rank][k], data, to_window=True)
+            gather(out, send, group=self.group)
+            self.collectives += 1
+            self.bytes_sent += n
+            if lo == 0:
+                flags = [
+                    out[r * n : r * n + len(plan.pieces[r])].tolist() for r in range(self.world)
+                ]
+                for r, pieces in enumerate(plan.pieces):
+                    for k, pc in enumerate(pieces):
+                        if flags[r][k]:
+                            targets[(r, k)] = self._target(plan, pc, dest, dtype, finish)
+                            written.add(pc.index)
+            for (r, k), t in targets.items():
+                window = out[r * n : (r + 1) * n]
+                _copy_range(window, lo, hi, offsets[r][k], t, to_window=False)
+        for i, pc, tmp in finish:  # non-contiguous parameters: written once complete
+            write_piece(plan.params[i], pc, tmp)
         return written
+
+    @staticmethod
+    def _target(plan, pc, dest, dtype, finish) -> torch.Tensor:
+        """Where piece ``pc``'s bytes go: a byte view of its destination."""
+        if dest is not None:
+            return dest(pc.index, pc).view(torch.uint8)
+        p = plan.params[pc.index].detach()
+        if p.is_contiguous():
+            return p.view(-1)[pc.start : pc.stop].view(torch.uint8)
+        tmp = torch.empty(pc.numel, dtype=p.dtype, device=p.device)  # whole-owned, strided
+        finish.append((pc.index, pc, tmp))
+        return tmp.view(torch.uint8)
+
+
+def _copy_range(window, lo, hi, offset, data, *, to_window: bool) -> None:
+    """Copy between a round's window (segment bytes ``[lo, hi)``) and a piece's bytes ``data``
+    (at ``offset`` in the segment): the overlap only."""
+    a, b = max(lo, offset), min(hi, offset + data.numel())
+    if a >= b:
+        return
+    if to_window:
+        window[a - lo : b - lo].copy_(data[a - offset : b - offset])
+    else:
+        data[a - offset : b - offset].copy_(window[a - lo : b - lo])

@@ -1159,14 +1159,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         flat = s.tensor().reshape(-1).to("cpu", b.dtype)
                     values[s.index] = flat
 
-                def write(i, pc, flat, key=key, plan=b.plan):
+                def dest(i, pc, key=key, plan=b.plan, dtype=b.dtype):
                     p = plan.params[i]
-                    entry = full.get(pos[id(p)])
-                    if entry is not None:
-                        t = entry.setdefault(key, torch.zeros(p.shape, dtype=flat.dtype))
-                        t.view(-1)[pc.start : pc.stop].copy_(flat)
+                    entry = full.setdefault(pos[id(p)], {})  # sent: the sender has its state
+                    t = entry.setdefault(key, torch.zeros(p.shape, dtype=dtype))
+                    return t.view(-1)[pc.start : pc.stop]
 
-                self._gatherer.gather(b.plan, values, write=write, dtype=b.dtype)
+                self._gatherer.gather(b.plan, values, dest=dest, dtype=b.dtype)
         return {"state": full, "param_groups": self._packed_groups()}
 
     def _full_fsdp_state_dict(self) -> dict:
