@@ -295,3 +295,94 @@ def test_pinned_pool_stays_within_its_budget_on_cuda(monkeypatch):
         b.free()
     pool.close()
     assert fake.bytes == 0
+
+
+# ----------------------------------------------------------------------------- copies in flight (review-12-18 #3)
+class _Copy:
+    """A copy's completion marker, as a CUDA event is: ``query()`` and ``synchronize()``."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done.set()  # as if the device reached the event
+
+
+def test_freed_block_is_not_lent_while_a_copy_still_reads_it():
+    """PyTorch's CachingHostAllocator records an event per copy and never reuses a block before it
+    completes; a freed block whose copy is queued must not be handed out and rewritten."""
+    with HostPool("64MiB", pin=False) as pool:
+        block = pool.alloc(1 << 20)
+        ptr = block.buffer.data_ptr()
+        copy = _Copy()
+        block.record(copy)
+        block.free()
+        other = pool.alloc(1 << 20)
+        assert other.buffer.data_ptr() != ptr, "a block was lent again under its queued copy"
+        assert pool.stats.busy == 1 << 20 and pool.stats.cached == 0
+        copy.done.set()  # the copy completed: the block joins the cache at the next call
+        again = pool.alloc(1 << 20)
+        assert again.buffer.data_ptr() == ptr and pool.stats.busy == 0
+        assert copy.waited == 0  # queried, never waited for
+        other.free()
+        again.free()
+
+
+def test_full_pool_waits_for_a_busy_block_or_raises_on_transfer_threads():
+    with HostPool("1MiB", pin=False) as pool:
+        block = pool.alloc(1 << 20)
+        ptr = block.buffer.data_ptr()
+        copy = _Copy()
+        block.record(copy)
+        block.free()
+        with pytest.raises(TierFullError, match="still read by copies"):
+            pool.alloc(1 << 20, wait=False)
+        again = pool.alloc(1 << 20)  # waits for the copy, then reuses the block
+        assert copy.waited == 1 and again.buffer.data_ptr() == ptr
+        again.free()
+        assert pool.stats.reserved == pool.stats.cached == 1 << 20
+
+
+def test_record_on_a_freed_block_is_refused():
+    with HostPool("1MiB", pin=False) as pool:
+        block = pool.alloc(100)
+        block.free()
+        with pytest.raises(RuntimeError, match="already freed"):
+            block.record(_Copy())
+
+
+def test_a_held_view_keeps_its_block_alive():
+    """HostBlock.hold(): the memory is not lent again while a tensor viewing it lives."""
+    with HostPool("16MiB", pin=False) as pool:
+        view = pool.alloc(1 << 20).hold().view(torch.float32)
+        view.fill_(1.0)
+        gc.collect()
+        assert pool.stats.in_use == 1 << 20
+        other = pool.alloc(1 << 20)
+        other.view.fill_(7)
+        assert bool((view == 1.0).all())
+        part = view[10:20]
+        del view
+        gc.collect()
+        assert pool.stats.in_use == 2 << 20  # a view of the view still holds it
+        del part
+        gc.collect()
+        assert pool.stats.in_use == 1 << 20
+        other.free()
+
+
+def test_closed_pool_unpins_a_busy_block_only_after_its_copy(pinning):
+    pool = HostPool("16MiB")
+    block = pool.alloc(1 << 20)
+    copy = _Copy()
+    block.record(copy)
+    pool.close()
+    block.free()
+    gc.collect()
+    assert quiesce()  # the reaper waited for the copy (synchronize), then unpinned
+    assert copy.waited == 1 and pinning.bytes == 0
