@@ -455,9 +455,11 @@ def test_block_freed_while_it_is_written_to_disk_is_not_rewritten(engine, monkey
             gate.wait(30)
             inner = put(t)
             inner.add_done_callback(
-                lambda f: out.set_exception(f.exception())
-                if f.exception()
-                else out.set_result(f.result())
+                lambda f: (
+                    out.set_exception(f.exception())
+                    if f.exception()
+                    else out.set_result(f.result())
+                )
             )
 
         threading.Thread(target=later).start()
