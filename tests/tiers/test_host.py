@@ -386,3 +386,102 @@ def test_closed_pool_unpins_a_busy_block_only_after_its_copy(pinning):
     gc.collect()
     assert quiesce()  # the reaper waited for the copy (synchronize), then unpinned
     assert copy.waited == 1 and pinning.bytes == 0
+
+
+# ----------------------------------------------------------------------------- pinning outside pools (review-12-18 #6)
+def test_pinned_aligned_empty_registers_exactly_its_pages_and_unpins_when_dropped(pinning):
+    """PyTorch's host allocator would pin 16 KiB for 10 000 bytes (a power of two) and keep it
+    cached after the tensor dies; aligned_empty(pin=True) pins its 3 pages, counted in
+    pinned_bytes(), and unpins them on the reaper once the last view is gone."""
+    from tensortier.tiers.host import aligned_empty, pinned_bytes
+
+    base = pinned_bytes()
+    t = aligned_empty(10_000, pin=True, alignment=64)
+    assert t.numel() == 10_000 and t.dtype == torch.uint8 and t.data_ptr() % PAGE == 0
+    assert pinning.bytes == 3 * PAGE == pinned_bytes() - base
+    part = t[4096:8192].view(torch.float32)
+    part.fill_(1.0)
+    del t
+    gc.collect()
+    assert quiesce() and pinning.bytes == 3 * PAGE  # a view still uses it
+    del part
+    gc.collect()
+    assert quiesce()
+    assert pinning.bytes == 0 and pinned_bytes() == base
+
+
+def test_dropped_pinned_buffer_is_unpinned_on_the_reaper_after_the_devices(pinning, monkeypatch):
+    """A copy queued before the last tensor died may still use the memory: every device finishes
+    its queued work before the pages are unregistered, never inside the finalizer."""
+    from tensortier.tiers import host
+
+    events = []
+    monkeypatch.setattr(host, "_synchronize_devices", lambda: events.append("sync"))
+    unregister = pinning.unregister
+
+    def record(buffer):
+        events.append(("unregister", threading.current_thread().name))
+        unregister(buffer)
+
+    monkeypatch.setattr(host, "_unregister", record)
+    t = host.aligned_empty(1 << 20, pin=True)
+    del t
+    gc.collect()
+    assert quiesce()
+    assert events == ["sync", ("unregister", "tt-reaper")]
+
+
+def test_pinned_copy_and_pools_share_the_count(pinning):
+    from tensortier.tiers.host import pinned_bytes, pinned_copy
+
+    base = pinned_bytes()
+    x = torch.randn(3, 1000, dtype=torch.float64)
+    c = pinned_copy(x)
+    assert torch.equal(c, x) and c.dtype == x.dtype and c.data_ptr() % PAGE == 0
+    with HostPool("16MiB") as pool:
+        block = pool.alloc(1 << 20)
+        assert pinned_bytes() - base == (1 << 20) + 24 * 1024 == pinning.bytes
+        block.free()
+    del c
+    gc.collect()
+    assert quiesce() and pinned_bytes() == base == pinning.bytes
+
+
+def test_optimizer_masters_pin_what_they_hold(pinning):
+    """OffloadedAdamW's pinned masters (one call site of aligned_empty(pin=True)): a bucket of
+    3 MiB + 4 bytes pins 3 MiB + one page, not 4 MiB, and nothing once dropped."""
+    from tensortier.optim._states import _HostBuf
+
+    buf = _HostBuf((3 << 18) + 1, torch.float32, pin=True)
+    assert pinning.bytes == (3 << 20) + PAGE
+    del buf
+    gc.collect()
+    assert quiesce() and pinning.bytes == 0
+
+
+@pytest.mark.gpu
+def test_pinned_aligned_empty_on_cuda_is_exact_and_returned(monkeypatch):
+    """review-12-18 #6: checkpoint images, optimizer masters/snapshots/ring and streamer homes pin
+    through aligned_empty(pin=True): exact pages, no PyTorch host allocation, unpinned once
+    dropped, and usable for asynchronous copies."""
+    from tensortier.tiers.host import aligned_empty, pinned_bytes
+
+    gc.collect()
+    quiesce()
+    base = pinned_bytes()
+    before = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    n = (40 << 20) + 100  # PyTorch's allocator would pin 64 MiB
+    t = aligned_empty(n, pin=True)
+    assert t.is_pinned() and pinned_bytes() - base == (40 << 20) + PAGE
+    assert torch.cuda.host_memory_stats().get("num_host_alloc", 0) == before
+    x = torch.randn(10 << 20, device="cuda")
+    t[: x.numel() * 4].view(torch.float32).copy_(x, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(t[: x.numel() * 4].view(torch.float32), x.cpu())
+    y = torch.empty_like(x)
+    torch.cuda._sleep(1_000_000_000)
+    y.copy_(t[: x.numel() * 4].view(torch.float32), non_blocking=True)  # queued behind the sleep
+    del t  # the reaper waits for the device before unpinning and freeing
+    gc.collect()
+    assert quiesce()
+    assert torch.equal(y, x) and pinned_bytes() == base

@@ -86,16 +86,68 @@ def _wait(copies: list) -> None:
 def aligned_empty(nbytes: int, *, pin: bool = False, alignment: int = PAGE) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` whose data pointer is ``alignment``-aligned (O_DIRECT needs it).
 
-    ``pin=True`` takes the memory from PyTorch's caching host allocator (rounded up to a power of
-    two and cached by PyTorch); :class:`HostPool` pins exactly what it accounts instead.
+    ``pin=True``: page-locked (the package's one way to pin outside a :class:`HostPool`). The
+    pages it spans are registered with ``cudaHostRegister``, counted in :func:`pinned_bytes`, and
+    unregistered on the reaper thread once the last tensor sharing its storage is gone, after the
+    devices have finished the copies queued before then. PyTorch's caching host allocator
+    (``pin_memory=True``) would round every request up to a power of two and never unpin.
     """
     if pin:
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc: page-aligned
-        if buf.data_ptr() % alignment == 0:
-            return buf
-    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
+        return _pinned_empty(nbytes, max(alignment, PAGE))
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % alignment
     return raw[offset : offset + nbytes]
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A page-locked CPU copy of ``t`` (same dtype and shape, contiguous); see :func:`aligned_empty`."""
+    out = aligned_empty(t.numel() * t.element_size(), pin=True).view(t.dtype).view(t.shape)
+    return out.copy_(t)
+
+
+def pinned_bytes() -> int:
+    """Host bytes that tensortier has page-locked right now: pool buffers and ``aligned_empty(pin=
+    True)`` buffers, exactly the pages registered (PyTorch's own pinned memory is not counted)."""
+    return _pinned[0]
+
+
+_pinned = [0]  # bytes registered by _pin and not yet unregistered
+_pinned_lock = threading.Lock()  # ordinary code only (pinning, the reaper), never a finalizer
+
+
+def _pin(buffer: torch.Tensor) -> None:
+    _register(buffer)
+    with _pinned_lock:
+        _pinned[0] += buffer.numel()
+
+
+def _pinned_empty(nbytes: int, alignment: int) -> torch.Tensor:
+    region = aligned_empty(max(PAGE, -(-nbytes // PAGE) * PAGE), alignment=alignment)
+    _pin(region)
+    array = region.numpy()  # the tensor below keeps this array alive, and only it does
+    # when the last tensor on it is gone: unpin on the reaper (a finalizer never calls CUDA)
+    finalizer = weakref.finalize(array, _lifetime.defer, _unpin_dropped, region)
+    finalizer.atexit = False  # at exit the process's memory goes anyway
+    _lifetime._reaper.start()  # from ordinary code (starting a thread inside GC can deadlock)
+    return torch.from_numpy(array)[:nbytes]
+
+
+def _unpin_dropped(region: torch.Tensor) -> None:
+    """Reaper job for a dropped ``aligned_empty(pin=True)`` buffer. A copy queued before the last
+    tensor died may still use it (PyTorch's allocator records such copies; here their streams
+    are unknown), so every device with a context finishes its queued work first (a wait on work
+    already queued: it ends), then the pages are unregistered and the memory freed."""
+    _synchronize_devices()
+    _unpin(region)
+
+
+def _synchronize_devices() -> None:
+    if not torch.cuda.is_initialized():
+        return
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    for index in range(torch.cuda.device_count()):
+        if has_context is None or has_context(index):  # never create a context here
+            torch.cuda.synchronize(index)
 
 
 def _cuda_available() -> bool:
@@ -201,6 +253,8 @@ def _unpin(buffer: torch.Tensor) -> None:
         _unregister(buffer)
     except RuntimeError:  # a dead CUDA context: the buffer goes anyway, say so
         log.warning("tensortier: could not unpin a host buffer", exc_info=True)
+    with _pinned_lock:
+        _pinned[0] -= buffer.numel()
 
 
 def _release_all(
@@ -383,7 +437,7 @@ class HostPool:
         try:
             buffer = aligned_empty(cls)
             if self.pin:
-                _register(buffer)
+                _pin(buffer)
             return buffer
         except RuntimeError as exc:  # the OS (or CUDA) refused: undo the accounting
             with self._lock:
@@ -515,4 +569,13 @@ def default_budget() -> int:
     return min(4 << 30, psutil.virtual_memory().total // 4)
 
 
-__all__ = ["PAGE", "HostBlock", "HostPool", "HostStats", "aligned_empty", "size_class"]
+__all__ = [
+    "PAGE",
+    "HostBlock",
+    "HostPool",
+    "HostStats",
+    "aligned_empty",
+    "pinned_bytes",
+    "pinned_copy",
+    "size_class",
+]
