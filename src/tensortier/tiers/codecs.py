@@ -13,6 +13,7 @@ planner's profile. It never decides when to use a codec: the planner's simulator
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
@@ -216,7 +217,11 @@ class _HostBytesCodec(abc.ABC):
 
 
 class ZstdCodec(_HostBytesCodec):
-    """zstandard at a low level: the best ratio per CPU second for dense activations on host."""
+    """zstandard at a low level: the best ratio per CPU second for dense activations on host.
+
+    One codec serves every copy worker of an engine at once, and zstandard's compressor and
+    decompressor objects must not be used by two threads at a time (corrupt output, crashes):
+    each thread gets its own pair."""
 
     lossless = True
 
@@ -224,14 +229,22 @@ class ZstdCodec(_HostBytesCodec):
         import zstandard
 
         self.name = f"zstd{level}" if level != 1 else "zstd"
-        self._c = zstandard.ZstdCompressor(level=level, threads=threads)
-        self._d = zstandard.ZstdDecompressor()
+        self._level, self._threads = level, threads
+        self._zstd = zstandard
+        self._local = threading.local()
+
+    def _contexts(self):
+        local = self._local
+        if not hasattr(local, "c"):
+            local.c = self._zstd.ZstdCompressor(level=self._level, threads=self._threads)
+            local.d = self._zstd.ZstdDecompressor()
+        return local.c, local.d
 
     def _compress(self, data: memoryview) -> bytes:
-        return self._c.compress(data)
+        return self._contexts()[0].compress(data)
 
     def _decompress(self, data: memoryview, size: int) -> bytes:
-        return self._d.decompress(data, max_output_size=size)
+        return self._contexts()[1].decompress(data, max_output_size=size)
 
 
 class Lz4Codec(_HostBytesCodec):
