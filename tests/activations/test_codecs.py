@@ -3,6 +3,7 @@ plain PyTorch, encoding and decoding off the forward/backward thread, dtypes a c
 travel raw, conjugate/negative views keep their bits."""
 
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -26,6 +27,9 @@ def _grads(model, x, off=None):
     else:
         with off:
             loss = model(x).square().mean()
+            # every write done before the forward ends: backward reads (and decodes) every
+            # record instead of taking the tail from the tensors still in flight
+            off._engine.synchronize()
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
@@ -66,18 +70,34 @@ def test_codec_gradients_bit_identical_and_never_on_the_training_thread(spill_di
     off.close()
 
 
+@pytest.mark.parametrize("served", ["read back", "from the tensor"])
 @pytest.mark.parametrize("codec", ["fp16", "bf16"])
-def test_cast_codecs_round_trip_through_the_engine(spill_dir, codec):
-    """A lossy cast gives what a cast there and back gives (CPU: on the engine's workers)."""
+def test_cast_codecs_round_trip_through_the_engine(spill_dir, codec, served):
+    """A lossy cast gives what a cast there and back gives, also when backward takes the tensor
+    itself because its write was still in flight (the values must not depend on timing)."""
     torch.manual_seed(0)
     x = torch.randn(256, 256, requires_grad=True)
     dtype = torch.float16 if codec == "fp16" else torch.bfloat16
     ref = torch.autograd.grad((x.exp() * 2).sum(), x)[0]  # exp saves its fp32 output
     off = tt.Offloader("host", min_bytes=0, codec=get_codec(codec))
+    held = []
+    if served == "from the tensor":  # hold every write back until backward is done
+        real = off._engine.to_host
+
+        def late(tensor, **kw):
+            proxy = Future()
+            held.append((real(tensor, **kw), proxy))
+            return proxy
+
+        off._engine.to_host = late
     with off:
         y = x.exp()
         loss = (y * 2).sum()
+        if not held:
+            off._engine.synchronize()  # written: backward reads and decodes the copy
     (got,) = torch.autograd.grad(loss, x)
+    for fut, proxy in held:
+        proxy.set_result(fut.result())
     expected = x.detach().exp().to(dtype).float() * 2  # exp's backward: grad * saved output
     assert torch.equal(got, expected) and not torch.equal(got, ref)
     off.close()

@@ -480,7 +480,13 @@ class Offloader:
         parts = self._fetch(record).result()
         values = [p.result() if isinstance(p, Future) else p for p in parts]
         value = values[0]
-        if record.codec is not None and not isinstance(parts, _Source):
+        if record.codec is not None and isinstance(parts, _Source) and not record.codec.lossless:
+            # served from the tensor itself (its write still in flight, or kept at the tail): a
+            # lossy codec must give the same values as the round trip, whatever the timing
+            typed = value.reshape(-1).view(torch.uint8).view(record.dtype)
+            payloads, meta = record.codec.encode(typed)
+            value = record.codec.decode(payloads, meta).reshape(-1).view(torch.uint8)
+        elif record.codec is not None and not isinstance(parts, _Source):
             if isinstance(value, _Payloads):  # an Encoded's payloads on the device: decode there
                 value = value.decode()
             elif record.meta:  # payloads of a codec that encoded on the device (see _store)
