@@ -7,6 +7,7 @@ import sys
 
 from tensortier.bench import activations as bench_activations
 from tensortier.bench import checkpoint as bench_checkpoint
+from tensortier.bench import distributed as bench_distributed
 from tensortier.bench import optimizer as bench_optimizer
 from tensortier.bench import planner as bench_planner
 from tensortier.bench import replay as bench_replay
@@ -19,6 +20,7 @@ BENCHES = {
     "optimizer": bench_optimizer,
     "replay": bench_replay,
     "checkpoint": bench_checkpoint,
+    "distributed": bench_distributed,
 }
 
 

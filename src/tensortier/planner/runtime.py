@@ -27,6 +27,13 @@ with the same key runs the cached plan from its first step. Inputs whose shapes 
 bucket (each dimension rounded up to a power of two) get a plan of their own at run time, from
 the same profile scaled to that bucket's shapes, without profiling again.
 
+On many ranks (``torch.distributed`` initialised, world > 1) every rank runs the same plan: the
+ranks agree on the settings at the first step and on the profiled structure before planning;
+rank 0 alone chooses (each timing pass's group, the plan, a bucket's plan, a re-plan) from the
+largest inputs and resident overhead of any rank and broadcasts it (see :func:`on_rank0`).
+The plan cache is read and written by rank 0 only: every rank runs rank 0's plan, so one file
+per key is the whole truth, and a hit or miss is the same on every rank.
+
 It raises :class:`BudgetError` (with ``.minimum``) at step 3 when no plan fits the budget. On a
 CPU-only machine glibc's mmap threshold is fixed (``tensortier._memory``) so that activations
 freed by the plan leave the process's RSS, which is what a CPU budget measures.
@@ -47,6 +54,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tensortier import _dist
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.planner.ops import SelectivePolicy, preload
 from tensortier.planner.policies import Choice, Options, choose, plan_all
@@ -175,6 +183,66 @@ class Recompute:
         self._wrapped = []
 
 
+def on_rank0(make: Callable[[], object], what: str = "planning") -> object:
+    """``make()`` run on rank 0 alone, its result on every rank (without ``torch.distributed``,
+    or in a world of one: ``make()`` here).
+
+    Ranks that recompute different blocks run different collectives (FSDP's all-gathers in the
+    recomputed forward) and can deadlock, so, as torchtitan does, one rank decides and the
+    others receive its decision. Rank 0's error is sent as a value, so every rank raises (a
+    ``BudgetError`` with its ``.minimum``) instead of waiting for a broadcast that never comes.
+    Callers call it on every rank, in the same order (one broadcast each).
+    """
+    if not _dist.active():
+        return make()
+    from tensortier.errors import BudgetError
+
+    sent: tuple = ("none",)
+    error: Exception | None = None
+    if _dist.rank() == 0:
+        try:
+            sent = ("ok", make())
+        except BudgetError as exc:
+            error, sent = exc, ("BudgetError", str(exc), exc.budget, exc.minimum)
+        except Exception as exc:  # every rank must leave the broadcast
+            error, sent = exc, ("error", f"{type(exc).__name__}: {exc}")
+    got = _dist.broadcast_object(sent, 0)
+    if got[0] == "ok":
+        return got[1]
+    if got[0] == "BudgetError":
+        _, message, budget, minimum = got
+        raise BudgetError(f"rank 0 planned: {message}", budget=budget, minimum=minimum) from error
+    if error is not None:
+        raise error
+    raise RuntimeError(f"tensortier {what} failed on rank 0 ({got[1]}); see rank 0's traceback")
+
+
+def agreed_shapes(shapes: list) -> list:
+    """The inputs' shapes every rank plans for: each dimension's largest size over the ranks (a
+    plan made for larger inputs errs high in memory). Ranks whose inputs differ in number, rank
+    or dtype are a ConfigError on every rank."""
+    if not _dist.active():
+        return shapes
+    from tensortier.errors import ConfigError
+
+    everyone = _dist.gather_objects(shapes)
+    base = everyone[0]
+    for r, other in enumerate(everyone[1:], start=1):
+        same = len(other) == len(base) and all(
+            len(a) == len(b) and da == db for (a, da), (b, db) in zip(base, other)
+        )
+        if not same:
+            raise ConfigError(
+                f"tt.offload(budget=...): rank {r}'s inputs {other} differ from rank 0's {base} "
+                f"in number, dimensions or dtype; every rank must call the model with tensors "
+                f"of the same structure (sizes may differ: the plan is made for the largest)"
+            )
+    return [
+        [[max(o[i][0][d] for o in everyone) for d in range(len(base[i][0]))], base[i][1]]
+        for i in range(len(base))
+    ]
+
+
 def profiled_tier(to: str, device: torch.device) -> str:
     """The tier the warm-up and profiling iterations offload to: the one the user asked for;
     for ``"auto"``, host on CUDA (the fast tier a plan fills first) and disk on a CPU-only
@@ -238,6 +306,7 @@ def cache_key(config: PlanConfig, device: torch.device, signature: str, shapes: 
         "policy": config.policy,
         "to": config.to,
         "device": str(device.type),
+        "world": _dist.world(),  # per-rank inputs and FSDP shards depend on it
         "torch": torch.__version__,
         "options": {
             "tiers": list(opts.tiers),
@@ -411,6 +480,8 @@ class PlannedOffload:
         self._check_hooks: list = []
         self._over = False  # a checked iteration went over the budget: plan again
         self.replans = 0
+        self._checked = 0  # measured_peaks already compared across the ranks
+        self._agreed = False  # the ranks checked that they run the same settings
 
     # the outermost module run in the forward is the model the plan's unit names refer to; the
     # first tensors a module of the forward is called with (the root's, or for a model called
@@ -426,11 +497,11 @@ class PlannedOffload:
             return
         self._step_shapes = shapes
         if self._shapes is None:
-            self._shapes = shapes
+            self._shapes = shapes  # what this rank profiles (rank 0's is sent with its plan)
             if self.config.plan_cache and self.offloader is None:
-                self._try_cache(shapes)
+                self._try_cache(agreed_shapes(shapes))
         elif self.profile is not None:
-            self._select(shapes)
+            self._select(agreed_shapes(shapes))
 
     def __enter__(self) -> PlannedOffload:
         cfg = self.config
@@ -442,6 +513,8 @@ class PlannedOffload:
                 "with other settings, which releases the previous one); call "
                 "tt.offload(budget=...) again"
             )
+        if not self._agreed:
+            self._agree_settings()
         self._check_peak()
         if self.profile is None and self._profiled > cfg.timing_iters:
             self._finish_profile()
@@ -524,6 +597,30 @@ class PlannedOffload:
             if self.profile is None and self._profiler is not None and active is not self._warm:
                 self._profiled += 1
 
+    def _agree_settings(self) -> None:
+        """Many ranks: the same settings on every rank, checked at the first step (before any
+        rank profiles or reads the plan cache); a mismatch is ConfigError on every rank. The
+        spill directory may differ (a node's own disk): it does not change the plan."""
+        self._agreed = True
+        if not _dist.active():
+            return
+        cfg = self.config
+        _dist.agree(
+            {
+                "budget": cfg.budget,
+                "to": cfg.to,
+                "policy": cfg.policy,
+                "host_budget": cfg.host_budget,
+                "plan_cache": cfg.plan_cache is not None,
+                "warmup": cfg.warmup,
+                "timing_iters": cfg.timing_iters,
+                "check_steps": cfg.check_steps,
+                "options": repr(cfg.options),
+            },
+            "tt.offload(budget=...)",
+            fix="run the same offload settings on every rank",
+        )
+
     def _pool_budget(self) -> int:
         """Host pool of the offloader. On a CPU-only machine with disk plans it only caches
         read-back buffers, which stay resident between iterations and so count in the budget:
@@ -565,13 +662,17 @@ class PlannedOffload:
         far, calibrated on every pass so far (the probe's, then each timing pass's). The first
         group is chosen for FIRST_GROUP_SHARE of the budget: only the probe calibrated the
         model then, and the probe offloaded everything. Profile conservatively, then tighten."""
-        with own_rng(self._profiler.device):
-            prov = calibrate(self._profiler.provisional())
         groups = self._groups if self._groups is not None else []
-        budget = self._planning_budget()
-        if not groups:
-            budget = int(budget * FIRST_GROUP_SHARE)
-        group = timing_group(prov, budget, {u for g in groups for u in g})
+
+        def make() -> list[str]:
+            with own_rng(self._profiler.device):
+                prov = calibrate(self._profiler.provisional())
+            budget = self._planning_budget()
+            if not groups:
+                budget = int(budget * FIRST_GROUP_SHARE)
+            return timing_group(prov, budget, {u for g in groups for u in g})
+
+        group = on_rank0(make, "choosing a timing pass")
         self._groups = [*groups, group]
         log.info("tensortier timing pass %d keeps %s", len(self._groups), group)
         return group
@@ -584,16 +685,22 @@ class PlannedOffload:
         cfg = self.config
         prof = self._profiler
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
-        self.choice = self._choose(self.profile)
+        if _dist.active():
+            self._agree_structure(self.profile)
+            # rank 0 plans for the largest resident overhead, with its profile and shapes
+            self._overhead = max(_dist.gather_objects(self._overhead))
+        self.profile, self.choice, self._shapes = on_rank0(
+            lambda: (self.profile, self._choose(self.profile), self._shapes)
+        )
         key = self._key(self._shapes)
         self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(
             key, self._shapes, self.profile, self.choice
         )
-        if cfg.plan_cache and self._shapes is not None:
+        if cfg.plan_cache and self._shapes is not None and _dist.rank() == 0:
             save_cached(
                 cfg.plan_cache, key, self.profile, self.choice, self._shapes, self._overhead
             )
-        if cfg.report:
+        if cfg.report and _dist.rank() == 0:
             from tensortier.planner.report import write_report
 
             write_report(
@@ -606,6 +713,19 @@ class PlannedOffload:
         if prof.offloader is not None and prof.offloader is not self._warm:
             prof.offloader.close()
         self._install(json.dumps(key, sort_keys=True))
+
+    @staticmethod
+    def _agree_structure(profile: Profile) -> None:
+        """Every rank profiled the same units and saved tensors (else one plan cannot fit all):
+        ConfigError on every rank otherwise, naming the rank."""
+        _dist.agree(
+            {
+                "planning units": [u.name for u in profile.units],
+                "saved tensors": [(t.unit, t.nbytes) for t in profile.tensors],
+            },
+            "tt.offload(budget=...)",
+            fix="run the same model, batch shapes and offload settings on every rank",
+        )
 
     def _choose(self, profile: Profile) -> Choice:
         cfg = self.config
@@ -649,10 +769,11 @@ class PlannedOffload:
         """First forward: a cached profile and plan for this model and shape bucket skip the
         warm-up and profiling (the forward has not saved anything yet, so it can switch)."""
         key = self._key(shapes)
-        hit = load_cached(self.config.plan_cache, key)
+        hit = on_rank0(lambda: load_cached(self.config.plan_cache, key), "reading the plan cache")
         if hit is None:
             return
         profile, plan, data = hit
+        self._shapes = shapes
         from tensortier.planner.simulator import simulate
 
         self.profile = profile
@@ -673,11 +794,15 @@ class PlannedOffload:
         if name not in self._buckets:
             base = next(iter(self._buckets.values()))
             sizes = dimension_map(base.shapes, shapes)
-            with own_rng(self.offloader.device):
-                profile = scale_profile(base.profile, sizes)
-                choice = self._choose(profile)
+
+            def make() -> tuple[Profile, Choice]:
+                with own_rng(self.offloader.device):
+                    profile = scale_profile(base.profile, sizes)
+                    return profile, self._choose(profile)
+
+            profile, choice = on_rank0(make)
             self._buckets[name] = _Bucket(key, shapes, profile, choice, sizes)
-            if self.config.plan_cache:
+            if self.config.plan_cache and _dist.rank() == 0:
                 save_cached(self.config.plan_cache, key, profile, choice, shapes, self._overhead)
         self._install(name)
 
@@ -757,9 +882,14 @@ class PlannedOffload:
         if self._meter is not None:  # no backward ran since the forward
             self._read_meter()
         over, self._over = self._over, False
+        peak = max(self.measured_peaks, default=0)
+        if _dist.active() and len(self.measured_peaks) > self._checked:
+            # one rank over the budget re-plans them all, for the highest peak of any rank
+            self._checked = len(self.measured_peaks)
+            everyone = _dist.gather_objects((over, peak))
+            over, peak = any(o for o, _ in everyone), max(p for _, p in everyone)
         if not over or self.replans >= MAX_REPLANS or self.profile is None:
             return
-        peak = max(self.measured_peaks)
         budget = self.config.budget
         opts = self.config.options or Options()
         margin = 1 - (1 - opts.margin) * budget / peak
@@ -773,11 +903,15 @@ class PlannedOffload:
         )
         self.replans += 1
         self.config.options = Options(**{**opts.__dict__, "margin": margin})
-        with own_rng(self.offloader.device):
-            choice = self._choose(self.profile)
+
+        def make() -> Choice:
+            with own_rng(self.offloader.device):
+                return self._choose(self.profile)
+
+        choice = on_rank0(make)
         b = self._buckets[self._current]
         b.choice = choice
-        if self.config.plan_cache:
+        if self.config.plan_cache and _dist.rank() == 0:
             save_cached(self.config.plan_cache, b.key, b.profile, choice, b.shapes, self._overhead)
         self._install(self._current)
 
