@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tensortier._memory import HighWater, release_freed_memory, status_bytes
 from tensortier.errors import ConfigError
 from tensortier.planner.profile import Bandwidth
 from tensortier.planner.profiler import Profiler
@@ -103,6 +104,26 @@ def test_the_backward_ends_at_the_last_gradient_not_at_finish(spill_dir):
         prof.offloader.close()
     assert p.unit("0").bwd_s < 0.25
     assert p.measured_step_s < 0.5
+
+
+@pytest.mark.skipif(not status_bytes("VmHWM"), reason="needs /proc/self/status")
+def test_bandwidth_and_codec_calibration_are_sized_to_the_probe(spill_dir):
+    """They run inside the first timing pass, so on a CPU inside its budget: the codec sample
+    was a fixed 4 MiB of every codec, lossy ones too, which held ~27 MiB (a 36 MiB budget's
+    first timing pass went to 66 MiB); with a 2 MiB probe it now holds a few MiB."""
+    m, x = _mlp(), torch.randn(256, 128)
+    prof = Profiler(spill_dir=spill_dir, device=torch.device("cpu"), probe_bytes=2 << 20)
+    try:
+        _step(m, x, prof.forward())
+        release_freed_memory()
+        start, watch = status_bytes("VmRSS"), HighWater()
+        watch.start()
+        p = prof.provisional()
+        held = watch.stop() - start
+    finally:
+        prof.offloader.close()
+    assert set(p.codecs) == {"sparse", "zstd", "lz4"}  # lossy codecs only when allowed
+    assert held < 12 << 20
 
 
 def test_passes_out_of_order_and_unknown_units_are_refused(spill_dir):

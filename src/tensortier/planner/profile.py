@@ -280,6 +280,9 @@ def measure_bandwidth(
     )
 
 
-def measure_codec_speeds() -> dict[str, CodecSpeed]:
-    """Codec throughput on this machine (4 MiB post-ReLU-like fp32 sample)."""
-    return measure_codecs()
+def measure_codec_speeds(
+    names: tuple[str, ...] | None = None, nbytes: int = 4 << 20
+) -> dict[str, CodecSpeed]:
+    """Codec throughput on this machine (a post-ReLU-like fp32 sample of ``nbytes``; every
+    codec unless ``names``)."""
+    return measure_codecs(nbytes=nbytes) if names is None else measure_codecs(names, nbytes=nbytes)

@@ -524,7 +524,8 @@ class Profiler:
             if self.bandwidth is None:
                 self.bandwidth = _bandwidth(self.spill_dir, self.device, self.probe_bytes)
             if self.codecs is None:
-                self.codecs = _codec_speeds()
+                # only the codecs the probe tried (lossy ones only when allowed)
+                self.codecs = _codec_speeds(self.probe.codecs, codec_sample_bytes(self.probe_bytes))
             if self._sac_op_s is None:
                 self._sac_op_s = (
                     measure_sac_overhead(self.device) if self.recorder is not None else 0.0
@@ -728,10 +729,18 @@ def _bandwidth(spill_dir: str | None, device: torch.device, resident: int = 64 <
     )
 
 
-def _codec_speeds() -> dict[str, CodecSpeed]:
+def codec_sample_bytes(probe_bytes: int) -> int:
+    """The codec calibration sample for a bandwidth probe of ``probe_bytes`` (sized to the
+    budget): an eighth of it, between 256 KiB and 4 MiB. Encoding a sample briefly holds about
+    seven times its size (payloads, masks, decoded copies): 30 MiB for 4 MiB, which on a CPU
+    is in the budget of the timing pass that measures it."""
+    return int(min(4 << 20, max(256 << 10, probe_bytes // 8)))
+
+
+def _codec_speeds(names: tuple[str, ...], nbytes: int) -> dict[str, CodecSpeed]:
     from tensortier.planner.profile import measure_codec_speeds
 
-    return measure_codec_speeds()
+    return measure_codec_speeds(names, nbytes)
 
 
 def pass_plan(profile: Profile, run: dict):
