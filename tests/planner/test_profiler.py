@@ -126,6 +126,24 @@ def test_bandwidth_and_codec_calibration_are_sized_to_the_probe(spill_dir):
     assert held < 12 << 20
 
 
+def test_the_probe_measures_every_moved_storage_in_pack_order(spill_dir):
+    """The probe measured as an identity codec, which the offloader now encodes on the engine's
+    copy workers: the measurements came back out of pack order (matched to the wrong tensors)
+    and the probe iteration held its sources until then (30 MiB over a 36 MiB budget)."""
+    m, x = _mlp(), torch.randn(256, 128)
+    prof = _profiler(spill_dir)
+    try:
+        _step(m, x, prof.forward())
+        prof._close_pass()
+        records = prof._passes[0].records
+    finally:
+        prof.offloader.close()
+    assert records and len(prof.probe.seen) == len(records)
+    assert [s["nbytes"] for s in prof.probe.seen] == [r["nbytes"] for r in records]
+    relu_outputs = [s for s, r in zip(prof.probe.seen, records) if r["grad_fn"] == "ReluBackward0"]
+    assert relu_outputs and all(s["zero_frac"] > 0.3 for s in relu_outputs)
+
+
 def test_passes_out_of_order_and_unknown_units_are_refused(spill_dir):
     m, x = _mlp(), torch.randn(16, 128)
     prof = _profiler(spill_dir)

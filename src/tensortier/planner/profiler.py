@@ -2,8 +2,9 @@
 
 The probe iteration runs under the activation offloader with ``record=True`` and a ``decide``
 that sends every saved tensor to one tier (``disk`` by default, so profiling itself stays within
-a tight budget) through a *probe* codec: an identity codec that, while it holds the tensor,
-measures its zero fraction and the payload ratio of every codec. An operator recorder
+a tight budget), and a *probe* measures each storage moved, in its pack hook on the forward
+thread (the storage is alive there anyway): its zero fraction and the payload ratio of every
+codec. An operator recorder
 (:mod:`tensortier.planner.ops`) lists each unit's operators for selective recompute. Timing
 iterations follow; each keeps the saved tensors of a group of units that fits the budget (the
 runtime chooses the groups with the simulator) and offloads the rest, so no profiling iteration
@@ -135,7 +136,10 @@ def _tensors(x) -> list[torch.Tensor]:
 
 
 class ProbeCodec:
-    """Identity codec that measures what the planner needs while it sees each saved tensor."""
+    """Measures what the planner needs of each storage the probe moves (:meth:`see`, called in
+    the pack hook on the forward thread, in pack order). Not passed to the offloader as a codec:
+    a codec encodes on the engine's copy workers, which reordered ``seen`` and kept every
+    source alive until its encode ran (the probe iteration went 30 MiB over a 36 MiB budget)."""
 
     name = "probe"
     lossless = True
@@ -146,6 +150,12 @@ class ProbeCodec:
         self.seen: list[dict] = []  # in pack order, one per offloaded storage
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+        """As an identity codec (measuring on whatever thread encodes)."""
+        self.see(t)
+        return [t], {}
+
+    def see(self, t: torch.Tensor) -> None:
+        """Measure ``t``: the typed values of one whole storage."""
         from tensortier.tiers.codecs import zero_fraction
 
         t0 = time.perf_counter()
@@ -166,7 +176,6 @@ class ProbeCodec:
                 "made": self.producer.get(t.untyped_storage().data_ptr()),
             }
         )
-        return [t], {}
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         return payloads[0]
@@ -383,7 +392,8 @@ class Profiler:
             if offloader is None:
                 yield self
             else:
-                with _muted_pack(offloader, recorder), offloader:
+                probe = self.probe if kind == "probe" else None
+                with _probe_pack(offloader, recorder, probe), offloader:
                     if recorder is None:
                         yield self
                     else:
@@ -419,10 +429,10 @@ class Profiler:
 
         if self._passes or self._cur is not None:
             raise ConfigError("Profiler.forward() runs once; use Profiler.timing() afterwards")
-        probe, tier = self.probe, self.tier
+        tier = self.tier
 
         def decide(info):
-            return Action(tier, probe)
+            return Action(tier)  # measured by the probe in the pack hook (see _probe_pack)
 
         if self.offloader is None:
             self.offloader = Offloader(
@@ -636,26 +646,43 @@ def _inflight_limit(offloader) -> int | None:
 
 
 @contextmanager
-def _muted_pack(offloader, recorder: OpRecorder | None) -> Iterator[None]:
-    """The offloader's own operators inside its pack hook are not the model's: hide them from the
-    recorder. Wraps the (inactive) offloader's hook, which it looks up when it activates."""
-    if recorder is None:
+def _probe_pack(offloader, recorder: OpRecorder | None, probe: ProbeCodec | None) -> Iterator[None]:
+    """Wraps the (inactive) offloader's pack hook, which it looks up when it activates: the
+    offloader's own operators inside it are not the model's (hidden from the recorder), and
+    each storage it starts moving is measured by ``probe`` right there, in pack order (its time
+    added to the record's pack time, which the unit times leave out)."""
+    if recorder is None and probe is None:
         yield
         return
     pack = offloader._pack
 
-    def muted(t):
-        recorder.muted += 1
+    def probed(t):
+        if recorder is not None:
+            recorder.muted += 1
         try:
-            return pack(t)
+            n = len(offloader.records)
+            handle = pack(t)
+            if probe is not None and len(offloader.records) > n:
+                t0 = time.perf_counter()
+                probe.see(_storage_values(t))
+                offloader.records[-1]["pack_s"] += time.perf_counter() - t0
+            return handle
         finally:
-            recorder.muted -= 1
+            if recorder is not None:
+                recorder.muted -= 1
 
-    offloader._pack = muted
+    offloader._pack = probed
     try:
         yield
     finally:
         del offloader._pack
+
+
+def _storage_values(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t``, typed as ``t`` where its bytes are whole elements."""
+    u8 = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    size = t.element_size()
+    return u8.view(t.dtype) if u8.numel() % size == 0 else u8
 
 
 @dataclass
