@@ -45,6 +45,7 @@ from tensortier.errors import ClosedError, ConfigError, CorruptDataError, SpillD
 from tensortier.rl import _codec, _saved
 from tensortier.rl._segments import Segments
 from tensortier.rl._store import ItemStore, as_index_array, check_args
+from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.sampler import Prioritized, Uniform, make_state
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ _STATE, _META = _saved.STATE, _saved.META
 # per slot of capacity, beyond the store's index: use count 4, sampler (sum + min trees 17, or the
 # uniform sampler's dense live array and positions 16)
 _SLOT_BYTES = 24
+_DEFAULT: Any = object()  # timeout not given: 0 for sample() (None for add), or the RateLimit's
 _STOP_WAIT = (
     5.0  # seconds close() waits for the prefetch thread (it checks its stop flag every 0.1 s)
 )
@@ -197,6 +199,7 @@ class ReplayBuffer:
         prefetch: int = 0,
         seed: int | None = None,
         segment_size: SizeLike = "64MiB",
+        rate_limit: RateLimit | None = None,
     ):
         # every argument is checked before anything is allocated or created
         capacity = check_args(
@@ -229,6 +232,11 @@ class ReplayBuffer:
             isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
         ):
             raise ConfigError(f"seed must be None or an int >= 0, got {seed!r}")
+        if rate_limit is not None and not isinstance(rate_limit, RateLimit):
+            raise ConfigError(
+                f"rate_limit must be None or tt.rl.RateLimit(samples_per_insert, ...), got "
+                f"{rate_limit!r}"
+            )
         sampler = Uniform() if sampler is None else sampler
         if not isinstance(sampler, (Uniform, Prioritized)):
             raise ConfigError(
@@ -267,6 +275,9 @@ class ReplayBuffer:
             self._uses = np.zeros(capacity, np.int32)
             if durable:
                 self._restore_durable()
+            self._limiter: RateLimiter | None = None
+            if rate_limit is not None:
+                self._limiter = RateLimiter.balanced(rate_limit, len(self._store))
         except BaseException:
             self._store.close()  # releases the durable directory's lock
             raise
@@ -292,6 +303,8 @@ class ReplayBuffer:
             if segs is not None:
                 out.update({f"disk_{k}": v for k, v in segs.stats.__dict__.items()})
             out["stale_updates"] = self._stale_updates
+            if self._limiter is not None:
+                out["rate_limiter"] = self._limiter.as_dict()
             return out
 
     def __contains__(self, index: object) -> bool:
@@ -306,23 +319,41 @@ class ReplayBuffer:
         return self._store.live_slots(indices)
 
     # ------------------------------------------------------------------ add / get / update / delete
-    def add(self, item: Any) -> int:
-        """Store one item (dict of arrays/tensors/bytes/numbers, or one such value); returns its index."""
-        return int(self.extend([item])[0])
+    def add(self, item: Any, *, timeout: float | None = _DEFAULT) -> int:
+        """Store one item (dict of arrays/tensors/bytes/numbers, or one such value); returns its index.
 
-    def extend(self, items: Iterable[Any]) -> np.ndarray:
-        """Store many items in one step (one lock, one batched spill); returns their indices."""
-        return self._extend_blobs([_codec.encode(it) for it in items])
+        With a ``rate_limit``, waits while sampling is behind, up to ``timeout`` seconds (default:
+        the RateLimit's), then raises RateLimitTimeout with nothing added.
+        """
+        return int(self._extend_blobs([_codec.encode(item)], timeout)[0])
 
-    def _extend_blobs(self, blobs: list[bytes]) -> np.ndarray:
+    def extend(self, items: Iterable[Any], *, timeout: float | None = _DEFAULT) -> np.ndarray:
+        """Store many items in one step (one lock, one batched spill); returns their indices.
+
+        Equivalent to adding them one by one (same indices, priorities and order); with a
+        ``rate_limit`` the batch is admitted whole (see :meth:`add`).
+        """
+        return self._extend_blobs([_codec.encode(it) for it in items], timeout)
+
+    def _extend_blobs(self, blobs: list[bytes], timeout: float | None = _DEFAULT) -> np.ndarray:
         """Add already-encoded items (Ray collectors encode on their side)."""
-        with self._lock:
+        lim = self._limiter
+        if timeout is not _DEFAULT:
+            timeout = _check_timeout(timeout)
+        elif lim is not None:
+            timeout = lim.cfg.timeout
+        with self._cond:
             self._check()
             if len(blobs) > self.capacity:
                 raise ConfigError(
                     f"extend got {len(blobs)} items, more than capacity {self.capacity}; add them "
                     f"in chunks of at most {self.capacity}"
                 )
+            if lim is not None:
+                lim.check_insert(len(blobs))
+                store = self._store
+                lim.wait(self._cond, "insert", len(blobs), store.__len__, timeout, self._check)
+                lim.inserted(len(blobs))
             keys, _ = self._store.add(blobs, on_evict=self._sampler.remove)
             slots = keys % self.capacity
             self._uses[slots] = 0
@@ -358,27 +389,36 @@ class ReplayBuffer:
             slots = np.unique(self._slots(keys))
             self._sampler.remove(slots)
             self._store.remove(slots)
+            if self._limiter is not None:
+                self._cond.notify_all()  # a smaller buffer may admit inserts again
 
     def delete(self, indices: int | Sequence[int] | np.ndarray) -> None:
         """Remove items (all or nothing: an unknown index removes none)."""
         self.__delitem__(indices)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, batch_size: int, *, timeout: float | None = 0.0) -> Batch:
+    def sample(self, batch_size: int, *, timeout: float | None = _DEFAULT) -> Batch:
         """Draw ``batch_size`` items (with replacement) by the buffer's sampler.
 
         When nothing can be drawn (the buffer is empty or drained by ``max_uses``, and no batch was
         drawn ahead), wait up to ``timeout`` seconds for an add, then raise IndexError; the default
         0 raises at once, ``None`` waits until an item arrives or the buffer is closed
-        (ClosedError). The same holds with and without ``prefetch``.
+        (ClosedError). The same holds with and without ``prefetch``. With a ``rate_limit``, a
+        sample also waits while inserting is behind (default timeout: the RateLimit's), then
+        raises RateLimitTimeout.
         """
         n = _check_batch_size(batch_size)
-        wait = _check_timeout(timeout)
+        wait = self._sample_timeout(timeout)
         if self.config.prefetch:
             return self._sample_prefetched(n, wait)
         blobs, keys, weights = self._draw(n, wait)
         items, collated = _codec.decode_batch(blobs)  # outside the lock: adds continue meanwhile
         return Batch(items, keys, weights, collated)
+
+    def _sample_timeout(self, timeout: Any) -> float | None:
+        if timeout is _DEFAULT:
+            return self._limiter.cfg.timeout if self._limiter is not None else 0.0
+        return _check_timeout(timeout)
 
     def _sample_blobs(
         self, n: int, timeout: float | None = 0.0
@@ -396,7 +436,13 @@ class ReplayBuffer:
 
     def _draw(self, n: int, timeout: float | None) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         deadline = None if timeout is None else time.monotonic() + timeout
+        lim = self._limiter
         with self._cond:
+            if lim is not None:
+                self._check()
+                lim.check_sample(n)
+                lim.wait(self._cond, "sample", n, self._store.__len__, timeout, self._check)
+                return self._sample_locked(n)
             while True:
                 self._check()
                 if len(self._store):
@@ -412,6 +458,9 @@ class ReplayBuffer:
         self._check()
         if len(self._store) == 0:
             raise self._empty(None)
+        if self._limiter is not None:
+            self._limiter.sampled(n)
+            self._cond.notify_all()  # inserters waiting for sampling to catch up
         slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
         keys = self._store.keys[slots].copy()
         blobs = self._store.blobs(slots)
@@ -442,10 +491,16 @@ class ReplayBuffer:
             except queue.Empty:
                 with self._cond:
                     self._check()
-                    idle = len(self._store) == 0 and p.pending == 0 and p.queue.empty()
-                    if idle:  # nothing stored, nothing being drawn, nothing drawn ahead
+                    lim = self._limiter
+                    refused = lim is not None and not lim.can_sample(n, len(self._store))
+                    blocked = len(self._store) == 0 or refused
+                    idle = blocked and p.pending == 0 and p.queue.empty()
+                    if idle:  # nothing drawable, nothing being drawn, nothing drawn ahead
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
+                            if refused:
+                                assert lim is not None
+                                raise lim._timeout("sample", n, len(self._store), timeout) from None
                             raise self._empty(timeout) from None
                         self._cond.wait(0.1 if left is None else min(left, 0.1))
                         continue
@@ -462,7 +517,10 @@ class ReplayBuffer:
         with self._cond:
             if self._closed:
                 return _STOP
-            if not len(self._store):
+            lim = self._limiter
+            if not len(self._store) or (
+                lim is not None and not lim.can_sample(p.n, len(self._store))
+            ):
                 self._cond.wait(0.1)  # an add wakes it; the tick lets it see `stop`
                 return None
             p.pending += 1  # from here on something is queued: a batch or the error
@@ -639,6 +697,7 @@ class ReplayBuffer:
         spill_dir: str | os.PathLike | None = None,
         prefetch: int = 0,
         seed: int | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> ReplayBuffer:
         """A new buffer with the items, indices, priorities and use counts saved in ``dirname``.
 
@@ -660,6 +719,7 @@ class ReplayBuffer:
             prefetch=prefetch,
             seed=seed,
             segment_size=cfg["segment_size"],
+            rate_limit=rate_limit,
         )
         try:
             buf._load_items(dirname, arrays, fix)
@@ -674,6 +734,8 @@ class ReplayBuffer:
                     f"{os.path.join(dirname, _META)}: sampler_state is not valid ({exc}); {fix}",
                     path=dirname,
                 ) from exc
+            if rate_limit is not None:  # counters start balanced for the items loaded
+                buf._limiter = RateLimiter.balanced(rate_limit, len(buf))
         except BaseException:
             buf.close()
             raise
