@@ -17,7 +17,7 @@ def _value(kind: str, rng: np.random.Generator, shape: list[int], dtype: str):
         raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
         return np.frombuffer(raw.tobytes(), dtype).reshape(shape)
     if kind == "strided":
-        return np.arange(2 * (shape[0] if shape else 1), dtype=dtype)[::2]
+        return np.ones(2 * (shape[0] if shape else 1), dtype=dtype)[::2]
     if kind == "int":
         return int(rng.integers(-(2**62), 2**62))
     if kind == "bigint":
