@@ -1,0 +1,232 @@
+"""Items <-> self-describing byte blobs, without pickle.
+
+An item is a dict of fields (numpy arrays, torch tensors, ``bytes``, Python ``int``/``float``/
+``bool``) or one such value. A blob is ``u32 header length | JSON header | payload``: the header
+lists, per field, its name, kind, dtype, shape and byte range in the payload. Decoding trusts
+nothing but that header, so a blob read back from a file written by another process (or another
+version of this module) is interpreted exactly, and an unknown kind or dtype is refused instead of
+guessed. Object arrays are refused at encode time: they could only be stored by pickling.
+
+Batches of blobs that share one header (the common case: fixed-shape transitions) are decoded as
+one ``(batch, record_bytes)`` byte matrix, sliced per field: no per-item Python work beyond a join.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensortier.errors import CorruptDataError
+
+_LEN = struct.Struct("<I")
+_SINGLE = ""  # field name used when an item is one value rather than a dict
+
+# torch dtypes without a numpy twin travel as raw bytes and are viewed back on decode
+_TORCH_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+
+
+def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
+    """(header entry without offset, payload) of one field."""
+    if isinstance(value, torch.Tensor):
+        if value.is_sparse or value.layout != torch.strided or value.is_quantized:
+            raise TypeError(
+                f"field {name!r}: only dense tensors can be stored; call .to_dense() first"
+            )
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in _TORCH_DTYPES:
+            raise TypeError(f"field {name!r}: unsupported torch dtype {value.dtype}")
+        t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        return ["pt", dtype, list(t.shape)], memoryview(raw)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return ["b", "u1", [len(value)]], bytes(value)
+    if isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
+        arr = np.asarray(value)
+        kind = "np" if isinstance(value, np.generic) else "py"
+    elif isinstance(value, np.ndarray):
+        arr, kind = value, "np"
+    else:
+        raise TypeError(
+            f"field {name!r}: cannot store {type(value).__name__}; items hold numpy arrays, torch "
+            f"tensors, bytes or Python numbers (convert lists with np.asarray)"
+        )
+    if arr.dtype.hasobject or arr.dtype.fields is not None:
+        raise TypeError(
+            f"field {name!r}: dtype {arr.dtype} cannot be stored without pickle; use a plain "
+            f"numeric/bool dtype or bytes"
+        )
+    shape = list(arr.shape)  # before ascontiguousarray, which turns 0-d into 1-d
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    return [kind, arr.dtype.str, shape], memoryview(flat.view(np.uint8))
+
+
+def encode(item: Any) -> bytes:
+    """One blob for ``item``: a dict of fields or a single array/tensor/bytes/number."""
+    if isinstance(item, Mapping):
+        if not item:
+            raise ValueError("an item needs at least one field; got an empty dict")
+        pairs = []
+        for name, value in item.items():
+            if not isinstance(name, str) or name == _SINGLE:
+                raise TypeError(f"field names must be non-empty strings, got {name!r}")
+            pairs.append((name, value))
+        single = False
+    else:
+        pairs, single = [(_SINGLE, item)], True
+    descs, payloads = [], []
+    for name, value in pairs:
+        desc, payload = _field(name, value)
+        n = len(payload) if isinstance(payload, bytes) else payload.nbytes
+        descs.append((name, desc[0], desc[1], tuple(desc[2]), n))
+        payloads.append(payload)
+    key = (single, tuple(descs))
+    head = _encode_cache.get(key)
+    if head is None:
+        fields, offset = [], 0
+        for name, kind, dtype, shape, n in descs:
+            fields.append([name, kind, dtype, list(shape), offset, n])
+            offset += n
+        header = json.dumps({"v": 1, "s": single, "f": fields}, separators=(",", ":")).encode()
+        head = _LEN.pack(len(header)) + header
+        if len(_encode_cache) > 4096:
+            _encode_cache.clear()
+        _encode_cache[key] = head
+    return b"".join([head, *payloads])
+
+
+_encode_cache: dict[tuple, bytes] = {}
+_header_cache: dict[bytes, dict] = {}
+
+
+def _header(blob: bytes | memoryview) -> tuple[bytes, dict, int]:
+    """(raw header bytes, parsed header, payload start); parsed headers are cached by their bytes."""
+    if len(blob) < 4:
+        raise CorruptDataError(f"item blob of {len(blob)} bytes is too short for a header")
+    (hlen,) = _LEN.unpack_from(blob, 0)
+    raw = bytes(blob[4 : 4 + hlen])
+    meta = _header_cache.get(raw)
+    if meta is None:
+        try:
+            meta = json.loads(raw)
+            fields = meta["f"]
+            for _name, kind, dtype, _shape, _off, _n in fields:
+                if kind not in ("np", "py", "pt", "b"):
+                    raise ValueError(f"unknown field kind {kind!r}")
+                if kind == "pt" and dtype not in _TORCH_DTYPES:
+                    raise ValueError(f"unknown torch dtype {dtype!r}")
+                if kind in ("np", "py") and np.dtype(dtype).hasobject:
+                    raise ValueError("object dtype")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptDataError(f"item header is not valid ({exc})") from exc
+        if len(_header_cache) > 4096:
+            _header_cache.clear()
+        _header_cache[raw] = meta
+    end = 4 + hlen + (meta["f"][-1][4] + meta["f"][-1][5] if meta["f"] else 0)
+    if len(blob) != end:
+        raise CorruptDataError(f"item blob has {len(blob)} bytes, its header describes {end}")
+    return raw, meta, 4 + hlen
+
+
+def _value(kind: str, dtype: str, shape: Sequence[int], raw: np.ndarray) -> Any:
+    """Field value from its payload bytes ``raw`` (uint8, owned by the caller, writable)."""
+    if kind == "b":
+        return raw.tobytes()
+    if kind == "pt":
+        if raw.size == 0:
+            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+        t = torch.from_numpy(raw)
+        return t.view(_TORCH_DTYPES[dtype]).reshape(shape)
+    arr = raw.view(np.dtype(dtype)).reshape(shape)
+    return arr.item() if kind == "py" else arr
+
+
+def decode(blob: bytes | memoryview) -> Any:
+    """The item ``blob`` was encoded from: fresh writable arrays/tensors, bit-identical."""
+    _, meta, start = _header(blob)
+    out = {}
+    for name, kind, dtype, shape, off, n in meta["f"]:
+        raw = np.frombuffer(blob, np.uint8, n, start + off).copy()
+        out[name] = _value(kind, dtype, shape, raw)
+    return out[_SINGLE] if meta["s"] else out
+
+
+_scratch = threading.local()
+_SCRATCH_MAX = 64 << 20
+_SMALL = 256 << 10
+
+
+def _gather(blobs: Sequence[bytes], size: int) -> np.ndarray:
+    """Blobs of equal length as rows of a matrix, in a reused per-thread buffer when small enough
+    (fresh memory costs a page fault per 4 KiB, which dominates a 2.5 MB batch copy here)."""
+    total = size * len(blobs)
+    if total <= _SMALL:  # small batches come from the heap: one C-level join
+        return np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
+    if total > _SCRATCH_MAX:
+        return np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < total:
+        buf = _scratch.buf = np.empty(max(total, 1 << 20), np.uint8)
+    np.concatenate([np.frombuffer(b, np.uint8) for b in blobs], out=buf[:total])
+    return buf[:total].reshape(len(blobs), size)
+
+
+def decode_batch(blobs: Sequence[bytes]) -> tuple[Any, bool]:
+    """Decode many blobs; returns (batch, collated).
+
+    When every blob has the same header, fields are stacked into arrays/tensors with a leading
+    batch dimension (bytes fields become lists) and ``collated`` is True; otherwise the batch is a
+    list of items.
+    """
+    if not blobs:
+        return [], False
+    raw0, meta, start = _header(blobs[0])
+    size = len(blobs[0])
+    if len(set(map(len, blobs))) != 1:
+        return [decode(b) for b in blobs], False
+    mat = _gather(blobs, size)
+    head = mat[:, 4:start]
+    if not (head == head[0]).all():  # same length, different header: not collatable
+        return [decode(b) for b in blobs], False
+    out = {}
+    for name, kind, dtype, shape, off, n in meta["f"]:
+        cols = mat[:, start + off : start + off + n]
+        if kind == "b":
+            out[name] = [bytes(row) for row in cols]
+            continue
+        cols = np.ascontiguousarray(cols)
+        if kind == "pt" and n == 0:
+            out[name] = torch.empty(len(blobs), *shape, dtype=_TORCH_DTYPES[dtype])
+        elif kind == "pt":
+            out[name] = (
+                torch.from_numpy(cols).view(_TORCH_DTYPES[dtype]).reshape(len(blobs), *shape)
+            )
+        else:
+            out[name] = cols.view(np.dtype(dtype)).reshape(len(blobs), *shape)
+    return (out[_SINGLE] if meta["s"] else out), True

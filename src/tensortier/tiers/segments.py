@@ -1,0 +1,475 @@
+"""Append-only segment files of variable-size records: the disk tier of the RL stores.
+
+Why not :class:`~tensortier.tiers.disk.DiskStore` extents: it rounds every tensor to 4 KiB
+pages (a 10 KB transition would waste 20%), runs one thread-pool future per tensor (tens of
+microseconds each, more than the read itself for small items), and its handles are never
+persisted, so it cannot back a buffer that survives a restart. Segments pack records back to back,
+spill a batch of items in one ``write``, read a batch of items with offset-sorted, coalesced
+``pread`` calls, and can be re-scanned after a crash.
+
+Record: ``magic u32 | payload length u32 | crc32 u32 | flags u32 | key i64 | payload``. Format 2
+(magic ``TTR2``, the only one written) checksums ``length | flags | key | payload``, so a flipped
+bit anywhere in a record is caught. Format 1 (``TTR1``, written before format 2 existed)
+checksummed the payload only; its records are still read, each record's magic picking the rule.
+``flags`` is 0 for an item and 1 for a tombstone (the key was removed; empty payload). A crash can
+only tear the tail of the newest segment: :meth:`Segments.scan` stops there and truncates it
+(never in ``readonly`` mode, which refuses any damage: reading a saved copy never modifies it).
+Records are never rewritten in place; compaction (in ``_store.py``) copies a segment's live
+records to the active segment and deletes the file, so the space of removed items comes back.
+
+Open files. Descriptors are opened on demand and kept in a small LRU (the active segment always
+stays open), so a store with thousands of segments stays far below the process's open-file limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import resource
+import struct
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensortier._units import format_size
+from tensortier.errors import CorruptDataError, TierFullError
+
+REC = struct.Struct("<IIIIq")
+_BODY = struct.Struct("<IIq")  # length | flags | key: the header fields the format-2 CRC covers
+MAGIC = 0x32525454  # b"TTR2" on disk
+MAGIC_V1 = 0x31525454  # b"TTR1": payload-only CRC, read but never written
+TOMBSTONE = 1
+_NAME = re.compile(r"^seg-(\d{8})\.ttr$")
+_GAP = 64 << 10  # coalesce reads of records closer than this
+
+
+def record_crc(length: int, flags: int, key: int, payload: bytes | memoryview) -> int:
+    """The format-2 checksum: header fields and payload."""
+    return zlib.crc32(payload, zlib.crc32(_BODY.pack(length, flags, key)))
+
+
+def record_ok(magic: int, plen: int, crc: int, flags: int, key: int, payload) -> bool:
+    """Does a record (header fields + payload) pass its checks?"""
+    if flags not in (0, TOMBSTONE) or key < 0 or (flags == TOMBSTONE and plen):
+        return False
+    if magic == MAGIC:
+        return crc == record_crc(plen, flags, key, payload)
+    return magic == MAGIC_V1 and crc == zlib.crc32(payload)
+
+
+def _max_open_default() -> int:
+    """Descriptors one store keeps open: a small share of the process limit, 4 to 64."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):  # pragma: no cover - every Linux has it
+        return 16
+    if soft == resource.RLIM_INFINITY:
+        return 64
+    return max(4, min(64, soft // 8))
+
+
+@dataclass
+class SegmentStats:
+    files: int = 0
+    file_bytes: int = 0
+    live_bytes: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    reads: int = 0  # pread calls
+    compactions: int = 0
+    bytes_compacted: int = 0
+    open_files: int = 0  # descriptors open now (bounded by the LRU)
+
+
+_IOV = 1024  # buffers per pwritev call (IOV_MAX on Linux)
+
+
+def _pwrite_all(fd: int, parts: list, offset: int) -> None:
+    """Write ``parts`` back to back at ``offset`` with pwritev, finishing any short write."""
+    for i in range(0, len(parts), _IOV):
+        chunk = parts[i : i + _IOV]
+        want = sum(len(p) for p in chunk)
+        done = os.pwritev(fd, chunk, offset)
+        if done < want:  # rare on regular files: finish with plain writes
+            rest = memoryview(b"".join(chunk))[done:]
+            while len(rest):
+                k = os.pwrite(fd, rest, offset + done)
+                done += k
+                rest = rest[k:]
+        offset += want
+
+
+class Segments:
+    """Numbered append-only files in ``root``; the caller keeps the index (segment, offset, length).
+
+    ``readonly=True`` opens files ``O_RDONLY`` (a saved copy on a read-only mount), refuses writes
+    and makes :meth:`scan` strict. Not thread-safe: the owner serialises calls (a concurrent
+    reader opens its own ``Segments`` on the same directory).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        segment_size: int = 64 << 20,
+        fsync: bool = False,
+        readonly: bool = False,
+        max_open: int | None = None,
+    ):
+        self.root = root
+        self.segment_size = segment_size
+        self.fsync = fsync
+        self.readonly = readonly
+        self.max_open = max(2, max_open if max_open is not None else _max_open_default())
+        self._fds: OrderedDict[int, int] = OrderedDict()  # LRU of open descriptors
+        self.size: dict[int, int] = {}  # bytes written per segment (its keys: every segment)
+        self.live: dict[int, int] = {}  # bytes of live records (header included) per segment
+        self.tombstones: dict[int, list[int]] = {}  # keys tombstoned per segment
+        self.min_key: dict[int, int] = {}  # smallest item key ever written per segment
+        self.active = -1
+        self.pinned = 0  # > 0 while a reader (save) needs every file to stay
+        self.stats = SegmentStats()
+
+    def path(self, seg: int) -> str:
+        return os.path.join(self.root, f"seg-{seg:08d}.ttr")
+
+    @property
+    def segments(self) -> list[int]:
+        """Numbers of the segment files, oldest first."""
+        return sorted(self.size)
+
+    # ------------------------------------------------------------------ descriptors
+    def _fd(self, seg: int, create: bool = False) -> int:
+        """An open descriptor of ``seg`` (most recently used), opening it if needed."""
+        fd = self._fds.get(seg)
+        if fd is not None:
+            self._fds.move_to_end(seg)
+            return fd
+        if self.readonly:
+            flags = os.O_RDONLY
+        else:
+            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(self.path(seg), flags | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            self._shrink(0)  # the process is out of descriptors: give back all but the active one
+            try:
+                fd = os.open(self.path(seg), flags | os.O_CLOEXEC, 0o600)
+            except OSError as exc2:
+                if exc2.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                raise TierFullError(
+                    f"cannot open segment file {self.path(seg)!r}: the process has no file "
+                    f"descriptors left ({exc2.strerror}); raise the open-file limit (ulimit -n) "
+                    f"or close other files",
+                    tier="disk",
+                    requested=0,
+                ) from exc2
+        self._fds[seg] = fd
+        self._shrink(self.max_open)
+        self.stats.open_files = len(self._fds)
+        return fd
+
+    def _shrink(self, keep: int) -> None:
+        """Close least recently used descriptors (never the active segment's) down to ``keep``."""
+        for seg in list(self._fds):
+            if len(self._fds) <= keep:
+                break
+            if seg == self.active:
+                continue
+            os.close(self._fds.pop(seg))
+        self.stats.open_files = len(self._fds)
+
+    def _register(self, seg: int) -> None:
+        self.size.setdefault(seg, 0)
+        self.live.setdefault(seg, 0)
+        self.tombstones.setdefault(seg, [])
+        self.stats.files = len(self.size)
+
+    def _roll(self) -> None:
+        seg = max(self.size, default=-1) + 1
+        self._fd(seg, create=True)
+        self._register(seg)
+        self.active = seg
+
+    # ------------------------------------------------------------------ writing
+    def append(self, records: Sequence[tuple[int, int, bytes]]) -> list[tuple[int, int, int]]:
+        """Append (key, flags, payload) records in one write; returns (segment, offset, length).
+
+        ``length`` counts the 24-byte record header. Raises TierFullError on a full disk, having
+        truncated the partial write away.
+        """
+        if not records:
+            return []
+        if self.readonly:
+            raise AssertionError("append on a read-only Segments")
+        locs: list[tuple[int, int, int]] = []
+        i = 0
+        while i < len(records):  # fill the active segment, roll, continue
+            if self.active < 0 or self.size[self.active] >= self.segment_size:
+                self._roll()
+            room = self.segment_size - self.size[self.active]
+            j, n = i, 0
+            while j < len(records) and (j == i or n + REC.size + len(records[j][2]) <= room):
+                n += REC.size + len(records[j][2])
+                j += 1
+            locs += self._append_chunk(records[i:j])
+            i = j
+        return locs
+
+    def _append_chunk(
+        self, records: Sequence[tuple[int, int, bytes]]
+    ) -> list[tuple[int, int, int]]:
+        seg = self.active
+        fd = self._fd(seg)
+        base = pos = self.size[seg]
+        parts, locs = [], []
+        for key, flags, payload in records:
+            n = len(payload)
+            parts.append(REC.pack(MAGIC, n, record_crc(n, flags, key, payload), flags, key))
+            parts.append(payload)
+            n += REC.size
+            locs.append((seg, pos, n))
+            pos += n
+            if flags != TOMBSTONE:
+                self.live[seg] += n
+                self.min_key[seg] = min(self.min_key.get(seg, key), key)
+            else:
+                self.tombstones[seg].append(key)
+        total = pos - base
+        try:
+            _pwrite_all(fd, parts, base)  # gathered writes: no joined copy of the batch in RAM
+            if self.fsync:
+                os.fdatasync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, base)
+            for key, flags, payload in records:  # undo the accounting
+                if flags != TOMBSTONE:
+                    self.live[seg] -= REC.size + len(payload)
+                else:
+                    self.tombstones[seg].remove(key)
+            raise TierFullError(
+                f"cannot write {format_size(total)} of replay records to {self.root!r} "
+                f"({exc.strerror}); free disk space there or pick another spill_dir",
+                tier="disk",
+                requested=total,
+            ) from exc
+        self.size[seg] = pos
+        self.stats.bytes_written += total
+        self.stats.file_bytes += total
+        self.stats.live_bytes = sum(self.live.values())
+        if not self.fsync and total >= (1 << 20):
+            # spilled data should leave the page cache, as the disk tier's does
+            os.posix_fadvise(fd, base, total, os.POSIX_FADV_DONTNEED)
+        return locs
+
+    def sync(self) -> None:
+        """fsync every segment file and the directory (a saved copy must survive power loss)."""
+        for seg in self.segments:
+            os.fsync(self._fd(seg))
+        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def release(self, seg: int, length: int) -> None:
+        """A record of ``length`` bytes in ``seg`` is dead. Deletes the file once nothing lives."""
+        self.live[seg] -= length
+        self.stats.live_bytes -= length
+        if (
+            self.live[seg] <= 0
+            and seg != self.active
+            and not self.pinned
+            and not self.needed_tombstones(seg)
+        ):
+            self.drop(seg)
+
+    def sweep(self) -> None:
+        """Delete sealed files with nothing live (deferred while pinned)."""
+        if self.pinned:
+            return
+        for seg in list(self.size):
+            if self.live[seg] <= 0 and seg != self.active and not self.needed_tombstones(seg):
+                self.drop(seg)
+
+    def add_live(self, seg: int, length: int) -> None:
+        """Count a record found by :meth:`scan` as live."""
+        self.live[seg] += length
+        self.stats.live_bytes += length
+
+    def needed_tombstones(self, seg: int) -> list[int]:
+        """Tombstones in ``seg`` that still hide a record in another file (to carry on compaction).
+
+        A record of key k can only sit in a segment whose smallest item key is <= k.
+        """
+        keys = self.tombstones.get(seg)
+        if not keys:
+            return []
+        floor = min((k for s, k in self.min_key.items() if s != seg), default=None)
+        return [] if floor is None else [k for k in keys if k >= floor]
+
+    def drop(self, seg: int) -> None:
+        if seg not in self.size:
+            return
+        fd = self._fds.pop(seg, None)
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(seg))
+        self.stats.file_bytes -= self.size.pop(seg)
+        self.live.pop(seg, None)
+        self.tombstones.pop(seg, None)
+        self.min_key.pop(seg, None)
+        self.stats.files = len(self.size)
+        self.stats.open_files = len(self._fds)
+
+    def candidates(self, threshold: float = 0.5) -> list[int]:
+        """Sealed segments whose live share fell under ``threshold`` (worth compacting)."""
+        return [
+            s
+            for s, n in self.size.items()
+            if s != self.active and n > 0 and self.live[s] < threshold * n
+        ]
+
+    # ------------------------------------------------------------------ reading
+    def read_many(self, locs: np.ndarray) -> list[bytes]:
+        """Payloads of item records at ``locs`` (rows of segment, offset, length), in order.
+
+        Reads are sorted by (segment, offset) and neighbours are coalesced into one ``pread``;
+        every record's magic, length, flags and CRC are checked.
+        """
+        n = len(locs)
+        out: list[bytes | None] = [None] * n
+        if n == 0:
+            return []
+        order = np.lexsort((locs[:, 1], locs[:, 0]))
+        i = 0
+        while i < n:
+            seg, start = int(locs[order[i], 0]), int(locs[order[i], 1])
+            end = start + int(locs[order[i], 2])
+            j = i + 1
+            while j < n:
+                s2, o2, l2 = (int(x) for x in locs[order[j]])
+                if s2 != seg or o2 > end + _GAP:
+                    break
+                end = max(end, o2 + l2)
+                j += 1
+            data = os.pread(self._fd(seg), end - start, start)
+            self.stats.reads += 1
+            self.stats.bytes_read += len(data)
+            if len(data) != end - start:
+                raise CorruptDataError(
+                    f"short read in {self.path(seg)}: wanted {end - start} bytes at {start}",
+                    path=self.path(seg),
+                )
+            for k in range(i, j):
+                row = order[k]
+                off = int(locs[row, 1]) - start
+                out[row] = self._check(data, off, int(locs[row, 2]), seg, start)
+            i = j
+        return out  # type: ignore[return-value]
+
+    def _check(self, data: bytes, off: int, length: int, seg: int, base: int) -> bytes:
+        magic, plen, crc, flags, key = REC.unpack_from(data, off)
+        payload = data[off + REC.size : off + length]
+        if (
+            plen != length - REC.size
+            or flags != 0
+            or not record_ok(magic, plen, crc, flags, key, payload)
+        ):
+            raise CorruptDataError(
+                f"record at offset {base + off} of {self.path(seg)} failed its check (magic, "
+                f"length, flags or CRC); the file was modified or damaged",
+                path=self.path(seg),
+            )
+        return payload
+
+    # ------------------------------------------------------------------ recovery
+    def scan(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """Register existing segments and yield (key, flags, segment, offset, length) in order.
+
+        A torn or corrupt tail in the newest segment (a crash during a write) is truncated away;
+        damage anywhere else raises CorruptDataError. In ``readonly`` mode any damage raises and
+        nothing is modified.
+        """
+        segs = sorted(int(m.group(1)) for f in os.listdir(self.root) if (m := _NAME.match(f)))
+        for seg in segs:
+            self._register(seg)
+        for idx, seg in enumerate(segs):
+            last = idx == len(segs) - 1
+            path = self.path(seg)
+            pos = 0
+            with open(path, "rb", buffering=1 << 20) as f:
+                total = os.fstat(f.fileno()).st_size
+                while pos < total:
+                    head = f.read(REC.size)
+                    bad = len(head) < REC.size
+                    if not bad:
+                        magic, plen, crc, flags, key = REC.unpack(head)
+                        bad = magic not in (MAGIC, MAGIC_V1) or pos + REC.size + plen > total
+                    if not bad:
+                        payload = f.read(plen)
+                        bad = len(payload) != plen or not record_ok(
+                            magic, plen, crc, flags, key, payload
+                        )
+                    if bad:
+                        if self.readonly:
+                            raise CorruptDataError(
+                                f"record at offset {pos} of {path} is damaged; this saved copy "
+                                f"cannot be loaded (it was left unchanged)",
+                                path=path,
+                            )
+                        if not last or self._valid_after(f, pos, total):
+                            raise CorruptDataError(
+                                f"record at offset {pos} of {path} is damaged; the buffer cannot "
+                                f"be recovered safely (move the file away to recover the other "
+                                f"segments)",
+                                path=path,
+                            )
+                        os.truncate(path, pos)  # torn tail of an unacknowledged write
+                        break
+                    n = REC.size + plen
+                    if flags == TOMBSTONE:
+                        self.tombstones[seg].append(key)
+                    else:
+                        self.min_key[seg] = min(self.min_key.get(seg, key), key)
+                    yield key, flags, seg, pos, n
+                    pos += n
+            self.size[seg] = pos
+            self.stats.file_bytes += pos
+        self.active = segs[-1] if segs else -1
+
+    @staticmethod
+    def _valid_after(f, pos: int, total: int) -> bool:
+        """Is there an intact record after ``pos``? Then the damage is not a torn tail."""
+        f.seek(pos + 1)
+        data = f.read(total - pos - 1)
+        at = data.find(b"TTR")
+        while at >= 0:
+            if at + REC.size <= len(data):
+                magic, plen, crc, flags, key = REC.unpack_from(data, at)
+                payload = data[at + REC.size : at + REC.size + plen]
+                if len(payload) == plen and record_ok(magic, plen, crc, flags, key, payload):
+                    return True
+            at = data.find(b"TTR", at + 1)
+        return False
+
+    def close(self, remove: bool) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+        self.stats.open_files = 0
+        if remove:
+            for seg in list(self.size):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path(seg))
