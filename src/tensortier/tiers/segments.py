@@ -1,4 +1,6 @@
-"""Append-only segment files of variable-size records: the disk tier of the RL stores.
+"""Append-only segment files of variable-size records: the on-disk format of the RL stores
+(replay buffer, memory bank: keyed, mutable through tombstones and compaction) and of the dataset
+catalog (``tensortier.data``: write-once, the key of a record is its index).
 
 Why not :class:`~tensortier.tiers.disk.DiskStore` extents: it rounds every tensor to 4 KiB
 pages (a 10 KB transition would waste 20%), runs one thread-pool future per tensor (tens of
@@ -16,6 +18,9 @@ only tear the tail of the newest segment: :meth:`Segments.scan` stops there and 
 (never in ``readonly`` mode, which refuses any damage: reading a saved copy never modifies it).
 Records are never rewritten in place; compaction (in ``_store.py``) copies a segment's live
 records to the active segment and deletes the file, so the space of removed items comes back.
+
+Parallel writers. Each writer owns its files: ``Segments(root, first=w, step=n)`` numbers its
+segments ``w, w + n, w + 2n, ...`` so ``n`` writers can fill one directory at once.
 
 Open files. Descriptors are opened on demand and kept in a small LRU (the active segment always
 stays open), so a store with thousands of segments stays far below the process's open-file limit.
@@ -60,6 +65,47 @@ def record_ok(magic: int, plen: int, crc: int, flags: int, key: int, payload) ->
     if magic == MAGIC:
         return crc == record_crc(plen, flags, key, payload)
     return magic == MAGIC_V1 and crc == zlib.crc32(payload)
+
+
+def payload_of(
+    data, off: int, length: int, *, key: int | None = None, crc: int | None = None
+) -> memoryview | None:
+    """The payload of the item record at ``data[off : off + length]``, or None if it fails a check.
+
+    ``length`` counts the header. Checks magic, length, flags and the CRC; ``key`` and ``crc``,
+    when given, must also match the header (an index that knows them catches a record moved or
+    swapped whole). Returns a view into ``data`` (no copy).
+    """
+    if off < 0 or length < REC.size or off + length > len(data):
+        return None
+    magic, plen, rcrc, flags, rkey = REC.unpack_from(data, off)
+    payload = memoryview(data)[off + REC.size : off + length]
+    if plen != length - REC.size or flags != 0:
+        return None
+    if (key is not None and rkey != key) or (crc is not None and rcrc != crc):
+        return None
+    return payload if record_ok(magic, plen, rcrc, flags, rkey, payload) else None
+
+
+def coalesce(seg: np.ndarray, off: np.ndarray, length: np.ndarray, gap: int = _GAP):
+    """Group records into reads: yields (segment, start, end, rows) in (segment, offset) order.
+
+    ``rows`` are positions in the input arrays of the records that ``[start, end)`` of the segment
+    covers; records closer than ``gap`` bytes share one read.
+    """
+    n = len(seg)
+    if n == 0:
+        return
+    order = np.lexsort((off, seg))
+    s, o = seg[order].astype(np.int64), off[order].astype(np.int64)
+    e = o + length[order].astype(np.int64)
+    base = s << 40  # one address space (segments < 1 TiB), so the running end restarts per file
+    reach = np.maximum.accumulate(base + e)  # end of everything read so far
+    new = np.ones(n, bool)
+    new[1:] = (s[1:] != s[:-1]) | (base[1:] + o[1:] > reach[:-1] + gap)
+    starts = np.flatnonzero(new).tolist() + [n]
+    for a, b in zip(starts[:-1], starts[1:]):
+        yield int(s[a]), int(o[a]), int(e[a:b].max()), order[a:b]
 
 
 def _max_open_default() -> int:
@@ -120,8 +166,11 @@ class Segments:
         fsync: bool = False,
         readonly: bool = False,
         max_open: int | None = None,
+        first: int = 0,
+        step: int = 1,
     ):
         self.root = root
+        self.first, self.step = first, step  # this writer's segment numbers: first + k * step
         self.segment_size = segment_size
         self.fsync = fsync
         self.readonly = readonly
@@ -194,16 +243,20 @@ class Segments:
         self.stats.files = len(self.size)
 
     def _roll(self) -> None:
-        seg = max(self.size, default=-1) + 1
+        after = max(self.size, default=-1) + 1  # the next number of this writer's sequence
+        seg = self.first + max(0, -(-(after - self.first) // self.step)) * self.step
         self._fd(seg, create=True)
         self._register(seg)
         self.active = seg
 
     # ------------------------------------------------------------------ writing
-    def append(self, records: Sequence[tuple[int, int, bytes]]) -> list[tuple[int, int, int]]:
+    def append(
+        self, records: Sequence[tuple[int, int, bytes]], crcs: list[int] | None = None
+    ) -> list[tuple[int, int, int]]:
         """Append (key, flags, payload) records in one write; returns (segment, offset, length).
 
-        ``length`` counts the 24-byte record header. Raises TierFullError on a full disk, having
+        ``length`` counts the 24-byte record header. ``crcs``, when given, receives each record's
+        checksum (an index that stores them). Raises TierFullError on a full disk, having
         truncated the partial write away.
         """
         if not records:
@@ -220,20 +273,22 @@ class Segments:
             while j < len(records) and (j == i or n + REC.size + len(records[j][2]) <= room):
                 n += REC.size + len(records[j][2])
                 j += 1
-            locs += self._append_chunk(records[i:j])
+            locs += self._append_chunk(records[i:j], crcs)
             i = j
         return locs
 
     def _append_chunk(
-        self, records: Sequence[tuple[int, int, bytes]]
+        self, records: Sequence[tuple[int, int, bytes]], crcs: list[int] | None
     ) -> list[tuple[int, int, int]]:
         seg = self.active
         fd = self._fd(seg)
         base = pos = self.size[seg]
-        parts, locs = [], []
+        parts, locs, sums = [], [], []
         for key, flags, payload in records:
             n = len(payload)
-            parts.append(REC.pack(MAGIC, n, record_crc(n, flags, key, payload), flags, key))
+            crc = record_crc(n, flags, key, payload)
+            sums.append(crc)
+            parts.append(REC.pack(MAGIC, n, crc, flags, key))
             parts.append(payload)
             n += REC.size
             locs.append((seg, pos, n))
@@ -263,6 +318,8 @@ class Segments:
                 requested=total,
             ) from exc
         self.size[seg] = pos
+        if crcs is not None:
+            crcs += sums
         self.stats.bytes_written += total
         self.stats.file_bytes += total
         self.stats.live_bytes = sum(self.live.values())
@@ -347,22 +404,10 @@ class Segments:
         Reads are sorted by (segment, offset) and neighbours are coalesced into one ``pread``;
         every record's magic, length, flags and CRC are checked.
         """
-        n = len(locs)
-        out: list[bytes | None] = [None] * n
-        if n == 0:
+        out: list[bytes | None] = [None] * len(locs)
+        if len(locs) == 0:
             return []
-        order = np.lexsort((locs[:, 1], locs[:, 0]))
-        i = 0
-        while i < n:
-            seg, start = int(locs[order[i], 0]), int(locs[order[i], 1])
-            end = start + int(locs[order[i], 2])
-            j = i + 1
-            while j < n:
-                s2, o2, l2 = (int(x) for x in locs[order[j]])
-                if s2 != seg or o2 > end + _GAP:
-                    break
-                end = max(end, o2 + l2)
-                j += 1
+        for seg, start, end, rows in coalesce(locs[:, 0], locs[:, 1], locs[:, 2]):
             data = os.pread(self._fd(seg), end - start, start)
             self.stats.reads += 1
             self.stats.bytes_read += len(data)
@@ -371,27 +416,17 @@ class Segments:
                     f"short read in {self.path(seg)}: wanted {end - start} bytes at {start}",
                     path=self.path(seg),
                 )
-            for k in range(i, j):
-                row = order[k]
+            for row in rows.tolist():
                 off = int(locs[row, 1]) - start
-                out[row] = self._check(data, off, int(locs[row, 2]), seg, start)
-            i = j
+                payload = payload_of(data, off, int(locs[row, 2]))
+                if payload is None:
+                    raise CorruptDataError(
+                        f"record at offset {start + off} of {self.path(seg)} failed its check "
+                        f"(magic, length, flags or CRC); the file was modified or damaged",
+                        path=self.path(seg),
+                    )
+                out[row] = bytes(payload)
         return out  # type: ignore[return-value]
-
-    def _check(self, data: bytes, off: int, length: int, seg: int, base: int) -> bytes:
-        magic, plen, crc, flags, key = REC.unpack_from(data, off)
-        payload = data[off + REC.size : off + length]
-        if (
-            plen != length - REC.size
-            or flags != 0
-            or not record_ok(magic, plen, crc, flags, key, payload)
-        ):
-            raise CorruptDataError(
-                f"record at offset {base + off} of {self.path(seg)} failed its check (magic, "
-                f"length, flags or CRC); the file was modified or damaged",
-                path=self.path(seg),
-            )
-        return payload
 
     # ------------------------------------------------------------------ recovery
     def scan(self) -> Iterator[tuple[int, int, int, int, int]]:

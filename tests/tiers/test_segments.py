@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tensortier.errors import CorruptDataError
-from tensortier.rl._segments import MAGIC_V1, REC, TOMBSTONE, Segments
+from tensortier.tiers.segments import MAGIC_V1, REC, TOMBSTONE, Segments, coalesce, payload_of
 
 
 def write(root, records, **kw) -> Segments:
@@ -117,3 +117,45 @@ def test_open_descriptors_stay_bounded_with_many_segments(tmp_path):
     segs.close(remove=True)
     assert len(os.listdir("/proc/self/fd")) <= fds
     assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- shared with tt.data
+def test_parallel_writers_number_their_segments_apart_and_report_crcs(tmp_path):
+    writers = [Segments(str(tmp_path), segment_size=100, first=w, step=3) for w in range(3)]
+    crcs: list[int] = []
+    locs = writers[1].append([(i, 0, bytes([i]) * 90) for i in range(4)], crcs=crcs)
+    assert [seg for seg, _, _ in locs] == [1, 4, 7, 10]  # one record fills a 100-byte segment
+    assert len(crcs) == 4
+    writers[0].append([(9, 0, b"x")])
+    writers[2].append([(8, 0, b"y")])
+    assert sorted(int(n[4:12]) for n in os.listdir(tmp_path)) == [0, 1, 2, 4, 7, 10]
+    for w in writers:
+        w.close(remove=False)
+    keys = sorted(k for k, *_ in scan(tmp_path))
+    assert keys == [0, 1, 2, 3, 8, 9]
+
+
+def test_crcs_reported_by_append_are_the_records_checksums(tmp_path):
+
+    segs = Segments(str(tmp_path))
+    crcs: list[int] = []
+    [(seg, off, length)] = segs.append([(5, 0, b"payload")], crcs=crcs)
+    with open(segs.path(seg), "rb") as f:
+        data = f.read()
+    assert bytes(payload_of(data, off, length, key=5, crc=crcs[0])) == b"payload"
+    assert payload_of(data, off, length, key=6) is None  # another record's index
+    assert payload_of(data, off, length, crc=crcs[0] ^ 1) is None  # another record's checksum
+    assert payload_of(data, off, length + 1) is None  # past the end
+    segs.close(remove=True)
+
+
+def test_coalesce_groups_neighbours_per_segment_and_restarts_in_each_file():
+
+    seg = np.array([1, 0, 0, 1, 0])
+    off = np.array([0, 1000, 0, 10_000_000, 50])
+    length = np.array([100, 24, 50, 30, 900])
+    runs = [(s, a, b, sorted(r.tolist())) for s, a, b, r in coalesce(seg, off, length, gap=100)]
+    # segment 0: [0,50) [50,950) [1000,1024) are within 100 bytes of each other; segment 1's
+    # records are 10 MB apart: two reads, even though segment 0's reach is far past offset 0
+    assert runs == [(0, 0, 1024, [1, 2, 4]), (1, 0, 100, [0]), (1, 10_000_000, 10_000_030, [3])]
+    assert list(coalesce(seg[:0], off[:0], length[:0])) == []
