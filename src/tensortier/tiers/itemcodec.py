@@ -7,10 +7,14 @@ nothing but that header, so a blob read back from a file written by another proc
 version of this module) is interpreted exactly, and an unknown kind or dtype is refused instead of
 guessed. Object arrays are refused at encode time: they could only be stored by pickling.
 
-Alignment. ``encode(item, align=8)`` pads the header with spaces and starts every field at a
-multiple of 8 bytes from the blob's start, and pads the blob to a multiple of 8 (the header says
-``"a": 8``). A blob stored at an 8-aligned address then decodes with ``copy=False`` into views of
-the buffer it was read into, aligned for every dtype: the dataset catalog's zero-copy reads.
+Alignment (header version 2). ``encode(item, align=8)`` starts every field at a multiple of 8
+bytes from the blob's start and pads the blob to a multiple of 8. A blob stored at an 8-aligned
+address then decodes with ``copy=False`` into views of the buffer it was read into, aligned for
+every dtype: the dataset catalog's zero-copy reads. Its header is ``static JSON | "\n" | u64
+numbers | blanks``: the JSON (``{"v":2,"s":..,"a":8,"f":[[name, kind, dtype, ndim], ...]}``) is the
+same for every item of a schema, so it is parsed once and cached, and the shapes, offsets and sizes
+that vary from item to item (a bytes field of another length) are read as binary integers. A
+version-1 header is JSON only; decoding handles both.
 
 Batches of blobs that share one header (the common case: fixed-shape transitions) are decoded as
 one ``(batch, record_bytes)`` byte matrix, sliced per field: no per-item Python work beyond a join.
@@ -126,6 +130,8 @@ def encode(item: Any, *, align: int = 1) -> bytes:
         n = len(payload) if isinstance(payload, bytes) else payload.nbytes
         descs.append((name, desc[0], desc[1], tuple(desc[2]), n))
         payloads.append(payload)
+    if align > 1:
+        return _encode_v2(single, descs, payloads, align)
     key = (single, tuple(descs), align)
     cached = _encode_cache.get(key)
     if cached is None:
@@ -150,8 +156,95 @@ def encode(item: Any, *, align: int = 1) -> bytes:
     return b"".join([head, *(x for pair in zip(payloads, gaps) for x in pair)])
 
 
+def _encode_v2(single: bool, descs: list, payloads: list, align: int) -> bytes:
+    schema = (
+        single,
+        tuple((name, kind, dtype, len(shape)) for name, kind, dtype, shape, _ in descs),
+    )
+    cached = _static_cache.get((schema, align))
+    if cached is None:
+        fields = [[name, kind, dtype, ndim] for name, kind, dtype, ndim in schema[1]]
+        static = json.dumps({"v": 2, "s": single, "a": align, "f": fields}, separators=(",", ":"))
+        count = sum(ndim + 2 for *_, ndim in schema[1])
+        size = len(static) + 1 + 8 * count
+        pad = -(_LEN.size + size) % align
+        cached = (
+            _LEN.pack(size + pad) + static.encode() + b"\n",
+            struct.Struct(f"<{count}Q"),
+            b" " * pad,
+        )
+        if len(_static_cache) > 4096:
+            _static_cache.clear()
+        _static_cache[(schema, align)] = cached
+    head, numbers, pad = cached
+    parts, values, offset = [head, None, pad], [], 0
+    for (_, _, _, shape, n), payload in zip(descs, payloads):
+        values += shape
+        values += (offset, n)
+        parts.append(payload)
+        end = offset + n
+        offset = -(-end // align) * align
+        if offset > end:
+            parts.append(bytes(offset - end))
+    parts[1] = numbers.pack(*values)
+    return b"".join(parts)
+
+
 _encode_cache: dict[tuple, tuple[bytes, list[bytes] | None]] = {}
+_static_cache: dict[tuple, tuple[bytes, struct.Struct, bytes]] = {}
 _header_cache: dict[bytes, dict] = {}
+_schema_cache: dict[bytes, tuple[dict, struct.Struct]] = {}
+
+
+def _check_fields(fields: list) -> None:
+    for f in fields:
+        kind, dtype = f[1], f[2]
+        if not isinstance(f[0], str) or kind not in ("np", "py", "pt", "b", "s"):
+            raise ValueError(f"unknown field kind {kind!r}")
+        if kind == "pt" and dtype not in _TORCH_DTYPES:
+            raise ValueError(f"unknown torch dtype {dtype!r}")
+        if kind in ("np", "py") and np.dtype(dtype).hasobject:
+            raise ValueError("object dtype")
+
+
+def _parse_v2(raw: bytes) -> dict:
+    """Header version 2: the cached static JSON plus this item's binary shapes and offsets."""
+    cut = raw.find(b"\n")
+    if cut < 0:
+        raise ValueError("no end of the static header")
+    static = raw[:cut]
+    entry = _schema_cache.get(static)
+    if entry is None:
+        schema = json.loads(static)
+        align = schema["a"]
+        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 4096:
+            raise ValueError(f"bad alignment {align!r}")
+        fields = schema["f"]
+        if not isinstance(fields, list) or not fields:
+            raise ValueError("no fields")
+        for f in fields:
+            if not isinstance(f, list) or len(f) != 4 or not isinstance(f[3], int) or f[3] < 0:
+                raise ValueError(f"bad field {f!r}")
+        _check_fields(fields)
+        count = sum(f[3] + 2 for f in fields)
+        entry = (schema, struct.Struct(f"<{count}Q"))
+        if len(_schema_cache) > 4096:
+            _schema_cache.clear()
+        _schema_cache[static] = entry
+    schema, numbers = entry
+    if len(raw) < cut + 1 + numbers.size or raw[cut + 1 + numbers.size :].strip(b" "):
+        raise ValueError("the binary part of the header has the wrong size")
+    values = numbers.unpack_from(raw, cut + 1)
+    out, i, last = [], 0, 0
+    for name, kind, dtype, ndim in schema["f"]:
+        shape = list(values[i : i + ndim])
+        off, n = values[i + ndim], values[i + ndim + 1]
+        i += ndim + 2
+        if off < last:
+            raise ValueError("fields overlap")
+        last = off + n
+        out.append([name, kind, dtype, shape, off, n])
+    return {"v": 2, "s": schema["s"], "a": schema["a"], "f": out}
 
 
 def _header(blob: bytes | memoryview) -> tuple[bytes, dict, int]:
@@ -163,19 +256,18 @@ def _header(blob: bytes | memoryview) -> tuple[bytes, dict, int]:
     meta = _header_cache.get(raw)
     if meta is None:
         try:
-            meta = json.loads(raw)
-            fields = meta["f"]
-            align = meta.get("a", 1)
-            if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 4096:
-                raise ValueError(f"bad alignment {align!r}")
-            for _name, kind, dtype, _shape, _off, _n in fields:
-                if kind not in ("np", "py", "pt", "b", "s"):
-                    raise ValueError(f"unknown field kind {kind!r}")
-                if kind == "pt" and dtype not in _TORCH_DTYPES:
-                    raise ValueError(f"unknown torch dtype {dtype!r}")
-                if kind in ("np", "py") and np.dtype(dtype).hasobject:
-                    raise ValueError("object dtype")
-        except (ValueError, KeyError, TypeError) as exc:
+            if raw.startswith(b'{"v":2'):
+                meta = _parse_v2(raw)
+            else:
+                meta = json.loads(raw)
+                fields = meta["f"]
+                if meta.get("a", 1) != 1:
+                    raise ValueError("alignment needs header version 2")
+                for f in fields:
+                    if len(f) != 6:
+                        raise ValueError(f"bad field {f!r}")
+                _check_fields(fields)
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise CorruptDataError(f"item header is not valid ({exc})") from exc
         if len(_header_cache) > 4096:
             _header_cache.clear()
@@ -222,11 +314,15 @@ def decode(blob: bytes | memoryview | np.ndarray, *, copy: bool = True) -> Any:
     base = np.frombuffer(blob, np.uint8)
     view = not copy and base.flags.writeable
     out = {}
+    addr = base.__array_interface__["data"][0] + start if view else 0
     for name, kind, dtype, shape, off, n in meta["f"]:
         raw = base[start + off : start + off + n]
-        if not view or raw.ctypes.data % _alignment(kind, dtype):
+        if not view or (addr + off) % _alignment(kind, dtype):
             raw = raw.copy()
-        out[name] = _value(kind, dtype, shape, raw)
+        try:
+            out[name] = _value(kind, dtype, shape, raw)
+        except (ValueError, TypeError) as exc:  # a shape that does not fit the bytes
+            raise CorruptDataError(f"field {name!r} does not match its header ({exc})") from exc
     return out[_SINGLE] if meta["s"] else out
 
 
