@@ -1,4 +1,4 @@
-"""The `tensortier` command: `demo` and `bench <area>`."""
+"""The `tensortier` command: `demo`, `plan`, `catalog` and `bench <area>`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     from tensortier.planner import cli as plan_mod
 
     plan_mod.add_args(sub.add_parser("plan", help="choose what to keep, swap, compress, recompute"))
+    from tensortier.data import cli as catalog_mod
+
+    catalog_mod.add_args(
+        sub.add_parser("catalog", help="build, inspect or verify a dataset catalog")
+    )
     bench = sub.add_parser("bench", help="benchmarks against the peers a user would pick instead")
     areas = bench.add_subparsers(dest="area", required=True)
     for name, module in BENCHES.items():
@@ -41,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         demo_mod.run(args)
     elif args.command == "plan":
         return plan_mod.run(args)
+    elif args.command == "catalog":
+        return catalog_mod.run(args)
     else:
         BENCHES[args.area].run(args)
     return 0
