@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tensortier.bench import activations as bench_activations
+from tensortier.bench import catalog as bench_catalog
 from tensortier.bench import checkpoint as bench_checkpoint
 from tensortier.bench import optimizer as bench_optimizer
 from tensortier.bench import planner as bench_planner
@@ -19,6 +20,7 @@ BENCHES = {
     "optimizer": bench_optimizer,
     "replay": bench_replay,
     "checkpoint": bench_checkpoint,
+    "catalog": bench_catalog,
 }
 
 

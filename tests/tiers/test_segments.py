@@ -180,3 +180,30 @@ def test_direct_appends_write_the_same_files_as_buffered_ones(tmp_path, sizes):
     with open(a.path(0), "rb") as f, open(b.path(0), "rb") as g:
         assert f.read() == g.read()
     assert scan(direct) == scan(plain)
+
+
+def test_format_3_records_use_crc32c_and_are_read_and_checked_like_format_2(tmp_path):
+    import crc32c
+
+    from tensortier.tiers.segments import MAGIC_C, record_crc32c
+
+    segs = Segments(str(tmp_path), checksum="crc32c")
+    crcs: list[int] = []
+    [(seg, off, length)] = segs.append([(7, 0, b"hello")], crcs=crcs)
+    segs.append([(7, TOMBSTONE, b"")])
+    with open(segs.path(seg), "rb") as f:
+        data = f.read()
+    magic, plen, crc, flags, key = REC.unpack_from(data, 0)
+    assert magic == MAGIC_C and crc == crcs[0] == record_crc32c(5, 0, 7, b"hello")
+    assert crc == crc32c.crc32c(b"hello", crc32c.crc32c(data[4:8] + data[12:24]))
+    assert segs.read_many(np.array([[seg, off, length]])) == [b"hello"]
+    segs.close(remove=False)
+    assert [(k, fl) for k, fl, *_ in scan(tmp_path)] == [(7, 0), (7, TOMBSTONE)]
+    raw = bytearray(data)
+    raw[REC.size + 1] ^= 1
+    with open(segs.path(seg), "wb") as f:
+        f.write(raw)
+    reader = Segments(str(tmp_path), readonly=True)
+    with pytest.raises(CorruptDataError):
+        list(reader.scan())
+    reader.close(remove=False)

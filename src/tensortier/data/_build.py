@@ -21,10 +21,10 @@ import contextlib
 import os
 import signal
 import time
-import zlib
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import crc32c
 import numpy as np
 
 from tensortier._lifetime import DirLock
@@ -33,7 +33,7 @@ from tensortier.data import _format
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
 from tensortier.tiers import itemcodec
-from tensortier.tiers.segments import Segments, record_crc
+from tensortier.tiers.segments import Segments, record_crc32c
 
 MAX_WRITERS = 64
 FAULT_ENV = "TENSORTIER_CATALOG_FAULT"  # "<point>[:<hit>]": SIGKILL there (crash tests only)
@@ -170,7 +170,15 @@ def build(
     point = _Faults()
     pools = [ThreadPoolExecutor(1, thread_name_prefix=f"tt-catalog-w{w}") for w in range(writers)]
     segs = [
-        Segments(root, segment_size=seg_size, first=w, step=writers, arg="path", direct=True)
+        Segments(
+            root,
+            segment_size=seg_size,
+            first=w,
+            step=writers,
+            arg="path",
+            direct=True,
+            checksum="crc32c",
+        )
         for w in range(writers)
     ]
     pending: collections.deque[tuple[int, Future]] = collections.deque()
@@ -192,7 +200,7 @@ def build(
                     rows = fut.result()
                     raw = rows.tobytes()
                     index.write(raw)
-                    index_crc = zlib.crc32(raw, index_crc)
+                    index_crc = crc32c.crc32c(raw, index_crc)
                     point("batch-indexed")
                     if bar is not None:
                         bar.update(n)
@@ -211,8 +219,8 @@ def build(
                     ) from exc
                 batch.append(blob)
                 # the checksum is computed here: a writer thread taking the GIL back after each
-                # zlib call would wait for this loop's switch interval (5 ms) every time
-                sums.append(record_crc(len(blob), 0, count, blob))
+                # checksum call would wait for this loop's switch interval (5 ms) every time
+                sums.append(record_crc32c(len(blob), 0, count, blob))
                 size += len(blob)
                 count += 1
                 payload += len(blob)

@@ -255,3 +255,45 @@ def read_blobs(
             else:
                 out[p] = buf[o + REC.size : o + n]
     return out
+
+
+def read_one(
+    files: Descriptors, index: int, row: tuple, sizes: dict[int, int], stats: ReadStats | None
+) -> np.ndarray:
+    """The blob of one record (``row`` = its index row as a tuple): one ``pread``, no planning."""
+    seg, length, off, crc = row
+    path = segment_path(files.root, seg)
+    if seg not in sizes:
+        raise CorruptDataError(
+            f"record {index} in {path}: its index row names segment {seg}, which the catalog "
+            f"does not have (the index is damaged; rebuild the catalog)",
+            path=path,
+        )
+    buf = np.empty(length, np.uint8)  # numpy memory is 16-aligned: the fields' 8 are kept
+    try:
+        fd = files.acquire(seg, False)
+    except FileNotFoundError as exc:
+        raise CorruptDataError(
+            f"record {index} in {path}: the segment file is missing", path=path
+        ) from exc
+    try:
+        got = _pread_into(fd, buf, off, False)
+    finally:
+        files.release(seg, False)
+    if stats is not None:
+        stats.reads += 1
+        stats.bytes_read += got
+        stats.records += 1
+    if got < length:
+        raise CorruptDataError(
+            f"record {index} in {path}: the file ends at byte {off + got} but the record spans "
+            f"bytes {off}..{off + length} (the file was truncated)",
+            path=path,
+        )
+    if not item_ok(memoryview(buf), 0, length, index, crc):
+        raise CorruptDataError(
+            f"record {index} in {path}: the record at offset {off} failed its check (header, "
+            f"length or CRC): the file was modified or damaged",
+            path=path,
+        )
+    return buf[REC.size :]

@@ -4,7 +4,7 @@ Layout of ``<path>/`` (``PROTOCOL.md``)::
 
     catalog.json        the manifest, written last: its presence means "complete"
     index.bin           N fixed-width rows (segment u32, length u32, offset u64, crc u32)
-    seg-00000000.ttr    append-only segment files (``tiers/segments.py`` record format 2)
+    seg-00000000.ttr    append-only segment files (``tiers/segments.py`` record format 3)
     .tt-build.lock      only while a build runs (flock held by the builder)
 
 Reading a manifest validates every field before anything uses it, so a damaged one is one
@@ -31,6 +31,7 @@ VERSION = 1
 MANIFEST = "catalog.json"
 INDEX = "index.bin"
 LOCK = ".tt-build.lock"
+RECORD_FORMAT = 3  # tiers/segments.py format 3: format 2's coverage with CRC-32C
 ALIGN = 8  # records (header + blob) are padded to 8 bytes, so every field can be viewed in place
 INDEX_DTYPE = np.dtype([("seg", "<u4"), ("len", "<u4"), ("off", "<u8"), ("crc", "<u4")])
 _DTYPE_DESC = [list(f) for f in INDEX_DTYPE.descr]
@@ -62,9 +63,9 @@ class Manifest:
             "version": VERSION,
             "records": self.records,
             "payload_bytes": self.payload_bytes,
-            "record_format": 2,
+            "record_format": RECORD_FORMAT,
             "align": ALIGN,
-            "index": {"file": INDEX, "dtype": _DTYPE_DESC, "crc32": self.index_crc},
+            "index": {"file": INDEX, "dtype": _DTYPE_DESC, "crc32c": self.index_crc},
             "segments": [[s, n] for s, n in sorted(self.segments.items())],
             "writers": self.writers,
             "created": self.created,
@@ -100,7 +101,11 @@ def read_manifest(root: str) -> Manifest:
                 f"the catalog in {root!r} has format version {version}, newer than this "
                 f"tensortier reads ({VERSION}); upgrade tensortier"
             )
-        if version != VERSION or meta.get("record_format") != 2 or meta.get("align") != ALIGN:
+        if (
+            version != VERSION
+            or meta.get("record_format") != RECORD_FORMAT
+            or meta.get("align") != ALIGN
+        ):
             raise ValueError("unknown version, record format or alignment")
         index = meta.get("index")
         if not isinstance(index, dict) or index.get("file") != INDEX:
@@ -129,7 +134,7 @@ def read_manifest(root: str) -> Manifest:
             records=_int(meta, "records"),
             payload_bytes=_int(meta, "payload_bytes"),
             segments=table,
-            index_crc=_int(index, "crc32", 0, 2**32),
+            index_crc=_int(index, "crc32c", 0, 2**32),
             writers=_int(meta, "writers", 1, 1 << 16),
             created=created,
         )

@@ -15,17 +15,17 @@ could inherit locked (descriptors are per process), or unpickle anything. Format
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import numpy as np
 
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, format_size
 from tensortier.data import _build, _format
-from tensortier.data._files import Descriptors, ReadStats, read_blobs
+from tensortier.data._files import Descriptors, ReadStats, read_blobs, read_one
 from tensortier.data._format import INDEX_DTYPE, Manifest
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError
 from tensortier.tiers import itemcodec
@@ -224,7 +224,16 @@ class Catalog:
         if isinstance(key, slice):
             return self.read(np.arange(*key.indices(len(self))))
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-            return self.read([key])[0]
+            self._check_open()
+            n, i = len(self), int(key)
+            if not -n <= i < n:
+                raise IndexError(f"record index {i} is out of range for a catalog of {n} records")
+            i += n if i < 0 else 0
+            seg, length, off, crc = self._index[i].item()
+            blob = read_one(
+                self._fds(), i, (seg, length, off, crc), self.manifest.segments, self.stats
+            )
+            return itemcodec.decode(blob, copy=False)
         if isinstance(key, (str, bytes, float, bool)) or key is None:
             raise TypeError(
                 f"catalog indices must be ints, slices or sequences of ints, not "
@@ -291,7 +300,7 @@ class Catalog:
         crc = 0
         with open(os.path.join(self.path, _format.INDEX), "rb") as f:
             while chunk := f.read(16 << 20):
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32c.crc32c(chunk, crc)
         if crc != m.index_crc:
             report.problems.append(
                 f"{os.path.join(self.path, _format.INDEX)} does not match the checksum in the "

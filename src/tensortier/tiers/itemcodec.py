@@ -311,14 +311,20 @@ def decode(blob: bytes | memoryview | np.ndarray, *, copy: bool = True) -> Any:
     always new objects.
     """
     _, meta, start = _header(blob)
-    base = np.frombuffer(blob, np.uint8)
+    if isinstance(blob, np.ndarray) and blob.dtype == np.uint8 and blob.ndim == 1:
+        base = blob
+    else:
+        base = np.frombuffer(blob, np.uint8)
     view = not copy and base.flags.writeable
+    addr = -1
     out = {}
-    addr = base.__array_interface__["data"][0] + start if view else 0
     for name, kind, dtype, shape, off, n in meta["f"]:
         raw = base[start + off : start + off + n]
-        if not view or (addr + off) % _alignment(kind, dtype):
-            raw = raw.copy()
+        if kind not in ("b", "s"):  # bytes and str are new objects anyway
+            if view and addr < 0:
+                addr = base.__array_interface__["data"][0] + start
+            if not view or (addr + off) % _alignment(kind, dtype):
+                raw = raw.copy()
         try:
             out[name] = _value(kind, dtype, shape, raw)
         except (ValueError, TypeError) as exc:  # a shape that does not fit the bytes

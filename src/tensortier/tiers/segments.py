@@ -10,9 +10,12 @@ spill a batch of items in one ``write``, read a batch of items with offset-sorte
 ``pread`` calls, and can be re-scanned after a crash.
 
 Record: ``magic u32 | payload length u32 | crc32 u32 | flags u32 | key i64 | payload``. Format 2
-(magic ``TTR2``, the only one written) checksums ``length | flags | key | payload``, so a flipped
-bit anywhere in a record is caught. Format 1 (``TTR1``, written before format 2 existed)
-checksummed the payload only; its records are still read, each record's magic picking the rule.
+(magic ``TTR2``, what the RL stores write) checksums ``length | flags | key | payload`` with zlib's
+CRC-32, so a flipped bit anywhere in a record is caught. Format 3 (``TTR3``,
+``Segments(checksum="crc32c")``, what the catalog writes) checksums the same bytes with CRC-32C,
+which the ``crc32c`` package computes in hardware at ~10 GB/s (zlib: 2-4 GB/s here, a third of a
+catalog reader's CPU). Format 1 (``TTR1``, written before format 2 existed) checksummed the
+payload only. Every format is read, each record's magic picking the rule.
 ``flags`` is 0 for an item and 1 for a tombstone (the key was removed; empty payload). A crash can
 only tear the tail of the newest segment: :meth:`Segments.scan` stops there and truncates it
 (never in ``readonly`` mode, which refuses any damage: reading a saved copy never modifies it).
@@ -46,6 +49,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import crc32c
 import numpy as np
 
 from tensortier._units import format_size
@@ -54,6 +58,7 @@ from tensortier.errors import CorruptDataError, TierFullError
 REC = struct.Struct("<IIIIq")
 _BODY = struct.Struct("<IIq")  # length | flags | key: the header fields the format-2 CRC covers
 MAGIC = 0x32525454  # b"TTR2" on disk
+MAGIC_C = 0x33525454  # b"TTR3": format 2's coverage, CRC-32C
 MAGIC_V1 = 0x31525454  # b"TTR1": payload-only CRC, read but never written
 TOMBSTONE = 1
 _NAME = re.compile(r"^seg-(\d{8})\.ttr$")
@@ -66,12 +71,23 @@ def record_crc(length: int, flags: int, key: int, payload: bytes | memoryview) -
     return zlib.crc32(payload, zlib.crc32(_BODY.pack(length, flags, key)))
 
 
+def record_crc32c(length: int, flags: int, key: int, payload: bytes | memoryview) -> int:
+    """The format-3 checksum: header fields and payload, CRC-32C."""
+    return crc32c.crc32c(payload, crc32c.crc32c(_BODY.pack(length, flags, key)))
+
+
+_MAGICS = (MAGIC, MAGIC_C, MAGIC_V1)
+CHECKSUMS = {"crc32": (MAGIC, record_crc), "crc32c": (MAGIC_C, record_crc32c)}
+
+
 def record_ok(magic: int, plen: int, crc: int, flags: int, key: int, payload) -> bool:
     """Does a record (header fields + payload) pass its checks?"""
     if flags not in (0, TOMBSTONE) or key < 0 or (flags == TOMBSTONE and plen):
         return False
     if magic == MAGIC:
         return crc == record_crc(plen, flags, key, payload)
+    if magic == MAGIC_C:
+        return crc == record_crc32c(plen, flags, key, payload)
     return magic == MAGIC_V1 and crc == zlib.crc32(payload)
 
 
@@ -82,15 +98,13 @@ def item_ok(data, off: int, length: int, key: int, crc: int) -> bool:
     memoryview (the caller checked the bounds).
     """
     magic, plen, rcrc, flags, rkey = REC.unpack_from(data, off)
-    return (
-        magic == MAGIC
-        and rcrc == crc
-        and rkey == key
-        and flags == 0
-        and plen == length - REC.size
-        and zlib.crc32(data[off + REC.size : off + length], zlib.crc32(_BODY.pack(plen, 0, key)))
-        == crc
-    )
+    if rcrc != crc or rkey != key or flags != 0 or plen != length - REC.size:
+        return False
+    body = _BODY.pack(plen, 0, key)
+    payload = data[off + REC.size : off + length]
+    if magic == MAGIC_C:
+        return crc32c.crc32c(payload, crc32c.crc32c(body)) == crc
+    return magic == MAGIC and zlib.crc32(payload, zlib.crc32(body)) == crc
 
 
 def payload_of(
@@ -196,11 +210,13 @@ class Segments:
         step: int = 1,
         arg: str = "spill_dir",
         direct: bool = False,
+        checksum: str = "crc32",
     ):
         self.root = root
         self.first, self.step = first, step  # this writer's segment numbers: first + k * step
         self.arg = arg  # the argument that chose ``root``, named by a full-disk error
         self.direct = direct and not readonly and hasattr(os, "O_DIRECT")
+        self.magic, self._crc = CHECKSUMS[checksum]  # what append writes (format 2 or 3)
         self._tail: dict[int, bytes] = {}  # direct: bytes of each file's last partial page
         self._stage: np.ndarray | None = None  # direct: page-aligned staging buffer
         self.segment_size = segment_size
@@ -293,7 +309,7 @@ class Segments:
 
         ``length`` counts the 24-byte record header. ``crcs``, when given, receives each record's
         checksum (an index that stores them). A record may carry its checksum as a fourth element
-        (``record_crc(len(payload), flags, key, payload)``, computed by the thread that made the
+        (``record_crc`` or ``record_crc32c`` as ``checksum`` says, computed by the thread that made the
         payload, so a writer thread need not take the GIL back for it). Raises TierFullError on a
         full disk, having truncated the partial write away.
         """
@@ -324,9 +340,9 @@ class Segments:
         parts, locs, sums = [], [], []
         for key, flags, payload, *known in records:
             n = len(payload)
-            crc = known[0] if known else record_crc(n, flags, key, payload)
+            crc = known[0] if known else self._crc(n, flags, key, payload)
             sums.append(crc)
-            parts.append(REC.pack(MAGIC, n, crc, flags, key))
+            parts.append(REC.pack(self.magic, n, crc, flags, key))
             parts.append(payload)
             n += REC.size
             locs.append((seg, pos, n))
@@ -521,7 +537,7 @@ class Segments:
                     bad = len(head) < REC.size
                     if not bad:
                         magic, plen, crc, flags, key = REC.unpack(head)
-                        bad = magic not in (MAGIC, MAGIC_V1) or pos + REC.size + plen > total
+                        bad = magic not in _MAGICS or pos + REC.size + plen > total
                     if not bad:
                         payload = f.read(plen)
                         bad = len(payload) != plen or not record_ok(
