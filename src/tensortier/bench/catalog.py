@@ -44,7 +44,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-size", default="1KB", help="smallest record")
     p.add_argument("--max-size", default="100KB", help="largest record")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--io-threads", type=int, default=16)
     p.add_argument("--prefetch", default="512MiB")
     p.add_argument("--writers", type=int, default=2)
     p.add_argument("--orders", default="full,block", help="read orders to measure")
@@ -324,7 +324,7 @@ print(json.dumps({"open_ms": opened * 1e3, "rss_growth_mib": (proc.memory_info()
 """
 
 
-def open_test(root: str, n: int, real: bool) -> dict:
+def open_test(root: str, n: int, real: bool, runs_wanted: int = 3) -> dict:
     if real:
         from tensortier.data import Catalog
 
@@ -335,7 +335,7 @@ def open_test(root: str, n: int, real: bool) -> dict:
         _synthetic_index(root, n)
         built = None
     runs = []
-    for _ in range(3):
+    for _ in range(runs_wanted):
         drop_caches([root])
         out = subprocess.run(
             [sys.executable, "-c", _OPEN_PROBE, root],
@@ -375,6 +375,61 @@ def _synthetic_index(root: str, n: int) -> None:
     write_manifest(root, Manifest(n, length - 24, sizes, 0, 1, "synthetic"))
 
 
+# --------------------------------------------------------------------------- jobs
+def job(spec: dict) -> dict:
+    """One measurement, run in a fresh process (``--job``): no mapping, cache or thread of another
+    store's build survives into it, and its peak RSS is its own."""
+    import resource
+
+    recs = Records(spec["n"], spec["low"], spec["high"])
+    args = argparse.Namespace(**spec["args"])
+    kind, peer, root = spec["kind"], spec["peer"], spec["root"]
+    if peer == "datasets":
+        import datasets  # noqa: F401  (imports are not what is measured)
+    elif peer == "lmdb":
+        import lmdb  # noqa: F401
+    else:
+        import tensortier.data  # noqa: F401
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    if kind == "build":
+        if peer == "tensortier":
+            out = build_tt(root, recs, args.writers)
+        elif peer == "datasets":
+            out = build_hf(root, recs)
+        else:
+            os.makedirs(root)
+            out = build_lmdb(root, recs)
+    elif kind == "read":
+        if peer == "tensortier":
+            out = read_tt(root, args, spec["order"], recs)
+        else:
+            idx = np.load(spec["order_file"])
+            out = (read_hf if peer == "datasets" else read_lmdb)(root, args, idx, recs)
+    else:
+        out = {"records_per_s": random_reads(peer, root, spec["n"])}
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["peak_rss"] = usage.ru_maxrss * 1024
+    # CPU of the measured phase (user + system): what the machine's load cannot change
+    out["cpu_seconds"] = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
+    return out
+
+
+def run_job(**spec) -> dict:
+    import tensortier
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(tensortier.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-m", "tensortier.bench.catalog", "--job", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"bench job {spec['kind']} {spec['peer']} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # --------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> dict:
     low = parse_size(args.min_size, name="--min-size")
@@ -400,21 +455,21 @@ def run(args: argparse.Namespace) -> dict:
     result["scale"] = why
     rows: list[dict] = []
     try:
-        ref_size = max(min(recs.total, 4 << 30), 64 << 20)
+        ref_size = 64 << 20 if args.quick else max(min(recs.total, 4 << 30), 256 << 20)
         dd_w, dd_r = dd_bandwidth(args.dir, ref_size)
-        tier_w, _, _ = tier_bandwidth(args.dir, min(max(ref_size, 256 << 20), 2 << 30), 64 << 20)
+        tier_w, _, _ = tier_bandwidth(args.dir, min(ref_size, 2 << 30), min(ref_size, 64 << 20))
         result["disk"] = {"dd_write_gbps": dd_w, "dd_read_gbps": dd_r, "tier_write_gbps": tier_w}
-        builds = {"tensortier": build_tt(roots["tensortier"], recs, args.writers)}
-        if "datasets" in peers:
-            builds["datasets"] = build_hf(roots["datasets"], recs)
-        if "lmdb" in peers:
-            os.makedirs(roots["lmdb"])
-            builds["lmdb"] = build_lmdb(roots["lmdb"], recs)
+        common = {"n": n, "low": low, "high": high, "args": vars(args)}
+        builds = {}
+        for peer in ["tensortier", *peers]:
+            os.sync()
+            builds[peer] = run_job(kind="build", peer=peer, root=roots[peer], **common)
         for peer, b in builds.items():
             gbps = recs.total / b["seconds"] / 1e9
             rows.append({"phase": "build", "peer": peer, "order": "-", "seconds": b["seconds"],
                          "gbps": gbps, "vs_limit": gbps / tier_w, "limit": "disk tier write",
-                         "store_bytes": b["bytes"]})  # fmt: skip
+                         "store_bytes": b["bytes"], "peak_rss": b["peak_rss"],
+                         "cpu_seconds": b["cpu_seconds"]})  # fmt: skip
         segs = sorted(
             os.path.join(roots["tensortier"], f)
             for f in os.listdir(roots["tensortier"])
@@ -425,31 +480,33 @@ def run(args: argparse.Namespace) -> dict:
         result["disk"]["dd_read_catalog_files_gbps"] = dd_same
         methods = set()
         for order in [o for o in args.orders.split(",") if o]:
-            idx = epoch_order(roots["tensortier"], args, order)
-            methods.add(drop_caches([roots["tensortier"]]))
-            r = read_tt(roots["tensortier"], args, order, recs)
-            reads = {"tensortier": r}
-            for peer in peers:
+            order_file = os.path.join(work, f"order-{order}.npy")
+            np.save(order_file, epoch_order(roots["tensortier"], args, order))
+            reads = {}
+            for peer in ["tensortier", *peers]:
                 methods.add(drop_caches([roots[peer]]))
-                fn = read_hf if peer == "datasets" else read_lmdb
-                reads[peer] = fn(roots[peer], args, idx, recs)
+                reads[peer] = run_job(kind="read", peer=peer, root=roots[peer], order=order,
+                                      order_file=order_file, **common)  # fmt: skip
             for peer, r in reads.items():
                 gbps = r["bytes"] / r["seconds"] / 1e9
                 rows.append({"phase": "read", "peer": peer, "order": order,
                              "seconds": r["seconds"], "gbps": gbps, "vs_limit": gbps / dd_same,
                              "limit": "dd read of the catalog files", "records_per_s":
                              r["records"] / r["seconds"], "intact": r["intact"],
+                             "peak_rss": r["peak_rss"], "cpu_seconds": r["cpu_seconds"],
                              **({"stats": r["stats"]} if "stats" in r else {})})  # fmt: skip
         for peer in ["tensortier", *peers]:
             methods.add(drop_caches([roots[peer]]))
-            rate = random_reads(peer, roots[peer], n)
+            rate = run_job(kind="random", peer=peer, root=roots[peer], **common)["records_per_s"]
             rows.append({"phase": "random", "peer": peer, "order": "uniform",
                          "records_per_s": rate})  # fmt: skip
         result["cache_drop"] = sorted(methods)
         if not args.keep:  # make room for the open test
             for peer in ("tensortier", *peers):
                 shutil.rmtree(roots[peer], ignore_errors=True)
-        result["open"] = open_test(roots["open"], args.index_records, args.real_index)
+        result["open"] = open_test(
+            roots["open"], args.index_records, args.real_index, 1 if args.quick else 3
+        )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -464,6 +521,7 @@ def run(args: argparse.Namespace) -> dict:
             ratios[f"read_{order}_vs_{peer}"] = tt_row["gbps"] / by[("read", peer, order)]["gbps"]
     ratios["build_vs_disk_tier_write"] = by[("build", "tensortier", "-")]["vs_limit"]
     result["ratios"] = ratios
+    result["load_average"] = os.getloadavg()
     print_table(rows, ["phase", "peer", "order", "seconds", "gbps", "vs_limit", "records_per_s"])
     o = result["open"]
     print(f"open {o['records']} records ({o['index']}): {o['open_ms']:.2f} ms, RSS +"
@@ -474,6 +532,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--job"]:
+        print(json.dumps(job(json.loads(argv[1]))))
+        return
     p = argparse.ArgumentParser(description=__doc__)
     add_args(p)
     run(p.parse_args(argv))

@@ -58,7 +58,7 @@ class Loader:
         even: str = "pad",
         drop_last: bool = False,
         prefetch: SizeLike = "512MiB",
-        io_threads: int = 8,
+        io_threads: int = 16,
         transform: Callable | None = None,
         collate: Callable | None = None,
         num_workers: int = 0,

@@ -91,7 +91,7 @@ class EpochDataset(IterableDataset):
         even: str = "pad",
         drop_last: bool = False,
         prefetch: SizeLike = "512MiB",
-        io_threads: int = 8,
+        io_threads: int = 16,
         transform: Callable | None = None,
         collate: Callable | None = None,
         epoch: int = 0,
