@@ -196,3 +196,25 @@ def test_map_style_dataset_reads_batches_through_getitems(cat):
     assert len(names) == N and names[:7] == [type(record(i)).__name__ for i in range(7)]
     assert ds.__getitems__([5, 2]) == [type(record(5)).__name__, type(record(2)).__name__]
     assert isinstance(Loader(cat, batch=3), Loader)
+
+
+def test_a_loader_dropped_mid_epoch_is_collected_and_its_threads_end(cat):
+    import gc
+    import threading
+    import weakref
+
+    from tensortier._lifetime import quiesce
+
+    def readers() -> int:
+        return sum(t.name.startswith("tt-catalog-read") for t in threading.enumerate())
+
+    before = readers()
+    loader = cat.epochs(batch=10, prefetch="32KiB", io_threads=3)
+    it = iter(loader)
+    next(it)
+    assert readers() > before
+    ref = weakref.ref(loader)
+    del loader, it
+    gc.collect()
+    assert quiesce()
+    assert ref() is None and readers() == before

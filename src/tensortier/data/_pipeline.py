@@ -9,7 +9,8 @@ apply ``transform``. The consumer submits pieces in order while the bytes in fli
 
 Waits. The consumer waits only on futures of its own executor; a piece always settles them (its
 errors travel in the future) and ``close`` cancels queued ones (the consumer then raises
-:class:`ClosedError`): there is no other wait.
+:class:`ClosedError`): there is no other wait. A stream closed early (or collected) hands its
+pending futures to a lock-free deque that the owner drains (cancels) at its next call.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def stream(
     transform: Callable | None,
     collate: Callable | None,
     stats: LoaderStats,
+    abandoned: deque,
 ) -> Iterator[Batch]:
     """Batches of the records at ``ranges`` of ``order``, read ahead (see the module docstring)."""
     direct = catalog.direct_io()
@@ -208,5 +210,6 @@ def stream(
         if held:
             yield emit(held)
     finally:
-        for _, fut in inflight:
-            fut.cancel()
+        # Reads ahead of an abandoned stream are cancelled by the owner's next call: this may run
+        # inside garbage collection, where taking a future's lock (cancel) is not allowed.
+        abandoned.extend(fut for _, fut in inflight)

@@ -158,6 +158,7 @@ class Loader:
         gen, self._active = self._active, None
         if gen is not None:
             gen.close()
+        self.dataset.cancel_abandoned()
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning at the next iteration."""

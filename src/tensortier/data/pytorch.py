@@ -17,6 +17,7 @@ descriptors, I/O threads and locks are made per process on first use, never inhe
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -151,6 +152,7 @@ class EpochDataset(IterableDataset):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_fin: Finalizer | None = None
+        self._abandoned: deque = deque()  # futures of streams closed early (see _pipeline)
 
     # ------------------------------------------------------------------ shape of an epoch
     @property
@@ -188,6 +190,7 @@ class EpochDataset(IterableDataset):
         ranges = [(p * b, min(end, (p + 1) * b)) for p in range(first, -(-end // b), workers)]
         if workers == 1:  # one range: pieces may span batches
             ranges = [(start, end)] if start < end else []
+        self.cancel_abandoned()
         order = Order(self.spec, epoch, self.rank)
         threads = max(1, self.io_threads // workers)
         prefetch = max(1, self.prefetch // workers)
@@ -203,6 +206,7 @@ class EpochDataset(IterableDataset):
             transform=self.transform,
             collate=self.collate,
             stats=self.stats,
+            abandoned=self._abandoned,
         )
 
     def __iter__(self) -> Iterator[Batch]:
@@ -210,8 +214,17 @@ class EpochDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return self.iterate(self.epoch, self.start, worker, workers)
 
+    def cancel_abandoned(self) -> None:
+        """Cancel the queued reads of streams that were closed early."""
+        while True:
+            try:
+                self._abandoned.popleft().cancel()
+            except IndexError:
+                return
+
     def close(self) -> None:
         """Stop the read-ahead threads of this process (reads already running finish first)."""
+        self.cancel_abandoned()
         if self._pool is not None and self._pool_pid == os.getpid():
             self._pool_fin()
         self._pool = None
@@ -219,6 +232,7 @@ class EpochDataset(IterableDataset):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_pool"], state["_pool_pid"], state["_pool_fin"] = None, 0, None
+        state["_abandoned"] = deque()
         state["stats"] = LoaderStats()
         return state
 
