@@ -257,7 +257,11 @@ def _header(blob: bytes | memoryview) -> tuple[bytes, dict, int]:
     if meta is None:
         try:
             if raw.startswith(b'{"v":2'):
+                # not cached: its binary part differs per item (a cache of them churns, and its
+                # long-lived garbage makes the cyclic GC scan everything); the JSON part is cached
                 meta = _parse_v2(raw)
+                _end_check(blob, hlen, meta)
+                return raw, meta, 4 + hlen
             else:
                 meta = json.loads(raw)
                 fields = meta["f"]
@@ -272,10 +276,14 @@ def _header(blob: bytes | memoryview) -> tuple[bytes, dict, int]:
         if len(_header_cache) > 4096:
             _header_cache.clear()
         _header_cache[raw] = meta
+    _end_check(blob, hlen, meta)
+    return raw, meta, 4 + hlen
+
+
+def _end_check(blob, hlen: int, meta: dict) -> None:
     end = 4 + hlen + (meta["f"][-1][4] + meta["f"][-1][5] if meta["f"] else 0)
     if not end <= len(blob) < end + meta.get("a", 1):  # an aligned blob may end in padding
         raise CorruptDataError(f"item blob has {len(blob)} bytes, its header describes {end}")
-    return raw, meta, 4 + hlen
 
 
 def _value(kind: str, dtype: str, shape: Sequence[int], raw: np.ndarray) -> Any:
