@@ -134,3 +134,50 @@ def test_normalize_device():
     assert normalize_device("cpu") == torch.device("cpu")
     assert normalize_device(torch.device("cpu", 0)) == torch.ones(1).device
     assert normalize_device(None).type in ("cpu", "cuda")
+
+
+def test_forked_child_does_not_keep_the_parents_locks(tmp_path):
+    """A DataLoader-style forked worker drops its copies of our lock descriptors (review finding 9):
+    the parent can reopen a directory it closed, and a dead owner's directory is reclaimable
+    although its forked worker still lives."""
+    lock = DirLock(tmp_path, what="test writer")
+    pid = os.fork()
+    if pid == 0:  # the child sleeps holding nothing
+        import time
+
+        time.sleep(1.5)
+        os._exit(0)
+    try:
+        lock.release()
+        DirLock(tmp_path, what="test writer").release()  # before the fix: held by the child
+    finally:
+        os.waitpid(pid, 0)
+
+    child = f"""
+import os, signal, time
+from tensortier._lifetime import private_dir
+print(private_dir({str(tmp_path)!r}, "tt-test"), flush=True)
+if os.fork() == 0:  # an orphaned worker: lets go of the test's pipes, lives on a while
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1); os.dup2(null, 2)
+    time.sleep(10); os._exit(0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    dead = r.stdout.strip()
+    assert os.path.isdir(dead)
+    assert dead in reclaim_stale(tmp_path)  # its orphaned worker does not hold the owner lock
+
+
+def test_a_forked_child_never_runs_the_parents_cleanup(tmp_path):
+    marker = tmp_path / "cleaned"
+    owner = _Owner()
+    f = Finalizer(owner, marker.write_text, "x")
+    pid = os.fork()
+    if pid == 0:
+        f()  # e.g. a worker closing its copy of a store: must not delete the parent's files
+        os._exit(0 if not marker.exists() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and not marker.exists()
+    f()
+    assert marker.read_text() == "x"

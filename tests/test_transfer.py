@@ -389,6 +389,107 @@ def test_codec_failure_reaches_the_future_and_gives_bytes_back(engine):
     assert _idle(engine) and engine.host.stats.in_use == 0 and len(engine.disk) == 0
 
 
+# ----------------------------------------------------------------------------- blocks under copies (review-12-18 #3)
+def test_host_tensor_view_stays_valid_after_the_host_tensor_is_dropped(engine):
+    """``to_host(x).result().tensor``: the HostTensor is a temporary; its block must not go back
+    to the pool (and be overwritten by the next transfer) while the view lives."""
+    t = engine.to_host(torch.ones(1 << 16)).result().tensor
+    gc.collect()
+    other = engine.to_host(torch.full((1 << 16,), 7.0)).result()
+    assert bool((t == 1).all()), "the view was overwritten by the next transfer"
+    other.free()
+    del t
+    gc.collect()
+    assert engine.host.stats.in_use == 0
+
+
+def _gate(engine):
+    """Holds the engine's (single) copy worker until the returned event is set."""
+    gate = threading.Event()
+    engine._cpu.submit(gate.wait, 30)
+    return gate
+
+
+def test_block_freed_while_its_copy_to_the_device_is_queued_is_not_rewritten(spill_dir):
+    """to_device(h) then h.free(): the copy still reads the block. The pool must not lend it again
+    (CachingHostAllocator's rule) until the copy has run; the copy must see the original bytes."""
+    with TransferEngine(host=HostPool("64MiB", pin=False), threads=1) as engine:
+        x = torch.randn(1 << 18)
+        h = engine.to_host(x).result()
+        ptr = h.block.buffer.data_ptr()
+        gate = _gate(engine)
+        fut = engine.to_device(h, device="cpu")  # queued behind the gate
+        h.free()
+        other = engine.host.alloc(h.nbytes)
+        assert other.buffer.data_ptr() != ptr, "the block was lent again under a queued copy"
+        other.view.fill_(0)
+        gate.set()
+        assert torch.equal(fut.result(), x)
+        other.free()
+
+
+def test_full_pool_waits_for_the_copy_that_still_reads_a_freed_block(spill_dir):
+    with TransferEngine(host=HostPool("1MiB", pin=False), threads=1) as engine:
+        x = torch.randn(1 << 18)  # exactly the budget
+        h = engine.to_host(x).result()
+        gate = _gate(engine)
+        fut = engine.to_device(h, device="cpu")
+        h.free()
+        threading.Timer(0.2, gate.set).start()
+        block = engine.host.alloc(h.nbytes)  # waits until the queued copy has read the block
+        block.view.fill_(0)
+        assert torch.equal(fut.result(), x)
+        block.free()
+
+
+def test_block_freed_while_it_is_written_to_disk_is_not_rewritten(engine, monkeypatch):
+    disk = engine.disk
+    put, gate = disk.put, threading.Event()
+
+    def slow_put(t):
+        from concurrent.futures import Future
+
+        out = Future()
+
+        def later():
+            gate.wait(30)
+            inner = put(t)
+            inner.add_done_callback(
+                lambda f: (
+                    out.set_exception(f.exception())
+                    if f.exception()
+                    else out.set_result(f.result())
+                )
+            )
+
+        threading.Thread(target=later).start()
+        return out
+
+    monkeypatch.setattr(disk, "put", slow_put)
+    x = torch.randn(1 << 18)
+    h = engine.to_host(x).result()
+    ptr = h.block.buffer.data_ptr()
+    fut = engine.to_disk(h)
+    h.free()
+    other = engine.host.alloc(h.nbytes)
+    assert other.buffer.data_ptr() != ptr, "the block was lent again under a queued disk write"
+    other.view.fill_(0)
+    gate.set()
+    handle = fut.result()
+    monkeypatch.undo()
+    assert torch.equal(engine.from_disk(handle, to="device", device="cpu", free=True).result(), x)
+    other.free()
+
+
+def test_transfers_of_a_freed_host_tensor_are_refused(engine):
+    h = engine.to_host(torch.randn(100)).result()
+    h.free()
+    for call in (engine.to_device, engine.to_disk):
+        with pytest.raises(ValueError, match="already freed"):
+            call(h)
+    assert _idle(engine)
+
+
 # ----------------------------------------------------------------------------- GPU (REVIEW #6, #8, #10, #12, #13)
 @pytest.mark.gpu
 def test_d2h_does_not_block_the_compute_stream():
@@ -427,6 +528,21 @@ def test_cuda_source_freed_while_its_copy_is_in_flight_is_not_reused_under_it():
         for i, f in enumerate(ys):
             assert torch.equal(f.result(), y * i)
         host.free()
+
+
+@pytest.mark.gpu
+def test_block_freed_under_a_queued_h2d_is_not_rewritten_on_cuda():
+    """review-12-18 #3 sketch: the H2D resolves at issue and queues behind the consumer; the
+    block is freed and the same buffer written from the host; the copy must read the old bytes."""
+    with TransferEngine(host=HostPool("256MiB")) as e:
+        x = torch.full((16 << 20,), 3.0, device="cuda")
+        h = e.to_host(x).result()
+        torch.cuda._sleep(2_000_000_000)  # the H2D queues behind the consumer stream
+        y = e.to_device(h).result()  # resolves at issue
+        h.free()
+        e.host.alloc(h.nbytes).view.fill_(0)  # a same-class block, written from the host
+        torch.cuda.synchronize()
+        assert bool((y == 3.0).all())
 
 
 @pytest.mark.gpu

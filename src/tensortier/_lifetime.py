@@ -27,6 +27,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -125,13 +126,28 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a multiprocessing collector) owns none of the parent's
+    resources: it drops its copies of the parent's lock descriptors, so the locks go away when
+    the parent releases them (closing a copy does not release the parent's lock), and it never
+    runs the parent's cleanups (``Finalizer`` checks the pid)."""
     global _reaper
     _reaper = _Reaper()  # the parent's thread does not exist here; its queue is the parent's
-    _owned.clear()  # the parent's owner locks are shared file descriptions, not ours to release
+    for fd in _owned.values():
+        _close_quietly(fd)
+    _owned.clear()
+    for lock in list(_dir_locks):
+        if lock._finalize.detach() is not None:
+            _close_quietly(lock._fd)
+    _dir_locks.clear()
     _reclaimed.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _defer_in(pid: int, fn: Callable, *args) -> None:
+    if os.getpid() == pid:
+        defer(fn, *args)
 
 
 class Finalizer:
@@ -139,18 +155,20 @@ class Finalizer:
 
     ``f()`` runs ``fn(*args)`` on the calling thread, once (later calls return None), which is what
     ``close()`` wants: the files are gone when it returns. If the owner is collected first, the
-    cleanup runs on the reaper thread. ``args`` must not refer to the owner.
+    cleanup runs on the reaper thread. ``args`` must not refer to the owner. Only the process that
+    made the Finalizer runs it: a forked child's copy of the owner never deletes the parent's
+    files or closes its resources.
     """
 
-    __slots__ = ("_finalize", "_fn", "_args")
+    __slots__ = ("_finalize", "_fn", "_args", "_pid")
 
     def __init__(self, owner: object, fn: Callable, *args):
         _reaper.start()
-        self._fn, self._args = fn, args
-        self._finalize = weakref.finalize(owner, defer, fn, *args)
+        self._fn, self._args, self._pid = fn, args, os.getpid()
+        self._finalize = weakref.finalize(owner, _defer_in, self._pid, fn, *args)
 
     def __call__(self):
-        if self._finalize.detach() is not None:
+        if self._finalize.detach() is not None and os.getpid() == self._pid:
             return self._fn(*self._args)
         return None
 
@@ -161,6 +179,7 @@ class Finalizer:
 
 # --------------------------------------------------------------------------- private directories
 _owned: dict[str, int] = {}  # private directory -> fd holding its owner lock
+_dir_locks: weakref.WeakSet = weakref.WeakSet()  # DirLocks held by this process
 _owned_lock = threading.Lock()
 _reclaimed: set[str] = set()  # parents already swept by this process
 
@@ -282,7 +301,7 @@ class DirLock:
                 path=os.fspath(directory),
             ) from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_or_child_copy(fd, self.path)
         except OSError as exc:
             holder = _read_holder(fd)
             os.close(fd)
@@ -294,6 +313,7 @@ class DirLock:
         os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
         self._fd = fd
         self._finalize = weakref.finalize(self, _close_quietly, fd)
+        _dir_locks.add(self)
 
     def release(self) -> None:
         self._finalize()
@@ -301,6 +321,23 @@ class DirLock:
     @property
     def held(self) -> bool:
         return self._finalize.alive
+
+
+def _flock_or_child_copy(fd: int, path: str) -> None:
+    """``flock(LOCK_EX | LOCK_NB)``; if the holder recorded in the file is this very process and
+    none of our live DirLocks is on ``path``, the lock is a forked child's copy that the child
+    is about to drop (``_after_fork_in_child``): retry for up to a second, then give up."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError:
+            ours = _read_holder(fd) == f" (held by pid {os.getpid()})"
+            mine = any(lock.path == path and lock.held for lock in list(_dir_locks))
+            if not ours or mine or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _close_quietly(fd: int) -> None:

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -75,15 +75,21 @@ class TransferStats:
 
 @dataclass
 class HostTensor:
-    """A tensor held in a :class:`HostBlock`; ``free()`` hands the block back to its pool."""
+    """A tensor held in a :class:`HostBlock`; ``free()`` hands the block back to its pool.
+
+    ``tensor`` keeps the block alive (``HostBlock.hold``): it stays valid after this object is
+    dropped, until ``free()`` is called explicitly."""
 
     block: HostBlock
     dtype: torch.dtype
     shape: tuple[int, ...]
+    _tensor: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def tensor(self) -> torch.Tensor:
-        return self.block.view.view(self.dtype).reshape(self.shape)
+        if self._tensor is None:
+            self._tensor = self.block.hold().view(self.dtype).reshape(self.shape)
+        return self._tensor
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +146,34 @@ class Transfer(Future, Generic[T]):
         else:
             value = super().result(timeout)
         return self._on_result(value) if self._on_result is not None else value
+
+
+class _HostCopy(threading.Event):
+    """Completion of a host-side job that reads or writes a pool block (a copy worker's copy, a
+    decode, a disk write): the CPU counterpart of a CUDA event for ``HostBlock.record``. The job
+    sets it on every path (``_on_cpu``), so a wait on it ends."""
+
+    def query(self) -> bool:
+        return self.is_set()
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+def _record_host(blocks) -> _HostCopy:
+    done = _HostCopy()
+    for block in blocks:
+        block.record(done)
+    return done
+
+
+def _check_live(where: str, parts) -> None:
+    for part in parts:
+        if isinstance(part, HostTensor) and part.block.freed:
+            raise ValueError(
+                f"TransferEngine.{where}: this HostTensor was already freed; its memory may "
+                "belong to another tensor now. Free it only after its last transfer was issued"
+            )
 
 
 # ------------------------------------------------------------------------- the byte throttle
@@ -400,7 +434,7 @@ class TransferEngine:
 
                 self._encode(src, codec, stored, self._failer(fut, ticket))
             else:
-                block = self.host.alloc(nbytes)
+                block = self._alloc(nbytes)
                 out = HostTensor(block, src.dtype, tuple(src.shape))
 
                 def copied() -> None:
@@ -434,8 +468,10 @@ class TransferEngine:
         if isinstance(host, Encoded):
             if not all(isinstance(p, HostTensor) for p in host.parts):
                 raise ValueError("these payloads are on disk: use from_disk(encoded, to='device')")
+            _check_live("to_device(encoded)", host.parts)
             nbytes = host.nbytes
         else:
+            _check_live("to_device(host)", [host])
             src = host.tensor if isinstance(host, HostTensor) else host.detach()
             nbytes = _nbytes(src)
         fut = self._new()
@@ -454,8 +490,9 @@ class TransferEngine:
                     release,
                 )
             else:
-                release = host.free if (free and isinstance(host, HostTensor)) else None
-                self._h2d_future(fut, ticket, src, target, consumer, release)
+                block = host.block if isinstance(host, HostTensor) else None
+                release = host.free if (free and block is not None) else None
+                self._h2d_future(fut, ticket, src, target, consumer, release, block)
         except BaseException:
             ticket.release()
             raise
@@ -478,6 +515,7 @@ class TransferEngine:
         _check_tensor("to_disk(tensor)", tensor, HostTensor)
         disk = self._need_disk()
         is_host = isinstance(tensor, HostTensor)
+        _check_live("to_disk(tensor)", [tensor])
         src = tensor.tensor if is_host else tensor.detach()
         nbytes = tensor.nbytes if is_host else _nbytes(src)
         fut = self._new()
@@ -499,9 +537,10 @@ class TransferEngine:
 
                     self._write_all(disk, payloads, written, self._failer(fut, ticket))
 
-                self._encode(src, codec, encoded, self._failer(fut, ticket, after))
+                block = tensor.block if is_host else None
+                self._encode(src, codec, encoded, self._failer(fut, ticket, after), block)
             elif src.device.type == "cuda":
-                block = self.host.alloc(nbytes)
+                block = self._alloc(nbytes)
                 staged = HostTensor(block, src.dtype, tuple(src.shape))
                 fail = self._failer(fut, ticket, block)
 
@@ -521,6 +560,9 @@ class TransferEngine:
                     raise
             else:  # on the caller's thread: a full tier raises TierFullError here, at once
                 inner = disk.put(src)  # a pool block is page-aligned: O_DIRECT writes from it
+                if is_host:  # the write reads the block until it is done
+                    written_out = _record_host([tensor.block])
+                    inner.add_done_callback(lambda _: written_out.set())
 
                 def written(handles: list[DiskHandle]) -> None:
                     if after is not None:
@@ -628,6 +670,11 @@ class TransferEngine:
                     side = self._sides[device] = _Side(device)
         return side
 
+    def _alloc(self, nbytes: int) -> HostBlock:
+        """A pool block; threads that complete transfers never wait for busy blocks (they could
+        be waiting for their own jobs), they get ``TierFullError`` like a full pool."""
+        return self.host.alloc(nbytes, wait=not getattr(_local, "releasing", 0))
+
     def _new(self) -> Transfer:
         return Transfer(self.stats, self._lock)
 
@@ -668,22 +715,46 @@ class TransferEngine:
 
         return fail
 
-    def _on_cpu(self, fn: Callable[[], None], fail: Callable[[BaseException], None]) -> None:
-        """Run ``fn`` on a copy worker; any exception goes to ``fail``."""
+    def _on_cpu(
+        self,
+        fn: Callable[[], None],
+        fail: Callable[[BaseException], None],
+        done: _HostCopy | None = None,
+    ) -> None:
+        """Run ``fn`` on a copy worker; any exception goes to ``fail``. ``done`` (recorded on the
+        blocks ``fn`` uses) is set on every path: by ``fn`` as soon as it is done with them, else
+        when it returns or raises, or here if the job cannot be submitted."""
 
         def run() -> None:
             try:
                 fn()
             except BaseException as exc:
+                if done is not None:
+                    done.set()
                 fail(exc)
+            finally:
+                if done is not None:
+                    done.set()
 
-        self._cpu.submit(run)
+        try:
+            self._cpu.submit(run)
+        except BaseException:
+            if done is not None:
+                done.set()
+            raise
 
     # ---------------------------------------------------------------- stages
     def _d2h(self, src: torch.Tensor, out: HostTensor, then: Callable[[], None], fail) -> None:
         """Copy ``src`` into ``out``; ``then()`` once done (on a releasing thread)."""
         if src.device.type != "cuda":
-            self._on_cpu(lambda: (out.tensor.copy_(src), then()), fail)
+            done = _record_host([out.block])
+
+            def copy() -> None:
+                out.tensor.copy_(src)
+                done.set()
+                then()
+
+            self._on_cpu(copy, fail, done)
             return
         device = src.device
         side = self._side(device)
@@ -693,21 +764,28 @@ class TransferEngine:
             with torch.cuda.stream(side.d2h):
                 out.tensor.copy_(src, non_blocking=True)
             event.record(side.d2h)
+        out.block.record(event)  # the pool lends the block again only after the copy
         self._completer.put(_Pending(event, src, then, fail))  # keeps src until the copy is done
 
-    def _h2d(self, src: torch.Tensor, target: torch.device, consumer, issued, then, fail) -> None:
-        """Copy host ``src`` to ``target``. ``issued(dst, on_result)`` as soon as ``dst`` can be
-        handed out (CUDA: at once, ``on_result`` orders the consumer after the copy); ``then()``
-        once the copy is complete and ``src`` may be reused."""
+    def _h2d(
+        self, src: torch.Tensor, target: torch.device, consumer, issued, then, fail, block=None
+    ) -> None:
+        """Copy host ``src`` (the memory of pool ``block``, if any) to ``target``.
+        ``issued(dst, on_result)`` as soon as ``dst`` can be handed out (CUDA: at once,
+        ``on_result`` orders the consumer after the copy); ``then()`` once the copy is complete and
+        ``src`` may be reused. The copy's completion is recorded on ``block``, so freeing the block
+        before then never lets the pool lend the memory under the copy."""
         if target.type != "cuda":
+            done = _record_host([block] if block is not None else [])
 
             def copy() -> None:
                 out = torch.empty(src.shape, dtype=src.dtype)
                 out.copy_(src)
+                done.set()
                 issued(out, None)
                 then()
 
-            self._on_cpu(copy, fail)
+            self._on_cpu(copy, fail, done)
             return
         side = self._side(target)
         event = torch.cuda.Event(blocking=True)
@@ -718,6 +796,8 @@ class TransferEngine:
             with torch.cuda.stream(side.h2d):
                 dst.copy_(src, non_blocking=True)
             event.record(side.h2d)
+        if block is not None:
+            block.record(event)
 
         def on_result(value: torch.Tensor) -> torch.Tensor:
             current = torch.cuda.current_stream(target)
@@ -729,7 +809,7 @@ class TransferEngine:
         issued(dst, on_result)
         self._completer.put(_Pending(event, (src, dst), then, fail))
 
-    def _h2d_future(self, fut, ticket, src, target, consumer, release) -> None:
+    def _h2d_future(self, fut, ticket, src, target, consumer, release, block) -> None:
         """``to_device`` of a raw host tensor: resolve ``fut`` when issued, bytes back when done."""
 
         def then() -> None:
@@ -745,7 +825,8 @@ class TransferEngine:
                     fut.set_exception(error)
             ticket.release()
 
-        self._h2d(src, target, consumer, lambda dst, on: self._issue(fut, dst, on), then, fail)
+        issue = lambda dst, on: self._issue(fut, dst, on)  # noqa: E731
+        self._h2d(src, target, consumer, issue, then, fail, block)
 
     @staticmethod
     def _issue(fut: Transfer, dst: torch.Tensor, on_result) -> None:
@@ -755,12 +836,20 @@ class TransferEngine:
             if not fut.done():
                 fut.set_result(dst)
 
-    def _encode(self, src: torch.Tensor, codec: Codec, then, fail) -> None:
-        """``then(payloads, meta)`` on a host thread: device tensors are copied raw first."""
+    def _encode(self, src: torch.Tensor, codec: Codec, then, fail, block=None) -> None:
+        """``then(payloads, meta)`` on a host thread: device tensors are copied raw first.
+        ``block``: the pool block that holds ``src``, if any (read until encoded)."""
         if src.device.type != "cuda":
-            self._on_cpu(lambda: then(*codec.encode(src)), fail)
+            done = _record_host([block] if block is not None else [])
+
+            def encode_host() -> None:
+                encoded = codec.encode(src)
+                done.set()
+                then(*encoded)
+
+            self._on_cpu(encode_host, fail, done)
             return
-        block = self.host.alloc(_nbytes(src))
+        block = self._alloc(_nbytes(src))
         raw = HostTensor(block, src.dtype, tuple(src.shape))
 
         def encode() -> None:
@@ -789,7 +878,7 @@ class TransferEngine:
         try:
             for p in payloads:
                 data = as_bytes(p)
-                block = self.host.alloc(data.numel())
+                block = self._alloc(data.numel())
                 block.view.copy_(data)
                 parts.append(HostTensor(block, p.dtype, tuple(p.shape)))
         except BaseException:
@@ -845,7 +934,7 @@ class TransferEngine:
         into = None
         if not self.host.pin:
             with contextlib.suppress(Exception):  # full pool: the disk allocates instead
-                into = self.host.lend(handle.length)
+                into = self.host.lend(handle.length, wait=not getattr(_local, "releasing", 0))
         inner = disk.get(handle, into=into)
 
         def done(f: Future) -> None:
@@ -865,7 +954,7 @@ class TransferEngine:
         inner.add_done_callback(done)
 
     def _read_to_block(self, fut, ticket, disk, handle, to, target, consumer, free) -> None:
-        block = self.host.alloc(handle.length)
+        block = self._alloc(handle.length)
         try:
             inner = disk.get(handle, into=block.buffer)
         except BaseException:
@@ -887,7 +976,8 @@ class TransferEngine:
                     if to == "host":
                         self._resolve(fut, ticket, host)
                     else:
-                        self._h2d_future(fut, ticket, host.tensor, target, consumer, host.free)
+                        h2d = (fut, ticket, host.tensor, target, consumer, host.free, block)
+                        self._h2d_future(*h2d)
                 except BaseException as exc:
                     fail(exc)
 
@@ -926,25 +1016,27 @@ class TransferEngine:
         self, fut, ticket, enc: Encoded, payloads, to, target, consumer, release
     ) -> None:
         """Decode on a host thread, then hand out a host block (``to="host"``), a CPU tensor, or
-        copy the raw bytes to ``target`` from a pool block."""
+        copy the raw bytes to ``target`` from a pool block. Host payloads are read until decoded."""
+        done = _record_host([p.block for p in enc.parts if isinstance(p, HostTensor)])
 
         def decode() -> None:
             raw = enc.codec.decode(payloads, enc.meta)
+            done.set()
             if release is not None:
                 release()
             if to == "device" and target.type != "cuda":
                 self._resolve(fut, ticket, raw)
                 return
             data = as_bytes(raw)
-            block = self.host.alloc(data.numel())
+            block = self._alloc(data.numel())
             block.view.copy_(data)
             host = HostTensor(block, raw.dtype, tuple(raw.shape))
             if to == "host":
                 self._resolve(fut, ticket, host)
             else:
-                self._h2d_future(fut, ticket, host.tensor, target, consumer, host.free)
+                self._h2d_future(fut, ticket, host.tensor, target, consumer, host.free, block)
 
-        self._on_cpu(decode, self._failer(fut, ticket))
+        self._on_cpu(decode, self._failer(fut, ticket), done)
 
     # test seam: the completion path is device-agnostic (any object with ``synchronize()``)
     def _enqueue(self, event, keep, on_done, on_fail) -> None:

@@ -235,3 +235,32 @@ def test_cuda_inplace_change_while_the_copy_is_in_flight_raises(spill_dir, tier)
         y.backward()
     torch.cuda.synchronize()
     off.close()
+
+
+def test_cuda_mixed_tiers_never_rewrite_a_block_under_its_queued_copy(spill_dir):
+    """review-12-18 #3: when host and disk records mix (the planner's plans, to="auto"), the disk
+    reads of backward land in pool blocks; a host record's block, freed while its H2D still waits
+    behind the consumer stream, must not be one of them (the gradients would silently read the
+    disk record's bytes)."""
+    model = _gpt(n_layer=4)
+    x, y = random_batch(model.cfg, 4, device="cuda")
+    model(x, y).backward()
+    ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    off = tt.Offloader(
+        "auto",
+        spill_dir=spill_dir,
+        min_bytes=0,
+        prefetch="32MiB",
+        decide=lambda info: "host" if info.index % 2 else "disk",  # as a plan mixes them
+    )
+    for _ in range(3):
+        with off:
+            loss = model(x, y)
+        torch.cuda._sleep(1_000_000_000)  # backward's H2D copies queue behind this
+        loss.backward()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+        model.zero_grad(set_to_none=True)
+    assert off.stats.bytes_offloaded["host"] > 0 and off.stats.bytes_offloaded["disk"] > 0
+    off.close()

@@ -26,6 +26,7 @@ def _run_a(directory, steps=5, keep=3):
     m = _linear()
     with Checkpointer(directory, every=1, keep=keep) as ck:
         for step in range(steps):
+            ck.before_optimizer_step()  # an in-place change that is not an optimizer step
             with torch.no_grad():
                 m.weight.add_(1.0)
             ck.maybe_save(step, model=m, extra={"run": "A", "step": step})

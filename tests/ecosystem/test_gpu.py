@@ -117,18 +117,19 @@ def test_cuda_offload_module_frees_block_activations_until_backward():
     model.zero_grad(set_to_none=True)
 
     handle = tt.offload_module(model.transformer.h, to="host")
+    off = handle.offloader  # after remove() the handle holds it only weakly: it may be collected
     try:
         torch.cuda.synchronize()
         m0 = torch.cuda.memory_allocated()
         loss = model(**x).loss
-        handle.offloader._engine.synchronize()  # copies done: sources released
+        off._engine.synchronize()  # copies done: sources released
         torch.cuda.synchronize()
         moved = torch.cuda.memory_allocated() - m0
-        offloaded = handle.offloader.stats.bytes_offloaded["host"]
+        offloaded = off.stats.bytes_offloaded["host"]
         loss.backward()
     finally:
         handle.remove()
-        handle.offloader.close()
+        off.close()
     assert offloaded > 1 << 30
     assert plain - moved >= 0.8 * offloaded, (plain, moved, offloaded)
 

@@ -129,9 +129,14 @@ def test_equal_under_other_cpu_capabilities():
             stderr=subprocess.PIPE,
             text=True,
         )
-        for cap in ("avx2", "default")
+        for cap in ("avx512", "avx2", "default")
     }
+    reached = []
     for cap, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, (cap, err[-2000:])
-        assert "capability" in out
+        got = out.split("capability", 1)[1].strip().lower()
+        # torch falls back to the best width the CPU has: a request above it is not reached
+        assert got == cap or (cap == "avx512" and got in ("avx2", "default")), (cap, got)
+        reached.append(got)
+    assert {"avx2", "default"} <= set(reached)  # at least two vector widths really ran

@@ -275,7 +275,8 @@ def _rel_close(a, b, tol):
 
 
 @pytest.mark.gpu
-def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap():
+@pytest.mark.parametrize("max_norm", [0.05, None])  # unscale_ + clip (redone) / plain (kept)
+def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap(max_norm):
     results = {}
     for kind in KINDS:
         m = _model().cuda()
@@ -288,8 +289,9 @@ def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap():
             with torch.autocast("cuda", torch.float16):
                 loss = m(x).float().square().mean()
             scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            if max_norm is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
@@ -298,6 +300,8 @@ def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap():
     for p, q in zip(results["tt"][0].parameters(), results["tt-no-overlap"][0].parameters()):
         assert torch.equal(p, q)  # same CPU kernel, same gradients: speculation is exact
     assert results["tt"][1].stats.skipped_steps == 1
+    if max_norm is None:  # the path that keeps a speculation under a scale really ran on CUDA
+        assert results["tt"][1].stats.validated > 0
 
 
 @pytest.mark.gpu
@@ -333,3 +337,24 @@ def test_cuda_bf16_params_write_back_matches_no_overlap():
         opt.close()
     for p, q in zip(*(r.parameters() for r in runs)):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("states", ["host", "disk"])
+@pytest.mark.parametrize("clip", [None, 1e6])  # no clip / a clip factor of 1.0: bits unchanged
+def test_hyper_parameters_set_between_backward_and_step_are_used(clip, states, spill_dir):
+    """llm.c / build-nanogpt set lr after backward (and clipping): a speculation made with the old
+    lr, betas, eps or weight decay must be redone, never kept (review finding 1)."""
+
+    def schedule(i, m, opt, sc):
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        for g in opt.param_groups:
+            g["lr"] = 1e-2 * (0.9**i)
+            g["weight_decay"] = 0.05 + 0.01 * (i % 3)
+            g["betas"] = (0.9, 0.999) if i % 2 else (0.85, 0.99)
+            g["eps"] = 1e-8 if i % 4 else 1e-6
+
+    schedule.after_speculation = True  # the worker surely read the old values
+    runs = _compare(edit=schedule, states=states, spill_dir=spill_dir)
+    st = runs[1][1].stats
+    assert st.hyper_changed > 0 and st.validated < st.speculated

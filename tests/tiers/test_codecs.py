@@ -180,3 +180,27 @@ def test_corrupt_sparse_payload_raises_a_typed_error():
     (packed, values), meta = c.encode(torch.relu(torch.randn(1000)))
     with pytest.raises(CorruptDataError):
         c.decode([packed, values[:-1]], meta)
+
+
+@pytest.mark.parametrize("name", LOSSLESS_CODECS)
+def test_one_codec_used_by_several_threads_at_once_stays_exact(name):
+    """An engine's copy workers encode and decode with the same codec object concurrently; shared
+    zstandard contexts corrupted payloads ("Data corruption detected") or crashed the process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    codec = get_codec(name)
+    g = torch.Generator().manual_seed(0)
+    inputs = [
+        (torch.randint(0, 4, (1 << 18,), generator=g) * torch.randn(1 << 18, generator=g)).float()
+        for _ in range(4)
+    ]
+
+    def round_trips(x):
+        for _ in range(15):
+            payloads, meta = codec.encode(x)
+            if not torch.equal(_bits(codec.decode(payloads, meta)), _bits(x)):
+                return False
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(round_trips, inputs))

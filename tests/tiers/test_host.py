@@ -295,3 +295,193 @@ def test_pinned_pool_stays_within_its_budget_on_cuda(monkeypatch):
         b.free()
     pool.close()
     assert fake.bytes == 0
+
+
+# ----------------------------------------------------------------------------- copies in flight (review-12-18 #3)
+class _Copy:
+    """A copy's completion marker, as a CUDA event is: ``query()`` and ``synchronize()``."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done.set()  # as if the device reached the event
+
+
+def test_freed_block_is_not_lent_while_a_copy_still_reads_it():
+    """PyTorch's CachingHostAllocator records an event per copy and never reuses a block before it
+    completes; a freed block whose copy is queued must not be handed out and rewritten."""
+    with HostPool("64MiB", pin=False) as pool:
+        block = pool.alloc(1 << 20)
+        ptr = block.buffer.data_ptr()
+        copy = _Copy()
+        block.record(copy)
+        block.free()
+        other = pool.alloc(1 << 20)
+        assert other.buffer.data_ptr() != ptr, "a block was lent again under its queued copy"
+        assert pool.stats.busy == 1 << 20 and pool.stats.cached == 0
+        copy.done.set()  # the copy completed: the block joins the cache at the next call
+        again = pool.alloc(1 << 20)
+        assert again.buffer.data_ptr() == ptr and pool.stats.busy == 0
+        assert copy.waited == 0  # queried, never waited for
+        other.free()
+        again.free()
+
+
+def test_full_pool_waits_for_a_busy_block_or_raises_on_transfer_threads():
+    with HostPool("1MiB", pin=False) as pool:
+        block = pool.alloc(1 << 20)
+        ptr = block.buffer.data_ptr()
+        copy = _Copy()
+        block.record(copy)
+        block.free()
+        with pytest.raises(TierFullError, match="still read by copies"):
+            pool.alloc(1 << 20, wait=False)
+        again = pool.alloc(1 << 20)  # waits for the copy, then reuses the block
+        assert copy.waited == 1 and again.buffer.data_ptr() == ptr
+        again.free()
+        assert pool.stats.reserved == pool.stats.cached == 1 << 20
+
+
+def test_record_on_a_freed_block_is_refused():
+    with HostPool("1MiB", pin=False) as pool:
+        block = pool.alloc(100)
+        block.free()
+        with pytest.raises(RuntimeError, match="already freed"):
+            block.record(_Copy())
+
+
+def test_a_held_view_keeps_its_block_alive():
+    """HostBlock.hold(): the memory is not lent again while a tensor viewing it lives."""
+    with HostPool("16MiB", pin=False) as pool:
+        view = pool.alloc(1 << 20).hold().view(torch.float32)
+        view.fill_(1.0)
+        gc.collect()
+        assert pool.stats.in_use == 1 << 20
+        other = pool.alloc(1 << 20)
+        other.view.fill_(7)
+        assert bool((view == 1.0).all())
+        part = view[10:20]
+        del view
+        gc.collect()
+        assert pool.stats.in_use == 2 << 20  # a view of the view still holds it
+        del part
+        gc.collect()
+        assert pool.stats.in_use == 1 << 20
+        other.free()
+
+
+def test_closed_pool_unpins_a_busy_block_only_after_its_copy(pinning):
+    pool = HostPool("16MiB")
+    block = pool.alloc(1 << 20)
+    copy = _Copy()
+    block.record(copy)
+    pool.close()
+    block.free()
+    gc.collect()
+    assert quiesce()  # the reaper waited for the copy (synchronize), then unpinned
+    assert copy.waited == 1 and pinning.bytes == 0
+
+
+# ----------------------------------------------------------------------------- pinning outside pools (review-12-18 #6)
+def test_pinned_aligned_empty_registers_exactly_its_pages_and_unpins_when_dropped(pinning):
+    """PyTorch's host allocator would pin 16 KiB for 10 000 bytes (a power of two) and keep it
+    cached after the tensor dies; aligned_empty(pin=True) pins its 3 pages, counted in
+    pinned_bytes(), and unpins them on the reaper once the last view is gone."""
+    from tensortier.tiers.host import aligned_empty, pinned_bytes
+
+    base = pinned_bytes()
+    t = aligned_empty(10_000, pin=True, alignment=64)
+    assert t.numel() == 10_000 and t.dtype == torch.uint8 and t.data_ptr() % PAGE == 0
+    assert pinning.bytes == 3 * PAGE == pinned_bytes() - base
+    part = t[4096:8192].view(torch.float32)
+    part.fill_(1.0)
+    del t
+    gc.collect()
+    assert quiesce() and pinning.bytes == 3 * PAGE  # a view still uses it
+    del part
+    gc.collect()
+    assert quiesce()
+    assert pinning.bytes == 0 and pinned_bytes() == base
+
+
+def test_dropped_pinned_buffer_is_unpinned_on_the_reaper_after_the_devices(pinning, monkeypatch):
+    """A copy queued before the last tensor died may still use the memory: every device finishes
+    its queued work before the pages are unregistered, never inside the finalizer."""
+    from tensortier.tiers import host
+
+    events = []
+    monkeypatch.setattr(host, "_synchronize_devices", lambda: events.append("sync"))
+    unregister = pinning.unregister
+
+    def record(buffer):
+        events.append(("unregister", threading.current_thread().name))
+        unregister(buffer)
+
+    monkeypatch.setattr(host, "_unregister", record)
+    t = host.aligned_empty(1 << 20, pin=True)
+    del t
+    gc.collect()
+    assert quiesce()
+    assert events == ["sync", ("unregister", "tt-reaper")]
+
+
+def test_pinned_copy_and_pools_share_the_count(pinning):
+    from tensortier.tiers.host import pinned_bytes, pinned_copy
+
+    base = pinned_bytes()
+    x = torch.randn(3, 1000, dtype=torch.float64)
+    c = pinned_copy(x)
+    assert torch.equal(c, x) and c.dtype == x.dtype and c.data_ptr() % PAGE == 0
+    with HostPool("16MiB") as pool:
+        block = pool.alloc(1 << 20)
+        assert pinned_bytes() - base == (1 << 20) + 24 * 1024 == pinning.bytes
+        block.free()
+    del c
+    gc.collect()
+    assert quiesce() and pinned_bytes() == base == pinning.bytes
+
+
+def test_optimizer_masters_pin_what_they_hold(pinning):
+    """OffloadedAdamW's pinned masters (one call site of aligned_empty(pin=True)): a bucket of
+    3 MiB + 4 bytes pins 3 MiB + one page, not 4 MiB, and nothing once dropped."""
+    from tensortier.optim._states import _HostBuf
+
+    buf = _HostBuf((3 << 18) + 1, torch.float32, pin=True)
+    assert pinning.bytes == (3 << 20) + PAGE
+    del buf
+    gc.collect()
+    assert quiesce() and pinning.bytes == 0
+
+
+@pytest.mark.gpu
+def test_pinned_aligned_empty_on_cuda_is_exact_and_returned(monkeypatch):
+    """review-12-18 #6: checkpoint images, optimizer masters/snapshots/ring and streamer homes pin
+    through aligned_empty(pin=True): exact pages, no PyTorch host allocation, unpinned once
+    dropped, and usable for asynchronous copies."""
+    from tensortier.tiers.host import aligned_empty, pinned_bytes
+
+    gc.collect()
+    quiesce()
+    base = pinned_bytes()
+    before = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    n = (40 << 20) + 100  # PyTorch's allocator would pin 64 MiB
+    t = aligned_empty(n, pin=True)
+    assert t.is_pinned() and pinned_bytes() - base == (40 << 20) + PAGE
+    assert torch.cuda.host_memory_stats().get("num_host_alloc", 0) == before
+    x = torch.randn(10 << 20, device="cuda")
+    t[: x.numel() * 4].view(torch.float32).copy_(x, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(t[: x.numel() * 4].view(torch.float32), x.cpu())
+    y = torch.empty_like(x)
+    torch.cuda._sleep(1_000_000_000)
+    y.copy_(t[: x.numel() * 4].view(torch.float32), non_blocking=True)  # queued behind the sleep
+    del t  # the reaper waits for the device before unpinning and freeing
+    gc.collect()
+    assert quiesce()
+    assert torch.equal(y, x) and pinned_bytes() == base

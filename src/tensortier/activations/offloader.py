@@ -45,9 +45,10 @@ from tensortier import _lifetime
 from tensortier._device import normalize_device
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
+from tensortier.tiers.codecs import accepts
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
-from tensortier.transfer import HostTensor, TransferEngine
+from tensortier.transfer import Encoded, HostTensor, TransferEngine
 
 TIERS = ("host", "disk", "auto")
 
@@ -162,14 +163,27 @@ class _Record:
 
 
 class _Handle:
-    """What autograd holds instead of a saved tensor: a view description over a record, and the
-    version of the tensor that was saved (PyTorch skips its own check when hooks are set)."""
+    """What autograd holds instead of a saved tensor: a view description over a record (with the
+    lazy conjugate/negative bits of a math view: the storage holds the unconjugated values), and
+    the version of the tensor that was saved (PyTorch skips its own check when hooks are set)."""
 
-    __slots__ = ("record", "dtype", "size", "stride", "offset", "version", "saved", "base")
+    __slots__ = (
+        "record",
+        "dtype",
+        "size",
+        "stride",
+        "offset",
+        "conj",
+        "neg",
+        "version",
+        "saved",
+        "base",
+    )
 
     def __init__(self, record: _Record, t: torch.Tensor):
         self.record, self.dtype = record, t.dtype
         self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+        self.conj, self.neg = t.is_conj(), t.is_neg()
         self.version, self.saved = t._version, weakref.ref(t)
         # a view shares its base's version counter and often dies right after the op saved it
         self.base = weakref.ref(t._base) if t._base is not None else None
@@ -191,7 +205,12 @@ def _view(storage_u8: torch.Tensor, h: _Handle) -> torch.Tensor:
         storage_u8 = storage_u8.clone()
         base = storage_u8.storage_offset()
     out = torch.empty(0, dtype=h.dtype, device=storage_u8.device)
-    return out.set_(storage_u8.untyped_storage(), base // itemsize + h.offset, h.size, h.stride)
+    out = out.set_(storage_u8.untyped_storage(), base // itemsize + h.offset, h.size, h.stride)
+    if h.conj:  # the same lazy math views as the saved tensor (no copy)
+        out = out.conj()
+    if h.neg:
+        out = torch._neg_view(out)
+    return out
 
 
 def _check_version(h: _Handle) -> None:
@@ -461,8 +480,18 @@ class Offloader:
         parts = self._fetch(record).result()
         values = [p.result() if isinstance(p, Future) else p for p in parts]
         value = values[0]
-        if record.codec is not None and not isinstance(parts, _Source):
-            value = record.codec.decode(values, record.meta).reshape(-1).view(torch.uint8)
+        if record.codec is not None and isinstance(parts, _Source) and not record.codec.lossless:
+            # served from the tensor itself (its write still in flight, or kept at the tail): a
+            # lossy codec must give the same values as the round trip, whatever the timing
+            typed = value.reshape(-1).view(torch.uint8).view(record.dtype)
+            payloads, meta = record.codec.encode(typed)
+            value = record.codec.decode(payloads, meta).reshape(-1).view(torch.uint8)
+        elif record.codec is not None and not isinstance(parts, _Source):
+            if isinstance(value, _Payloads):  # an Encoded's payloads on the device: decode there
+                value = value.decode()
+            elif record.meta:  # payloads of a codec that encoded on the device (see _store)
+                value = record.codec.decode(values, record.meta)
+            value = value.reshape(-1).view(torch.uint8)  # else the engine decoded it
         with self._lock:
             if record.materialized is None:
                 record.materialized = value
@@ -470,13 +499,25 @@ class Offloader:
 
     # ------------------------------------------------------------------ data movement
     def _store(self, record: _Record, data: torch.Tensor) -> None:
-        """Start moving ``data`` (the storage bytes, or codec payloads) to ``record.tier``."""
-        payloads = [data]
-        if record.codec is not None:  # codecs see the typed values of the whole storage
-            payloads, record.meta = record.codec.encode(data.view(record.dtype))
-        put = self._engine.to_host if record.tier == "host" else self._engine.to_disk
-        for payload in payloads:
-            record.location.append(put(payload))
+        """Start moving ``data`` (the storage bytes) to ``record.tier``, through its codec if any.
+
+        The one place that encodes. Codecs see the typed values of the whole storage, and encode
+        through the engine (``to_host/to_disk(codec=)``: an async raw D2H, then a copy worker), so
+        the forward thread never waits for the device; only a codec that encodes on the device
+        itself without a sync (a cast) runs here, on the current stream, and its payloads travel
+        raw. See ``_restore`` for the way back."""
+        engine, codec = self._engine, record.codec
+        put = _to_host if record.tier == "host" else _to_disk
+        if codec is None:
+            record.location.append(put(engine, data))
+        elif data.device.type != "cpu" and getattr(codec, "encodes_on_device", False):
+            payloads, record.meta = codec.encode(data.view(record.dtype))
+            record.location.extend(put(engine, p) for p in payloads)
+        else:
+            loc = put(engine, data.view(record.dtype), codec=codec)
+            if record.tier == "host" and self.to == "auto":  # the payloads' size is known only
+                loc = _spill_if_full(engine, loc, data.view(record.dtype), codec, self)  # later
+            record.location.append(loc)
         with self._lock:
             self.stats.bytes_offloaded[record.tier] += record.nbytes
             self.stats.tensors_offloaded += 1
@@ -559,8 +600,22 @@ def _restore(
     engine: TransferEngine, where: Any, device: torch.device, then: Callable[[Future], None]
 ) -> None:
     """The one place that asks the engine for a payload back on ``device`` (the saved tensor's
-    own, which may differ from the engine's); ``then`` gets the finished transfer future."""
-    if isinstance(where, HostTensor):
+    own, which may differ from the engine's); ``then`` gets the finished transfer future.
+
+    An :class:`Encoded` whose codec decodes on the device without a sync (sparse, casts) comes
+    back as its raw payloads, decoded by the consumer (``_Payloads``): fewer bytes cross the bus
+    and the device decodes far faster than a CPU. Other codecs (zstd, lz4) decode on the
+    engine's host threads, and their raw bytes are copied."""
+    if (
+        isinstance(where, Encoded)
+        and device.type == "cuda"
+        and getattr(where.codec, "decodes_on_device", False)
+    ):
+        _restore_payloads(engine, where, device, then)
+        return
+    if isinstance(where, HostTensor) or (
+        isinstance(where, Encoded) and all(isinstance(p, HostTensor) for p in where.parts)
+    ):
         engine.to_device(where, device=device).add_done_callback(then)
     elif _FROM_DISK_TAKES_DEVICE:
         engine.from_disk(where, to="device", device=device).add_done_callback(then)
@@ -586,6 +641,109 @@ def _restore(
 
 class _Source(list):
     """A record's own source storage, handed back before its write finished (not payloads)."""
+
+
+class _Payloads(list):
+    """The payload transfers of an :class:`Encoded`, restored raw to the device (see
+    ``_restore``); ``decode()`` finishes them on the consumer's stream and decodes there."""
+
+    def __init__(self, transfers: list[Future], enc: Encoded):
+        super().__init__(transfers)
+        self.codec, self.meta = enc.codec, enc.meta
+
+    def decode(self) -> torch.Tensor:
+        return self.codec.decode([t.result() for t in self], self.meta)
+
+
+def _restore_payloads(
+    engine: TransferEngine, enc: Encoded, device: torch.device, then: Callable[[Future], None]
+) -> None:
+    """Restore every payload of ``enc`` raw to ``device``; ``then`` gets a finished future whose
+    result is the :class:`_Payloads` (failed with the first error, if any)."""
+    futures: list[Future] = []
+    try:
+        for part in enc.parts:
+            if isinstance(part, HostTensor):
+                futures.append(engine.to_device(part, device=device))
+            else:
+                futures.append(engine.from_disk(part, to="device", device=device))
+    except BaseException as exc:  # e.g. closed: the unpack must raise, never wait forever
+        futures.append(_failed(exc))
+    done: Future = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            done.set_exception(errors[0])
+        else:
+            done.set_result(_Payloads(futures, enc))
+        then(done)
+
+    for f in list(futures):
+        f.add_done_callback(one)
+
+
+def _failed(exc: BaseException) -> Future:
+    f: Future = Future()
+    f.set_exception(exc)
+    return f
+
+
+def _to_host(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
+    return engine.to_host(t, **codec)
+
+
+def _to_disk(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
+    """``engine.to_disk``; a device tensor that the host pool cannot stage (``to="auto"`` with
+    the pool full of host records) is copied to pageable memory first, on the current stream:
+    slower (the forward waits for it), never a failed forward."""
+    try:
+        return engine.to_disk(t, **codec)
+    except TierFullError as exc:
+        if exc.tier != "host" or t.device.type == "cpu":
+            raise
+        return engine.to_disk(t.cpu(), **codec)
+
+
+def _spill_if_full(engine: TransferEngine, first: Future, src, codec, off: Offloader) -> Future:
+    """``to="auto"``: encoded payloads that do not fit the host pool (their size is known only
+    once encoded, on a copy worker) go to disk instead; the future of wherever they end up."""
+    out: Future = Future()
+    box = [src]  # the source, until the payloads are stored somewhere
+
+    def stored(f: Future) -> None:
+        t = box.pop()
+        exc = f.exception()
+        if not isinstance(exc, TierFullError):
+            _copy_result(f, out)
+            return
+        try:
+            retry = _to_disk(engine, t, codec=codec)
+        except BaseException as err:
+            out.set_exception(err)
+            return
+        with off._lock:
+            n = t.numel() * t.element_size()
+            off.stats.bytes_offloaded["host"] -= n
+            off.stats.bytes_offloaded["disk"] += n
+        retry.add_done_callback(lambda g: _copy_result(g, out))
+
+    first.add_done_callback(stored)
+    return out
+
+
+def _copy_result(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(Future.result(src))
 
 
 def _pass_of(record: _Record) -> _Pass:
@@ -615,6 +773,9 @@ def _free_one(engine: TransferEngine, f: Future) -> None:
     if isinstance(where, HostTensor):
         if not where.block.freed:
             where.free()
+    elif isinstance(where, Encoded):
+        if engine.disk is not None or all(isinstance(p, HostTensor) for p in where.parts):
+            where.free(engine.disk)
     elif engine.disk is not None and where in engine.disk:
         engine.disk.free(where)
 
@@ -745,8 +906,9 @@ class _Pass:
         record = _Record(self, self.index, nbytes, t.device, tier)
         record.dtype = t.dtype
         codec = action.codec
-        if codec is not None and nbytes % t.dtype.itemsize == 0:
-            record.codec = codec  # a storage that is not whole elements of this dtype travels raw
+        if codec is not None and nbytes % t.dtype.itemsize == 0 and accepts(codec.name, t.dtype):
+            record.codec = codec  # storages the codec cannot take (not whole elements of this
+            # dtype, a dtype it does not list: fp8, uint16...) travel raw
         data = _storage_bytes(t)
         try:
             pack_s = self._start(record, data)

@@ -2,9 +2,11 @@
 
 The snapshot copies model parameters and optimizer state into reused host images of the
 safetensors files while the next forward and backward run (a thread on CPU, a side stream on
-CUDA); only the next ``optimizer.step()`` waits for it (a step pre-hook enforces this even if the
-user forgets ``before_optimizer_step``; anything else that changes parameters or optimizer state
-in place, such as an EMA update, must call ``before_optimizer_step`` first). Tensors that forward may change (buffers such as
+CUDA); only the next ``optimizer.step()`` waits for it (a global optimizer step pre-hook enforces
+this for every torch optimizer, passed to ``maybe_save`` or not; anything else that changes
+parameters or optimizer state in place, such as an EMA update, must call
+``before_optimizer_step`` first, and a snapshot that such a change overtook fails with
+:class:`ConfigError` instead of committing a torn checkpoint). Tensors that forward may change (buffers such as
 BatchNorm statistics), RNG states, the scheduler and ``extra`` are captured before ``maybe_save``
 returns. The persist runs on one background thread; at most one checkpoint is in flight, so the
 host memory is one set of images, reused for every save. Errors of a background persist are
@@ -15,6 +17,7 @@ the rollback rule and the rules for waits and finalizers are in PROTOCOL.md next
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import numbers
 import os
@@ -29,6 +32,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer
@@ -225,8 +229,12 @@ class Checkpointer:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device
         self._persist: Future | None = None
         self._persist_step: int | None = None
-        self._hooked: weakref.WeakSet = weakref.WeakSet()
-        self._hooks: list = []
+        # every optimizer's step waits for the snapshot, also one not passed to maybe_save/save
+        self._hooks: list = [
+            register_optimizer_step_pre_hook(functools.partial(_before_any_step, weakref.ref(self)))
+        ]
+        self._late: list[tuple[torch.Tensor, int]] = []  # (tensor, _version) copied late
+        self._torn: str | None = None  # a late tensor changed before its copy was ordered
         self._last_call: float | None = None
         # the step this run continues from: the last one saved or restored (see _start's rollback)
         self._last_saved: int | None = None
@@ -309,10 +317,13 @@ class Checkpointer:
         """
         if self._snapshot is None and not self._cuda_done:
             return
+        if self._cuda_done:  # anything queued before this barrier may precede the copies
+            self._torn = self._torn or _changed(self._late)
+            self._late = []
         t0 = time.monotonic()
         if self._snapshot is not None:
             snap, self._snapshot = self._snapshot, None
-            snap.result()
+            snap.exception()  # wait; a failed copy is raised once, by the persist job's error
         for device, event in self._cuda_done.items():
             torch.cuda.current_stream(device).wait_event(event)
         self._cuda_done = {}
@@ -444,19 +455,6 @@ class Checkpointer:
                     self._auto.open_cost = None  # a failed checkpoint is not a cost sample
                 raise error
 
-    def _hook(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer in self._hooked:
-            return
-        self._hooked.add(optimizer)
-        me = weakref.ref(self)
-
-        def pre_step(*_args, **_kwargs) -> None:
-            ck = me()
-            if ck is not None:
-                ck.before_optimizer_step()
-
-        self._hooks.append(optimizer.register_step_pre_hook(pre_step))
-
     def _start(self, step, model, optimizer, scheduler, extra, *, entered: float) -> None:
         self._stall = 0.0
         self.stats.last_stall_seconds = 0.0
@@ -465,8 +463,6 @@ class Checkpointer:
             log.info("checkpoint of step %d waits for the previous persist", step)
         self.wait()
         abandoned = self._abandoned(step)
-        if optimizer is not None:
-            self._hook(optimizer)
         params = {p.data_ptr() for p in model.parameters()} if model is not None else set()
         tensors: list[tuple[str, torch.Tensor, bool]] = []  # name, tensor, copy in background
         names: set[str] = set()
@@ -515,10 +511,16 @@ class Checkpointer:
         self._cuda_done = dict(cuda_done)
 
         clock = CpuClock()
+        late_cpu_versions = [(t, t._version) for _, t in late_cpu]
+        self._late = [(t, t._version) for _, t, late in tensors if late and t.device.type == "cuda"]
+        self._torn = None
 
         def copy_late() -> float:
             for dst, t in late_cpu:
                 dst.copy_(as_bytes(t))
+            torn = _changed(late_cpu_versions)  # changed while (or before) we copied it
+            if torn:
+                raise ConfigError(_torn_message(step, torn))
             return time.monotonic()
 
         snapshot = self._snapshot = self._copier.submit(clock.wrap(copy_late))
@@ -545,6 +547,10 @@ class Checkpointer:
                 for event in cuda_done.values():  # blocking events: the thread sleeps
                     event.synchronize()
                 copied = time.monotonic()
+                # no barrier yet: every change so far may have been queued before the copies
+                torn = self._torn or (_changed(self._late) if self._late else None)
+                if torn:
+                    raise ConfigError(_torn_message(step, torn))
             path, written = persist(
                 self.root, step, shards, images, body, self._io, self.direct, clock
             )
@@ -689,6 +695,30 @@ def _decode_state(body: dict, tensors: dict[str, torch.Tensor], path: str) -> di
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         # a net under the explicit checks: a crafted manifest never escapes as a raw error
         raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _before_any_step(ref: weakref.ref, *_args, **_kwargs) -> None:
+    """Global optimizer step pre-hook: any optimizer's step waits for the snapshot's copies."""
+    ck = ref()
+    if ck is not None and not ck.closed:
+        ck.before_optimizer_step()
+
+
+def _changed(versions: list[tuple[torch.Tensor, int]]) -> str | None:
+    """The shape of the first tensor whose version moved, if any (an in-place change)."""
+    for t, v in versions:
+        if t._version != v:
+            return f"a tensor of shape {tuple(t.shape)} (version {v} -> {t._version})"
+    return None
+
+
+def _torn_message(step: int, what: str) -> str:
+    return (
+        f"checkpoint of step {step} was not written: {what} was changed in place while the "
+        f"snapshot was still copying it, so the checkpoint would mix two steps. Call "
+        f"ck.before_optimizer_step() before changing parameters or optimizer state outside "
+        f"optimizer.step() (an EMA update, a manual edit); optimizer steps wait by themselves"
+    )
 
 
 def _copy_from_device(device, early, late, side: torch.cuda.Stream) -> torch.cuda.Event:

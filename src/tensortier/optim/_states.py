@@ -336,7 +336,10 @@ class DiskStates:
             self._release(token)
 
     def save(self, bucket_id: int, token: object, state: State) -> None:
-        """Write the state to fresh extents (write-behind); the buffer returns when both writes end."""
+        """Write the state to fresh extents (write-behind); the buffer returns when both writes end.
+
+        Takes ownership of ``token``: it goes back to the ring exactly once, also when this raises
+        (so a caller never ``discard``s a token it passed here)."""
         buf = token
         layout = self._layouts[bucket_id]
         try:

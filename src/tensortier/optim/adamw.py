@@ -97,6 +97,7 @@ class OffloadStats:
     redone: int = 0  # speculations dropped in step() and recomputed from the committed state
     unversioned_edits: int = 0  # ...of which the gradient changed without a version bump
     discarded: int = 0  # speculations dropped without an update (zero_grad, skipped step)
+    hyper_changed: int = 0  # ...redone because lr/betas/eps/weight_decay changed before step()
     paused_bucket_steps: int = 0  # bucket-steps without speculation because it kept failing
     update_seconds: float = 0.0  # worker time: state load + kernel + save
     kernel_seconds: float = 0.0  # worker time in the AdamW kernel alone
@@ -123,6 +124,31 @@ class _Slot:
     has_state: bool = False  # like torch: state exists once a step() saw a gradient for it
 
 
+@dataclass(frozen=True)
+class _Hyper:
+    """A param group's AdamW hyper-parameters, read on the caller's thread (never the worker's:
+    loops set ``lr`` between backward and step, and the worker must not race that)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+
+    @staticmethod
+    def of(group: dict) -> _Hyper:
+        beta1, beta2 = group["betas"]
+        return _Hyper(
+            float(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group.get("maximize", False)),
+        )
+
+
 @dataclass(eq=False)
 class _Spec:
     """A speculative update of one bucket: what it assumed, and its pending result."""
@@ -133,6 +159,7 @@ class _Spec:
     versions: list[int]
     param_versions: list[int]
     scale: float | None
+    hyper: _Hyper  # the group's hyper-parameters at launch: a change before step() means redo
     staged: Staged
     future: Future
     stale: bool = False  # a further backward pass reached the bucket
@@ -411,7 +438,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         params = [s.param for s in bucket.slots]
         staged = self._staging.snapshot(bucket.id, params, [s.index for s in slots], grads)
         scale = self._last_scale
-        future = self._worker.submit(self._update, bucket, slots, staged, scale, True, None, None)
+        hyper = _Hyper.of(self.param_groups[bucket.group])
+        future = self._worker.submit(
+            self._update, bucket, slots, staged, scale, hyper, True, None, None
+        )
         bucket.spec = _Spec(
             slots=slots,
             grads=[weakref.ref(g) for g in grads],
@@ -419,6 +449,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             versions=[g._version for g in grads],
             param_versions=[s.param._version for s in slots],
             scale=scale,
+            hyper=hyper,
             staged=staged,
             future=future,
         )
@@ -432,6 +463,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slots: list[_Slot],
         staged: Staged,
         scale: float | None,
+        hyper: _Hyper,
         shadow: bool,
         seeds: list | None,
         direct: list[bool] | None,
@@ -451,7 +483,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             pos = self._order.index(bucket.id) if bucket.id in self._order else -1
             if pos >= 0:
                 self._states.prefetch(self._order[pos + 1 : pos + self._prefetch_depth()])
-            group = self.param_groups[bucket.group]
             ps, ms, vs, steps = [], [], [], []
             for i, s in enumerate(slots):
                 sl = slice(s.offset, s.offset + s.numel)
@@ -465,7 +496,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 ms.append(m[sl])
                 vs.append(v[sl])
                 steps.append(s.step.clone())
-            beta1, beta2 = group["betas"]
             tk = time.perf_counter()
             adamw_(
                 ps,
@@ -473,17 +503,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 ms,
                 vs,
                 steps,
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                maximize=group.get("maximize", False),
+                lr=hyper.lr,
+                beta1=hyper.beta1,
+                beta2=hyper.beta2,
+                eps=hyper.eps,
+                weight_decay=hyper.weight_decay,
+                maximize=hyper.maximize,
                 grad_scale=None if scale is None else torch.tensor(scale, dtype=torch.float32),
             )
             self.stats.kernel_seconds += time.perf_counter() - tk
+            saved = True  # save() owns the token from here on, also when it raises
             self._states.save(bucket.id, token, (master, m, v))
-            saved = True
         finally:
             if not saved:
                 self._states.discard(token)
@@ -666,6 +696,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return False, True, None
         if spec.scale != scale:  # GradScaler changed its scale (or unscale_ was called)
             return False, False, None
+        if spec.hyper != _Hyper.of(self.param_groups[b.group]):  # e.g. lr set after backward
+            self.stats.hyper_changed += 1
+            return False, False, None
         grads = [s.param.grad for s in spec.slots]
         same = all(
             r() is g and g.data_ptr() == p and g._version == v
@@ -697,7 +730,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             else None
             for s in slots
         ]
-        fut = self._worker.submit(self._update, b, slots, staged, scale, False, seeds, direct)
+        hyper = _Hyper.of(self.param_groups[b.group])
+        fut = self._worker.submit(
+            self._update, b, slots, staged, scale, hyper, False, seeds, direct
+        )
         self.stats.launched_in_step += 1
         return b, slots, fut, direct
 
@@ -871,21 +907,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
         try:
             for b in self._buckets:
                 token, (master, m, v) = self._states.blank(b.id)
-                for s in b.slots:
-                    e = entries.get(pos_of[id(s)])
-                    sl = slice(s.offset, s.offset + s.numel)
-                    if e is None:
-                        new_steps[id(s)] = None
-                        continue
-                    m[sl].copy_(e["exp_avg"].reshape(-1))
-                    v[sl].copy_(e["exp_avg_sq"].reshape(-1))
-                    src = e.get("master_param", s.param.detach())
-                    master[sl].copy_(src.reshape(-1))
-                    step = e["step"]
-                    new_steps[id(s)] = torch.tensor(
-                        float(step.item() if torch.is_tensor(step) else step), dtype=torch.float32
-                    )
-                self._states.save(b.id, token, (master, m, v))
+                try:
+                    for s in b.slots:
+                        e = entries.get(pos_of[id(s)])
+                        sl = slice(s.offset, s.offset + s.numel)
+                        if e is None:
+                            new_steps[id(s)] = None
+                            continue
+                        m[sl].copy_(e["exp_avg"].reshape(-1))
+                        v[sl].copy_(e["exp_avg_sq"].reshape(-1))
+                        src = e.get("master_param", s.param.detach())
+                        master[sl].copy_(src.reshape(-1))
+                        step = e["step"]
+                        new_steps[id(s)] = torch.tensor(
+                            float(step.item() if torch.is_tensor(step) else step),
+                            dtype=torch.float32,
+                        )
+                except BaseException:
+                    self._states.discard(token)  # not saved: back to the ring, once
+                    raise
+                self._states.save(b.id, token, (master, m, v))  # owns the token from here
             self._states.commit()
         except BaseException:
             self._states.abort()

@@ -19,8 +19,9 @@ compute stream instead of queueing on it. The copy's destination is allocated on
 and an event is recorded after the copy; the stream that uses the values (the current stream of
 the forward, or of the backward node that unpacks a token) waits on that event, and the tensors
 are ``record_stream``-ed on it, so the allocator reuses their memory only after that stream's work
-queued so far is done. The pinned source of an in-flight copy stays reserved by PyTorch's host
-allocator, which records the copy's stream on the block. The host runs ahead of the GPU, so
+queued so far is done. The pinned source of an in-flight copy stays reserved: the homes live as
+long as the streamer, and a staging block of the disk tier records the copy's event, so its pool
+lends it again only after the copy (``tiers/host.py``). The host runs ahead of the GPU, so
 memory the host has let go of may still be in use by queued kernels: every unit the host is done
 with leaves an event on its stream, and a load that would put more than ``budget`` bytes on the
 device waits for the oldest of those events first (FSDP's rate limiter); prefetches never wait,
@@ -51,6 +52,7 @@ from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
 from tensortier.tiers.disk import DiskHandle, DiskStore
+from tensortier.tiers.host import HostPool, pinned_copy
 
 # attribute set on a streamed Parameter: a weakref to its streamer (one streamer per parameter)
 _OWNER_ATTR = "_tensortier_streamer"
@@ -120,12 +122,16 @@ def _placeholder(p: nn.Parameter, device: torch.device) -> torch.Tensor:
     return torch.full((1,), fill, dtype=p.dtype, device=device).expand(p.shape)
 
 
-def _shutdown(loader: ThreadPoolExecutor | None, store: DiskStore | None) -> None:
+def _shutdown(
+    loader: ThreadPoolExecutor | None, store: DiskStore | None, staging: HostPool | None = None
+) -> None:
     """Cleanup that waits (joins the loader thread): run by ``close()`` or by the reaper."""
     if loader is not None:
         loader.shutdown(wait=True)  # its only job kind (a read or a copy) completes or raises
     if store is not None:
         store.close()
+    if staging is not None:
+        staging.close()  # blocks whose copies still run are unpinned once they are done
 
 
 class ParameterStreamer:
@@ -189,7 +195,10 @@ class ParameterStreamer:
         self._loader = (
             ThreadPoolExecutor(1, thread_name_prefix="tt-params") if need_thread else None
         )
-        self._finalizer = Finalizer(self, _shutdown, self._loader, self._store)
+        # CUDA, disk tier: reads land in pinned staging blocks, lent again after their H2D copy
+        staged = self._store is not None and self._cuda
+        self._staging = HostPool(2 * self.budget, pin=True) if staged else None
+        self._finalizer = Finalizer(self, _shutdown, self._loader, self._store, self._staging)
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         try:
             self._store_homes()
@@ -225,28 +234,29 @@ class ParameterStreamer:
                 if self._store is not None:
                     s.home = self._store.write(p.cpu())
                 else:
-                    home = p.to("cpu", copy=True)
-                    s.home = home.pin_memory() if self._cuda else home
+                    s.home = pinned_copy(p) if self._cuda else p.to("cpu", copy=True)
                 s.placeholder = _placeholder(s.param, self.device)
 
     # ------------------------------------------------------------ loading
     def _read(self, u: _Unit) -> tuple[list[torch.Tensor], Any]:
         """Loader thread: read (disk) or copy (CPU) one unit; on CUDA also start the H2D copy."""
-        host = []
+        host, blocks = [], []
         for s in u.slots:
             if isinstance(s.home, DiskHandle):
-                # CUDA: read into pinned memory so that the H2D copy below is asynchronous
-                into = (
-                    torch.empty(s.home.length, dtype=torch.uint8, pin_memory=True)
-                    if self._cuda
-                    else None
-                )
+                into = None
+                if self._cuda:  # read into pinned memory so that the H2D copy below is async
+                    blocks.append(self._staging.alloc(s.home.length))
+                    into = blocks[-1].buffer
                 host.append(self._store.get(s.home, into=into).result())  # bounded: one read
             else:
                 host.append(s.home.clone())  # CPU device: the copy is the load
         if not self._cuda:
             return host, None
-        return self._to_device(host)
+        loaded = self._to_device(host)
+        for block in blocks:  # the pool lends a block again only once its copy has run
+            block.record(loaded[1])
+            block.free()
+        return loaded
 
     def _to_device(self, host: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         """Copy pinned host tensors on the side stream; the event marks their arrival."""

@@ -13,6 +13,7 @@ planner's profile. It never decides when to use a codec: the planner's simulator
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
@@ -68,7 +69,12 @@ LOSSLESS_DTYPES: tuple[torch.dtype, ...] = (
 
 @runtime_checkable
 class Codec(Protocol):
-    """What the activation offloader calls; ``decode`` returns on the payloads' device."""
+    """What the activation offloader calls; ``decode`` returns on the payloads' device.
+
+    Optional class attributes (False when absent): ``encodes_on_device`` (encode runs on a device
+    tensor's own device without a host sync, so its payloads can be moved raw) and
+    ``decodes_on_device`` (decode of device payloads needs no host sync); the others are encoded
+    and decoded on the host, on the transfer engine's threads."""
 
     name: str
     lossless: bool
@@ -136,6 +142,7 @@ class SparseCodec:
 
     name = "sparse"
     lossless = True
+    decodes_on_device = True  # a prefix-sum gather: no host sync, far faster than on a CPU
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
@@ -210,7 +217,11 @@ class _HostBytesCodec(abc.ABC):
 
 
 class ZstdCodec(_HostBytesCodec):
-    """zstandard at a low level: the best ratio per CPU second for dense activations on host."""
+    """zstandard at a low level: the best ratio per CPU second for dense activations on host.
+
+    One codec serves every copy worker of an engine at once, and zstandard's compressor and
+    decompressor objects must not be used by two threads at a time (corrupt output, crashes):
+    each thread gets its own pair."""
 
     lossless = True
 
@@ -218,14 +229,22 @@ class ZstdCodec(_HostBytesCodec):
         import zstandard
 
         self.name = f"zstd{level}" if level != 1 else "zstd"
-        self._c = zstandard.ZstdCompressor(level=level, threads=threads)
-        self._d = zstandard.ZstdDecompressor()
+        self._level, self._threads = level, threads
+        self._zstd = zstandard
+        self._local = threading.local()
+
+    def _contexts(self):
+        local = self._local
+        if not hasattr(local, "c"):
+            local.c = self._zstd.ZstdCompressor(level=self._level, threads=self._threads)
+            local.d = self._zstd.ZstdDecompressor()
+        return local.c, local.d
 
     def _compress(self, data: memoryview) -> bytes:
-        return self._c.compress(data)
+        return self._contexts()[0].compress(data)
 
     def _decompress(self, data: memoryview, size: int) -> bytes:
-        return self._d.decompress(data, max_output_size=size)
+        return self._contexts()[1].decompress(data, max_output_size=size)
 
 
 class Lz4Codec(_HostBytesCodec):
@@ -253,6 +272,8 @@ class CastCodec:
     """
 
     lossless = False
+    encodes_on_device = True  # a cast: stream-ordered on the device, no host sync
+    decodes_on_device = True
 
     def __init__(self, to: torch.dtype = torch.bfloat16):
         if to not in (torch.float16, torch.bfloat16):
