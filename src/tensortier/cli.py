@@ -8,6 +8,7 @@ import sys
 from tensortier.bench import activations as bench_activations
 from tensortier.bench import catalog as bench_catalog
 from tensortier.bench import checkpoint as bench_checkpoint
+from tensortier.bench import distributed as bench_distributed
 from tensortier.bench import optimizer as bench_optimizer
 from tensortier.bench import planner as bench_planner
 from tensortier.bench import replay as bench_replay
@@ -21,6 +22,7 @@ BENCHES = {
     "replay": bench_replay,
     "checkpoint": bench_checkpoint,
     "catalog": bench_catalog,
+    "distributed": bench_distributed,
 }
 
 

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tensortier import _lifetime
+from tensortier import _dist, _lifetime
 from tensortier._device import normalize_device
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
@@ -311,7 +311,7 @@ class Offloader:
 
     def _attach_disk(self) -> None:
         if self._disk is None:
-            self._disk = DiskStore(self.spill_dir, owner="tt-act", **self._disk_args)
+            self._disk = DiskStore(self.spill_dir, owner=_dist.owner("tt-act"), **self._disk_args)
             self._engine.disk = self._disk
             self._resources.append(self._disk)
 

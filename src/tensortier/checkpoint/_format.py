@@ -30,6 +30,8 @@ VERSION = 1
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 SHARD_NAME = re.compile(r"^shard-\d{5}\.safetensors$")
+RANK_SHARD_NAME = re.compile(r"^rank-\d{5}/shard-\d{5}\.safetensors$")  # many ranks (v2)
+VERSIONS = (VERSION, 2)  # 2: many ranks, see _ranks.py
 _MAX_MANIFEST = 256 << 20
 
 # dtypes safetensors names natively; others are stored as raw bytes (U8) and typed by the manifest
@@ -166,7 +168,7 @@ def read_manifest(path: str) -> dict:
         raise CorruptDataError(f"manifest body cannot be re-encoded: {exc}", path=file) from exc
     if crc32c.crc32c(data) != doc.get("crc32c"):
         raise CorruptDataError("manifest checksum mismatch", path=file)
-    if body.get("format") != FORMAT or body.get("version") != VERSION:
+    if body.get("format") != FORMAT or body.get("version") not in VERSIONS:
         raise CorruptDataError(
             f"unsupported checkpoint format {body.get('format')!r} v{body.get('version')!r}",
             path=file,
@@ -176,11 +178,15 @@ def read_manifest(path: str) -> dict:
     return body
 
 
-def read_tensors(path: str, body: dict) -> dict[str, torch.Tensor]:
-    """Load every tensor the manifest lists through safetensors and verify its CRC32C."""
+def read_tensors(path: str, body: dict, allow_ranks: bool = False) -> dict[str, torch.Tensor]:
+    """Load every tensor the manifest lists through safetensors and verify its CRC32C.
+
+    ``allow_ranks``: file names may be ``rank-RRRRR/shard-XXXXX.safetensors`` (v2, many ranks).
+    """
     by_file: dict[str, list[tuple[str, dict]]] = {}
     for name, info in body["tensors"].items():
-        if not isinstance(info, dict) or not SHARD_NAME.match(str(info.get("file", ""))):
+        file = str(info.get("file", "")) if isinstance(info, dict) else ""
+        if not (SHARD_NAME.match(file) or (allow_ranks and RANK_SHARD_NAME.match(file))):
             raise CorruptDataError(f"tensor {name!r}: bad file entry in manifest", path=path)
         by_file.setdefault(info["file"], []).append((name, info))
     out: dict[str, torch.Tensor] = {}

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from tensortier._units import format_size
 from tensortier.checkpoint import _faults
 from tensortier.checkpoint._format import MANIFEST, Shard, crc, entry_info, manifest_bytes
 from tensortier.errors import TierFullError
@@ -106,18 +105,52 @@ def persist(
 
     The caller marks the start of the save for the fault points (``_faults.begin_save``).
     """
-    clock = clock or CpuClock()
     final = step_dir(root, step)
     tmp = final + ".incomplete"
     shutil.rmtree(tmp, ignore_errors=True)
-    fds: list[int] = []
-    jobs: list = []  # every pool job of this persist, waited for before cleanup
-    written = 0
     try:
         os.mkdir(tmp, 0o755)
+        body["tensors"], written = write_shards(tmp, shards, images, pool, direct, clock)
+        commit(root, tmp, final, body)
+        return final, written
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_full(exc, step, root) from exc
+
+
+def disk_full(exc: BaseException, step: int, root: str, written: int = 0) -> BaseException:
+    """ENOSPC/EDQUOT as :class:`TierFullError`; any other error as it is."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return TierFullError(
+            f"disk full while writing checkpoint step {step} to {root!r} ({exc.strerror}). The "
+            f"partial checkpoint was removed and earlier ones are intact; free space there, "
+            f"lower keep=, or point the Checkpointer elsewhere.",
+            tier="disk",
+            requested=written,
+        )
+    return exc
+
+
+def write_shards(
+    folder: str,
+    shards: list[Shard],
+    images: list[torch.Tensor],
+    pool: ThreadPoolExecutor,
+    direct: bool,
+    clock: CpuClock | None = None,
+    prefix: str = "",
+) -> tuple[dict, int]:
+    """Write and fsync every shard file into ``folder`` (which exists); returns the manifest's
+    tensor table (file names prefixed with ``prefix``) and the bytes written. On an error every
+    job is waited for and the error re-raised (the caller removes the folder)."""
+    clock = clock or CpuClock()
+    fds: list[int] = []
+    jobs: list = []  # every pool job, waited for before an error leaves
+    written = 0
+    try:
         for shard in shards:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (_O_DIRECT if direct else 0)
-            fds.append(os.open(os.path.join(tmp, shard.file), flags, 0o644))
+            fds.append(os.open(os.path.join(folder, shard.file), flags, 0o644))
         crc_jobs = [
             (shard, e, pool.submit(clock.wrap(crc), img[shard.data_start + e.offset :][: e.nbytes]))
             for shard, img in zip(shards, images)
@@ -155,41 +188,14 @@ def persist(
         jobs += finish_jobs
         for job in finish_jobs:  # first error wins; the rest are waited for before cleanup
             job.result()
-        tensors = body["tensors"]
+        tensors = {}
         for shard, entry, job in crc_jobs:
-            tensors[entry.name] = entry_info(entry, shard, job.result())
-        body["created"] = time.time()
-        data = manifest_bytes(body)
-        fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        fds.append(fd)
-        half = len(data) // 2
-        _write_all(fd, memoryview(data)[:half], 0)
-        _faults.point("manifest-partial")
-        _write_all(fd, memoryview(data)[half:], half)
-        os.fsync(fd)
-        _faults.point("manifest-synced")
-        fsync_dir(tmp)
-        _faults.point("before-rename")
-        if os.path.exists(final):  # the same step saved again (a resumed run): replace it
-            old = final + f".deleting-{os.getpid()}"
-            os.rename(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, final)
-        _faults.point("after-rename")
-        fsync_dir(root)
-        _faults.point("after-dir-fsync")
-        return final, written
-    except BaseException as exc:
+            info = entry_info(entry, shard, job.result())
+            info["file"] = prefix + info["file"]
+            tensors[entry.name] = info
+        return tensors, written
+    except BaseException:
         wait(jobs)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise TierFullError(
-                f"disk full while writing checkpoint step {step} ({format_size(written)}) to "
-                f"{root!r} ({exc.strerror}). The partial checkpoint was removed and earlier ones "
-                f"are intact; free space there, lower keep=, or point the Checkpointer elsewhere.",
-                tier="disk",
-                requested=written,
-            ) from exc
         raise
     finally:
         for fd in fds:
@@ -197,3 +203,29 @@ def persist(
                 os.close(fd)
             except OSError:
                 pass
+
+
+def commit(root: str, tmp: str, final: str, body: dict) -> None:
+    """Steps 4-7 of PROTOCOL.md: manifest last, fsync, atomic rename, fsync of the root."""
+    body["created"] = time.time()
+    data = manifest_bytes(body)
+    fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        half = len(data) // 2
+        _write_all(fd, memoryview(data)[:half], 0)
+        _faults.point("manifest-partial")
+        _write_all(fd, memoryview(data)[half:], half)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _faults.point("manifest-synced")
+    fsync_dir(tmp)
+    _faults.point("before-rename")
+    if os.path.exists(final):  # the same step saved again (a resumed run): replace it
+        old = final + f".deleting-{os.getpid()}"
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, final)
+    _faults.point("after-rename")
+    fsync_dir(root)
+    _faults.point("after-dir-fsync")

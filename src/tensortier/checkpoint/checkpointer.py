@@ -34,10 +34,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tensortier import _dist
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer
 from tensortier._units import SizeLike, format_size, parse_size
-from tensortier.checkpoint import _faults
+from tensortier.checkpoint import _faults, _ranks
 from tensortier.checkpoint._format import (
     FORMAT,
     STEP_DIR,
@@ -48,7 +49,15 @@ from tensortier.checkpoint._format import (
     read_tensors,
     write_header,
 )
-from tensortier.checkpoint._persist import CpuClock, persist, retire, step_dir
+from tensortier.checkpoint._persist import (
+    CpuClock,
+    disk_full,
+    fsync_dir,
+    persist,
+    retire,
+    step_dir,
+    write_shards,
+)
 from tensortier.checkpoint._policy import AutoInterval
 from tensortier.checkpoint._rng import rng_state, set_rng_state
 from tensortier.checkpoint._tree import decode, encode
@@ -76,6 +85,7 @@ class CheckpointConfig:
     io_threads: int = 4
     direct: bool | None = None  # O_DIRECT when the filesystem supports it
     warmup: int = 3  # clean iterations measured before the first "auto" checkpoint
+    commit_timeout: float = 600.0  # many ranks: seconds a rank waits for the others to commit
 
     def __post_init__(self) -> None:
         if not _is_int(self.keep) or self.keep < 2:
@@ -109,6 +119,15 @@ class CheckpointConfig:
             raise ConfigError(
                 f"direct={self.direct!r}: pass True, False, or None (O_DIRECT when the filesystem "
                 f"supports it)"
+            )
+        if (
+            not isinstance(self.commit_timeout, numbers.Real)
+            or isinstance(self.commit_timeout, bool)
+            or not self.commit_timeout > 0
+        ):
+            raise ConfigError(
+                f"commit_timeout={self.commit_timeout!r}: pass the seconds a rank may wait for "
+                f"the other ranks during a commit or restore, e.g. 600"
             )
         if not _is_int(self.warmup) or self.warmup < 0:
             raise ConfigError(
@@ -180,11 +199,28 @@ class Checkpointer:
     Only this object writes to ``directory`` (an exclusive lock is held until ``close``). One run
     per directory: after ``restore(step=k)`` (a rollback), the first save retires the checkpoints
     newer than ``k``, crash-consistently; saving below checkpoints of another run is refused.
+
+    Many ranks (``torch.distributed`` initialised, ``process_group`` of more than one rank):
+    create one on every rank with the same directory (a filesystem every rank sees) and call
+    every method on every rank. Each rank writes its own shards (DTensor and sharded-optimizer
+    tensors as local shards; a tensor several ranks hold, written once by one of them), and rank
+    0 commits one global manifest after every rank's files are durable. ``restore`` works on any
+    world size (PROTOCOL.md, "Many ranks").
     """
 
-    def __init__(self, directory: str | os.PathLike, **settings):
+    def __init__(self, directory: str | os.PathLike, *, process_group=None, **settings):
         self.config = CheckpointConfig(**settings)
         self.root = os.path.abspath(os.fspath(directory))
+        self._ranks = None
+        if _dist.active(process_group):
+            self._ranks = _ranks.Ranks.create(process_group, self.config.commit_timeout)
+            cfg = asdict(self.config)
+            _dist.agree(
+                {"directory": self.root, **{k: cfg[k] for k in ("keep", "every", "shard_size")}},
+                "Checkpointer",
+                self._ranks.main,
+                fix="pass the same directory and settings everywhere",
+            )
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
         except OSError as exc:
@@ -199,16 +235,8 @@ class Checkpointer:
                 f"permissions or pass another one",
                 path=self.root,
             )
-        self._dirlock = DirLock(self.root, name=LOCK_FILE, what="Checkpointer")
-        try:
-            for name in os.listdir(self.root):  # debris of a crashed run: never a valid checkpoint
-                if _STALE.match(name):
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-            cfg = self.config
-            self.direct = _probe_direct(self.root) if cfg.direct is None else cfg.direct
-        except BaseException:
-            self._dirlock.release()
-            raise
+        cfg = self.config
+        self._dirlock, self.direct = self._lock_directory()
         self.stats = CheckpointStats(interval=cfg.every if isinstance(cfg.every, int) else None)
         self._auto = (
             AutoInterval(cfg.max_overhead, warmup=cfg.warmup) if cfg.every == "auto" else None
@@ -240,6 +268,37 @@ class Checkpointer:
         self._last_saved: int | None = None
         self._stall = 0.0
         self._background_cpu = 0.0  # CPU seconds of the last checkpoint's background work
+
+    def _lock_directory(self) -> tuple[DirLock | None, bool]:
+        """One writer per directory: the process (many ranks: rank 0, for the whole group) holds
+        the lock, removes the debris of crashed runs and probes O_DIRECT; every rank raises if
+        that failed, and uses rank 0's probe (one probe file, no race between ranks)."""
+        lock, error, direct = None, None, self.config.direct
+        if self._ranks is None or self._ranks.rank == 0:
+            try:
+                lock = DirLock(self.root, name=LOCK_FILE, what="Checkpointer")
+                for name in os.listdir(self.root):  # debris of a crashed run
+                    if _STALE.match(name):
+                        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                if direct is None:
+                    direct = _probe_direct(self.root)
+            except BaseException as exc:
+                if lock is not None:
+                    lock.release()
+                    lock = None
+                if self._ranks is None:
+                    raise
+                error = exc
+        if self._ranks is not None:
+            told = _dist.gather_objects(
+                (None if error is None else str(error), direct), self._ranks.main
+            )[0]
+            if told[0] is not None:
+                if error is not None:
+                    raise error
+                raise ConfigError(f"rank 0 of the Checkpointer's group failed: {told[0]}")
+            direct = told[1]
+        return lock, bool(direct)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -285,6 +344,8 @@ class Checkpointer:
                 )
             self._last_call = now
             due = self._auto.due() and (self._persist is None or self._persist.done())
+            if self._ranks is not None:  # every rank saves, or none (its timings differ)
+                due = _dist.any_true([due], self._ranks.main)[0]
         else:
             due = (step + 1) % int(self.config.every) == 0
         if not due or step == self._last_saved:
@@ -362,6 +423,8 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
+        if self._ranks is not None:
+            return self._restore_ranks(model, optimizer, scheduler, step, rng)
         steps = _complete_steps(self.root)
         if step is not None:
             if step not in steps:
@@ -376,7 +439,10 @@ class Checkpointer:
                 body = read_manifest(path)
                 if body["step"] != s:
                     raise CorruptDataError(f"manifest says step {body['step']!r}", path=path)
-                tree = _decode_state(body, read_tensors(path, body), path)
+                if body.get("version") == _ranks.VERSION:  # saved by many ranks: read it all
+                    tree = load_tree(body, path, model, optimizer, 0, range)
+                else:
+                    tree = _decode_state(body, read_tensors(path, body), path)
             except CorruptDataError as exc:
                 problems.append(f"{path}: {exc}")
                 warnings.warn(
@@ -388,6 +454,58 @@ class Checkpointer:
             self._apply(tree, model, optimizer, scheduler, rng)
             self._last_saved = s
             log.info("restored %s", path)
+            return CheckpointState(step=s + 1, saved_step=s, path=path, extra=tree.get("extra"))
+        if problems:
+            raise CorruptDataError(
+                f"no usable checkpoint in {self.root!r}: " + "; ".join(problems) + ". Move them "
+                "away to start fresh, or restore a specific step=",
+                path=self.root,
+            )
+        return None
+
+    def _restore_ranks(self, model, optimizer, scheduler, step, rng) -> CheckpointState | None:
+        """``restore`` on many ranks: the same candidates on every rank (rank 0 lists them), each
+        rank verifies the files of its share of the saved ranks and reads what it needs, and the
+        ranks agree on the outcome, so a missing or corrupt shard of any saved rank makes every
+        rank fall back to the previous checkpoint, with a warning naming that rank."""
+        ranks = self._ranks
+        listed = _complete_steps(self.root) if ranks.rank == 0 else None
+        steps = _dist.broadcast_object(listed, 0, ranks.main)
+        if step is not None:
+            if step not in steps:
+                raise ConfigError(
+                    f"no complete checkpoint of step {step} in {self.root!r}; found {steps}"
+                )
+            steps = [step]
+
+        def share(saved_world: int) -> list[int]:
+            return [k for k in range(saved_world) if k % ranks.world == ranks.rank]
+
+        problems = []
+        for s in steps:
+            path = step_dir(self.root, s)
+            tree, error = None, None
+            try:
+                body = read_manifest(path)
+                if body["step"] != s:
+                    raise CorruptDataError(f"manifest says step {body['step']!r}", path=path)
+                tree = load_tree(body, path, model, optimizer, ranks.rank, share)
+            except CorruptDataError as exc:
+                error = str(exc)
+            errors = _dist.gather_objects(error, ranks.main)
+            bad = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+            if bad is not None:
+                msg = f"{bad[1]} (found by rank {bad[0]})"
+                problems.append(f"{path}: {msg}")
+                warnings.warn(
+                    f"checkpoint {path} is unusable ({msg}); falling back to an older one",
+                    stacklevel=3,
+                )
+                continue
+            check_fits(tree, path, model, optimizer, scheduler)  # before anything is loaded
+            self._apply(tree, model, optimizer, scheduler, rng)
+            self._last_saved = s
+            log.info("rank %d restored %s", ranks.rank, path)
             return CheckpointState(step=s + 1, saved_step=s, path=path, extra=tree.get("extra"))
         if problems:
             raise CorruptDataError(
@@ -455,24 +573,38 @@ class Checkpointer:
                     self._auto.open_cost = None  # a failed checkpoint is not a cost sample
                 raise error
 
-    def _start(self, step, model, optimizer, scheduler, extra, *, entered: float) -> None:
+    def _start(
+        self, step, model, optimizer, scheduler, extra, *, entered: float, rng: bool = True
+    ) -> None:
         self._stall = 0.0
         self.stats.last_stall_seconds = 0.0
         if self._persist is not None and not self._persist.done():
             self.stats.waited_for_persist += 1
             log.info("checkpoint of step %d waits for the previous persist", step)
         self.wait()
-        abandoned = self._abandoned(step)
-        params = {p.data_ptr() for p in model.parameters()} if model is not None else set()
+        abandoned = self._abandoned_agreed(step)
+        params = (
+            {_ranks.dtensor_local(p)[0].data_ptr() for p in model.parameters()}
+            if model is not None
+            else set()
+        )
         tensors: list[tuple[str, torch.Tensor, bool]] = []  # name, tensor, copy in background
         names: set[str] = set()
+        chunks: dict[str, dict] = {}  # many ranks: DTensor shards' place in the global tensor
 
-        def collector(background: bool, is_param: bool = False):
+        def collector(background: bool, is_param: bool = False, per_rank: bool = False):
+            # many ranks: RNG states and extra differ per rank, so their names say whose they
+            # are (a plain tensor several ranks hold under one name is written once, by one)
+            prefix = f"{_ranks.rank_dir(self._ranks.rank)}/" if per_rank and self._ranks else ""
+
             def add(path: str, t: torch.Tensor) -> str:
-                name = path
+                name = prefix + path
                 while name in names:
                     name += "'"
                 names.add(name)
+                t, chunk = _ranks.dtensor_local(t) if self._ranks is not None else (t, None)
+                if chunk is not None:
+                    chunks[name] = chunk
                 late = background or (is_param and t.data_ptr() in params)
                 tensors.append((name, t.detach(), late))
                 return name
@@ -489,9 +621,14 @@ class Checkpointer:
             "scheduler": encode(scheduler.state_dict(), "scheduler", collector(False))
             if scheduler is not None
             else None,
-            "rng": encode(rng_state(), "rng", collector(False)),
-            "extra": encode(extra, "extra", collector(False)),
+            "rng": encode(rng_state(), "rng", collector(False, per_rank=True)) if rng else None,
+            "extra": encode(extra, "extra", collector(False, per_rank=True)),
         }
+        replicated: dict[str, int] = {}
+        if self._ranks is not None:  # write only this rank's share (a collective)
+            held = [(n, n in chunks, t.numel() * t.element_size()) for n, t, _ in tensors]
+            mine, replicated = _ranks.plan_writes(held, self._ranks)
+            tensors = [item for item in tensors if item[0] in mine]
         self._layout(tensors)
         t_copy = time.monotonic()
         late_cpu = []
@@ -537,25 +674,29 @@ class Checkpointer:
         shards, images = self._shards, list(self._images)
         nbytes = sum(s.file_bytes for s in shards)
 
+        ranks = self._ranks
+
         def job() -> None:
             t0 = time.thread_time()
             _faults.begin_save()
-            if abandoned:  # a rollback: retire the abandoned run's checkpoints before committing
+            if abandoned and ranks is None:  # a rollback: retire the abandoned run's checkpoints
                 retire(self.root, abandoned)
-            copied = snapshot.result()  # a bounded memcpy: no timeout needed
-            if cuda_done:
-                for event in cuda_done.values():  # blocking events: the thread sleeps
-                    event.synchronize()
-                copied = time.monotonic()
-                # no barrier yet: every change so far may have been queued before the copies
-                torn = self._torn or (_changed(self._late) if self._late else None)
-                if torn:
-                    raise ConfigError(_torn_message(step, torn))
-            path, written = persist(
-                self.root, step, shards, images, body, self._io, self.direct, clock
-            )
+            if ranks is None:
+                copied = self._wait_snapshot(snapshot, cuda_done, step)
+                path, written = persist(
+                    self.root, step, shards, images, body, self._io, self.direct, clock
+                )
+            else:  # a failure before the commit is reported in it, never skipping it
+                try:
+                    copied, failed = self._wait_snapshot(snapshot, cuda_done, step), None
+                except BaseException as exc:
+                    copied, failed = time.monotonic(), exc
+                path, written = self._persist_rank(
+                    step, shards, images, body, clock, chunks, replicated, abandoned, failed
+                )
             done = time.monotonic()
-            self._retain(step)
+            if ranks is None:  # many ranks: rank 0 did it inside the commit
+                self._retain(step)
             cpu = clock.seconds + time.thread_time() - t0
             self._background_cpu = cpu if on_host else 0.0
             self.stats.committed += 1
@@ -593,6 +734,74 @@ class Checkpointer:
         log.debug(
             "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
         )
+
+    def _wait_snapshot(self, snapshot: Future, cuda_done: dict, step: int) -> float:
+        """Persist thread: wait for the snapshot copies; refuse a torn one. Returns their end."""
+        copied = snapshot.result()  # a bounded memcpy: no timeout needed
+        if cuda_done:
+            for event in cuda_done.values():  # blocking events: the thread sleeps
+                event.synchronize()
+            copied = time.monotonic()
+            # no barrier yet: every change so far may have been queued before the copies
+            torn = self._torn or (_changed(self._late) if self._late else None)
+            if torn:
+                raise ConfigError(_torn_message(step, torn))
+        return copied
+
+    def _persist_rank(
+        self, step, shards, images, body, clock, chunks, replicated, abandoned, failed=None
+    ):
+        """Many ranks (persist thread): write this rank's files durably, then the collective
+        commit (``_ranks.commit_ranks``); raises on every rank if any rank failed. ``failed``:
+        this rank's snapshot failed (e.g. torn): reported in the commit, never skipping it."""
+        ranks = self._ranks
+        error, table, written = failed, {}, 0
+        try:
+            if error is not None:
+                raise error
+            folder = _ranks.write_rank_dir(self.root, step, ranks.rank)
+            table, written = write_shards(
+                folder,
+                shards,
+                images,
+                self._io,
+                self.direct,
+                clock,
+                prefix=_ranks.rank_dir(ranks.rank) + "/",
+            )
+            fsync_dir(folder)
+        except BaseException as exc:  # reported to rank 0, raised here after the collective
+            error = exc if exc is failed else disk_full(exc, step, self.root, written)
+        report = {
+            "error": None if error is None else repr(error),
+            "tensors": table,
+            "state": body["state"],
+            "chunks": {n: c for n, c in chunks.items() if n in table},
+            "replicated": replicated,
+        }
+        base = {k: body[k] for k in ("format", "step", "torch")}
+        try:
+            _ranks.commit_ranks(self.root, step, report, ranks, abandoned, base, self._retain)
+        except RuntimeError as exc:
+            if error is not None:
+                raise error from exc
+            raise
+        return step_dir(self.root, step), written
+
+    def _abandoned_agreed(self, step: int) -> list[int]:
+        """``_abandoned``; many ranks: decided on rank 0 (it owns the directory), told to all."""
+        if self._ranks is None:
+            return self._abandoned(step)
+        result: object = None
+        if self._ranks.rank == 0:
+            try:
+                result = self._abandoned(step)
+            except ConfigError as exc:
+                result = str(exc)
+        result = _dist.broadcast_object(result, 0, self._ranks.main)
+        if isinstance(result, str):
+            raise ConfigError(result)
+        return result
 
     def _abandoned(self, step: int) -> list[int]:
         """Complete checkpoints that saving ``step`` retires: those of an abandoned future.
@@ -683,6 +892,82 @@ class Checkpointer:
             scheduler.load_state_dict(tree["scheduler"])
         if rng and tree.get("rng") is not None:
             set_rng_state(tree["rng"])
+
+
+def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
+    """The state this rank restores from a manifest of any world size (``_ranks.Index``).
+
+    ``share(saved_world)``: the saved ranks whose files this rank checksums in full. The
+    reference tree (scheduler, extra, RNG) is the saved rank of the same number (rank 0's
+    when there were fewer; then RNG is not restored, with a warning); the optimizer state is
+    the union of every saved rank's; tensors are read as the target needs them (DTensor
+    targets: their local region).
+    """
+    index = _ranks.Index(body, path)
+    index.verify(list(share(index.world)))
+    refs = _ranks.Refs(index.chunks)
+    try:
+        trees = [decode(r.get("state"), refs) for r in index.ranks]
+        if not all(isinstance(t, dict) for t in trees):
+            raise CorruptDataError("manifest state is not a mapping", path=path)
+        tree = dict(trees[rank if rank < index.world else 0])
+        if rank >= index.world and tree.get("rng") is not None:
+            warnings.warn(
+                f"checkpoint {path} was saved by {index.world} ranks; rank {rank} has no "
+                f"saved random state, so its generators are left as they are",
+                stacklevel=4,
+            )
+            tree["rng"] = None
+        like: dict = {}
+        if model is not None:
+            like["model"] = model.state_dict()
+        opt = tree.get("optimizer")
+        if isinstance(opt, dict):
+            merged: dict = {}
+            for t in trees:
+                st = (t.get("optimizer") or {}).get("state")
+                for k, v in (st if isinstance(st, dict) else {}).items():
+                    merged.setdefault(k, v)
+            if optimizer is not None and getattr(optimizer, "_local_form", False):
+                template = optimizer.state_dict()["state"]  # what this rank holds
+                merged = {k: v for k, v in merged.items() if k in template}
+                like["optimizer"] = {"state": template}
+            tree["optimizer"] = {**opt, "state": merged}
+        tree = _ranks.materialize(tree, index, like)
+        return check_tree(tree)
+    except CorruptDataError as exc:
+        exc.path = exc.path or path
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def read_checkpoint(directory: str, step: int | None = None) -> tuple[dict, int]:
+    """(state tree with full tensors, step) of the newest checkpoint in ``directory`` that
+    verifies (or of ``step``), saved by any number of ranks; read-only (no lock is taken)."""
+    root = os.path.abspath(os.fspath(directory))
+    steps = _complete_steps(root)
+    if step is not None:
+        if step not in steps:
+            raise ConfigError(f"no complete checkpoint of step {step} in {root!r}; found {steps}")
+        steps = [step]
+    problems = []
+    for s in steps:
+        path = step_dir(root, s)
+        try:
+            body = read_manifest(path)
+            if body.get("version") == _ranks.VERSION:
+                return load_tree(body, path, None, None, 0, range), s
+            return _decode_state(body, read_tensors(path, body), path), s
+        except CorruptDataError as exc:
+            problems.append(f"{path}: {exc}")
+            warnings.warn(
+                f"checkpoint {path} is unusable ({exc}); trying an older one", stacklevel=2
+            )
+    raise CorruptDataError(
+        f"no usable checkpoint in {root!r}" + (": " + "; ".join(problems) if problems else ""),
+        path=root,
+    )
 
 
 def _decode_state(body: dict, tensors: dict[str, torch.Tensor], path: str) -> dict:
@@ -776,7 +1061,8 @@ def _shutdown(io, worker, copier, dirlock: DirLock) -> None:
         for ex in (copier, worker, io):
             ex.shutdown(wait=True)
     finally:
-        dirlock.release()
+        if dirlock is not None:  # many ranks: only rank 0 holds it
+            dirlock.release()
 
 
 def _steps(steps: list[int]) -> str:

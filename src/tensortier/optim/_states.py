@@ -179,6 +179,9 @@ class HostStates:
     def abort(self) -> None:
         self._pending.clear()
 
+    def write_error(self) -> BaseException | None:
+        return None  # nothing is written asynchronously
+
     def masters(self, bucket_ids: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
         for i in bucket_ids:
             yield i, self._committed[i].master
@@ -394,6 +397,16 @@ class DiskStates:
                     self.store.free(h)
         self._pending.clear()
         return ok, error
+
+    def write_error(self) -> BaseException | None:
+        """Wait for this step's writes; the first error, without committing or dropping anything
+        (sharded optimizers agree across ranks on it before any rank commits)."""
+        for futures in list(self._pending.values()):
+            for f in futures:
+                exc = f.exception()  # completes or fails through the disk store
+                if exc is not None:
+                    return exc
+        return None
 
     def commit(self) -> None:
         """All writes of the step succeeded: free the old extents. Otherwise drop the new ones, raise."""

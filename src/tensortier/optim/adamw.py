@@ -50,10 +50,12 @@ from enum import Enum
 
 import torch
 
+from tensortier import _dist
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, align_up, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError
 from tensortier.optim._kernel import adamw_
+from tensortier.optim._shard import ALIGN, Gatherer, GatherPlan, partition
 from tensortier.optim._staging import Staged, Staging
 from tensortier.optim._states import DiskStates, HostStates, slot_layout
 from tensortier.tiers.disk import DiskStore
@@ -122,6 +124,28 @@ class _Slot:
     version: int = -1  # param._version after our last write; -1: master never seeded
     count: int = 0  # gradients accumulated since the last step()
     has_state: bool = False  # like torch: state exists once a step() saw a gradient for it
+    start: int = 0  # sharded: first flat element of the parameter this rank owns
+    local: torch.Tensor | None = None  # what the update writes: the parameter, or its DTensor shard
+
+    def __post_init__(self) -> None:
+        if self.local is None:
+            self.local = _local(self.param)
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.numel == self.local.numel()
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """This slot's elements of ``t`` (a local tensor: the parameter's data, or its gradient)."""
+        return t if self.whole else t.reshape(-1)[self.start : self.start + self.numel]
+
+    def tensor(self) -> torch.Tensor:
+        """The parameter data this slot updates (detached; a DTensor's local shard)."""
+        return self.view(self.local.detach())
+
+    def grad(self) -> torch.Tensor | None:
+        g = self.param.grad
+        return None if g is None else self.view(_local(g))
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,7 @@ class _Bucket:
     spec: _Spec | None = None
     pause: int = 0  # steps left without speculation
     backoff: int = 1  # the next pause after a failed speculation
+    plan: GatherPlan | None = None  # sharded: every rank's pieces of this bucket's parameters
 
 
 def _grad_hook(ref: weakref.ref, param: torch.Tensor) -> None:
@@ -192,6 +217,30 @@ def _shutdown(worker: ThreadPoolExecutor, states, hooks: list) -> None:
     hooks.clear()
     worker.shutdown(wait=True, cancel_futures=True)  # jobs are finite CPU work (see PROTOCOL.md)
     states.close()
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters and gradients), else the tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _peer_failed(rank: int, applied: bool) -> RuntimeError:
+    what = (
+        "the parts that succeeded were applied on every rank"
+        if applied
+        else "no rank applied it, so parameters and state are as before the step"
+    )
+    return RuntimeError(
+        f"OffloadedAdamW: rank {rank} failed its part of this step (its log has the error); {what}"
+    )
 
 
 def _distributed() -> bool:
@@ -219,6 +268,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
     whose backward the CPU update then hides behind. On a CPU-only run backward already uses
     every core, so speculating measured slower (41.9 vs 33.9 ms per iteration, 5.2M parameters,
     ``notes/issue-12-optim.md``) and costs the spare state. ``amsgrad`` is not offered.
+
+    Data parallel (DDP): with ``torch.distributed`` initialised and more than one rank in
+    ``process_group`` (default: the world), the state is *sharded* (``shard=None`` -> on; pass
+    ``shard=False`` to keep a full copy per rank): each rank keeps masters and moments for its
+    part of every bucket (1/N of the host bytes), updates it from the gradients DDP has reduced,
+    and the updated parameters are all-gathered into every replica before ``step()`` returns.
+    See ``PROTOCOL.md`` ("Sharded across ranks") for why DDP's all-reduce and not a
+    reduce-scatter, and :meth:`state_dict` / :meth:`full_state_dict` for checkpoints.
     """
 
     def __init__(
@@ -238,6 +295,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         overlap: bool | str = "auto",
         pipeline_depth: int = 4,
         io_threads: int = 4,
+        process_group=None,
+        shard: bool | None = None,
     ):
         if not float(lr) >= 0.0:
             raise ConfigError(f"invalid learning rate {lr}: must be >= 0")
@@ -269,6 +328,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self._step_supports_amp_scaling = True  # GradScaler: grad_scale / found_inf, as fused AdamW
+        self._init_sharding(process_group, shard)
         devices = {p.device for g in self.param_groups for p in g["params"]}
         pin = any(d.type == "cuda" for d in devices)
         if self.overlap == "auto":
@@ -282,7 +342,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 capacity=disk_capacity,
                 slab_size=slab,
                 io_threads=io_threads,
-                owner="tensortier-optim",
+                owner=_dist.owner("tensortier-optim"),
             )
             try:
                 self._states = DiskStates(store, pipeline_depth, pin=pin)
@@ -299,7 +359,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._calibrated = False
         self._accum = 1
         self._last_scale: float | None = None
-        self._dist = _distributed()
+        self._dist = self._sharded or self._fsdp or _distributed()
         self._seen_order: list[int] = []
         self._order: list[int] = []
         self._prepared: list[Future] = []  # spare copies made on the worker after a step
@@ -309,9 +369,59 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._build_group(gi)
 
     # ------------------------------------------------------------------ construction
+    def _init_sharding(self, process_group, shard: bool | None) -> None:
+        """Decide whether to shard over ``process_group`` and check that every rank agrees."""
+        group_active = _dist.active(process_group)
+        # FSDP2 (fully_shard): parameters are DTensors; FSDP already shards them, so each rank
+        # updates its local shards and the state is DTensor-aware (PROTOCOL.md, "FSDP2")
+        self._fsdp = any(_is_dtensor(p) for p in self._all_params())
+        if shard is None:
+            shard = group_active and not self._fsdp
+        if shard and self._fsdp:
+            raise ConfigError(
+                "shard=True with DTensor parameters: FSDP2 (fully_shard) already shards them; "
+                "leave shard=None and each rank updates its local shards"
+            )
+        if shard and not group_active:
+            raise ConfigError(
+                f"shard={shard!r} needs torch.distributed initialised with more than one rank in "
+                f"process_group; call torch.distributed.init_process_group() first, or pass "
+                f"shard=False"
+            )
+        self._sharded = bool(shard)
+        self._pg = process_group
+        self._world = _dist.world(process_group) if self._sharded else 1
+        self._rank = _dist.rank(process_group) if self._sharded else 0
+        self._load = [0] * self._world  # bytes of state per rank, to balance whole parameters
+        self._gatherer = Gatherer(process_group, self._world, self._rank) if shard else None
+        self._mesh = None
+        self._agreeing = group_active  # every rank must build the same optimizer
+        if self._agreeing:
+            self._agree(self.param_groups, "OffloadedAdamW")
+
+    def _agree(self, groups: list[dict], what: str) -> None:
+        """Every rank must build the same buckets: same parameters, groups and settings."""
+        _dist.agree(
+            {
+                "states": self.tier.value,
+                "bucket_size": self._bucket_bytes,
+                "master_weights": self.master_weights,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+                "parameters": [
+                    [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in g["params"]]
+                    for g in groups
+                ],
+            },
+            what,
+            self._pg,
+            fix="build the model and the optimizer the same way on every rank",
+        )
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if getattr(self, "_ready", False):
+            if self._agreeing:
+                self._agree(self.param_groups[-1:], "OffloadedAdamW.add_param_group")
             self._discard_speculation()
             group = self.param_groups[-1]
             self._staging.add_devices({p.device for p in group["params"]})
@@ -353,10 +463,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 return
             dtype = self._master_dtype(current[0])
             es = torch.empty((), dtype=dtype).element_size()
-            offsets, total = slot_layout([q.numel() for q in current], es)
-            slots = [
-                _Slot(q, i, off, q.numel()) for i, (q, off) in enumerate(zip(current, offsets))
-            ]
+            plan = None
+            if self._sharded:  # this rank's pieces of the bucket (PROTOCOL.md, "Sharded")
+                pieces = partition(current, self._world, ALIGN // es, self._load, es)
+                plan = GatherPlan(list(current), pieces)
+                mine = pieces[self._rank]
+                offsets, total = slot_layout([pc.numel for pc in mine], es)
+                slots = [
+                    _Slot(current[pc.index], k, off, pc.numel, start=pc.start)
+                    for k, (pc, off) in enumerate(zip(mine, offsets))
+                ]
+            else:
+                locals_ = [_local(q) for q in current]  # FSDP2: the local shards
+                offsets, total = slot_layout([q.numel() for q in locals_], es)
+                slots = [
+                    _Slot(q, i, off, lq.numel(), local=lq)
+                    for i, (q, lq, off) in enumerate(zip(current, locals_, offsets))
+                ]
             b = _Bucket(
                 id=len(self._buckets),
                 group=gi,
@@ -364,10 +487,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 device=current[0].device,
                 slots=slots,
                 numel=total,
-                trainable=sum(q.requires_grad for q in current),
+                trainable=sum(s.param.requires_grad for s in slots),
+                plan=plan,
             )
             self._buckets.append(b)
-            self._states.add(b.id, b.numel, dtype)
+            if b.numel:
+                self._states.add(b.id, b.numel, dtype)
             for s in slots:
                 self._where[id(s.param)] = (s, b)
             current.clear()
@@ -375,7 +500,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         used = 0
         for p in reversed(params):  # backward produces gradients roughly in reverse order
             es = torch.empty((), dtype=self._master_dtype(p)).element_size()
-            nbytes = p.numel() * es
+            nbytes = _local(p).numel() * es
             if current and (
                 used + nbytes > self._bucket_bytes
                 or self._master_dtype(p) != self._master_dtype(current[0])
@@ -386,7 +511,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             current.append(p)
             used += nbytes
         close_bucket()
-        for p in params:
+        for p in params if not self._sharded else ():  # sharded: nothing to speculate
             if p.requires_grad:
                 self._hooks.append(
                     p.register_post_accumulate_grad_hook(
@@ -430,12 +555,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _speculate(self, bucket: _Bucket) -> None:
         slots = [s for s in bucket.slots if s.param.grad is not None]
         if not slots or any(
-            s.param.grad.is_sparse or s.version == -1 or s.param._version != s.version
+            s.param.grad.is_sparse or s.version == -1 or s.local._version != s.version
             for s in slots
         ):
             return  # sparse, or the master needs seeding from the parameter: step() does it
-        grads = [s.param.grad for s in slots]
-        params = [s.param for s in bucket.slots]
+        grads = [s.grad() for s in slots]
+        params = [s.tensor() for s in bucket.slots]
         staged = self._staging.snapshot(bucket.id, params, [s.index for s in slots], grads)
         scale = self._last_scale
         hyper = _Hyper.of(self.param_groups[bucket.group])
@@ -447,7 +572,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             grads=[weakref.ref(g) for g in grads],
             ptrs=[g.data_ptr() for g in grads],
             versions=[g._version for g in grads],
-            param_versions=[s.param._version for s in slots],
+            param_versions=[s.local._version for s in slots],
             scale=scale,
             hyper=hyper,
             staged=staged,
@@ -476,7 +601,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """
         t0 = time.perf_counter()
         grads = staged.wait()
-        flat = self._kernel_grads(bucket, grads, scale, keep=shadow, direct=direct)
+        flat = self._kernel_grads(bucket, grads, scale, keep=shadow or self._sharded, direct=direct)
         token, (master, m, v), _ = self._states.load(bucket.id, shadow=shadow)
         saved = False
         try:
@@ -583,7 +708,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._calibrated = True
         if max(counts, default=0) > 0:  # relearn: accumulation may change during training
             self._accum = max(counts)
-        self._dist = _distributed()
+        self._dist = self._sharded or self._fsdp or _distributed()
         self._reset_cycle()
         self._update_memory_stats()
 
@@ -603,11 +728,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
-        if any(s.param.grad is not None and s.param.grad.is_sparse for s in self._all_slots()):
+        sparse = any(p.grad is not None and p.grad.is_sparse for p in self._all_params())
+        scale_t, scale, skip = self._scaler_inputs()
+        if self._sharded or self._fsdp:  # every rank takes the same branch (collectives follow;
+            # under FSDP2 GradScaler checked only the local shards: ShardedGradScaler's reason)
+            sparse, skip = _dist.any_true([sparse, skip], self._pg)
+        if sparse:
             self._discard_speculation()
             self._reset_cycle()
             raise RuntimeError("OffloadedAdamW does not support sparse gradients")
-        scale_t, scale, skip = self._scaler_inputs()
         if skip:  # GradScaler found inf/NaN: like fused AdamW, nothing advances
             self._discard_speculation()
             self._states.abort()
@@ -615,16 +744,95 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 for s in b.slots:
                     s.has_state |= s.param.grad is not None
             self.stats.skipped_steps += 1
+            self._last_scale = None
             self._end_cycle()
             return loss
         try:
-            self._run_step(scale_t, scale)
+            if self._sharded:
+                self._run_step_sharded(scale_t, scale)
+            else:
+                self._run_step(scale_t, scale)
         finally:  # the compute streams wait for whatever write-back was issued
             self._staging.finish_write_back()
         return loss
 
     def _all_slots(self) -> Iterable[_Slot]:
         return (s for b in self._buckets for s in b.slots)
+
+    def _all_params(self) -> Iterable[torch.Tensor]:
+        return (p for g in self.param_groups for p in g["params"])
+
+    def _run_step_sharded(self, scale_t: torch.Tensor | None, scale: float | None) -> None:
+        """Update this rank's pieces, agree that every rank succeeded, commit, all-gather.
+
+        Disk states: all or nothing on every rank (a failed write on any rank aborts the step
+        everywhere, parameters untouched). Host states: as without sharding, what succeeded is
+        applied (a host update fails only on a bug or out of memory) and every rank raises.
+        """
+        t0 = time.perf_counter()
+        jobs, done, error = [], [], None
+        for b in (self._buckets[i] for i in self._order):
+            try:
+                job = self._submit_now(b, scale, None)
+            except BaseException as exc:  # e.g. out of memory: nothing more is launched
+                error = exc
+                break
+            if job is not None:
+                jobs.append(job)
+        for b, slots, fut, direct in jobs:
+            exc = fut.exception()  # finite work (see PROTOCOL.md)
+            if exc is not None:
+                error = error or exc
+            else:
+                done.append((b, slots, fut.result(), direct))
+        host = self.tier is StateTier.HOST
+        if error is None and not host:
+            error = self._states.write_error()  # waits for this step's state writes
+        self.stats.step_wait_seconds += time.perf_counter() - t0
+        failed = _dist.first_true(error is not None, self._pg)
+        if failed is not None and not host:
+            self._states.abort()
+            self._reset_cycle()
+            raise error or _peer_failed(failed, applied=False)
+        tw = time.perf_counter()
+        try:
+            self._states.commit()
+            updated: set[int] = set()
+            for _, slots, steps, _ in done:
+                for s, st in zip(slots, steps):
+                    s.step = st
+                    s.has_state = True
+                    updated.add(id(s))
+            self._gather_updates(done)
+            for s in self._all_slots():
+                if s.version != -1 or id(s) in updated:
+                    s.version = s.local._version
+            if scale_t is not None:  # fused AdamW leaves the unscaled gradients in .grad
+                for p in self._all_params():
+                    if p.grad is not None:
+                        p.grad.div_(scale_t.to(p.grad.device))
+        finally:
+            self.stats.writeback_seconds += time.perf_counter() - tw
+        self.stats.steps += 1
+        self._last_scale = None if scale_t is None else float(scale_t)
+        self._end_cycle()
+        self._states.prefetch(self._order[: self._prefetch_depth() - 1])
+        if failed is not None:
+            raise error or _peer_failed(failed, applied=True)
+
+    def _gather_updates(self, done) -> None:
+        """All-gather every bucket's updated pieces into the parameters (bucket-id order)."""
+        by_id = {b.id: slots for b, slots, _, _ in done}
+        masters = self._states.masters(sorted(by_id))  # disk: streamed with read-ahead
+        for b in self._buckets:
+            values = {}
+            if b.id in by_id:
+                i, master = next(masters)
+                assert i == b.id
+                for s in by_id[b.id]:
+                    values[s.index] = master[s.offset : s.offset + s.numel]
+            self._gatherer.gather(b.plan, values)
+        masters.close()
 
     def _run_step(self, scale_t: torch.Tensor | None, scale: float | None) -> None:
         t0 = time.perf_counter()
@@ -691,7 +899,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return False, True, None
         current = [s for s in b.slots if s.param.grad is not None]
         if current != spec.slots or any(
-            s.param._version != v for s, v in zip(spec.slots, spec.param_versions)
+            s.local._version != v for s, v in zip(spec.slots, spec.param_versions)
         ):
             return False, True, None
         if spec.scale != scale:  # GradScaler changed its scale (or unscale_ was called)
@@ -717,16 +925,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slots = [s for s in b.slots if s.param.grad is not None]
         if not slots:
             return None
-        grads = [s.param.grad for s in slots]
+        grads = [s.grad() for s in slots]
         if staged is None:
-            params = [s.param for s in b.slots]
+            params = [s.tensor() for s in b.slots]
             staged = self._staging.stage(b.id, params, [s.index for s in slots], grads)
-        direct = [
-            g.device.type == "cpu" and g.dtype == b.dtype and g.is_contiguous() for g in grads
+        direct = [  # sharded: never unscale a gradient in place (other ranks own the rest of it)
+            not self._sharded
+            and g.device.type == "cpu"
+            and g.dtype == b.dtype
+            and g.is_contiguous()
+            for g in grads
         ]
         seeds = [
-            s.param.detach().reshape(-1).to("cpu")
-            if s.version == -1 or s.param._version != s.version
+            s.tensor().reshape(-1).to("cpu")
+            if s.version == -1 or s.local._version != s.version
             else None
             for s in slots
         ]
@@ -790,10 +1002,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _write_back(self, b: _Bucket, slots: list[_Slot], holder, master=None) -> None:
         master = holder.master if master is None else master
         self._staging.write_back(
-            [(s.param, master[s.offset : s.offset + s.numel]) for s in slots], holder
+            [(s.tensor(), master[s.offset : s.offset + s.numel]) for s in slots], holder
         )
         for s in slots:
-            s.version = s.param._version
+            s.version = s.local._version
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop speculation that no step() consumed, then clear gradients as torch does."""
@@ -815,9 +1027,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ state dict
-    def _index(self) -> list[_Slot]:
-        return [self._where[id(p)][0] for g in self.param_groups for p in g["params"]]
-
     def _wait_speculation(self) -> None:
         for b in self._buckets:
             if b.spec is not None:
@@ -829,31 +1038,47 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
         Per parameter: ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master_param`` when the master
         weights differ in dtype from the parameter.
+
+        Sharded (``torch.distributed``): the *sharded* form, for ``torch.distributed.checkpoint``
+        (DCP): each rank returns the parameters it owns a part of; a parameter cut across ranks
+        has its tensors as ``DTensor`` (``Shard(0)`` over the group), one owned whole is a plain
+        tensor on its owner; ``step`` is a plain tensor, the same on every owner. Parameters owned
+        but not stepped yet have ``step`` 0 and zero moments (equivalent to no state, so
+        ``dcp.load`` into a fresh optimizer's ``state_dict()`` works). For the full layout of
+        ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective).
         """
         self._check_open()
         self._wait_speculation()
-        slots = self._index()
-        pos = {id(s): i for i, s in enumerate(slots)}
+        pos = {id(p): i for i, p in enumerate(self._all_params())}
         state: dict[int, dict] = {}
         for b in self._buckets:
-            if not any(s.has_state for s in b.slots):
+            if not any(s.has_state or self._local_form for s in b.slots):
                 continue
             master, m, v = self._states.read(b.id)
             for s in b.slots:
-                if not s.has_state:
+                if not (s.has_state or self._local_form):
                     continue
                 sl = slice(s.offset, s.offset + s.numel)
-                shape = s.param.shape
+                stepped = s.has_state
                 entry = {
-                    "step": s.step.clone(),
-                    "exp_avg": m[sl].clone().view(shape),
-                    "exp_avg_sq": v[sl].clone().view(shape),
+                    "step": s.step.clone() if stepped else torch.zeros((), dtype=torch.float32),
+                    "exp_avg": self._shaped(s, m[sl].clone()),
+                    "exp_avg_sq": self._shaped(s, v[sl].clone()),
                 }
                 if b.dtype != s.param.dtype:
                     seeded = s.version != -1
-                    src = master[sl] if seeded else s.param.detach().reshape(-1).to(b.dtype)
-                    entry["master_param"] = src.clone().view(shape).cpu()
-                state[pos[id(s)]] = entry
+                    src = master[sl] if seeded else s.tensor().reshape(-1)
+                    entry["master_param"] = self._shaped(s, src.to("cpu", b.dtype, copy=True))
+                state[pos[id(s.param)]] = entry
+        return {"state": state, "param_groups": self._packed_groups()}
+
+    @property
+    def _local_form(self) -> bool:
+        """Sharded or FSDP2: ``state_dict()`` holds this rank's part, one entry per parameter it
+        holds (``step`` 0 when never stepped, so DCP and restores find every key)."""
+        return self._sharded or self._fsdp
+
+    def _packed_groups(self) -> list[dict]:
         groups, start = [], 0
         for g in self.param_groups:
             packed = {
@@ -863,11 +1088,178 @@ class OffloadedAdamW(torch.optim.Optimizer):
             packed["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(packed)
-        return {"state": state, "param_groups": groups}
+        return groups
+
+    def _shaped(self, s: _Slot, flat: torch.Tensor) -> torch.Tensor:
+        """A slot's flat state as the parameter's shape, or its ``Shard(0)`` DTensor (sharded)."""
+        p = s.param
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._fsdp and _is_dtensor(p):  # the parameter's own layout
+            return DTensor.from_local(
+                flat.view(s.local.shape),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+        if s.whole:
+            return flat.view(p.shape)
+
+        rows = s.numel // (p.numel() // p.shape[0])
+        return DTensor.from_local(
+            flat.view(rows, *p.shape[1:]),
+            self._device_mesh(),
+            [Shard(0)],
+            run_check=False,
+            shape=p.shape,
+            stride=p.stride(),
+        )
+
+    def _device_mesh(self):
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            group = self._pg if self._pg is not None else torch.distributed.group.WORLD
+            self._mesh = DeviceMesh.from_group(group, "cpu")  # the states live in host memory
+        return self._mesh
+
+    def full_state_dict(self) -> dict:
+        """The state in ``torch.optim.AdamW``'s full layout (parameter-shaped plain tensors).
+
+        Without sharding this is :meth:`state_dict`. Sharded, it is a collective (call it on every
+        rank): each bucket's pieces are all-gathered, so every rank returns the whole state (host
+        memory for one full copy of the state). ``torch.optim.AdamW(fused=True).load_state_dict``
+        and :meth:`load_state_dict` on any world size accept it.
+        """
+        if self._fsdp:
+            return self._full_fsdp_state_dict()
+        if not self._sharded:
+            return self.state_dict()
+        self._check_open()
+        self._wait_speculation()
+        pos = {id(p): i for i, p in enumerate(self._all_params())}
+        mine = {pos[id(s.param)]: float(s.step) for s in self._all_slots() if s.has_state}
+        steps: dict[int, float] = {}
+        for other in _dist.gather_objects(mine, self._pg):
+            steps.update(other)
+        full: dict[int, dict] = {
+            i: {"step": torch.tensor(st, dtype=torch.float32)} for i, st in steps.items()
+        }
+        for b in self._buckets:
+            read = self._states.read(b.id) if b.slots else None
+            for k, key in enumerate(("master_param", "exp_avg", "exp_avg_sq")):
+                values = {}
+                for s in b.slots:
+                    if not s.has_state or (k == 0 and s.param.dtype == b.dtype):
+                        continue
+                    flat = read[k][s.offset : s.offset + s.numel]
+                    if k == 0 and s.version == -1:
+                        flat = s.tensor().reshape(-1).to("cpu", b.dtype)
+                    values[s.index] = flat
+
+                def dest(i, pc, key=key, plan=b.plan, dtype=b.dtype):
+                    p = plan.params[i]
+                    entry = full.setdefault(pos[id(p)], {})  # sent: the sender has its state
+                    t = entry.setdefault(key, torch.zeros(p.shape, dtype=dtype))
+                    return t.view(-1)[pc.start : pc.stop]
+
+                self._gatherer.gather(b.plan, values, dest=dest, dtype=b.dtype)
+        return {"state": full, "param_groups": self._packed_groups()}
+
+    def _full_fsdp_state_dict(self) -> dict:
+        """FSDP2: every DTensor state gathered with ``full_tensor()`` (a collective per tensor,
+        in the same parameter order on every rank)."""
+        self._check_open()
+        self._wait_speculation()
+        pos = {id(p): i for i, p in enumerate(self._all_params())}
+
+        def full(s: _Slot, flat: torch.Tensor) -> torch.Tensor:
+            t = self._shaped(s, flat.clone())
+            return t.full_tensor() if _is_dtensor(t) else t
+
+        state: dict[int, dict] = {}
+        for b in self._buckets:
+            if not any(s.has_state for s in b.slots):
+                continue
+            master, m, v = self._states.read(b.id)
+            for s in b.slots:
+                if not s.has_state:
+                    continue
+                sl = slice(s.offset, s.offset + s.numel)
+                entry = {"step": s.step.clone(), "exp_avg": full(s, m[sl])}
+                entry["exp_avg_sq"] = full(s, v[sl])
+                if b.dtype != s.param.dtype:
+                    seeded = s.version != -1
+                    src = master[sl] if seeded else s.tensor().reshape(-1).to("cpu", b.dtype)
+                    entry["master_param"] = full(s, src)
+                state[pos[id(s.param)]] = entry
+        return {"state": state, "param_groups": self._packed_groups()}
+
+    def _local_state(self, value, s: _Slot, what: str) -> torch.Tensor:
+        """The flat elements of ``value`` this slot holds: from a full tensor (any world size),
+        this rank's piece, or a ``Shard(0)`` DTensor over the same group (DCP's sharded form)."""
+        from torch.distributed.tensor import DTensor
+
+        p = s.param
+        if self._fsdp and _is_dtensor(p):  # FSDP2: this rank's shard of the parameter's layout
+            if isinstance(value, DTensor):
+                if (
+                    tuple(value.placements) != tuple(p.placements)
+                    or value.device_mesh.size() != p.device_mesh.size()
+                    or tuple(value.shape) != tuple(p.shape)
+                ):
+                    raise ValueError(
+                        f"{what} is a DTensor with placements {value.placements} on "
+                        f"{value.device_mesh.size()} ranks; the parameter has {p.placements} on "
+                        f"{p.device_mesh.size()}: pass its full_tensor() instead"
+                    )
+                return value.to_local().reshape(-1)
+            if torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape):
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                shape, offsets = compute_local_shape_and_global_offset(
+                    p.shape, p.device_mesh, p.placements
+                )
+                return value[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].reshape(-1)
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            same = (
+                self._sharded
+                and len(value.placements) == 1
+                and value.placements[0].is_shard(0)
+                and value.device_mesh.size() == self._world
+                and tuple(value.shape) == tuple(s.param.shape)
+                and local.numel() == s.numel
+            )
+            if not same:
+                raise ValueError(
+                    f"{what} is a DTensor with placements {value.placements} on a mesh of "
+                    f"{value.device_mesh.size()} ranks, not this optimizer's Shard(0) over "
+                    f"{self._world}; pass its full_tensor() or the full_state_dict() layout"
+                )
+            return local.reshape(-1)
+        if not torch.is_tensor(value):
+            raise ValueError(f"{what} is a {type(value).__name__}, not a tensor")
+        if value.numel() == s.param.numel():
+            return s.view(value.reshape(-1)) if not s.whole else value.reshape(-1)
+        if value.numel() == s.numel:
+            return value.reshape(-1)
+        raise ValueError(
+            f"{what} has {value.numel()} elements; the parameter has {s.param.numel()}"
+            + (f" (this rank holds {s.numel} of them)" if not s.whole else "")
+        )
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.optim.AdamW.state_dict()`` (any of
-        its variants: fused, foreach, for-loop). Pending speculation is dropped."""
+        its variants: fused, foreach, for-loop). Pending speculation is dropped.
+
+        Sharded: the full layout (from ``torch.optim.AdamW``, :meth:`full_state_dict`, or an
+        unsharded OffloadedAdamW, saved on any world size) or this optimizer's sharded form
+        (e.g. filled by ``torch.distributed.checkpoint.load``); each rank takes its pieces, with
+        no communication. Entries with ``step`` 0 are fresh state.
+        """
         self._check_open()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
@@ -882,47 +1274,48 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     f"of optimizer's group ({len(sg['params'])} vs {len(g['params'])} parameters)"
                 )
             self._check_group(dict(sg), "the loaded state dict's param group")
-        slots = self._index()
         ids = [i for sg in groups for i in sg["params"]]
-        entries = {
-            pos: state_dict["state"].get(i, state_dict["state"].get(str(i)))
-            for pos, i in enumerate(ids)
-        }
-        for pos, e in entries.items():
+        pos = {id(p): k for k, p in enumerate(self._all_params())}
+        loaded: dict[int, tuple] = {}  # slot -> (exp_avg, exp_avg_sq, master or None, step)
+        for s in self._all_slots():
+            i = ids[pos[id(s.param)]]
+            e = state_dict["state"].get(i, state_dict["state"].get(str(i)))
             if e is None:
                 continue
+            step = e.get("step")
+            step = float(step.item() if torch.is_tensor(step) else step)
+            if self._local_form and step == 0:
+                continue  # a never-stepped entry of the sharded form: fresh state
+            what = f"state of parameter {pos[id(s.param)]}"
+            parts = []
             for key in ("exp_avg", "exp_avg_sq"):
-                if key not in e or e[key].numel() != slots[pos].numel:
-                    raise ValueError(
-                        f"state of parameter {pos} has no {key!r} with {slots[pos].numel} elements"
-                    )
+                if key not in e:
+                    raise ValueError(f"{what} has no {key!r}")
+                parts.append(self._local_state(e[key], s, f"{what} {key!r}"))
+            master = e.get("master_param")
+            parts.append(None if master is None else self._local_state(master, s, f"{what} master"))
+            loaded[id(s)] = (*parts, step)
         self._discard_speculation()
         for f in self._prepared:  # they read the committed state that is about to be replaced
             f.exception()
         self._prepared = []
         if isinstance(self._states, DiskStates):
             self._states.drop_prefetch()
-        new_steps: dict[int, torch.Tensor | None] = {}
-        pos_of = {id(s): i for i, s in enumerate(slots)}
         try:
             for b in self._buckets:
+                if not b.slots:
+                    continue
                 token, (master, m, v) = self._states.blank(b.id)
                 try:
                     for s in b.slots:
-                        e = entries.get(pos_of[id(s)])
-                        sl = slice(s.offset, s.offset + s.numel)
-                        if e is None:
-                            new_steps[id(s)] = None
+                        got = loaded.get(id(s))
+                        if got is None:
                             continue
-                        m[sl].copy_(e["exp_avg"].reshape(-1))
-                        v[sl].copy_(e["exp_avg_sq"].reshape(-1))
-                        src = e.get("master_param", s.param.detach())
+                        sl = slice(s.offset, s.offset + s.numel)
+                        m[sl].copy_(got[0])
+                        v[sl].copy_(got[1])
+                        src = got[2] if got[2] is not None else s.tensor()
                         master[sl].copy_(src.reshape(-1))
-                        step = e["step"]
-                        new_steps[id(s)] = torch.tensor(
-                            float(step.item() if torch.is_tensor(step) else step),
-                            dtype=torch.float32,
-                        )
                 except BaseException:
                     self._states.discard(token)  # not saved: back to the ring, once
                     raise
@@ -931,12 +1324,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         except BaseException:
             self._states.abort()
             raise
-        for b in self._buckets:
-            for s in b.slots:
-                st = new_steps[id(s)]
-                s.has_state = st is not None
-                s.step = st if st is not None else torch.zeros((), dtype=torch.float32)
-                s.version = s.param._version if st is not None else -1
+        for s in self._all_slots():
+            got = loaded.get(id(s))
+            s.has_state = got is not None
+            s.step = torch.tensor(got[3] if got else 0.0, dtype=torch.float32)
+            s.version = s.local._version if got is not None else -1
         for g, sg in zip(self.param_groups, groups):
             for k, v in sg.items():
                 if k != "params" and k not in _TORCH_KEYS:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tensortier import _dist
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.planner.policies import Choice, Options, choose, plan_all
 from tensortier.planner.profile import Bandwidth, Profile
@@ -253,7 +254,7 @@ class PlannedOffload:
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
         root = prof.root
 
-        self.choice = choose(self.profile, cfg.budget, cfg.policy, cfg.options)
+        self.choice = agreed_choice(self.profile, cfg)
         plan = self.choice.plan
         log.info(
             "tensortier plan %s: predicted peak %s, step %.3fs",
@@ -261,7 +262,7 @@ class PlannedOffload:
             format_size(self.choice.result.peak_bytes),
             self.choice.result.step_s,
         )
-        if cfg.report:
+        if cfg.report and _dist.rank() == 0:
             from tensortier.planner.report import write_report
 
             write_report(
@@ -307,6 +308,44 @@ class PlannedOffload:
             if off is not None and all(off is not c for c in closed):
                 off.close()
                 closed.append(off)
+
+
+def agreed_choice(profile: Profile, cfg: PlanConfig) -> Choice:
+    """The plan, the same on every rank of ``torch.distributed`` (world > 1).
+
+    Ranks that recompute different blocks run different collectives (FSDP's all-gathers in the
+    recomputed forward) and can deadlock, so, as torchtitan does, one rank plans: the ranks first
+    agree on the settings and on the profiled structure (a mismatch is ``ConfigError`` on every
+    rank, naming the rank), rank 0 chooses, and the choice (or its ``BudgetError``) is broadcast.
+    """
+    if not _dist.active():
+        return choose(profile, cfg.budget, cfg.policy, cfg.options)
+    from tensortier.errors import BudgetError
+
+    _dist.agree(
+        {
+            "budget": cfg.budget,
+            "to": cfg.to,
+            "policy": cfg.policy,
+            "host_budget": cfg.host_budget,
+            "spill_dir": cfg.spill_dir,
+            "planning units": [u.name for u in profile.units],
+            "saved tensors": [(t.unit, t.nbytes) for t in profile.tensors],
+        },
+        "tt.offload(budget=...)",
+        fix="run the same model, batch shapes and offload settings on every rank",
+    )
+    sent: object = None
+    if _dist.rank() == 0:
+        try:
+            sent = choose(profile, cfg.budget, cfg.policy, cfg.options)
+        except BudgetError as exc:  # sent as values: every rank raises the same error
+            sent = ("BudgetError", str(exc), exc.budget, exc.minimum)
+    got = _dist.broadcast_object(sent, 0)
+    if isinstance(got, tuple):
+        _, message, budget, minimum = got
+        raise BudgetError(f"rank 0 planned: {message}", budget=budget, minimum=minimum)
+    return got
 
 
 _CACHE: dict = {}

@@ -1,0 +1,331 @@
+"""Checkpoints of many ranks: who writes what, the collective commit, the resharding reader.
+
+Format v2 (PROTOCOL.md, "Many ranks"): ``step-N/rank-RRRRR/shard-XXXXX.safetensors`` per rank and
+one global ``manifest.json`` written by rank 0 after every rank's files are durable. The manifest
+holds, per saved rank, its tensor table (file, dtype, local shape, nbytes, CRC32C), its state tree
+and, for DTensor shards, each shard's global shape and offsets; ``replicated`` names the one rank
+that wrote each tensor several ranks hold (DDP's model and a replicated optimizer's state).
+
+Restoring reads every tensor as a *global* tensor made of chunks (a replicated tensor is one chunk,
+a DTensor's shards are several) and assembles exactly the region the restoring rank needs: the
+full tensor for plain targets, the local shard for DTensor targets (FSDP2 parameters, a sharded
+OffloadedAdamW's state). That is how a checkpoint of N ranks restores on M ranks.
+
+Collectives run on two gloo groups made by the Checkpointer: ``main`` (the caller's thread: save
+decisions, write plans, restore agreement) and ``bg`` (the persist thread: the commit). Each is
+used by one thread at a time on every rank, in the same order, so they never interleave.
+Nothing here is unpickled: object collectives carry only JSON-like values this module built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from tensortier import _dist
+from tensortier.checkpoint import _faults
+from tensortier.checkpoint._format import MANIFEST, read_tensors
+from tensortier.checkpoint._persist import commit, fsync_dir, retire
+from tensortier.errors import CorruptDataError
+
+log = logging.getLogger("tensortier.checkpoint")
+
+VERSION = 2
+RANK_FILE = re.compile(r"^rank-\d{5}/shard-\d{5}\.safetensors$")
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+@dataclass
+class Ranks:
+    """This Checkpointer's view of the process group: its rank, size and two private groups."""
+
+    rank: int
+    world: int
+    main: object  # gloo group for the caller's thread
+    bg: object  # gloo group for the persist thread
+
+    @classmethod
+    def create(cls, process_group, timeout_s: float) -> Ranks:
+        dist = torch.distributed
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        timeout = datetime.timedelta(seconds=timeout_s)
+        main = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        bg = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        return cls(dist.get_rank(main), dist.get_world_size(main), main, bg)
+
+
+def dtensor_local(t: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
+    """(the tensor to write, its chunk of the global tensor or None for a plain tensor)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return t, None
+    if not isinstance(t, DTensor):
+        return t, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return local, {"shape": list(t.shape), "offsets": list(offsets)}
+
+
+def plan_writes(held: list[tuple[str, bool, int]], ranks: Ranks) -> tuple[set[str], dict[str, int]]:
+    """Which of this rank's tensors it writes, and the writer of every replicated tensor.
+
+    ``held``: (name, is a DTensor shard, bytes) of every tensor this rank's state holds. A plain
+    tensor held by several ranks is taken to be replicated (as DCP does) and written once, by
+    the holder with the fewest bytes assigned so far, largest tensors first, so the writing is
+    spread across ranks. Shards and tensors only this rank holds are its own to write.
+    """
+    everyone = _dist.gather_objects(held, ranks.main)
+    holders: dict[str, list[int]] = {}
+    size: dict[str, int] = {}
+    for r, items in enumerate(everyone):
+        for name, shard, nbytes in items:
+            if not shard:
+                holders.setdefault(name, []).append(r)
+                size[name] = nbytes
+    load = [0] * ranks.world
+    for r, items in enumerate(everyone):
+        load[r] += sum(n for name, shard, n in items if shard or len(holders.get(name, ())) == 1)
+    replicated: dict[str, int] = {}
+    for name in sorted((n for n, h in holders.items() if len(h) > 1), key=lambda n: (-size[n], n)):
+        writer = min(holders[name], key=lambda r: (load[r], r))
+        replicated[name] = writer
+        load[writer] += size[name]
+    mine = {
+        name for name, shard, _ in held if shard or replicated.get(name, ranks.rank) == ranks.rank
+    }
+    return mine, replicated
+
+
+def commit_ranks(
+    root: str,
+    step: int,
+    report: dict,
+    ranks: Ranks,
+    abandoned: list[int],
+    base: dict,
+    retain,
+) -> None:
+    """The collective commit (persist thread, ``bg`` group): every rank reports its durable files;
+    rank 0 writes the global manifest and renames, then tells every rank the outcome.
+
+    ``report``: {"error": None or text, "tensors", "state", "chunks"} of this rank. Raises on
+    every rank if any rank failed (the previous checkpoint stays the newest).
+    """
+    _faults.point("rank-reported")
+    reports = _dist.gather_objects(report, ranks.bg)
+    outcome = None
+    final = os.path.join(root, f"step-{step}")
+    tmp = final + ".incomplete"
+    if ranks.rank == 0:
+        bad = [r for r, rep in enumerate(reports) if rep["error"] is not None]
+        if bad:
+            outcome = f"rank {bad[0]} could not write its shards: {reports[bad[0]]['error']}"
+        else:
+            try:
+                if abandoned:
+                    retire(root, abandoned)
+                body = dict(base)
+                body["version"] = VERSION
+                body["world_size"] = ranks.world
+                body["ranks"] = [
+                    {"tensors": rep["tensors"], "state": rep["state"], "chunks": rep["chunks"]}
+                    for rep in reports
+                ]
+                body["replicated"] = reports[0]["replicated"]
+                body["tensors"] = {}
+                commit(root, tmp, final, body)
+                retain(step)
+            except BaseException as exc:  # noqa: BLE001 - sent to every rank, raised below
+                outcome = f"rank 0 could not commit: {exc!r}"
+        if outcome is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    outcome = _dist.broadcast_object(outcome, 0, ranks.bg)
+    if outcome is not None:
+        raise RuntimeError(
+            f"checkpoint of step {step} was not committed: {outcome}. The previous checkpoint "
+            f"is still the newest on every rank"
+        )
+
+
+def write_rank_dir(root: str, step: int, rank: int) -> str:
+    """``step-N.incomplete/rank-R/``, empty (a leftover of a failed attempt is removed)."""
+    folder = os.path.join(root, f"step-{step}.incomplete", rank_dir(rank))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder, mode=0o755)
+    return folder
+
+
+def sync_rank_dir(folder: str) -> None:
+    fsync_dir(folder)
+
+
+# ---------------------------------------------------------------------------- restore
+@dataclass
+class Chunk:
+    rank: int
+    info: dict
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+class Index:
+    """Where every saved tensor's chunks are, for a v1 (one process) or v2 (many ranks) body."""
+
+    def __init__(self, body: dict, path: str):
+        self.path = path
+        if body.get("version") == VERSION:
+            self.world = body.get("world_size")
+            self.ranks = body.get("ranks")
+            self.replicated = body.get("replicated")
+            if (
+                not isinstance(self.world, int)
+                or not isinstance(self.ranks, list)
+                or len(self.ranks) != self.world
+                or not all(
+                    isinstance(r, dict)
+                    and isinstance(r.get("tensors"), dict)
+                    and isinstance(r.get("chunks"), dict)
+                    for r in self.ranks
+                )
+                or not isinstance(self.replicated, dict)
+            ):
+                raise CorruptDataError("malformed multi-rank manifest", path=path)
+        else:
+            self.world = 1
+            self.ranks = [{"tensors": body["tensors"], "state": body.get("state"), "chunks": {}}]
+            self.replicated = {}
+        self.chunks: dict[str, list[Chunk]] = {}
+        self.meta: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> (dtype, global shape)
+        for r, entry in enumerate(self.ranks):
+            for name, info in entry["tensors"].items():
+                if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
+                    raise CorruptDataError(f"tensor {name!r}: bad entry in manifest", path=path)
+                if self.world > 1 and not RANK_FILE.match(str(info.get("file", ""))):
+                    raise CorruptDataError(f"tensor {name!r}: bad file entry", path=path)
+                shape = tuple(info["shape"])
+                chunk = entry["chunks"].get(name)
+                offsets = tuple(chunk["offsets"]) if chunk else (0,) * len(shape)
+                full = tuple(chunk["shape"]) if chunk else shape
+                if len(offsets) != len(shape) or len(full) != len(shape):
+                    raise CorruptDataError(f"tensor {name!r}: bad chunk entry", path=path)
+                self.chunks.setdefault(name, []).append(Chunk(r, info, offsets, shape))
+                self.meta.setdefault(name, (info.get("dtype"), full))
+
+    def verify(self, saved_ranks: list[int]) -> None:
+        """Read and checksum every file of these saved ranks; CorruptDataError names the rank."""
+        for r in saved_ranks:
+            try:
+                read_tensors(self.path, {"tensors": self.ranks[r]["tensors"]}, allow_ranks=True)
+            except CorruptDataError as exc:
+                who = f"rank {r}'s shard" if self.world > 1 else "shard"
+                raise CorruptDataError(f"{who}: {exc}", path=exc.path or self.path) from exc
+
+    def region(
+        self,
+        name: str,
+        offsets: tuple[int, ...] | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """The elements ``[offsets, offsets + shape)`` of saved tensor ``name`` (default: all)."""
+        from tensortier.checkpoint._tree import dtype_from_name
+
+        dtype_name, full = self.meta[name]
+        dtype = dtype_from_name(dtype_name)
+        offsets = offsets if offsets is not None else (0,) * len(full)
+        shape = tuple(shape if shape is not None else full)
+        out = torch.empty(shape, dtype=dtype)
+        covered = 0
+        for c in self.chunks[name]:
+            lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
+            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, shape, c.offsets, c.shape)]
+            if any(h <= a for a, h in zip(lo, hi)) and len(shape):
+                continue
+            data = read_tensors(self.path, {"tensors": {name: c.info}}, allow_ranks=self.world > 1)[
+                name
+            ]
+            src = data[tuple(slice(a - co, h - co) for a, h, co in zip(lo, hi, c.offsets))]
+            out[tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, offsets))] = src
+            covered += src.numel()
+            if not len(shape):
+                break
+        if covered != out.numel():
+            raise CorruptDataError(
+                f"tensor {name!r}: the saved chunks cover {covered} of {out.numel()} elements",
+                path=self.path,
+            )
+        return out
+
+
+class Ref:
+    """A saved tensor named in a state tree, read only when (and where) it is needed."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class Refs(dict):
+    """The ``tensors`` mapping for ``_tree.decode``: every saved name decodes to a :class:`Ref`."""
+
+    def __init__(self, names):
+        super().__init__((n, Ref(n)) for n in names)
+
+
+def materialize(obj, index: Index, like=None):
+    """Replace every :class:`Ref` in ``obj`` by its tensor: the region ``like`` (a DTensor) holds
+    on this rank as a DTensor of the same layout, or the full tensor."""
+    if isinstance(obj, Ref):
+        return _read_like(index, obj.name, like)
+    if isinstance(obj, dict):
+        return {
+            k: materialize(v, index, like.get(k) if isinstance(like, dict) else None)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [materialize(v, index) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(materialize(v, index) for v in obj)
+    return obj
+
+
+def _read_like(index: Index, name: str, like) -> torch.Tensor:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()  # noqa: N806
+    if not isinstance(like, DTensor) or tuple(like.shape) != index.meta[name][1]:
+        return index.region(name)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(
+        like.shape, like.device_mesh, like.placements
+    )
+    local = index.region(name, tuple(offsets), tuple(shape))
+    return DTensor.from_local(
+        local.to(like.to_local().device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def clear_incomplete(root: str, step: int) -> None:
+    shutil.rmtree(os.path.join(root, f"step-{step}.incomplete"), ignore_errors=True)
+
+
+MANIFEST_NAME = MANIFEST

@@ -1,0 +1,179 @@
+"""Issue 13: OffloadedAdamW sharded across DDP ranks (gloo, 2 and 4 processes spawned here).
+
+Every case trains the same model twice in each process, DDP + ``torch.optim.AdamW(fused=True)``
+and DDP + sharded ``OffloadedAdamW``, on the same per-rank data, and compares parameters bit
+for bit after 10 steps; the references run in the same processes, so DDP's reductions are the
+same for both.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tensortier.errors import ConfigError
+from tensortier.optim import OffloadedAdamW
+from tests import distributed
+
+STEPS = 10
+
+
+def _model():
+    torch.manual_seed(0)
+    # weights cut by rows (Shard(0)) and biases/odd shapes owned whole, at 2 and at 4 ranks
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 7),
+        torch.nn.Tanh(),
+        torch.nn.Linear(7, 4),
+    )
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _train(case: str, kind: str, rank: int, tmp: str):
+    """One run of ``case``; returns (model, optimizer)."""
+    m = _model()
+    ddp = DDP(m)
+    if kind == "torch":
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    else:
+        states = "disk" if case == "disk" else "host"
+        opt = OffloadedAdamW(
+            m.parameters(),
+            lr=1e-2,
+            weight_decay=0.1,
+            bucket_size="512B",
+            states=states,
+            spill_dir=tmp if states == "disk" else None,  # one root: private subdirectories
+        )
+        assert opt._sharded
+        if case == "rounds":  # all-gathers in many 64-byte rounds (pieces span several)
+            opt._gatherer.max_bytes = 128 * 2
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if "scaler" in case else None
+    g = torch.Generator().manual_seed(100 + rank)  # every rank sees different data
+    for step in range(STEPS):
+        if case == "no_sync":
+            with ddp.no_sync():
+                ddp(torch.randn(4, 8, generator=g)).square().mean().backward()
+        loss = ddp(torch.randn(4, 8, generator=g)).square().mean()
+        if scaler is not None:
+            if step == 3 and rank == 0:
+                loss = loss * float("inf")  # an overflow on one rank: all-reduced to every rank
+            scaler.scale(loss).backward()
+            if case == "scaler_clip":
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if case == "clip":
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            elif case == "opt_clip":
+                if kind == "torch":
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                else:
+                    opt.clip_grad_norm_(0.05)
+            opt.step()
+        opt.zero_grad()
+    return m, opt
+
+
+def _parity(rank: int, world: int, tmp: str, cases: list[str]) -> dict:
+    report = {}
+    for case in cases:
+        ref, topt = _train(case, "torch", rank, tmp)
+        got, opt = _train(case, "tt", rank, tmp)
+        report[case] = _equal(ref, got)
+        if case == "plain":
+            # the full layout equals torch's state, bit for bit
+            full, rsd = opt.full_state_dict(), topt.state_dict()
+            report["full_state"] = set(full["state"]) == set(rsd["state"]) and all(
+                torch.equal(full["state"][i][k].float(), rsd["state"][i][k].float())
+                for i in rsd["state"]
+                for k in ("step", "exp_avg", "exp_avg_sq")
+            )
+            report["bytes"] = opt.stats.host_state_bytes
+        report[f"skipped-{case}"] = [opt.stats.skipped_steps, opt.stats.steps]
+        opt.close()
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_matches_ddp_fused_adamw(world, tmp_path):
+    cases = ["plain", "clip", "opt_clip", "no_sync", "scaler", "scaler_clip", "disk", "rounds"]
+    if world == 4:
+        cases = ["plain", "clip", "no_sync", "scaler"]
+    reports = distributed.run(_parity, world, str(tmp_path), cases)
+    for rank, report in enumerate(reports):
+        for case in cases + ["full_state"]:
+            assert report[case] is True, (rank, case)
+        assert report["skipped-plain"] == [0, STEPS]
+        assert report["skipped-scaler"] == [1, STEPS - 1]  # the overflow skipped on every rank
+    # per-rank host state is 1/N of the unsharded optimizer's, within one bucket
+    unsharded = OffloadedAdamW(_model().parameters(), bucket_size="512B", shard=False)
+    full = unsharded.stats.host_state_bytes
+    unsharded.close()
+    per_rank = [r["bytes"] for r in reports]
+    assert max(per_rank) <= full / world + 512 * 3, (per_rank, full)
+    assert sum(per_rank) <= full + world * 64 * 3 * 8, (per_rank, full)
+
+
+def _load_full(rank: int, world: int) -> dict:
+    """A full torch AdamW state (any world size's) loads into the sharded optimizer."""
+    ref, topt = _train("plain", "torch", rank, "")
+    m = _model()
+    ddp = DDP(m)
+    with torch.no_grad():
+        for p, q in zip(m.parameters(), ref.parameters()):
+            p.copy_(q)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, bucket_size="512B")
+    opt.load_state_dict(topt.state_dict())
+    refddp = DDP(ref)
+    g = torch.Generator().manual_seed(7 + rank)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        for model, o in ((refddp, topt), (ddp, opt)):
+            model(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    out = {"equal": _equal(ref, m)}
+    opt.close()
+    return out
+
+
+def _mismatch(rank: int, world: int) -> dict:
+    """Both mismatches in one process group: an agreement that fails leaves it usable."""
+    errors = {}
+    for what in ("bucket_size", "parameters"):
+        m = _model()
+        try:
+            if what == "bucket_size":
+                OffloadedAdamW(m.parameters(), bucket_size="512B" if rank == 0 else "1KiB")
+            else:
+                params = list(m.parameters())
+                OffloadedAdamW(params if rank != 1 else params[:-1])
+        except ConfigError as exc:
+            errors[what] = str(exc)
+    return errors
+
+
+def test_sharded_loads_full_adamw_state():
+    assert distributed.run(_load_full, 2) == [{"equal": True}] * 2
+
+
+def test_mismatched_ranks_fail_on_every_rank():
+    for errors in distributed.run(_mismatch, 2, timeout=60):
+        assert set(errors) == {"bucket_size", "parameters"}
+        for what, message in errors.items():
+            assert "rank 1" in message and what in message, message
+
+
+def test_shard_true_without_a_process_group_is_a_config_error():
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="shard=True"):
+        OffloadedAdamW(_model().parameters(), shard=True)
