@@ -6,8 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensortier.rl import Prioritized, ReplayBuffer, Uniform, _codec
+from tensortier.rl import Prioritized, ReplayBuffer, Uniform
 from tensortier.rl.sampler import SumMinTree
+from tensortier.tiers import itemcodec as _codec
 
 NP_DTYPES = ["<f4", "<f8", "<f2", "|u1", "<i8", "|b1", ">f4", "<c8"]
 

@@ -35,11 +35,11 @@ import psutil
 from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale, remove_private_dir
 from tensortier._units import format_size
 from tensortier.errors import ConfigError, CorruptDataError, SpillDirError
-from tensortier.rl._segments import TOMBSTONE, Segments
+from tensortier.tiers.segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
 _META = "store.json"
-_FORMAT_VERSION = 2  # 2: records checksum their header too (see _segments.py); 1 is still read
+_FORMAT_VERSION = 2  # 2: records checksum their header too (see tiers/segments.py); 1 is still read
 # index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, free
 # stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
 SLOT_BYTES = 80

@@ -42,11 +42,12 @@ import numpy as np
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError, SpillDirError
-from tensortier.rl import _codec, _saved, _sequence
-from tensortier.rl._segments import Segments
+from tensortier.rl import _saved, _sequence
 from tensortier.rl._store import ItemStore, as_index_array, check_args
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.sampler import Prioritized, Uniform, make_state
+from tensortier.tiers import itemcodec as _codec
+from tensortier.tiers.segments import Segments
 
 log = logging.getLogger(__name__)
 _STATE, _META = _saved.STATE, _saved.META
