@@ -72,7 +72,9 @@ def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
         if dtype not in _TORCH_DTYPES:
             raise TypeError(f"field {name!r}: unsupported torch dtype {value.dtype}")
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy()
+        # an empty tensor's stride may be 0, which .view(uint8) refuses
+        empty = t.numel() == 0
+        raw = np.empty(0, np.uint8) if empty else t.reshape(-1).view(torch.uint8).numpy()
         return ["pt", dtype, list(t.shape)], memoryview(raw)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ["b", "u1", [len(value)]], bytes(value)
@@ -110,7 +112,120 @@ def encode(item: Any, *, align: int = 1) -> bytes:
 
     ``align`` (1 or a power of two up to 4096): start each field at a multiple of ``align`` bytes
     from the blob's start and pad the blob to one (see the module docstring).
+
+    Items shaped like an earlier one (same field names, types, dtypes and shapes: the usual
+    stream of transitions) take a cached :class:`_Plan`: a few type checks and one ``join`` that
+    copies the payloads into the blob, no per-field dispatch or header work. Anything the plan
+    does not cover falls back to the general path, which produces the same bytes.
     """
+    if align != 1:
+        return _encode_general(item, align)
+    if type(item) is dict:
+        names: tuple = tuple(item)
+        values = list(item.values())
+        single = False
+    elif isinstance(item, Mapping):  # other mappings: the general path
+        return _encode_general(item, 1)
+    else:
+        names, values, single = (type(item),), [item], True
+    plan = _plans.get(names)
+    if plan is not None:
+        blob = plan.encode(values)
+        if blob is not None:
+            return blob
+    blob = _encode_general(item, 1)
+    plan = _Plan.build(names, values, single, blob)
+    if plan is not None:
+        if len(_plans) > 1024:
+            _plans.clear()
+        _plans[names] = plan
+    return blob
+
+
+_PY_FORMATS = {int: ("q", "<i8"), float: ("d", "<f8"), bool: ("?", "|b1")}
+
+
+class _Plan:
+    """How to encode values shaped like the ones it was built from (see :func:`encode`).
+
+    Steps: ``("a", i, dtype, shape)`` a C-contiguous ndarray joined as is (the one copy is the
+    join); ``("p", indices, types, struct)`` a run of Python ``int``/``float``/``bool`` fields
+    packed by one ``struct``; ``("g", i, name, desc)`` anything else, through :func:`_field`
+    with its description checked. :meth:`encode` returns None when a value does not match.
+    """
+
+    __slots__ = ("head", "steps")
+
+    def __init__(self, head: bytes, steps: list):
+        self.head = head
+        self.steps = steps
+
+    @classmethod
+    def build(cls, names: tuple, values: list, single: bool, blob: bytes) -> _Plan | None:
+        (hlen,) = _LEN.unpack_from(blob, 0)
+        field_names = [_SINGLE] if single else list(names)
+        steps: list = []
+        run: list[int] = []
+
+        def close_run() -> None:
+            if run:
+                fmt = "<" + "".join(_PY_FORMATS[type(values[i])][0] for i in run)
+                types = tuple(type(values[i]) for i in run)
+                steps.append(("p", tuple(run), types, struct.Struct(fmt)))
+                run.clear()
+
+        for i, (name, v) in enumerate(zip(field_names, values)):
+            t = type(v)
+            if t in _PY_FORMATS:
+                if np.asarray(v).dtype.str != _PY_FORMATS[t][1]:  # e.g. an int past int64
+                    return None
+                run.append(i)
+                continue
+            close_run()
+            if t is np.ndarray and v.flags.c_contiguous and not v.dtype.hasobject:
+                steps.append(("a", i, v.dtype, v.shape))
+            else:
+                desc, _ = _field(name, v)
+                steps.append(("g", i, name, desc))
+        close_run()
+        plan = cls(blob[: 4 + hlen], steps)
+        return plan if plan.encode(values) == blob else None  # same bytes as the general path
+
+    def encode(self, values: list) -> bytes | None:
+        parts: list = [self.head]
+        for step in self.steps:
+            kind = step[0]
+            if kind == "a":
+                v = values[step[1]]
+                if (
+                    type(v) is not np.ndarray
+                    or v.shape != step[3]
+                    or v.dtype != step[2]
+                    or not v.flags.c_contiguous
+                ):
+                    return None
+                parts.append(v)
+            elif kind == "p":
+                vs = [values[i] for i in step[1]]
+                if tuple(map(type, vs)) != step[2]:
+                    return None
+                try:
+                    parts.append(step[3].pack(*vs))
+                except struct.error:  # an int outside int64
+                    return None
+            else:
+                desc, payload = _field(step[2], values[step[1]])
+                if desc != step[3]:
+                    return None
+                parts.append(payload)
+        return b"".join(parts)
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _encode_general(item: Any, align: int = 1) -> bytes:
+    """:func:`encode` without plans: dispatch on every field's type, header from the cache."""
     if align < 1 or align > 4096 or align & (align - 1):
         raise ValueError(f"align must be a power of two from 1 to 4096, got {align!r}")
     if isinstance(item, Mapping):
