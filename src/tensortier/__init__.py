@@ -29,10 +29,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name == "rl":  # RL data service, imported on first use (it never imports Ray itself)
+    # RL data service (never imports Ray itself) and dataset catalog: imported on first use
+    if name in ("rl", "data"):
         import importlib
 
-        return importlib.import_module("tensortier.rl")
+        return importlib.import_module(f"tensortier.{name}")
     raise AttributeError(f"module 'tensortier' has no attribute {name!r}")
 
 
@@ -64,4 +65,5 @@ __all__ = [
     "parse_size",
     "stream_parameters",
     "rl",
+    "data",
 ]

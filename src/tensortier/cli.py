@@ -1,4 +1,4 @@
-"""The `tensortier` command: `demo` and `bench <area>`."""
+"""The `tensortier` command: `demo`, `plan`, `catalog` and `bench <area>`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tensortier.bench import activations as bench_activations
+from tensortier.bench import catalog as bench_catalog
 from tensortier.bench import checkpoint as bench_checkpoint
 from tensortier.bench import distributed as bench_distributed
 from tensortier.bench import optimizer as bench_optimizer
@@ -20,6 +21,7 @@ BENCHES = {
     "optimizer": bench_optimizer,
     "replay": bench_replay,
     "checkpoint": bench_checkpoint,
+    "catalog": bench_catalog,
     "distributed": bench_distributed,
 }
 
@@ -34,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     from tensortier.planner import cli as plan_mod
 
     plan_mod.add_args(sub.add_parser("plan", help="choose what to keep, swap, compress, recompute"))
+    from tensortier.data import cli as catalog_mod
+
+    catalog_mod.add_args(
+        sub.add_parser("catalog", help="build, inspect or verify a dataset catalog")
+    )
     bench = sub.add_parser("bench", help="benchmarks against the peers a user would pick instead")
     areas = bench.add_subparsers(dest="area", required=True)
     for name, module in BENCHES.items():
@@ -43,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         demo_mod.run(args)
     elif args.command == "plan":
         return plan_mod.run(args)
+    elif args.command == "catalog":
+        return catalog_mod.run(args)
     else:
         BENCHES[args.area].run(args)
     return 0

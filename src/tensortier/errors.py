@@ -76,3 +76,21 @@ class CorruptDataError(TensortierError):
 
 class ClosedError(TensortierError):
     """An operation was attempted on a store or engine after ``close()``."""
+
+
+class RateLimitTimeout(TensortierError, TimeoutError):
+    """A rate-limited insert or sample waited ``timeout`` seconds for the other side to catch up.
+
+    ``op`` is ``"insert"`` or ``"sample"``; ``inserts``, ``samples`` and ``size`` are the
+    limiter's counts when it gave up. Nothing was inserted or sampled by the failed call.
+    """
+
+    def __init__(
+        self, message: str, *, op: str, waited: float, inserts: int, samples: int, size: int
+    ):
+        super().__init__(message)
+        self.op = op
+        self.waited = waited
+        self.inserts = inserts
+        self.samples = samples
+        self.size = size

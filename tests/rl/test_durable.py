@@ -14,8 +14,9 @@ import pytest
 
 from tensortier._lifetime import quiesce
 from tensortier.errors import ConfigError, CorruptDataError, SpillDirError
-from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer, _codec
-from tensortier.rl._segments import MAGIC_V1, REC
+from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer
+from tensortier.tiers import itemcodec as _codec
+from tensortier.tiers.segments import MAGIC_V1, REC
 
 CHILD = textwrap.dedent(
     """

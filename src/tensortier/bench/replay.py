@@ -8,8 +8,9 @@ first use: ``pip install torch==2.15.0 torchrl==0.14.1``, several GB from PyPI).
 optional peer); DI-engine is reported as not measured (its ``gym==0.25.1`` dependency does not
 build).
 
-Sections: (1) 100k x 10 KB items (``--quick``: 10k): add, prioritized sample (batch 256) and
-priority update throughput, peak RSS; (2) sample latency with 10k vs 1M items (small items, so the
+Sections: (1) 100k x 10 KB items (``--quick``: 10k): add, ``extend`` (1000 items a call),
+prioritized sample (batch 256) and priority update throughput, peak RSS; (1b) the rate-limited
+path: a collector thread and a learner held to ``samples_per_insert=8``; (2) sample latency with 10k vs 1M items (small items, so the
 sampler and index are what scale); (3) a spill run: 1M x 10 KB with a 2 GiB RAM budget
 (``--spill-items`` to scale it down at the same RAM/total ratio); (4) Ray: 4 collector tasks adding,
 1 learner sampling; (5) parameter store: publish 100 MB to 8 reader processes.
@@ -52,7 +53,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spill-budget", default=None, help="RAM budget of the spill run (2GiB, scaled)"
     )
-    p.add_argument("--skip", default="", help="comma list of sections to skip: torchrl,ray,params")
+    p.add_argument(
+        "--skip",
+        default="",
+        help="comma list of sections to skip: torchrl,rllib,ratelimit,ray,params",
+    )
     p.add_argument(
         "--cache-dir",
         default=os.path.join(os.path.expanduser("~"), ".cache", "tensortier"),
@@ -345,6 +350,21 @@ def run(args: argparse.Namespace) -> list[dict]:
             }
         )
 
+    if "extend_gb_per_s" in base.get("tensortier", {}):
+        ratios["extend_gb_per_s"] = base["tensortier"]["extend_gb_per_s"]
+
+    if "ratelimit" not in skip:
+        print("[1b/5] rate-limited: 1 collector thread + 1 learner, samples_per_insert=8")
+        res = _run_peer(
+            sys.executable, "tensortier-ratelimited", n, item_bytes, args.batch, rounds, args.dir
+        )
+        rows.append({"section": "ratelimit", "peer": "tensortier", "items": n, **res})
+        if "error" not in res:
+            ratios["ratelimit_samples_per_insert"] = res["samples_per_insert"]
+            ratios["ratelimit_drift_within_buffer"] = float(
+                res["max_drift_items"] <= res["allowed_drift_items"]
+            )
+
     print("[2/5] sample latency vs buffer size (100-byte items)")
     lat = {}
     for size in (10_000, 100_000 if args.quick else 1_000_000):
@@ -395,6 +415,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "peer",
         "items",
         "add_per_s",
+        "extend_items_per_s",
         "sample_items_per_s",
         "sample_ms",
         "update_items_per_s",

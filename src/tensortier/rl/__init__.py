@@ -5,8 +5,18 @@
 
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import ParamStore
+from tensortier.rl.rate_limiter import RateLimit
 from tensortier.rl.replay import Batch, ReplayBuffer
 from tensortier.rl.sampler import Prioritized, Uniform
 from tensortier.rl.serve import serve
 
-__all__ = ["Batch", "MemoryBank", "ParamStore", "Prioritized", "ReplayBuffer", "Uniform", "serve"]
+__all__ = [
+    "Batch",
+    "MemoryBank",
+    "ParamStore",
+    "Prioritized",
+    "RateLimit",
+    "ReplayBuffer",
+    "Uniform",
+    "serve",
+]

@@ -23,6 +23,9 @@ META = "buffer.json"
 FORMAT = "tensortier-replay"
 VERSION = 1
 ARRAYS = ("keys", "leaves", "uses")
+# per-item episode, step and policy version (int64, -1: not given); files written before these
+# existed lack them, and readers that predate them ignore them
+OPTIONAL = ("episode", "step", "version")
 
 
 def write(dirname: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
@@ -51,6 +54,7 @@ def read(dirname: str, *, fix: str) -> tuple[dict, Uniform | Prioritized, dict[s
             meta = json.loads(f.read())
         with np.load(state_path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in ARRAYS}
+            arrays.update({k: z[k] for k in OPTIONAL if k in z.files})
     except FileNotFoundError as exc:
         raise CorruptDataError(
             f"{dirname!r} holds no saved ReplayBuffer ({exc.filename} is missing)", path=dirname
@@ -99,6 +103,8 @@ def _check_meta(meta: Any) -> Uniform | Prioritized:
     _int(cfg, "segment_size", 1)
     _int(cfg, "max_uses", 1, none=True)
     _int(meta, "seq", 0)
+    if "policy_version" in meta:
+        _int(meta, "policy_version", -1)
     if not isinstance(meta.get("sampler_state"), dict):
         raise ValueError("sampler_state must be an object")
     return sampler_from_dict(cfg.get("sampler"))
@@ -111,6 +117,14 @@ def _check_arrays(arrays: dict[str, np.ndarray], meta: dict) -> None:
         if arr.ndim != 1 or arr.dtype.kind != kind or len(arr) != len(keys):
             raise ValueError(
                 f"{name}: expected {len(keys)} values of kind {kind!r}, got {arr.dtype} {arr.shape}"
+            )
+    for name in OPTIONAL:
+        arr = arrays.get(name)
+        if arr is not None and (
+            arr.ndim != 1 or arr.dtype.kind != "i" or len(arr) != len(keys) or (arr < -1).any()
+        ):
+            raise ValueError(
+                f"{name}: expected {len(keys)} ints >= -1, got {arr.dtype} {arr.shape}"
             )
     if len(keys) > cap:
         raise ValueError(f"{len(keys)} items saved in a buffer of capacity {cap}")

@@ -35,14 +35,16 @@ import psutil
 from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale, remove_private_dir
 from tensortier._units import format_size
 from tensortier.errors import ConfigError, CorruptDataError, SpillDirError
-from tensortier.rl._segments import TOMBSTONE, Segments
+from tensortier.tiers.segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
 _META = "store.json"
-_FORMAT_VERSION = 2  # 2: records checksum their header too (see _segments.py); 1 is still read
+_FORMAT_VERSION = 2  # 2: records checksum their header too (see tiers/segments.py); 1 is still read
 # index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, free
 # stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
 SLOT_BYTES = 80
+_NONE = np.empty(0, np.int64)
+_NONE.flags.writeable = False
 
 
 def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
@@ -123,6 +125,13 @@ class KeyQueue:
             self.buf, self.head, self.tail = new, 0, len(live)
         self.buf[self.tail : self.tail + len(keys)] = keys
         self.tail += len(keys)
+
+    def push_one(self, key: int) -> None:
+        if self.tail < len(self.buf):
+            self.buf[self.tail] = key
+            self.tail += 1
+        else:
+            self.push([key])
 
     def view(self) -> np.ndarray:
         return self.buf[self.head : self.tail]
@@ -444,11 +453,26 @@ class ItemStore:
         n = len(blobs)
         if n > self.cap:
             raise ConfigError(f"cannot add {n} items at once to a store of capacity {self.cap}")
-        evicted = self._evict(n - self.nfree) if n > self.nfree else np.empty(0, np.int64)
-        if on_evict is not None and len(evicted):
-            on_evict(evicted)
-        slots = self.free[self.nfree - n : self.nfree][::-1].copy()
-        self.nfree -= n
+        if n == 1 and self.nfree and not self.durable:
+            key = self._add_one(blobs[0])
+            return np.array([key], np.int64), _NONE
+        # the slots n single adds would take: free slots first (top of the stack first), then
+        # the slots of the oldest items, evicted in FIFO order, so extend == repeated add
+        k = min(n, self.nfree)
+        slots = self.free[self.nfree - k : self.nfree][::-1].copy()
+        self.nfree -= k
+        evicted = _NONE
+        if n > k:
+            try:
+                evicted = self._evict(n - k)
+            except BaseException:
+                self.free[self.nfree : self.nfree + k] = slots[::-1]
+                self.nfree += k
+                raise
+            if on_evict is not None:
+                on_evict(evicted)
+            self.nfree -= len(evicted)  # remove() pushed them; take them back, oldest first
+            slots = np.concatenate([slots, evicted])
         seqs = self.seq + np.arange(n, dtype=np.int64)
         keys = seqs * self.cap + slots
         self.seq += n
@@ -471,6 +495,39 @@ class ItemStore:
             self.fifo.filter(self.keys[q % self.cap] == q)
         self.stats.items += n
         return keys, evicted
+
+    def _add_one(self, blob: bytes) -> int:
+        """:meth:`add` of one blob into a free slot of a non-durable store, in Python scalars
+        (a handful of numpy calls on 1-element arrays would cost more than the item's copy)."""
+        slot = int(self.free[self.nfree - 1])
+        self.nfree -= 1
+        seq = self.seq
+        key = seq * self.cap + slot
+        self.seq = seq + 1
+        self.issued_slot[seq % self.cap] = slot
+        self.keys[slot] = key
+        self.seg[slot] = -1
+        size = len(blob) + _OBJ
+        st = self.stats
+        try:
+            if st.ram_bytes + size > self.budget:
+                self._to_ram(np.array([slot], np.int64), np.array([key], np.int64), [blob])
+            else:
+                self.ram[slot] = blob
+                st.ram_bytes += size
+                st.ram_items += 1
+                if st.ram_bytes > st.peak_ram_bytes:
+                    st.peak_ram_bytes = st.ram_bytes
+                self.ram_order.push_one(key)
+        except BaseException:
+            self._undo_add(np.array([slot], np.int64))
+            raise
+        self.fifo.push_one(key)
+        if self.fifo.tail - self.fifo.head > 2 * self.cap + 1024:
+            q = self.fifo.view()
+            self.fifo.filter(self.keys[q % self.cap] == q)
+        st.items += 1
+        return key
 
     def _undo_add(self, slots: np.ndarray) -> None:
         """Forget half-added ``slots`` (a write failed): their slots go back to the free list."""

@@ -16,8 +16,8 @@ import numpy as np
 
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError
-from tensortier.rl import _codec
 from tensortier.rl._store import ItemStore, as_index_array, check_args
+from tensortier.tiers import itemcodec as _codec
 
 
 class MemoryBank:

@@ -46,8 +46,8 @@ import torch
 from tensortier._lifetime import OWNER_FILE, Finalizer, private_dir, remove_private_dir
 from tensortier._units import align_up, format_size
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError, TierFullError
-from tensortier.rl._codec import _TORCH_DTYPES
 from tensortier.tiers.disk import as_bytes
+from tensortier.tiers.itemcodec import _TORCH_DTYPES
 
 _MAGIC = b"TTPARAM1"
 _HEAD = struct.Struct("<8sQ")  # magic, header length

@@ -42,16 +42,19 @@ import numpy as np
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError, SpillDirError
-from tensortier.rl import _codec, _saved
-from tensortier.rl._segments import Segments
+from tensortier.rl import _saved, _sequence
 from tensortier.rl._store import ItemStore, as_index_array, check_args
+from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.sampler import Prioritized, Uniform, make_state
+from tensortier.tiers import itemcodec as _codec
+from tensortier.tiers.segments import Segments
 
 log = logging.getLogger(__name__)
 _STATE, _META = _saved.STATE, _saved.META
 # per slot of capacity, beyond the store's index: use count 4, sampler (sum + min trees 17, or the
 # uniform sampler's dense live array and positions 16)
-_SLOT_BYTES = 24
+_SLOT_BYTES = 48  # + episode, step and policy version, 8 bytes each
+_DEFAULT: Any = object()  # timeout not given: 0 for sample() (None for add), or the RateLimit's
 _STOP_WAIT = (
     5.0  # seconds close() waits for the prefetch thread (it checks its stop flag every 0.1 s)
 )
@@ -60,12 +63,16 @@ _STOP_WAIT = (
 @dataclass
 class Batch:
     """A sample: ``items`` (a dict of stacked arrays/tensors when ``collated``, else a list of items),
-    their ``indices`` (int64) and importance ``weights`` (float32, all 1 for uniform sampling)."""
+    their ``indices`` (int64) and importance ``weights`` (float32, all 1 for uniform sampling).
+
+    With ``sample(B, seq_len=T)``: fields are (B, T, ...) (a list of B lists when not collated),
+    ``indices`` and ``mask`` are (B, T) and ``weights`` (B,), one per slice."""
 
     items: Any
     indices: np.ndarray
     weights: np.ndarray
     collated: bool
+    mask: np.ndarray | None = None  # sample(seq_len=T): (B, T), False on padded positions
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -118,6 +125,48 @@ def _check_timeout(timeout: Any) -> float | None:
             f"timeout must be None (wait for an add) or seconds >= 0, got {timeout!r}"
         )
     return float(timeout)
+
+
+def _meta(n: int, episode: Any, step: Any, version: Any) -> tuple:
+    """(episode, step, version) as int64 arrays of ``n`` values (-1 where not given)."""
+    out = []
+    for name, v in (("episode", episode), ("step", step), ("version", version)):
+        if v is None:
+            out.append(np.full(n, -1, np.int64))
+            continue
+        if hasattr(v, "detach"):
+            v = v.detach().cpu().numpy()
+        arr = np.asarray(v)
+        if arr.ndim == 0:
+            arr = np.full(n, arr)
+        if (
+            arr.shape != (n,)
+            or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0)
+            or (arr.size and arr.min() < 0)
+        ):
+            raise ConfigError(
+                f"{name} must be an int >= 0 or one such int per item ({n} items), got {v!r:.80}"
+            )
+        out.append(arr.astype(np.int64, copy=False))
+    return tuple(out)
+
+
+def _check_sequence_args(seq_len: Any, max_staleness: Any, eta: Any) -> None:
+    if seq_len is not None and (
+        isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1
+    ):
+        raise ConfigError(f"seq_len must be None or an int >= 1 (steps per slice), got {seq_len!r}")
+    if max_staleness is not None and (
+        isinstance(max_staleness, bool)
+        or not isinstance(max_staleness, (int, np.integer))
+        or max_staleness < 0
+    ):
+        raise ConfigError(
+            f"max_staleness must be None or an int >= 0 (policy versions behind "
+            f"policy_version), got {max_staleness!r}"
+        )
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+        raise ConfigError(f"eta must be a number in [0, 1] (R2D2 uses 0.9), got {eta!r}")
 
 
 class _Prefetcher:
@@ -197,6 +246,7 @@ class ReplayBuffer:
         prefetch: int = 0,
         seed: int | None = None,
         segment_size: SizeLike = "64MiB",
+        rate_limit: RateLimit | None = None,
     ):
         # every argument is checked before anything is allocated or created
         capacity = check_args(
@@ -229,6 +279,11 @@ class ReplayBuffer:
             isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
         ):
             raise ConfigError(f"seed must be None or an int >= 0, got {seed!r}")
+        if rate_limit is not None and not isinstance(rate_limit, RateLimit):
+            raise ConfigError(
+                f"rate_limit must be None or tt.rl.RateLimit(samples_per_insert, ...), got "
+                f"{rate_limit!r}"
+            )
         sampler = Uniform() if sampler is None else sampler
         if not isinstance(sampler, (Uniform, Prioritized)):
             raise ConfigError(
@@ -265,8 +320,16 @@ class ReplayBuffer:
             self._sampler = make_state(capacity, sampler)
             self._rng = np.random.default_rng(seed)
             self._uses = np.zeros(capacity, np.int32)
+            # per slot: episode id, step in the episode, policy version (-1: not given)
+            self._episode = np.full(capacity, -1, np.int64)
+            self._step = np.full(capacity, -1, np.int64)
+            self._version = np.full(capacity, -1, np.int64)
+            self._policy_version = -1
             if durable:
                 self._restore_durable()
+            self._limiter: RateLimiter | None = None
+            if rate_limit is not None:
+                self._limiter = RateLimiter.balanced(rate_limit, len(self._store))
         except BaseException:
             self._store.close()  # releases the durable directory's lock
             raise
@@ -292,6 +355,8 @@ class ReplayBuffer:
             if segs is not None:
                 out.update({f"disk_{k}": v for k, v in segs.stats.__dict__.items()})
             out["stale_updates"] = self._stale_updates
+            if self._limiter is not None:
+                out["rate_limiter"] = self._limiter.as_dict()
             return out
 
     def __contains__(self, index: object) -> bool:
@@ -306,26 +371,80 @@ class ReplayBuffer:
         return self._store.live_slots(indices)
 
     # ------------------------------------------------------------------ add / get / update / delete
-    def add(self, item: Any) -> int:
-        """Store one item (dict of arrays/tensors/bytes/numbers, or one such value); returns its index."""
-        return int(self.extend([item])[0])
+    def add(
+        self,
+        item: Any,
+        *,
+        episode: int | None = None,
+        step: int | None = None,
+        version: int | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> int:
+        """Store one item (dict of arrays/tensors/bytes/numbers, or one such value); returns its index.
 
-    def extend(self, items: Iterable[Any]) -> np.ndarray:
-        """Store many items in one step (one lock, one batched spill); returns their indices."""
-        return self._extend_blobs([_codec.encode(it) for it in items])
+        ``episode`` and ``step`` (ints >= 0) place the item in a trajectory for
+        ``sample(seq_len=...)``; ``version`` is the policy version that produced it, for
+        ``sample(max_staleness=...)``. With a ``rate_limit``, waits while sampling is behind, up to
+        ``timeout`` seconds (default: the RateLimit's), then raises RateLimitTimeout with nothing
+        added.
+        """
+        meta = None
+        if episode is not None or step is not None or version is not None:
+            meta = _meta(1, episode, step, version)
+        return int(self._extend_blobs([_codec.encode(item)], timeout, meta)[0])
 
-    def _extend_blobs(self, blobs: list[bytes]) -> np.ndarray:
+    def extend(
+        self,
+        items: Iterable[Any],
+        *,
+        episode: Any = None,
+        step: Any = None,
+        version: Any = None,
+        timeout: float | None = _DEFAULT,
+    ) -> np.ndarray:
+        """Store many items in one step (one lock, one batched spill); returns their indices.
+
+        Equivalent to adding them one by one (same indices, priorities and order); with a
+        ``rate_limit`` the batch is admitted whole (see :meth:`add`). ``episode``, ``step`` and
+        ``version`` are each an int for all items or a sequence with one int per item.
+        """
+        blobs = [_codec.encode(it) for it in items]
+        meta = None
+        if episode is not None or step is not None or version is not None:
+            meta = _meta(len(blobs), episode, step, version)
+        return self._extend_blobs(blobs, timeout, meta)
+
+    def _extend_blobs(
+        self, blobs: list[bytes], timeout: float | None = _DEFAULT, meta: tuple | None = None
+    ) -> np.ndarray:
         """Add already-encoded items (Ray collectors encode on their side)."""
-        with self._lock:
+        lim = self._limiter
+        if timeout is not _DEFAULT:
+            timeout = _check_timeout(timeout)
+        elif lim is not None:
+            timeout = lim.cfg.timeout
+        with self._cond:
             self._check()
             if len(blobs) > self.capacity:
                 raise ConfigError(
                     f"extend got {len(blobs)} items, more than capacity {self.capacity}; add them "
                     f"in chunks of at most {self.capacity}"
                 )
+            if lim is not None:
+                lim.check_insert(len(blobs))
+                store = self._store
+                lim.wait(self._cond, "insert", len(blobs), store.__len__, timeout, self._check)
+                lim.inserted(len(blobs))
             keys, _ = self._store.add(blobs, on_evict=self._sampler.remove)
             slots = keys % self.capacity
             self._uses[slots] = 0
+            if meta is None:
+                self._episode[slots] = self._step[slots] = self._version[slots] = -1
+            else:
+                self._episode[slots], self._step[slots], self._version[slots] = meta
+                top = int(meta[2].max()) if len(meta[2]) else -1
+                if top > self._policy_version:
+                    self._policy_version = top
             self._sampler.add(slots)
             self._cond.notify_all()  # samplers waiting for items (cheap when nobody waits)
             return keys
@@ -358,27 +477,72 @@ class ReplayBuffer:
             slots = np.unique(self._slots(keys))
             self._sampler.remove(slots)
             self._store.remove(slots)
+            if self._limiter is not None:
+                self._cond.notify_all()  # a smaller buffer may admit inserts again
 
     def delete(self, indices: int | Sequence[int] | np.ndarray) -> None:
         """Remove items (all or nothing: an unknown index removes none)."""
         self.__delitem__(indices)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, batch_size: int, *, timeout: float | None = 0.0) -> Batch:
+    @property
+    def policy_version(self) -> int:
+        """The newest policy version: the largest ``version`` added, or set by the learner
+        (``buf.policy_version = v``; it never goes back). -1 before any. ``max_staleness``
+        counts from it."""
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, v: int) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ConfigError(f"policy_version must be an int >= 0, got {v!r}")
+        with self._lock:
+            self._policy_version = max(self._policy_version, int(v))
+
+    def sample(
+        self,
+        batch_size: int,
+        *,
+        timeout: float | None = _DEFAULT,
+        seq_len: int | None = None,
+        max_staleness: int | None = None,
+        pad: bool = False,
+        eta: float = 0.9,
+    ) -> Batch:
         """Draw ``batch_size`` items (with replacement) by the buffer's sampler.
+
+        ``seq_len=T``: draw ``batch_size`` slices of T consecutive steps of one episode instead
+        (items added with ``episode=`` and ``step=``); a slice never crosses an episode end or a
+        missing step. ``pad=False`` draws only full slices; ``pad=True`` lets any step start one
+        and repeats the run's last step past its end, with ``batch.mask`` False there. Prioritized
+        buffers draw slices by R2D2's ``eta * max + (1 - eta) * mean`` of their items'
+        priorities (see ``_sequence.py``). ``max_staleness=k`` draws only items (and slices whose
+        every item) came from policy version >= ``policy_version - k``; items added without a
+        ``version`` are excluded then. These two options cost O(items) per call and bypass
+        ``prefetch``.
 
         When nothing can be drawn (the buffer is empty or drained by ``max_uses``, and no batch was
         drawn ahead), wait up to ``timeout`` seconds for an add, then raise IndexError; the default
         0 raises at once, ``None`` waits until an item arrives or the buffer is closed
-        (ClosedError). The same holds with and without ``prefetch``.
+        (ClosedError). The same holds with and without ``prefetch``. With a ``rate_limit``, a
+        sample also waits while inserting is behind (default timeout: the RateLimit's), then
+        raises RateLimitTimeout.
         """
         n = _check_batch_size(batch_size)
-        wait = _check_timeout(timeout)
+        wait = self._sample_timeout(timeout)
+        if seq_len is not None or max_staleness is not None:
+            _check_sequence_args(seq_len, max_staleness, eta)
+            return self._sample_filtered(n, wait, seq_len, max_staleness, bool(pad), float(eta))
         if self.config.prefetch:
             return self._sample_prefetched(n, wait)
         blobs, keys, weights = self._draw(n, wait)
         items, collated = _codec.decode_batch(blobs)  # outside the lock: adds continue meanwhile
         return Batch(items, keys, weights, collated)
+
+    def _sample_timeout(self, timeout: Any) -> float | None:
+        if timeout is _DEFAULT:
+            return self._limiter.cfg.timeout if self._limiter is not None else 0.0
+        return _check_timeout(timeout)
 
     def _sample_blobs(
         self, n: int, timeout: float | None = 0.0
@@ -396,7 +560,13 @@ class ReplayBuffer:
 
     def _draw(self, n: int, timeout: float | None) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         deadline = None if timeout is None else time.monotonic() + timeout
+        lim = self._limiter
         with self._cond:
+            if lim is not None:
+                self._check()
+                lim.check_sample(n)
+                lim.wait(self._cond, "sample", n, self._store.__len__, timeout, self._check)
+                return self._sample_locked(n)
             while True:
                 self._check()
                 if len(self._store):
@@ -412,6 +582,9 @@ class ReplayBuffer:
         self._check()
         if len(self._store) == 0:
             raise self._empty(None)
+        if self._limiter is not None:
+            self._limiter.sampled(n)
+            self._cond.notify_all()  # inserters waiting for sampling to catch up
         slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
         keys = self._store.keys[slots].copy()
         blobs = self._store.blobs(slots)
@@ -422,6 +595,104 @@ class ReplayBuffer:
                 self._sampler.remove(done)
                 self._store.remove(done)
         return blobs, keys, weights
+
+    def _sample_filtered(
+        self,
+        n: int,
+        timeout: float | None,
+        seq_len: int | None,
+        max_staleness: int | None,
+        pad: bool,
+        eta: float,
+    ) -> Batch:
+        """sample() with ``seq_len`` and/or ``max_staleness`` (see ``_sequence.py``)."""
+        lim = self._limiter
+        with self._cond:
+            self._check()
+            if lim is not None:
+                lim.check_sample(n)
+                lim.wait(self._cond, "sample", n, self._store.__len__, timeout, self._check)
+            elif not len(self._store) and timeout != 0:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while not len(self._store):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._cond.wait(1.0 if left is None else min(left, 1.0))
+                    self._check()
+            slots = self._live_slots()
+            why = "the buffer is empty"
+            if max_staleness is not None:
+                cutoff = self._policy_version - max_staleness
+                ver = self._version[slots]
+                slots = slots[(ver >= 0) & (ver >= cutoff)]
+                why = (
+                    f"no item has a policy version >= {cutoff} (policy_version "
+                    f"{self._policy_version} - max_staleness {max_staleness}; items added "
+                    f"without version= are excluded)"
+                )
+            cfg = self._sampler.cfg
+            prio = self._sampler.leaves(slots) if isinstance(cfg, Prioritized) else None
+            beta = self.beta if prio is not None else None
+            if seq_len is None:
+                if not len(slots):
+                    raise IndexError(f"cannot sample: {why}; add items first")
+                pos, weights = _sequence.draw(
+                    prio if prio is not None else np.ones(len(slots)), n, self._rng, beta
+                )
+                drawn, mask = slots[pos], None
+            else:
+                known = self._episode[slots] >= 0
+                slots = slots[known & (self._step[slots] >= 0)]
+                order, left = _sequence.runs(self._episode[slots], self._step[slots])
+                slots = slots[order]
+                starts = np.arange(len(slots)) if pad else np.flatnonzero(left >= seq_len)
+                if not len(starts):
+                    raise IndexError(
+                        f"cannot sample slices of seq_len={seq_len}: no episode has {seq_len} "
+                        f"consecutive steps in the buffer ({len(slots)} items with episode and "
+                        f"step{'' if max_staleness is None else ' and fresh enough'}); add "
+                        f"longer episodes, lower seq_len or pass pad=True"
+                    )
+                if prio is not None:
+                    raw = prio[order]
+                    a = cfg.alpha
+                    if a > 0:
+                        raw = raw ** (1.0 / a)
+                    sp = _sequence.slice_priorities(raw, left, starts, seq_len, eta)
+                    w = sp**a if a != 1 else sp
+                else:
+                    w = np.ones(len(starts))
+                pos, weights = _sequence.draw(w, n, self._rng, beta)
+                first = starts[pos]
+                steps = np.arange(seq_len)
+                mask = steps[None, :] < left[first][:, None]
+                offs = np.minimum(steps[None, :], left[first][:, None] - 1)
+                drawn = slots[first[:, None] + offs]  # (n, seq_len)
+            if prio is not None:
+                self._sampler.samples += 1  # beta annealing counts sample() calls
+            flat = drawn.reshape(-1)
+            keys = self._store.keys[drawn].copy()
+            blobs = self._store.blobs(flat)
+            if self.config.max_uses is not None:
+                used = flat if mask is None else drawn[mask]
+                np.add.at(self._uses, used, 1)
+                done = np.unique(used[self._uses[used] >= self.config.max_uses])
+                if len(done):
+                    self._sampler.remove(done)
+                    self._store.remove(done)
+            if lim is not None:
+                lim.sampled(n)
+                self._cond.notify_all()
+        items, collated = _codec.decode_batch(blobs)
+        if seq_len is not None:
+            if collated and isinstance(items, dict):
+                items = {k: _fold(v, n, seq_len) for k, v in items.items()}
+            elif collated:
+                items = _fold(items, n, seq_len)
+            else:
+                items = [items[i * seq_len : (i + 1) * seq_len] for i in range(n)]
+        return Batch(items, keys, weights, collated, mask)
 
     def _live_slots(self) -> np.ndarray:
         """Every live slot (O(capacity): only the all-priorities-zero fallback needs it)."""
@@ -442,10 +713,16 @@ class ReplayBuffer:
             except queue.Empty:
                 with self._cond:
                     self._check()
-                    idle = len(self._store) == 0 and p.pending == 0 and p.queue.empty()
-                    if idle:  # nothing stored, nothing being drawn, nothing drawn ahead
+                    lim = self._limiter
+                    refused = lim is not None and not lim.can_sample(n, len(self._store))
+                    blocked = len(self._store) == 0 or refused
+                    idle = blocked and p.pending == 0 and p.queue.empty()
+                    if idle:  # nothing drawable, nothing being drawn, nothing drawn ahead
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
+                            if refused:
+                                assert lim is not None
+                                raise lim._timeout("sample", n, len(self._store), timeout) from None
                             raise self._empty(timeout) from None
                         self._cond.wait(0.1 if left is None else min(left, 0.1))
                         continue
@@ -462,7 +739,10 @@ class ReplayBuffer:
         with self._cond:
             if self._closed:
                 return _STOP
-            if not len(self._store):
+            lim = self._limiter
+            if not len(self._store) or (
+                lim is not None and not lim.can_sample(p.n, len(self._store))
+            ):
                 self._cond.wait(0.1)  # an add wakes it; the tick lets it see `stop`
                 return None
             p.pending += 1  # from here on something is queued: a batch or the error
@@ -543,6 +823,9 @@ class ReplayBuffer:
             "keys": keys,
             "leaves": np.asarray(self._sampler.leaves(slots), np.float64),
             "uses": self._uses[slots].copy(),
+            "episode": self._episode[slots],
+            "step": self._step[slots],
+            "version": self._version[slots],
         }
 
     def _state_meta(self) -> dict:
@@ -552,6 +835,7 @@ class ReplayBuffer:
             "config": self.config.to_dict(),
             "sampler_state": self._sampler.state(),
             "seq": int(self._store.seq),
+            "policy_version": int(self._policy_version),
         }
 
     def save(self, dirname: str | os.PathLike) -> None:
@@ -639,6 +923,7 @@ class ReplayBuffer:
         spill_dir: str | os.PathLike | None = None,
         prefetch: int = 0,
         seed: int | None = None,
+        rate_limit: RateLimit | None = None,
     ) -> ReplayBuffer:
         """A new buffer with the items, indices, priorities and use counts saved in ``dirname``.
 
@@ -660,6 +945,7 @@ class ReplayBuffer:
             prefetch=prefetch,
             seed=seed,
             segment_size=cfg["segment_size"],
+            rate_limit=rate_limit,
         )
         try:
             buf._load_items(dirname, arrays, fix)
@@ -667,6 +953,7 @@ class ReplayBuffer:
             slots = arrays["keys"] % buf.capacity
             buf._sampler.add(slots, arrays["leaves"])
             buf._uses[slots] = arrays["uses"]
+            buf._set_saved_meta(slots, arrays, meta)
             try:
                 buf._sampler.load_state(meta["sampler_state"])
             except (TypeError, ValueError) as exc:
@@ -674,6 +961,8 @@ class ReplayBuffer:
                     f"{os.path.join(dirname, _META)}: sampler_state is not valid ({exc}); {fix}",
                     path=dirname,
                 ) from exc
+            if rate_limit is not None:  # counters start balanced for the items loaded
+                buf._limiter = RateLimiter.balanced(rate_limit, len(buf))
         except BaseException:
             buf.close()
             raise
@@ -740,7 +1029,21 @@ class ReplayBuffer:
             leaves = leaves**alpha
             leaves[known] = saved_leaves[pos[known]]
             self._uses[slots[known]] = saved_uses[pos[known]]
+            # episode, step and version of items added since the checkpoint stay -1 (unknown)
+            sub = {k: saved[k][pos[known]] for k in _saved.OPTIONAL if k in saved}
+            self._set_saved_meta(slots[known], sub, meta)
         self._sampler.add(slots, leaves)
+
+    def _set_saved_meta(self, slots: np.ndarray, arrays: dict, meta: dict) -> None:
+        """Episode, step and version saved with the items (absent in files from before them)."""
+        for name, dest in (
+            ("episode", self._episode),
+            ("step", self._step),
+            ("version", self._version),
+        ):
+            if name in arrays:
+                dest[slots] = arrays[name]
+        self._policy_version = max(self._policy_version, int(meta.get("policy_version", -1)))
 
     def checkpoint(self) -> None:
         """Durable buffers: record priorities and use counts next to the segments (atomic)."""
@@ -787,6 +1090,13 @@ class ReplayBuffer:
             f"ReplayBuffer(len={len(self)}, capacity={self.capacity}, "
             f"sampler={self.config.sampler}, ram_budget={self.config.ram_budget})"
         )
+
+
+def _fold(v: Any, n: int, seq_len: int) -> Any:
+    """A stacked field of n * seq_len rows as (n, seq_len, ...); lists (bytes fields) as n lists."""
+    if isinstance(v, list):
+        return [v[i * seq_len : (i + 1) * seq_len] for i in range(n)]
+    return v.reshape(n, seq_len, *v.shape[1:])
 
 
 def _remove_saved(dirname: str, made: bool) -> None:

@@ -244,11 +244,48 @@ class UniformState:
 
 
 class PrioritizedState:
+    """Priorities in a :class:`SumMinTree`.
+
+    Adds and removals are queued (slot, leaf) and applied in one vectorised ``set`` before
+    anything reads the tree (``tree`` flushes), so a stream of single adds costs a list append
+    each instead of a tree walk each; the queue is applied in order (a later entry for a slot
+    wins) and never holds more than ``_PENDING`` entries.
+    """
+
+    _PENDING = 4096
+
     def __init__(self, capacity: int, cfg: Prioritized):
         self.cfg = cfg
-        self.tree = SumMinTree(capacity)
+        self._tree = SumMinTree(capacity)
+        self._pend_slots: list[int] = []
+        self._pend_leaves: list[float] = []
         self.max_priority = cfg.initial_priority
         self.samples = 0  # sample() calls, for beta annealing
+
+    @property
+    def max_priority(self) -> float:
+        return self._max_priority
+
+    @max_priority.setter
+    def max_priority(self, value: float) -> None:
+        self._max_priority = value
+        self._new_leaf = float(value) ** self.cfg.alpha  # the leaf of a new item
+
+    @property
+    def tree(self) -> SumMinTree:
+        """The tree with every queued add and removal applied."""
+        if self._pend_slots:
+            slots = np.array(self._pend_slots, np.int64)
+            leaves = np.array(self._pend_leaves, np.float64)
+            self._pend_slots, self._pend_leaves = [], []
+            self._tree.set(slots, leaves)
+        return self._tree
+
+    def _queue(self, slots: list[int], leaf: float) -> None:
+        self._pend_slots += slots
+        self._pend_leaves += [leaf] * len(slots)
+        if len(self._pend_slots) > self._PENDING:
+            self.tree  # noqa: B018 (flushes)
 
     @property
     def beta(self) -> float:
@@ -260,11 +297,12 @@ class PrioritizedState:
 
     def add(self, slots: np.ndarray, leaves: np.ndarray | None = None) -> None:
         if leaves is None:
-            leaves = np.full(len(slots), self.max_priority**self.cfg.alpha)
-        self.tree.set(slots, leaves)
+            self._queue(slots.tolist(), self._new_leaf)
+        else:
+            self.tree.set(slots, leaves)
 
     def remove(self, slots: np.ndarray) -> None:
-        self.tree.set(slots, np.zeros(len(slots)))
+        self._queue(slots.tolist(), 0.0)
 
     def sample(
         self, n: int, rng: np.random.Generator, live: Callable[[], np.ndarray] | None = None
@@ -295,11 +333,12 @@ class PrioritizedState:
 
     def update(self, slots: np.ndarray, priorities: np.ndarray, top: float | None = None) -> None:
         """Set priorities; for a slot given twice the last value wins, as with single updates."""
+        tree = self.tree  # queued adds first: they carry the old max priority
         if len(priorities):
             top = float(priorities.max()) if top is None else top
             self.max_priority = max(self.max_priority, top)
         a = self.cfg.alpha
-        self.tree.set(slots, priorities if a == 1 else priorities**a)
+        tree.set(slots, priorities if a == 1 else priorities**a)
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         """p_i^alpha of ``slots``: what is saved, so a reload draws from the same distribution."""
@@ -316,6 +355,7 @@ class PrioritizedState:
             raise ValueError(f"max_priority must be a finite number > 0, got {top!r}")
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        self.tree  # noqa: B018 (queued adds keep the leaf they were given)
         self.max_priority = float(top)
         self.samples = samples
 

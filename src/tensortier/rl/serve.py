@@ -33,10 +33,10 @@ import torch
 
 from tensortier._lifetime import private_dir, remove_private_dir
 from tensortier.errors import ClosedError, ConfigError, TensortierError
-from tensortier.rl import _codec
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import Params, ParamStore, _check_version, _deadline
 from tensortier.rl.replay import Batch, ReplayBuffer, _as_index_array
+from tensortier.tiers import itemcodec as _codec
 
 _START_TIMEOUT = 120.0  # seconds serve() waits for the actor to be scheduled and built
 _WAIT_CHUNK = 1.0  # longest one parameter wait holds an actor thread (seconds)

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensortier.errors import CorruptDataError
-from tensortier.rl import _codec
+from tensortier.tiers import itemcodec as _codec
 from tests.conftest import ALL_DTYPES, bit_equal, make_tensor
 
 NP_DTYPES = ["<f4", "<f8", "<f2", "|u1", "|i1", "<i2", "<i4", "<i8", "|b1", "<c8", "<u4", ">f4"]
@@ -94,3 +94,64 @@ def test_damaged_blob_is_refused():
         _codec.decode(blob[:-3])
     with pytest.raises(CorruptDataError):
         _codec.decode(blob[:4] + b"{not json" + blob[13:])
+
+
+# --------------------------------------------------------------------------- str, alignment, views
+def test_str_fields_and_items_round_trip():
+    item = {"name": "images/0001.jpg", "caption": "naïve café \u2603", "empty": ""}
+    assert _codec.decode(_codec.encode(item)) == item
+    assert _codec.decode(_codec.encode("a/b/c.txt")) == "a/b/c.txt"
+    batch, collated = _codec.decode_batch([_codec.encode({"s": "ab"}), _codec.encode({"s": "cd"})])
+    assert collated and batch == {"s": ["ab", "cd"]}
+
+
+def test_unsupported_types_name_the_accepted_ones():
+    with pytest.raises(TypeError, match="numpy array, a torch tensor, bytes, str"):
+        _codec.encode({"x": {1, 2}})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 21), min_size=1, max_size=5),
+    dtypes=st.lists(st.sampled_from(NP_DTYPES + ["<c16"]), min_size=5, max_size=5),
+    align=st.sampled_from([1, 2, 8, 64]),
+)
+def test_aligned_blobs_round_trip_and_place_every_field_on_the_boundary(sizes, dtypes, align):
+    item = {f"f{i}": np.arange(n).astype(dtypes[i]) for i, n in enumerate(sizes)}
+    item["s"] = "x" * sizes[0]
+    blob = _codec.encode(item, align=align)
+    assert len(blob) % align == 0
+    _, meta, start = _codec._header(blob)
+    assert start % align == 0 and all(f[4] % align == 0 for f in meta["f"])
+    out = _codec.decode(blob)
+    assert all(same(item[k], out[k]) for k in item)
+
+
+def test_decode_without_copy_returns_views_of_a_writable_aligned_buffer():
+    t = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    item = {"a": np.arange(5, dtype=np.int32), "t": t, "b": b"xyz", "n": 3}
+    blob = _codec.encode(item, align=8)
+    buf = np.zeros(len(blob) + 8, np.uint8)  # numpy memory is at least 8-aligned
+    buf[: len(blob)] = np.frombuffer(blob, np.uint8)
+    out = _codec.decode(buf[: len(blob)], copy=False)
+    assert np.shares_memory(out["a"], buf) and out["a"].flags.writeable
+    assert buf.ctypes.data <= out["t"].data_ptr() < buf.ctypes.data + len(buf)
+    assert same(out["t"], t) and out["b"] == b"xyz" and out["n"] == 3
+    # a read-only blob (bytes) and a misaligned field give copies, never read-only tensors
+    ro = _codec.decode(blob, copy=False)
+    assert ro["a"].flags.writeable and same(ro["t"], t)
+    shifted = np.zeros(len(blob) + 1, np.uint8)
+    shifted[1:] = np.frombuffer(blob, np.uint8)
+    out = _codec.decode(shifted[1:], copy=False)
+    assert not np.shares_memory(out["a"], shifted) and same(out["t"], t)
+
+
+def test_trailing_padding_is_refused_without_an_alignment_in_the_header():
+    blob = _codec.encode({"a": np.arange(3, dtype=np.int8)})
+    with pytest.raises(CorruptDataError, match="header describes"):
+        _codec.decode(blob + b"\0")
+    aligned = _codec.encode({"a": np.arange(3, dtype=np.int8)}, align=8)
+    with pytest.raises(CorruptDataError, match="header describes"):
+        _codec.decode(aligned + bytes(8))
+    with pytest.raises(ValueError, match="power of two"):
+        _codec.encode(b"x", align=3)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tensortier.errors import CorruptDataError
-from tensortier.rl._segments import MAGIC_V1, REC, TOMBSTONE, Segments
+from tensortier.tiers.segments import MAGIC_V1, REC, TOMBSTONE, Segments, coalesce, payload_of
 
 
 def write(root, records, **kw) -> Segments:
@@ -117,3 +117,93 @@ def test_open_descriptors_stay_bounded_with_many_segments(tmp_path):
     segs.close(remove=True)
     assert len(os.listdir("/proc/self/fd")) <= fds
     assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- shared with tt.data
+def test_parallel_writers_number_their_segments_apart_and_report_crcs(tmp_path):
+    writers = [Segments(str(tmp_path), segment_size=100, first=w, step=3) for w in range(3)]
+    crcs: list[int] = []
+    locs = writers[1].append([(i, 0, bytes([i]) * 90) for i in range(4)], crcs=crcs)
+    assert [seg for seg, _, _ in locs] == [1, 4, 7, 10]  # one record fills a 100-byte segment
+    assert len(crcs) == 4
+    writers[0].append([(9, 0, b"x")])
+    writers[2].append([(8, 0, b"y")])
+    assert sorted(int(n[4:12]) for n in os.listdir(tmp_path)) == [0, 1, 2, 4, 7, 10]
+    for w in writers:
+        w.close(remove=False)
+    keys = sorted(k for k, *_ in scan(tmp_path))
+    assert keys == [0, 1, 2, 3, 8, 9]
+
+
+def test_crcs_reported_by_append_are_the_records_checksums(tmp_path):
+
+    segs = Segments(str(tmp_path))
+    crcs: list[int] = []
+    [(seg, off, length)] = segs.append([(5, 0, b"payload")], crcs=crcs)
+    with open(segs.path(seg), "rb") as f:
+        data = f.read()
+    assert bytes(payload_of(data, off, length, key=5, crc=crcs[0])) == b"payload"
+    assert payload_of(data, off, length, key=6) is None  # another record's index
+    assert payload_of(data, off, length, crc=crcs[0] ^ 1) is None  # another record's checksum
+    assert payload_of(data, off, length + 1) is None  # past the end
+    segs.close(remove=True)
+
+
+def test_coalesce_groups_neighbours_per_segment_and_restarts_in_each_file():
+
+    seg = np.array([1, 0, 0, 1, 0])
+    off = np.array([0, 1000, 0, 10_000_000, 50])
+    length = np.array([100, 24, 50, 30, 900])
+    runs = [(s, a, b, sorted(r.tolist())) for s, a, b, r in coalesce(seg, off, length, gap=100)]
+    # segment 0: [0,50) [50,950) [1000,1024) are within 100 bytes of each other; segment 1's
+    # records are 10 MB apart: two reads, even though segment 0's reach is far past offset 0
+    assert runs == [(0, 0, 1024, [1, 2, 4]), (1, 0, 100, [0]), (1, 10_000_000, 10_000_030, [3])]
+    assert list(coalesce(seg[:0], off[:0], length[:0])) == []
+
+
+@pytest.mark.parametrize("sizes", [[1, 5000, 3, 4096 - 24, 70000], [4072] * 5, [0, 0, 1]])
+def test_direct_appends_write_the_same_files_as_buffered_ones(tmp_path, sizes):
+    records = [(i, 0, bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+    plain, direct = tmp_path / "plain", tmp_path / "direct"
+    plain.mkdir()
+    direct.mkdir()
+    a = Segments(str(plain), segment_size=1 << 20)
+    b = Segments(str(direct), segment_size=1 << 20, direct=True)
+    for batch in (records[:2], records[2:3], records[3:]):  # partial pages carried between writes
+        assert a.append(batch) == b.append(batch)
+    with open(b.path(0), "rb") as f:
+        padded = f.read()
+    assert len(padded) % 4096 == 0 and len(padded) >= b.size[0]  # padded until sync/close
+    b.sync()
+    a.close(remove=False)
+    b.close(remove=False)
+    with open(a.path(0), "rb") as f, open(b.path(0), "rb") as g:
+        assert f.read() == g.read()
+    assert scan(direct) == scan(plain)
+
+
+def test_format_3_records_use_crc32c_and_are_read_and_checked_like_format_2(tmp_path):
+    import crc32c
+
+    from tensortier.tiers.segments import MAGIC_C, record_crc32c
+
+    segs = Segments(str(tmp_path), checksum="crc32c")
+    crcs: list[int] = []
+    [(seg, off, length)] = segs.append([(7, 0, b"hello")], crcs=crcs)
+    segs.append([(7, TOMBSTONE, b"")])
+    with open(segs.path(seg), "rb") as f:
+        data = f.read()
+    magic, plen, crc, flags, key = REC.unpack_from(data, 0)
+    assert magic == MAGIC_C and crc == crcs[0] == record_crc32c(5, 0, 7, b"hello")
+    assert crc == crc32c.crc32c(b"hello", crc32c.crc32c(data[4:8] + data[12:24]))
+    assert segs.read_many(np.array([[seg, off, length]])) == [b"hello"]
+    segs.close(remove=False)
+    assert [(k, fl) for k, fl, *_ in scan(tmp_path)] == [(7, 0), (7, TOMBSTONE)]
+    raw = bytearray(data)
+    raw[REC.size + 1] ^= 1
+    with open(segs.path(seg), "wb") as f:
+        f.write(raw)
+    reader = Segments(str(tmp_path), readonly=True)
+    with pytest.raises(CorruptDataError):
+        list(reader.scan())
+    reader.close(remove=False)

@@ -1,0 +1,554 @@
+"""`tensortier bench catalog`: the dataset catalog against `dd`, Hugging Face datasets and LMDB.
+
+One run, same disk (``--dir``), same records (random bytes of ``--min-size``..``--max-size``,
+uniform), same read order (the catalog's seeded full shuffle, then its block shuffle), the page
+cache dropped before every read run (``sync; echo 3 > /proc/sys/vm/drop_caches`` when permitted,
+else ``posix_fadvise(DONTNEED)`` on every file of the store read next; the JSON says which).
+
+Measured: build throughput (tensortier with its final fsyncs; Hugging Face ``Dataset.from_generator``
+to Arrow and LMDB ``put`` in 1000-record transactions, each followed by an fsync of its files) next
+to the disk tier's ``O_DIRECT`` write bandwidth and ``dd`` writes; epoch read throughput next to
+``dd iflag=direct bs=8M`` over the catalog's own segment files; random single-record reads; open
+time and RSS growth of a 10M-record catalog (a synthetic sparse index by default, a real one with
+``--real-index``), measured in a fresh process. The record count is scaled to the free disk (three
+copies must fit in 40% of it) and to ``--max-gb`` per copy; the JSON records the scale.
+Run: ``tensortier bench catalog --json benchmarks/results/catalog-cpu.json [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from tensortier._units import format_size, parse_size
+from tensortier.bench._common import print_table, write_json
+from tensortier.bench.tiers import dd_bandwidth, tier_bandwidth
+
+ISSUE_RECORDS = 1_000_000  # the issue's scale: 1M records of 1-100 KB
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="scratch directory on the disk")
+    p.add_argument("--records", type=int, default=None, help="records (default: scaled, see doc)")
+    p.add_argument("--max-gb", type=float, default=8.0, help="largest store to write, in GB")
+    p.add_argument("--min-size", default="1KB", help="smallest record")
+    p.add_argument("--max-size", default="100KB", help="largest record")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--io-threads", type=int, default=16)
+    p.add_argument("--prefetch", default="512MiB")
+    p.add_argument("--writers", type=int, default=2)
+    p.add_argument("--orders", default="full,block", help="read orders to measure")
+    p.add_argument("--skip", default="", help="comma list of peers to skip: datasets,lmdb")
+    p.add_argument("--index-records", type=int, default=10_000_000, help="records of the open test")
+    p.add_argument(
+        "--real-index", action="store_true", help="build a real catalog for the open test"
+    )
+    p.add_argument("--keep", action="store_true", help="keep the stores (default: removed)")
+    p.add_argument("--quick", action="store_true", help="2000 records, small sizes: a smoke run")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+
+
+# --------------------------------------------------------------------------- helpers
+def drop_caches(paths: list[str]) -> str:
+    """Empty the page cache before a read run; returns how."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for root in paths:
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                try:
+                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    return "fadvise"
+
+
+def fsync_tree(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def tree_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+class Records:
+    """N random-size records of incompressible bytes, reproducible (sizes seeded)."""
+
+    def __init__(self, n: int, low: int, high: int):
+        self.sizes = np.random.default_rng(0).integers(low, high + 1, n)
+        self.pool = np.random.default_rng(1).bytes(2 * high + 4096)
+        self.high = high
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self):
+        pool, high = self.pool, self.high
+        for i, size in enumerate(self.sizes.tolist()):
+            o = (i * 7919) % high
+            yield pool[o : o + size]
+
+    @property
+    def total(self) -> int:
+        return int(self.sizes.sum())
+
+
+def scale(args, free: int, mean: float) -> tuple[int, str]:
+    if args.records:
+        return args.records, "--records"
+    if args.quick:
+        return 2000, "--quick"
+    by_disk = int(0.4 * free / 3 / mean)
+    by_cap = int(args.max_gb * 1e9 / mean)
+    n = min(ISSUE_RECORDS, by_disk, by_cap)
+    why = (
+        f"scaled from {ISSUE_RECORDS} to {n} records: "
+        f"{'--max-gb' if by_cap <= by_disk else 'free disk'} limit "
+        f"({format_size(free)} free; 3 copies in 40% of it; --max-gb {args.max_gb})"
+    )
+    return n, why
+
+
+def dd_read_files(files: list[str]) -> float:
+    """GB/s of dd iflag=direct bs=8M over ``files`` (one after the other)."""
+    total, seconds = 0, 0.0
+    for path in files:
+        t0 = time.perf_counter()
+        subprocess.run(
+            ["dd", f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"],
+            capture_output=True,
+            check=True,
+        )
+        seconds += time.perf_counter() - t0
+        total += os.path.getsize(path)
+    return total / seconds / 1e9
+
+
+# --------------------------------------------------------------------------- stores
+def build_tt(root: str, recs: Records, writers: int) -> dict:
+    from tensortier.data import Catalog
+
+    t0 = time.perf_counter()
+    cat = Catalog.build(root, recs, writers=writers)
+    seconds = time.perf_counter() - t0
+    cat.close()
+    return {"seconds": seconds, "bytes": tree_bytes(root)}
+
+
+def build_hf(root: str, recs: Records) -> dict:
+    from datasets import Dataset, Features, Value, disable_progress_bars
+
+    disable_progress_bars()
+
+    def gen():
+        for r in recs:
+            yield {"data": r}
+
+    t0 = time.perf_counter()
+    ds = Dataset.from_generator(gen, features=Features({"data": Value("binary")}), cache_dir=root)
+    fsync_tree(root)
+    seconds = time.perf_counter() - t0
+    del ds
+    return {"seconds": seconds, "bytes": tree_bytes(root)}
+
+
+def _load_hf(root: str):
+    """The Arrow files ``from_generator`` wrote, memory-mapped (as ``load_from_disk`` would)."""
+    from datasets import Dataset, concatenate_datasets
+
+    files = sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".arrow")
+    )
+    parts = [Dataset.from_file(f) for f in files]
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+
+
+def build_lmdb(root: str, recs: Records) -> dict:
+    import lmdb
+
+    t0 = time.perf_counter()
+    env = lmdb.open(root, map_size=int(recs.total * 1.6) + (1 << 30), sync=False, lock=True)
+    txn = env.begin(write=True)
+    for i, r in enumerate(recs):
+        txn.put(struct.pack(">Q", i), r, append=True)
+        if i % 1000 == 999:
+            txn.commit()
+            txn = env.begin(write=True)
+    txn.commit()
+    env.sync(True)
+    env.close()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "bytes": tree_bytes(root)}
+
+
+# --------------------------------------------------------------------------- reads
+def read_tt(root: str, args, order: str, recs: Records) -> dict:
+    from tensortier.data import Catalog
+
+    cat = Catalog.open(root)
+    loader = cat.epochs(
+        batch=args.batch,
+        seed=0,
+        shuffle=order,
+        io_threads=args.io_threads,
+        prefetch=args.prefetch,
+    )
+    sizes = recs.sizes
+    total = n = 0
+    ok = True
+    t0 = time.perf_counter()
+    for b in loader:
+        got = [len(r) for r in b.data]
+        ok = ok and got == sizes[b.indices].tolist()
+        total += sum(got)
+        n += len(got)
+    seconds = time.perf_counter() - t0
+    stats = loader.stats.as_dict()
+    loader.close()
+    cat.close()
+    return {"seconds": seconds, "records": n, "bytes": total, "intact": ok, "stats": stats}
+
+
+def epoch_order(root: str, args, order: str) -> np.ndarray:
+    from tensortier.data import Catalog
+    from tensortier.data._order import Order
+
+    cat = Catalog.open(root)
+    loader = cat.epochs(batch=args.batch, seed=0, shuffle=order)
+    idx = Order(loader.dataset.spec, 0, 0).indices(0, len(cat))
+    cat.close()
+    return idx
+
+
+def read_hf(root: str, args, idx: np.ndarray, recs: Records) -> dict:
+    ds = _load_hf(root)
+    sizes = recs.sizes
+    total, ok = 0, True
+    t0 = time.perf_counter()
+    for a in range(0, len(idx), args.batch):
+        part = idx[a : a + args.batch]
+        got = [len(r) for r in ds[part.tolist()]["data"]]
+        ok = ok and got == sizes[part].tolist()
+        total += sum(got)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "records": len(idx), "bytes": total, "intact": ok}
+
+
+def read_lmdb(root: str, args, idx: np.ndarray, recs: Records) -> dict:
+    import lmdb
+
+    env = lmdb.open(root, readonly=True, lock=False)
+    sizes = recs.sizes
+    total, ok = 0, True
+    t0 = time.perf_counter()
+    with env.begin() as txn:
+        for a in range(0, len(idx), args.batch):
+            part = idx[a : a + args.batch].tolist()
+            got = [len(txn.get(struct.pack(">Q", i))) for i in part]
+            ok = ok and got == sizes[part].tolist()
+            total += sum(got)
+    seconds = time.perf_counter() - t0
+    env.close()
+    return {"seconds": seconds, "records": len(idx), "bytes": total, "intact": ok}
+
+
+def random_reads(kind: str, root: str, n: int, count: int = 2000) -> float:
+    """Single records read at random indices, per second (page cache dropped by the caller)."""
+    picks = np.random.default_rng(5).integers(0, n, count).tolist()
+    if kind == "tensortier":
+        from tensortier.data import Catalog
+
+        cat = Catalog.open(root)
+        t0 = time.perf_counter()
+        for i in picks:
+            cat[i]
+        dt = time.perf_counter() - t0
+        cat.close()
+    elif kind == "datasets":
+        ds = _load_hf(root)
+        t0 = time.perf_counter()
+        for i in picks:
+            ds[i]["data"]
+        dt = time.perf_counter() - t0
+    else:
+        import lmdb
+
+        env = lmdb.open(root, readonly=True, lock=False)
+        t0 = time.perf_counter()
+        with env.begin() as txn:
+            for i in picks:
+                txn.get(struct.pack(">Q", i))
+        dt = time.perf_counter() - t0
+        env.close()
+    return count / dt
+
+
+_OPEN_PROBE = r"""
+import json, os, sys, time, psutil
+import tensortier.data as d
+proc = psutil.Process()
+rss = proc.memory_info().rss
+t0 = time.perf_counter()
+cat = d.Catalog.open(sys.argv[1])
+opened = time.perf_counter() - t0
+n = len(cat)
+last = cat[n - 1]
+print(json.dumps({"open_ms": opened * 1e3, "rss_growth_mib": (proc.memory_info().rss - rss) / 2**20,
+                  "records": n, "last_record_bytes": len(last)}))
+"""
+
+
+def open_test(root: str, n: int, real: bool, runs_wanted: int = 3) -> dict:
+    if real:
+        from tensortier.data import Catalog
+
+        t0 = time.perf_counter()
+        Catalog.build(root, (i.to_bytes(8, "little") for i in range(n)), writers=2).close()
+        built = time.perf_counter() - t0
+    else:
+        _synthetic_index(root, n)
+        built = None
+    runs = []
+    for _ in range(runs_wanted):
+        drop_caches([root])
+        out = subprocess.run(
+            [sys.executable, "-c", _OPEN_PROBE, root],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {
+        "records": n,
+        "index": "real" if real else "synthetic (sparse index file, last row a real record)",
+        "build_seconds": built,
+        "open_ms": statistics.median(r["open_ms"] for r in runs),
+        "rss_growth_mib": max(r["rss_growth_mib"] for r in runs),
+        "runs": runs,
+    }
+
+
+def _synthetic_index(root: str, n: int) -> None:
+    from tensortier.data._format import INDEX, INDEX_DTYPE, Manifest, write_manifest
+    from tensortier.tiers import itemcodec
+    from tensortier.tiers.segments import Segments
+
+    os.makedirs(root)
+    segs = Segments(root, segment_size=1 << 20)
+    crcs: list[int] = []
+    [(seg, off, length)] = segs.append([(n - 1, 0, itemcodec.encode(b"last", align=8))], crcs)
+    sizes = dict(segs.size)
+    segs.close(remove=False)
+    row = np.zeros(1, INDEX_DTYPE)
+    row["seg"], row["off"], row["len"], row["crc"] = seg, off, length, crcs[0]
+    with open(os.path.join(root, INDEX), "wb") as f:
+        f.truncate(n * INDEX_DTYPE.itemsize)
+        f.seek((n - 1) * INDEX_DTYPE.itemsize)
+        f.write(row.tobytes())
+    write_manifest(root, Manifest(n, length - 24, sizes, 0, 1, "synthetic"))
+
+
+# --------------------------------------------------------------------------- jobs
+def job(spec: dict) -> dict:
+    """One measurement, run in a fresh process (``--job``): no mapping, cache or thread of another
+    store's build survives into it, and its peak RSS is its own."""
+    import resource
+
+    recs = Records(spec["n"], spec["low"], spec["high"])
+    args = argparse.Namespace(**spec["args"])
+    kind, peer, root = spec["kind"], spec["peer"], spec["root"]
+    if peer == "datasets":
+        import datasets  # noqa: F401  (imports are not what is measured)
+    elif peer == "lmdb":
+        import lmdb  # noqa: F401
+    else:
+        import tensortier.data  # noqa: F401
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    if kind == "build":
+        if peer == "tensortier":
+            out = build_tt(root, recs, args.writers)
+        elif peer == "datasets":
+            out = build_hf(root, recs)
+        else:
+            os.makedirs(root)
+            out = build_lmdb(root, recs)
+    elif kind == "read":
+        if peer == "tensortier":
+            out = read_tt(root, args, spec["order"], recs)
+        else:
+            idx = np.load(spec["order_file"])
+            out = (read_hf if peer == "datasets" else read_lmdb)(root, args, idx, recs)
+    else:
+        out = {"records_per_s": random_reads(peer, root, spec["n"])}
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["peak_rss"] = _peak_rss()
+    # CPU of the measured phase (user + system): what the machine's load cannot change
+    out["cpu_seconds"] = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
+    return out
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS (VmHWM: ru_maxrss would include the parent's before exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_job(**spec) -> dict:
+    import tensortier
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(tensortier.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-m", "tensortier.bench.catalog", "--job", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"bench job {spec['kind']} {spec['peer']} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- main
+def run(args: argparse.Namespace) -> dict:
+    low = parse_size(args.min_size, name="--min-size")
+    high = parse_size(args.max_size, name="--max-size")
+    if args.quick:
+        low, high = min(low, 1000), min(high, 20_000)
+    free = shutil.disk_usage(args.dir).free
+    n, why = scale(args, free, (low + high) / 2)
+    skip = {s for s in args.skip.split(",") if s}
+    peers = [p for p in ("datasets", "lmdb") if p not in skip]
+    for p in list(peers):
+        try:
+            __import__(p)
+        except ImportError:
+            print(f"peer {p} is not installed: skipped")
+            peers.remove(p)
+    work = tempfile.mkdtemp(prefix="tt-bench-catalog-", dir=args.dir)
+    roots = {k: os.path.join(work, k) for k in ("tensortier", "datasets", "lmdb", "open")}
+    recs = Records(n, low, high)
+    print(f"{n} records of {format_size(low)}..{format_size(high)} ({format_size(recs.total)}) in "
+          f"{work}; {why}")  # fmt: skip
+    result: dict = {"records": n, "record_bytes": [low, high], "payload_bytes": recs.total}
+    result["scale"] = why
+    rows: list[dict] = []
+    try:
+        ref_size = 64 << 20 if args.quick else max(min(recs.total, 4 << 30), 256 << 20)
+        dd_w, dd_r = dd_bandwidth(args.dir, ref_size)
+        tier_w, _, _ = tier_bandwidth(args.dir, min(ref_size, 2 << 30), min(ref_size, 64 << 20))
+        result["disk"] = {"dd_write_gbps": dd_w, "dd_read_gbps": dd_r, "tier_write_gbps": tier_w}
+        common = {"n": n, "low": low, "high": high, "args": vars(args)}
+        builds = {}
+        for peer in ["tensortier", *peers]:
+            os.sync()
+            builds[peer] = run_job(kind="build", peer=peer, root=roots[peer], **common)
+        for peer, b in builds.items():
+            gbps = recs.total / b["seconds"] / 1e9
+            rows.append({"phase": "build", "peer": peer, "order": "-", "seconds": b["seconds"],
+                         "gbps": gbps, "vs_limit": gbps / tier_w, "limit": "disk tier write",
+                         "store_bytes": b["bytes"], "peak_rss": b["peak_rss"],
+                         "cpu_seconds": b["cpu_seconds"]})  # fmt: skip
+        segs = sorted(
+            os.path.join(roots["tensortier"], f)
+            for f in os.listdir(roots["tensortier"])
+            if f.startswith("seg-")
+        )
+        drop_caches([roots["tensortier"]])
+        dd_same = dd_read_files(segs)
+        result["disk"]["dd_read_catalog_files_gbps"] = dd_same
+        methods = set()
+        for order in [o for o in args.orders.split(",") if o]:
+            order_file = os.path.join(work, f"order-{order}.npy")
+            np.save(order_file, epoch_order(roots["tensortier"], args, order))
+            reads = {}
+            for peer in ["tensortier", *peers]:
+                methods.add(drop_caches([roots[peer]]))
+                reads[peer] = run_job(kind="read", peer=peer, root=roots[peer], order=order,
+                                      order_file=order_file, **common)  # fmt: skip
+            for peer, r in reads.items():
+                gbps = r["bytes"] / r["seconds"] / 1e9
+                rows.append({"phase": "read", "peer": peer, "order": order,
+                             "seconds": r["seconds"], "gbps": gbps, "vs_limit": gbps / dd_same,
+                             "limit": "dd read of the catalog files", "records_per_s":
+                             r["records"] / r["seconds"], "intact": r["intact"],
+                             "peak_rss": r["peak_rss"], "cpu_seconds": r["cpu_seconds"],
+                             **({"stats": r["stats"]} if "stats" in r else {})})  # fmt: skip
+        for peer in ["tensortier", *peers]:
+            methods.add(drop_caches([roots[peer]]))
+            rate = run_job(kind="random", peer=peer, root=roots[peer], **common)["records_per_s"]
+            rows.append({"phase": "random", "peer": peer, "order": "uniform",
+                         "records_per_s": rate})  # fmt: skip
+        result["cache_drop"] = sorted(methods)
+        if not args.keep:  # make room for the open test
+            for peer in ("tensortier", *peers):
+                shutil.rmtree(roots[peer], ignore_errors=True)
+        result["open"] = open_test(
+            roots["open"], args.index_records, args.real_index, 1 if args.quick else 3
+        )
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    by = {(r["phase"], r["peer"], r["order"]): r for r in rows}
+    ratios = {}
+    for order in args.orders.split(","):
+        tt_row = by.get(("read", "tensortier", order))
+        if tt_row is None:
+            continue
+        ratios[f"read_{order}_vs_dd"] = tt_row["vs_limit"]
+        for peer in peers:
+            ratios[f"read_{order}_vs_{peer}"] = tt_row["gbps"] / by[("read", peer, order)]["gbps"]
+    ratios["build_vs_disk_tier_write"] = by[("build", "tensortier", "-")]["vs_limit"]
+    result["ratios"] = ratios
+    result["load_average"] = os.getloadavg()
+    print_table(rows, ["phase", "peer", "order", "seconds", "gbps", "vs_limit", "records_per_s"])
+    o = result["open"]
+    print(f"open {o['records']} records ({o['index']}): {o['open_ms']:.2f} ms, RSS +"
+          f"{o['rss_growth_mib']:.1f} MiB")  # fmt: skip
+    print("ratios:", json.dumps({k: round(v, 3) for k, v in ratios.items()}))
+    write_json(args.json, "catalog", rows, **result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--job"]:
+        print(json.dumps(job(json.loads(argv[1]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__)
+    add_args(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Dataset catalog: millions of read-only records, opened in O(1), read in a known order at disk speed.
+
+``Catalog.build(path, records)`` streams records (bytes, str, arrays, tensors, dicts of those) into
+append-only segment files plus a fixed-width index; ``Catalog.open(path)`` maps the index;
+``cat.epochs(...)`` is a :class:`Loader` that reads a seeded, rank-split order ahead on I/O threads
+and resumes mid-epoch exactly. PyTorch datasets: :class:`CatalogDataset`, :class:`EpochDataset`.
+Protocols: ``PROTOCOL.md``.
+"""
+
+from tensortier.data._pipeline import Batch, LoaderStats
+from tensortier.data.catalog import Catalog, VerifyReport
+from tensortier.data.loader import Loader
+from tensortier.data.pytorch import CatalogDataset, EpochDataset
+
+__all__ = [
+    "Batch",
+    "Catalog",
+    "CatalogDataset",
+    "EpochDataset",
+    "Loader",
+    "LoaderStats",
+    "VerifyReport",
+]

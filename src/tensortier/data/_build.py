@@ -1,0 +1,284 @@
+"""Building a catalog: records streamed into segment files by parallel writers, index, manifest.
+
+Pipeline. The calling thread encodes records (``tiers.itemcodec``, 8-byte aligned, never pickle)
+into batches of about ``batch_bytes``; batch ``b`` goes to writer ``b % writers``, a one-thread
+executor that owns its own segment files (``Segments(first=w, step=writers)``), computes the CRCs
+and writes the batch with one gathered ``pwritev`` (both release the GIL). Index rows come back in
+batch order and are appended to ``index.bin``. At most ``2 * writers`` batches are in flight, so
+memory stays bounded whatever the record count: 10M records stream through.
+
+Atomicity (``PROTOCOL.md``). The builder holds ``.tt-build.lock`` for the whole build. Segments and
+index are fsynced, then ``catalog.json`` is written to a temporary name, fsynced, renamed, and the
+directory fsynced: the rename is the commit. A crash before it leaves a directory without a
+manifest, which every open refuses ("incomplete build") and the next build reuses; an exception
+removes everything the build wrote (and the directory if the build made it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import crc32c
+import numpy as np
+
+from tensortier._lifetime import DirLock
+from tensortier._units import SizeLike, parse_size
+from tensortier.data import _format
+from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
+from tensortier.errors import ConfigError, SpillDirError
+from tensortier.tiers import itemcodec
+from tensortier.tiers.segments import Segments, record_crc32c
+
+MAX_WRITERS = 64
+FAULT_ENV = "TENSORTIER_CATALOG_FAULT"  # "<point>[:<hit>]": SIGKILL there (crash tests only)
+
+
+class _Faults:
+    """Deterministic kill points (as ``checkpoint/_faults.py``): one comparison when unset."""
+
+    def __init__(self) -> None:
+        spec = os.environ.get(FAULT_ENV)
+        self.target = None
+        if spec:
+            name, _, hit = spec.partition(":")
+            self.target = (name, int(hit or 1))
+        self.hits: collections.Counter = collections.Counter()
+
+    def __call__(self, name: str) -> None:
+        if self.target is None:
+            return
+        self.hits[name] += 1
+        if (name, self.hits[name]) == self.target:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _check_args(path, segment_size, writers, batch_bytes) -> tuple[str, int, int, int]:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(
+            f"Catalog.build: path must be a directory path (str or os.PathLike), got "
+            f"{type(path).__name__} {path!r}"
+        )
+    seg = parse_size(segment_size, name="Catalog.build: segment_size", allow_zero=False)
+    if seg >= 1 << 40:
+        raise ConfigError(f"Catalog.build: segment_size={segment_size!r} must be below 1TiB")
+    if isinstance(writers, bool) or not isinstance(writers, int) or not 1 <= writers <= MAX_WRITERS:
+        raise ConfigError(
+            f"Catalog.build: writers={writers!r} must be an int from 1 to {MAX_WRITERS} (threads "
+            f"writing segment files at once; 2-4 keep one disk busy)"
+        )
+    batch = parse_size(batch_bytes, name="Catalog.build: batch_bytes", allow_zero=False)
+    return os.path.abspath(os.fspath(path)), seg, writers, batch
+
+
+def _prepare(root: str) -> tuple[DirLock, bool]:
+    """Take the build lock on ``root`` (made if missing); remove a dead build's leftovers."""
+    made = False
+    if os.path.exists(root):
+        if not os.path.isdir(root):
+            raise ConfigError(f"Catalog.build: path={root!r} is a file; pass a directory")
+        if os.path.exists(os.path.join(root, _format.MANIFEST)):
+            raise ConfigError(
+                f"Catalog.build: a catalog already exists at path={root!r}; catalogs are "
+                f"immutable: build into a new directory, or delete this one first"
+            )
+        _refuse_foreign(root)  # before the lock file is made: a refused directory stays as it was
+    else:
+        try:
+            os.makedirs(root, mode=0o755)
+            made = True
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise SpillDirError(
+                f"Catalog.build: cannot create path={root!r} ({exc.strerror}); pass a writable "
+                f"location",
+                path=root,
+            ) from exc
+    try:
+        lock = DirLock(root, name=_format.LOCK, what="Catalog.build")
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
+        raise
+    try:
+        if os.path.exists(os.path.join(root, _format.MANIFEST)):  # finished while we waited
+            raise ConfigError(f"Catalog.build: a catalog already exists at path={root!r}")
+        _refuse_foreign(root)
+        _remove_build_files(root, keep_lock=True)  # a dead build's leftovers
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(root, _format.LOCK))
+        lock.release()
+        raise
+    return lock, made
+
+
+def _refuse_foreign(root: str) -> None:
+    foreign = [n for n in os.listdir(root) if not _format.BUILD_FILES.match(n)]
+    if foreign:
+        raise ConfigError(
+            f"Catalog.build: path={root!r} is not empty ({len(foreign)} other entries, e.g. "
+            f"{sorted(foreign)[0]!r}); build into a new or empty directory"
+        )
+
+
+def _remove_build_files(root: str, keep_lock: bool = False) -> None:
+    for name in os.listdir(root):
+        if _format.BUILD_FILES.match(name) and not (keep_lock and name == _format.LOCK):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, name))
+
+
+def _write_batch(segs: Segments, first: int, blobs: list[bytes], crcs: list[int]) -> np.ndarray:
+    """One writer's job: append ``blobs`` (records ``first...``); their index rows."""
+    locs = segs.append([(first + i, 0, b, c) for i, (b, c) in enumerate(zip(blobs, crcs))])
+    rows = np.empty(len(blobs), INDEX_DTYPE)
+    arr = np.asarray(locs, np.int64).reshape(-1, 3)
+    rows["seg"], rows["off"], rows["len"] = arr[:, 0], arr[:, 1], arr[:, 2]
+    rows["crc"] = crcs
+    return rows
+
+
+def build(
+    path: str | os.PathLike,
+    records: Iterable,
+    *,
+    segment_size: SizeLike = "1GiB",
+    writers: int = 2,
+    batch_bytes: SizeLike = "8MiB",
+    progress: bool = False,
+) -> dict:
+    """Build the catalog at ``path`` from ``records``; returns build statistics.
+
+    See :meth:`tensortier.data.Catalog.build` (the public entry point).
+    """
+    root, seg_size, writers, batch_bytes = _check_args(path, segment_size, writers, batch_bytes)
+    if isinstance(records, (bytes, str, dict)) or not isinstance(records, Iterable):
+        raise TypeError(
+            f"Catalog.build: records must be an iterable of records, got "
+            f"{type(records).__name__} (wrap a single record in a list)"
+        )
+    t0 = time.monotonic()
+    lock, made = _prepare(root)
+    point = _Faults()
+    pools = [ThreadPoolExecutor(1, thread_name_prefix=f"tt-catalog-w{w}") for w in range(writers)]
+    segs = [
+        Segments(
+            root,
+            segment_size=seg_size,
+            first=w,
+            step=writers,
+            arg="path",
+            direct=True,
+            checksum="crc32c",
+        )
+        for w in range(writers)
+    ]
+    pending: collections.deque[tuple[int, Future]] = collections.deque()
+    index_crc = 0
+    count = payload = 0
+    bar = None
+    try:
+        if progress:
+            from tqdm import tqdm
+
+            total = len(records) if hasattr(records, "__len__") else None
+            bar = tqdm(total=total, desc="catalog build", unit="rec", unit_scale=True)
+        with open(os.path.join(root, _format.INDEX), "wb", buffering=1 << 20) as index:
+
+            def drain(keep: int) -> None:
+                nonlocal index_crc
+                while len(pending) > keep:
+                    n, fut = pending.popleft()
+                    rows = fut.result()
+                    raw = rows.tobytes()
+                    index.write(raw)
+                    index_crc = crc32c.crc32c(raw, index_crc)
+                    point("batch-indexed")
+                    if bar is not None:
+                        bar.update(n)
+
+            batch: list[bytes] = []
+            sums: list[int] = []
+            size = nbatch = 0
+            for rec in records:
+                try:
+                    blob = itemcodec.encode(rec, align=ALIGN)
+                except (TypeError, ValueError) as exc:
+                    raise TypeError(
+                        f"Catalog.build: record {count} cannot be stored: {exc}. A record is "
+                        f"bytes, str, a numpy array, a torch tensor, a Python number, or a dict "
+                        f"of those keyed by str (never pickled)"
+                    ) from exc
+                batch.append(blob)
+                # the checksum is computed here: a writer thread taking the GIL back after each
+                # checksum call would wait for this loop's switch interval (5 ms) every time
+                sums.append(record_crc32c(len(blob), 0, count, blob))
+                size += len(blob)
+                count += 1
+                payload += len(blob)
+                if size >= batch_bytes or len(batch) >= 65536:
+                    w = nbatch % writers
+                    job = pools[w].submit(_write_batch, segs[w], count - len(batch), batch, sums)
+                    pending.append((len(batch), job))
+                    batch, sums, size, nbatch = [], [], 0, nbatch + 1
+                    drain(2 * writers)
+            if batch:
+                w = nbatch % writers
+                job = pools[w].submit(_write_batch, segs[w], count - len(batch), batch, sums)
+                pending.append((len(batch), job))
+            drain(0)
+            index.flush()
+            os.fsync(index.fileno())
+        point("index-synced")
+        for s in segs:
+            s.sync()
+        point("segments-synced")
+        sizes = {n: b for s in segs for n, b in s.size.items()}
+        for s in segs:
+            s.close(remove=False)
+        if bar is not None:
+            bar.close()
+        manifest = Manifest(
+            records=count,
+            payload_bytes=payload,
+            segments=sizes,
+            index_crc=index_crc,
+            writers=writers,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+        _format.write_manifest(root, manifest, point)
+    except BaseException:
+        if bar is not None:
+            bar.close()
+        for p in pools:
+            p.shutdown(wait=True, cancel_futures=True)
+        for s in segs:
+            s.close(remove=False)
+        _remove_build_files(root)
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
+        lock.release()
+        raise
+    for p in pools:
+        p.shutdown(wait=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, _format.LOCK))  # complete: nothing of the build remains
+    lock.release()
+    seconds = time.monotonic() - t0
+    return {
+        "records": count,
+        "payload_bytes": payload,
+        "file_bytes": manifest.file_bytes,
+        "segments": len(sizes),
+        "seconds": seconds,
+        "bytes_per_s": manifest.file_bytes / seconds if seconds > 0 else 0.0,
+    }

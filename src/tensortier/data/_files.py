@@ -1,0 +1,299 @@
+"""Reading records of a catalog: descriptors per process, coalesced reads, per-record checks.
+
+Descriptors. One :class:`Descriptors` per process (a forked DataLoader worker makes its own on
+first use and never touches the parent's lock or table). Segment files are opened on demand,
+read-only, buffered or ``O_DIRECT``, and kept open up to ``max_open`` (idle ones closed least
+recently used first); a descriptor in use by a read is never closed under it. The lock guards the
+table only, never I/O.
+
+Reads. :func:`read_blobs` sorts the wanted records by (segment, offset), coalesces neighbours
+(``tiers.segments.coalesce``) and reads each run with one ``preadv`` into a fresh buffer,
+page-aligned so the same code serves ``O_DIRECT``. Every record is checked against its index row
+(key = record index, length, CRC) and its own header CRC; a record that fails, or that a truncated
+file no longer holds, raises :class:`CorruptDataError` naming the record index and the file (or is
+reported to ``errors``, for ``verify``). The blobs returned are views of the read buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from tensortier.data._format import segment_path
+from tensortier.errors import CorruptDataError, TierFullError
+from tensortier.tiers.host import PAGE
+from tensortier.tiers.segments import REC, coalesce, item_ok
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _max_open_default() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(4, min(256, soft // 4))
+
+
+class Descriptors:
+    """Read-only descriptors of one catalog's segment files, for the process that made it."""
+
+    def __init__(self, root: str, max_open: int | None = None):
+        self.root = root
+        self.pid = os.getpid()
+        self.max_open = max(2, max_open or _max_open_default())
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()  # -> [fd, users]
+
+    def acquire(self, seg: int, direct: bool) -> int:
+        key = (seg, direct)
+        with self._lock:
+            entry = self._fds.get(key)
+            if entry is not None:
+                entry[1] += 1
+                self._fds.move_to_end(key)
+                return entry[0]
+        flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+        try:
+            fd = os.open(segment_path(self.root, seg), flags)
+        except OSError as exc:
+            if exc.errno not in (24, 23):  # EMFILE, ENFILE
+                raise
+            self.trim(0)
+            try:
+                fd = os.open(segment_path(self.root, seg), flags)
+            except OSError as exc2:
+                raise TierFullError(
+                    f"cannot open {segment_path(self.root, seg)!r}: the process has no file "
+                    f"descriptors left ({exc2.strerror}); raise the open-file limit (ulimit -n)",
+                    tier="disk",
+                    requested=0,
+                ) from exc2
+        with self._lock:
+            entry = self._fds.get(key)
+            if entry is not None:  # another thread opened it meanwhile: use theirs
+                os.close(fd)
+                entry[1] += 1
+                return entry[0]
+            self._fds[key] = [fd, 1]
+            self._trim_locked(self.max_open)
+        return fd
+
+    def release(self, seg: int, direct: bool) -> None:
+        with self._lock:
+            entry = self._fds.get((seg, direct))
+            if entry is not None:
+                entry[1] -= 1
+            if len(self._fds) > self.max_open:
+                self._trim_locked(self.max_open)
+
+    def trim(self, keep: int) -> None:
+        with self._lock:
+            self._trim_locked(keep)
+
+    def _trim_locked(self, keep: int) -> None:
+        for key in list(self._fds):
+            if len(self._fds) <= keep:
+                return
+            fd, users = self._fds[key]
+            if users == 0:
+                del self._fds[key]
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    @property
+    def open_files(self) -> int:
+        return len(self._fds)
+
+    def close(self) -> None:
+        """Close every descriptor (finalizer-safe: the table is swapped out, no lock taken)."""
+        fds, self._fds = self._fds, OrderedDict()
+        for fd, _ in list(fds.values()):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned, writable uint8 array (what ``O_DIRECT`` reads need)."""
+    raw = np.empty(nbytes + PAGE, np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    return raw[start : start + nbytes]
+
+
+def _pread_into(fd: int, buf: np.ndarray, pos: int, direct: bool) -> int:
+    """Fill ``buf`` from ``pos``; returns the bytes read (fewer only at end of file)."""
+    view = memoryview(buf)
+    got = 0
+    while got < len(view):
+        k = os.preadv(fd, [view[got:]], pos + got)
+        if k == 0:
+            break
+        got += k
+        if direct and got % PAGE:  # O_DIRECT: only the end of the file gives an unaligned count
+            break
+    return got
+
+
+class ReadStats:
+    """Counters of one reader (plain ints: updated by one thread at a time or racily-summed)."""
+
+    __slots__ = ("reads", "bytes_read", "records")
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.bytes_read = 0
+        self.records = 0
+
+
+class Scratch:
+    """A reusable read buffer of one I/O thread.
+
+    Decoded records are views of the buffer they were read into; once none survives (bytes, str
+    and numbers are copies), the buffer's reference count is back to ours alone and the next
+    piece reuses it, instead of paying a page fault per 4 KiB of fresh memory.
+    """
+
+    def __init__(self) -> None:
+        self.raw: np.ndarray | None = None
+
+    def take(self, nbytes: int) -> np.ndarray:
+        raw = self.raw
+        if raw is None or len(raw) < nbytes + PAGE:
+            raw = self.raw = np.empty(max(nbytes, 1 << 20) + PAGE, np.uint8)
+        start = (-raw.ctypes.data) % PAGE
+        return raw[start : start + nbytes]
+
+    def release(self) -> None:
+        """Call when the caller holds no view of the buffer; records still may."""
+        if self.raw is not None and sys.getrefcount(self.raw) > 2:  # ours + the argument
+            self.raw = None  # a record keeps a view: it owns the buffer now
+
+
+def read_blobs(
+    files: Descriptors,
+    indices: np.ndarray,
+    rows: np.ndarray,
+    sizes: dict[int, int],
+    *,
+    direct: bool = False,
+    gap: int = 64 << 10,
+    stats: ReadStats | None = None,
+    errors: list | None = None,
+    scratch: Scratch | None = None,
+) -> list[np.ndarray | None]:
+    """The blobs of records ``indices`` (their index ``rows``), in the order asked, as views.
+
+    ``errors``: instead of raising, append ``(index, file, reason)`` for each bad record and
+    return None in its place (``verify``). ``scratch``: read into its buffer (see
+    :class:`Scratch`); by default into fresh memory.
+    """
+    out: list[np.ndarray | None] = [None] * len(indices)
+    if not len(indices):
+        return out
+    runs = list(coalesce(rows["seg"], rows["off"], rows["len"], gap))
+    spans, total = [], 0
+    for _, start, end, _ in runs:  # each run page-aligned in the buffer (O_DIRECT needs it)
+        lo = start - start % PAGE if direct else start
+        hi = -(-end // PAGE) * PAGE if direct else end
+        spans.append((lo, hi, total))
+        total += -(-(hi - lo) // PAGE) * PAGE
+    buf = scratch.take(total) if scratch is not None else aligned_buffer(total)
+    view = memoryview(buf)
+    offs, lens = rows["off"].tolist(), rows["len"].tolist()
+    crcs, keys = rows["crc"].tolist(), indices.tolist()
+
+    def bad(pos: int, path: str, reason: str) -> None:
+        if errors is None:
+            raise CorruptDataError(f"record {keys[pos]} in {path}: {reason}", path=path)
+        errors.append((keys[pos], path, reason))
+
+    for (s, _, _, members), (lo, hi, at) in zip(runs, spans):
+        if s not in sizes:
+            for p in members.tolist():
+                bad(
+                    p,
+                    segment_path(files.root, s),
+                    f"its index row names segment {s}, which "
+                    "the catalog does not have (the index is damaged; rebuild the catalog)",
+                )
+            continue
+        try:
+            fd = files.acquire(s, direct)
+        except FileNotFoundError:
+            for p in members.tolist():
+                bad(p, segment_path(files.root, s), "the segment file is missing")
+            continue
+        try:
+            got = _pread_into(fd, buf[at : at + hi - lo], lo, direct)
+        finally:
+            files.release(s, direct)
+        if stats is not None:
+            stats.reads += 1
+            stats.bytes_read += got
+            stats.records += len(members)
+        for p in members.tolist():
+            o, n = at + offs[p] - lo, lens[p]
+            if o + n > at + got:
+                bad(
+                    p,
+                    segment_path(files.root, s),
+                    f"the file ends at byte {lo + got} but the "
+                    f"record spans bytes {offs[p]}..{offs[p] + n} (the file was truncated)",
+                )
+            elif not item_ok(view, o, n, keys[p], crcs[p]):
+                bad(
+                    p,
+                    segment_path(files.root, s),
+                    f"the record at offset {offs[p]} failed its "
+                    f"check (header, length or CRC): the file was modified or damaged",
+                )
+            else:
+                out[p] = buf[o + REC.size : o + n]
+    return out
+
+
+def read_one(
+    files: Descriptors, index: int, row: tuple, sizes: dict[int, int], stats: ReadStats | None
+) -> np.ndarray:
+    """The blob of one record (``row`` = its index row as a tuple): one ``pread``, no planning."""
+    seg, length, off, crc = row
+    path = segment_path(files.root, seg)
+    if seg not in sizes:
+        raise CorruptDataError(
+            f"record {index} in {path}: its index row names segment {seg}, which the catalog "
+            f"does not have (the index is damaged; rebuild the catalog)",
+            path=path,
+        )
+    buf = np.empty(length, np.uint8)  # numpy memory is 16-aligned: the fields' 8 are kept
+    try:
+        fd = files.acquire(seg, False)
+    except FileNotFoundError as exc:
+        raise CorruptDataError(
+            f"record {index} in {path}: the segment file is missing", path=path
+        ) from exc
+    try:
+        got = _pread_into(fd, buf, off, False)
+    finally:
+        files.release(seg, False)
+    if stats is not None:
+        stats.reads += 1
+        stats.bytes_read += got
+        stats.records += 1
+    if got < length:
+        raise CorruptDataError(
+            f"record {index} in {path}: the file ends at byte {off + got} but the record spans "
+            f"bytes {off}..{off + length} (the file was truncated)",
+            path=path,
+        )
+    if not item_ok(memoryview(buf), 0, length, index, crc):
+        raise CorruptDataError(
+            f"record {index} in {path}: the record at offset {off} failed its check (header, "
+            f"length or CRC): the file was modified or damaged",
+            path=path,
+        )
+    return buf[REC.size :]

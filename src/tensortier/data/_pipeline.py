@@ -1,0 +1,215 @@
+"""Read-ahead in a known order: pieces of the stream read on I/O threads, under a byte budget.
+
+The stream of one rank (or one DataLoader worker's share of it) is a list of position ranges.
+Pieces are cut from it: in ``block`` mode at window boundaries (a window is a few large sequential
+reads), otherwise every ~``piece_bytes``; never across a range. Each piece runs on an I/O thread:
+sort and coalesce its records, read, check every record, decode into views of the read buffer,
+apply ``transform``. The consumer submits pieces in order while the bytes in flight stay within
+``prefetch`` (always at least one piece), takes results in order, and cuts them into batches.
+
+Waits. The consumer waits only on futures of its own executor; a piece always settles them (its
+errors travel in the future) and ``close`` cancels queued ones (the consumer then raises
+:class:`ClosedError`): there is no other wait. A stream closed early (or collected) hands its
+pending futures to a lock-free deque that the owner drains (cancels) at its next call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from tensortier.data._files import ReadStats, Scratch, read_blobs
+from tensortier.data._order import Order
+from tensortier.errors import ClosedError
+from tensortier.tiers import itemcodec
+
+PLAN_CHUNK = 65536  # positions planned at a time (index rows fetched in one gather)
+GAP = 64 << 10  # coalesce records of a piece closer than this
+
+
+@dataclass
+class Batch:
+    """One batch of a rank's epoch.
+
+    ``data``: the records (after ``transform``) as a list, or what ``collate`` made of that list;
+    ``indices``: their record indices; ``position``: records of this rank's epoch consumed after
+    this batch (what ``Loader.state_dict`` saves).
+    """
+
+    data: Any
+    indices: np.ndarray
+    epoch: int
+    position: int
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+@dataclass
+class LoaderStats:
+    """Counters of a loader in this process (DataLoader workers keep their own)."""
+
+    batches: int = 0
+    records: int = 0
+    pieces: int = 0
+    reads: int = 0  # preadv calls
+    bytes_read: int = 0  # from disk, alignment included
+    wait_seconds: float = 0.0  # the consumer waited for a piece not read yet
+    max_inflight_bytes: int = 0  # most record bytes submitted and not yet taken (<= prefetch,
+    # unless one piece alone is larger)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Piece:
+    positions: np.ndarray
+    indices: np.ndarray
+    rows: np.ndarray
+    nbytes: int
+
+
+def _pieces(
+    index: np.ndarray, order: Order, ranges: list[tuple[int, int]], piece_bytes: int, limit: int
+) -> Iterator[_Piece]:
+    """Pieces of ``ranges``: ~``piece_bytes`` each, a whole window in block mode (up to 16 pieces'
+    worth and half of ``limit``, the read-ahead budget)."""
+    for a, b in ranges:
+        for c in range(a, b, PLAN_CHUNK):
+            d = min(b, c + PLAN_CHUNK)
+            idx = order.indices(c, d)
+            rows = np.asarray(index[idx])
+            cum = np.cumsum(rows["len"], dtype=np.int64)
+            wins = order.windows(c, d)
+            big = (
+                piece_bytes if wins is None else max(piece_bytes, min(16 * piece_bytes, limit // 2))
+            )
+            cut = np.diff(cum // big) != 0
+            if wins is not None:
+                cut |= np.diff(wins) != 0
+            bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), d - c]
+            for s, e in zip(bounds[:-1], bounds[1:]):
+                yield _Piece(
+                    np.arange(c + s, c + e, dtype=np.int64),
+                    idx[s:e],
+                    rows[s:e],
+                    int(cum[e - 1] - (cum[s - 1] if s else 0)),
+                )
+
+
+_local = threading.local()
+
+
+def _read_piece(catalog, piece: _Piece, direct: bool, transform) -> tuple[list, ReadStats]:
+    stats = ReadStats()
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = Scratch()
+    blobs = read_blobs(
+        catalog._fds(),
+        piece.indices,
+        piece.rows,
+        catalog.manifest.segments,
+        direct=direct,
+        gap=GAP,
+        stats=stats,
+        scratch=scratch,
+    )
+    records = [itemcodec.decode(b, copy=False) for b in blobs]
+    del blobs
+    scratch.release()
+    if transform is not None:
+        records = [transform(r) for r in records]
+    return records, stats
+
+
+def stream(
+    catalog,
+    order: Order,
+    ranges: list[tuple[int, int]],
+    *,
+    batch: int,
+    executor: ThreadPoolExecutor,
+    prefetch: int,
+    piece_bytes: int,
+    transform: Callable | None,
+    collate: Callable | None,
+    stats: LoaderStats,
+    abandoned: deque,
+) -> Iterator[Batch]:
+    """Batches of the records at ``ranges`` of ``order``, read ahead (see the module docstring)."""
+    direct = catalog.direct_io()
+    index = catalog._index
+    plan = _pieces(index, order, ranges, piece_bytes, prefetch)
+    upcoming = next(plan, None)
+    inflight: deque[tuple[_Piece, Future]] = deque()
+    inflight_bytes = 0
+    records: list = []
+    positions: list[np.ndarray] = []
+    indices: list[np.ndarray] = []
+    held = 0  # records in `records`
+
+    def emit(n: int) -> Batch:
+        nonlocal records, held
+        data, records = records[:n], records[n:]
+        pos = np.concatenate(positions)
+        idx = np.concatenate(indices)
+        positions[:] = [pos[n:]] if held > n else []
+        indices[:] = [idx[n:]] if held > n else []
+        held -= n
+        stats.batches += 1
+        stats.records += n
+        out = collate(data) if collate is not None else data
+        return Batch(out, idx[:n], order.epoch, int(pos[n - 1]) + 1)
+
+    try:
+        while True:
+            while upcoming is not None and (
+                not inflight or inflight_bytes + upcoming.nbytes <= prefetch
+            ):
+                try:
+                    fut = executor.submit(_read_piece, catalog, upcoming, direct, transform)
+                except RuntimeError as exc:  # the executor was shut down (loader closed)
+                    raise ClosedError("the loader was closed") from exc
+                inflight.append((upcoming, fut))
+                inflight_bytes += upcoming.nbytes
+                stats.max_inflight_bytes = max(stats.max_inflight_bytes, inflight_bytes)
+                upcoming = next(plan, None)
+            if not inflight:
+                break
+            piece, fut = inflight.popleft()
+            if not fut.done():
+                t0 = time.perf_counter()
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
+                stats.wait_seconds += time.perf_counter() - t0
+            try:
+                got, read_stats = fut.result()
+            except CancelledError as exc:
+                raise ClosedError("the loader was closed while reading ahead") from exc
+            inflight_bytes -= piece.nbytes
+            stats.pieces += 1
+            stats.reads += read_stats.reads
+            stats.bytes_read += read_stats.bytes_read
+            records += got
+            positions.append(piece.positions)
+            indices.append(piece.indices)
+            held += len(got)
+            while held >= batch:
+                yield emit(batch)
+        if held:
+            yield emit(held)
+    finally:
+        # Reads ahead of an abandoned stream are cancelled by the owner's next call: this may run
+        # inside garbage collection, where taking a future's lock (cancel) is not allowed.
+        abandoned.extend(fut for _, fut in inflight)

@@ -1,0 +1,245 @@
+"""``Loader``: epochs of a catalog in a seeded, rank-split order, read ahead, resumable exactly.
+
+Iterating yields :class:`Batch` es of the current epoch from the current position; when an epoch
+is exhausted the loader moves to the next one (a new order from the same seed). ``state_dict()``
+is ``(epoch, position)`` plus what decides the order; ``load_state_dict`` resumes with exactly
+the remaining sequence, with any ``num_workers`` (the position counts records of the rank's
+stream, which every worker count yields in the same order: ``pytorch.py``).
+
+``num_workers=0`` reads ahead on I/O threads of this process; ``num_workers=n`` runs a
+``torch.utils.data.DataLoader`` of ``n`` processes (``multiprocessing_context`` "fork", "spawn" or
+"forkserver"), each reading ahead its share of the batches (``prefetch`` and ``io_threads`` are
+divided among them; the DataLoader itself queues ``2 * n`` batches more).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tensortier._units import SizeLike
+from tensortier.data._pipeline import Batch, LoaderStats
+from tensortier.data.catalog import Catalog
+from tensortier.data.pytorch import EpochDataset
+from tensortier.errors import ConfigError
+
+STATE_FORMAT = "tensortier-catalog-loader"
+STATE_VERSION = 1
+
+
+def _identity(batch: Batch) -> Batch:
+    return batch
+
+
+class Loader:
+    """Stateful epochs of a catalog (made by :meth:`Catalog.epochs`).
+
+    Arguments: ``batch`` records per batch; ``seed``; ``rank``/``world_size`` (default: from
+    ``torch.distributed`` when initialised, else 0/1); ``shuffle`` "full", "block" (``block``
+    records per block, default about 1 MiB of records; ``window`` blocks shuffled together) or
+    "none"; ``even`` "pad" or "drop" (equal counts per rank, never resampled: ``_order.py``);
+    ``drop_last`` drops the final partial batch; ``prefetch`` bytes read ahead; ``io_threads``;
+    ``transform(record)`` and ``collate(list)`` run where records are read (I/O threads or
+    workers); ``num_workers``/``multiprocessing_context`` as a DataLoader's.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog | str | os.PathLike,
+        *,
+        batch: int,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: str | bool = "full",
+        block: int | None = None,
+        window: int = 8,
+        even: str = "pad",
+        drop_last: bool = False,
+        prefetch: SizeLike = "512MiB",
+        io_threads: int = 16,
+        transform: Callable | None = None,
+        collate: Callable | None = None,
+        num_workers: int = 0,
+        multiprocessing_context: str | None = None,
+        epoch: int = 0,
+    ):
+        self.dataset = EpochDataset(
+            catalog,
+            batch=batch,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            block=block,
+            window=window,
+            even=even,
+            drop_last=drop_last,
+            prefetch=prefetch,
+            io_threads=io_threads,
+            transform=transform,
+            collate=collate,
+            epoch=epoch,
+        )
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(
+                f"Catalog.epochs: num_workers={num_workers!r} must be an int >= 0 (0 reads ahead "
+                f"on threads of this process)"
+            )
+        if multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
+            raise ConfigError(
+                f"Catalog.epochs: multiprocessing_context={multiprocessing_context!r}; pass "
+                f"'fork', 'spawn', 'forkserver' or None (the platform default)"
+            )
+        self.num_workers = num_workers
+        self.multiprocessing_context = multiprocessing_context
+        self.epoch, self.position = epoch, 0
+        self._active: Iterator | None = None
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def catalog(self) -> Catalog:
+        return self.dataset.catalog
+
+    @property
+    def stats(self) -> LoaderStats:
+        return self.dataset.stats
+
+    @property
+    def records_per_epoch(self) -> int:
+        return self.dataset.records_per_epoch
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return len(self.dataset)
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[Batch]:
+        self._stop()
+        self._active = gen = self._run(self.epoch, self.position)
+        return gen
+
+    def _run(self, epoch: int, start: int) -> Iterator[Batch]:
+        ds = self.dataset
+        if self.num_workers == 0:
+            batches = ds.iterate(epoch, start)
+        else:
+            from torch.utils.data import DataLoader
+
+            ds.set_epoch(epoch, start)  # the workers get a copy of the dataset as it is now
+            loader = DataLoader(
+                ds,
+                batch_size=None,
+                num_workers=self.num_workers,
+                multiprocessing_context=self.multiprocessing_context,
+                collate_fn=_identity,
+                persistent_workers=False,
+            )
+            batches = iter(loader)
+        try:
+            for b in batches:
+                self.position = b.position
+                if self.num_workers:
+                    ds.stats.batches += 1
+                    ds.stats.records += len(b)
+                yield b
+            self.epoch, self.position = epoch + 1, 0
+        finally:
+            close = getattr(batches, "close", None)  # a generator: cancels its read-ahead
+            if close is not None:
+                close()
+            else:
+                shutdown = getattr(batches, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()
+
+    def _stop(self) -> None:
+        gen, self._active = self._active, None
+        if gen is not None:
+            gen.close()
+        self.dataset.cancel_abandoned()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning at the next iteration."""
+        self._stop()
+        self.dataset.set_epoch(epoch, 0)
+        self.epoch, self.position = epoch, 0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Where this rank is: epoch and records consumed, and what decides the order."""
+        epoch, position = self.epoch, self.position
+        if position >= self.records_per_epoch:  # the epoch's last batch was consumed
+            epoch, position = epoch + 1, 0
+        spec = self.dataset.spec
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "position": position,
+            "rank": self.dataset.rank,
+            "records": spec.n,
+            "seed": spec.seed,
+            "shuffle": spec.shuffle,
+            "block": spec.block,
+            "window": spec.window,
+            "world_size": spec.world_size,
+            "even": spec.even,
+            "batch": self.dataset.batch,
+            "index_crc32": self.catalog.manifest.index_crc,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a saved state: the next iteration yields exactly the remaining batches.
+
+        The order-deciding settings (catalog, seed, shuffle, block, window, world_size, even,
+        rank) must match this loader's; the batch size must too (positions are batch
+        boundaries). ``num_workers`` may differ.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ConfigError(
+                "Loader.load_state_dict: not a state from Loader.state_dict() "
+                f"(got {type(state).__name__})"
+            )
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(
+                f"Loader.load_state_dict: state version {state.get('version')!r}; this tensortier "
+                f"reads version {STATE_VERSION}"
+            )
+        mine = self.state_dict()
+        for key in ("index_crc32", "records", "seed", "shuffle", "block", "window", "world_size",
+                    "even", "rank", "batch"):  # fmt: skip
+            if state.get(key) != mine[key]:
+                raise ConfigError(
+                    f"Loader.load_state_dict: the state was saved with {key}={state.get(key)!r} "
+                    f"but this loader has {key}={mine[key]!r}; create the loader with the same "
+                    f"catalog and {key} to resume (its order would differ otherwise)"
+                )
+        epoch, position = state.get("epoch"), state.get("position")
+        self._stop()
+        try:
+            self.dataset.set_epoch(epoch, position)
+        except ConfigError as exc:
+            raise ConfigError(f"Loader.load_state_dict: {exc}") from exc
+        self.epoch, self.position = epoch, position
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop reading ahead and the I/O threads (the catalog stays open)."""
+        self._stop()
+        self.dataset.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        spec = self.dataset.spec
+        return (
+            f"Loader({self.catalog.path!r}, batch={self.dataset.batch}, shuffle={spec.shuffle!r}, "
+            f"rank={self.dataset.rank}/{spec.world_size}, epoch={self.epoch}, "
+            f"position={self.position}/{self.records_per_epoch})"
+        )

@@ -1,0 +1,513 @@
+"""Items <-> self-describing byte blobs, without pickle.
+
+An item is a dict of fields (numpy arrays, torch tensors, ``bytes``, ``str``, Python ``int``/
+``float``/``bool``) or one such value. A blob is ``u32 header length | JSON header | payload``: the header
+lists, per field, its name, kind, dtype, shape and byte range in the payload. Decoding trusts
+nothing but that header, so a blob read back from a file written by another process (or another
+version of this module) is interpreted exactly, and an unknown kind or dtype is refused instead of
+guessed. Object arrays are refused at encode time: they could only be stored by pickling.
+
+Alignment (header version 2). ``encode(item, align=8)`` starts every field at a multiple of 8
+bytes from the blob's start and pads the blob to a multiple of 8. A blob stored at an 8-aligned
+address then decodes with ``copy=False`` into views of the buffer it was read into, aligned for
+every dtype: the dataset catalog's zero-copy reads. Its header is ``static JSON | "\n" | u64
+numbers | blanks``: the JSON (``{"v":2,"s":..,"a":8,"f":[[name, kind, dtype, ndim], ...]}``) is the
+same for every item of a schema, so it is parsed once and cached, and the shapes, offsets and sizes
+that vary from item to item (a bytes field of another length) are read as binary integers. A
+version-1 header is JSON only; decoding handles both.
+
+Batches of blobs that share one header (the common case: fixed-shape transitions) are decoded as
+one ``(batch, record_bytes)`` byte matrix, sliced per field: no per-item Python work beyond a join.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensortier.errors import CorruptDataError
+
+_LEN = struct.Struct("<I")
+_SINGLE = ""  # field name used when an item is one value rather than a dict
+
+# torch dtypes without a numpy twin travel as raw bytes and are viewed back on decode
+_TORCH_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+
+
+def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
+    """(header entry without offset, payload) of one field."""
+    if isinstance(value, torch.Tensor):
+        if value.is_sparse or value.layout != torch.strided or value.is_quantized:
+            raise TypeError(
+                f"field {name!r}: only dense tensors can be stored; call .to_dense() first"
+            )
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in _TORCH_DTYPES:
+            raise TypeError(f"field {name!r}: unsupported torch dtype {value.dtype}")
+        t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        # an empty tensor's stride may be 0, which .view(uint8) refuses
+        empty = t.numel() == 0
+        raw = np.empty(0, np.uint8) if empty else t.reshape(-1).view(torch.uint8).numpy()
+        return ["pt", dtype, list(t.shape)], memoryview(raw)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return ["b", "u1", [len(value)]], bytes(value)
+    if isinstance(value, str):
+        raw = value.encode("utf-8", "surrogatepass")
+        return ["s", "u1", [len(raw)]], raw
+    if isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
+        arr = np.asarray(value)
+        kind = "np" if isinstance(value, np.generic) else "py"
+    elif isinstance(value, np.ndarray):
+        arr, kind = value, "np"
+    else:
+        raise TypeError(
+            f"field {name!r}: cannot store {type(value).__name__}; {ACCEPTED} (convert lists "
+            f"with np.asarray)"
+        )
+    if arr.dtype.hasobject or arr.dtype.fields is not None:
+        raise TypeError(
+            f"field {name!r}: dtype {arr.dtype} cannot be stored without pickle; use a plain "
+            f"numeric/bool dtype or bytes"
+        )
+    shape = list(arr.shape)  # before ascontiguousarray, which turns 0-d into 1-d
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    return [kind, arr.dtype.str, shape], memoryview(flat.view(np.uint8))
+
+
+ACCEPTED = (
+    "an item is a numpy array, a torch tensor, bytes, str, a Python number, or a dict of those "
+    "keyed by str"
+)
+
+
+def encode(item: Any, *, align: int = 1) -> bytes:
+    """One blob for ``item``: a dict of fields or a single array/tensor/bytes/str/number.
+
+    ``align`` (1 or a power of two up to 4096): start each field at a multiple of ``align`` bytes
+    from the blob's start and pad the blob to one (see the module docstring).
+
+    Items shaped like an earlier one (same field names, types, dtypes and shapes: the usual
+    stream of transitions) take a cached :class:`_Plan`: a few type checks and one ``join`` that
+    copies the payloads into the blob, no per-field dispatch or header work. Anything the plan
+    does not cover falls back to the general path, which produces the same bytes.
+    """
+    if align != 1:
+        return _encode_general(item, align)
+    if type(item) is dict:
+        names: tuple = tuple(item)
+        values = list(item.values())
+        single = False
+    elif isinstance(item, Mapping):  # other mappings: the general path
+        return _encode_general(item, 1)
+    else:
+        names, values, single = (type(item),), [item], True
+    plan = _plans.get(names)
+    if plan is not None:
+        blob = plan.encode(values)
+        if blob is not None:
+            return blob
+    blob = _encode_general(item, 1)
+    plan = _Plan.build(names, values, single, blob)
+    if plan is not None:
+        if len(_plans) > 1024:
+            _plans.clear()
+        _plans[names] = plan
+    return blob
+
+
+_PY_FORMATS = {int: ("q", "<i8"), float: ("d", "<f8"), bool: ("?", "|b1")}
+
+
+class _Plan:
+    """How to encode values shaped like the ones it was built from (see :func:`encode`).
+
+    Steps: ``("a", i, dtype, shape)`` a C-contiguous ndarray joined as is (the one copy is the
+    join); ``("p", indices, types, struct)`` a run of Python ``int``/``float``/``bool`` fields
+    packed by one ``struct``; ``("g", i, name, desc)`` anything else, through :func:`_field`
+    with its description checked. :meth:`encode` returns None when a value does not match.
+    """
+
+    __slots__ = ("head", "steps")
+
+    def __init__(self, head: bytes, steps: list):
+        self.head = head
+        self.steps = steps
+
+    @classmethod
+    def build(cls, names: tuple, values: list, single: bool, blob: bytes) -> _Plan | None:
+        (hlen,) = _LEN.unpack_from(blob, 0)
+        field_names = [_SINGLE] if single else list(names)
+        steps: list = []
+        run: list[int] = []
+
+        def close_run() -> None:
+            if run:
+                fmt = "<" + "".join(_PY_FORMATS[type(values[i])][0] for i in run)
+                types = tuple(type(values[i]) for i in run)
+                steps.append(("p", tuple(run), types, struct.Struct(fmt)))
+                run.clear()
+
+        for i, (name, v) in enumerate(zip(field_names, values)):
+            t = type(v)
+            if t in _PY_FORMATS:
+                if np.asarray(v).dtype.str != _PY_FORMATS[t][1]:  # e.g. an int past int64
+                    return None
+                run.append(i)
+                continue
+            close_run()
+            if t is np.ndarray and v.flags.c_contiguous and not v.dtype.hasobject:
+                steps.append(("a", i, v.dtype, v.shape))
+            else:
+                desc, _ = _field(name, v)
+                steps.append(("g", i, name, desc))
+        close_run()
+        plan = cls(blob[: 4 + hlen], steps)
+        return plan if plan.encode(values) == blob else None  # same bytes as the general path
+
+    def encode(self, values: list) -> bytes | None:
+        parts: list = [self.head]
+        for step in self.steps:
+            kind = step[0]
+            if kind == "a":
+                v = values[step[1]]
+                if (
+                    type(v) is not np.ndarray
+                    or v.shape != step[3]
+                    or v.dtype != step[2]
+                    or not v.flags.c_contiguous
+                ):
+                    return None
+                parts.append(v)
+            elif kind == "p":
+                vs = [values[i] for i in step[1]]
+                if tuple(map(type, vs)) != step[2]:
+                    return None
+                try:
+                    parts.append(step[3].pack(*vs))
+                except struct.error:  # an int outside int64
+                    return None
+            else:
+                desc, payload = _field(step[2], values[step[1]])
+                if desc != step[3]:
+                    return None
+                parts.append(payload)
+        return b"".join(parts)
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _encode_general(item: Any, align: int = 1) -> bytes:
+    """:func:`encode` without plans: dispatch on every field's type, header from the cache."""
+    if align < 1 or align > 4096 or align & (align - 1):
+        raise ValueError(f"align must be a power of two from 1 to 4096, got {align!r}")
+    if isinstance(item, Mapping):
+        if not item:
+            raise ValueError("an item needs at least one field; got an empty dict")
+        pairs = []
+        for name, value in item.items():
+            if not isinstance(name, str) or name == _SINGLE:
+                raise TypeError(f"field names must be non-empty strings, got {name!r}")
+            pairs.append((name, value))
+        single = False
+    else:
+        pairs, single = [(_SINGLE, item)], True
+    descs, payloads = [], []
+    for name, value in pairs:
+        desc, payload = _field(name, value)
+        n = len(payload) if isinstance(payload, bytes) else payload.nbytes
+        descs.append((name, desc[0], desc[1], tuple(desc[2]), n))
+        payloads.append(payload)
+    if align > 1:
+        return _encode_v2(single, descs, payloads, align)
+    key = (single, tuple(descs), align)
+    cached = _encode_cache.get(key)
+    if cached is None:
+        fields, offset, gaps = [], 0, []
+        for name, kind, dtype, shape, n in descs:
+            fields.append([name, kind, dtype, list(shape), offset, n])
+            end = offset + n
+            offset = -(-end // align) * align
+            gaps.append(bytes(offset - end))
+        meta = {"v": 1, "s": single, "f": fields}
+        if align > 1:
+            meta["a"] = align
+        header = json.dumps(meta, separators=(",", ":")).encode()
+        header += b" " * (-(_LEN.size + len(header)) % align)  # JSON allows trailing blanks
+        cached = (_LEN.pack(len(header)) + header, gaps if align > 1 else None)
+        if len(_encode_cache) > 4096:
+            _encode_cache.clear()
+        _encode_cache[key] = cached
+    head, gaps = cached
+    if gaps is None:
+        return b"".join([head, *payloads])
+    return b"".join([head, *(x for pair in zip(payloads, gaps) for x in pair)])
+
+
+def _encode_v2(single: bool, descs: list, payloads: list, align: int) -> bytes:
+    schema = (
+        single,
+        tuple((name, kind, dtype, len(shape)) for name, kind, dtype, shape, _ in descs),
+    )
+    cached = _static_cache.get((schema, align))
+    if cached is None:
+        fields = [[name, kind, dtype, ndim] for name, kind, dtype, ndim in schema[1]]
+        static = json.dumps({"v": 2, "s": single, "a": align, "f": fields}, separators=(",", ":"))
+        count = sum(ndim + 2 for *_, ndim in schema[1])
+        size = len(static) + 1 + 8 * count
+        pad = -(_LEN.size + size) % align
+        cached = (
+            _LEN.pack(size + pad) + static.encode() + b"\n",
+            struct.Struct(f"<{count}Q"),
+            b" " * pad,
+        )
+        if len(_static_cache) > 4096:
+            _static_cache.clear()
+        _static_cache[(schema, align)] = cached
+    head, numbers, pad = cached
+    parts, values, offset = [head, None, pad], [], 0
+    for (_, _, _, shape, n), payload in zip(descs, payloads):
+        values += shape
+        values += (offset, n)
+        parts.append(payload)
+        end = offset + n
+        offset = -(-end // align) * align
+        if offset > end:
+            parts.append(bytes(offset - end))
+    parts[1] = numbers.pack(*values)
+    return b"".join(parts)
+
+
+_encode_cache: dict[tuple, tuple[bytes, list[bytes] | None]] = {}
+_static_cache: dict[tuple, tuple[bytes, struct.Struct, bytes]] = {}
+_header_cache: dict[bytes, dict] = {}
+_schema_cache: dict[bytes, tuple[dict, struct.Struct]] = {}
+
+
+def _check_fields(fields: list) -> None:
+    for f in fields:
+        kind, dtype = f[1], f[2]
+        if not isinstance(f[0], str) or kind not in ("np", "py", "pt", "b", "s"):
+            raise ValueError(f"unknown field kind {kind!r}")
+        if kind == "pt" and dtype not in _TORCH_DTYPES:
+            raise ValueError(f"unknown torch dtype {dtype!r}")
+        if kind in ("np", "py") and np.dtype(dtype).hasobject:
+            raise ValueError("object dtype")
+
+
+def _parse_v2(raw: bytes) -> dict:
+    """Header version 2: the cached static JSON plus this item's binary shapes and offsets."""
+    cut = raw.find(b"\n")
+    if cut < 0:
+        raise ValueError("no end of the static header")
+    static = raw[:cut]
+    entry = _schema_cache.get(static)
+    if entry is None:
+        schema = json.loads(static)
+        align = schema["a"]
+        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 4096:
+            raise ValueError(f"bad alignment {align!r}")
+        fields = schema["f"]
+        if not isinstance(fields, list) or not fields:
+            raise ValueError("no fields")
+        for f in fields:
+            if not isinstance(f, list) or len(f) != 4 or not isinstance(f[3], int) or f[3] < 0:
+                raise ValueError(f"bad field {f!r}")
+        _check_fields(fields)
+        count = sum(f[3] + 2 for f in fields)
+        entry = (schema, struct.Struct(f"<{count}Q"))
+        if len(_schema_cache) > 4096:
+            _schema_cache.clear()
+        _schema_cache[static] = entry
+    schema, numbers = entry
+    if len(raw) < cut + 1 + numbers.size or raw[cut + 1 + numbers.size :].strip(b" "):
+        raise ValueError("the binary part of the header has the wrong size")
+    values = numbers.unpack_from(raw, cut + 1)
+    out, i, last = [], 0, 0
+    for name, kind, dtype, ndim in schema["f"]:
+        shape = list(values[i : i + ndim])
+        off, n = values[i + ndim], values[i + ndim + 1]
+        i += ndim + 2
+        if off < last:
+            raise ValueError("fields overlap")
+        last = off + n
+        out.append([name, kind, dtype, shape, off, n])
+    return {"v": 2, "s": schema["s"], "a": schema["a"], "f": out}
+
+
+def _header(blob: bytes | memoryview) -> tuple[bytes, dict, int]:
+    """(raw header bytes, parsed header, payload start); parsed headers are cached by their bytes."""
+    if len(blob) < 4:
+        raise CorruptDataError(f"item blob of {len(blob)} bytes is too short for a header")
+    (hlen,) = _LEN.unpack_from(blob, 0)
+    raw = bytes(blob[4 : 4 + hlen])
+    meta = _header_cache.get(raw)
+    if meta is None:
+        try:
+            if raw.startswith(b'{"v":2'):
+                # not cached: its binary part differs per item (a cache of them churns, and its
+                # long-lived garbage makes the cyclic GC scan everything); the JSON part is cached
+                meta = _parse_v2(raw)
+                _end_check(blob, hlen, meta)
+                return raw, meta, 4 + hlen
+            else:
+                meta = json.loads(raw)
+                fields = meta["f"]
+                if meta.get("a", 1) != 1:
+                    raise ValueError("alignment needs header version 2")
+                for f in fields:
+                    if len(f) != 6:
+                        raise ValueError(f"bad field {f!r}")
+                _check_fields(fields)
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
+            raise CorruptDataError(f"item header is not valid ({exc})") from exc
+        if len(_header_cache) > 4096:
+            _header_cache.clear()
+        _header_cache[raw] = meta
+    _end_check(blob, hlen, meta)
+    return raw, meta, 4 + hlen
+
+
+def _end_check(blob, hlen: int, meta: dict) -> None:
+    end = 4 + hlen + (meta["f"][-1][4] + meta["f"][-1][5] if meta["f"] else 0)
+    if not end <= len(blob) < end + meta.get("a", 1):  # an aligned blob may end in padding
+        raise CorruptDataError(f"item blob has {len(blob)} bytes, its header describes {end}")
+
+
+def _value(kind: str, dtype: str, shape: Sequence[int], raw: np.ndarray) -> Any:
+    """Field value from its payload bytes ``raw`` (uint8, owned by the caller, writable)."""
+    if kind == "b":
+        return raw.tobytes()
+    if kind == "s":
+        try:
+            return raw.tobytes().decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError as exc:
+            raise CorruptDataError(f"a str field is not valid UTF-8 ({exc})") from exc
+    if kind == "pt":
+        if raw.size == 0:
+            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+        t = torch.from_numpy(raw)
+        return t.view(_TORCH_DTYPES[dtype]).reshape(shape)
+    arr = raw.view(np.dtype(dtype)).reshape(shape)
+    return arr.item() if kind == "py" else arr
+
+
+def _alignment(kind: str, dtype: str) -> int:
+    if kind == "pt":
+        return min(8, _TORCH_DTYPES[dtype].itemsize)
+    return 1 if kind in ("b", "s") else np.dtype(dtype).alignment
+
+
+def decode(blob: bytes | memoryview | np.ndarray, *, copy: bool = True) -> Any:
+    """The item ``blob`` was encoded from, bit-identical.
+
+    ``copy=True``: fresh writable arrays/tensors. ``copy=False``: arrays and tensors are views of
+    ``blob``'s memory where it is writable and the field is aligned for its dtype (copies
+    elsewhere), so they keep that buffer alive and share its writes; bytes, str and numbers are
+    always new objects.
+    """
+    _, meta, start = _header(blob)
+    if isinstance(blob, np.ndarray) and blob.dtype == np.uint8 and blob.ndim == 1:
+        base = blob
+    else:
+        base = np.frombuffer(blob, np.uint8)
+    view = not copy and base.flags.writeable
+    addr = -1
+    out = {}
+    for name, kind, dtype, shape, off, n in meta["f"]:
+        raw = base[start + off : start + off + n]
+        if kind not in ("b", "s"):  # bytes and str are new objects anyway
+            if view and addr < 0:
+                addr = base.__array_interface__["data"][0] + start
+            if not view or (addr + off) % _alignment(kind, dtype):
+                raw = raw.copy()
+        try:
+            out[name] = _value(kind, dtype, shape, raw)
+        except (ValueError, TypeError) as exc:  # a shape that does not fit the bytes
+            raise CorruptDataError(f"field {name!r} does not match its header ({exc})") from exc
+    return out[_SINGLE] if meta["s"] else out
+
+
+_scratch = threading.local()
+_SCRATCH_MAX = 64 << 20
+_SMALL = 256 << 10
+
+
+def _gather(blobs: Sequence[bytes], size: int) -> np.ndarray:
+    """Blobs of equal length as rows of a matrix, in a reused per-thread buffer when small enough
+    (fresh memory costs a page fault per 4 KiB, which dominates a 2.5 MB batch copy here)."""
+    total = size * len(blobs)
+    if total <= _SMALL:  # small batches come from the heap: one C-level join
+        return np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
+    if total > _SCRATCH_MAX:
+        return np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < total:
+        buf = _scratch.buf = np.empty(max(total, 1 << 20), np.uint8)
+    np.concatenate([np.frombuffer(b, np.uint8) for b in blobs], out=buf[:total])
+    return buf[:total].reshape(len(blobs), size)
+
+
+def decode_batch(blobs: Sequence[bytes]) -> tuple[Any, bool]:
+    """Decode many blobs; returns (batch, collated).
+
+    When every blob has the same header, fields are stacked into arrays/tensors with a leading
+    batch dimension (bytes fields become lists) and ``collated`` is True; otherwise the batch is a
+    list of items.
+    """
+    if not blobs:
+        return [], False
+    raw0, meta, start = _header(blobs[0])
+    size = len(blobs[0])
+    if len(set(map(len, blobs))) != 1:
+        return [decode(b) for b in blobs], False
+    mat = _gather(blobs, size)
+    head = mat[:, 4:start]
+    if not (head == head[0]).all():  # same length, different header: not collatable
+        return [decode(b) for b in blobs], False
+    out = {}
+    for name, kind, dtype, shape, off, n in meta["f"]:
+        cols = mat[:, start + off : start + off + n]
+        if kind == "b":
+            out[name] = [bytes(row) for row in cols]
+            continue
+        if kind == "s":
+            out[name] = [_value("s", dtype, shape, row) for row in cols]
+            continue
+        cols = np.ascontiguousarray(cols)
+        if kind == "pt" and n == 0:
+            out[name] = torch.empty(len(blobs), *shape, dtype=_TORCH_DTYPES[dtype])
+        elif kind == "pt":
+            out[name] = (
+                torch.from_numpy(cols).view(_TORCH_DTYPES[dtype]).reshape(len(blobs), *shape)
+            )
+        else:
+            out[name] = cols.view(np.dtype(dtype)).reshape(len(blobs), *shape)
+    return (out[_SINGLE] if meta["s"] else out), True

@@ -1,0 +1,50 @@
+import json
+
+import pytest
+
+import tensortier.bench.catalog as bench
+from tensortier.cli import main
+
+
+def _job_in_process(**spec) -> dict:
+    """``run_job`` without the fresh interpreter (each costs seconds of imports); the JSON round
+    trips are kept so what a job takes and returns still has to survive ``--job``."""
+    return json.loads(json.dumps(bench.job(json.loads(json.dumps(spec)))))
+
+
+@pytest.mark.slow
+def test_bench_catalog_runs_every_peer_and_writes_ratios(tmp_path, monkeypatch):
+    out = tmp_path / "catalog.json"
+    pytest.importorskip("datasets")
+    pytest.importorskip("lmdb")
+    monkeypatch.setattr(bench, "run_job", _job_in_process)
+    main(
+        ["bench", "catalog", "--quick", "--records", "300", "--index-records", "100000",
+         "--orders", "full", "--dir", str(tmp_path), "--json", str(out)]
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    rows = {(r["phase"], r["peer"], r["order"]): r for r in data["rows"]}
+    for peer in ("tensortier", "datasets", "lmdb"):
+        assert rows[("build", peer, "-")]["gbps"] > 0
+        for order in ("full",):
+            row = rows[("read", peer, order)]
+            assert row["intact"] and row["gbps"] > 0 and row["cpu_seconds"] >= 0
+        assert rows[("random", peer, "uniform")]["records_per_s"] > 0
+    assert {"read_full_vs_dd", "read_full_vs_datasets", "build_vs_disk_tier_write"} <= set(
+        data["ratios"]
+    )
+    assert data["open"]["records"] == 100000 and data["open"]["rss_growth_mib"] < 64
+    assert [p.name for p in tmp_path.iterdir()] == ["catalog.json"]  # the stores were removed
+
+
+def test_a_job_runs_in_a_fresh_process(tmp_path):
+    """The bench runs every build and read through ``--job`` in its own interpreter."""
+    spec = {"n": 50, "low": 100, "high": 2000, "args": {"writers": 2}}
+    root = str(tmp_path / "tt")
+    built = bench.run_job(kind="build", peer="tensortier", root=root, **spec)
+    assert built["seconds"] > 0 and built["bytes"] > 0 and built["peak_rss"] > 0
+    from tensortier.data import Catalog
+
+    with Catalog.open(root) as cat:
+        recs = bench.Records(50, 100, 2000)
+        assert len(cat) == 50 and [bytes(cat[i]) for i in range(50)] == [bytes(r) for r in recs]

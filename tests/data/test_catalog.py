@@ -1,0 +1,235 @@
+"""Catalog build, open and random access: round trips, views, bad input, refused states."""
+
+import os
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import tensortier as tt
+from tensortier.data import Catalog
+from tensortier.errors import ConfigError, CorruptDataError
+from tests.data._records import record, same
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """100k records of mixed types and sizes (0 B to ~6 KB), three writers, small segments."""
+    path = tmp_path_factory.mktemp("mixed") / "cat"
+    n = 100_000
+    cat = Catalog.build(
+        path, (record(i) for i in range(n)), segment_size="8MiB", writers=3, batch_bytes="256KiB"
+    )
+    yield cat, n
+    cat.close()
+
+
+def test_100k_mixed_records_round_trip_exactly(mixed):
+    cat, n = mixed
+    assert len(cat) == n and cat.build_stats["records"] == n
+    assert cat.manifest.writers == 3 and len(cat.manifest.segments) > 3
+    got = cat.read(np.arange(n))
+    bad = [i for i in range(n) if not same(record(i), got[i])]
+    assert bad == []
+    rng = np.random.default_rng(1)
+    for i in rng.integers(0, n, 300).tolist():  # one pread each
+        assert same(record(i), cat[i])
+    assert same(record(n - 1), cat[-1])
+
+
+def test_slices_lists_and_arrays_read_in_the_order_asked(mixed):
+    cat, n = mixed
+    assert all(same(a, record(i)) for a, i in zip(cat[10:20], range(10, 20)))
+    assert all(same(a, record(i)) for a, i in zip(cat[n - 5 :: 2], range(n - 5, n, 2)))
+    order = [99_999, 3, 50_000, 3, 7]
+    for got in (cat[order], cat.read(np.array(order)), cat.read(torch.tensor(order))):
+        assert all(same(a, record(i)) for a, i in zip(got, order))
+    assert cat[5:5] == [] and cat.read([]) == []
+
+
+def test_index_errors_and_type_errors(mixed):
+    cat, n = mixed
+    for bad in (n, -n - 1, 10**12):
+        with pytest.raises(IndexError, match=f"record index {bad} is out of range"):
+            cat[bad]
+    with pytest.raises(IndexError, match=f"{n + 3}"):
+        cat.read([0, n + 3, 1])
+    for key in ("a", 1.5, None, [0.5]):
+        with pytest.raises(TypeError):
+            cat[key]
+
+
+def test_arrays_and_tensors_are_aligned_writable_views_of_one_read(mixed):
+    cat, _ = mixed
+    rec = cat[4]  # a dict: name, label, box (float64), raw
+    box = rec["box"]
+    assert box.flags.writeable and box.ctypes.data % 8 == 0
+    assert box.base is not None  # a view of the buffer the record was read into, not a copy
+    t = cat[5]["t"]
+    assert t.data_ptr() % 2 == 0 and t.dtype == torch.bfloat16
+    t += 1  # private: the next read is unaffected
+    assert same(cat[5], record(5))
+
+
+def test_catalog_pickles_as_its_path_and_reopens(mixed):
+    cat, _ = mixed
+    clone = pickle.loads(pickle.dumps(cat))
+    assert clone.path == cat.path and len(clone) == len(cat) and same(clone[12], record(12))
+    clone.close()
+
+
+def test_lazy_subpackage_and_info(mixed):
+    cat, n = mixed
+    assert tt.data.Catalog is Catalog
+    info = cat.info()
+    assert info["records"] == n and info["index_bytes"] == 20 * n and info["writers"] == 3
+    assert info["file_bytes"] == sum(
+        os.path.getsize(os.path.join(cat.path, f)) for f in os.listdir(cat.path) if "seg-" in f
+    )
+
+
+def test_empty_catalog(tmp_path):
+    cat = Catalog.build(tmp_path / "empty", [])
+    assert len(cat) == 0 and cat[0:10] == [] and cat.verify().ok
+    with pytest.raises(IndexError):
+        cat[0]
+    assert list(cat.epochs(batch=4)) == []
+
+
+def test_parallel_writers_give_the_same_records(tmp_path):
+    recs = [record(i) for i in range(3000)]
+    one = Catalog.build(tmp_path / "one", recs, writers=1, batch_bytes="8KiB")
+    four = Catalog.build(tmp_path / "four", recs, writers=4, batch_bytes="8KiB")
+    assert len(four.manifest.segments) == 4
+    assert all(same(a, b) for a, b in zip(one[:], four[:]))
+    files = {f for f in os.listdir(four.path)}
+    assert files == {"catalog.json", "index.bin"} | {f"seg-{w:08d}.ttr" for w in range(4)}
+
+
+# --------------------------------------------------------------------------- bad input
+def test_unsupported_record_is_refused_naming_it_and_the_accepted_types(tmp_path):
+    path = tmp_path / "bad"
+    recs = [b"ok", "fine", {"a": np.zeros(2)}, {1, 2}]
+    with pytest.raises(TypeError, match=r"record 3 cannot be stored.*bytes, str, a numpy array"):
+        Catalog.build(path, recs)
+    assert not path.exists()  # nothing left behind
+    with pytest.raises(TypeError, match="record 0"):
+        Catalog.build(path, [np.array([object()])])
+    with pytest.raises(TypeError, match="iterable of records"):
+        Catalog.build(path, b"not a list of records")
+    assert not path.exists()
+
+
+def test_an_exception_during_build_leaves_nothing_and_the_directory_is_reusable(tmp_path):
+    path = tmp_path / "cat"
+    path.mkdir()  # an existing empty directory stays, empty
+
+    def boom():
+        for i in range(5000):
+            if i == 4000:
+                raise RuntimeError("source failed")
+            yield record(i)
+
+    with pytest.raises(RuntimeError, match="source failed"):
+        Catalog.build(path, boom(), batch_bytes="8KiB")
+    assert os.listdir(path) == []
+    with pytest.raises(FileNotFoundError, match="no catalog"):
+        Catalog.open(path)
+    assert len(Catalog.build(path, [b"x"])) == 1
+
+
+def test_bad_build_arguments_are_config_errors(tmp_path):
+    for kwargs, match in [
+        ({"writers": 0}, "writers=0"),
+        ({"writers": True}, "writers=True"),
+        ({"segment_size": "1XB"}, "segment_size"),
+        ({"segment_size": "2TiB"}, "below 1TiB"),
+        ({"batch_bytes": 0}, "batch_bytes"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            Catalog.build(tmp_path / "c", [b"x"], **kwargs)
+    with pytest.raises(ConfigError, match="path must be a directory path"):
+        Catalog.build(123, [b"x"])
+    assert not (tmp_path / "c").exists()
+
+
+def test_existing_catalogs_and_foreign_directories_are_refused(tmp_path):
+    Catalog.build(tmp_path / "c", [b"x"])
+    with pytest.raises(ConfigError, match="already exists"):
+        Catalog.build(tmp_path / "c", [b"y"])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty"):
+        Catalog.build(tmp_path / "d", [b"y"])
+    assert os.listdir(tmp_path / "d") == ["notes.txt"]
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(ConfigError, match="is a file"):
+        Catalog.build(tmp_path / "f", [b"y"])
+
+
+def test_a_catalog_being_built_is_refused_with_the_builders_pid(tmp_path):
+    path = tmp_path / "c"
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        for i in range(100):
+            if i == 50:
+                started.set()
+                assert release.wait(30)
+            yield record(i)
+
+    errors = []
+
+    def run():
+        try:
+            Catalog.build(path, slow(), batch_bytes="1KiB")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    builder = threading.Thread(target=run)
+    builder.start()
+    try:
+        assert started.wait(30)
+        with pytest.raises(ConfigError, match=rf"still being built by process {os.getpid()}"):
+            Catalog.open(path)
+        with pytest.raises(ConfigError, match="Catalog.build"):
+            Catalog.build(path, [b"second builder"])
+    finally:
+        release.set()
+        builder.join(30)
+    assert errors == []
+    assert len(Catalog.open(path)) == 100
+    assert ".tt-build.lock" not in os.listdir(path)
+
+
+def test_leftovers_of_a_dead_build_are_refused_then_rebuilt(tmp_path):
+    path = tmp_path / "c"
+    path.mkdir()
+    (path / "seg-00000000.ttr").write_bytes(b"half a record")
+    (path / "index.bin").write_bytes(b"\0" * 40)
+    with pytest.raises(CorruptDataError, match="incomplete catalog build"):
+        Catalog.open(path)
+    cat = Catalog.build(path, [b"a", b"b"])
+    assert cat[:] == [b"a", b"b"]
+
+
+def test_open_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Catalog.open(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no catalog"):
+        Catalog.open(tmp_path)
+    with pytest.raises(ConfigError, match="path must be"):
+        Catalog.open(3)
+    with pytest.raises(ConfigError, match="direct="):
+        Catalog.open(tmp_path, direct="yes")
+
+
+def test_closed_catalog_raises_closed_error(tmp_path):
+    cat = Catalog.build(tmp_path / "c", [b"a"])
+    rec = cat[0]
+    cat.close()
+    with pytest.raises(tt.ClosedError):
+        cat[0]
+    assert rec == b"a"

@@ -1,0 +1,222 @@
+"""Known-order epochs: batches follow the order, resume exactly (also across worker counts),
+ranks get equal shares, DataLoader workers (fork and spawn) yield the same stream."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tensortier.data import Batch, Catalog, CatalogDataset, EpochDataset, Loader
+from tensortier.data._order import Order
+from tensortier.errors import ConfigError
+from tests.data._records import record, same
+
+N = 3000
+
+
+@pytest.fixture(scope="module")
+def cat(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loader") / "cat"
+    c = Catalog.build(path, (record(i) for i in range(N)), writers=2, batch_bytes="64KiB")
+    yield c
+    c.close()
+
+
+def indices(batches) -> np.ndarray:
+    return np.concatenate([b.indices for b in batches]) if batches else np.empty(0, np.int64)
+
+
+def check_records(batches) -> None:
+    for b in batches:
+        assert len(b.data) == len(b.indices)
+        for i, r in zip(b.indices.tolist(), b.data):
+            assert same(r, record(i))
+
+
+@pytest.mark.parametrize("shuffle", ["full", "block", "none"])
+def test_batches_follow_the_epoch_order_and_hold_the_right_records(cat, shuffle):
+    loader = cat.epochs(batch=100, seed=3, shuffle=shuffle, prefetch="64KiB", io_threads=3)
+    batches = list(loader)
+    assert [len(b) for b in batches] == [100] * 30 and len(loader) == 30
+    order = Order(loader.dataset.spec, 0, 0).indices(0, N)
+    assert np.array_equal(indices(batches), order)
+    check_records(batches)
+    assert [b.position for b in batches] == list(range(100, N + 1, 100))
+    assert loader.epoch == 1 and loader.position == 0  # the next iteration is epoch 1
+    second = indices(list(loader))
+    assert not np.array_equal(second, order) or shuffle == "none"
+    assert loader.stats.max_inflight_bytes <= 64 << 10 or loader.stats.pieces == 1
+    assert loader.stats.records == 2 * N and loader.stats.bytes_read > 0
+
+
+@pytest.mark.parametrize("shuffle", ["full", "block"])
+@pytest.mark.parametrize("stop", [0, 1, 17, 29])
+def test_a_resumed_epoch_equals_the_uninterrupted_one(cat, shuffle, stop):
+    kw = dict(batch=100, seed=11, shuffle=shuffle, world_size=3, rank=1, even="pad")
+    whole = cat.epochs(**kw)
+    reference = [indices(list(whole)) for _ in range(2)]  # epochs 0 and 1
+    first = cat.epochs(**kw)
+    it = iter(first)
+    seen = [next(it) for _ in range(min(stop, len(first)))]
+    state = first.state_dict()
+    first.close()
+    resumed = cat.epochs(**kw)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    if stop >= len(first):  # the epoch was finished: the state points at the next one
+        assert state["epoch"] == 1 and state["position"] == 0
+        assert np.array_equal(indices(rest), reference[1])
+    else:
+        assert np.array_equal(np.concatenate([indices(seen), indices(rest)]), reference[0])
+        assert np.array_equal(indices(list(resumed)), reference[1])
+    check_records(rest[:2])
+
+
+def test_breaking_out_and_iterating_again_continues_the_epoch(cat):
+    loader = cat.epochs(batch=250, seed=1)
+    ref = indices(list(cat.epochs(batch=250, seed=1)))
+    got = []
+    for i, b in enumerate(loader):
+        got.append(b)
+        if i == 4:
+            break
+    got += list(loader)
+    assert np.array_equal(indices(got), ref)
+    loader.set_epoch(0)
+    assert np.array_equal(indices(list(loader)), ref)
+
+
+def test_ranks_get_equal_disjoint_shares_that_cover_the_epoch(cat):
+    for even, per in (("pad", 1000), ("drop", 750)):
+        world = 3 if even == "pad" else 4
+        shares = [
+            indices(list(cat.epochs(batch=64, seed=5, rank=r, world_size=world, even=even)))
+            for r in range(world)
+        ]
+        assert [len(s) for s in shares] == [per] * world
+        flat = np.concatenate(shares)
+        assert len(np.unique(flat)) == len(flat)
+        assert len(flat) == N if even == "pad" else len(flat) == 3000
+    loaders = [cat.epochs(batch=64, rank=r, world_size=7, drop_last=True) for r in range(7)]
+    assert {len(ld) for ld in loaders} == {6}  # 429 each, 6 full batches on every rank
+
+
+def test_transform_and_collate_run_on_the_reading_side(cat):
+    loader = cat.epochs(
+        batch=8,
+        shuffle="none",
+        transform=lambda r: 1,
+        collate=lambda rs: torch.tensor(rs),
+        drop_last=True,
+    )
+    b = next(iter(loader))
+    assert torch.equal(b.data, torch.ones(8, dtype=torch.int64))
+    assert np.array_equal(b.indices, np.arange(8))
+
+
+def test_state_dict_mismatches_are_refused(cat):
+    state = cat.epochs(batch=100, seed=1).state_dict()
+    for kwargs, key in (
+        ({"seed": 2}, "seed"),
+        ({"shuffle": "block"}, "shuffle"),
+        ({"world_size": 2}, "world_size"),
+        ({"batch": 50}, "batch"),
+    ):
+        base = {"batch": 100, "seed": 1, **kwargs}
+        with pytest.raises(ConfigError, match=f"saved with {key}="):
+            cat.epochs(**base).load_state_dict(state)
+    with pytest.raises(ConfigError, match="not a state"):
+        cat.epochs(batch=100).load_state_dict({"epoch": 0})
+    bad = dict(state, position=150)
+    with pytest.raises(ConfigError, match="batch boundary"):
+        cat.epochs(batch=100, seed=1).load_state_dict(bad)
+
+
+def test_bad_loader_arguments_are_config_errors_naming_them(cat):
+    for kwargs, match in (
+        ({"batch": 0}, "batch=0"),
+        ({"batch": 8, "shuffle": "random"}, "shuffle='random'"),
+        ({"batch": 8, "even": "resample"}, "even='resample'"),
+        ({"batch": 8, "rank": 2, "world_size": 2}, "rank=2"),
+        ({"batch": 8, "prefetch": "lots"}, "prefetch"),
+        ({"batch": 8, "io_threads": 0}, "io_threads=0"),
+        ({"batch": 8, "num_workers": -1}, "num_workers=-1"),
+        ({"batch": 8, "multiprocessing_context": "thread"}, "multiprocessing_context"),
+        ({"batch": 8, "transform": 3}, "transform=3"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            cat.epochs(**kwargs)
+    tiny = Catalog.build(cat.path + "-tiny", [b"a", b"b"])
+    with pytest.raises(ConfigError, match="even='pad'"):
+        tiny.epochs(batch=1, world_size=3, even="drop")
+
+
+# --------------------------------------------------------------------------- DataLoader workers
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_yield_the_in_process_stream(cat, context):
+    kw = dict(batch=128, seed=9, shuffle="block", world_size=2, rank=0)
+    ref = list(cat.epochs(**kw))
+    loader = cat.epochs(**kw, num_workers=2, multiprocessing_context=context)
+    got = list(loader)
+    assert [len(b) for b in got] == [len(b) for b in ref]
+    assert np.array_equal(indices(got), indices(ref))
+    check_records(got[:3])
+    assert loader.epoch == 1 and loader.stats.batches == len(ref)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker")
+def test_resume_across_a_change_of_worker_count(cat):
+    kw = dict(batch=64, seed=4, shuffle="full")
+    ref = indices(list(cat.epochs(**kw)))
+    first = cat.epochs(**kw, num_workers=2, multiprocessing_context="fork")
+    it = iter(first)
+    seen = [next(it) for _ in range(9)]
+    state = first.state_dict()
+    first.close()
+    for workers in (0, 3):
+        resumed = cat.epochs(**kw, num_workers=workers, multiprocessing_context="fork")
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        assert np.array_equal(np.concatenate([indices(seen), indices(rest)]), ref), workers
+
+
+def test_epoch_dataset_in_a_plain_dataloader_shards_batches_across_workers(cat):
+    ds = EpochDataset(cat, batch=100, seed=2)
+    ref = indices(list(ds.iterate(0, 0)))
+    dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    got = list(dl)
+    assert all(isinstance(b, Batch) for b in got) and np.array_equal(indices(got), ref)
+
+
+def test_map_style_dataset_reads_batches_through_getitems(cat):
+    ds = CatalogDataset(cat.path, transform=lambda r: type(r).__name__)
+    dl = DataLoader(ds, batch_size=7, num_workers=2, multiprocessing_context="fork",
+                    collate_fn=list)  # fmt: skip
+    names = [n for batch in dl for n in batch]
+    assert len(names) == N and names[:7] == [type(record(i)).__name__ for i in range(7)]
+    assert ds.__getitems__([5, 2]) == [type(record(5)).__name__, type(record(2)).__name__]
+    assert isinstance(Loader(cat, batch=3), Loader)
+
+
+def test_a_loader_dropped_mid_epoch_is_collected_and_its_threads_end(cat):
+    import gc
+    import threading
+    import weakref
+
+    from tensortier._lifetime import quiesce
+
+    def readers() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("tt-catalog-read")}
+
+    gc.collect()  # an earlier test's dropped pool may still be ending: not this loader's threads
+    assert quiesce()
+    before = readers()
+    loader = cat.epochs(batch=10, prefetch="32KiB", io_threads=3)
+    it = iter(loader)
+    next(it)
+    assert readers() - before
+    ref = weakref.ref(loader)
+    del loader, it
+    gc.collect()
+    assert quiesce()
+    assert ref() is None and not readers() - before
