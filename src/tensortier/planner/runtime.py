@@ -475,6 +475,7 @@ class PlannedOffload:
         self._buckets: dict[str, _Bucket] = {}
         self._current: str | None = None  # bucket key of the plan installed now
         self._meter: PeakMeter | None = None
+        self._meter_base = 0  # resident at the metered iteration's start (CPU)
         self.cached = False  # the plan came from plan_cache
         self.measured_peaks: list[int] = []  # of the checked planned iterations
         self._check_hooks: list = []
@@ -535,6 +536,8 @@ class PlannedOffload:
         if self.offloader is not None:  # the plan (profiled now, or cached)
             self._active = self.offloader
             if len(self.measured_peaks) < cfg.check_steps * (1 + self.replans):
+                # what earlier iterations left resident counts: the budget holds for the process
+                self._meter_base = self._resident()
                 self._meter = PeakMeter(self.offloader.device).__enter__()
             self.offloader.__enter__()
             return
@@ -561,15 +564,7 @@ class PlannedOffload:
         elif self._profiler is not None:  # a timing pass, under the budget
             self._active = self._profiler.timing(keep=self._timing_group())
         else:
-            if self._rss0 is not None:  # what the warm-up left behind: the offloader's buffers
-                from tensortier._device import rss_bytes
-
-                grads = sum(
-                    p.grad.untyped_storage().nbytes()
-                    for p in (self._root.parameters() if self._root is not None else [])
-                    if p.grad is not None
-                )
-                self._overhead = max(0, rss_bytes() - self._rss0 - grads)
+            self._measure_overhead()  # what the warm-up left behind: the offloader's buffers
             self._profiler = Profiler(
                 offloader=self._warm,
                 tier=self._tier(),
@@ -621,6 +616,28 @@ class PlannedOffload:
             fix="run the same offload settings on every rank",
         )
 
+    def _measure_overhead(self) -> None:
+        """What stays resident between iterations beyond the RSS before the first offloaded one
+        (CPU only): the offloader's staging and pooled buffers, and whatever the profiling passes
+        left (they fill the pool and heap further: ~5 MiB after the warm-up on gpt:3x192x16).
+        Measured again before each timing pass and before planning, and only ever raised: it is
+        in the process's RSS, so in the budget, in every later iteration."""
+        self._overhead = max(self._overhead, self._resident())
+
+    def _resident(self) -> int:
+        """RSS now beyond the RSS before the first offloaded iteration, less the gradients
+        (the training's, not ours); 0 where that was not measured (CUDA, a cached plan)."""
+        if self._rss0 is None:
+            return 0
+        from tensortier._device import rss_bytes
+
+        grads = sum(
+            p.grad.untyped_storage().nbytes()
+            for p in (self._root.parameters() if self._root is not None else [])
+            if p.grad is not None
+        )
+        return max(0, rss_bytes() - self._rss0 - grads)
+
     def _pool_budget(self) -> int:
         """Host pool of the offloader. On a CPU-only machine with disk plans it only caches
         read-back buffers, which stay resident between iterations and so count in the budget:
@@ -663,6 +680,7 @@ class PlannedOffload:
         group is chosen for FIRST_GROUP_SHARE of the budget: only the probe calibrated the
         model then, and the probe offloaded everything. Profile conservatively, then tighten."""
         groups = self._groups if self._groups is not None else []
+        self._measure_overhead()
 
         def make() -> list[str]:
             with own_rng(self._profiler.device):
@@ -684,6 +702,7 @@ class PlannedOffload:
     def _plan(self) -> None:
         cfg = self.config
         prof = self._profiler
+        self._measure_overhead()  # the profiling passes left more resident than the warm-up
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
         if _dist.active():
             self._agree_structure(self.profile)
@@ -873,8 +892,9 @@ class PlannedOffload:
         meter, self._meter = self._meter, None
         if meter is not None:
             meter.__exit__(None, None, None)
-            self.measured_peaks.append(meter.delta)
-            self._over = self._over or meter.delta > self.config.budget
+            peak = self._meter_base + meter.delta
+            self.measured_peaks.append(peak)
+            self._over = self._over or peak > self.config.budget
 
     def _check_peak(self) -> None:
         """The previous planned iteration's peak (forward to this forward): over the budget, the
