@@ -33,7 +33,6 @@ Ray is imported only when a store is made, never by ``import tensortier``.
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import math
 import threading
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 from tensortier._lifetime import Finalizer
+from tensortier._ray import end_actors
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
 from tensortier.tiers.disk import as_bytes
@@ -134,16 +134,10 @@ class _Pool:
         # Running jobs end within the timeout; queued ones are cancelled (their futures fail).
         executor.shutdown(wait=True, cancel_futures=True)
         self.refs.clear()  # Ray frees the objects once no reference is left
-        ray = _ray()
-        pings = []
-        for node in self.nodes.values():
-            with contextlib.suppress(Exception):  # already dead, or Ray shut down first
-                ray.kill(node.actor)
-                pings.append(node.actor.node_id.remote())
+        _ray()
         # Wait (at most 10 s, on the closing or reaper thread) until Ray reports them dead, so no
-        # call made after close() still reaches one: each ping fails once its actor is gone.
-        with contextlib.suppress(Exception):
-            ray.wait(pings, num_returns=len(pings), timeout=10.0)
+        # call made after close() still reaches one.
+        end_actors([n.actor for n in self.nodes.values()], lambda a: a.node_id.remote())
 
 
 def _check_seconds(value: object, name: str) -> float:
