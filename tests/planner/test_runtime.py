@@ -265,3 +265,36 @@ def test_cuda_dropout_training_is_bit_identical_through_profiling_and_plan(tmp_p
     finally:
         off.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_budget_holds_a_training_loop_that_steps_adamw(tmp_path):
+    """What users run: ``tt.offload(budget=...)`` around the forward of a GPT, then backward and
+    ``torch.optim.AdamW.step()`` (whose states appear at the first step, after the warm-up). The
+    optimizer's memory is not the offloader's: the planner must still find a plan at half the
+    plain peak, and train bit-identically to the same loop without offload. (A planner that
+    counted all memory gained since the warm-up as its own buffers raised BudgetError here.)"""
+    import tensortier as tt
+    from tensortier.models.gpt import GPT, GPTConfig, random_batch
+
+    cfg = GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=256, vocab_size=512)
+    x, y = random_batch(cfg, 4, 256)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT(cfg))
+    ref, m = models
+    opts = [torch.optim.AdamW(mod.parameters(), lr=1e-3) for mod in (ref, m)]
+    off = tt.offload(budget="52MiB", spill_dir=str(tmp_path), options=FAST)
+    try:
+        for _ in range(7):  # warm-up, probe, timing passes, then the plan
+            ref(x, y).backward()
+            with off:
+                loss = m(x, y)
+            loss.backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        assert off.choice is not None
+        assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), m.parameters()))
+    finally:
+        off.close()
