@@ -14,6 +14,7 @@ from tensortier import errors
         errors.SpillDirError("gone", path="/x"),
         errors.CorruptDataError("crc", path="/y"),
         errors.ClosedError("closed"),
+        errors.NodeLostError("gone", node="ab12"),
     ],
 )
 def test_errors_survive_pickling_with_their_attributes(err):

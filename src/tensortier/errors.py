@@ -74,6 +74,18 @@ class CorruptDataError(TensortierError):
         self.path = path
 
 
+class NodeLostError(TensortierError):
+    """A remote memory node died or left the cluster, and the data it held is gone.
+
+    ``node`` is the node's Ray id. The store that raised it stays usable on its other nodes.
+    """
+
+    def __init__(self, message: str, *, node: str, tier: str = "remote"):
+        super().__init__(message)
+        self.node = node
+        self.tier = tier
+
+
 class ClosedError(TensortierError):
     """An operation was attempted on a store or engine after ``close()``."""
 

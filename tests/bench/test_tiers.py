@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from tensortier.cli import main
 
 
@@ -33,3 +35,19 @@ def test_bench_tiers_writes_rows_against_dd(tmp_path):
         assert row["bytes"] == 32 << 20 and row["gbps"] > 0 and row["ratio_vs_limit"] > 0
     assert data["direct_io_and_intact"] is True
     assert [p.name for p in tmp_path.iterdir()] == ["tiers.json"]  # scratch files cleaned up
+
+
+def test_bench_tiers_remote_writes_rows_against_ray(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "remote.json"
+    main(["bench", "tiers", "--remote", "--size", "4MiB", "--repeat", "1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "tiers-remote" and data["intact"] is True
+    assert [r["path"] for r in data["rows"]] == [
+        "host->remote ray.put + remote ray.get (limit)",
+        "host->remote (tensortier)",
+        "remote->host ray.get (limit)",
+        "remote->host (tensortier)",
+    ]
+    for row in data["rows"]:
+        assert row["bytes"] == 4 << 20 and row["gbps"] > 0 and row["ratio_vs_limit"] > 0

@@ -3,6 +3,7 @@
 `dd` with O_DIRECT and a large block is the physical limit of the disk behind ``--dir``; the disk
 tier should reach >= 90% of it. On CUDA, the transfer engine's device<->host copies are compared
 with a plain pinned ``copy_``. Run: ``tensortier bench tiers --json out.json [--quick]``.
+``--remote`` measures the remote tier instead (:mod:`tensortier.bench.remote`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=None, help="repetitions, median reported")
     p.add_argument("--quick", action="store_true", help="small sizes, one repetition")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
+    p.add_argument(
+        "--remote",
+        action="store_true",
+        help="measure the remote tier (RemoteStore) against ray.put/ray.get between two simulated "
+        "Ray nodes instead of the disk (default size 256MiB, 64MiB with --quick)",
+    )
 
 
 def _dd(args: list[str]) -> float:
@@ -114,7 +121,23 @@ def cuda_bandwidth(nbytes: int) -> list[dict]:
     return rows
 
 
+def run_remote(args: argparse.Namespace) -> list[dict]:
+    from tensortier.bench.remote import remote_bandwidth
+
+    size = parse_size(args.size or ("64MiB" if args.quick else "256MiB"), name="--size")
+    repeat = args.repeat or (3 if args.quick else 5)
+    print(f"measuring remote put/get of {format_size(size)}, best of {repeat}, two Ray nodes")
+    rows, ok = remote_bandwidth(size, repeat)
+    print_table(rows, ["path", "bytes", "gbps", "ratio_vs_limit"])
+    if not ok:
+        print("WARNING: data read back from the remote tier differed from what was written")
+    write_json(args.json, "tiers-remote", rows, intact=ok, repeat=repeat)
+    return rows
+
+
 def run(args: argparse.Namespace) -> list[dict]:
+    if getattr(args, "remote", False):
+        return run_remote(args)
     size = parse_size(args.size or ("512MiB" if args.quick else "2GiB"), name="--size")
     tensor_bytes = parse_size(args.tensor_size, name="--tensor-size")
     repeat = args.repeat or (1 if args.quick else 3)

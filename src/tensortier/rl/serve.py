@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from tensortier._lifetime import private_dir, remove_private_dir
+from tensortier._ray import end_actors
 from tensortier.errors import ClosedError, ConfigError, TensortierError
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import Params, ParamStore, _check_version, _deadline
@@ -66,10 +67,8 @@ def _check_batch_size(batch_size: object) -> int:
 def _end(actor) -> None:
     """Kill ``actor`` and wait (at most 10 s) until Ray reports it dead, so that no call made
     after ``close()`` returns, from any handle, still reaches it."""
-    ray = _ray()
-    with contextlib.suppress(Exception):
-        ray.kill(actor)
-        ray.wait([actor.ready.remote()], timeout=10.0)  # fails (ready) once the actor is dead
+    _ray()
+    end_actors([actor], lambda a: a.ready.remote())
 
 
 def _call(ref, what: str):

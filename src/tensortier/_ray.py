@@ -1,0 +1,41 @@
+"""Ray helpers shared by every Ray client in tensortier (``rl.serve``, ``tiers.remote``)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def end_actors(actors: Sequence[Any], ping: Callable[[Any], Any], timeout: float = 10.0) -> None:
+    """Kill ``actors`` and return once Ray reports each one dead, or after ``timeout`` seconds.
+
+    Why a loop: ``ray.kill`` is asynchronous, so a ping sent right after it can still be served
+    by the actor (seen in CI: a second handle's call after ``close()`` got an answer). Each
+    actor is pinged until the ping fails (``ActorDiedError``), so that no call made after this
+    returns, from any handle, still reaches one. ``ping(actor)`` submits a cheap method call.
+    """
+    import ray
+
+    for actor in actors:
+        with contextlib.suppress(Exception):  # already dead, or Ray shut down first
+            ray.kill(actor)
+    deadline = time.monotonic() + timeout
+    alive = list(actors)
+    while alive:
+        answered = []
+        for actor in alive:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return  # the bound: callers document at most ``timeout`` seconds
+            try:
+                ray.get(ping(actor), timeout=left)
+            except ray.exceptions.GetTimeoutError:
+                return
+            except Exception:  # ActorDiedError (or Ray gone): dead
+                continue
+            answered.append(actor)  # served after the kill: not dead yet
+        alive = answered
+        if alive:
+            time.sleep(0.02)

@@ -1,0 +1,584 @@
+"""Remote memory tier: tensors held in other machines' RAM, through Ray.
+
+Layout. A store starts one *memory-node* actor on each chosen Ray node (by default every node but
+the caller's), pinned there with node-affinity scheduling so the pool is spread over the nodes, and
+gives each node an equal share of ``capacity``. A tensor goes whole to the live node with the most
+free budget; the store keeps the byte accounting on the caller's side, so a put that cannot fit is
+refused with :class:`TierFullError` before any byte moves.
+
+Where the bytes live: in the memory node's Ray *object store*, as the return value of a call to its
+actor (``hold`` returns the bytes it was sent; the object is created on that node and owned by this
+process, so dropping the reference frees it). The other design, bytes copied into buffers the actor
+owns, was measured slower (64 MiB, two simulated nodes on one machine, best of 5: object store put
+0.69 GB/s, get 0.76 GB/s; actor buffers 0.47 / 0.47 GB/s; ``notes/issue-16.md``): an actor buffer
+costs one more copy each way (into the actor's heap on put, back into the object store on get),
+while an object-store object is written once on the node and fetched from there directly.
+
+Payloads. Only raw bytes cross the wire: a flat ``uint8`` NumPy array of the tensor's values
+(Ray carries it as an out-of-band buffer, not pickled); dtype and shape stay in the handle on the
+caller's side. The actor refuses anything but a ``uint8`` array.
+
+Faults and waits. Every remote call waits at most ``timeout`` seconds. A node that dies fails the
+handles it held with :class:`NodeLostError` naming the node (at once, once the store knows), its
+budget leaves the pool, and the store keeps working on the other nodes: a put whose node dies is
+retried on another node. A call that times out on a node Ray still reports alive raises
+``TimeoutError``. Puts and gets run on a small thread pool and return futures like
+:class:`~tensortier.tiers.disk.DiskStore`; every job ends (result, error or timeout), so ``close()``
+joins threads that finish within ``timeout``. ``free`` never blocks (lock-free queue, as the disk
+tier). ``close()`` (or GC, through ``_lifetime.Finalizer``) drops every object and ends the actors.
+
+Ray is imported only when a store is made, never by ``import tensortier``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from tensortier._lifetime import Finalizer
+from tensortier._ray import end_actors
+from tensortier._units import SizeLike, format_size, parse_size
+from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
+from tensortier.tiers.disk import as_bytes
+from tensortier.tiers.host import aligned_empty
+
+_TIMEOUT = 60.0  # seconds one remote call may take (a 1 GiB tensor at ~0.5 GB/s takes ~2 s)
+_START_TIMEOUT = 120.0  # seconds the memory-node actors may take to start
+MAX_IO_THREADS = 64
+_handle_ids = itertools.count()  # process-wide: a handle of one store never matches another's
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("RemoteStore needs Ray: pip install ray") from exc
+    return ray
+
+
+@dataclass(frozen=True)
+class RemoteHandle:
+    """Where one tensor lives: a memory node (Ray node id). Valid until ``free``; never persisted."""
+
+    id: int
+    node: str  # "" for an empty tensor (nothing is sent)
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class RemoteStats:
+    nodes: int = 0  # memory nodes started
+    lost_nodes: int = 0
+    lost_tensors: int = 0  # live tensors that were on a node when it was found lost
+    capacity_bytes: int = 0  # budgets of the nodes still alive
+    used_bytes: int = 0
+    peak_used_bytes: int = 0
+    live_tensors: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0  # summed over threads
+    read_seconds: float = 0.0
+    puts: int = 0
+    gets: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _MemoryNode:
+    """The actor on a memory node (a plain class; ``ray.remote`` wraps it when a store starts)."""
+
+    def node_id(self) -> str:
+        return _ray().get_runtime_context().get_node_id()
+
+    def hold(self, payload):
+        """Return the bytes as two objects: a small ack, and the payload, which Ray stores in this
+        node's object store (owned by the caller, freed when the caller drops it)."""
+        if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 or payload.ndim != 1:
+            raise TypeError(f"a memory node holds flat uint8 arrays only, got {type(payload)}")
+        return payload.nbytes, payload
+
+
+@dataclass
+class _Node:
+    node_id: str
+    actor: object
+    budget: int
+    used: int = 0
+    writable: bool = True  # False once its actor failed: no new puts
+    lost: bool = False  # its objects are gone: every handle on it fails
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.used
+
+
+class _Pool:
+    """What cleanup needs, kept apart from the store so GC can collect the store."""
+
+    def __init__(self):
+        self.nodes: dict[str, _Node] = {}
+        self.refs: dict[int, object] = {}  # handle id -> ObjectRef of its bytes
+
+    def cleanup(self, executor: ThreadPoolExecutor) -> None:
+        # Running jobs end within the timeout; queued ones are cancelled (their futures fail).
+        executor.shutdown(wait=True, cancel_futures=True)
+        self.refs.clear()  # Ray frees the objects once no reference is left
+        _ray()
+        # Wait (at most 10 s, on the closing or reaper thread) until Ray reports them dead, so no
+        # call made after close() still reaches one.
+        end_actors([n.actor for n in self.nodes.values()], lambda a: a.node_id.remote())
+
+
+def _check_seconds(value: object, name: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{name}={value!r}: pass a number of seconds > 0, e.g. {name}=60")
+    return float(value)
+
+
+class RemoteStore:
+    """A tensor store in the RAM of other Ray nodes, with the :class:`DiskStore` interface.
+
+    >>> with RemoteStore(capacity="8GiB") as store:   # ray.init(address=...) first
+    ...     h = store.put(x).result()      # Future[RemoteHandle]
+    ...     y = store.get(h).result()      # bit-identical to x
+    ...     store.free(h)
+
+    ``nodes``: Ray node ids to hold memory on; ``None`` takes every alive node but this process's
+    own (this node's if it is the only one). Each gets ``capacity / len(nodes)``, which must fit in
+    that node's object store (beyond it Ray would spill to disk). ``timeout`` bounds every remote
+    call; ``start_timeout`` bounds the actors' start.
+    """
+
+    def __init__(
+        self,
+        capacity: SizeLike,
+        *,
+        nodes: list[str] | None = None,
+        timeout: float = _TIMEOUT,
+        start_timeout: float = _START_TIMEOUT,
+        io_threads: int = 4,
+    ):
+        ray = _ray()
+        self.capacity = parse_size(capacity, name="remote capacity", allow_zero=False)
+        self.timeout = _check_seconds(timeout, "timeout")
+        start_timeout = _check_seconds(start_timeout, "start_timeout")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int):
+            raise ConfigError(f"io_threads={io_threads!r}: pass an int, e.g. io_threads=4")
+        if not 1 <= io_threads <= MAX_IO_THREADS:
+            raise ConfigError(f"io_threads={io_threads!r}: pass an int from 1 to {MAX_IO_THREADS}")
+        if not ray.is_initialized():
+            ray.init()  # what the first .remote() would do; placement needs the cluster
+        chosen = self._choose_nodes(ray, nodes)
+        budget = self.capacity // len(chosen)
+        if budget < 1:
+            raise ConfigError(
+                f"remote capacity={capacity!r} is less than one byte per memory node "
+                f"({len(chosen)} nodes); pass a larger capacity"
+            )
+        self._pool = _Pool()
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tt-remote")
+        self._finalizer = Finalizer(self, self._pool.cleanup, self._executor)
+        self._lock = threading.Lock()  # bookkeeping only; never held across a remote call
+        self._live: dict[int, RemoteHandle] = {}
+        self._freed: collections.deque[tuple[str, int]] = collections.deque()  # (node, nbytes)
+        try:
+            self._start(ray, chosen, budget, io_threads, start_timeout)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.stats = RemoteStats(nodes=len(chosen), capacity_bytes=budget * len(chosen))
+
+    # ---------------------------------------------------------------- start
+    @staticmethod
+    def _choose_nodes(ray, nodes: list[str] | None) -> list[tuple[str, float]]:
+        alive = {
+            n["NodeID"]: n.get("Resources", {}).get("object_store_memory", 0.0)
+            for n in ray.nodes()
+            if n.get("Alive")
+        }
+        if nodes is None:
+            here = ray.get_runtime_context().get_node_id()
+            others = [n for n in alive if n != here]
+            return [(n, alive[n]) for n in sorted(others or alive)]
+        if isinstance(nodes, str) or not all(isinstance(n, str) for n in nodes) or not nodes:
+            raise ConfigError(
+                f"nodes={nodes!r}: pass a non-empty list of Ray node ids (ray.nodes()[i]['NodeID']) "
+                f"or None for every node but this one"
+            )
+        missing = [n for n in nodes if n not in alive]
+        if missing or len(set(nodes)) != len(nodes):
+            raise ConfigError(
+                f"nodes={nodes!r}: {missing or 'duplicates'} are not distinct alive nodes of the "
+                f"Ray cluster (alive: {sorted(alive)})"
+            )
+        return [(n, alive[n]) for n in nodes]
+
+    def _start(self, ray, chosen, budget: int, threads: int, start_timeout: float) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for node_id, store_bytes in chosen:
+            if budget > store_bytes:
+                raise ConfigError(
+                    f"remote capacity={format_size(self.capacity)} gives each of {len(chosen)} "
+                    f"memory nodes {format_size(budget)}, more than node {node_id}'s object store "
+                    f"({format_size(store_bytes)}); Ray would spill the rest to disk. Pass a "
+                    f"capacity of at most {format_size(int(store_bytes) * len(chosen))} or add nodes"
+                )
+        cls = ray.remote(_MemoryNode)
+        for node_id, _ in chosen:
+            actor = cls.options(
+                num_cpus=0,  # it waits on transfers; never takes a CPU a task needs
+                max_concurrency=threads,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote()
+            self._pool.nodes[node_id] = _Node(node_id, actor, budget)
+        refs = {n.actor.node_id.remote(): n.node_id for n in self._pool.nodes.values()}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=start_timeout)
+        if len(done) < len(refs):
+            late = [refs[r] for r in refs if r not in done]
+            raise TimeoutError(
+                f"RemoteStore: the memory-node actors on {late} did not start within "
+                f"{start_timeout}s; check that those nodes are alive, or pass a larger start_timeout"
+            )
+        for ref, node_id in refs.items():
+            got = ray.get(ref, timeout=self.timeout)
+            assert got == node_id, (got, node_id)  # node affinity is strict
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _drain_freed_locked(self) -> None:
+        while True:
+            try:
+                node_id, nbytes = self._freed.popleft()
+            except IndexError:
+                return
+            node = self._pool.nodes.get(node_id)
+            if node is not None:
+                node.used -= nbytes
+                if not node.lost:
+                    self.stats.used_bytes -= nbytes
+            self.stats.live_tensors -= 1
+
+    def _reserve(self, nbytes: int, exclude: set[str]) -> _Node:
+        with self._lock:
+            self._check_open()
+            self._drain_freed_locked()
+            nodes = [n for n in self._pool.nodes.values() if n.writable and not n.lost]
+            best = max(
+                (n for n in nodes if n.node_id not in exclude), key=lambda n: n.free, default=None
+            )
+            if best is None or best.free < nbytes:
+                most = 0 if best is None else best.free
+                raise TierFullError(
+                    f"remote tier capacity exceeded: a {format_size(nbytes)} tensor needs room on "
+                    f"one memory node, but the most free on any of the {len(nodes)} usable nodes "
+                    f"is {format_size(most)} ({format_size(self.stats.used_bytes)} of "
+                    f"{format_size(self.stats.capacity_bytes)} used). Free tensors, raise "
+                    f"capacity, or add nodes.",
+                    tier="remote",
+                    requested=nbytes,
+                    in_use=self.stats.used_bytes,
+                    limit=self.stats.capacity_bytes,
+                )
+            best.used += nbytes
+            return best
+
+    def _unreserve(self, node: _Node, nbytes: int) -> None:
+        with self._lock:
+            node.used -= nbytes
+
+    def _node_alive(self, node_id: str) -> bool:
+        ray = _ray()
+        try:
+            return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+        except Exception:  # the GCS did not answer: cannot tell, so do not declare it lost
+            return True
+
+    def _mark_lost(self, node: _Node) -> None:
+        with self._lock:
+            if node.lost:
+                return
+            node.lost, node.writable = True, False
+            on_node = [h for h in self._live.values() if h.node == node.node_id]
+            self.stats.lost_nodes += 1
+            self.stats.lost_tensors += len(on_node)
+            self.stats.capacity_bytes -= node.budget
+            self.stats.used_bytes -= node.used
+            for h in on_node:  # the bytes are gone: drop the references now
+                self._pool.refs.pop(h.id, None)
+
+    def _lost_error(self, node_id: str, what: str) -> NodeLostError:
+        return NodeLostError(
+            f"remote memory node {node_id} is lost (dead or left the Ray cluster): {what}. The "
+            f"store keeps working on its other nodes; free this handle and restore the data from "
+            f"its source or a slower tier.",
+            node=node_id,
+        )
+
+    # ---------------------------------------------------------------- public API
+    def put(self, tensor: torch.Tensor) -> Future[RemoteHandle]:
+        """Start sending ``tensor`` (CPU, any dtype/shape/strides); returns a future of its handle.
+
+        Do not modify ``tensor`` in place until the future is done. Raises :class:`TierFullError`
+        at once when no memory node has room for it.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"RemoteStore.put(tensor): expected a torch.Tensor, got {type(tensor).__name__}"
+            )
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"RemoteStore.put(tensor) takes CPU tensors, got one on {tensor.device}; "
+                f"copy it to the host first"
+            )
+        self._check_open()
+        data = as_bytes(tensor.detach())
+        nbytes = data.numel()
+        done: Future[RemoteHandle] = Future()
+        done.set_running_or_notify_cancel()
+        if nbytes == 0:
+            handle = RemoteHandle(next(_handle_ids), "", 0, tensor.dtype, tuple(tensor.shape))
+            self._register(handle, None, 0.0)
+            done.set_result(handle)
+            return done
+        node = self._reserve(nbytes, set())  # TierFullError here, before any byte moves
+
+        def job() -> None:
+            try:
+                handle = self._send(data, node, tensor.dtype, tuple(tensor.shape))
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(handle)
+
+        self._submit(job, done)
+        return done
+
+    def _send(self, data: torch.Tensor, node: _Node, dtype, shape) -> RemoteHandle:
+        """Send to ``node`` (reserved); if that node fails, retry on another one with room."""
+        ray = _ray()
+        nbytes = data.numel()
+        tried: set[str] = set()
+        payload = data.numpy()
+        while True:
+            tried.add(node.node_id)
+            t0 = time.perf_counter()
+            try:
+                ack, ref = node.actor.hold.options(num_returns=2).remote(payload)
+                ray.get(ack, timeout=self.timeout)
+            except ray.exceptions.GetTimeoutError as exc:
+                self._unreserve(node, nbytes)
+                if self._node_alive(node.node_id):
+                    raise TimeoutError(
+                        f"RemoteStore.put: memory node {node.node_id} did not take "
+                        f"{format_size(nbytes)} within timeout={self.timeout}s; pass a larger "
+                        f"timeout for slow links"
+                    ) from exc
+                self._mark_lost(node)
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                self._unreserve(node, nbytes)
+                with self._lock:
+                    node.writable = False  # its actor is gone: no more puts there
+                if not self._node_alive(node.node_id):
+                    self._mark_lost(node)
+            except BaseException:
+                self._unreserve(node, nbytes)
+                raise
+            else:
+                handle = RemoteHandle(next(_handle_ids), node.node_id, nbytes, dtype, shape)
+                self._register(handle, ref, time.perf_counter() - t0)
+                return handle
+            node = self._reserve(nbytes, tried)  # TierFullError when no other node has room
+
+    def _register(self, handle: RemoteHandle, ref, seconds: float) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            if ref is not None:
+                self._pool.refs[handle.id] = ref
+            self._live[handle.id] = handle
+            self.stats.used_bytes += handle.nbytes
+            self.stats.peak_used_bytes = max(self.stats.peak_used_bytes, self.stats.used_bytes)
+            self.stats.live_tensors += 1
+            self.stats.puts += 1
+            self.stats.bytes_written += handle.nbytes
+            self.stats.write_seconds += seconds
+
+    def get(
+        self, handle: RemoteHandle, *, into: torch.Tensor | None = None
+    ) -> Future[torch.Tensor]:
+        """Start fetching a tensor; returns a future of a CPU tensor bit-identical to the one put.
+
+        ``into``: a contiguous CPU uint8 buffer of at least ``handle.nbytes`` bytes to land in.
+        The future fails with :class:`NodeLostError` when the handle's node is lost.
+        """
+        if not isinstance(handle, RemoteHandle):
+            raise TypeError(
+                f"RemoteStore.get(handle): expected the RemoteHandle returned by put(), got "
+                f"{type(handle).__name__}"
+            )
+        with self._lock:
+            self._check_open()
+            if self._live.get(handle.id) is not handle:
+                raise KeyError(f"{handle} is not live in this store (freed, or from another store)")
+            node = self._pool.nodes.get(handle.node)
+            ref = self._pool.refs.get(handle.id)
+        if into is None:
+            into = aligned_empty(handle.nbytes)
+        elif (
+            into.dtype != torch.uint8
+            or into.numel() < handle.nbytes
+            or not into.is_contiguous()
+            or into.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"`into` must be a contiguous CPU uint8 tensor of >= {handle.nbytes} bytes"
+            )
+        out = into[: handle.nbytes]
+        done: Future[torch.Tensor] = Future()
+        done.set_running_or_notify_cancel()
+
+        def finish() -> None:
+            with self._lock:
+                self.stats.gets += 1
+            done.set_result(out.view(handle.dtype).reshape(handle.shape))
+
+        if handle.nbytes == 0:
+            finish()
+        elif node is None or node.lost or ref is None:
+            done.set_exception(self._lost_error(handle.node, f"{handle} was held there"))
+        else:
+
+            def job() -> None:
+                try:
+                    self._fetch(ref, node, out, handle)
+                except BaseException as exc:
+                    done.set_exception(exc)
+                else:
+                    finish()
+
+            self._submit(job, done)
+        return done
+
+    def _fetch(self, ref, node: _Node, out: torch.Tensor, handle: RemoteHandle) -> None:
+        ray = _ray()
+        t0 = time.perf_counter()
+        try:
+            arr = ray.get(ref, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            if self._node_alive(node.node_id):
+                raise TimeoutError(
+                    f"RemoteStore.get: {format_size(handle.nbytes)} from memory node "
+                    f"{node.node_id} did not arrive within timeout={self.timeout}s; pass a "
+                    f"larger timeout for slow links"
+                ) from exc
+            self._mark_lost(node)
+            raise self._lost_error(node.node_id, f"{handle} was held there") from exc
+        except ray.exceptions.ObjectLostError as exc:
+            # We own the object and never free it early, so Ray reports it lost only once every
+            # copy's node failed (a failed reconstruction, here): the node is gone, whether or
+            # not its health checks have caught up yet. The memory node is the unit of failure.
+            self._mark_lost(node)
+            raise self._lost_error(node.node_id, f"{handle} was held there") from exc
+        try:
+            np.copyto(out.numpy(), arr)  # arr: a read-only view of the local object store
+        finally:
+            del arr
+        with self._lock:
+            self.stats.bytes_read += handle.nbytes
+            self.stats.read_seconds += time.perf_counter() - t0
+
+    def free(self, handle: RemoteHandle) -> None:
+        """Give a tensor's memory back. Never blocks (safe in finalizers and callbacks); a handle
+        on a lost node is freed the same way. After ``close()`` it is a no-op."""
+        if not isinstance(handle, RemoteHandle):
+            raise TypeError(
+                f"RemoteStore.free(handle): expected the RemoteHandle returned by put(), got "
+                f"{type(handle).__name__}"
+            )
+        if self.closed:
+            return
+        if self._live.get(handle.id) is not handle:
+            raise KeyError(f"{handle} is not live in this store (freed twice?)")
+        if self._live.pop(handle.id, None) is None:  # atomic: of two racing frees, one wins
+            raise KeyError(f"{handle} is not live in this store (freed twice?)")
+        self._pool.refs.pop(handle.id, None)  # Ray frees the object (dict.pop: atomic)
+        self._freed.append((handle.node, handle.nbytes))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_freed_locked()
+            finally:
+                self._lock.release()
+
+    def write(self, tensor: torch.Tensor) -> RemoteHandle:
+        """Synchronous :meth:`put`."""
+        return self.put(tensor).result()
+
+    def read(self, handle: RemoteHandle) -> torch.Tensor:
+        """Synchronous :meth:`get`."""
+        return self.get(handle).result()
+
+    @property
+    def nodes(self) -> list[str]:
+        """Ray node ids of the memory nodes that are not lost."""
+        return [n.node_id for n in self._pool.nodes.values() if not n.lost]
+
+    def __contains__(self, handle: object) -> bool:
+        return isinstance(handle, RemoteHandle) and self._live.get(handle.id) is handle
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Wait for running transfers (each ends within ``timeout``), drop every object, end the
+        memory-node actors."""
+        self._finalizer()
+        self._live.clear()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteStore(nodes={len(self.nodes)}, live={len(self._live)}, "
+            f"used={format_size(self.stats.used_bytes)} of "
+            f"{format_size(self.stats.capacity_bytes)})"
+        )
+
+    # ---------------------------------------------------------------- internals
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("RemoteStore is closed")
+
+    def _submit(self, job, done: Future) -> None:
+        def cancelled(f: Future) -> None:  # close() dropped the queued job: fail, never hang
+            if f.cancelled() and not done.done():
+                done.set_exception(ClosedError("RemoteStore was closed before this transfer ran"))
+
+        try:
+            self._executor.submit(job).add_done_callback(cancelled)
+        except RuntimeError as exc:  # executor shut down under us
+            raise ClosedError("RemoteStore is closed") from exc

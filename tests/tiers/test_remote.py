@@ -1,0 +1,235 @@
+"""RemoteStore on a Ray cluster of simulated nodes on this machine (ray.cluster_utils.Cluster)."""
+
+import os
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError  # noqa: E402
+from tensortier.tiers.remote import RemoteHandle, RemoteStore  # noqa: E402
+
+_STORE = 96 << 20  # object store of each simulated node
+# Ray finds a killed node dead after about period * threshold; the default is ~15 s
+_FAST_DEATH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 300,
+    "health_check_timeout_ms": 300,
+    "health_check_failure_threshold": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # A short private directory: Ray's socket paths under it must stay below 108 bytes.
+    tmp = tempfile.mkdtemp(prefix="tt-ray-")
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp  # sessions, logs, sockets and the address file go here
+    c = None
+    try:
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": _STORE,
+                "include_dashboard": False,
+                "_system_config": _FAST_DEATH,
+            },
+        )
+        nodes = [c.add_node(num_cpus=0, object_store_memory=_STORE) for _ in range(2)]
+        ray.init(address=c.address, log_to_driver=False)
+        yield c, [n.node_id for n in nodes], tmp
+    finally:
+        ray.shutdown()
+        if c is not None:
+            c.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def store(cluster):
+    s = RemoteStore("64MiB", timeout=30)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    yield "f32", base
+    yield "f64", base.double()
+    yield "f16", base.half()
+    yield "bf16", base.bfloat16()
+    yield "i8", (base * 50).to(torch.int8)
+    yield "u8", (base * 50).abs().to(torch.uint8)
+    yield "i16", (base * 500).to(torch.int16)
+    yield "i32", (base * 5e5).to(torch.int32)
+    yield "i64", (base * 5e9).to(torch.int64)
+    yield "bool", base > 0
+    yield "c64", torch.complex(base, -base)
+    yield "c128", torch.complex(base, base * 2).to(torch.complex128)
+    yield "transposed", base.t()
+    yield "strided view", base[1::2, ::3]
+    yield "expanded", torch.arange(4.0).expand(3, 4)
+    yield "0-d", torch.tensor(3.5)
+    yield "empty", torch.empty(0, 5)
+    yield "conj", torch.complex(base, base).conj()
+    yield "neg view", torch.complex(base, base).conj().imag
+    yield "large", torch.randn(1 << 20, generator=g)  # 4 MiB: out of band, not inlined
+
+
+@pytest.mark.parametrize("name,tensor", list(_cases()), ids=[n for n, _ in _cases()])
+def test_round_trip_is_bit_identical(store, name, tensor):
+    h = store.put(tensor).result(timeout=60)
+    assert isinstance(h, RemoteHandle) and h in store
+    back = store.get(h).result(timeout=60)
+    expected = tensor.resolve_conj().resolve_neg()
+    assert _same(back, expected), name
+    if back.numel():  # writable memory of its own
+        back.reshape(-1)[0] = back.reshape(-1)[-1]
+    store.free(h)
+    assert h not in store
+
+
+def test_handles_spread_over_the_other_nodes(cluster, store):
+    _, workers, _ = cluster
+    assert sorted(store.nodes) == sorted(workers)  # not the driver's node
+    hs = [store.write(torch.full((1 << 18,), float(i))) for i in range(4)]
+    assert {h.node for h in hs} == set(workers)  # most-free-first alternates
+    for i, h in enumerate(hs):
+        assert torch.equal(store.read(h), torch.full((1 << 18,), float(i)))
+        store.free(h)
+
+
+def test_payloads_are_raw_bytes_not_pickles(store):
+    t = torch.arange(1000, dtype=torch.int32).reshape(10, 100)
+    h = store.write(t)
+    raw = ray.get(store._pool.refs[h.id], timeout=30)
+    assert isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.shape == (4000,)
+    assert bytes(raw) == t.numpy().tobytes()
+    # the memory node refuses anything but a flat uint8 array (no user objects)
+    node = store._pool.nodes[h.node].actor
+    with pytest.raises(ray.exceptions.RayTaskError, match="flat uint8"):
+        ray.get(node.hold.options(num_returns=2).remote({"x": 1})[0], timeout=30)
+    store.free(h)
+
+
+def test_full_pool_raises_and_store_stays_usable(store):
+    per_node = store.stats.capacity_bytes // 2
+    big = torch.zeros(per_node // 4 * 3, dtype=torch.uint8)  # 3/4 of one node: one per node
+    a, b = store.write(big), store.write(big)
+    assert a.node != b.node
+    with pytest.raises(TierFullError, match="remote tier capacity exceeded") as err:
+        store.put(big)
+    assert err.value.tier == "remote" and err.value.requested == big.numel()
+    assert store.stats.used_bytes == 2 * big.numel()
+    small = store.write(torch.ones(100))  # room left for small ones
+    store.free(a)
+    c = store.write(big)  # a's room is reusable at once
+    assert torch.equal(store.read(c), big) and torch.equal(store.read(small), torch.ones(100))
+    for h in (b, c, small):
+        store.free(h)
+    assert store.stats.used_bytes == 0 and len(store) == 0
+
+
+def test_bad_arguments_are_typed(cluster, store):
+    with pytest.raises(ConfigError, match="timeout"):
+        RemoteStore("1MiB", timeout=0)
+    with pytest.raises(ConfigError, match="object store"):
+        RemoteStore(4 * _STORE)
+    with pytest.raises(ConfigError, match="nodes="):
+        RemoteStore("1MiB", nodes=["not-a-node"])
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        store.put(b"bytes")
+    h = store.write(torch.ones(3))
+    store.free(h)
+    with pytest.raises(KeyError):
+        store.get(h)
+    with pytest.raises(KeyError):
+        store.free(h)
+
+
+def test_close_frees_everything_and_ends_the_actors(cluster):
+    _, _, tmp = cluster
+    # Fill 60% of both nodes' object stores, close, fill them again: had the first store left its
+    # objects behind, the second would need 120% and Ray would spill to disk under tmp.
+    chunk = torch.ones(4 << 20, dtype=torch.uint8)
+    per_node = _STORE * 6 // 10 // chunk.numel() * chunk.numel()
+    s = RemoteStore(2 * per_node, timeout=30)
+    hs = [s.write(chunk) for _ in range(2 * per_node // chunk.numel())]
+    refs = list(s._pool.refs.values())
+    actors = [n.actor for n in s._pool.nodes.values()]
+    del refs  # the test must not keep the objects alive itself
+    s.close()
+    assert s.closed and len(s) == 0 and not s._pool.refs
+    again = RemoteStore(2 * per_node, timeout=30)
+    try:
+        for _ in hs:
+            again.write(chunk)
+        spilled = [
+            p
+            for p in pathlib.Path(tmp).rglob("*")
+            if p.is_file() and any(part.startswith("ray_spilled_objects") for part in p.parts)
+        ]
+        assert not spilled, spilled
+    finally:
+        again.close()
+    for a in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(a.node_id.remote(), timeout=30)
+    with pytest.raises(ClosedError):
+        s.put(torch.ones(1))
+    with pytest.raises(ClosedError):
+        s.get(hs[0])
+    s.free(hs[0])  # no-op after close
+    s.close()  # idempotent
+
+
+def test_node_loss_fails_its_handles_naming_the_node(cluster):
+    c, workers, _ = cluster
+    doomed = c.add_node(num_cpus=0, object_store_memory=_STORE)
+    s = RemoteStore("32MiB", nodes=[doomed.node_id, workers[0]], timeout=30)
+    try:
+        data = [torch.randn(1 << 16) for _ in range(4)]
+        hs = [s.write(t) for t in data]
+        on_doomed = [h for h in hs if h.node == doomed.node_id]
+        kept = [(h, t) for h, t in zip(hs, data) if h.node != doomed.node_id]
+        assert on_doomed and kept
+        c.remove_node(doomed, allow_graceful=False)
+        with pytest.raises(NodeLostError, match=doomed.node_id) as err:
+            s.get(on_doomed[0]).result(timeout=60)
+        assert err.value.node == doomed.node_id
+        for h in on_doomed[1:]:  # known lost now: failed at once
+            with pytest.raises(NodeLostError, match=doomed.node_id):
+                s.get(h).result(timeout=5)
+        for h, t in kept:
+            assert torch.equal(s.read(h), t)
+        assert s.nodes == [workers[0]]
+        assert s.stats.lost_nodes == 1 and s.stats.lost_tensors == len(on_doomed)
+        fresh = s.write(torch.arange(10))  # puts go to the surviving node
+        assert fresh.node == workers[0] and torch.equal(s.read(fresh), torch.arange(10))
+        for h in hs + [fresh]:
+            s.free(h)
+        assert s.stats.used_bytes == 0 and len(s) == 0
+    finally:
+        s.close()
