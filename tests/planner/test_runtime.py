@@ -319,14 +319,86 @@ def test_a_planned_step_over_the_budget_plans_again_with_a_wider_margin(spill_di
                 loss = m(x).sum()
             loss.backward()
         assert off.measured_peaks and off.replans == 0
-        before = off.config.options.margin
+        before = off.margin
         off.measured_peaks.append(2 * (64 << 20))  # as if the step had peaked at twice it
         off._over = True
         m.zero_grad(set_to_none=True)
-        with off:
+        warned = pytest.warns(UserWarning, match=r"peaked at 128MiB, over the 64MiB budget")
+        with warned, off:
             loss = m(x).sum()
         loss.backward()
     finally:
         off.close()
-    assert off.replans == 1 and off.config.options.margin >= 1 - (1 - before) / 2
-    assert off.choice.result.peak_bytes <= (1 - off.config.options.margin) * (64 << 20)
+    assert off.replans == 1 and off.margin >= 1 - (1 - before) / 2
+    assert off.choice.result.peak_bytes <= (1 - off.margin) * (64 << 20)
+    assert len(off._buckets) == 1  # the same inputs: no second plan for a "new" bucket
+
+
+def test_an_infeasible_replan_mid_training_warns_and_keeps_the_most_conservative_plan(spill_dir):
+    """Once training runs, a step over the budget never breaks the user's loop: when no plan
+    fits the widened margin, the plan with the lowest predicted peak runs and a warning names
+    the measured peak and the budget (BudgetError is for the first plan only). Gradients stay
+    those of plain training."""
+    m, x = _mlp(width=512, depth=4), torch.randn(512, 512)
+    m(x).sum().backward()
+    ref = [p.grad.clone() for p in m.parameters()]
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    try:
+        for _ in range(5):  # warm-up, probe, 2 timing passes, first planned step
+            m.zero_grad(set_to_none=True)
+            with off:
+                loss = m(x).sum()
+            loss.backward()
+        assert off.measured_peaks and off.replans == 0
+        off.measured_peaks.append(100 * (64 << 20))  # as if it had peaked at 100x the budget
+        off._over = True
+        for _ in range(2):  # the loop goes on
+            m.zero_grad(set_to_none=True)
+            with pytest.warns(UserWarning, match=r"peaked at 6.25GiB, over the 64MiB budget"):
+                with off:
+                    loss = m(x).sum()
+                loss.backward()
+                off._over = off.replans < 2  # and once more: still no BudgetError
+            assert all(torch.equal(a, p.grad) for a, p in zip(ref, m.parameters()))
+    finally:
+        off.close()
+    assert off.replans == 2
+    from tensortier.planner.policies import smallest
+
+    floor = smallest(off.profile, Options(**{**FAST.__dict__, "margin": 0.0}))
+    assert off.choice.result.peak_bytes == floor.result.peak_bytes
+
+
+def test_memory_the_user_allocates_mid_training_is_not_the_offloaders(tmp_path):
+    """A plain GPT loop at half its plain peak (~104 MiB here) that allocates 30 MiB of its own
+    between two steps while the planner profiles (a data buffer, say): that memory is outside
+    tt.offload's forward/backward, so it is not counted as offloader buffers. A planner that
+    charged it all to itself found no plan (BudgetError). Training stays bit-identical."""
+    import tensortier as tt
+    from tensortier.models.gpt import GPT, GPTConfig, random_batch
+
+    cfg = GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=256, vocab_size=512)
+    x, y = random_batch(cfg, 4, 256)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT(cfg))
+    ref, m = models
+    opts = [torch.optim.SGD(mod.parameters(), lr=1e-2) for mod in (ref, m)]
+    off = tt.offload(budget="52MiB", spill_dir=str(tmp_path), options=FAST)
+    kept = []
+    try:
+        for step in range(7):  # warm-up, probe, timing passes, then the plan
+            ref(x, y).backward()
+            with off:
+                loss = m(x, y)
+            loss.backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            if step == 1:  # the user's own 30 MiB, touched (resident), kept to the end
+                kept.append(torch.ones(30 << 18))
+        assert off.choice is not None and off._overhead < 30 << 20
+        assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), m.parameters()))
+    finally:
+        off.close()

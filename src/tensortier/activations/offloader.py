@@ -322,6 +322,18 @@ class Offloader:
             self._engine.disk = self._disk
             self._resources.append(self._disk)
 
+    def buffer_bytes(self) -> int:
+        """Memory this offloader keeps for itself: its host pool's blocks (lent, cached for reuse
+        or still being copied; between passes only cached read-back and staging blocks) and its
+        disk store's per-thread staging buffers. What a memory budget charges to the machinery,
+        asked of the objects that hold it (never inferred from the process's RSS, which also
+        grows with the user's optimizer states and data)."""
+        total = self._host.stats.reserved
+        disk = self._disk
+        if disk is not None:
+            total += disk.stats.staging_bytes
+        return total
+
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Offloader:
         if self._hooks is not None:

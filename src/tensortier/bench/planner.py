@@ -200,7 +200,7 @@ def _worker(args) -> dict:
         auto = {"name": "auto", "peaks": [], "times": []}
         planned = PlannedOffload(config)
         auto["ctx"] = planned
-        error = None
+        error = minimum = None
         profiling = []
         try:
             while planned.choice is None or not planned.measured_peaks:
@@ -209,10 +209,12 @@ def _worker(args) -> dict:
                 if len(profiling) > config.warmup + 2 + args.timing_iters:
                     break
         except BudgetError as e:
-            error = str(e)
+            error, minimum = str(e), e.minimum
         row = {"frac": frac, "budget_bytes": budget, "profiling_peaks": profiling}
         if error is not None or planned.choice is None:
             row["error"] = error or "no plan"
+            row["infeasible"] = error is not None
+            row["minimum_bytes"] = minimum
             planned.close()
             out["budgets"].append(row)
             continue
@@ -255,12 +257,20 @@ def _worker(args) -> dict:
             if recompute or sets:
                 var["wrap"] = lambda r=recompute, s=sets: Recompute(model, r, s)
             variants[name] = var
-        for r in range(1 + args.steps):
+        try:
+            for r in range(1 + args.steps):
+                for var in variants.values():
+                    dt, peak, digest = run.step(var)
+                    var["digest"] = digest
+                    if r:
+                        var["times"].append(dt)
+        except BudgetError as e:  # never from a re-plan (it warns); a bench must not crash
+            row["error"] = f"rounds: {e}"
             for var in variants.values():
-                dt, peak, digest = run.step(var)
-                var["digest"] = digest
-                if r:
-                    var["times"].append(dt)
+                if var.get("ctx") is not None:
+                    var["ctx"].close()
+            out["budgets"].append(row)
+            continue
         rows = []
         for name, var in variants.items():
             choice = var["choice"]
@@ -298,6 +308,7 @@ def _worker(args) -> dict:
         row["transient_factor"] = profile.transient_factor
         row["move_s_per_byte"] = profile.move_s_per_byte
         row["auto_measured_peaks"] = planned.measured_peaks
+        row["auto_replans"] = planned.replans
         out["budgets"].append(row)
     return out
 

@@ -456,9 +456,9 @@ def plan_all(profile: Profile, budget: SizeLike, opts: Options | None = None) ->
     return out
 
 
-def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
-    """The lowest peak any plan reaches: the tried ones and every unit offloaded or recomputed."""
-    floor = [c.result.peak_bytes for c in choices]
+def smallest(profile: Profile, opts: Options, choices: list[Choice] = ()) -> Choice:
+    """The plan with the lowest predicted peak: among ``choices`` and the plan that gives every
+    unit the action with the lowest peak it reaches alone (the most conservative plan)."""
     most = {}
     for u in profile.units:
         best = None
@@ -469,8 +469,15 @@ def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
             if best is None or single < best[0]:
                 best = (single, a)
         most[u.name] = best[1] if best else UnitAction()
-    floor.append(evaluate(profile, _plan("min", most), opts).result.peak_bytes)
-    return min(floor)
+    t0 = time.monotonic()
+    floor = evaluate(profile, _plan("smallest", most), opts)
+    floor.plan_s = time.monotonic() - t0
+    return min([*choices, floor], key=lambda c: (c.result.peak_bytes, c.result.step_s))
+
+
+def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
+    """The lowest peak any plan reaches: the tried ones and every unit offloaded or recomputed."""
+    return smallest(profile, opts, choices).result.peak_bytes
 
 
 def choose(

@@ -364,6 +364,15 @@ class Profiler:
         cur = self._cur
         if cur is None or not cur.t_fwd_end:
             return
+        if not cur.last_grad:  # the first gradient: read the meter when this backward ends,
+            # not at the next pass (the user's code in between, an optimizer's first step or
+            # another model's iteration, is not this pass's peak)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda c=cur: _read_pass_meter(c)
+                )
+            except RuntimeError:  # not inside a backward: the pass's close reads it
+                pass
         if cur.end_event is not None:  # CUDA, no unit timing: mark the stream, do not drain it
             cur.end_event.record(torch.cuda.current_stream(self.device))
             cur.last_grad = time.perf_counter()
@@ -411,7 +420,7 @@ class Profiler:
         cur, self._cur = self._cur, None
         if cur is None:
             return
-        cur.meter.__exit__(None, None, None)  # CUDA: synchronizes (this pass's kernels) first
+        _read_pass_meter(cur)  # no backward ended it (or the callback could not be queued)
         cur.t_end = cur.last_grad or time.perf_counter()
         if cur.end_event is not None and cur.last_grad:  # device time, first kernel to last grad
             cur.t_end = cur.t_fwd + cur.start_event.elapsed_time(cur.end_event) / 1e3
@@ -700,8 +709,15 @@ class _Pass:
     t_end: float = 0.0
     records: list[dict] = field(default_factory=list)  # the offloader's, when it ran
     meter: PeakMeter | None = None
+    metered: bool = False  # the meter was read (at the backward's end, or when the pass closed)
     start_event: torch.cuda.Event | None = None  # CUDA passes that do not time units
     end_event: torch.cuda.Event | None = None
+
+
+def _read_pass_meter(p: _Pass) -> None:
+    if p.meter is not None and not p.metered:
+        p.metered = True
+        p.meter.__exit__(None, None, None)  # CUDA: synchronizes (this pass's kernels) first
 
 
 def _times(p: _Pass, unit_names: list[str], tensors: list[TensorProfile]) -> dict:

@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from tensortier import _dist
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.planner.ops import SelectivePolicy, preload
-from tensortier.planner.policies import Choice, Options, choose, plan_all
+from tensortier.planner.policies import Choice, Options, choose, plan_all, smallest
 from tensortier.planner.profile import FORMAT, Bandwidth, OpProfile, Profile
 from tensortier.planner.profiler import (
     PeakMeter,
@@ -456,6 +457,8 @@ class PlannedOffload:
         preload()  # PyTorch's one-time imports for dispatch modes: not in a budgeted iteration
         self._rss0: int | None = None
         self._overhead = 0
+        self._uncounted = 0  # RSS growth in tensortier's windows that no counter explains
+        self._window: tuple[int, int] | None = None  # (RSS less gradients, counted) at its start
         self.iteration = 0
         self.profile: Profile | None = None
         self.choice: Choice | None = None
@@ -481,6 +484,7 @@ class PlannedOffload:
         self._check_hooks: list = []
         self._over = False  # a checked iteration went over the budget: plan again
         self.replans = 0
+        self._margin: float | None = None  # widened by re-plans (see margin)
         self._checked = 0  # measured_peaks already compared across the ranks
         self._agreed = False  # the ranks checked that they run the same settings
 
@@ -516,6 +520,14 @@ class PlannedOffload:
             )
         if not self._agreed:
             self._agree_settings()
+        if self._rss0 is None and self.offloader is None and not torch.cuda.is_available():
+            from tensortier._device import rss_bytes
+            from tensortier._memory import release_freed_memory
+
+            release_freed_memory()  # else RSS never drops below the plain peak
+            self._rss0 = rss_bytes()
+        if self._measuring():
+            self._open_window()
         self._check_peak()
         if self.profile is None and self._profiled > cfg.timing_iters:
             self._finish_profile()
@@ -542,12 +554,6 @@ class PlannedOffload:
             self.offloader.__enter__()
             return
         if self._warm is None:
-            if self._rss0 is None and not torch.cuda.is_available():
-                from tensortier._device import rss_bytes
-                from tensortier._memory import release_freed_memory
-
-                release_freed_memory()  # else RSS never drops below the plain peak
-                self._rss0 = rss_bytes()
             tier = self._tier()
             self._warm = Offloader(
                 # "auto": a host tier that is full spills to disk instead of failing
@@ -585,7 +591,9 @@ class PlannedOffload:
             self._root_hook = None
         if active is not None:
             active.__exit__(exc_type, exc, tb)
-        if self._meter is not None and exc_type is None:
+        if exc_type is not None:
+            self._window = None  # an aborted iteration measures nothing
+        elif self._meter is not None or self._window is not None:
             self._arm_check()
         if exc_type is None:
             self.iteration += 1
@@ -617,18 +625,48 @@ class PlannedOffload:
         )
 
     def _measure_overhead(self) -> None:
-        """What stays resident between iterations beyond the RSS before the first offloaded one
-        (CPU only): the offloader's staging and pooled buffers, and whatever the profiling passes
-        left (they fill the pool and heap further: ~5 MiB after the warm-up on gpt:3x192x16).
-        Measured again before each timing pass and before planning, and only ever raised: it is
-        in the process's RSS, so in the budget, in every later iteration."""
+        """The machinery's resident memory (see :meth:`_resident`), measured again before each
+        timing pass and before planning and only ever raised: the profiling passes fill the pool
+        and load code further (~5 MiB after the warm-up on gpt:3x192x16), and it stays in the
+        process, so in the budget, in every later iteration."""
         self._overhead = max(self._overhead, self._resident())
 
     def _resident(self) -> int:
-        """RSS now beyond the RSS before the first offloaded iteration, less the gradients
-        (the training's, not ours); 0 where that was not measured (CUDA, a cached plan)."""
+        """What the offload machinery keeps resident between iterations, on a CPU-only machine
+        (0 on CUDA, where the budget is device memory): the bytes its offloaders hold, asked of
+        them (:meth:`Offloader.buffer_bytes`: host pool blocks, disk staging buffers), plus the
+        process's growth that no counter explains *inside* tensortier's windows after the
+        warm-up (from an offloaded forward's start, planning included, to the end of its
+        backward; gradients excluded): code pages and allocator arenas the machinery touched.
+        The warm-up's window is not counted (a fresh process's lazy initialisation is
+        torch's), nor is anything outside the windows: the optimizer's states allocated at its
+        first ``step()``, data, the user's own allocations are the user's memory."""
         if self._rss0 is None:
             return 0
+        return self._counted() + max(0, self._uncounted)
+
+    def _counted(self) -> int:
+        return sum(off.buffer_bytes() for off in self._offloaders() if not off.closed)
+
+    def _offloaders(self) -> list:
+        out: list = []
+        prof = self._profiler.offloader if self._profiler is not None else None
+        for off in (self.offloader, self._warm, prof):
+            if off is not None and all(off is not o for o in out):
+                out.append(off)
+        return out
+
+    def _measuring(self) -> bool:
+        """Whether this iteration's window counts toward the machinery's resident memory: the
+        warm-up, profiling and planning, and the checked planned iterations."""
+        if self._rss0 is None:
+            return False
+        if self.offloader is None or self.profile is None:
+            return True
+        return len(self.measured_peaks) < self.config.check_steps * (1 + self.replans)
+
+    def _process_bytes(self) -> int:
+        """RSS less the gradients of the model (the training's, allocated during backward)."""
         from tensortier._device import rss_bytes
 
         grads = sum(
@@ -636,7 +674,19 @@ class PlannedOffload:
             for p in (self._root.parameters() if self._root is not None else [])
             if p.grad is not None
         )
-        return max(0, rss_bytes() - self._rss0 - grads)
+        return rss_bytes() - grads
+
+    def _open_window(self) -> None:
+        """Start a window at this forward (kept open across forwards until a backward ends it:
+        gradient accumulation runs several forwards per backward). Warm-up windows are not
+        opened: what a fresh process touches first is torch's lazy initialisation."""
+        if self._window is None and self.iteration >= self.config.warmup:
+            self._window = (self._process_bytes(), self._counted())
+
+    def _close_window(self) -> None:
+        start, self._window = self._window, None
+        if start is not None:
+            self._uncounted += (self._process_bytes() - start[0]) - (self._counted() - start[1])
 
     def _pool_budget(self) -> int:
         """Host pool of the offloader. On a CPU-only machine with disk plans it only caches
@@ -665,9 +715,16 @@ class PlannedOffload:
         """The budget the simulator plans against: the user's, less the margin and the memory the
         offload machinery keeps between iterations (measured after the warm-up: staging and
         pooled read buffers; it is in the process's RSS, so in the budget, on a CPU)."""
-        opts = self.config.options or Options()
-        m = opts.margin if margin is None else margin
+        m = self.margin if margin is None else margin
         return max(1, int(self.config.budget * (1 - m)) - self._overhead)
+
+    @property
+    def margin(self) -> float:
+        """The share of the budget planned as slack: ``Options.margin``, widened by re-plans.
+        Kept apart from the options, which (with the user's margin) key the plan cache."""
+        if self._margin is not None:
+            return self._margin
+        return (self.config.options or Options()).margin
 
     def _tier(self) -> str:
         from tensortier._device import default_device
@@ -747,28 +804,29 @@ class PlannedOffload:
         )
 
     def _choose(self, profile: Profile) -> Choice:
+        from tensortier.errors import BudgetError
+
         cfg = self.config
         opts = cfg.options or Options()
-        if self._overhead:  # the machinery's resident buffers come off the top
-            from tensortier.errors import BudgetError
-
-            margin = opts.margin
-            inner = Options(**{**opts.__dict__, "margin": 0.0})
-            try:
-                choice = choose(profile, self._planning_budget(margin), cfg.policy, inner)
-            except BudgetError as e:  # say it in the user's terms
-                minimum = int((e.minimum + self._overhead) / (1 - margin)) + 1
-                raise BudgetError(
-                    f"no {cfg.policy} plan fits a budget of {format_size(cfg.budget)}: the "
-                    f"offloader keeps {format_size(self._overhead)} of buffers resident and the "
-                    f"smallest peak a plan reaches is {format_size(e.minimum)} "
-                    f"({margin:.0%} margin). Raise the budget to at least "
-                    f"{format_size(minimum)}.",
-                    budget=cfg.budget,
-                    minimum=minimum,
-                ) from e
-        else:
-            choice = choose(profile, cfg.budget, cfg.policy, opts)
+        margin = self.margin
+        inner = Options(**{**opts.__dict__, "margin": 0.0})
+        try:  # the margin and the machinery's resident buffers come off the top
+            choice = choose(profile, self._planning_budget(margin), cfg.policy, inner)
+        except BudgetError as e:  # say it in the user's terms
+            minimum = int((e.minimum + self._overhead) / (1 - margin)) + 1
+            buffers = (
+                f"the offloader keeps {format_size(self._overhead)} of buffers resident and "
+                if self._overhead
+                else ""
+            )
+            raise BudgetError(
+                f"no {cfg.policy} plan fits a budget of {format_size(cfg.budget)}: {buffers}"
+                f"the smallest peak a plan reaches is {format_size(e.minimum)} "
+                f"({margin:.0%} margin). Raise the budget to at least {format_size(minimum)}"
+                + (", or use policy='auto'." if cfg.policy != "auto" else "."),
+                budget=cfg.budget,
+                minimum=minimum,
+            ) from e
         r = choice.result
         log.info(
             "tensortier plan %s: predicted peak %s, step %.3fs (planned in %.2fs)",
@@ -778,6 +836,26 @@ class PlannedOffload:
             choice.plan_s,
         )
         return choice
+
+    def _choose_in_training(self, profile: Profile) -> tuple[Choice, str | None]:
+        """A plan once training runs (a re-plan, a new shape bucket): the budget's plan or, if
+        none fits, the plan with the lowest predicted peak and a line saying why. Never
+        ``BudgetError``: that is for the first plan, before any planned step; afterwards it
+        would break the user's loop mid-training."""
+        from tensortier.errors import BudgetError
+
+        try:
+            return self._choose(profile), None
+        except BudgetError as e:
+            opts = self.config.options or Options()
+            choice = smallest(profile, Options(**{**opts.__dict__, "margin": 0.0}))
+            note = (
+                f"{choice.plan.policy}: predicted peak {format_size(choice.result.peak_bytes)} "
+                f"plus {format_size(self._overhead)} of offloader buffers; raise the budget to "
+                f"at least {format_size(e.minimum)} to keep it"
+            )
+            log.warning("tensortier: %s", note)
+            return choice, note
 
     def _key(self, shapes) -> dict:
         from tensortier._device import default_device
@@ -814,12 +892,19 @@ class PlannedOffload:
             base = next(iter(self._buckets.values()))
             sizes = dimension_map(base.shapes, shapes)
 
-            def make() -> tuple[Profile, Choice]:
+            def make() -> tuple[Profile, Choice, str | None]:
                 with own_rng(self.offloader.device):
                     profile = scale_profile(base.profile, sizes)
-                    return profile, self._choose(profile)
+                    return profile, *self._choose_in_training(profile)
 
-            profile, choice = on_rank0(make)
+            profile, choice, fallback = on_rank0(make)
+            if fallback is not None:
+                warnings.warn(
+                    f"tensortier: no plan fits the {format_size(self.config.budget)} budget for "
+                    f"inputs of shapes {[s for s, _ in shapes]}; training goes on with the most "
+                    f"conservative plan ({fallback})",
+                    stacklevel=3,
+                )
             self._buckets[name] = _Bucket(key, shapes, profile, choice, sizes)
             if self.config.plan_cache and _dist.rank() == 0:
                 save_cached(self.config.plan_cache, key, profile, choice, shapes, self._overhead)
@@ -866,7 +951,7 @@ class PlannedOffload:
         """Read the meter when this iteration's backward ends: the first gradient accumulated
         queues an autograd callback (run once the whole backward is done). Without a backward
         the next ``__enter__`` reads it."""
-        if self._root is None:
+        if self._root is None or self._check_hooks:
             return
         handles: list = []
         fired = [False]
@@ -876,7 +961,7 @@ class PlannedOffload:
                 return
             fired[0] = True
             try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._read_meter)
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
             except RuntimeError:  # not inside a backward after all: the next forward reads it
                 pass
 
@@ -885,7 +970,14 @@ class PlannedOffload:
                 handles.append(p.register_post_accumulate_grad_hook(queue))
         self._check_hooks = handles
 
+    def _backward_end(self) -> None:
+        """Queued at the end of the backward: the window's net growth, then the meter."""
+        self._close_window()
+        self._read_meter()
+
     def _read_meter(self) -> None:
+        """The metered peak, at the end of the backward or (none ran) at the next forward;
+        the window stays open then: a forward without its backward still holds activations."""
         for h in self._check_hooks:
             h.remove()
         self._check_hooks = []
@@ -911,24 +1003,27 @@ class PlannedOffload:
         if not over or self.replans >= MAX_REPLANS or self.profile is None:
             return
         budget = self.config.budget
-        opts = self.config.options or Options()
-        margin = 1 - (1 - opts.margin) * budget / peak
-        margin = min(0.9, max(margin, opts.margin + 0.05))
-        log.warning(
-            "tensortier: planned iteration peaked at %s over the %s budget; planning again "
-            "with a %.0f%% margin",
-            format_size(peak),
-            format_size(budget),
-            100 * margin,
-        )
+        margin = 1 - (1 - self.margin) * budget / peak
+        margin = min(0.9, max(margin, self.margin + 0.05))
         self.replans += 1
-        self.config.options = Options(**{**opts.__dict__, "margin": margin})
+        self._margin = margin
 
-        def make() -> Choice:
+        def make() -> tuple[Choice, str | None]:
             with own_rng(self.offloader.device):
-                return self._choose(self.profile)
+                return self._choose_in_training(self.profile)
 
-        choice = on_rank0(make)
+        choice, fallback = on_rank0(make)
+        warnings.warn(
+            f"tensortier: a planned iteration peaked at {format_size(peak)}, over the "
+            f"{format_size(budget)} budget; "
+            + (
+                f"planned again with a {margin:.0%} margin ({choice.plan.policy})"
+                if fallback is None
+                else f"no plan fits it with a {margin:.0%} margin, so training goes on with the "
+                f"most conservative plan ({fallback})"
+            ),
+            stacklevel=3,
+        )
         b = self._buckets[self._current]
         b.choice = choice
         if self.config.plan_cache and _dist.rank() == 0:
