@@ -21,6 +21,22 @@ from the first step on:
 4. tightens: the first ``check_steps`` planned iterations are measured; one over the budget
    re-plans with a margin widened by the excess (at most ``MAX_REPLANS`` times).
 
+**What the budget counts** (the one place it is defined): the peak, over one training
+iteration (the forward inside ``with`` to the end of its backward), of the memory the iteration
+adds to what was live when it began (the saved activations it keeps or reads back, recomputed
+ones, temporaries, the gradients it allocates), plus the memory the offload machinery keeps for
+itself between iterations: its host pool's blocks and disk staging buffers (asked of the
+objects that hold them, :meth:`Offloader.buffer_bytes`) and, on a CPU-only machine, whatever
+the process gained inside tensortier's own forward/backward windows and planning after the
+warm-up that no counter explains (code pages, allocator arenas). Not counted: parameters,
+gradients and optimizer states that exist between iterations, data, and anything the user's
+code allocates outside the ``with`` block and the backward. On CUDA it is device memory (the
+allocator's reserved high-water mark); on a CPU-only machine, RSS.
+
+After the first plan the runtime never raises :class:`BudgetError`: a checked step over the
+budget re-plans with a wider margin, or, when no plan fits that, runs the plan with the lowest
+predicted peak, and warns (``warnings.warn``, naming the measured peak and the budget).
+
 ``plan_cache=DIR`` stores the profile and plan as JSON (never pickle), keyed by the model's
 structure, the inputs' shape bucket and dtypes, the budget and the settings: a restarted job
 with the same key runs the cached plan from its first step. Inputs whose shapes fall in another
@@ -34,7 +50,8 @@ largest inputs and resident overhead of any rank and broadcasts it (see :func:`o
 The plan cache is read and written by rank 0 only: every rank runs rank 0's plan, so one file
 per key is the whole truth, and a hit or miss is the same on every rank.
 
-It raises :class:`BudgetError` (with ``.minimum``) at step 3 when no plan fits the budget. On a
+It raises :class:`BudgetError` (with ``.minimum``) at step 3 (the first plan) when no plan fits
+the budget. On a
 CPU-only machine glibc's mmap threshold is fixed (``tensortier._memory``) so that activations
 freed by the plan leave the process's RSS, which is what a CPU budget measures.
 This module never moves bytes itself: the activation offloader does.
@@ -1069,6 +1086,11 @@ def planned_offload(
     min_bytes: SizeLike | None = None,
 ) -> PlannedOffload:
     """``tt.offload(budget=...)``: profile, plan and run under a memory budget.
+
+    The budget bounds one iteration's added memory (activations, temporaries, new gradients)
+    plus the offloader's own buffers; the user's optimizer states, data and allocations outside
+    the ``with`` block are not in it (see the module docstring). ``BudgetError`` only at the
+    first plan; later an over-budget step re-plans and warns.
 
     ``to="host"`` restricts the plan to the host tier; ``"disk"`` or ``"auto"`` let it use host
     and disk (on a CPU-only machine, host only pays with a codec). ``plan_cache`` is a directory
