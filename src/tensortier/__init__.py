@@ -1,12 +1,12 @@
 """tensortier: move PyTorch tensors across device, host RAM and NVMe so training breaks the memory wall."""
 
 from tensortier._units import format_size, parse_size
+from tensortier._verbs import offload
 from tensortier.activations import (
     Action,
     Offloader,
     OffloadStats,
     SavedTensorInfo,
-    offload,
     offload_module,
     offload_stats,
 )

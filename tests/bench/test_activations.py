@@ -24,5 +24,10 @@ def test_bench_activations_quick_writes_rows(tmp_path):
     for r in rows.values():
         assert r["peak_bytes"] > 0 and r["step_s"] > 0 and "device" in r
         assert r["grads_match"] is True  # lossless offload: bit-identical gradients
+        # honest per-step peaks: every step against the memory before the first one, so no
+        # step reads as free because an earlier step's retained heap hid it
+        (run,) = r["rounds"]
+        assert len(run["step_peaks_bytes"]) == 2 and min(run["step_peaks_bytes"]) > 0
+        assert r["peak_bytes"] == max(run["step_peaks_bytes"]) >= r["peak_steady_bytes"] > 0
     assert rows["tt-disk"]["offload"]["bytes_offloaded"]["disk"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["act.json"]  # spill files cleaned up

@@ -86,7 +86,9 @@ def test_hf_model_is_planned_per_layer_and_trains_bit_identically(kind, spill_di
     assert all(name in units for name in LAYERS[kind] + OTHERS[kind]), units
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
     plain = _train(_build(kind), ids, 6)
-    off = planned_offload("6MiB", spill_dir=spill_dir, options=FAST)
+    # the offloader keeps a few MiB of staging and read buffers resident (they count in the
+    # budget); these tiny models then fit with room, and every profiling pass still offloads
+    off = planned_offload("48MiB", spill_dir=spill_dir, options=FAST)
     try:
         # warm-up, probe, 2 timing passes, then 2 steps of the plan
         planned = _train(_build(kind), ids, 6, off)

@@ -2,7 +2,8 @@
 
 ``tt.offload(budget=)`` under DDP: rank 0 plans and every rank runs that plan (the other ranks
 never call the policy); spill files go to one private directory per rank; ranks passing another
-budget fail on every rank with ConfigError naming the rank, instead of hanging later.
+budget fail on every rank with ConfigError naming the rank, instead of hanging later; the plan
+cache is rank 0's alone, and ranks whose inputs differ in size run the plan of the largest.
 """
 
 import os
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensortier as tt
+from tensortier.errors import ConfigError
 from tensortier.planner import runtime
 from tensortier.planner.policies import Options
 from tests import distributed
@@ -61,23 +63,67 @@ def _train(rank: int, world: int, spill: str, budget: str) -> dict:
     return report
 
 
+def _train_then_disagree(rank: int, world: int, spill: str) -> dict:
+    report = _train(rank, world, spill, "64MiB")
+    try:  # then a job whose ranks pass different budgets (one spawn: start-up is most of the cost)
+        _train(rank, world, spill, "64MiB" if rank == 0 else "32MiB")
+        report["error"] = None
+    except ConfigError as exc:
+        report["error"] = repr(exc)
+    return report
+
+
 def test_budget_plan_made_on_rank_zero_runs_on_every_rank(tmp_path):
+    """...and ranks passing different budgets fail on every rank (at the first step), instead of
+    hanging later in a collective."""
     spill = str(tmp_path)
-    a, b = distributed.run(_train, 2, spill, "64MiB", timeout=180)
+    a, b = distributed.run(_train_then_disagree, 2, spill, timeout=180)
     assert a["plan"] == b["plan"] and a["recomputed"] == b["recomputed"]
     # one private spill directory per rank under the shared root, named by its rank
     assert len(a["own"]) == 1 and len(b["own"]) == 1 and a["own"] != b["own"]
     assert os.listdir(spill) == [] or all(not os.listdir(tmp_path / d) for d in os.listdir(spill))
+    for p in (a, b):
+        assert p["error"] and "budget" in p["error"] and "rank 1" in p["error"]
 
 
-def _mismatch(rank: int, world: int, spill: str) -> dict:
-    budget = "64MiB" if rank == 0 else "32MiB"
-    _train(rank, world, spill, budget)
-    return {}
+def _cached(rank: int, world: int, spill: str, cache: str) -> dict:
+    """Two jobs with one plan cache, then a step where rank 1's batch is larger."""
+    if rank != 0:  # rank 0 alone plans and reads and writes the cache
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a rank other than 0 planned or read the plan cache")
+
+        runtime.choose = refuse
+        runtime.load_cached = refuse
+    m = _mlp()
+    g = torch.Generator().manual_seed(rank)
+
+    def step(off, rows: int = 256) -> None:
+        with off:
+            loss = m(torch.randn(rows, 128, generator=g)).sum()
+        loss.backward()
+
+    off = tt.offload(budget="64MiB", spill_dir=spill, options=FAST, plan_cache=cache)
+    for _ in range(5):  # warm-up, profile, timing passes, then the plan
+        step(off)
+    first = repr(off.choice.plan)
+    off.close()
+    torch.distributed.barrier()  # rank 0 has written the cache
+    again = tt.offload(budget="64MiB", spill_dir=spill, options=FAST, plan_cache=cache)
+    step(again)  # a restarted job: the cached plan from its first step
+    report = {"first": first, "cached": again.cached, "again": repr(again.choice.plan)}
+    step(again, 256 if rank == 0 else 512)  # every rank runs the plan of the largest inputs
+    report["bucket"] = again._current
+    report["plan"] = repr(again.choice.plan)
+    again.close()
+    return report
 
 
-def test_ranks_with_different_budgets_fail_on_every_rank(tmp_path):
-    payloads = distributed.run(_mismatch, 2, str(tmp_path), timeout=120, expect_errors=True)
-    for p in payloads:
-        assert not p["ok"]
-        assert "ConfigError" in p["error"] and "budget" in p["error"] and "rank 1" in p["error"]
+def test_plan_cache_and_shape_buckets_are_rank_zeros(tmp_path):
+    spill, cache = tmp_path / "spill", tmp_path / "cache"
+    spill.mkdir()
+    a, b = distributed.run(_cached, 2, str(spill), str(cache), timeout=180)
+    assert len(os.listdir(cache)) == 2  # one file per bucket, written by rank 0 alone
+    assert a["cached"] and b["cached"] and a["again"] == b["again"] == a["first"] == b["first"]
+    assert a["bucket"] == b["bucket"] and '"inputs": [[[512, 128]' in a["bucket"]
+    assert a["plan"] == b["plan"]

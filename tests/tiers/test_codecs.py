@@ -182,6 +182,23 @@ def test_corrupt_sparse_payload_raises_a_typed_error():
         c.decode([packed, values[:-1]], meta)
 
 
+def test_zero_fraction_needs_no_copy_of_the_tensor():
+    """The planner's probe runs it on every saved tensor within the memory budget: it used to
+    make a bool mask and an int64 copy of it (2.25x the tensor's bytes)."""
+    from tensortier._memory import HighWater, status_bytes
+    from tensortier.tiers.codecs import zero_fraction
+
+    if not status_bytes("VmHWM"):
+        pytest.skip("needs /proc/self/status")
+    t = torch.zeros(8 << 20)  # 32 MiB
+    t[::4] = 1.0
+    w = HighWater()
+    w.start()
+    start = status_bytes("VmRSS")
+    assert zero_fraction(t) == 0.75
+    assert w.stop() - start < 8 << 20
+
+
 @pytest.mark.parametrize("name", LOSSLESS_CODECS)
 def test_one_codec_used_by_several_threads_at_once_stays_exact(name):
     """An engine's copy workers encode and decode with the same codec object concurrently; shared

@@ -43,6 +43,7 @@ from torch import nn
 
 from tensortier import _dist, _lifetime
 from tensortier._device import normalize_device
+from tensortier._memory import release_freed_memory
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
 from tensortier.tiers.codecs import accepts
@@ -68,7 +69,7 @@ class Codec(Protocol):
 class SavedTensorInfo:
     """What the planner's ``decide`` sees about one saved tensor at pack time."""
 
-    index: int  # order of packing within this forward
+    index: int  # order of packing within this forward (one per storage decided, kept or moved)
     nbytes: int  # bytes of the storage that would be moved
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -266,6 +267,7 @@ class Offloader:
         prefetch: SizeLike = "256MiB",
         max_inflight: SizeLike = "256MiB",
         disk_capacity: SizeLike | None = None,
+        disk_io_threads: int = 4,
         decide: Callable[[SavedTensorInfo], Action | str] | None = None,
         codec: Codec | None = None,
         record: bool = False,
@@ -280,7 +282,8 @@ class Offloader:
         self.decide, self.codec, self.record = decide, codec, record
         self.offload_weight_casts = offload_weight_casts
         self.spill_dir = spill_dir
-        self._disk_args = {"capacity": disk_capacity}
+        # each disk I/O thread keeps a 4 MiB aligned staging buffer: fewer threads, less memory
+        self._disk_args = {"capacity": disk_capacity, "io_threads": disk_io_threads}
         self._max_inflight = max_inflight
         self._host = HostPool(self.host_budget)
         self._disk: DiskStore | None = None
@@ -311,9 +314,25 @@ class Offloader:
 
     def _attach_disk(self) -> None:
         if self._disk is None:
+            if self.device.type == "cpu":
+                # RAM is the device memory: activations written to disk must leave the RSS, which
+                # glibc's adaptive heap never lets them do (see tensortier._memory)
+                release_freed_memory()
             self._disk = DiskStore(self.spill_dir, owner=_dist.owner("tt-act"), **self._disk_args)
             self._engine.disk = self._disk
             self._resources.append(self._disk)
+
+    def buffer_bytes(self) -> int:
+        """Memory this offloader keeps for itself: its host pool's blocks (lent, cached for reuse
+        or still being copied; between passes only cached read-back and staging blocks) and its
+        disk store's per-thread staging buffers. What a memory budget charges to the machinery,
+        asked of the objects that hold it (never inferred from the process's RSS, which also
+        grows with the user's optimizer states and data)."""
+        total = self._host.stats.reserved
+        disk = self._disk
+        if disk is not None:
+            total += disk.stats.staging_bytes
+        return total
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Offloader:
@@ -820,7 +839,8 @@ class _Pass:
         self.off = off
         self.order: list[weakref.ref] = []  # records in pack order
         self.sizes: list[int] = []
-        self.by_storage: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # ptr -> (storage, record)
+        # ptr -> (storage, record); record None: the storage was kept
+        self.by_storage: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
         self.param_ptrs: set[int] = set()
         self.modules: list[nn.Module] = []
         self.names: dict[int, str] = {}
@@ -830,7 +850,8 @@ class _Pass:
         self.cursor = 0
         self.window = 0  # bytes of the records with in_window set
         self.timings: dict[int, dict] = {}
-        self.index = 0
+        self.index = 0  # records made (moved storages)
+        self.decided = 0  # storages a decision was made for: SavedTensorInfo.index
         self.forward_ended = False
         self.backward_started = False
         self.task: int | None = None  # autograd graph task now unpacking this pass
@@ -876,7 +897,10 @@ class _Pass:
         known = self.by_storage.get(ptr)
         if known is not None:
             storage_ref, record_ref = known
-            record = record_ref()
+            if record_ref is None and storage_ref() is storage:  # kept before: kept again
+                stats.bytes_kept += nbytes
+                return t
+            record = record_ref() if record_ref is not None else None
             if storage_ref() is storage and record is not None:  # same live storage: move it once
                 stats.bytes_deduplicated += nbytes
                 record.handles += 1
@@ -890,6 +914,8 @@ class _Pass:
         action = self._action(t, nbytes)
         if action.tier == "keep":
             stats.bytes_kept += nbytes
+            # decided once per storage, as moved ones are: saving it again asks nothing
+            self.by_storage[ptr] = (weakref.ref(storage), None)
             return t
         tier = action.tier
         if tier == "host" and size_class(nbytes) > off.host_budget:
@@ -968,8 +994,9 @@ class _Pass:
             return Action(tier, off.codec)
         node = t.grad_fn.name() if t.grad_fn is not None else ""
         info = SavedTensorInfo(
-            self.index, nbytes, t.dtype, tuple(t.shape), self._module_name(), node
+            self.decided, nbytes, t.dtype, tuple(t.shape), self._module_name(), node
         )
+        self.decided += 1
         action = off.decide(info)
         return Action(action) if isinstance(action, str) else action
 
@@ -1091,10 +1118,13 @@ def offload(to: str = "disk", **kwargs) -> Offloader:
     the settings closes the previous one (at once if nothing it saved is still alive, else once
     its graphs are gone).
     """
-    if kwargs.get("budget") is not None:  # a budget: the planner chooses (tensortier.planner)
-        from tensortier.planner.runtime import planned_offload
-
-        return planned_offload(to=to, **kwargs)
+    budget = kwargs.pop("budget", None)
+    if budget is not None:  # the planner's verb, one layer up: this mechanism never imports it
+        raise ConfigError(
+            f"budget={budget!r}: a memory budget is planned by tensortier.offload "
+            "(tt.offload(budget=..., spill_dir=...)); tensortier.activations.offload takes the "
+            "offloader's own settings (to=, min_bytes=, prefetch=, ...)"
+        )
     key = (to, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     cached = _CACHE.get(key)
     if cached is None or cached._hooks is not None or cached.closed:

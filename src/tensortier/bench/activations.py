@@ -1,12 +1,21 @@
 """`tensortier bench activations`: a GPT trained with each activation-memory strategy side by side.
 
-Variants, each in a fresh subprocess so peaks do not leak between them:
-``plain``, ``checkpoint`` (torch.utils.checkpoint per block), ``save_on_cpu`` (PyTorch's),
-``tt-host`` and ``tt-disk``. Per variant: peak memory (CUDA: max_memory_allocated; CPU: the
-kernel's peak RSS of the subprocess over all steps, reset just before the first forward, minus the
-RSS at that moment; ``peak_steady_bytes`` is the same measure over the steps after warm-up, which
-glibc's retained heap can make look smaller), median step seconds over the measured steps (after one warm-up step), and whether the first step's gradients are
-bit-identical to ``plain``'s (compared by SHA-256 of the gradient bytes).
+Variants: ``plain``, ``checkpoint`` (torch.utils.checkpoint per block), ``save_on_cpu``
+(PyTorch's), ``tt-host`` and ``tt-disk``. Each runs in a fresh subprocess (peaks cannot leak
+between them), and the variants run in ``--rounds`` rounds, every variant once per round, so the
+slow minutes of a shared host hit all of them alike; time ratios are taken within a round.
+
+Peaks are honest per step: the high-water mark is reset at the start of every step (CPU:
+``/proc/self/clear_refs``, CUDA: ``reset_peak_memory_stats``) and read at its end, always against
+the memory in use *before the first step* (model, optimizer, data), so a step's peak includes
+whatever earlier steps left behind (glibc's retained heap, an offloader's buffers).
+``peak_bytes`` is the highest step (the first included), ``peak_first_bytes`` the first step,
+``peak_steady_bytes`` the highest after it. Allocator settings are each variant's own: glibc
+defaults, except that a tensortier offloader with a disk tier on a CPU-only machine fixes
+glibc's mmap threshold itself (``tensortier._memory``); ``--malloc-release`` starts every
+variant with that setting instead (``MALLOC_MMAP_THRESHOLD_``), to compare like with like.
+Step time: the median over measured steps (after one warm-up step); gradients of the first step
+are compared bit for bit with ``plain``'s (SHA-256 of the gradient bytes).
 """
 
 from __future__ import annotations
@@ -41,6 +50,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spill-dir", default=tempfile.gettempdir())
     p.add_argument("--prefetch", default="128MiB", help="tensortier prefetch window")
     p.add_argument("--max-inflight", default="128MiB", help="tensortier bytes in flight to a tier")
+    p.add_argument("--rounds", type=int, default=2, help="every variant once per round")
+    p.add_argument(
+        "--malloc-release",
+        action="store_true",
+        help="start every variant with glibc's mmap threshold fixed (like tt-disk sets it)",
+    )
     p.add_argument("--quick", action="store_true", help="a small model, one measured step")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -114,22 +129,18 @@ def _worker(args: argparse.Namespace) -> dict:
         return offloader if offloader is not None else _null()
 
     rss = _PeakRSS()
-    times, grad_hash = [], None
-    # peak over every step, from the moment before the first forward: later steps alone could hide
-    # memory that the allocator kept from the first one
+    times, grad_hash, peaks = [], None, []
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = rss.reset()
-    first_peak = steady_base = 0
+        base = rss.reset()  # memory before the first step: every step's peak is against it
     for step in range(steps + 1):
-        if step == 1 and not cuda:  # also report the steady state, after the warm-up step
-            first_peak = rss.peak()
-            steady_base = rss.reset()
         if cuda:
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            rss.reset()  # the high-water mark of this step alone
         t0 = time.perf_counter()
         with context():
             loss = model(x, y)
@@ -145,16 +156,16 @@ def _worker(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         if step >= 1:
             times.append(time.perf_counter() - t0)
-    if cuda:
-        peak = steady = torch.cuda.max_memory_allocated() - base
-    else:
-        steady_peak = rss.peak()
-        peak = max(first_peak, steady_peak) - base
-        steady = steady_peak - steady_base
+        high = torch.cuda.max_memory_allocated() if cuda else rss.peak()
+        peaks.append(max(0, high - base))
+    peak, first, steady = max(peaks), peaks[0], max(peaks[1:], default=peaks[0])
     out = {
         "variant": variant,
         "peak_bytes": int(peak),
+        "peak_first_bytes": int(first),
         "peak_steady_bytes": int(steady),
+        "step_peaks_bytes": [int(p) for p in peaks],
+        "step_times_s": times,
         "step_s": statistics.median(times),
         "grad_sha256": grad_hash,
         "loss": float(loss),
@@ -186,57 +197,51 @@ def run(args: argparse.Namespace) -> list[dict]:
     variants.insert(0, "plain")
     cfg = _config(args)
     print(f"GPT {cfg} on {environment()['device']}")
-    results = []
-    for variant in tqdm(variants, desc="variants", unit="variant"):
-        cmd = [
-            sys.executable,
-            "-m",
-            "tensortier.bench.activations",
-            "--worker",
-            variant,
-            "--layers",
-            str(args.layers),
-            "--d-model",
-            str(args.d_model),
-            "--heads",
-            str(args.heads),
-            "--seq",
-            str(args.seq),
-            "--batch",
-            str(args.batch),
-            "--vocab",
-            str(args.vocab),
-            "--steps",
-            str(args.steps),
-            "--spill-dir",
-            args.spill_dir,
-            "--prefetch",
-            args.prefetch,
-            "--max-inflight",
-            args.max_inflight,
-        ]
-        if args.quick:
-            cmd.append("--quick")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-        if proc.returncode != 0:
-            raise RuntimeError(f"variant {variant} failed:\n{proc.stderr[-4000:]}")
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    ref = results[0]
+    env = {**os.environ}
+    if args.quick:
+        args.rounds = 1
+    if args.malloc_release:
+        env.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    rounds: list[dict[str, dict]] = []
+    bar = tqdm(total=args.rounds * len(variants), desc="variants", unit="run")
+    for _ in range(args.rounds):
+        got: dict[str, dict] = {}
+        for variant in variants:
+            got[variant] = _spawn(args, variant, env)
+            bar.update()
+        rounds.append(got)
+    bar.close()
     device = environment()["device"]
+    ref_hash = rounds[0]["plain"]["grad_sha256"]
     rows = []
-    for r in results:
+    for variant in variants:
+        runs = [r[variant] for r in rounds]
+        plain = [r["plain"] for r in rounds]
+
+        def ratio(key: str, runs=runs, plain=plain) -> float:  # the worst round: a promise
+            return max(a[key] / max(b[key], 1) for a, b in zip(runs, plain))
+
         rows.append(
             {
-                "variant": r["variant"],
-                "peak_bytes": r["peak_bytes"],
-                "peak_steady_bytes": r["peak_steady_bytes"],
-                "steady_vs_plain": r["peak_steady_bytes"] / max(ref["peak_steady_bytes"], 1),
-                "step_s": r["step_s"],
-                "grads_match": r["grad_sha256"] == ref["grad_sha256"],
+                "variant": variant,
+                "peak_bytes": max(r["peak_bytes"] for r in runs),
+                "peak_first_bytes": max(r["peak_first_bytes"] for r in runs),
+                "peak_steady_bytes": max(r["peak_steady_bytes"] for r in runs),
+                "peak_vs_plain": ratio("peak_bytes"),
+                "first_vs_plain": ratio("peak_first_bytes"),
+                "steady_vs_plain": ratio("peak_steady_bytes"),
+                "step_s": statistics.median(t for r in runs for t in r["step_times_s"]),
+                # within a round (the same minutes of the host), then the median over rounds
+                "time_vs_plain": statistics.median(
+                    a["step_s"] / b["step_s"] for a, b in zip(runs, plain)
+                ),
+                "grads_match": all(r["grad_sha256"] == ref_hash for r in runs),
                 "device": device,
-                "peak_vs_plain": r["peak_bytes"] / ref["peak_bytes"],
-                "time_vs_plain": r["step_s"] / ref["step_s"],
-                **({"offload": r["offload"]} if "offload" in r else {}),
+                "rounds": [
+                    {k: r[k] for k in ("peak_bytes", "step_peaks_bytes", "step_times_s")}
+                    for r in runs
+                ],
+                **({"offload": runs[-1]["offload"]} if "offload" in runs[-1] else {}),
             }
         )
     print_table(
@@ -245,14 +250,35 @@ def run(args: argparse.Namespace) -> list[dict]:
             "variant",
             "peak_bytes",
             "peak_vs_plain",
+            "first_vs_plain",
             "steady_vs_plain",
             "step_s",
             "time_vs_plain",
             "grads_match",
         ],
     )
-    write_json(args.json, "activations", rows, config=cfg)
+    write_json(
+        args.json,
+        "activations",
+        rows,
+        config=cfg,
+        rounds=args.rounds,
+        malloc="release (MALLOC_MMAP_THRESHOLD_=131072)" if args.malloc_release else "default",
+    )
     return rows
+
+
+def _spawn(args: argparse.Namespace, variant: str, env: dict) -> dict:
+    cmd = [sys.executable, "-m", "tensortier.bench.activations", "--worker", variant]
+    for flag in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps", "spill_dir"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    cmd += ["--prefetch", args.prefetch, "--max-inflight", args.max_inflight]
+    if args.quick:
+        cmd.append("--quick")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"variant {variant} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:

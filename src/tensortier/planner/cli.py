@@ -15,7 +15,7 @@ from tensortier.errors import BudgetError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt", choices=["gpt"], help="model to profile")
+    p.add_argument("--model", default="gpt", choices=["gpt", "llama"], help="model to profile")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--embd", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
@@ -26,7 +26,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="auto",
-        help="keep, swap_all, recompute_all, flashneuron, capuchin, search or auto",
+        help="keep, swap_all, recompute_all, flashneuron, capuchin, fine, search or auto",
     )
     p.add_argument("--spill-dir", default=tempfile.gettempdir(), help="directory for the disk tier")
     p.add_argument("--profile", default=None, help="plan from this profile JSON instead of a model")
@@ -36,24 +36,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the search policy")
 
 
-def profile_gpt(args) -> object:
-    """Warm-up iteration, the probe pass and two timing passes of a GPT with random tokens."""
+def profile_gpt(args, budget: int | None = None) -> object:
+    """Warm-up iteration, the probe pass and two timing passes of a GPT (or Llama) with random
+    tokens; the timing passes keep the groups of units predicted under ``budget``."""
     import torch
 
+    from tensortier._memory import release_freed_memory
     from tensortier.activations import Offloader
-    from tensortier.models.gpt import GPT, GPTConfig, random_batch
-    from tensortier.planner.profiler import Profiler, calibrate, release_freed_memory
+    from tensortier.models import GPT, GPTConfig, Llama, LlamaConfig, random_batch
+    from tensortier.planner.profiler import Profiler, calibrate, timing_groups
 
     release_freed_memory()
     torch.manual_seed(0)
-    cfg = GPTConfig(
+    common = dict(
         n_layer=args.layers,
         n_head=args.heads,
         n_embd=args.embd,
         block_size=args.seq,
         vocab_size=args.vocab,
     )
-    model = GPT(cfg)
+    cfg = LlamaConfig(**common) if args.model == "llama" else GPTConfig(**common)
+    model = Llama(cfg) if args.model == "llama" else GPT(cfg)
     x, y = random_batch(cfg, args.batch, args.seq)
     warm = Offloader("disk", spill_dir=args.spill_dir, decide=lambda info: "disk")
     with warm:
@@ -66,14 +69,17 @@ def profile_gpt(args) -> object:
         loss = model(x, y)
     loss.backward()
     del loss
-    for _ in range(2):  # clean timing passes: keep, then everything on disk (they calibrate)
+    groups = [[], []]
+    if budget is not None:
+        groups = timing_groups(calibrate(prof.provisional()), int(0.9 * budget), 2)
+    for group in groups:  # timing passes under the budget (they calibrate the simulator)
         model.zero_grad(set_to_none=True)
-        with prof.timing():
+        with prof.timing(keep=group):
             loss = model(x, y)
         loss.backward()
         del loss
     profile = calibrate(
-        prof.finish(meta={"model": "gpt", "config": cfg.__dict__, "batch": args.batch})
+        prof.finish(meta={"model": args.model, "config": cfg.__dict__, "batch": args.batch})
     )
     warm.close()
     return profile
@@ -86,7 +92,7 @@ def run(args) -> int:
     from tensortier.planner.report import action_rows, write_report
 
     budget = parse_size(args.budget, name="--budget", allow_zero=False)
-    profile = Profile.load(args.profile) if args.profile else profile_gpt(args)
+    profile = Profile.load(args.profile) if args.profile else profile_gpt(args, budget)
     if args.save_profile:
         profile.save(args.save_profile)
     opts = Options(seed=args.seed, allow_lossy=args.lossy)
@@ -102,11 +108,14 @@ def run(args) -> int:
     except BudgetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_table(action_rows(profile, choice.plan), ["unit", "action", "saved", "tensors", "codecs"])
+    print_table(
+        action_rows(profile, choice.plan), ["unit", "action", "saved", "moved", "tensors", "codecs"]
+    )
     r = choice.result
     print(
         f"plan {choice.plan.policy}: predicted peak {format_size(r.peak_bytes)} "
         f"(budget {format_size(budget)}), step {r.step_s:.3f}s, exposed transfer {r.exposed_s:.3f}s"
+        f"; planned in {choice.plan_s:.2f}s"
     )
     if args.report:
         html_path, png_path = write_report(

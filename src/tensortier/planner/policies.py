@@ -8,9 +8,21 @@
   slowdown until the budget is met.
 * ``capuchin``: from ``keep``, repeatedly take the action with the most bytes freed per second of
   added step time: a swap (free when its transfer hides) or a recompute.
-* ``search``: simulated annealing over per-unit actions (SwapAdvisor-style), seeded with the
-  heuristics' plans, bounded by an iteration count (deterministic for a seed) and a time limit.
+* ``fine``: below block granularity. Per unit it may also swap only part of the saved tensors
+  (the largest first) or recompute selectively (PyTorch's selective activation checkpointing:
+  cache the outputs of the operators that are dear to rerun per byte, rerun the cheap ones such
+  as norms, activation functions and elementwise ops). Greedy like ``capuchin`` over that larger
+  menu until the budget is met, then hill climbing: any change that makes the plan faster and
+  keeps it under the budget.
+* ``search``: simulated annealing over per-unit actions (SwapAdvisor-style) and the finer menu,
+  seeded with the other plans, bounded by an iteration count (deterministic for a seed) and
+  a time limit.
 * ``auto``: every policy above; the fastest plan that meets the budget.
+
+Planning time is bounded: ``Options.plan_seconds`` caps the whole of ``auto`` (each policy stops
+improving when it runs out and returns the best plan it has), and the search also stops after
+``search_iters`` steps, so a plan is deterministic for a seed whenever the time limit does not
+bind. ``Choice.plan_s`` says how long a choice took.
 
 When no plan meets the budget, :class:`BudgetError` says the smallest budget any plan meets.
 """
@@ -28,7 +40,16 @@ from tensortier.errors import BudgetError, ConfigError
 from tensortier.planner.profile import Profile
 from tensortier.planner.simulator import Mode, Plan, SimResult, UnitAction, resolve_codecs, simulate
 
-POLICIES = ("keep", "swap_all", "recompute_all", "flashneuron", "capuchin", "search", "auto")
+POLICIES = (
+    "keep",
+    "swap_all",
+    "recompute_all",
+    "flashneuron",
+    "capuchin",
+    "fine",
+    "search",
+    "auto",
+)
 
 
 @dataclass
@@ -41,15 +62,32 @@ class Options:
     search_iters: int = 600
     search_seconds: float = 20.0
     margin: float = 0.1  # plan for (1 - margin) x budget: bandwidth measured at start-up drifts
+    fine: bool = True  # finer decisions: partial swaps and selective recompute
+    plan_seconds: float = 30.0  # wall-clock bound on planning (every policy of auto together)
 
 
 @dataclass
 class Choice:
     plan: Plan
     result: SimResult
+    plan_s: float = 0.0  # seconds spent choosing it
 
     def meets(self, budget: int) -> bool:
         return self.result.peak_bytes <= budget
+
+
+class _Clock:
+    """A deadline shared by the policies of one ``choose``/``plan_all`` call."""
+
+    def __init__(self, seconds: float):
+        self.start = time.monotonic()
+        self.deadline = self.start + seconds
+
+    def out(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
 
 
 def _tiers(profile: Profile, opts: Options) -> tuple[str, ...]:
@@ -64,12 +102,16 @@ def evaluate(profile: Profile, plan: Plan, opts: Options) -> Choice:
 
 
 def _canonical(profile: Profile, plan: Plan) -> None:
-    """Drop choices with no effect: "+codec" where no codec pays; unified host without a codec."""
+    """Drop choices with no effect: "+codec" where no codec pays; unified host without a codec;
+    selective recompute of a unit that has no recorded operators."""
     with_codec = {t.unit for t in profile.tensors if plan.codecs.get(t.index)}
+    selective = {u.name for u in profile.units if u.selective and u.recomputable}
     for unit, a in list(plan.actions.items()):
         if a.compress and unit not in with_codec:
-            a = UnitAction(a.mode)
+            a = UnitAction(a.mode, part=a.part)
         if a.mode == Mode.HOST and not a.compress and profile.unified:
+            a = UnitAction(Mode.KEEP)
+        if a.mode == Mode.SELECTIVE and unit not in selective:
             a = UnitAction(Mode.KEEP)
         plan.actions[unit] = a
 
@@ -96,6 +138,90 @@ def _candidates(profile: Profile, opts: Options, unit) -> list[UnitAction]:
         out.append(UnitAction(mode, compress=True))
     if unit.recomputable:
         out.append(UnitAction(Mode.RECOMPUTE))
+    if opts.fine:
+        out += _finer(profile, opts, unit)
+    return out
+
+
+_MATMULS = (
+    "mm.",
+    "addmm.",
+    "bmm.",
+    "baddbmm.",
+    "matmul.",
+    "linear.",
+    "convolution.",
+    "_scaled_dot",
+)
+
+
+def selective_menu(profile: Profile, unit, levels: int = 4) -> list[frozenset[int]]:
+    """Operator sets to recompute in ``unit``, each a Pareto choice of cache bytes vs rerun time.
+
+    Operators that are dear to rerun per byte of output are cached first (matmuls usually), the
+    cheap ones recomputed (norms, activation functions, elementwise ops): the cached bytes grow
+    along that order while the rerun time falls. A prefix of that order is kept for each of
+    ``levels`` cache sizes between nothing and what keeping the unit's saved tensors costs (more
+    cached than that is never better than keeping); PyTorch's usual policy (cache the matmuls,
+    recompute the rest) is added beside them.
+    """
+    if not (unit.selective and unit.recomputable and unit.ops):
+        return []
+    keep_bytes = sum(t.nbytes for t in profile.tensors_of(unit.name))
+    ops = [o for o in unit.ops if not o.view and not o.pinned]  # what may be cached
+    order = sorted(ops, key=lambda o: (-(o.seconds / max(o.out_bytes, 1)), o.index))
+    every = frozenset(o.index for o in unit.ops)
+    menu: list[frozenset[int]] = []
+    cached: list[int] = []
+    size = 0
+    targets = [keep_bytes * (k + 1) / (levels + 1) for k in range(levels)]
+    for o in order:
+        if size + o.out_bytes > keep_bytes:
+            break
+        cached.append(o.index)
+        size += o.out_bytes
+        while targets and size >= targets[0]:
+            targets.pop(0)
+            menu.append(every - frozenset(cached))
+    menu.append(every - frozenset(cached))  # the largest cache still below keeping
+    mm = frozenset(o.index for o in ops if any(k in o.name for k in _MATMULS))
+    if sum(o.out_bytes for o in ops if o.index in mm) < keep_bytes:
+        menu.append(every - mm)
+    out: list[frozenset[int]] = []
+    for m in menu:
+        if m not in out and m != every:
+            out.append(m)
+    return out
+
+
+def partial_menu(profile: Profile, unit, levels: tuple[float, ...] = (1 / 3, 2 / 3)) -> list:
+    """Tensor ordinals to swap in ``unit``: its largest tensors first, up to each share of its
+    saved bytes (the rest stay; the simulator says whether the saved transfer time pays)."""
+    ts = profile.tensors_of(unit.name)
+    if len(ts) < 2:
+        return []
+    total = sum(t.nbytes for t in ts)
+    order = sorted(range(len(ts)), key=lambda k: (-ts[k].nbytes, k))
+    menu, chosen, size = [], [], 0
+    for share in levels:
+        while size < share * total and len(chosen) < len(ts) - 1:
+            k = order[len(chosen)]
+            chosen.append(k)
+            size += ts[k].nbytes
+        part = frozenset(chosen)
+        if part and part not in menu:
+            menu.append(part)
+    return menu
+
+
+def _finer(profile: Profile, opts: Options, unit) -> list[UnitAction]:
+    out = [UnitAction(Mode.SELECTIVE, part=m) for m in selective_menu(profile, unit)]
+    tier = None
+    tiers = _tiers(profile, opts)
+    if tiers:
+        tier = "disk" if profile.unified and "disk" in tiers else tiers[0]
+    if tier and not (profile.unified and tier == "host"):
+        out += [UnitAction(Mode(tier), part=p) for p in partial_menu(profile, unit)]
     return out
 
 
@@ -203,6 +329,53 @@ def flashneuron(profile: Profile, budget: int, opts: Options) -> Choice:
     return _greedy(profile, budget, opts, "flashneuron", actions, options)
 
 
+def fine(profile: Profile, budget: int, opts: Options, clock: _Clock | None = None) -> Choice:
+    """Greedy over every unit's full menu (swap in part, selective and full recompute, ...)
+    until the budget is met, then hill climbing under it; see the module docstring."""
+    clock = clock or _Clock(opts.plan_seconds)
+    cands = {u.name: _candidates(profile, opts, u) for u in profile.units}
+    actions = {u.name: UnitAction() for u in profile.units}
+    best = evaluate(profile, _plan("fine", actions), opts)
+    while best.result.peak_bytes > budget and not clock.out():
+        pick, pick_score = None, -math.inf
+        for name, menu in cands.items():
+            for a in menu:
+                if a == actions[name]:
+                    continue
+                trial = evaluate(profile, _plan("fine", {**actions, name: a}), opts)
+                saved = best.result.peak_bytes - trial.result.peak_bytes
+                if saved <= 0:
+                    continue
+                score = saved / max(trial.result.step_s - best.result.step_s, 1e-6)
+                if score > pick_score:
+                    pick, pick_score = (name, a, trial), score
+        if pick is None:
+            break  # nothing left that lowers the peak
+        actions[pick[0]], best = pick[1], pick[2]
+    return _climb(profile, budget, opts, "fine", actions, best, cands, clock)
+
+
+def _climb(profile, budget, opts, name, actions, best, cands, clock) -> Choice:
+    """Take the single change that makes the plan fastest while it stays under the budget,
+    until no change helps (or the clock runs out)."""
+    if not best.meets(budget):
+        return best
+    actions = dict(actions)
+    while not clock.out():
+        pick, target = None, best.result.step_s * (1 - 1e-4)
+        for unit, menu in cands.items():
+            for a in menu:
+                if a == actions[unit]:
+                    continue
+                trial = evaluate(profile, _plan(name, {**actions, unit: a}), opts)
+                if trial.meets(budget) and trial.result.step_s < target:
+                    pick, target = (unit, a, trial), trial.result.step_s
+        if pick is None:
+            break
+        actions[pick[0]], best = pick[1], pick[2]
+    return best
+
+
 # ------------------------------------------------------------------ search
 def _fitness(result: SimResult, budget: int) -> float:
     over = max(0, result.peak_bytes - budget) / max(budget, 1)
@@ -210,7 +383,11 @@ def _fitness(result: SimResult, budget: int) -> float:
 
 
 def search(
-    profile: Profile, budget: int, opts: Options, seeds: list[Choice] | None = None
+    profile: Profile,
+    budget: int,
+    opts: Options,
+    seeds: list[Choice] | None = None,
+    clock: _Clock | None = None,
 ) -> Choice:
     """Simulated annealing over per-unit actions, seeded with the heuristics' plans."""
     rng = random.Random(opts.seed)
@@ -223,6 +400,8 @@ def search(
     best, best_f = current, cur_f
     temp0 = 0.05 * max(cur_f, 1e-9)
     deadline = time.monotonic() + opts.search_seconds
+    if clock is not None:
+        deadline = min(deadline, clock.deadline)
     for i in range(opts.search_iters):
         if time.monotonic() > deadline:
             break
@@ -237,7 +416,7 @@ def search(
             current, cur_f = trial, f
             if f < best_f:
                 best, best_f = trial, f
-    best.plan.policy = "search"
+    best = Choice(Plan("search", dict(best.plan.actions), dict(best.plan.codecs)), best.result)
     return best
 
 
@@ -247,26 +426,39 @@ HEURISTICS: dict[str, Callable[[Profile, int, Options], Choice]] = {
     "recompute_all": recompute_all,
     "flashneuron": flashneuron,
     "capuchin": capuchin,
+    "fine": fine,
 }
+GLOBAL = ("keep", "swap_all", "recompute_all", "flashneuron", "capuchin")  # the baselines
 
 
 def plan_all(profile: Profile, budget: SizeLike, opts: Options | None = None) -> dict[str, Choice]:
-    """Every policy's plan for ``budget`` (the search seeded with the others), keyed by name."""
+    """Every policy's plan for ``budget`` (the search seeded with the others), keyed by name.
+    The whole call is bounded by ``opts.plan_seconds``; each choice records its own time."""
     opts = opts or Options()
     b = parse_size(budget, name="budget", allow_zero=False)
-    out = {name: f(profile, b, opts) for name, f in HEURISTICS.items()}
+    clock = _Clock(opts.plan_seconds)
+    out: dict[str, Choice] = {}
+    for name, f in HEURISTICS.items():
+        if name == "fine" and not opts.fine:
+            continue
+        t0 = time.monotonic()
+        out[name] = fine(profile, b, opts, clock) if name == "fine" else f(profile, b, opts)
+        out[name].plan_s = time.monotonic() - t0
+    t0 = time.monotonic()
     out["search"] = search(
         profile,
         b,
         opts,
-        seeds=[out[k] for k in ("swap_all", "recompute_all", "capuchin", "flashneuron")],
+        seeds=[c for k, c in out.items() if k != "keep"],
+        clock=clock,
     )
+    out["search"].plan_s = time.monotonic() - t0
     return out
 
 
-def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
-    """The lowest peak any plan reaches: the tried ones and every unit offloaded or recomputed."""
-    floor = [c.result.peak_bytes for c in choices]
+def smallest(profile: Profile, opts: Options, choices: list[Choice] = ()) -> Choice:
+    """The plan with the lowest predicted peak: among ``choices`` and the plan that gives every
+    unit the action with the lowest peak it reaches alone (the most conservative plan)."""
     most = {}
     for u in profile.units:
         best = None
@@ -277,8 +469,15 @@ def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
             if best is None or single < best[0]:
                 best = (single, a)
         most[u.name] = best[1] if best else UnitAction()
-    floor.append(evaluate(profile, _plan("min", most), opts).result.peak_bytes)
-    return min(floor)
+    t0 = time.monotonic()
+    floor = evaluate(profile, _plan("smallest", most), opts)
+    floor.plan_s = time.monotonic() - t0
+    return min([*choices, floor], key=lambda c: (c.result.peak_bytes, c.result.step_s))
+
+
+def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
+    """The lowest peak any plan reaches: the tried ones and every unit offloaded or recomputed."""
+    return smallest(profile, opts, choices).result.peak_bytes
 
 
 def choose(
@@ -295,18 +494,20 @@ def choose(
     b = int(given * (1 - opts.margin))
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    t0 = time.monotonic()
     if policy == "auto":
         everything = plan_all(profile, b, opts)
         fitting = [c for c in everything.values() if c.meets(b)]
         if fitting:
             best = min(fitting, key=lambda c: (c.result.step_s, c.result.peak_bytes))
-            best.plan.policy = f"auto:{best.plan.policy}"
-            return best
+            plan = Plan(f"auto:{best.plan.policy}", dict(best.plan.actions), dict(best.plan.codecs))
+            return Choice(plan, best.result, time.monotonic() - t0)
         tried = list(everything.values())
     else:
         one = (
             search(profile, b, opts) if policy == "search" else HEURISTICS[policy](profile, b, opts)
         )
+        one.plan_s = time.monotonic() - t0
         if one.meets(b):
             return one
         tried = [one]

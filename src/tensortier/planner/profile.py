@@ -26,7 +26,7 @@ CHANNELS = ("d2h", "h2d", "h2disk", "disk2h")
 # A probe transfer (16 MiB) not done after this long is a stuck disk or device: raise
 # (concurrent.futures.TimeoutError) instead of hanging the first planned step.
 PROBE_TIMEOUT_S = 300.0
-FORMAT = 1
+FORMAT = 2  # 2: per-unit operators, timing passes under the budget
 
 
 @dataclass
@@ -44,6 +44,25 @@ class TensorProfile:
     ratios: dict[str, float] = field(default_factory=dict)  # codec -> payload/raw bytes
     pack_s: float = 0.0
     unpack_s: float = 0.0
+    op_index: int = -1  # the operator of its unit that produced its storage (-1: unknown)
+
+
+@dataclass
+class OpProfile:
+    """One operator of a unit's forward, in dispatch order: what selective recompute works on.
+
+    ``index`` counts the operators the way ``torch.utils.checkpoint``'s selective policy sees
+    them (``SAC_IGNORED_OPS`` skipped), so a plan can name an operator by it.
+    """
+
+    index: int
+    name: str  # "aten.addmm.default"
+    out_bytes: int  # new storage its outputs allocate (0 for views and in-place ops)
+    seconds: float  # scaled so that a unit's operators add up to its forward time
+    saved_bytes: int = 0  # of that storage, what autograd saves for backward
+    view: bool = False  # its output aliases an input (view, in-place): never cached alone
+    random: bool = False  # draws from the RNG (dropout)
+    pinned: bool = False  # never cached: random, or written in place later in the unit
 
 
 @dataclass
@@ -56,6 +75,8 @@ class UnitProfile:
     input_bytes: int = 0  # what stays resident when the unit is checkpointed
     grad_bytes: int = 0  # parameter gradients its backward allocates
     recomputable: bool = True
+    ops: list[OpProfile] = field(default_factory=list)  # empty: no selective recompute
+    selective: bool = True  # selective recompute allowed (no in-place op on a cached output)
 
 
 @dataclass
@@ -88,11 +109,15 @@ class Profile:
     other_fwd_s: float = 0.0  # forward compute outside every unit (loss, ...)
     other_bwd_s: float = 0.0
     prefetch_bytes: int = 256 << 20  # the offloader's read-ahead window
+    inflight_bytes: int | None = None  # the offloader's bound on bytes in flight (None: none)
     host_budget: int | None = None  # host bytes the host tier may use (None: no limit)
     measured_peak_bytes: int | None = None  # of the profiled iteration itself
     measured_step_s: float | None = None
-    keep_peak_bytes: int | None = None  # of a timing iteration that kept everything (calibrates)
-    offload_step_s: float | None = None  # of a timing iteration that offloaded all (calibrates)
+    # the measured iterations the simulator is calibrated on (see planner.profiler.calibrate):
+    # {"kind", "kept": [unit names kept, the rest on "tier"], "tier", "peak_bytes", "step_s",
+    #  "timed_step": whether step_s may calibrate move costs}
+    passes: list[dict] = field(default_factory=list)
+    sac_op_s: float = 0.0  # compute seconds selective checkpointing adds per operator and pass
     meta: dict = field(default_factory=dict)
 
     # --- derived -------------------------------------------------------------------------
@@ -127,7 +152,10 @@ class Profile:
         fmt = d.pop("format", FORMAT)
         if fmt != FORMAT:
             raise ConfigError(f"profile format {fmt} is not supported (expected {FORMAT})")
-        d["units"] = [UnitProfile(**u) for u in d["units"]]
+        d["units"] = [
+            UnitProfile(**{**u, "ops": [OpProfile(**o) for o in u.get("ops", [])]})
+            for u in d["units"]
+        ]
         d["tensors"] = [TensorProfile(**t) for t in d["tensors"]]
         d["bandwidth"] = Bandwidth(**d["bandwidth"])
         d["codecs"] = {k: CodecSpeed(**v) for k, v in d.get("codecs", {}).items()}
@@ -155,13 +183,17 @@ def measure_bandwidth(
     *,
     nbytes: SizeLike = "64MiB",
     chunk: SizeLike = "16MiB",
+    resident: SizeLike | None = None,
     device: torch.device | str | None = None,
 ) -> Bandwidth:
     """Measures every copy channel with real transfers of ``nbytes`` in ``chunk``-sized tensors.
 
     Device<->host through :class:`TransferEngine` (a memcpy on CPU), host<->disk through
     :class:`DiskStore` in a private directory under ``spill_dir`` that is removed afterwards.
-    Buffers are touched once before timing: first-touch page faults are not bandwidth.
+    At most ``resident`` bytes of chunks (default ``nbytes``) exist at once: the same chunks
+    travel in rounds, so the probe fits a small memory budget and still moves ``nbytes``.
+    One untimed round first: first-touch page faults, the disk slab's allocation and CUDA's
+    ``cudaMalloc`` are not bandwidth.
     """
     from tensortier.tiers.disk import DiskStore
     from tensortier.tiers.host import HostPool
@@ -170,6 +202,9 @@ def measure_bandwidth(
     total = parse_size(nbytes, name="nbytes", allow_zero=False)
     size = min(total, parse_size(chunk, name="chunk", allow_zero=False))
     n = max(1, total // size)
+    keep = n if resident is None else parse_size(resident, name="resident", allow_zero=False)
+    k = max(1, min(n, keep // size))  # chunks alive at once
+    rounds = max(1, n // k)
     from tensortier._device import normalize_device
 
     dev = normalize_device(device)
@@ -177,58 +212,77 @@ def measure_bandwidth(
     gen = torch.Generator(device=dev).manual_seed(0)  # never the training's RNG (dropout masks)
     src = [
         torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev, generator=gen)
-        for _ in range(n)
+        for _ in range(k)
     ]
-    with HostPool(2 * n * size + (64 << 20)) as pool, DiskStore(spill_dir, owner="tt-plan") as disk:
+    moved = rounds * k * size
+
+    def sync() -> None:
+        if cuda:  # bounded: the copies this probe issued
+            torch.cuda.synchronize(dev)
+
+    def wait(futures) -> list:
+        return [f.result(timeout=PROBE_TIMEOUT_S) for f in futures]
+
+    with HostPool(2 * k * size + (16 << 20)) as pool, DiskStore(spill_dir, owner="tt-plan") as disk:
         eng = TransferEngine(host=pool, disk=disk, device=dev)
         try:
-            warm = [
-                eng.to_host(t).result(timeout=PROBE_TIMEOUT_S) for t in src
-            ]  # maps the pool's pages
-            for h in warm:
+            for h in wait([eng.to_host(t) for t in src]):  # maps the pool's pages
                 h.free()
-            t0 = time.perf_counter()
-            futs = [eng.to_host(t) for t in src]
-            issue_s = (time.perf_counter() - t0) / n
-            hosts = [f.result(timeout=PROBE_TIMEOUT_S) for f in futs]
-            d2h = n * size / (time.perf_counter() - t0)
+            issue_s = d2h_s = 0.0
+            hosts: list = []
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                futs = [eng.to_host(t) for t in src]
+                issue_s += time.perf_counter() - t0
+                hosts = wait(futs)
+                d2h_s += time.perf_counter() - t0
+                if r + 1 < rounds:
+                    for h in hosts:
+                        h.free()
             # On CUDA ``result()`` of a device-bound move only makes the current stream wait on
             # the copy's event: synchronize before reading the clock, or the issue time is
-            # measured instead of the copy. One untimed round first: the destinations'
-            # cudaMalloc is not bandwidth either.
-            for _ in range(2 if cuda else 1):
-                if cuda:
-                    torch.cuda.synchronize(dev)  # bounded: the random fill and earlier copies
+            # measured instead of the copy.
+            h2d_s = 0.0
+            for r in range(rounds + 1):  # round 0 untimed: the destinations' cudaMalloc
+                sync()
                 t0 = time.perf_counter()
-                backs = [
-                    f.result(timeout=PROBE_TIMEOUT_S)
-                    for f in [eng.to_device(h, free=False) for h in hosts]
-                ]
-                if cuda:
-                    torch.cuda.synchronize(dev)  # bounded: waits for the copies just issued
-                h2d = n * size / (time.perf_counter() - t0)
+                backs = wait([eng.to_device(h, free=False) for h in hosts])
+                sync()
+                if r:
+                    h2d_s += time.perf_counter() - t0
                 del backs
-            t0 = time.perf_counter()
-            handles = [
-                f.result(timeout=PROBE_TIMEOUT_S) for f in [disk.put(h.tensor) for h in hosts]
-            ]
-            h2disk = n * size / (time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            outs = [
-                f.result(timeout=PROBE_TIMEOUT_S)
-                for f in [disk.get(hd, into=h.tensor) for hd, h in zip(handles, hosts)]
-            ]
-            disk2h = n * size / (time.perf_counter() - t0)
-            del outs
+            h2disk_s = disk2h_s = 0.0
+            handles: list = []
+            for r in range(rounds + 1):  # round 0 untimed: the slab file is allocated
+                t0 = time.perf_counter()
+                new = wait([disk.put(h.tensor) for h in hosts])
+                if r:
+                    h2disk_s += time.perf_counter() - t0
+                for hd in handles:
+                    disk.free(hd)
+                handles = new
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                wait([disk.get(hd, into=h.tensor) for hd, h in zip(handles, hosts)])
+                disk2h_s += time.perf_counter() - t0
             for hd in handles:
                 disk.free(hd)
             for h in hosts:
                 h.free()
         finally:
             eng.close()
-    return Bandwidth(d2h=d2h, h2d=h2d, h2disk=h2disk, disk2h=disk2h, issue_s=issue_s)
+    return Bandwidth(
+        d2h=moved / d2h_s,
+        h2d=moved / h2d_s,
+        h2disk=moved / h2disk_s,
+        disk2h=moved / disk2h_s,
+        issue_s=issue_s / (rounds * k),
+    )
 
 
-def measure_codec_speeds() -> dict[str, CodecSpeed]:
-    """Codec throughput on this machine (4 MiB post-ReLU-like fp32 sample)."""
-    return measure_codecs()
+def measure_codec_speeds(
+    names: tuple[str, ...] | None = None, nbytes: int = 4 << 20
+) -> dict[str, CodecSpeed]:
+    """Codec throughput on this machine (a post-ReLU-like fp32 sample of ``nbytes``; every
+    codec unless ``names``)."""
+    return measure_codecs(nbytes=nbytes) if names is None else measure_codecs(names, nbytes=nbytes)

@@ -1,12 +1,17 @@
 """Profiles one real training iteration into a :class:`Profile`.
 
-The iteration runs under the activation offloader with ``record=True`` and a ``decide`` that sends
-every saved tensor to one tier (``disk`` by default, so profiling itself stays within a tight
-budget) through a *probe* codec: an identity codec that, while it holds the tensor, measures its
-zero fraction and the payload ratio of every codec. Module hooks time each planning unit's forward
-(pre/post hooks) and backward (a hook on the gradient of the unit's output), and a peak meter
-reads the memory high-water mark. Pack and unpack seconds are subtracted from the unit times, so
-the profile holds compute time, and the simulator adds transfers back per plan.
+The probe iteration runs under the activation offloader with ``record=True`` and a ``decide``
+that sends every saved tensor to one tier (``disk`` by default, so profiling itself stays within
+a tight budget), and a *probe* measures each storage moved, in its pack hook on the forward
+thread (the storage is alive there anyway): its zero fraction and the payload ratio of every
+codec. An operator recorder
+(:mod:`tensortier.planner.ops`) lists each unit's operators for selective recompute. Timing
+iterations follow; each keeps the saved tensors of a group of units that fits the budget (the
+runtime chooses the groups with the simulator) and offloads the rest, so no profiling iteration
+needs more memory than the budget. Module hooks time each planning unit's forward (pre/post
+hooks) and backward (a hook on the gradient of the unit's output), and a peak meter reads the
+memory high-water mark of every iteration. Pack and unpack seconds are subtracted from the unit
+times, so the profile holds compute time, and the simulator adds transfers back per plan.
 
 Planning units are the modules one action applies to: the root's children, with ``ModuleList``/
 ``ModuleDict`` containers and every module that holds a stack of repeated blocks opened
@@ -19,14 +24,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from tensortier.planner.profile import Bandwidth, Profile, TensorProfile, UnitProfile
+from tensortier._memory import HighWater
+from tensortier.planner.ops import OpRecorder, measure_sac_overhead, preload
+from tensortier.planner.profile import (
+    Bandwidth,
+    OpProfile,
+    Profile,
+    TensorProfile,
+    UnitProfile,
+)
 from tensortier.tiers.codecs import (
     LOSSLESS_CODECS,
     LOSSY_CODECS,
@@ -123,16 +136,26 @@ def _tensors(x) -> list[torch.Tensor]:
 
 
 class ProbeCodec:
-    """Identity codec that measures what the planner needs while it sees each saved tensor."""
+    """Measures what the planner needs of each storage the probe moves (:meth:`see`, called in
+    the pack hook on the forward thread, in pack order). Not passed to the offloader as a codec:
+    a codec encodes on the engine's copy workers, which reordered ``seen`` and kept every
+    source alive until its encode ran (the probe iteration went 30 MiB over a 36 MiB budget)."""
 
     name = "probe"
     lossless = True
 
-    def __init__(self, codecs: tuple[str, ...]):
+    def __init__(self, codecs: tuple[str, ...], producer: dict | None = None):
         self.codecs = codecs
+        self.producer = producer if producer is not None else {}  # storage -> (unit, op index)
         self.seen: list[dict] = []  # in pack order, one per offloaded storage
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+        """As an identity codec (measuring on whatever thread encodes)."""
+        self.see(t)
+        return [t], {}
+
+    def see(self, t: torch.Tensor) -> None:
+        """Measure ``t``: the typed values of one whole storage."""
         from tensortier.tiers.codecs import zero_fraction
 
         t0 = time.perf_counter()
@@ -149,9 +172,10 @@ class ProbeCodec:
                 "ratios": ratios,
                 "probe_s": time.perf_counter() - t0,
                 "nbytes": nbytes,
+                # the op that made this storage, looked up now: once freed, its address is reused
+                "made": self.producer.get(t.untyped_storage().data_ptr()),
             }
         )
-        return [t], {}
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         return payloads[0]
@@ -177,6 +201,7 @@ class PeakMeter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hwm = False
+        self._watch: HighWater | None = None
 
     def __enter__(self) -> PeakMeter:
         if self.device.type == "cuda":
@@ -186,7 +211,8 @@ class PeakMeter:
             return self
         from tensortier._device import rss_bytes
 
-        self._hwm = _reset_hwm()
+        self._watch = HighWater()
+        self._hwm = self._watch.start()
         self.start = self.peak = rss_bytes()
         if self._hwm:
             return self
@@ -206,7 +232,7 @@ class PeakMeter:
             self.peak = max(self.peak_allocated, torch.cuda.max_memory_reserved(self.device))
             return
         if self._hwm:
-            self.peak = self.peak_allocated = max(self.start, _status_bytes("VmHWM"))
+            self.peak = self.peak_allocated = max(self.start, self._watch.stop())
             return
         self._stop.set()
         if self._thread is not None:
@@ -219,70 +245,28 @@ class PeakMeter:
         return max(0, self.peak - self.start)
 
 
-def release_freed_memory(threshold: int = 128 << 10) -> bool:
-    """Make glibc return freed blocks of ``threshold`` bytes or more to the OS (``mallopt``).
-
-    glibc's adaptive mmap threshold otherwise serves activations from the heap after the first
-    free, and the process's RSS never falls below the plain peak: offloading would save nothing
-    that a CPU memory budget can see. Same effect as ``MALLOC_MMAP_THRESHOLD_=131072``. Returns
-    whether it applied (False off glibc).
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(
-            libc.mallopt(m_trim_threshold, threshold)
-        )
-    except (OSError, AttributeError):
-        return False
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_bytes("VmHWM") > 0
-    except OSError:
-        return False
-
-
-def _status_bytes(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class Profiler:
-    """Records one probed forward + backward, then optional clean timing iterations.
+    """Records one probed forward + backward, then timing iterations that fit a budget.
 
     >>> prof = Profiler(spill_dir="/mnt/nvme/tt")
     >>> with prof.forward():          # pass 1: every saved tensor, its sparsity and codec ratios
     ...     loss = model(x)
     >>> loss.backward()
-    >>> for _ in range(2):            # timing passes: compute time without the probe's overhead
-    ...     with prof.timing():
+    >>> for group in groups:          # timing passes: these units keep, the others offload
+    ...     with prof.timing(keep=group):
     ...         loss = model(x)
     ...     loss.backward()
-    >>> profile = prof.finish()
+    >>> profile = calibrate(prof.finish())
 
-    Pass 1's compute times include the probe (zero counting and codec trials on every tensor) and
-    the disk traffic of every saved tensor; on the 2-core CI machine that doubled them. When the
-    whole iteration fits in free memory, timing passes alternate: one with nothing offloaded (the
-    compute time a plan adds its transfers to; its peak calibrates the transient memory model),
-    then one with everything on ``tier`` without the probe (its step time calibrates what a moved
-    byte costs the compute, see :func:`calibrate`). Otherwise every timing pass offloads and pack
-    and unpack time are subtracted. Each unit keeps its fastest time over the passes: a shared
-    host's CPU steal only adds time.
-    On CUDA the hooks of the passes that time units synchronize, so the times are kernel time,
-    not launch time; an offload pass after a keep pass times only the whole step, with CUDA
-    events (first kernel to last gradient), so its copies overlap compute as in a plan.
+    Pass 1's compute times include the probe (zero counting, codec trials, operator recording)
+    and the traffic of every saved tensor, so unit times come from the timing passes: a unit's
+    time is its fastest over the passes that kept it (steal on a shared host only adds time),
+    else over the passes that offloaded it, pack and unpack time taken out. Every pass's peak
+    and step time are kept in ``Profile.passes`` for :func:`calibrate`. :func:`timing_groups`
+    picks groups whose pass the simulator predicts under a budget; ``keep=None`` offloads all.
+    On CUDA the hooks of a pass that keeps a unit not yet timed synchronize (kernel time, not
+    launch time); other passes time only the whole step, with CUDA events, so their copies
+    overlap compute as in a plan (those passes calibrate the cost of moving bytes).
     """
 
     def __init__(
@@ -297,21 +281,18 @@ class Profiler:
         host_budget: int = 8 << 30,
         device: torch.device | None = None,
         offloader=None,
-        timing: str = "auto",
+        probe_bytes: int = 64 << 20,
+        record_ops: bool = True,
     ):
         from tensortier._device import default_device
-        from tensortier.errors import ConfigError
 
-        if timing not in ("auto", "keep", "offload"):
-            raise ConfigError(f"timing must be 'auto', 'keep' or 'offload', got {timing!r}")
         self.device = device or default_device()
         self.spill_dir, self.tier = spill_dir, tier
         self.bandwidth = bandwidth
         self.codecs = codecs
+        self.probe_bytes = probe_bytes
         names = LOSSLESS_CODECS + (LOSSY_CODECS if allow_lossy else ())
-        self.probe = ProbeCodec(names)
         self.prefetch, self.host_budget = prefetch, host_budget
-        self.timing_mode = timing
         self.root: nn.Module | None = None
         self.units: dict[int, str] = {}  # id(module) -> unit name
         self.inputs: dict[str, int] = {}
@@ -322,6 +303,12 @@ class Profiler:
         self._param_hooks: list = []
         self._passes: list[_Pass] = []  # [0] is the probe pass, then the timing passes
         self._cur: _Pass | None = None
+        self._unit_now: str | None = None
+        self._sac_op_s: float | None = None
+        self.recorder = OpRecorder(lambda: self._unit_now, self.device) if record_ops else None
+        self.probe = ProbeCodec(names, self.recorder.producer if self.recorder else None)
+        if record_ops:
+            preload()
         self.tensors: list[TensorProfile] = []
 
     # ------------------------------------------------------------------ hooks
@@ -356,6 +343,7 @@ class Profiler:
                 self.order.append(name)
                 self.inputs[name] = sum(t.untyped_storage().nbytes() for t in _tensors(args))
             cur.fwd[name] = [self._now(cur), 0.0]
+            self._unit_now = name
 
     def _post(self, module: nn.Module, args, output) -> None:
         cur = self._cur
@@ -363,6 +351,7 @@ class Profiler:
         if cur is None or name is None or name not in cur.fwd or cur.fwd[name][1]:
             return
         cur.fwd[name][1] = self._now(cur)
+        self._unit_now = None
         outs = [t for t in _tensors(output) if t.requires_grad]
         if outs:
 
@@ -375,6 +364,15 @@ class Profiler:
         cur = self._cur
         if cur is None or not cur.t_fwd_end:
             return
+        if not cur.last_grad:  # the first gradient: read the meter when this backward ends,
+            # not at the next pass (the user's code in between, an optimizer's first step or
+            # another model's iteration, is not this pass's peak)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda c=cur: _read_pass_meter(c)
+                )
+            except RuntimeError:  # not inside a backward: the pass's close reads it
+                pass
         if cur.end_event is not None:  # CUDA, no unit timing: mark the stream, do not drain it
             cur.end_event.record(torch.cuda.current_stream(self.device))
             cur.last_grad = time.perf_counter()
@@ -382,9 +380,11 @@ class Profiler:
             cur.last_grad = self._now(cur)
 
     @contextmanager
-    def _pass(self, kind: str, offloader, *, sync_units: bool = True) -> Iterator[Profiler]:
+    def _pass(
+        self, kind: str, offloader, *, kept: frozenset = frozenset(), sync_units: bool = True
+    ) -> Iterator[Profiler]:
         self._close_pass()
-        cur = self._cur = _Pass(kind, sync_units=sync_units)
+        cur = self._cur = _Pass(kind, kept=kept, sync_units=sync_units)
         self._hooks = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post),
@@ -396,13 +396,20 @@ class Profiler:
             cur.end_event = torch.cuda.Event(enable_timing=True)
             cur.start_event.record(stream)
         cur.t_fwd = time.perf_counter()
+        recorder = self.recorder if kind == "probe" else None
         try:
             if offloader is None:
                 yield self
             else:
-                with offloader:
-                    yield self
+                probe = self.probe if kind == "probe" else None
+                with _probe_pack(offloader, recorder, probe), offloader:
+                    if recorder is None:
+                        yield self
+                    else:
+                        with recorder:
+                            yield self
         finally:
+            self._unit_now = None
             cur.t_fwd_end = self._now(cur)
             for h in self._hooks:
                 h.remove()
@@ -413,12 +420,14 @@ class Profiler:
         cur, self._cur = self._cur, None
         if cur is None:
             return
-        cur.meter.__exit__(None, None, None)  # CUDA: synchronizes (this pass's kernels) first
+        _read_pass_meter(cur)  # no backward ended it (or the callback could not be queued)
         cur.t_end = cur.last_grad or time.perf_counter()
         if cur.end_event is not None and cur.last_grad:  # device time, first kernel to last grad
             cur.t_end = cur.t_fwd + cur.start_event.elapsed_time(cur.end_event) / 1e3
         if cur.kind != "keep" and self.offloader is not None:
             cur.records = sorted(self.offloader.records, key=lambda r: r["index"])
+        if cur.kind == "probe" and self.recorder is not None:
+            self.recorder.resolve()
         self._passes.append(cur)
 
     @contextmanager
@@ -429,10 +438,10 @@ class Profiler:
 
         if self._passes or self._cur is not None:
             raise ConfigError("Profiler.forward() runs once; use Profiler.timing() afterwards")
-        probe, tier = self.probe, self.tier
+        tier = self.tier
 
         def decide(info):
-            return Action(tier, probe)
+            return Action(tier)  # measured by the probe in the pack hook (see _probe_pack)
 
         if self.offloader is None:
             self.offloader = Offloader(
@@ -450,45 +459,48 @@ class Profiler:
             yield self
 
     @contextmanager
-    def timing(self) -> Iterator[Profiler]:
-        """A timing pass (after pass 1's backward; repeatable): see the class docstring."""
+    def timing(self, keep: Iterable[str] | None = None) -> Iterator[Profiler]:
+        """A timing pass (after pass 1's backward; repeatable): the units in ``keep`` keep their
+        saved tensors, every other one goes to the profiled tier (all of them: ``keep=None``)."""
         from tensortier.activations import Action
         from tensortier.errors import ConfigError
 
         if not self._passes and self._cur is None:
             raise ConfigError("run Profiler.forward() (and its backward) before a timing pass")
         self._close_pass()
-        kind = self.timing_mode
-        if kind == "auto":  # keep, offload, keep, ...: the offload passes calibrate move costs
-            keep_next = len(self._passes) % 2 == 1
-            kind = "keep" if keep_next and self._keep_fits() else "offload"
-        if kind == "keep":
-            with self._pass("keep", None):
+        kept = frozenset(keep or ())
+        unknown = kept - set(self.order)
+        if unknown:
+            raise ConfigError(
+                f"keep={sorted(unknown)}: not planning units of the profiled model; pass names "
+                f"from {self.order}"
+            )
+        timed = {n for p in self._passes[1:] if p.sync_units for n in p.kept}
+        # CUDA: synchronize at unit boundaries only to time a kept unit not yet timed; else
+        # time the whole step with events so copies overlap compute as in a plan
+        sync_units = self.device.type != "cuda" or bool(kept - timed)
+        if len(kept) == len(self.order):
+            with self._pass("keep", None, kept=kept, sync_units=sync_units):
                 yield self
             return
-        tier = self.tier
-        self.offloader.decide = lambda info: Action(tier)
+        tier, names = self.tier, list(self.order)
+
+        def decide(info):
+            return Action("keep" if unit_of(info.module, names) in kept else tier)
+
+        self.offloader.decide = decide
         self.offloader.record, self.offloader.records = True, []
-        # Once a keep pass gave the unit times, an offload pass only times the whole step (it
-        # calibrates move_s_per_byte): synchronizing at every unit boundary would drain the copy
-        # streams there and charge the compute for transfers a plan overlaps.
-        sync_units = not any(p.kind == "keep" for p in self._passes)
-        with self._pass("offload", self.offloader, sync_units=sync_units):
+        with self._pass("offload", self.offloader, kept=kept, sync_units=sync_units):
             yield self
 
-    def _keep_fits(self) -> bool:
-        """Whether an iteration that keeps every saved tensor fits in free memory, with room."""
-        probe = self._passes[0]
-        need = 2 * sum(int(r["nbytes"]) for r in probe.records)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
-                self.device
-            )
-            return need <= 0.8 * (free + cached)
-        import psutil
+    @property
+    def unit_names(self) -> list[str]:
+        return list(self.order)
 
-        return need <= 0.5 * psutil.virtual_memory().available
+    def provisional(self) -> Profile:
+        """The profile so far (after the probe's backward), to choose timing groups with."""
+        self._close_pass()
+        return self._build()
 
     def finish(self, *, meta: dict | None = None, offload_overhead: int = 0) -> Profile:
         """After the last ``backward()``: the profile (measures bandwidth if not given)."""
@@ -496,6 +508,9 @@ class Profiler:
         for h in self._param_hooks:
             h.remove()
         self._param_hooks = []
+        return self._build(meta=meta, offload_overhead=offload_overhead)
+
+    def _build(self, *, meta: dict | None = None, offload_overhead: int = 0) -> Profile:
         if not self._passes:
             from tensortier.errors import ConfigError
 
@@ -503,63 +518,121 @@ class Profiler:
         probe, timed = self._passes[0], self._passes[1:]
         unit_names = list(self.order)
         tensors = self._tensors(probe, unit_names)
-        # compute time of every pass, with the offloader's own work taken out
-        keep = [p for p in timed if p.kind == "keep"]
-        offload = [p for p in timed if p.kind == "offload"]
-        runs = [_times(p, unit_names, tensors) for p in (keep or offload or [probe])]
+        cuda = self.device.type == "cuda"
+        clean = [p for p in timed if p.sync_units or not cuda]  # unit times are kernel times
+        runs = {id(p): _times(p, unit_names, tensors) for p in (clean or [probe])}
+        by_pass = [(p, runs[id(p)]) for p in (clean or [probe])]
         units = []
         for n in unit_names:
+            kept = [r for p, r in by_pass if n in p.kept]
+            use = kept or [r for _, r in by_pass]
             units.append(
                 UnitProfile(
                     name=n,
-                    fwd_s=min(r["fwd"][n] for r in runs),
-                    bwd_s=min(r["bwd"][n] for r in runs),
+                    fwd_s=min(r["fwd"][n] for r in use),
+                    bwd_s=min(r["bwd"][n] for r in use),
                     input_bytes=self.inputs.get(n, 0),
                     grad_bytes=self.grads.get(n, 0),
                     recomputable=True,
                 )
             )
+        self._attach_ops(units, tensors)
         if any(t.unit == "" for t in tensors):
-            units.append(UnitProfile("", 0.0, 0.0, recomputable=False))
+            units.append(UnitProfile("", 0.0, 0.0, recomputable=False, selective=False))
         with own_rng(self.device):
-            bw = self.bandwidth or _bandwidth(self.spill_dir, self.device)
-            codecs = self.codecs or _codec_speeds()
+            if self.bandwidth is None:
+                self.bandwidth = _bandwidth(self.spill_dir, self.device, self.probe_bytes)
+            if self.codecs is None:
+                # only the codecs the probe tried (lossy ones only when allowed)
+                self.codecs = _codec_speeds(self.probe.codecs, codec_sample_bytes(self.probe_bytes))
+            if self._sac_op_s is None:
+                self._sac_op_s = (
+                    measure_sac_overhead(self.device) if self.recorder is not None else 0.0
+                )
+            sac_op_s = self._sac_op_s
+        passes = [
+            {
+                "kind": p.kind,
+                "kept": sorted(p.kept) if p.kind != "probe" else [],
+                "tier": self.tier,
+                "peak_bytes": p.meter.delta,
+                "step_s": p.t_end - p.t_fwd,
+                "timed_step": p.kind != "probe" and (not cuda or not p.sync_units),
+            }
+            for p in self._passes
+        ]
+        steps = [p.t_end - p.t_fwd for p in (timed or [probe])]
         return Profile(
             device=self.device.type,
             units=units,
             tensors=tensors,
-            bandwidth=bw,
-            codecs=codecs,
+            bandwidth=self.bandwidth,
+            codecs=self.codecs,
             unified=self.device.type != "cuda",
-            other_fwd_s=min(r["other_fwd"] for r in runs),
-            other_bwd_s=min(r["other_bwd"] for r in runs),
+            other_fwd_s=min(r["other_fwd"] for _, r in by_pass),
+            other_bwd_s=min(r["other_bwd"] for _, r in by_pass),
             prefetch_bytes=self.prefetch,
+            inflight_bytes=_inflight_limit(self.offloader),
             offload_overhead_bytes=offload_overhead if self.device.type != "cuda" else 0,
             host_budget=self.host_budget if self.device.type == "cuda" else None,
             measured_peak_bytes=probe.meter.delta,
-            measured_step_s=min(p.t_end - p.t_fwd for p in (keep or offload or [probe])),
-            keep_peak_bytes=min(p.meter.delta for p in keep) if keep else None,
-            offload_step_s=min(p.t_end - p.t_fwd for p in offload) if keep and offload else None,
+            measured_step_s=min(steps),
+            passes=passes,
+            sac_op_s=sac_op_s,
             meta={
                 "profiled_tier": self.tier,
-                "timing": "keep" if keep else ("offload" if offload else "probe"),
+                "timing": "kept"
+                if any(p.kept for p in timed)
+                else ("offload" if timed else "probe"),
                 "timing_passes": len(timed),
                 **(meta or {}),
             },
         )
+
+    def _attach_ops(self, units: list[UnitProfile], tensors: list[TensorProfile]) -> None:
+        """Each unit's operators, their times scaled to the unit's clean forward time."""
+        rec = self.recorder
+        if rec is None:
+            for u in units:
+                u.selective = False
+            return
+        saved: dict[tuple[str, int], int] = {}
+        for t in tensors:
+            if t.op_index >= 0:
+                saved[(t.unit, t.op_index)] = saved.get((t.unit, t.op_index), 0) + t.nbytes
+        for u in units:
+            rows = rec.ops.get(u.name, [])
+            total = sum(r["seconds"] for r in rows)
+            scale = u.fwd_s / total if total > 0 else 0.0
+            u.ops = [
+                OpProfile(
+                    index=r["index"],
+                    name=r["name"],
+                    out_bytes=r["out_bytes"],
+                    seconds=r["seconds"] * scale,
+                    saved_bytes=saved.get((u.name, r["index"]), 0),
+                    view=r["view"],
+                    random=r["random"],
+                    pinned=r.get("pinned", False),
+                )
+                for r in rows
+            ]
+            u.selective = bool(u.ops) and u.name not in rec.inplace
 
     def _tensors(self, probe: _Pass, unit_names: list[str]) -> list[TensorProfile]:
         tensors = []
         probes = iter(self.probe.seen)  # one per record that went through the codec, in order
         pending = next(probes, None)
         for r in probe.records:
-            seen = {"zero_frac": 0.0, "ratios": {}, "probe_s": 0.0}
+            seen = {"zero_frac": 0.0, "ratios": {}, "probe_s": 0.0, "made": None}
             if pending is not None and pending["nbytes"] == r["nbytes"]:
                 seen, pending = pending, next(probes, None)
+            unit = unit_of(r["module"], unit_names)
+            made = seen["made"]
             tensors.append(
                 TensorProfile(
                     index=r["index"],
-                    unit=unit_of(r["module"], unit_names),
+                    unit=unit,
                     nbytes=int(r["nbytes"]),
                     dtype=str(r["dtype"]).removeprefix("torch."),
                     shape=list(r["shape"]),
@@ -569,9 +642,56 @@ class Profiler:
                     ratios=seen["ratios"],
                     pack_s=max(0.0, r["pack_s"] - seen["probe_s"]),
                     unpack_s=r["unpack_s"],
+                    op_index=made[1] if made is not None and made[0] == unit else -1,
                 )
             )
         return tensors
+
+
+def _inflight_limit(offloader) -> int | None:
+    """The bytes the offloader's engine lets be in flight (its throttle), if known."""
+    throttle = getattr(getattr(offloader, "_engine", None), "_throttle", None)
+    return getattr(throttle, "limit", None)
+
+
+@contextmanager
+def _probe_pack(offloader, recorder: OpRecorder | None, probe: ProbeCodec | None) -> Iterator[None]:
+    """Wraps the (inactive) offloader's pack hook, which it looks up when it activates: the
+    offloader's own operators inside it are not the model's (hidden from the recorder), and
+    each storage it starts moving is measured by ``probe`` right there, in pack order (its time
+    added to the record's pack time, which the unit times leave out)."""
+    if recorder is None and probe is None:
+        yield
+        return
+    pack = offloader._pack
+
+    def probed(t):
+        if recorder is not None:
+            recorder.muted += 1
+        try:
+            n = len(offloader.records)
+            handle = pack(t)
+            if probe is not None and len(offloader.records) > n:
+                t0 = time.perf_counter()
+                probe.see(_storage_values(t))
+                offloader.records[-1]["pack_s"] += time.perf_counter() - t0
+            return handle
+        finally:
+            if recorder is not None:
+                recorder.muted -= 1
+
+    offloader._pack = probed
+    try:
+        yield
+    finally:
+        del offloader._pack
+
+
+def _storage_values(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t``, typed as ``t`` where its bytes are whole elements."""
+    u8 = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    size = t.element_size()
+    return u8.view(t.dtype) if u8.numel() % size == 0 else u8
 
 
 @dataclass
@@ -579,6 +699,7 @@ class _Pass:
     """Timestamps of one profiled iteration."""
 
     kind: str  # "probe", "keep" or "offload"
+    kept: frozenset = frozenset()  # units whose saved tensors stayed on the device
     sync_units: bool = True  # CUDA: synchronize at unit boundaries (unit times are used)
     fwd: dict[str, list[float]] = field(default_factory=dict)  # unit -> [start, end]
     grad_at: dict[str, float] = field(default_factory=dict)  # unit -> its output's gradient
@@ -588,17 +709,23 @@ class _Pass:
     t_end: float = 0.0
     records: list[dict] = field(default_factory=list)  # the offloader's, when it ran
     meter: PeakMeter | None = None
+    metered: bool = False  # the meter was read (at the backward's end, or when the pass closed)
     start_event: torch.cuda.Event | None = None  # CUDA passes that do not time units
     end_event: torch.cuda.Event | None = None
 
 
+def _read_pass_meter(p: _Pass) -> None:
+    if p.meter is not None and not p.metered:
+        p.metered = True
+        p.meter.__exit__(None, None, None)  # CUDA: synchronizes (this pass's kernels) first
+
+
 def _times(p: _Pass, unit_names: list[str], tensors: list[TensorProfile]) -> dict:
     """Per-unit forward/backward compute seconds of one pass, pack/unpack (and probe) removed."""
-    unit_of_index = {t.index: t.unit for t in tensors}
     pack: dict[str, float] = {}
     unpack: dict[str, float] = {}
-    for r in p.records:  # a keep pass has none
-        u = unit_of_index.get(r["index"], "")
+    for r in p.records:  # a keep pass has none; a partial pass numbers only what it moved
+        u = unit_of(r["module"], unit_names)
         pack[u] = pack.get(u, 0.0) + r["pack_s"]  # the probe's work happened inside pack
         unpack[u] = unpack.get(u, 0.0) + r["unpack_s"]
     # backward: a unit runs from the gradient of its output to the next gradient event
@@ -634,57 +761,122 @@ def own_rng(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _bandwidth(spill_dir: str | None, device: torch.device) -> Bandwidth:
+def _bandwidth(spill_dir: str | None, device: torch.device, resident: int = 64 << 20) -> Bandwidth:
+    """64 MiB through every channel, with at most ``resident`` bytes of chunks alive at once."""
     from tensortier.planner.profile import measure_bandwidth
 
-    return measure_bandwidth(spill_dir, device=device)
+    resident = max(1 << 20, int(resident) >> 20 << 20)  # whole MiB: whole pages for O_DIRECT
+    chunk = min(16 << 20, max(1 << 20, resident // 2 >> 20 << 20))
+    return measure_bandwidth(
+        spill_dir, device=device, nbytes=64 << 20, chunk=chunk, resident=resident
+    )
 
 
-def _codec_speeds() -> dict[str, CodecSpeed]:
+def codec_sample_bytes(probe_bytes: int) -> int:
+    """The codec calibration sample for a bandwidth probe of ``probe_bytes`` (sized to the
+    budget): an eighth of it, between 256 KiB and 4 MiB. Encoding a sample briefly holds about
+    seven times its size (payloads, masks, decoded copies): 30 MiB for 4 MiB, which on a CPU
+    is in the budget of the timing pass that measures it."""
+    return int(min(4 << 20, max(256 << 10, probe_bytes // 8)))
+
+
+def _codec_speeds(names: tuple[str, ...], nbytes: int) -> dict[str, CodecSpeed]:
     from tensortier.planner.profile import measure_codec_speeds
 
-    return measure_codec_speeds()
+    return measure_codec_speeds(names, nbytes)
+
+
+def pass_plan(profile: Profile, run: dict):
+    """The plan a measured pass ran: its kept units keep, every other unit on its tier."""
+    from tensortier.planner.simulator import Mode, Plan, UnitAction
+
+    tier = Mode(run.get("tier") or profile.meta.get("profiled_tier", "disk"))
+    kept = set(run.get("kept", ()))
+    return Plan(
+        run.get("kind", "pass"),
+        {u.name: UnitAction(Mode.KEEP if u.name in kept else tier) for u in profile.units},
+    )
 
 
 def calibrate(profile: Profile) -> Profile:
     """Fits the two constants the simulator cannot know from first principles to measurement.
 
-    * ``transient_factor``: so that the simulated ``keep`` plan peaks where the measured keep
-      iteration did (``keep_peak_bytes``). Without it the default (1.5: in backward a saved
-      tensor, its gradient and a temporary of about half its size coexist) stays, as it does
-      when the measured peak is below the saved bytes (an allocator reused freed heap memory,
-      so RSS did not see the iteration).
-    * ``move_s_per_byte``: compute time lost per byte moved, so that the simulated all-offload
-      plan takes as long as the measured offload iteration (``offload_step_s``). On a CPU the
-      copy threads share the cores with compute; on a GPU this comes out near zero.
-
-    The probe pass's own peak and time are never used: the probe adds work a plan does not have.
+    * ``transient_factor`` (an op's temporaries / the saved tensor it makes or uses): for each
+      timing pass, the factor at which the simulated plan of that pass peaks where the pass did;
+      the largest of them is kept, so every measured pass is predicted at or above its peak (a
+      budget is a promise). A pass whose peak is below what its saved bytes alone need did not
+      see live memory (an allocator reused freed heap memory) and is skipped. The probe pass is
+      used only when there is no other: the probe adds temporaries a plan does not have.
+    * ``move_s_per_byte`` (compute seconds lost per byte moved: on a CPU the copy threads share
+      the cores with compute; on a GPU it comes out near zero): least squares over the passes
+      whose step time was taken without unit synchronization, of measured step minus the
+      simulated step without move costs against the bytes each pass moved.
     """
-    from tensortier.planner.simulator import Mode, Plan, UnitAction, simulate
+    from tensortier.planner.simulator import simulate
 
-    # a peak below the saved bytes did not see live memory (freed heap reused): not a measurement
-    if profile.tensors and (profile.keep_peak_bytes or 0) >= profile.saved_bytes:
-        target = profile.keep_peak_bytes
-        keep = Plan("keep", {})
+    runs = [r for r in profile.passes if r.get("kind") != "probe"] or list(profile.passes)
+    factors = []
+    for run in runs:
+        plan = pass_plan(profile, run)
+        target = int(run.get("peak_bytes") or 0)
 
-        def peak(f: float) -> int:
+        def peak(f: float, plan=plan) -> int:
             profile.transient_factor = f
-            return simulate(profile, keep).peak_bytes
+            return simulate(profile, plan).peak_bytes
 
+        if not profile.tensors or target < peak(0.0):
+            continue
         lo, hi = 0.0, 8.0
-        if peak(lo) >= target:
-            hi = lo
-        elif peak(hi) <= target:
-            lo = hi
+        if peak(hi) <= target:
+            factors.append(hi)
+            continue
         for _ in range(30):  # the peak grows monotonically with the factor
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if peak(mid) < target else (lo, mid)
-        profile.transient_factor = hi
-    if profile.offload_step_s and profile.tensors:
-        tier = Mode(profile.meta.get("profiled_tier", "disk"))
-        every = Plan("offload", {u.name: UnitAction(tier) for u in profile.units})
+        factors.append(hi)
+    profile.transient_factor = max(factors) if factors else 1.5
+    timed = [r for r in runs if r.get("timed_step") and r.get("step_s")]
+    if timed and profile.tensors:
+        num = den = 0.0
         profile.move_s_per_byte = 0.0
-        predicted = simulate(profile, every).step_s
-        moved = 2 * profile.saved_bytes  # out in forward, back in backward
-        profile.move_s_per_byte = max(0.0, (profile.offload_step_s - predicted) / moved)
+        for run in timed:
+            plan = pass_plan(profile, run)
+            moved = 2 * sum(t.nbytes for t in profile.tensors if plan.tier_of(t) != "keep")
+            resid = run["step_s"] - simulate(profile, plan).step_s
+            num += moved * resid
+            den += moved * moved
+        profile.move_s_per_byte = max(0.0, num / den) if den else 0.0
     return profile
+
+
+def timing_group(profile: Profile, budget: int, timed: Iterable[str] = ()) -> list[str]:
+    """Units to keep in one timing pass, predicted under ``budget`` with the others on the
+    profiled tier: units not yet ``timed`` first (forward order), then the others if room is
+    left (each keeps its fastest time over the passes). A unit that never fits is timed
+    offloaded."""
+    from tensortier.planner.simulator import simulate
+
+    names = [u.name for u in profile.units if u.name and profile.tensors_of(u.name)]
+    timed = set(timed)
+
+    def fits(group: list[str]) -> bool:
+        run = {"kind": "group", "kept": group, "tier": profile.meta.get("profiled_tier")}
+        return simulate(profile, pass_plan(profile, run)).peak_bytes <= budget
+
+    group: list[str] = []
+    for n in [n for n in names if n not in timed] + [n for n in names if n in timed]:
+        if fits(group + [n]):
+            group.append(n)
+    return group
+
+
+def timing_groups(profile: Profile, budget: int, passes: int) -> list[list[str]]:
+    """Groups for ``passes`` timing passes from one profile (see :func:`timing_group`); the
+    runtime instead chooses each pass's group after calibrating on the passes before it."""
+    groups: list[list[str]] = []
+    timed: set[str] = set()
+    for _ in range(passes):
+        group = timing_group(profile, budget, timed)
+        groups.append(group)
+        timed |= set(group)
+    return groups

@@ -105,22 +105,60 @@ def render_png(profile: Profile, choice: Choice, budget: int | None = None) -> b
 
 
 def action_rows(profile: Profile, plan: Plan) -> list[dict]:
-    """Per unit: action, bytes saved, codecs used, forward/backward seconds."""
+    """Per unit: action, bytes saved and moved, codecs used, forward/backward seconds."""
+    from tensortier.planner.simulator import ordinals
+
     rows = []
+    ordinal = ordinals(profile)
     for u in profile.units:
         ts = profile.tensors_of(u.name)
         codecs = sorted({plan.codecs.get(t.index) or "raw" for t in ts}) if ts else []
+        moved = sum(t.nbytes for t in ts if plan.tier_of(t, ordinal[t.index]) != "keep")
         rows.append(
             {
                 "unit": u.name or "(outside units)",
-                "action": plan.action(u.name).label(),
+                "action": _short(plan.action(u.name).label()),
                 "saved": format_size(sum(t.nbytes for t in ts)),
+                "moved": format_size(moved),
                 "tensors": len(ts),
                 "codecs": ",".join(codecs) if plan.action(u.name).compress else "",
                 "fwd_ms": f"{u.fwd_s * 1e3:.2f}",
                 "bwd_ms": f"{u.bwd_s * 1e3:.2f}",
             }
         )
+    return rows
+
+
+def _short(label: str, limit: int = 40) -> str:
+    return label if len(label) <= limit else label[: limit - 1] + "…]"
+
+
+def op_rows(profile: Profile, plan: Plan) -> list[dict]:
+    """Per selective unit and operator kind: how many are recomputed and how many cached, with
+    the bytes the cached ones keep and the seconds the recomputed ones cost in backward."""
+    from tensortier.planner.runtime import selective_sets
+
+    rows = []
+    for unit, rerun in selective_sets(profile, plan).items():
+        kinds: dict[str, dict] = {}
+        for o in profile.unit(unit).ops:
+            if o.view:
+                continue
+            k = kinds.setdefault(
+                o.name.removeprefix("aten."),
+                {"unit": unit, "op": o.name.removeprefix("aten."), "recomputed": 0, "cached": 0,
+                 "cached_bytes": 0, "rerun_ms": 0.0},
+            )  # fmt: skip
+            if o.index in rerun:
+                k["recomputed"] += 1
+                k["rerun_ms"] += o.seconds * 1e3
+            else:
+                k["cached"] += 1
+                k["cached_bytes"] += o.out_bytes
+        for k in kinds.values():
+            k["cached_bytes"] = format_size(k["cached_bytes"])
+            k["rerun_ms"] = f"{k['rerun_ms']:.2f}"
+            rows.append(k)
     return rows
 
 
@@ -175,9 +213,104 @@ predicted peak {format_size(choice.result.peak_bytes)}, step {choice.result.step
 {format_size(profile.saved_bytes)} in {len(profile.tensors)} tensors.</p>
 <img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="100%">
 <h2>Per-module actions</h2>{_table(action_rows(profile, choice.plan))}
+<h2>Per-operator actions (selective recompute)</h2>{_table(op_rows(profile, choice.plan))}
 <h2>Every policy (simulated)</h2>{_table(policy_rows)}
 <h2>Measured bandwidth</h2>{_table(bw_rows)}
 </body></html>"""
     with open(path, "w") as f:
         f.write(page)
     return path, png_path
+
+
+# ------------------------------------------------------------------ the budget sweep
+def render_sweep_png(model: str, rows: list[dict], plain_peak: int | None = None) -> bytes:
+    """Measured (solid) and predicted (dashed) peak and step time per policy against the budget
+    fraction; the budget itself as a grey line."""
+    plt = _matplotlib()
+    fig, (ax_mem, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mib = 2**20
+    policies = sorted({r["policy"] for r in rows if "step_s" in r})
+    cmap = plt.get_cmap("tab10")
+    for i, policy in enumerate(policies):
+        rs = sorted((r for r in rows if r["policy"] == policy and "step_s" in r),
+                    key=lambda r: r["frac"])  # fmt: skip
+        xs = [r["frac"] for r in rs]
+        c = cmap(i % 10)
+        ax_mem.plot(xs, [r["peak_bytes"] / mib for r in rs], "-o", color=c, label=policy, ms=3)
+        ax_mem.plot(xs, [r["pred_peak_bytes"] / mib for r in rs], "--", color=c, lw=0.8)
+        ax_t.plot(xs, [r["step_s"] for r in rs], "-o", color=c, label=policy, ms=3)
+        ax_t.plot(xs, [r["pred_step_s"] for r in rs], "--", color=c, lw=0.8)
+    fracs = sorted({r["frac"] for r in rows})
+    budgets = {r["frac"]: r["budget_bytes"] for r in rows}
+    ax_mem.plot(fracs, [budgets[f] / mib for f in fracs], color="grey", lw=2, label="budget")
+    ax_mem.set_xlabel("budget / plain peak")
+    ax_mem.set_ylabel("peak over all steps (MiB)")
+    ax_mem.set_title(f"{model}: peak, measured (solid) and predicted (dashed)")
+    ax_t.set_xlabel("budget / plain peak")
+    ax_t.set_ylabel("step (s)")
+    ax_t.set_title("step time, measured (solid) and predicted (dashed)")
+    ax_mem.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_sweep_report(path: str | os.PathLike, rows: list[dict], summary: list[dict]) -> str:
+    """One HTML page for a ``tensortier bench planner`` sweep: per model the two charts, the
+    per-budget summary, and the chosen (``auto``) plan's per-unit and per-operator actions."""
+    path = os.fspath(path)
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        png = render_sweep_png(model, mine)
+        summ = [
+            {
+                "budget": f"{s['frac']:.2f} ({format_size(s['budget_bytes'])})",
+                "fastest meeting": s.get("fastest_meeting"),
+                "auto meets": s.get("auto_meets_budget", s.get("error", "")),
+                "auto / fastest": f"{s['auto_vs_fastest']:.3f}" if "auto_vs_fastest" in s else "",
+                "best global": s.get("best_global"),
+                "auto speed-up": (
+                    f"{s['auto_speedup_vs_best_global']:.3f}"
+                    if "auto_speedup_vs_best_global" in s
+                    else ""
+                ),
+                "max pred err %": (
+                    f"{s['max_pred_err_pct']:.1f}" if s.get("max_pred_err_pct") is not None else ""
+                ),
+            }
+            for s in summary
+            if s["model"] == model
+        ]
+        autos = sorted((r for r in mine if r["policy"] == "auto" and "actions" in r),
+                       key=lambda r: r["frac"])  # fmt: skip
+        units = list(dict.fromkeys(u for r in autos for u in r["actions"]))
+        plan_rows = [
+            {"unit": u or "(outside units)",
+             **{f"{r['frac']:.2f}": _short(r["actions"].get(u, "keep"), 28) for r in autos}}
+            for u in units
+        ]  # fmt: skip
+        op_tables = "".join(
+            f"<h4>budget {r['frac']:.2f}</h4>{_table(r['op_actions'])}"
+            for r in autos
+            if r.get("op_actions")
+        )
+        parts.append(
+            f"""<h2>{html.escape(model)}</h2>
+<img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="100%">
+<h3>Per budget</h3>{_table(summ)}
+<h3>The auto plan per budget: per-unit actions</h3>{_table(plan_rows)}
+<h3>The auto plan per budget: per-operator actions of selective units</h3>
+{op_tables or "<p>(no selective recompute chosen)</p>"}"""
+        )
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tensortier budget sweep
+</title><style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
+table{{border-collapse:collapse;font-size:12px}}td,th{{border:1px solid #ccc;padding:2px 6px;
+text-align:right}}</style></head><body><h1>tensortier planner: budget sweep</h1>
+<p>Peaks are over every step, the first included (see <code>tensortier bench planner</code>).
+Solid lines: measured; dashed: the simulator's prediction.</p>{"".join(parts)}</body></html>"""
+    with open(path, "w") as f:
+        f.write(page)
+    return path

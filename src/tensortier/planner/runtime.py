@@ -1,32 +1,72 @@
 """Runs a plan: the offloader's ``decide`` callable plus ``torch.utils.checkpoint`` on chosen units.
 
 ``tt.offload(budget="6GiB", spill_dir=...)`` returns a :class:`PlannedOffload`. Used like the
-plain offloader (``with off: loss = model(x)`` then ``loss.backward()``), it
+plain offloader (``with off: loss = model(x)`` then ``loss.backward()``), it keeps the budget
+from the first step on:
 
 1. warms up (``warmup`` iterations with every saved tensor on the profiled tier, see
-   :func:`profiled_tier`: first-touch page faults, lazy initialisation and thread start-up are
-   not the model's cost),
+   :func:`profiled_tier`; the conservative mode, as Capuchin's passive mode: first-touch page
+   faults, lazy initialisation and thread start-up are not the model's cost),
 2. profiles the next iteration (:class:`Profiler`: every saved tensor, its sparsity and codec
-   ratios), then times ``timing_iters`` clean iterations (one with nothing offloaded when it fits
-   in free memory, one with everything on the profiled tier: they calibrate the simulator),
-   measures the tier bandwidths under a forked RNG (training draws the same dropout masks as
-   without the planner), and
+   ratios, every unit's operators), measures the tier bandwidths with transfers sized to the
+   budget, then times ``timing_iters`` iterations that each keep the saved tensors of a group
+   of units the simulator predicts under the budget (:func:`timing_groups`) and offload the
+   rest; all of this under a forked RNG where it draws (dropout masks stay those of plain
+   training),
 3. from the following iteration on runs the plan the policy chose: the saved tensors of each
-   unit go where the plan says (with the codec it chose per tensor), and units chosen for
-   recompute have their ``forward`` wrapped in non-reentrant ``torch.utils.checkpoint``
-   (restored by :meth:`PlannedOffload.close`).
+   unit go where the plan says (with the codec it chose per tensor, only some of them for a
+   partial swap), units chosen for recompute have their ``forward`` wrapped in non-reentrant
+   ``torch.utils.checkpoint``, with a selective policy for selective recompute (all restored by
+   :meth:`PlannedOffload.close`),
+4. tightens: the first ``check_steps`` planned iterations are measured; one over the budget
+   re-plans with a margin widened by the excess (at most ``MAX_REPLANS`` times).
 
-It raises :class:`BudgetError` (with ``.minimum``) at step 3 when no plan fits the budget. On a
-CPU-only machine it sets glibc's mmap threshold (``release_freed_memory``) so that activations
+**What the budget counts** (the one place it is defined): the peak, over one training
+iteration (the forward inside ``with`` to the end of its backward), of the memory the iteration
+adds to what was live when it began (the saved activations it keeps or reads back, recomputed
+ones, temporaries, the gradients it allocates), plus the memory the offload machinery keeps for
+itself between iterations: its host pool's blocks and disk staging buffers (asked of the
+objects that hold them, :meth:`Offloader.buffer_bytes`) and, on a CPU-only machine, whatever
+the process gained inside tensortier's own forward/backward windows and planning after the
+warm-up that no counter explains (code pages, allocator arenas). Not counted: parameters,
+gradients and optimizer states that exist between iterations, data, and anything the user's
+code allocates outside the ``with`` block and the backward. On CUDA it is device memory (the
+allocator's reserved high-water mark); on a CPU-only machine, RSS.
+
+After the first plan the runtime never raises :class:`BudgetError`: a checked step over the
+budget re-plans with a wider margin, or, when no plan fits that, runs the plan with the lowest
+predicted peak, and warns (``warnings.warn``, naming the measured peak and the budget).
+
+``plan_cache=DIR`` stores the profile and plan as JSON (never pickle), keyed by the model's
+structure, the inputs' shape bucket and dtypes, the budget and the settings: a restarted job
+with the same key runs the cached plan from its first step. Inputs whose shapes fall in another
+bucket (each dimension rounded up to a power of two) get a plan of their own at run time, from
+the same profile scaled to that bucket's shapes, without profiling again.
+
+On many ranks (``torch.distributed`` initialised, world > 1) every rank runs the same plan: the
+ranks agree on the settings at the first step and on the profiled structure before planning;
+rank 0 alone chooses (each timing pass's group, the plan, a bucket's plan, a re-plan) from the
+largest inputs and resident overhead of any rank and broadcasts it (see :func:`on_rank0`).
+The plan cache is read and written by rank 0 only: every rank runs rank 0's plan, so one file
+per key is the whole truth, and a hit or miss is the same on every rank.
+
+It raises :class:`BudgetError` (with ``.minimum``) at step 3 (the first plan) when no plan fits
+the budget. On a
+CPU-only machine glibc's mmap threshold is fixed (``tensortier._memory``) so that activations
 freed by the plan leave the process's RSS, which is what a CPU budget measures.
 This module never moves bytes itself: the activation offloader does.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import tempfile
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,36 +74,53 @@ from torch.utils.checkpoint import checkpoint
 
 from tensortier import _dist
 from tensortier._units import SizeLike, format_size, parse_size
-from tensortier.planner.policies import Choice, Options, choose, plan_all
-from tensortier.planner.profile import Bandwidth, Profile
-from tensortier.planner.profiler import Profiler, calibrate, plan_units, unit_of
-from tensortier.planner.simulator import Mode, Plan
+from tensortier.planner.ops import SelectivePolicy, preload
+from tensortier.planner.policies import Choice, Options, choose, plan_all, smallest
+from tensortier.planner.profile import FORMAT, Bandwidth, OpProfile, Profile
+from tensortier.planner.profiler import (
+    PeakMeter,
+    Profiler,
+    calibrate,
+    own_rng,
+    plan_units,
+    timing_group,
+    unit_of,
+)
+from tensortier.planner.simulator import Mode, Plan, ordinals
 from tensortier.tiers.codecs import get_codec
 
 log = logging.getLogger(__name__)
+MAX_REPLANS = 3
+FIRST_GROUP_SHARE = 0.75  # of the budget, for the first timing pass (see _timing_group)
+CACHE_FORMAT = 1
 
 
 def default_prefetch(budget: int) -> int:
-    """Read-ahead window for a budget: an eighth of it, between 8 MiB and 256 MiB."""
-    return int(min(256 << 20, max(8 << 20, budget // 8)))
+    """Read-ahead window for a budget: an eighth of it, between 1 MiB and 256 MiB (a record
+    larger than the window is still read ahead alone)."""
+    return int(min(256 << 20, max(1 << 20, budget // 8)))
+
+
+def default_inflight(budget: int) -> int:
+    """Bytes the offloader may have in flight to a tier: their sources are still in memory, so a
+    quarter of the budget, between 4 MiB and 256 MiB."""
+    return int(min(256 << 20, max(4 << 20, budget // 4)))
 
 
 def make_decide(profile: Profile, plan: Plan) -> Callable:
     """The offloader's ``decide``: per saved tensor, the action of its unit and its planned codec.
 
-    Codecs were chosen per profiled tensor; at run time a tensor is matched by its unit and its
-    ordinal within the unit (recomputed units' tensors are never seen, so ordinals elsewhere do
-    not shift) and, as a guard, its byte size.
+    Codecs and partial swaps were chosen per profiled tensor; at run time a tensor is matched by
+    its unit and its ordinal within the unit (recomputed units' tensors are never seen, so
+    ordinals elsewhere do not shift) and, as a guard for codecs, its byte size.
     """
     from tensortier.activations import Action
 
     units = [u.name for u in profile.units]
     by_ordinal: dict[tuple[str, int], tuple[int, str | None]] = {}
-    counts: dict[str, int] = {}
+    ordinal = ordinals(profile)
     for t in profile.tensors:
-        k = counts.get(t.unit, 0)
-        counts[t.unit] = k + 1
-        by_ordinal[(t.unit, k)] = (t.nbytes, plan.codecs.get(t.index))
+        by_ordinal[(t.unit, ordinal[t.index])] = (t.nbytes, plan.codecs.get(t.index))
     codecs = {name: get_codec(name) for name in set(plan.codecs.values()) if name}
     seen: dict[str, int] = {}
 
@@ -76,6 +133,8 @@ def make_decide(profile: Profile, plan: Plan) -> Callable:
         action = plan.action(unit)
         if action.mode not in (Mode.HOST, Mode.DISK):
             return Action("keep")
+        if action.part is not None and k not in action.part:
+            return Action("keep")
         nbytes, codec = by_ordinal.get((unit, k), (None, None))
         use = codecs.get(codec) if codec and nbytes == info.nbytes else None
         return Action(action.mode.value, use)
@@ -83,22 +142,54 @@ def make_decide(profile: Profile, plan: Plan) -> Callable:
     return decide
 
 
-class Recompute:
-    """Wraps the forward of the plan's recompute units in non-reentrant checkpoint; undoable."""
+def selective_sets(profile: Profile, plan: Plan) -> dict[str, frozenset[int]]:
+    """Per selective unit, the operators to recompute: the plan's, plus those that always rerun:
+    views and in-place ops (caching one would keep or write a storage another op owns), random
+    ops and ops whose output is later written in place (see ``OpRecorder``)."""
+    out = {}
+    for name, ops in plan.selective().items():
+        try:
+            unit = profile.unit(name)
+        except KeyError:
+            continue
+        out[name] = ops | {o.index for o in unit.ops if o.pinned or o.view}
+    return out
 
-    def __init__(self, root: nn.Module, names: list[str]):
+
+class Recompute:
+    """Wraps the forward of the plan's recompute units in non-reentrant checkpoint (with a
+    selective policy for the units in ``selective``: unit -> recomputed operator indices);
+    undoable."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        names: list[str],
+        selective: dict[str, frozenset[int]] | None = None,
+    ):
         units = plan_units(root)
         self._wrapped: list[nn.Module] = []
-        for name in names:
+        wanted = {n: None for n in names}
+        wanted.update({n: SelectivePolicy(ops) for n, ops in (selective or {}).items()})
+        for name, policy in wanted.items():
             module = units.get(name)
             if module is None:
                 continue
             original = module.forward
 
-            def forward(*args, _f=original, **kwargs):
-                if torch.is_grad_enabled():
-                    return checkpoint(_f, *args, use_reentrant=False, **kwargs)
-                return _f(*args, **kwargs)
+            if policy is None:
+
+                def forward(*args, _f=original, **kwargs):
+                    if torch.is_grad_enabled():
+                        return checkpoint(_f, *args, use_reentrant=False, **kwargs)
+                    return _f(*args, **kwargs)
+
+            else:
+
+                def forward(*args, _f=original, _p=policy, **kwargs):
+                    if torch.is_grad_enabled():
+                        return _p.run(_f, *args, **kwargs)
+                    return _f(*args, **kwargs)
 
             module.forward = forward
             self._wrapped.append(module)
@@ -108,6 +199,66 @@ class Recompute:
             if "forward" in module.__dict__:
                 del module.forward
         self._wrapped = []
+
+
+def on_rank0(make: Callable[[], object], what: str = "planning") -> object:
+    """``make()`` run on rank 0 alone, its result on every rank (without ``torch.distributed``,
+    or in a world of one: ``make()`` here).
+
+    Ranks that recompute different blocks run different collectives (FSDP's all-gathers in the
+    recomputed forward) and can deadlock, so, as torchtitan does, one rank decides and the
+    others receive its decision. Rank 0's error is sent as a value, so every rank raises (a
+    ``BudgetError`` with its ``.minimum``) instead of waiting for a broadcast that never comes.
+    Callers call it on every rank, in the same order (one broadcast each).
+    """
+    if not _dist.active():
+        return make()
+    from tensortier.errors import BudgetError
+
+    sent: tuple = ("none",)
+    error: Exception | None = None
+    if _dist.rank() == 0:
+        try:
+            sent = ("ok", make())
+        except BudgetError as exc:
+            error, sent = exc, ("BudgetError", str(exc), exc.budget, exc.minimum)
+        except Exception as exc:  # every rank must leave the broadcast
+            error, sent = exc, ("error", f"{type(exc).__name__}: {exc}")
+    got = _dist.broadcast_object(sent, 0)
+    if got[0] == "ok":
+        return got[1]
+    if got[0] == "BudgetError":
+        _, message, budget, minimum = got
+        raise BudgetError(f"rank 0 planned: {message}", budget=budget, minimum=minimum) from error
+    if error is not None:
+        raise error
+    raise RuntimeError(f"tensortier {what} failed on rank 0 ({got[1]}); see rank 0's traceback")
+
+
+def agreed_shapes(shapes: list) -> list:
+    """The inputs' shapes every rank plans for: each dimension's largest size over the ranks (a
+    plan made for larger inputs errs high in memory). Ranks whose inputs differ in number, rank
+    or dtype are a ConfigError on every rank."""
+    if not _dist.active():
+        return shapes
+    from tensortier.errors import ConfigError
+
+    everyone = _dist.gather_objects(shapes)
+    base = everyone[0]
+    for r, other in enumerate(everyone[1:], start=1):
+        same = len(other) == len(base) and all(
+            len(a) == len(b) and da == db for (a, da), (b, db) in zip(base, other)
+        )
+        if not same:
+            raise ConfigError(
+                f"tt.offload(budget=...): rank {r}'s inputs {other} differ from rank 0's {base} "
+                f"in number, dimensions or dtype; every rank must call the model with tensors "
+                f"of the same structure (sizes may differ: the plan is made for the largest)"
+            )
+    return [
+        [[max(o[i][0][d] for o in everyone) for d in range(len(base[i][0]))], base[i][1]]
+        for i in range(len(base))
+    ]
 
 
 def profiled_tier(to: str, device: torch.device) -> str:
@@ -126,12 +277,189 @@ class PlanConfig:
     to: str = "auto"  # the tiers the plan may use: "host", "disk" or "auto" (both)
     spill_dir: str | None = None
     warmup: int = 1
-    timing_iters: int = 2  # clean timing passes after the probe (see Profiler)
+    timing_iters: int = 2  # timing passes after the probe, each under the budget
     prefetch: int | None = None  # None: default_prefetch(budget)
+    max_inflight: int | None = None  # None: default_inflight(budget)
     host_budget: int = 8 << 30
     options: Options | None = None
     bandwidth: Bandwidth | None = None
     report: str | None = None  # write an HTML report of the chosen plan here
+    plan_cache: str | None = None  # directory of cached profiles and plans (JSON)
+    check_steps: int = 3  # planned iterations measured against the budget (re-plan if over)
+
+
+# ------------------------------------------------------------------ plan cache
+def bucket(n: int) -> int:
+    """A dimension's shape bucket: the next power of two (1 for 0 and 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _inputs(args, kwargs) -> list[tuple[list[int], str]]:
+    from tensortier.planner.profiler import _tensors
+
+    flat = _tensors(list(args)) + _tensors(dict(sorted(kwargs.items())))
+    return [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in flat]
+
+
+def model_signature(root: nn.Module) -> str:
+    """Hash of what a profile depends on in the model: module types and names, parameter
+    shapes, dtypes and whether they train."""
+    h = hashlib.sha256()
+    for name, m in root.named_modules():
+        h.update(f"{name}:{type(m).__qualname__};".encode())
+    for name, p in root.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    return h.hexdigest()[:32]
+
+
+def cache_key(config: PlanConfig, device: torch.device, signature: str, shapes: list) -> dict:
+    """What a cached plan is valid for; any difference means profiling again."""
+    opts = config.options or Options()
+    return {
+        "format": CACHE_FORMAT,
+        "profile_format": FORMAT,
+        "model": signature,
+        "inputs": [[[bucket(d) for d in shape], dtype] for shape, dtype in shapes],
+        "budget": config.budget,
+        "policy": config.policy,
+        "to": config.to,
+        "device": str(device.type),
+        "world": _dist.world(),  # per-rank inputs and FSDP shards depend on it
+        "torch": torch.__version__,
+        "options": {
+            "tiers": list(opts.tiers),
+            "allow_lossy": opts.allow_lossy,
+            "fine": opts.fine,
+            "margin": opts.margin,
+            "seed": opts.seed,
+        },
+    }
+
+
+def _key_file(directory: str, key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return os.path.join(directory, f"plan-{digest}.json")
+
+
+def load_cached(directory: str, key: dict) -> tuple[Profile, Plan, dict] | None:
+    """The cached profile and plan for ``key``, or None (absent, another key, unreadable)."""
+    path = _key_file(directory, key)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("key") != key:
+            return None
+        return Profile.from_dict(data["profile"]), Plan.from_dict(data["plan"]), data
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # damaged or from another version: profile again, say why
+        log.warning("tensortier plan cache %s unusable (%s): profiling again", path, exc)
+        return None
+
+
+def save_cached(
+    directory: str, key: dict, profile: Profile, choice: Choice, shapes, overhead: int = 0
+) -> str:
+    """Write atomically (temporary file, then rename): a reader never sees half a plan."""
+    os.makedirs(directory, exist_ok=True)
+    path = _key_file(directory, key)
+    data = {
+        "key": key,
+        "shapes": shapes,
+        "overhead_bytes": overhead,
+        "profile": profile.to_dict(),
+        "plan": choice.plan.to_dict(),
+        "predicted": choice.result.summary(),
+    }
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def dimension_map(old: list, new: list) -> dict[int, int]:
+    """Tensor dimension sizes of the profiled inputs -> their size for ``new`` inputs (rounded up
+    to the bucket): every product of input dimensions, since a model flattens (batch x sequence
+    is a matmul's rows). Where two products coincide the larger new size wins (memory errs
+    high)."""
+    out: dict[int, int] = {}
+    for (a, _), (b, _) in zip(old, new):
+        if len(a) != len(b) or len(a) > 6:
+            continue
+        nb = [bucket(d) for d in b]
+        for mask in range(1, 1 << len(a)):
+            pa = pb = 1
+            for i in range(len(a)):
+                if mask >> i & 1:
+                    pa, pb = pa * a[i], pb * nb[i]
+            if pa > 1 and pb != pa:
+                out[pa] = max(out.get(pa, pb), pb)
+            elif pa > 1:
+                out.setdefault(pa, pa)
+    return {k: v for k, v in out.items() if k != v}
+
+
+def scale_profile(profile: Profile, sizes: dict[int, int]) -> Profile:
+    """The profile of another input shape without profiling it: every tensor dimension whose
+    profiled size is a key of ``sizes`` takes the mapped size; bytes scale with the shape, a
+    unit's times, operators and inputs with its bytes."""
+    p = Profile.from_dict(profile.to_dict())
+    ratios: dict[str, tuple[int, int]] = {}
+    for t in p.tensors:
+        factor = 1.0
+        shape = []
+        for d in t.shape:
+            new = sizes.get(d, d)
+            factor *= new / d if d else 1.0
+            shape.append(new)
+        old = t.nbytes
+        t.nbytes = int(round(old * factor))
+        t.shape = shape
+        a, b = ratios.get(t.unit, (0, 0))
+        ratios[t.unit] = (a + old, b + t.nbytes)
+    for u in p.units:
+        old, new = ratios.get(u.name, (1, 1))
+        r = new / old if old else 1.0
+        u.fwd_s *= r
+        u.bwd_s *= r
+        u.input_bytes = int(u.input_bytes * r)
+        u.grad_bytes = u.grad_bytes  # parameter gradients do not depend on the input
+        u.ops = [
+            OpProfile(
+                o.index,
+                o.name,
+                int(o.out_bytes * r),
+                o.seconds * r,
+                int(o.saved_bytes * r),
+                o.view,
+                o.random,
+                o.pinned,
+            )
+            for o in u.ops
+        ]
+    total_old = sum(a for a, _ in ratios.values()) or 1
+    total_new = sum(b for _, b in ratios.values())
+    r = total_new / total_old
+    p.other_fwd_s *= r
+    p.other_bwd_s *= r
+    p.passes = []  # measured at the profiled shape only
+    return p
+
+
+# ------------------------------------------------------------------ the planned offload
+@dataclass
+class _Bucket:
+    key: dict
+    shapes: list
+    profile: Profile
+    choice: Choice
+    sizes: dict[int, int] = field(default_factory=dict)
 
 
 class PlannedOffload:
@@ -140,14 +468,20 @@ class PlannedOffload:
     def __init__(self, config: PlanConfig):
         if config.prefetch is None:
             config.prefetch = default_prefetch(config.budget)
+        if config.max_inflight is None:
+            config.max_inflight = default_inflight(config.budget)
         self.config = config
+        preload()  # PyTorch's one-time imports for dispatch modes: not in a budgeted iteration
         self._rss0: int | None = None
         self._overhead = 0
+        self._uncounted = 0  # RSS growth in tensortier's windows that no counter explains
+        self._window: tuple[int, int] | None = None  # (RSS less gradients, counted) at its start
         self.iteration = 0
         self.profile: Profile | None = None
         self.choice: Choice | None = None
         self.offloader = None
         self._profiler: Profiler | None = None
+        self._groups: list[list[str]] | None = None
         self._warm = None
         self._recompute: Recompute | None = None
         self._root: nn.Module | None = None
@@ -155,15 +489,43 @@ class PlannedOffload:
         self._root_hook = None
         self._profiled = 0  # profiler passes run: the probe, then the timing passes
         self._closed = False
+        self._shapes: list | None = None  # of the profiled (or cached) iteration
+        self._step_shapes: list | None = None  # of this iteration
+        self._signature: str | None = None
+        self._buckets: dict[str, _Bucket] = {}
+        self._current: str | None = None  # bucket key of the plan installed now
+        self._meter: PeakMeter | None = None
+        self._meter_base = 0  # resident at the metered iteration's start (CPU)
+        self.cached = False  # the plan came from plan_cache
+        self.measured_peaks: list[int] = []  # of the checked planned iterations
+        self._check_hooks: list = []
+        self._over = False  # a checked iteration went over the budget: plan again
+        self.replans = 0
+        self._margin: float | None = None  # widened by re-plans (see margin)
+        self._checked = 0  # measured_peaks already compared across the ranks
+        self._agreed = False  # the ranks checked that they run the same settings
 
-    # the outermost module run in the forward is the model the plan's unit names refer to
+    # the outermost module run in the forward is the model the plan's unit names refer to; the
+    # first tensors a module of the forward is called with (the root's, or for a model called
+    # with keywords, its embedding's) are the inputs that choose the shape bucket
     def _catch_root(self, module: nn.Module, args) -> None:
         if self._root is None:
             self._root = module
+            self._signature = model_signature(module)
+        if self._step_shapes is not None:
+            return
+        shapes = _inputs(args, {})
+        if not shapes:
+            return
+        self._step_shapes = shapes
+        if self._shapes is None:
+            self._shapes = shapes  # what this rank profiles (rank 0's is sent with its plan)
+            if self.config.plan_cache and self.offloader is None:
+                self._try_cache(agreed_shapes(shapes))
+        elif self.profile is not None:
+            self._select(agreed_shapes(shapes))
 
     def __enter__(self) -> PlannedOffload:
-        from tensortier.activations import Offloader
-
         cfg = self.config
         if self._closed:
             from tensortier.errors import ClosedError
@@ -173,42 +535,59 @@ class PlannedOffload:
                 "with other settings, which releases the previous one); call "
                 "tt.offload(budget=...) again"
             )
+        if not self._agreed:
+            self._agree_settings()
+        if self._rss0 is None and self.offloader is None and not torch.cuda.is_available():
+            from tensortier._device import rss_bytes
+            from tensortier._memory import release_freed_memory
+
+            release_freed_memory()  # else RSS never drops below the plain peak
+            self._rss0 = rss_bytes()
+        if self._measuring():
+            self._open_window()
+        self._check_peak()
         if self.profile is None and self._profiled > cfg.timing_iters:
             self._finish_profile()
-        if self.iteration < cfg.warmup:
-            if self._rss0 is None and not torch.cuda.is_available():
-                from tensortier._device import rss_bytes
-                from tensortier.planner.profiler import release_freed_memory
+        self._step_shapes = None
+        self._root_hook = nn.modules.module.register_module_forward_pre_hook(self._catch_root)
+        try:
+            self._enter()
+        except BaseException:
+            self._root_hook.remove()
+            self._root_hook = None
+            raise
+        return self
 
-                release_freed_memory()  # else RSS never drops below the plain peak
+    def _enter(self) -> None:
+        from tensortier.activations import Offloader
 
-                self._rss0 = rss_bytes()
-            if self._warm is None:
-                tier = self._tier()
-                self._warm = Offloader(
-                    # "auto": a host tier that is full spills to disk instead of failing
-                    "disk" if tier == "disk" else ("host" if cfg.to == "host" else "auto"),
-                    spill_dir=cfg.spill_dir,
-                    decide=lambda info: tier,
-                    prefetch=cfg.prefetch,
-                    host_budget=cfg.host_budget,
-                )
-            self._root_hook = nn.modules.module.register_module_forward_pre_hook(self._catch_root)
+        cfg = self.config
+        if self.offloader is not None:  # the plan (profiled now, or cached)
+            self._active = self.offloader
+            if len(self.measured_peaks) < cfg.check_steps * (1 + self.replans):
+                # what earlier iterations left resident counts: the budget holds for the process
+                self._meter_base = self._resident()
+                self._meter = PeakMeter(self.offloader.device).__enter__()
+            self.offloader.__enter__()
+            return
+        if self._warm is None:
+            tier = self._tier()
+            self._warm = Offloader(
+                # "auto": a host tier that is full spills to disk instead of failing
+                "disk" if tier == "disk" else ("host" if cfg.to == "host" else "auto"),
+                spill_dir=cfg.spill_dir,
+                decide=lambda info: tier,
+                prefetch=cfg.prefetch,
+                max_inflight=cfg.max_inflight,
+                host_budget=self._pool_budget(),
+                disk_io_threads=self._io_threads(),
+            )
+        if self.iteration < cfg.warmup or self.cached:
             self._active = self._warm
-            self._warm.__enter__()
-        elif self.profile is None and self._profiler is not None:  # a timing pass
-            self._active = self._profiler.timing()
-            self._active.__enter__()
-        elif self.profile is None:
-            if self._rss0 is not None:  # what the warm-up left behind: the offloader's buffers
-                from tensortier._device import rss_bytes
-
-                grads = sum(
-                    p.grad.untyped_storage().nbytes()
-                    for p in (self._root.parameters() if self._root is not None else [])
-                    if p.grad is not None
-                )
-                self._overhead = max(0, rss_bytes() - self._rss0 - grads)
+        elif self._profiler is not None:  # a timing pass, under the budget
+            self._active = self._profiler.timing(keep=self._timing_group())
+        else:
+            self._measure_overhead()  # what the warm-up left behind: the offloader's buffers
             self._profiler = Profiler(
                 offloader=self._warm,
                 tier=self._tier(),
@@ -217,13 +596,10 @@ class PlannedOffload:
                 allow_lossy=bool(cfg.options and cfg.options.allow_lossy),
                 prefetch=cfg.prefetch,
                 host_budget=cfg.host_budget,
+                probe_bytes=max(1 << 20, min(64 << 20, cfg.budget // 12)),
             )
             self._active = self._profiler.forward()
-            self._active.__enter__()
-        else:
-            self._active = self.offloader
-            self.offloader.__enter__()
-        return self
+        self._active.__enter__()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         active, self._active = self._active, None
@@ -232,36 +608,191 @@ class PlannedOffload:
             self._root_hook = None
         if active is not None:
             active.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            self._window = None  # an aborted iteration measures nothing
+        elif self._meter is not None or self._window is not None:
+            self._arm_check()
         if exc_type is None:
             self.iteration += 1
-            if self.profile is None and active is not self._warm:
+            if self.profile is None and self._profiler is not None and active is not self._warm:
                 self._profiled += 1
+
+    def _agree_settings(self) -> None:
+        """Many ranks: the same settings on every rank, checked at the first step (before any
+        rank profiles or reads the plan cache); a mismatch is ConfigError on every rank. The
+        spill directory may differ (a node's own disk): it does not change the plan."""
+        self._agreed = True
+        if not _dist.active():
+            return
+        cfg = self.config
+        _dist.agree(
+            {
+                "budget": cfg.budget,
+                "to": cfg.to,
+                "policy": cfg.policy,
+                "host_budget": cfg.host_budget,
+                "plan_cache": cfg.plan_cache is not None,
+                "warmup": cfg.warmup,
+                "timing_iters": cfg.timing_iters,
+                "check_steps": cfg.check_steps,
+                "options": repr(cfg.options),
+            },
+            "tt.offload(budget=...)",
+            fix="run the same offload settings on every rank",
+        )
+
+    def _measure_overhead(self) -> None:
+        """The machinery's resident memory (see :meth:`_resident`), measured again before each
+        timing pass and before planning and only ever raised: the profiling passes fill the pool
+        and load code further (~5 MiB after the warm-up on gpt:3x192x16), and it stays in the
+        process, so in the budget, in every later iteration."""
+        self._overhead = max(self._overhead, self._resident())
+
+    def _resident(self) -> int:
+        """What the offload machinery keeps resident between iterations, on a CPU-only machine
+        (0 on CUDA, where the budget is device memory): the bytes its offloaders hold, asked of
+        them (:meth:`Offloader.buffer_bytes`: host pool blocks, disk staging buffers), plus the
+        process's growth that no counter explains *inside* tensortier's windows after the
+        warm-up (from an offloaded forward's start, planning included, to the end of its
+        backward; gradients excluded): code pages and allocator arenas the machinery touched.
+        The warm-up's window is not counted (a fresh process's lazy initialisation is
+        torch's), nor is anything outside the windows: the optimizer's states allocated at its
+        first ``step()``, data, the user's own allocations are the user's memory."""
+        if self._rss0 is None:
+            return 0
+        return self._counted() + max(0, self._uncounted)
+
+    def _counted(self) -> int:
+        return sum(off.buffer_bytes() for off in self._offloaders() if not off.closed)
+
+    def _offloaders(self) -> list:
+        out: list = []
+        prof = self._profiler.offloader if self._profiler is not None else None
+        for off in (self.offloader, self._warm, prof):
+            if off is not None and all(off is not o for o in out):
+                out.append(off)
+        return out
+
+    def _measuring(self) -> bool:
+        """Whether this iteration's window counts toward the machinery's resident memory: the
+        warm-up, profiling and planning, and the checked planned iterations."""
+        if self._rss0 is None:
+            return False
+        if self.offloader is None or self.profile is None:
+            return True
+        return len(self.measured_peaks) < self.config.check_steps * (1 + self.replans)
+
+    def _process_bytes(self) -> int:
+        """RSS less the gradients of the model (the training's, allocated during backward)."""
+        from tensortier._device import rss_bytes
+
+        grads = sum(
+            p.grad.untyped_storage().nbytes()
+            for p in (self._root.parameters() if self._root is not None else [])
+            if p.grad is not None
+        )
+        return rss_bytes() - grads
+
+    def _open_window(self) -> None:
+        """Start a window at this forward (kept open across forwards until a backward ends it:
+        gradient accumulation runs several forwards per backward). Warm-up windows are not
+        opened: what a fresh process touches first is torch's lazy initialisation."""
+        if self._window is None and self.iteration >= self.config.warmup:
+            self._window = (self._process_bytes(), self._counted())
+
+    def _close_window(self) -> None:
+        start, self._window = self._window, None
+        if start is not None:
+            self._uncounted += (self._process_bytes() - start[0]) - (self._counted() - start[1])
+
+    def _pool_budget(self) -> int:
+        """Host pool of the offloader. On a CPU-only machine with disk plans it only caches
+        read-back buffers, which stay resident between iterations and so count in the budget:
+        capped at one prefetch window and a sixteenth of the budget (larger reads allocate and free their own memory)."""
+        from tensortier._device import default_device
+
+        cfg = self.config
+        if default_device().type == "cuda" or cfg.to == "host":
+            return cfg.host_budget
+        return min(cfg.host_budget, cfg.prefetch, max(1 << 20, cfg.budget // 16))
+
+    def _io_threads(self) -> int:
+        """Disk I/O threads: each holds a 4 MiB aligned staging buffer, resident, so in the
+        budget on a CPU-only machine, where more threads also take cores from compute: one
+        below a 256 MiB budget, else one per core (at most 4)."""
+        from tensortier._device import default_device
+
+        if default_device().type == "cuda":
+            return 4
+        if self.config.budget < 256 << 20:
+            return 1
+        return max(1, min(4, os.cpu_count() or 1))
+
+    def _planning_budget(self, margin: float | None = None) -> int:
+        """The budget the simulator plans against: the user's, less the margin and the memory the
+        offload machinery keeps between iterations (measured after the warm-up: staging and
+        pooled read buffers; it is in the process's RSS, so in the budget, on a CPU)."""
+        m = self.margin if margin is None else margin
+        return max(1, int(self.config.budget * (1 - m)) - self._overhead)
+
+    @property
+    def margin(self) -> float:
+        """The share of the budget planned as slack: ``Options.margin``, widened by re-plans.
+        Kept apart from the options, which (with the user's margin) key the plan cache."""
+        if self._margin is not None:
+            return self._margin
+        return (self.config.options or Options()).margin
 
     def _tier(self) -> str:
         from tensortier._device import default_device
 
         return profiled_tier(self.config.to, default_device())
 
-    def _finish_profile(self) -> None:
-        from tensortier.planner.profiler import own_rng
+    def _timing_group(self) -> list[str]:
+        """The units the next timing pass keeps: predicted under the budget by the profile so
+        far, calibrated on every pass so far (the probe's, then each timing pass's). The first
+        group is chosen for FIRST_GROUP_SHARE of the budget: only the probe calibrated the
+        model then, and the probe offloaded everything. Profile conservatively, then tighten."""
+        groups = self._groups if self._groups is not None else []
+        self._measure_overhead()
 
+        def make() -> list[str]:
+            with own_rng(self._profiler.device):
+                prov = calibrate(self._profiler.provisional())
+            budget = self._planning_budget()
+            if not groups:
+                budget = int(budget * FIRST_GROUP_SHARE)
+            return timing_group(prov, budget, {u for g in groups for u in g})
+
+        group = on_rank0(make, "choosing a timing pass")
+        self._groups = [*groups, group]
+        log.info("tensortier timing pass %d keeps %s", len(self._groups), group)
+        return group
+
+    def _finish_profile(self) -> None:
         with own_rng(self._profiler.device):  # nothing here may move the training's RNG
             self._plan()
 
     def _plan(self) -> None:
         cfg = self.config
         prof = self._profiler
+        self._measure_overhead()  # the profiling passes left more resident than the warm-up
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
-        root = prof.root
-
-        self.choice = agreed_choice(self.profile, cfg)
-        plan = self.choice.plan
-        log.info(
-            "tensortier plan %s: predicted peak %s, step %.3fs",
-            plan.policy,
-            format_size(self.choice.result.peak_bytes),
-            self.choice.result.step_s,
+        if _dist.active():
+            self._agree_structure(self.profile)
+            # rank 0 plans for the largest resident overhead, with its profile and shapes
+            self._overhead = max(_dist.gather_objects(self._overhead))
+        self.profile, self.choice, self._shapes = on_rank0(
+            lambda: (self.profile, self._choose(self.profile), self._shapes)
         )
+        key = self._key(self._shapes)
+        self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(
+            key, self._shapes, self.profile, self.choice
+        )
+        if cfg.plan_cache and self._shapes is not None and _dist.rank() == 0:
+            save_cached(
+                cfg.plan_cache, key, self.profile, self.choice, self._shapes, self._overhead
+            )
         if cfg.report and _dist.rank() == 0:
             from tensortier.planner.report import write_report
 
@@ -272,26 +803,249 @@ class PlannedOffload:
                 plan_all(self.profile, cfg.budget, cfg.options),
                 budget=cfg.budget,
             )
-        from tensortier.activations import Offloader
-
         if prof.offloader is not None and prof.offloader is not self._warm:
             prof.offloader.close()
-        self._recompute = Recompute(root, plan.recomputed()) if root is not None else None
-        if self._warm is not None:  # same spill files and buffers; plan decides from now on
+        self._install(json.dumps(key, sort_keys=True))
+
+    @staticmethod
+    def _agree_structure(profile: Profile) -> None:
+        """Every rank profiled the same units and saved tensors (else one plan cannot fit all):
+        ConfigError on every rank otherwise, naming the rank."""
+        _dist.agree(
+            {
+                "planning units": [u.name for u in profile.units],
+                "saved tensors": [(t.unit, t.nbytes) for t in profile.tensors],
+            },
+            "tt.offload(budget=...)",
+            fix="run the same model, batch shapes and offload settings on every rank",
+        )
+
+    def _choose(self, profile: Profile) -> Choice:
+        from tensortier.errors import BudgetError
+
+        cfg = self.config
+        opts = cfg.options or Options()
+        margin = self.margin
+        inner = Options(**{**opts.__dict__, "margin": 0.0})
+        try:  # the margin and the machinery's resident buffers come off the top
+            choice = choose(profile, self._planning_budget(margin), cfg.policy, inner)
+        except BudgetError as e:  # say it in the user's terms
+            minimum = int((e.minimum + self._overhead) / (1 - margin)) + 1
+            buffers = (
+                f"the offloader keeps {format_size(self._overhead)} of buffers resident and "
+                if self._overhead
+                else ""
+            )
+            raise BudgetError(
+                f"no {cfg.policy} plan fits a budget of {format_size(cfg.budget)}: {buffers}"
+                f"the smallest peak a plan reaches is {format_size(e.minimum)} "
+                f"({margin:.0%} margin). Raise the budget to at least {format_size(minimum)}"
+                + (", or use policy='auto'." if cfg.policy != "auto" else "."),
+                budget=cfg.budget,
+                minimum=minimum,
+            ) from e
+        r = choice.result
+        log.info(
+            "tensortier plan %s: predicted peak %s, step %.3fs (planned in %.2fs)",
+            choice.plan.policy,
+            format_size(r.peak_bytes),
+            r.step_s,
+            choice.plan_s,
+        )
+        return choice
+
+    def _choose_in_training(self, profile: Profile) -> tuple[Choice, str | None]:
+        """A plan once training runs (a re-plan, a new shape bucket): the budget's plan or, if
+        none fits, the plan with the lowest predicted peak and a line saying why. Never
+        ``BudgetError``: that is for the first plan, before any planned step; afterwards it
+        would break the user's loop mid-training."""
+        from tensortier.errors import BudgetError
+
+        try:
+            return self._choose(profile), None
+        except BudgetError as e:
+            opts = self.config.options or Options()
+            choice = smallest(profile, Options(**{**opts.__dict__, "margin": 0.0}))
+            note = (
+                f"{choice.plan.policy}: predicted peak {format_size(choice.result.peak_bytes)} "
+                f"plus {format_size(self._overhead)} of offloader buffers; raise the budget to "
+                f"at least {format_size(e.minimum)} to keep it"
+            )
+            log.warning("tensortier: %s", note)
+            return choice, note
+
+    def _key(self, shapes) -> dict:
+        from tensortier._device import default_device
+
+        return cache_key(self.config, default_device(), self._signature or "", shapes or [])
+
+    def _try_cache(self, shapes) -> None:
+        """First forward: a cached profile and plan for this model and shape bucket skip the
+        warm-up and profiling (the forward has not saved anything yet, so it can switch)."""
+        key = self._key(shapes)
+        hit = on_rank0(lambda: load_cached(self.config.plan_cache, key), "reading the plan cache")
+        if hit is None:
+            return
+        profile, plan, data = hit
+        self._shapes = shapes
+        from tensortier.planner.simulator import simulate
+
+        self.profile = profile
+        self._overhead = int(data.get("overhead_bytes", 0))  # as measured when it was planned
+        self.choice = Choice(plan, simulate(profile, plan))
+        self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(key, shapes, profile, self.choice)
+        self.cached = True
+        log.info("tensortier plan %s from the cache (%s)", plan.policy, self.config.plan_cache)
+        self._install(json.dumps(key, sort_keys=True))
+
+    def _select(self, shapes) -> None:
+        """A forward with other input shapes: the plan of their bucket (made now from the
+        profile scaled to the bucket's shapes if there is none yet, never by profiling)."""
+        key = self._key(shapes)
+        name = json.dumps(key, sort_keys=True)
+        if name == self._current:
+            return
+        if name not in self._buckets:
+            base = next(iter(self._buckets.values()))
+            sizes = dimension_map(base.shapes, shapes)
+
+            def make() -> tuple[Profile, Choice, str | None]:
+                with own_rng(self.offloader.device):
+                    profile = scale_profile(base.profile, sizes)
+                    return profile, *self._choose_in_training(profile)
+
+            profile, choice, fallback = on_rank0(make)
+            if fallback is not None:
+                warnings.warn(
+                    f"tensortier: no plan fits the {format_size(self.config.budget)} budget for "
+                    f"inputs of shapes {[s for s, _ in shapes]}; training goes on with the most "
+                    f"conservative plan ({fallback})",
+                    stacklevel=3,
+                )
+            self._buckets[name] = _Bucket(key, shapes, profile, choice, sizes)
+            if self.config.plan_cache and _dist.rank() == 0:
+                save_cached(self.config.plan_cache, key, profile, choice, shapes, self._overhead)
+        self._install(name)
+
+    def _install(self, name: str) -> None:
+        """Make ``self._buckets[name]``'s plan the one that runs (now: in the current forward,
+        which has not saved anything yet, or from the next one)."""
+        from tensortier.activations import Offloader
+
+        cfg = self.config
+        b = self._buckets[name]
+        self.profile, self.choice, self._current = b.profile, b.choice, name
+        plan = b.choice.plan
+        if self._recompute is not None:
+            self._recompute.remove()
+        root = self._root or (self._profiler.root if self._profiler else None)
+        self._recompute = (
+            Recompute(root, plan.recomputed(), selective_sets(b.profile, plan))
+            if root is not None
+            else None
+        )
+        decide = make_decide(b.profile, plan)
+        if self.offloader is None and self._warm is not None:
+            # same spill files and buffers; the plan decides from now on
             self.offloader, self._warm = self._warm, None
-            self.offloader.decide = make_decide(self.profile, plan)
             self.offloader.record, self.offloader.records = False, []
             if cfg.to != "host":  # host-only plans never go to disk
                 self.offloader.to = "auto"  # host tier full: spill to disk
                 self.offloader._attach_disk()
-        else:
+        elif self.offloader is None:
             self.offloader = Offloader(
                 "host" if cfg.to == "host" else "auto",
                 spill_dir=cfg.spill_dir,
-                decide=make_decide(self.profile, plan),
+                decide=decide,
                 prefetch=cfg.prefetch,
-                host_budget=cfg.host_budget,
+                max_inflight=cfg.max_inflight,
+                host_budget=self._pool_budget(),
+                disk_io_threads=self._io_threads(),
             )
+        self.offloader.decide = decide
+
+    def _arm_check(self) -> None:
+        """Read the meter when this iteration's backward ends: the first gradient accumulated
+        queues an autograd callback (run once the whole backward is done). Without a backward
+        the next ``__enter__`` reads it."""
+        if self._root is None or self._check_hooks:
+            return
+        handles: list = []
+        fired = [False]
+
+        def queue(_param) -> None:
+            if fired[0]:
+                return
+            fired[0] = True
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            except RuntimeError:  # not inside a backward after all: the next forward reads it
+                pass
+
+        for p in self._root.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(queue))
+        self._check_hooks = handles
+
+    def _backward_end(self) -> None:
+        """Queued at the end of the backward: the window's net growth, then the meter."""
+        self._close_window()
+        self._read_meter()
+
+    def _read_meter(self) -> None:
+        """The metered peak, at the end of the backward or (none ran) at the next forward;
+        the window stays open then: a forward without its backward still holds activations."""
+        for h in self._check_hooks:
+            h.remove()
+        self._check_hooks = []
+        meter, self._meter = self._meter, None
+        if meter is not None:
+            meter.__exit__(None, None, None)
+            peak = self._meter_base + meter.delta
+            self.measured_peaks.append(peak)
+            self._over = self._over or peak > self.config.budget
+
+    def _check_peak(self) -> None:
+        """The previous planned iteration's peak (forward to this forward): over the budget, the
+        plan is chosen again with the margin widened by the excess (the budget is a promise)."""
+        if self._meter is not None:  # no backward ran since the forward
+            self._read_meter()
+        over, self._over = self._over, False
+        peak = max(self.measured_peaks, default=0)
+        if _dist.active() and len(self.measured_peaks) > self._checked:
+            # one rank over the budget re-plans them all, for the highest peak of any rank
+            self._checked = len(self.measured_peaks)
+            everyone = _dist.gather_objects((over, peak))
+            over, peak = any(o for o, _ in everyone), max(p for _, p in everyone)
+        if not over or self.replans >= MAX_REPLANS or self.profile is None:
+            return
+        budget = self.config.budget
+        margin = 1 - (1 - self.margin) * budget / peak
+        margin = min(0.9, max(margin, self.margin + 0.05))
+        self.replans += 1
+        self._margin = margin
+
+        def make() -> tuple[Choice, str | None]:
+            with own_rng(self.offloader.device):
+                return self._choose_in_training(self.profile)
+
+        choice, fallback = on_rank0(make)
+        warnings.warn(
+            f"tensortier: a planned iteration peaked at {format_size(peak)}, over the "
+            f"{format_size(budget)} budget; "
+            + (
+                f"planned again with a {margin:.0%} margin ({choice.plan.policy})"
+                if fallback is None
+                else f"no plan fits it with a {margin:.0%} margin, so training goes on with the "
+                f"most conservative plan ({fallback})"
+            ),
+            stacklevel=3,
+        )
+        b = self._buckets[self._current]
+        b.choice = choice
+        if self.config.plan_cache and _dist.rank() == 0:
+            save_cached(self.config.plan_cache, b.key, b.profile, choice, b.shapes, self._overhead)
+        self._install(self._current)
 
     @property
     def stats(self):
@@ -300,6 +1054,8 @@ class PlannedOffload:
     def close(self) -> None:
         """Undo the checkpoint wrappers and release the offloaders' memory and files."""
         self._closed = True
+        if self._meter is not None:
+            self._read_meter()
         if self._recompute is not None:
             self._recompute.remove()
             self._recompute = None
@@ -308,44 +1064,6 @@ class PlannedOffload:
             if off is not None and all(off is not c for c in closed):
                 off.close()
                 closed.append(off)
-
-
-def agreed_choice(profile: Profile, cfg: PlanConfig) -> Choice:
-    """The plan, the same on every rank of ``torch.distributed`` (world > 1).
-
-    Ranks that recompute different blocks run different collectives (FSDP's all-gathers in the
-    recomputed forward) and can deadlock, so, as torchtitan does, one rank plans: the ranks first
-    agree on the settings and on the profiled structure (a mismatch is ``ConfigError`` on every
-    rank, naming the rank), rank 0 chooses, and the choice (or its ``BudgetError``) is broadcast.
-    """
-    if not _dist.active():
-        return choose(profile, cfg.budget, cfg.policy, cfg.options)
-    from tensortier.errors import BudgetError
-
-    _dist.agree(
-        {
-            "budget": cfg.budget,
-            "to": cfg.to,
-            "policy": cfg.policy,
-            "host_budget": cfg.host_budget,
-            "spill_dir": cfg.spill_dir,
-            "planning units": [u.name for u in profile.units],
-            "saved tensors": [(t.unit, t.nbytes) for t in profile.tensors],
-        },
-        "tt.offload(budget=...)",
-        fix="run the same model, batch shapes and offload settings on every rank",
-    )
-    sent: object = None
-    if _dist.rank() == 0:
-        try:
-            sent = choose(profile, cfg.budget, cfg.policy, cfg.options)
-        except BudgetError as exc:  # sent as values: every rank raises the same error
-            sent = ("BudgetError", str(exc), exc.budget, exc.minimum)
-    got = _dist.broadcast_object(sent, 0)
-    if isinstance(got, tuple):
-        _, message, budget, minimum = got
-        raise BudgetError(f"rank 0 planned: {message}", budget=budget, minimum=minimum)
-    return got
 
 
 _CACHE: dict = {}
@@ -360,17 +1078,25 @@ def planned_offload(
     warmup: int = 1,
     timing_iters: int = 2,
     prefetch: SizeLike | None = None,
+    max_inflight: SizeLike | None = None,
     host_budget: SizeLike = "8GiB",
     options: Options | None = None,
     report: str | None = None,
+    plan_cache: str | os.PathLike | None = None,
     min_bytes: SizeLike | None = None,
 ) -> PlannedOffload:
     """``tt.offload(budget=...)``: profile, plan and run under a memory budget.
 
+    The budget bounds one iteration's added memory (activations, temporaries, new gradients)
+    plus the offloader's own buffers; the user's optimizer states, data and allocations outside
+    the ``with`` block are not in it (see the module docstring). ``BudgetError`` only at the
+    first plan; later an over-budget step re-plans and warns.
+
     ``to="host"`` restricts the plan to the host tier; ``"disk"`` or ``"auto"`` let it use host
-    and disk (on a CPU-only machine, host only pays with a codec). ``min_bytes`` is ignored: the
-    planner decides per tensor. Calls with the same settings return the same object, so a
-    training loop can write ``with tt.offload(budget=...):`` every step.
+    and disk (on a CPU-only machine, host only pays with a codec). ``plan_cache`` is a directory
+    where profiles and plans are kept as JSON, so a restarted job skips profiling. ``min_bytes``
+    is ignored: the planner decides per tensor. Calls with the same settings return the same
+    object, so a training loop can write ``with tt.offload(budget=...):`` every step.
     """
     from tensortier.errors import ConfigError
 
@@ -379,6 +1105,9 @@ def planned_offload(
     opts = options or Options()
     if to == "host":
         opts = Options(**{**opts.__dict__, "tiers": ("host",)})
+    elif not torch.cuda.is_available():
+        # CPU: host RAM is the device memory and the host pool only caches read buffers
+        opts = Options(**{**opts.__dict__, "tiers": ("disk",)})
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
         policy=policy,
@@ -387,13 +1116,17 @@ def planned_offload(
         warmup=warmup,
         timing_iters=timing_iters,
         prefetch=None if prefetch is None else parse_size(prefetch, name="prefetch"),
+        max_inflight=None
+        if max_inflight is None
+        else parse_size(max_inflight, name="max_inflight", allow_zero=False),
         host_budget=parse_size(host_budget, name="host_budget", allow_zero=False),
         options=opts,
         report=report,
+        plan_cache=None if plan_cache is None else os.fspath(plan_cache),
     )
     key = repr(config)
     cached = _CACHE.get(key)
-    if cached is None or cached._active is not None:
+    if cached is None or cached._active is not None or cached._closed:
         cached = PlannedOffload(config)
         # one cached configuration: switching settings releases the old one (its pinned host
         # pool, spill files and threads), unless it is running right now (nested use)

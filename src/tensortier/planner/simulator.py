@@ -11,7 +11,13 @@ The model (SwapAdvisor/AutoTM style, driven by a measured :class:`Profile`):
   are issued in need order as early as the offloader's prefetch window allows; a unit's backward
   consumes its saved tensors one at a time (reverse pack order, freeing each after use) and
   waits for a read that has not arrived (that wait is the *exposed transfer time*);
-* a recomputed unit keeps only its inputs during the gap; its backward first reruns its forward.
+* a recomputed unit keeps only its inputs during the gap; its backward first reruns its forward;
+* a *selective* unit (PyTorch's selective activation checkpointing) keeps its inputs and the
+  outputs of the operators it caches; its backward reruns only the other operators (plus the
+  dispatch cost per operator, ``Profile.sac_op_s``), and the cached outputs that autograd does
+  not need are dropped after that rerun;
+* a unit swapped in *part* moves only the tensors its action names (ordinals within the unit)
+  and keeps the others.
 
 Peak memory is the steady-state peak of an iteration: ``base + workspace + max over time of
 (saved bytes resident + payloads in flight + gradients allocated so far + the temporaries of the
@@ -37,15 +43,32 @@ class Mode(str, Enum):
     HOST = "host"
     DISK = "disk"
     RECOMPUTE = "recompute"
+    SELECTIVE = "selective"  # torch.utils.checkpoint with a per-operator save/recompute policy
 
 
 @dataclass(frozen=True)
 class UnitAction:
     mode: Mode = Mode.KEEP
     compress: bool = False  # host/disk: use the cheapest codec where it pays (see choose_codec)
+    # host/disk: ordinals (within the unit, pack order) of the tensors that move, None = all;
+    # selective: indices of the operators recomputed (every other one is cached)
+    part: frozenset[int] | None = None
 
     def label(self) -> str:
-        return self.mode.value + ("+codec" if self.compress else "")
+        text = self.mode.value + ("+codec" if self.compress else "")
+        if self.part is not None:
+            text += "[" + ",".join(str(i) for i in sorted(self.part)) + "]"
+        return text
+
+    @classmethod
+    def parse(cls, label: str) -> UnitAction:
+        head, _, rest = label.partition("[")
+        part = None
+        if rest:
+            inner = rest.rstrip("]")
+            part = frozenset(int(i) for i in inner.split(",") if i)
+        mode, _, codec = head.partition("+")
+        return cls(Mode(mode), compress=codec == "codec", part=part)
 
 
 @dataclass
@@ -59,9 +82,20 @@ class Plan:
     def action(self, unit: str) -> UnitAction:
         return self.actions.get(unit, UnitAction())
 
-    def tier_of(self, t: TensorProfile) -> str:
-        mode = self.action(t.unit).mode
-        return mode.value if mode in (Mode.HOST, Mode.DISK) else "keep"
+    def tier_of(self, t: TensorProfile, ordinal: int | None = None) -> str:
+        """Where ``t`` goes; ``ordinal`` (its position in its unit) decides a partial swap."""
+        a = self.action(t.unit)
+        if a.mode not in (Mode.HOST, Mode.DISK):
+            return "keep"
+        if a.part is not None and (ordinal is None or ordinal not in a.part):
+            return "keep"
+        return a.mode.value
+
+    def selective(self) -> dict[str, frozenset[int]]:
+        """Unit -> recomputed operator indices, for the units under selective recompute."""
+        return {
+            u: a.part or frozenset() for u, a in self.actions.items() if a.mode == Mode.SELECTIVE
+        }
 
     def recomputed(self) -> list[str]:
         return [u for u, a in self.actions.items() if a.mode == Mode.RECOMPUTE]
@@ -75,10 +109,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
-        actions = {}
-        for unit, label in d["actions"].items():
-            mode, _, codec = label.partition("+")
-            actions[unit] = UnitAction(Mode(mode), compress=codec == "codec")
+        actions = {unit: UnitAction.parse(label) for unit, label in d["actions"].items()}
         return cls(d["policy"], actions, {int(k): v for k, v in d.get("codecs", {}).items()})
 
 
@@ -161,12 +192,45 @@ def choose_codec(
 def resolve_codecs(profile: Profile, plan: Plan, *, allow_lossy: bool = False) -> Plan:
     """Fills ``plan.codecs`` for every tensor of a unit whose action asks for compression."""
     codecs: dict[int, str | None] = {}
+    ordinal = ordinals(profile)
     for t in profile.tensors:
         a = plan.action(t.unit)
-        if a.mode in (Mode.HOST, Mode.DISK) and a.compress:
+        if a.compress and plan.tier_of(t, ordinal[t.index]) != "keep":
             codecs[t.index] = choose_codec(profile, t, a.mode.value, allow_lossy=allow_lossy)
     plan.codecs = codecs
     return plan
+
+
+def ordinals(profile: Profile) -> dict[int, int]:
+    """Pack index -> position of the tensor within its unit (what a partial swap names)."""
+    out: dict[int, int] = {}
+    counts: dict[str, int] = {}
+    for t in profile.tensors:
+        out[t.index] = counts.get(t.unit, 0)
+        counts[t.unit] = out[t.index] + 1
+    return out
+
+
+@dataclass
+class Selective:
+    """What selective recompute of one unit holds and costs (see the module docstring)."""
+
+    cached_bytes: int  # outputs of the cached operators, resident from forward to backward
+    cached_unsaved: int  # of those, what autograd does not need: dropped after the rerun
+    rerun_s: float  # the recomputed operators plus the policy's dispatch cost in backward
+    fwd_extra_s: float  # the policy's dispatch cost in forward
+    recomputed: set[int]  # pack indices of the saved tensors the rerun materialises
+
+
+def selective_costs(profile: Profile, unit, recompute: frozenset[int]) -> Selective:
+    ops = unit.ops
+    cached_ops = {o.index for o in ops if o.index not in recompute and not (o.view or o.pinned)}
+    cached = sum(o.out_bytes for o in ops if o.index in cached_ops)
+    saved_cached = sum(min(o.saved_bytes, o.out_bytes) for o in ops if o.index in cached_ops)
+    rerun = sum(o.seconds for o in ops if o.index not in cached_ops)
+    dispatch = len(ops) * profile.sac_op_s
+    recomputed = {t.index for t in profile.tensors_of(unit.name) if t.op_index not in cached_ops}
+    return Selective(cached, cached - saved_cached, rerun + dispatch, dispatch, recomputed)
 
 
 # ------------------------------------------------------------------ simulation
@@ -238,19 +302,31 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
     # ---------------------------------------------------------------- forward
     reads: list[_Read] = []
     resident: dict[int, tuple[float, _Memory]] = {}  # bytes held until the unit's backward
+    ordinal = ordinals(profile)
+    sel: dict[str, Selective] = {}
+    limit = profile.inflight_bytes or 0
+    writes: list[tuple[float, float]] = []  # (completion, bytes) of writes holding tickets
+    exposed = 0.0
     for u in profile.units:
         action = plan.action(u.name)
         ts = groups.get(u.name, [])
         start = now
-        if action.mode == Mode.RECOMPUTE and u.recomputable:
+        if action.mode == Mode.SELECTIVE and u.recomputable and u.selective:
+            sel[u.name] = selective_costs(profile, u, action.part or frozenset())
+        if u.name in sel or (action.mode == Mode.RECOMPUTE and u.recomputable):
+            fwd_s = u.fwd_s + (sel[u.name].fwd_extra_s if u.name in sel else 0.0)
             dev.add(start, u.input_bytes)
             for k, t in enumerate(ts):  # alive only while the unit runs
-                at = start + u.fwd_s * (k + 1) / (len(ts) + 1)
+                at = start + fwd_s * (k + 1) / (len(ts) + 1)
                 dev.add(at, t.nbytes)
-                transient(at, at + u.fwd_s / (len(ts) + 1), t.nbytes)
-                dev.add(start + u.fwd_s, -t.nbytes)
-            now += u.fwd_s
-            spans.append(Span("compute", start, now, f"fwd {u.name} (ckpt)"))
+                transient(at, at + fwd_s / (len(ts) + 1), t.nbytes)
+                dev.add(start + fwd_s, -t.nbytes)
+            if u.name in sel:  # the cached operator outputs stay until backward reruns the unit
+                dev.add(start + fwd_s, sel[u.name].cached_bytes)
+                overhead += sel[u.name].fwd_extra_s
+            now += fwd_s
+            kind = "selective" if u.name in sel else "ckpt"
+            spans.append(Span("compute", start, now, f"fwd {u.name} ({kind})"))
             continue
         seg = max(u.fwd_s / max(1, len(ts)), _TICK)  # a tick: every op's temporaries show
         if not ts:
@@ -259,7 +335,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
             transient(now, now + seg, t.nbytes)
             now += seg
             dev.add(now, t.nbytes)
-            tier = plan.tier_of(t)
+            tier = plan.tier_of(t, ordinal[t.index])
             codec = plan.codecs.get(t.index) if tier != "keep" else None
             hops = path_of(profile, tier, codec, outbound=True) if tier != "keep" else []
             if tier == "keep" or (codec is None and not hops):  # nothing leaves the device
@@ -268,6 +344,14 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
             payload: float = t.nbytes
             if codec is not None:
                 payload = t.nbytes * t.ratios[codec]
+            if limit and hops:  # the engine's throttle: pack waits for earlier writes to land
+                writes = [w for w in writes if w[0] > now]
+                while writes and sum(n for _, n in writes) + payload > limit:
+                    done = min(e for e, _ in writes)
+                    spans.append(Span("compute", now, done, "throttle"))
+                    exposed += done - now
+                    now = done
+                    writes = [w for w in writes if w[0] > now]
             cost = bw.issue_s + payload * profile.move_s_per_byte  # copy threads share the cores
             now += cost
             overhead += cost
@@ -284,6 +368,8 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
             for c in hops:
                 ready = hop(c, ready, payload, f"{c} #{t.index}")
                 where = dst_of[c] or where
+            if limit:
+                writes.append((ready, payload))
             if tier == "host":  # the payload waits in memory for its backward
                 resident[t.index] = (payload, where)
             reads.append(_Read(t, tier, codec, payload, avail=ready))
@@ -298,7 +384,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
     rank = {u.name: i for i, u in enumerate(profile.units)}
     order = sorted(reads, key=lambda r: (-rank[r.t.unit], -r.t.index))  # need order
     issued: list[_Read] = []  # in issue order; consumption follows the same order
-    window, bwd_start, exposed = profile.prefetch_bytes, now, 0.0
+    window, bwd_start = profile.prefetch_bytes, now
     state = {"head": 0, "inflight": 0.0, "last": bwd_start}
     nxt = 0
 
@@ -344,14 +430,19 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
     for u in reversed(profile.units):
         action = plan.action(u.name)
         ts = groups.get(u.name, [])
-        recompute = action.mode == Mode.RECOMPUTE and u.recomputable
+        selective = sel.get(u.name)
+        recompute = selective is not None or (action.mode == Mode.RECOMPUTE and u.recomputable)
         pump()
         if recompute:  # the unit's forward runs again and materialises its saved tensors
-            dev.add(now, sum(t.nbytes for t in ts))
-            transient(now, now + u.fwd_s, max((t.nbytes for t in ts), default=0))
-            spans.append(Span("compute", now, now + u.fwd_s, f"recompute {u.name}"))
-            now += u.fwd_s
-            overhead += u.fwd_s
+            rerun = u.fwd_s if selective is None else selective.rerun_s
+            made = [t for t in ts if selective is None or t.index in selective.recomputed]
+            dev.add(now, sum(t.nbytes for t in made))
+            transient(now, now + rerun, max((t.nbytes for t in made), default=0))
+            spans.append(Span("compute", now, now + rerun, f"recompute {u.name}"))
+            now += rerun
+            overhead += rerun
+            if selective is not None:  # cached outputs autograd does not need are let go
+                dev.add(now, -selective.cached_unsaved)
         start = now
         # autograd consumes the unit's saved tensors in reverse pack order, one node at a time,
         # and frees each once its node ran

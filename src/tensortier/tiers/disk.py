@@ -87,6 +87,7 @@ class DiskStats:
     read_seconds: float = 0.0
     puts: int = 0
     gets: int = 0
+    staging_bytes: int = 0  # aligned bounce buffers held by the I/O threads (resident memory)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -614,6 +615,8 @@ class DiskStore:
         buf = getattr(self._staging, "buf", None)
         if buf is None:
             buf = self._staging.buf = aligned_empty(_STAGE)
+            with self._lock:
+                self.stats.staging_bytes += _STAGE + PAGE  # aligned_empty over-allocates a page
         return buf
 
     def _write_chunk(self, fd: int, pos: int, data: torch.Tensor) -> None:
