@@ -204,11 +204,14 @@ class Replicas:
         files = {s.file: s.file_bytes for s in shards}
         wait = [h.begin.remote(step, manifest, files) for h in holders]
         _get(ray, wait, self.timeout, "begin")
+        inflight: list[list] = []  # two files on the wire at most: bounded object-store use
         for shard, image in zip(shards, images):
             payload = image[: shard.file_bytes].numpy()  # copied into the object store here
-            _get(
-                ray, [h.put.remote(step, shard.file, payload) for h in holders], self.timeout, "put"
-            )
+            inflight.append([h.put.remote(step, shard.file, payload) for h in holders])
+            if len(inflight) > 1:
+                _get(ray, inflight.pop(0), self.timeout, "put")
+        for refs in inflight:
+            _get(ray, refs, self.timeout, "put")
         _faults.point("replica-sent")
         ok = _get(ray, [h.commit.remote(step) for h in holders], self.timeout, "commit")
         if not all(ok):
@@ -315,26 +318,39 @@ def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found
     if set(files) != set(body.get("files", ())):
         raise Fallback("its files differ from the manifest's")
     deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.01)
+
+    out: dict[str, torch.Tensor] = {}
     try:
         actor = ray.get_actor(f"replica-{node}", namespace=namespace(root))
         refs = ray.get(actor.fetch.remote(body["step"]), timeout=timeout)
         if set(refs) != set(files):
             raise Fallback("it was replaced or dropped while being read")
-        names = sorted(refs)
-        arrays = ray.get(
-            [refs[n][0] for n in names], timeout=max(deadline - time.monotonic(), 0.01)
-        )
+        # every file is pulled at once; each is checked and copied out as soon as it landed,
+        # while the others are still on the wire, and its object-store copy released
+        pending = {refs[name][0]: name for name in files}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left())
+            if not ready:
+                raise Fallback(f"its bytes did not arrive within {timeout:g}s")
+            name = pending.pop(ready[0])
+            buf = ray.get(ready[0], timeout=left())
+            try:
+                file_tensors(body, name, buf, where, out)
+            finally:
+                del buf  # a read-only view of the object store
     except ray.exceptions.GetTimeoutError as exc:
         raise Fallback(f"its bytes did not arrive within {timeout:g}s") from exc
-    except Fallback:
+    except (Fallback, CorruptDataError):
         raise
     except Exception as exc:  # ActorDiedError, ObjectLostError, ...: the node or holder is gone
         raise Fallback(f"{type(exc).__name__}: holder or node lost while reading") from exc
-    buffers = dict(zip(names, arrays))
-    try:
-        return Found(tensors_from_files(body, buffers, where), node)
-    finally:
-        del arrays, buffers  # read-only views of the object store: release them now
+    missing = set(body["tensors"]) - set(out)
+    if missing:
+        raise CorruptDataError(f"tensors {sorted(missing)[:5]} not in the replica", path=where)
+    return Found(out, node)
 
 
 def _header(buf: np.ndarray, file: str, where: str) -> tuple[dict, int]:
@@ -353,18 +369,17 @@ def _header(buf: np.ndarray, file: str, where: str) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def tensors_from_files(
-    body: dict, buffers: dict[str, np.ndarray], where: str
-) -> dict[str, torch.Tensor]:
-    """Every tensor of the manifest, copied out of the shard files' bytes and CRC-checked
-    (the in-memory twin of ``_format.read_tensors``)."""
-    out: dict[str, torch.Tensor] = {}
-    headers = {f: _header(b, f, where) for f, b in buffers.items()}
+def file_tensors(
+    body: dict, file: str, buf: np.ndarray, where: str, out: dict[str, torch.Tensor]
+) -> None:
+    """Add to ``out`` every tensor the manifest places in ``file``, copied out of the file's
+    bytes ``buf`` and CRC-checked (the in-memory twin of ``_format.read_tensors``)."""
+    header, start = _header(buf, file, where)
     for name, info in body["tensors"].items():
-        file = info.get("file") if isinstance(info, dict) else None
-        if file not in buffers:
-            raise CorruptDataError(f"tensor {name!r}: file {file!r} not in the replica", path=where)
-        header, start = headers[file]
+        if not isinstance(info, dict):
+            raise CorruptDataError(f"tensor {name!r}: bad manifest entry", path=where)
+        if info.get("file") != file:
+            continue
         entry = header.get(name)
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         nbytes = info.get("nbytes")
@@ -373,7 +388,7 @@ def tensors_from_files(
             or len(offsets) != 2
             or not all(isinstance(o, int) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]
-            or start + offsets[1] > buffers[file].nbytes
+            or start + offsets[1] > buf.nbytes
             or offsets[1] - offsets[0] != nbytes
         ):
             raise CorruptDataError(f"tensor {name!r}: bad entry in {file}", path=where)
@@ -383,8 +398,7 @@ def tensors_from_files(
             raise CorruptDataError(f"tensor {name!r}: bad shape", path=where)
         raw = torch.empty(nbytes, dtype=torch.uint8)  # owned: the state may be changed in place
         if nbytes:
-            src = buffers[file][start + offsets[0] : start + offsets[1]]
-            np.copyto(raw.numpy(), src)
+            np.copyto(raw.numpy(), buf[start + offsets[0] : start + offsets[1]])
         if crc(raw) != info.get("crc32c"):
             raise CorruptDataError(f"tensor {name!r}: checksum mismatch", path=where)
         try:
@@ -393,7 +407,6 @@ def tensors_from_files(
             )
         except RuntimeError as exc:
             raise CorruptDataError(f"tensor {name!r}: {exc}", path=where) from exc
-    return out
 
 
 __all__ = ["Fallback", "Found", "Replicas", "drop_replicas", "load", "namespace"]
