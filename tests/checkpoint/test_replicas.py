@@ -252,6 +252,8 @@ def test_bad_settings(cluster, tmp_path):
     for bad in (-1, 3, True, 1.0, "1"):
         with pytest.raises(ConfigError, match="replicas="):
             Checkpointer(tmp_path / "a", replicas=bad)
+    with pytest.raises(ConfigError, match="one process only"):
+        _replica.check_replicas(1, many_ranks=True)
     with pytest.raises(ConfigError, match="replica_timeout="):
         Checkpointer(tmp_path / "b", replicas=1, replica_timeout=0)
     c = cluster[0]
