@@ -21,8 +21,9 @@ last" rule). A writer killed in between leaves an incomplete replica, which read
 Restore uses a replica only when it is complete, of the step the disk's newest checkpoint has,
 its manifest equals the disk's manifest byte for byte after canonical encoding, and every tensor
 matches the manifest's CRC32C. Anything else is a fallback to disk with a reason. Payloads are
-raw bytes and JSON written by us; nothing is unpickled but Ray's own control messages. Every Ray
-call waits at most ``timeout`` seconds.
+raw bytes and JSON written by us; nothing is unpickled but Ray's own control messages. Every wait
+on an actor call or an object is bounded by ``timeout`` seconds (GCS look-ups such as
+``get_actor`` have no timeout argument and rely on Ray's own GCS RPC timeouts).
 """
 
 from __future__ import annotations

@@ -229,6 +229,11 @@ class Checkpointer:
     tensors as local shards; a tensor several ranks hold, written once by one of them), and rank
     0 commits one global manifest after every rank's files are durable. ``restore`` works on any
     world size (PROTOCOL.md, "Many ranks").
+
+    ``replicas=1`` or ``2`` (one process, ``ray.init`` first): after each commit the checkpoint is
+    also held in the RAM of that many other Ray nodes, by detached actors that outlive this
+    process; ``restore`` reads a verified replica of the newest step and falls back to disk
+    otherwise (``CheckpointState.source``/``fallback``). See ``_replica.py``.
     """
 
     def __init__(self, directory: str | os.PathLike, *, process_group=None, **settings):
