@@ -39,3 +39,33 @@ def test_bench_checkpoint_runs_the_three_variants_side_by_side(tmp_path):
     assert rows["torch.save (sync)"]["stall_vs_torch_save"] == 1
     assert data["auto"]["steps"] == 12 and data["disk_limit_gbps"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.json"]  # scratch removed
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_replica_restores_from_both_sources(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "replica.json"
+    main(
+        [
+            "bench",
+            "checkpoint",
+            "--replica",
+            "--quick",
+            "--state-size",
+            "8MiB",
+            "--checkpoints",
+            "2",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ]
+    )
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "checkpoint-replica" and data["intact"] is True
+    disk, replica, wire = data["rows"]
+    assert disk["source"].startswith("disk (cold") and replica["source"].startswith("in-memory")
+    assert len(disk["all_s"]) == len(replica["all_s"]) == len(wire["all_s"]) == 2
+    assert data["replica_vs_disk"] == replica["restore_s"] / disk["restore_s"]
+    assert data["checkpoint_bytes"] > 8e6 * 0.9 and "POSIX_FADV_DONTNEED" in data["cold_disk"]
+    assert [p.name for p in tmp_path.iterdir()] == ["replica.json"]  # scratch removed

@@ -47,6 +47,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=32, help="rows per training step")
     p.add_argument("--quick", action="store_true", help="small state, fewer steps")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
+    p.add_argument(
+        "--replica",
+        action="store_true",
+        help="instead: restore from an in-memory replica (replicas=1) vs the cold disk checkpoint",
+    )
 
 
 class _PeakRSS:
@@ -294,6 +299,10 @@ def _measure(variant_fn: Callable[[str], _Variant], model, opt, width, args, ste
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.replica:
+        from tensortier.bench import checkpoint_replica
+
+        return checkpoint_replica.run(args)
     quick = args.quick
     state = parse_size(args.state_size or ("128MiB" if quick else "1GiB"), name="--state-size")
     every = args.every or (5 if quick else 10)

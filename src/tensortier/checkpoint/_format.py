@@ -156,8 +156,16 @@ def read_manifest(path: str) -> dict:
             raise CorruptDataError(f"manifest is {size} bytes, larger than any we write", path=file)
         with open(file, "rb") as f:
             raw = f.read()
+    except OSError as exc:
+        raise CorruptDataError(f"cannot read manifest: {exc}", path=file) from exc
+    return parse_manifest(raw, file)
+
+
+def parse_manifest(raw: bytes, file: str) -> dict:
+    """The checked body of a manifest's bytes (``file`` names where they came from)."""
+    try:
         doc = json.loads(raw, parse_constant=_reject_constant)
-    except (OSError, ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptDataError(f"cannot read manifest: {exc}", path=file) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("body"), dict):
         raise CorruptDataError("manifest is not a tensortier manifest", path=file)

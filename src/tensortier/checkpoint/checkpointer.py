@@ -38,12 +38,13 @@ from tensortier import _dist
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer
 from tensortier._units import SizeLike, format_size, parse_size
-from tensortier.checkpoint import _faults, _ranks
+from tensortier.checkpoint import _faults, _ranks, _replica
 from tensortier.checkpoint._format import (
     FORMAT,
     STEP_DIR,
     VERSION,
     Entry,
+    manifest_bytes,
     plan,
     read_manifest,
     read_tensors,
@@ -86,6 +87,8 @@ class CheckpointConfig:
     direct: bool | None = None  # O_DIRECT when the filesystem supports it
     warmup: int = 3  # clean iterations measured before the first "auto" checkpoint
     commit_timeout: float = 600.0  # many ranks: seconds a rank waits for the others to commit
+    replicas: int = 0  # other Ray nodes that keep the newest checkpoint in RAM (0, 1 or 2)
+    replica_timeout: float = 60.0  # seconds any one Ray call of a replica push or read may take
 
     def __post_init__(self) -> None:
         if not _is_int(self.keep) or self.keep < 2:
@@ -129,6 +132,16 @@ class CheckpointConfig:
                 f"commit_timeout={self.commit_timeout!r}: pass the seconds a rank may wait for "
                 f"the other ranks during a commit or restore, e.g. 600"
             )
+        _replica.check_replicas(self.replicas, many_ranks=False)
+        if (
+            not isinstance(self.replica_timeout, numbers.Real)
+            or isinstance(self.replica_timeout, bool)
+            or not self.replica_timeout > 0
+        ):
+            raise ConfigError(
+                f"replica_timeout={self.replica_timeout!r}: pass the seconds one Ray call of a "
+                f"replica push or restore may take, e.g. 60"
+            )
         if not _is_int(self.warmup) or self.warmup < 0:
             raise ConfigError(
                 f"warmup={self.warmup!r}: pass the number of clean iterations (an int >= 0) "
@@ -148,6 +161,8 @@ class CheckpointState:
     saved_step: int
     path: str
     extra: object = None
+    source: str = "disk"  # "replica": read from another node's RAM (replicas=), else "disk"
+    fallback: str | None = None  # replicas=: why the replica was not used (None if it was)
 
 
 @dataclass
@@ -164,6 +179,14 @@ class CheckpointStats:
     last_cost_seconds: float | None = None  # auto: measured loop slowdown caused by a checkpoint
     waited_for_persist: int = 0  # saves that had to wait for the previous persist (every=K)
     host_bytes: int = 0  # snapshot images held (reused by every save)
+    replica_pushes: int = 0  # checkpoints whose in-memory replicas completed (replicas=)
+    replica_push_failures: int = 0  # pushes that failed (the disk checkpoint stands)
+    last_replica_error: str | None = None
+    last_replica_seconds: float = 0.0  # time to send the newest checkpoint to its replicas
+    replica_nodes: list = field(default_factory=list)  # nodes holding the newest replica
+    replica_restores: int = 0  # restores read from a replica
+    replica_fallbacks: int = 0  # restores with replicas= that fell back to disk
+    last_fallback_reason: str | None = None
     history: deque = field(default_factory=lambda: deque(maxlen=100))
 
     @property
@@ -206,6 +229,11 @@ class Checkpointer:
     tensors as local shards; a tensor several ranks hold, written once by one of them), and rank
     0 commits one global manifest after every rank's files are durable. ``restore`` works on any
     world size (PROTOCOL.md, "Many ranks").
+
+    ``replicas=1`` or ``2`` (one process, ``ray.init`` first): after each commit the checkpoint is
+    also held in the RAM of that many other Ray nodes, by detached actors that outlive this
+    process; ``restore`` reads a verified replica of the newest step and falls back to disk
+    otherwise (``CheckpointState.source``/``fallback``). See ``_replica.py``.
     """
 
     def __init__(self, directory: str | os.PathLike, *, process_group=None, **settings):
@@ -236,6 +264,12 @@ class Checkpointer:
                 path=self.root,
             )
         cfg = self.config
+        _replica.check_replicas(cfg.replicas, many_ranks=self._ranks is not None)
+        self._replicas = (
+            _replica.Replicas(self.root, cfg.replicas, cfg.replica_timeout)
+            if cfg.replicas
+            else None
+        )
         self._dirlock, self.direct = self._lock_directory()
         self.stats = CheckpointStats(interval=cfg.every if isinstance(cfg.every, int) else None)
         self._auto = (
@@ -433,8 +467,10 @@ class Checkpointer:
                 )
             steps = [step]
         problems = []
+        fallback = None
         for s in steps:
             path = step_dir(self.root, s)
+            source = "disk"
             try:
                 body = read_manifest(path)
                 if body["step"] != s:
@@ -442,7 +478,13 @@ class Checkpointer:
                 if body.get("version") == _ranks.VERSION:  # saved by many ranks: read it all
                     tree = load_tree(body, path, model, optimizer, 0, range)
                 else:
-                    tree = _decode_state(body, read_tensors(path, body), path)
+                    tensors = None
+                    if self.config.replicas and fallback is None:  # the newest readable step
+                        tensors, fallback = self._from_replica(body, path)
+                        source = "disk" if tensors is None else "replica"
+                    if tensors is None:
+                        tensors = read_tensors(path, body)
+                    tree = _decode_state(body, tensors, path)
             except CorruptDataError as exc:
                 problems.append(f"{path}: {exc}")
                 warnings.warn(
@@ -453,8 +495,23 @@ class Checkpointer:
             check_fits(tree, path, model, optimizer, scheduler)  # before anything is loaded
             self._apply(tree, model, optimizer, scheduler, rng)
             self._last_saved = s
-            log.info("restored %s", path)
-            return CheckpointState(step=s + 1, saved_step=s, path=path, extra=tree.get("extra"))
+            log.info("restored %s from %s", path, source)
+            if self.config.replicas:
+                if source == "replica":
+                    self.stats.replica_restores += 1
+                    fallback = None
+                else:
+                    fallback = fallback or "the newest checkpoint on disk was unusable"
+                    self.stats.replica_fallbacks += 1
+                    self.stats.last_fallback_reason = fallback
+            return CheckpointState(
+                step=s + 1,
+                saved_step=s,
+                path=path,
+                extra=tree.get("extra"),
+                source=source,
+                fallback=fallback,
+            )
         if problems:
             raise CorruptDataError(
                 f"no usable checkpoint in {self.root!r}: " + "; ".join(problems) + ". Move them "
@@ -462,6 +519,22 @@ class Checkpointer:
                 path=self.root,
             )
         return None
+
+    def _from_replica(self, body: dict, path: str) -> tuple[dict | None, str | None]:
+        """(verified tensors of ``body`` from an in-memory replica, None) or (None, the reason
+        restore falls back to the disk files)."""
+        try:
+            found = _replica.load(self.root, body, self.config.replica_timeout)
+        except _replica.Fallback as exc:
+            log.warning("restoring %s from disk, not from a replica: %s", path, exc)
+            return None, str(exc)
+        log.info("checkpoint %s read from the replica on node %s", path, found.node)
+        return found.tensors, None
+
+    def drop_replicas(self) -> int:
+        """Free the in-memory replicas of this directory's checkpoints (they outlive this object
+        on purpose, for a restart); returns how many holders were ended."""
+        return _replica.drop_replicas(self.root, self.config.replica_timeout)
 
     def _restore_ranks(self, model, optimizer, scheduler, step, rng) -> CheckpointState | None:
         """``restore`` on many ranks: the same candidates on every rank (rank 0 lists them), each
@@ -697,6 +770,8 @@ class Checkpointer:
             done = time.monotonic()
             if ranks is None:  # many ranks: rank 0 did it inside the commit
                 self._retain(step)
+                if self._replicas is not None:
+                    self._push_replicas(step, shards, images, body)
             cpu = clock.seconds + time.thread_time() - t0
             self._background_cpu = cpu if on_host else 0.0
             self.stats.committed += 1
@@ -734,6 +809,22 @@ class Checkpointer:
         log.debug(
             "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
         )
+
+    def _push_replicas(self, step, shards, images, body) -> None:
+        """Persist thread, after the commit: hold the checkpoint in other nodes' RAM too. A
+        failure is counted and logged, never raised: the disk checkpoint is durable already."""
+        t0 = time.monotonic()
+        try:
+            nodes = self._replicas.push(step, manifest_bytes(body), shards, images)
+        except Exception as exc:
+            self.stats.replica_push_failures += 1
+            self.stats.last_replica_error = f"step {step}: {exc!r}"
+            self.stats.replica_nodes = []
+            log.warning("in-memory replica of checkpoint step %d failed: %r", step, exc)
+            return
+        self.stats.replica_pushes += 1
+        self.stats.replica_nodes = nodes
+        self.stats.last_replica_seconds = time.monotonic() - t0
 
     def _wait_snapshot(self, snapshot: Future, cuda_done: dict, step: int) -> float:
         """Persist thread: wait for the snapshot copies; refuse a torn one. Returns their end."""

@@ -1,0 +1,214 @@
+"""`tensortier bench checkpoint --replica`: restore from an in-memory replica vs from disk.
+
+A Ray cluster of two simulated nodes on this machine (``ray.cluster_utils.Cluster``, under a
+private temporary directory): the driver's node and one replica node. An MLP whose parameters plus
+AdamW state make about ``--state-size`` is checkpointed with ``Checkpointer(replicas=1)``; then,
+in the same run and alternating, the training state is restored into a fresh model and optimizer
+from the disk checkpoint (cold: every file's pages are dropped from the page cache with
+``posix_fadvise(POSIX_FADV_DONTNEED)`` first) and from the replica (``source == "replica"``).
+Each round saves a new step first, so neither read is served from a copy a previous round left
+(Ray caches a fetched object on the reader's node). Both restores are end to end: manifest,
+transfer, CRC32C of every tensor, ``load_state_dict``. Results must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from tensortier._units import format_size, parse_size
+from tensortier.bench._common import environment, print_table, write_json
+from tensortier.checkpoint import Checkpointer
+
+
+def drop_cache(path: str) -> int:
+    """Drop the page cache of every file under ``path``; returns the bytes they hold."""
+    total = 0
+    for base, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(base, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+    return a == b
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from tensortier.bench.checkpoint import build, train
+
+    state = parse_size(args.state_size or ("64MiB" if args.quick else "1GiB"), name="--state-size")
+    rounds = args.checkpoints or (2 if args.quick else 3)
+    device = torch.device("cpu")
+    model, opt, width = build(state, device)
+    train(model, opt, width, args.batch, 2, device)  # the optimizer state exists
+    target, target_opt, _ = build(state, device)
+    train(target, target_opt, width, args.batch, 1, device)
+    store = int(state * 1.3) + (128 << 20)  # one replica (or one fetched copy) plus slack
+    tmp = tempfile.mkdtemp(prefix="tt-ray-bench-")
+    ckdir = tempfile.mkdtemp(prefix="tt-bench-replica-", dir=args.dir)
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    cluster = None
+    rows: list[dict] = []
+    disk_s, replica_s, push_s, persist_s, wire_s = [], [], [], [], []
+    intact = True
+    print(
+        f"state {format_size(state)} (MLP width {width}), {rounds} rounds, checkpoints in {ckdir}"
+    )
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": store,
+                "include_dashboard": False,
+            },
+        )
+        node = cluster.add_node(num_cpus=0, object_store_memory=store)
+        ray.init(address=cluster.address, log_to_driver=False)
+        there = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        peer = ray.remote(_Peer).options(num_cpus=0, scheduling_strategy=there).remote()
+        for r in range(rounds):
+            with Checkpointer(ckdir, keep=2, replicas=1, replica_timeout=300) as ck:
+                if r:
+                    ck.restore()  # continue the run: the next step is newer
+                ck.save(r, model=model, optimizer=opt)
+                ck.wait()
+                if ck.stats.last_replica_error:
+                    raise RuntimeError(f"replica push failed: {ck.stats.last_replica_error}")
+                persist_s.append(ck.stats.last_persist_seconds)
+                push_s.append(ck.stats.last_replica_seconds)
+                nbytes = ck.stats.last_persist_bytes
+            got = {}
+            for source in ("disk", "replica") if r % 2 == 0 else ("replica", "disk"):
+                cached = drop_cache(ckdir) if source == "disk" else 0
+                t0 = time.perf_counter()
+                with Checkpointer(ckdir, keep=2, replicas=int(source == "replica")) as ck:
+                    st = ck.restore(model=target, optimizer=target_opt)
+                seconds = time.perf_counter() - t0
+                if st.source != source:
+                    raise RuntimeError(f"restore read from {st.source}: {st.fallback}")
+                (disk_s if source == "disk" else replica_s).append(seconds)
+                got[source] = {
+                    "model": {k: v.clone() for k, v in target.state_dict().items()},
+                    "optimizer": target_opt.state_dict(),
+                }
+                got[source]["optimizer"] = _clone(got[source]["optimizer"])
+                del cached
+            # the engine's limit: one object of the same size made on that node, pulled here
+            ref = peer.make.remote(nbytes)
+            ray.wait([ref], fetch_local=False, timeout=300)
+            t0 = time.perf_counter()
+            arr = ray.get(ref, timeout=300)
+            wire_s.append(time.perf_counter() - t0)
+            del arr, ref
+            intact &= _same(got["disk"], got["replica"])
+            intact &= _same(got["disk"]["model"], model.state_dict())
+            del got
+        Checkpointer(ckdir, replicas=1).drop_replicas()
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(ckdir, ignore_errors=True)
+    disk, replica = statistics.median(disk_s), statistics.median(replica_s)
+    rows = [
+        {
+            "source": "disk (cold: posix_fadvise DONTNEED)",
+            "restore_s": disk,
+            "gbps": nbytes / disk / 1e9,
+            "all_s": disk_s,
+        },
+        {
+            "source": "in-memory replica (other node)",
+            "restore_s": replica,
+            "gbps": nbytes / replica / 1e9,
+            "all_s": replica_s,
+            "vs_disk": replica / disk,
+        },
+    ]
+    wire = statistics.median(wire_s)
+    rows.append(
+        {
+            "source": "ray.get of one object of that size from the other node (transfer only)",
+            "restore_s": wire,
+            "gbps": nbytes / wire / 1e9,
+            "all_s": wire_s,
+            "vs_disk": wire / disk,
+        }
+    )
+    print_table(rows, ["source", "restore_s", "gbps", "vs_disk"])
+    print(
+        f"replica/disk restore time: {replica / disk:.3f}x (target <= 0.3x); push "
+        f"{statistics.median(push_s):.3f}s after a {statistics.median(persist_s):.3f}s persist; "
+        f"bit-identical: {intact}"
+    )
+    write_json(
+        args.json,
+        "checkpoint-replica",
+        rows,
+        state_size=state,
+        checkpoint_bytes=nbytes,
+        rounds=rounds,
+        replica_vs_disk=replica / disk,
+        target_replica_vs_disk=0.3,
+        replica_push_s=push_s,
+        persist_s=persist_s,
+        cold_disk="posix_fadvise(POSIX_FADV_DONTNEED) on every checkpoint file before the read",
+        intact=intact,
+        dir=args.dir,
+        cpus=environment()["cpus"],
+    )
+    return rows
+
+
+class _Peer:
+    """An actor on the replica node: makes an object there (Ray's transfer limit)."""
+
+    def make(self, n: int):
+        import numpy as np
+
+        return np.ones(n, np.uint8)
+
+
+def _clone(obj):
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    return obj
