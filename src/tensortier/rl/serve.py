@@ -123,20 +123,22 @@ class _BufferActor:
         return self.obj._sample_blobs(_check_batch_size(n))
 
     # rate-limited calls never wait here (this actor runs one call at a time): the caller polls
-    def try_extend(self, blobs: list[bytes]):
+    def try_extend(self, blobs: list[bytes], first: bool):
         buf, lim = self.obj, self.obj._limiter
         with buf._cond:
             lim.check_insert(len(blobs))
             if not lim.can_insert(len(blobs), len(buf)):
+                lim.stats.insert_waits += first
                 return None
             return buf._extend_blobs(blobs)
 
-    def try_sample(self, n: int):
+    def try_sample(self, n: int, first: bool):
         buf, lim = self.obj, self.obj._limiter
         with buf._cond:
             buf._check()
             lim.check_sample(n)
             if not lim.can_sample(n, len(buf)):
+                lim.stats.sample_waits += first
                 return None
             return buf._draw(n, 0.0)
 
@@ -235,8 +237,9 @@ class RemoteReplayBuffer:
         (default: the RateLimit's) and then raises RateLimitTimeout."""
         assert self.rate_limit is not None
         wait = self.rate_limit.timeout if timeout is _DEFAULT else _check_timeout(timeout)
+        tries = iter(range(1 << 62))
         return poll(
-            lambda: self._do(f"try_{op}", *args),
+            lambda: self._do(f"try_{op}", *args, next(tries) == 0),
             wait,
             lambda: self._do("limit_timeout", "insert" if op == "extend" else op, n, wait),
         )

@@ -147,7 +147,9 @@ class _Coordinator:
         self.lim = RateLimiter(cfg)
         self.sizes = [0] * shards
         self.seqs = [-1] * shards
-        self.low = self.high = self.lim.diff  # extremes of diff over the run
+        # extremes of diff once min_size_to_sample items were inserted (the window holds from
+        # then on; during the warm-up diff only grows toward it)
+        self.low, self.high = math.inf, -math.inf
         self._cond: asyncio.Condition | None = None
 
     def _c(self) -> asyncio.Condition:
@@ -183,7 +185,8 @@ class _Coordinator:
             if not ok:
                 return False
             (lim.inserted if op == "insert" else lim.sampled)(n)
-            self.low, self.high = min(self.low, lim.diff), max(self.high, lim.diff)
+            if lim.stats.inserts >= lim.cfg.min_size_to_sample:
+                self.low, self.high = min(self.low, lim.diff), max(self.high, lim.diff)
             cond.notify_all()
             return True
 
