@@ -258,6 +258,25 @@ def test_blocked_sample_is_released_by_an_insert(cluster):
         buf.close()
 
 
+def test_learner_prefetches_one_batch_ahead(cluster):
+    """prefetch: the next batch is drawn while the learner trains, one in flight, never more
+    (counted by the shared rate limiter: each call leaves exactly one batch drawn ahead)."""
+    limit = RateLimit(100, min_size_to_sample=1, error_buffer=1000, timeout=_WAIT)
+    tmpl = ReplayBuffer(100, rate_limit=limit, prefetch=2, sampler=Prioritized())
+    buf = serve(tmpl, shards=2, **_ON_WORKERS)
+    try:
+        buf.extend([_item(i) for i in range(10)])
+        for k in range(1, 4):
+            batch = buf.sample(4)
+            assert len(batch) == 4 and set(batch.items["i"].tolist()) <= set(range(10))
+            _wait_until(lambda: buf._next[1].done())
+            assert buf.stats["rate_limiter"]["samples"] == 4 * (k + 1)
+        batch = buf.sample(3)  # another size: the batch of 4 drawn ahead is dropped
+        assert len(batch) == 3
+    finally:
+        buf.close()
+
+
 # --------------------------------------------------------------------------- lost shards
 def test_killed_shard_is_reported_and_the_others_keep_serving(cluster):
     buf = serve(ReplayBuffer(100, sampler=Prioritized()), shards=2, **_ON_WORKERS)

@@ -506,39 +506,45 @@ class ShardedReplayBuffer:
                 "every shard of this replay buffer is lost; restart_shard(i) or serve again",
                 shard=-1,
             )
-        refs = [(i, self._actors[i].mass.remote()) for i in alive]
-        masses = {}
-        for i, ref in refs:
-            with contextlib.suppress(ShardLostError):  # marked lost: served by the others
-                masses[i] = self._get(i, ref)
-        if not masses:
-            return None
-        ids = sorted(masses)
-        tot = np.array([masses[i][0] for i in ids], np.float64)
-        sizes = np.array([masses[i][2] for i in ids], np.float64)
-        if not sizes.sum():
-            return None
-        by = tot if tot.sum() > 0 else sizes  # all priorities 0: uniform, as one buffer does
-        counts = self._rng.multinomial(n, by / by.sum())
-        low = min(masses[i][1] for i in ids)
+        if len(alive) == 1:  # one shard: its own draw is the union's, one round trip
+            ids, counts, low, total = alive, np.array([n]), math.inf, 0.0
+        else:
+            refs = [(i, self._actors[i].mass.remote()) for i in alive]
+            masses = {}
+            for i, ref in refs:
+                with contextlib.suppress(ShardLostError):  # marked lost: served by the others
+                    masses[i] = self._get(i, ref)
+            if not masses:
+                return None
+            ids = sorted(masses)
+            tot = np.array([masses[i][0] for i in ids], np.float64)
+            sizes = np.array([masses[i][2] for i in ids], np.float64)
+            if not sizes.sum():
+                return None
+            total = tot.sum()
+            by = tot if total > 0 else sizes  # all priorities 0: uniform, as one buffer does
+            counts = self._rng.multinomial(n, by / by.sum())
+            low = min(masses[i][1] for i in ids)
         refs = [(i, c, self._actors[i].draw.remote(int(c))) for i, c in zip(ids, counts) if c]
         parts, short = [], False
         for i, c, ref in refs:
             try:
-                blobs, keys, leaves, _, mn, seq, size = self._get(i, ref)
+                blobs, keys, leaves, mass, mn, seq, size = self._get(i, ref)
             except ShardLostError:
                 short = True
                 continue
             self._report(i, seq, size)
             short |= len(keys) < c
             low = min(low, mn)
+            if len(alive) == 1:
+                total = mass
             parts.append((i, blobs, keys, leaves))
         if short:
             return None  # redraw from the shards as they are now (rare)
         blobs = [b for p in parts for b in p[1]]
         keys = np.concatenate([np.asarray(p[2], np.int64) * self.shards + p[0] for p in parts])
         leaves = np.concatenate([p[3] for p in parts])
-        prio = isinstance(self._spawn["sampler"], Prioritized) and tot.sum() > 0
+        prio = isinstance(self._spawn["sampler"], Prioritized) and total > 0
         if prio:
             weights = ((leaves / low) ** (-self._beta())).astype(np.float32)
         else:
