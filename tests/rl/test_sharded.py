@@ -166,9 +166,12 @@ def test_sharded_is_weights_equal_single_buffer_weights(per_pair):
     assert got[0] == 1.0 or want[0] == got[0]
 
 
-def test_priority_updates_and_deletes_reach_the_owning_shard(cluster):
-    buf = serve(ReplayBuffer(100, sampler=Prioritized(alpha=1.0)), shards=2, **_ON_WORKERS)
+def test_priority_updates_and_deletes_reach_the_owning_shard(cluster, spill_dir):
+    tmpl = ReplayBuffer(100, sampler=Prioritized(alpha=1.0), spill_dir=spill_dir, ram_budget=256)
+    buf = serve(tmpl, shards=2, **_ON_WORKERS)  # items spill: the fixture checks nothing is left
     try:
+        with pytest.raises(IndexError, match="empty"):
+            buf.sample(1)
         a = buf.extend([_item(i) for i in range(5)], shard=0)
         b = buf.extend([_item(i) for i in range(5, 10)], shard=1)
         ids = np.concatenate([a, b])
@@ -185,8 +188,10 @@ def test_priority_updates_and_deletes_reach_the_owning_shard(cluster):
             buf.update_priorities(ids[:2], [1.0, float("nan")])
         with pytest.raises(ConfigError, match="shard must be"):
             buf.add(_item(0), shard=2)
+        assert sum(s["disk_items"] for s in buf.stats["shards"]) > 0
     finally:
         buf.close()
+        tmpl.close()
 
 
 def test_collectors_write_to_the_shard_on_their_node(cluster):
