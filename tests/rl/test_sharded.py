@@ -2,6 +2,7 @@
 
 import math
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -301,8 +302,13 @@ def test_killed_shard_is_reported_and_the_others_keep_serving(cluster):
         assert buf.priorities(b[:1]).tolist() == [3.0**0.6]  # the live shard's part applied
         new = buf.extend([_item(10)])
         assert buf.locate(new)[0].tolist() == [1] and len(buf) == 6
+        other = pickle.loads(pickle.dumps(buf))  # what a collector holds
+        with pytest.raises(ShardLostError):
+            other.add(_item(11), shard=0)
         buf.restart_shard(0)  # not durable: back, empty
         assert buf.stats["lost_shards"] == {} and len(buf) == 6
+        assert other.locate(other.add(_item(11), shard=0))[0].tolist() == [0]  # found by name
+        assert other.stats["lost_shards"] == {} and len(other) == 7
     finally:
         buf.close()
 

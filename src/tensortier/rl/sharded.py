@@ -294,7 +294,11 @@ class ShardedReplayBuffer:
 
     def _mark_lost(self, i: int, why: str) -> None:
         with self._mu:
+            first = i not in self._lost
             self._lost.setdefault(i, why)
+        if first and self._coord is not None:  # its items no longer count for min_size
+            with contextlib.suppress(Exception):
+                self._coord.reset.remote(i, 0)
 
     def _get(self, i: int, ref):
         """``ray.get`` of a call to shard ``i``: tensortier's errors as themselves, a dead shard as
@@ -317,13 +321,15 @@ class ShardedReplayBuffer:
         self._revive_at = time.monotonic() + _REVIVE_S
         ray = _ray()
         for i in list(self._lost):
-            try:
-                actor = ray.get_actor(self._names[i])
-                if actor._actor_id == self._actors[i]._actor_id:
-                    continue
+            try:  # the same actor answering again (Ray restarted it, or it was unreachable)
+                actor = ray.get_actor(self._names[i])  # or a new one: restart_shard elsewhere
                 info = ray.get(actor.info.remote(), timeout=_REVIVE_S)
+                size = ray.get(actor.length.remote(), timeout=_REVIVE_S)
             except Exception:  # not restarted (yet), or died again
                 continue
+            if self._coord is not None:
+                with contextlib.suppress(Exception):
+                    self._coord.reset.remote(i, size)
             with self._mu:
                 self._actors[i], self.nodes[i] = actor, info["node"]
                 self._lost.pop(i, None)
