@@ -186,6 +186,7 @@ def main() -> None:
             "seconds": args.seconds,
             "ray_num_cpus": _CPUS,
             "machine_cpus": os.cpu_count(),
+            "load_average_at_end": os.getloadavg(),  # the cores are shared with other jobs
             "env": environment(),
         },
     )

@@ -264,6 +264,7 @@ class ShardedReplayBuffer:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._init_local()
+        self._rng = np.random.default_rng()  # copies (other learners) must not draw alike
 
     # -------------------------------------------------------------- basics
     @property
