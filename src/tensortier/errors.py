@@ -106,3 +106,16 @@ class RateLimitTimeout(TensortierError, TimeoutError):
         self.inserts = inserts
         self.samples = samples
         self.size = size
+
+
+class ShardLostError(TensortierError):
+    """A shard of a sharded replay buffer died (its actor or its node); its items are unreachable.
+
+    ``shard`` is its number, ``node`` the Ray node it ran on. The buffer keeps serving from the
+    other shards; ``restart_shard(shard)`` brings a durable shard back with its items.
+    """
+
+    def __init__(self, message: str, *, shard: int, node: str | None = None):
+        super().__init__(message)
+        self.shard = shard
+        self.node = node

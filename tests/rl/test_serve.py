@@ -1,6 +1,7 @@
 import os
 import pickle
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -8,8 +9,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tensortier.errors import ClosedError, ConfigError  # noqa: E402
-from tensortier.rl import ParamStore, Prioritized, ReplayBuffer, serve  # noqa: E402
+from tensortier.errors import ClosedError, ConfigError, RateLimitTimeout  # noqa: E402
+from tensortier.rl import ParamStore, Prioritized, RateLimit, ReplayBuffer, serve  # noqa: E402
 from tensortier.rl.serve import _PARAM_THREADS, _call  # noqa: E402
 
 
@@ -244,5 +245,55 @@ def test_more_waiting_readers_than_actor_threads_do_not_block_publish(ray_sessio
         assert _in_thread(lambda: remote.publish({"w": torch.ones(2)})) == 1
         assert len(ray.get(waiting, timeout=60)) == _PARAM_THREADS + 8
         assert remote.get(timeout=30).version == 1
+    finally:
+        remote.close()
+
+
+def blocked_round_trip(buf, wait_until) -> None:
+    """RateLimit(1, min_size_to_sample=2, error_buffer=4, timeout=30) on an empty served buffer:
+    a learner's sample waits on its side until an add admits it, then an insert waits until a
+    sample admits it (counted through stats, no timing)."""
+    got: list = []
+    learner = threading.Thread(target=lambda: got.append(buf.sample(3)))
+    learner.start()
+    wait_until(lambda: buf.stats["rate_limiter"]["sample_waits"] == 1)  # size 0 < 2
+    buf.extend([{"i": 0}, {"i": 1}])  # size 2, diff 2: a sample of 3 leaves -1 >= -2
+    learner.join(30)
+    assert not learner.is_alive() and len(got) == 1 and len(got[0]) == 3
+    st = buf.stats["rate_limiter"]
+    assert st["samples"] == 3 and st["sample_timeouts"] == 0
+    buf.extend([{"i": 2}] * 4)  # inserts 6, diff 3
+    released: list = []
+    collector = threading.Thread(target=lambda: released.append(buf.extend([{"i": 3}] * 4)))
+    collector.start()  # (6 + 4) - 3 = 7 > max_diff 6: waits for samples
+    wait_until(lambda: buf.stats["rate_limiter"]["insert_waits"] == 1)
+    buf.sample(3)  # diff 0: (6 + 4) - 6 = 4 <= 6 admits the collector
+    collector.join(30)
+    assert not collector.is_alive() and len(released) == 1 and len(released[0]) == 4
+    st = buf.stats["rate_limiter"]
+    assert st["inserts"] == 10 and st["insert_timeouts"] == 0
+
+
+def _wait_until(pred) -> None:
+    deadline = time.monotonic() + 30
+    while not pred():
+        assert time.monotonic() < deadline, "the other thread never got there"
+        time.sleep(0.01)
+
+
+def test_served_rate_limited_buffer_waits_on_the_callers_side(ray_session):
+    """The served buffer keeps its RateLimit (it used to be dropped: a learner got IndexError at
+    once on an empty buffer) and waits without blocking the actor."""
+    limit = RateLimit(1, min_size_to_sample=2, error_buffer=4, timeout=30)
+    remote = serve(ReplayBuffer(100, rate_limit=limit))
+    try:
+        assert remote.rate_limit == limit
+        blocked_round_trip(remote, _wait_until)
+        remote.sample(3)
+        remote.sample(3)  # diff 4 -> -2 = min_diff
+        with pytest.raises(RateLimitTimeout):
+            remote.sample(1, timeout=0)  # inserting is behind: at once, counted
+        st = remote.stats["rate_limiter"]
+        assert (st["samples"], st["sample_timeouts"]) == (12, 1)
     finally:
         remote.close()

@@ -56,7 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--skip",
         default="",
-        help="comma list of sections to skip: torchrl,rllib,ratelimit,ray,params",
+        help="comma list of sections to skip: torchrl,rllib,ratelimit,ray,sharded,params",
     )
     p.add_argument(
         "--cache-dir",
@@ -406,6 +406,15 @@ def run(args: argparse.Namespace) -> list[dict]:
             rows += _ray_section(args.dir, item_bytes, args.batch, 5.0 if args.quick else 15.0)
         except Exception as exc:  # reported, not hidden
             rows.append({"section": "ray", "peer": "tensortier serve", "error": repr(exc)})
+    if "sharded" not in skip:  # K=1 vs K=2 shards, rate limiter across shards
+        from tensortier.bench.replay_sharded import sharded_section
+
+        print("[4b/5] sharded: K=1 vs K=2 shards (2 collectors, 2 learners); rate-limited K=2")
+        try:
+            more, more_ratios = sharded_section(args.dir, item_bytes, args.batch, 5.0)
+            rows, ratios = rows + more, {**ratios, **more_ratios}
+        except Exception as exc:  # reported, not hidden
+            rows.append({"section": "sharded", "peer": "tensortier shards", "error": repr(exc)})
     if "params" not in skip:
         print("[5/5] parameter store: publish 100 MB to 8 readers")
         rows += _params_section(parse_size("100MB"))

@@ -34,9 +34,11 @@ import torch
 from tensortier._lifetime import private_dir, remove_private_dir
 from tensortier._ray import end_actors
 from tensortier.errors import ClosedError, ConfigError, TensortierError
+from tensortier.rl._backoff import poll
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import Params, ParamStore, _check_version, _deadline
-from tensortier.rl.replay import Batch, ReplayBuffer, _as_index_array
+from tensortier.rl.rate_limiter import RateLimit
+from tensortier.rl.replay import _DEFAULT, Batch, ReplayBuffer, _as_index_array, _check_timeout
 from tensortier.tiers import itemcodec as _codec
 
 _START_TIMEOUT = 120.0  # seconds serve() waits for the actor to be scheduled and built
@@ -120,6 +122,30 @@ class _BufferActor:
     def sample(self, n: int):
         return self.obj._sample_blobs(_check_batch_size(n))
 
+    # rate-limited calls never wait here (this actor runs one call at a time): the caller polls
+    def try_extend(self, blobs: list[bytes], first: bool):
+        buf, lim = self.obj, self.obj._limiter
+        with buf._cond:
+            lim.check_insert(len(blobs))
+            if not lim.can_insert(len(blobs), len(buf)):
+                lim.stats.insert_waits += first
+                return None
+            return buf._extend_blobs(blobs)
+
+    def try_sample(self, n: int, first: bool):
+        buf, lim = self.obj, self.obj._limiter
+        with buf._cond:
+            buf._check()
+            lim.check_sample(n)
+            if not lim.can_sample(n, len(buf)):
+                lim.stats.sample_waits += first
+                return None
+            return buf._draw(n, 0.0)
+
+    def limit_timeout(self, op: str, n: int, timeout: float | None):
+        """The RateLimitTimeout a caller raises after polling ``timeout`` seconds (counted)."""
+        return self.obj._limiter._timeout(op, n, len(self.obj), timeout)
+
     def update_priorities(self, indices, priorities) -> None:
         self.obj.update_priorities(indices, priorities)
 
@@ -186,9 +212,10 @@ class _ParamActor:
 class RemoteReplayBuffer:
     """A ReplayBuffer (or MemoryBank) living in a Ray actor; picklable, so pass it to collectors."""
 
-    def __init__(self, actor, kind: str):
+    def __init__(self, actor, kind: str, rate_limit: RateLimit | None = None):
         self.actor = actor
         self.kind = kind
+        self.rate_limit = rate_limit  # then add/extend/sample wait on this side (see _backoff)
         self._closed = False
 
     @property
@@ -200,19 +227,39 @@ class RemoteReplayBuffer:
             raise ClosedError(f"this served {self._what} is closed; serve a store again")
         return _call(getattr(self.actor, method).remote(*args), self._what)
 
-    def add(self, item: Any) -> int:
-        return int(self.extend([item])[0])
+    def add(self, item: Any, *, timeout: float | None = _DEFAULT) -> int:
+        return int(self.extend([item], timeout=timeout)[0])
 
     append = add
 
-    def extend(self, items) -> np.ndarray:
-        return self._do("extend", [_codec.encode(it) for it in items])
+    def _limited(self, op: str, n: int, timeout: Any, *args):
+        """A rate-limited call: the actor answers at once, this side retries until ``timeout``
+        (default: the RateLimit's) and then raises RateLimitTimeout."""
+        assert self.rate_limit is not None
+        wait = self.rate_limit.timeout if timeout is _DEFAULT else _check_timeout(timeout)
+        tries = iter(range(1 << 62))
+        return poll(
+            lambda: self._do(f"try_{op}", *args, next(tries) == 0),
+            wait,
+            lambda: self._do("limit_timeout", "insert" if op == "extend" else op, n, wait),
+        )
 
-    def sample(self, batch_size: int) -> Batch:
+    def extend(self, items, *, timeout: float | None = _DEFAULT) -> np.ndarray:
+        blobs = [_codec.encode(it) for it in items]
+        if self.rate_limit is not None:
+            return self._limited("extend", len(blobs), timeout, blobs)
+        return self._do("extend", blobs)
+
+    def sample(self, batch_size: int, *, timeout: float | None = _DEFAULT) -> Batch:
+        """Draw a batch; with a rate limit, waits on this side up to ``timeout`` (default: the
+        RateLimit's) while inserting is behind, then raises RateLimitTimeout."""
         n = _check_batch_size(batch_size)  # before the remote call: a typed error, no round trip
         if self.kind != "replay":
             raise TypeError("a served MemoryBank has no sample(); read items by index (bank[i])")
-        blobs, keys, weights = self._do("sample", n)
+        if self.rate_limit is not None:
+            blobs, keys, weights = self._limited("sample", n, timeout, n)
+        else:
+            blobs, keys, weights = self._do("sample", n)
         items, collated = _codec.decode_batch(blobs)
         return Batch(items, keys, weights, collated)
 
@@ -414,8 +461,9 @@ def serve(
     num_cpus: float = 0,
     name: str | None = None,
     start_timeout: float | None = _START_TIMEOUT,
+    shards: int | None = None,
     **actor_options: Any,
-) -> RemoteReplayBuffer | RemoteParamStore:
+) -> Any:
     """Run a store like ``obj`` as a Ray actor and return a picklable handle to it, once it runs.
 
     A ReplayBuffer's items, priorities and indices are carried over (through ``save``/``load`` on
@@ -427,7 +475,16 @@ def serve(
     cluster can hold raises :class:`ConfigError` at once; an actor that has not started after
     ``start_timeout`` seconds (resources busy) is cancelled with ``TimeoutError``. Extra
     ``actor_options`` go to ``ray.remote`` (e.g. ``resources``, ``scheduling_strategy``).
+
+    ``shards=K`` (a ReplayBuffer only): K buffer actors spread over the cluster's nodes behind
+    one :class:`~tensortier.rl.sharded.ShardedReplayBuffer` handle (see ``sharded.py``).
     """
+    if shards is not None:
+        from tensortier.rl.sharded import serve_sharded
+
+        return serve_sharded(
+            obj, shards, num_cpus=num_cpus, name=name, start_timeout=start_timeout, **actor_options
+        )
     ray = _ray()
     if not isinstance(obj, (ReplayBuffer, MemoryBank, ParamStore)):
         raise ConfigError(
@@ -461,6 +518,7 @@ def serve(
             args: tuple = (obj.keep,)
         elif isinstance(obj, ReplayBuffer):
             c = obj.config
+            limit = obj._limiter.cfg if obj._limiter is not None else None
             kwargs = {
                 "capacity": c.capacity,
                 "ram_budget": c.ram_budget,
@@ -470,6 +528,7 @@ def serve(
                 "durable": c.durable,
                 "seed": c.seed,
                 "segment_size": c.segment_size,
+                "rate_limit": limit,
             }
             saved = None
             if c.durable:
@@ -478,7 +537,12 @@ def serve(
                 copy_dir = private_dir(c.spill_dir, "tt-serve")  # reclaimed if we are killed
                 saved = os.path.join(copy_dir, "buffer")
                 obj.save(saved)
-                kwargs = {"ram_budget": c.ram_budget, "spill_dir": c.spill_dir, "seed": c.seed}
+                kwargs = {
+                    "ram_budget": c.ram_budget,
+                    "spill_dir": c.spill_dir,
+                    "seed": c.seed,
+                    "rate_limit": limit,
+                }
             args = ("replay", kwargs, saved)
         else:
             s = obj._store
@@ -504,4 +568,6 @@ def serve(
             remove_private_dir(copy_dir)  # loaded by the actor, or not needed any more
     if isinstance(obj, ParamStore):
         return RemoteParamStore(actor)
-    return RemoteReplayBuffer(actor, "replay" if isinstance(obj, ReplayBuffer) else "bank")
+    if isinstance(obj, ReplayBuffer):
+        return RemoteReplayBuffer(actor, "replay", limit)
+    return RemoteReplayBuffer(actor, "bank")

@@ -1,0 +1,196 @@
+"""Sharded replay section of `tensortier bench replay`: K=1 vs K=2 shards on one Ray node.
+
+For each K: (a) add throughput: 2 collector tasks ``extend`` 32 x 10 KB items per call for
+``seconds``; (b) sample throughput: 2 learner tasks ``sample(256)`` + ``update_priorities`` for
+``seconds`` on the filled buffer. Then a rate-limited run with K=2 (``samples_per_insert=8``): 2
+collectors and 1 learner for ``seconds``; the coordinator's extremes of ``diff = 8 * inserts -
+samples`` must stay inside ``[min_diff, max_diff]`` (the error buffer) over the whole run.
+
+Cores: Ray is started with ``num_cpus=2`` (this machine's count); shards reserve no CPU, each task
+0.5. With 2 cores the shard processes, collectors and learners share them, so K=2 can only gain
+where one shard process was the bottleneck. Run alone:
+``python -m tensortier.bench.replay_sharded --json benchmarks/results/replay-sharded-cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from tensortier._units import parse_size
+from tensortier.bench._common import environment, print_table, write_json
+
+_CPUS = 2
+
+
+def _tasks(ray):
+    from tensortier.errors import RateLimitTimeout
+
+    @ray.remote(num_cpus=0.5)
+    def collect(buf, seconds: float, item_bytes: int, timeout: float | None) -> int:
+        payload = np.random.default_rng(0).integers(0, 255, item_bytes, dtype=np.uint8)
+        n, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                buf.extend([{"obs": payload, "i": n + k} for k in range(32)], timeout=timeout)
+            except RateLimitTimeout:
+                if time.monotonic() > end:
+                    break  # the learner stopped first
+                raise
+            n += 32
+        return n
+
+    @ray.remote(num_cpus=0.5)
+    def learn(buf, seconds: float, batch: int, timeout: float | None) -> int:
+        rng = np.random.default_rng(1)
+        n, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                b = buf.sample(batch, timeout=timeout)
+            except RateLimitTimeout:
+                if time.monotonic() > end:
+                    break  # the collectors stopped first
+                raise
+            buf.update_priorities(b.indices, rng.random(len(b)) + 0.01)
+            n += len(b)
+        return n
+
+    return collect, learn
+
+
+def sharded_section(
+    directory: str, item_bytes: int, batch: int, seconds: float
+) -> tuple[list[dict], dict]:
+    import ray
+
+    from tensortier.rl import Prioritized, RateLimit, ReplayBuffer, serve
+
+    tmp = tempfile.mkdtemp(prefix="tt-ray-", dir="/tmp")
+    ray.init(
+        num_cpus=_CPUS,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    rows: list[dict] = []
+    ratios: dict = {}
+    try:
+        collect, learn = _tasks(ray)
+        ray.get([collect.remote(None, 0, 1, None) for _ in range(2)])  # workers up before timing
+        for k in (1, 2):
+            tmpl = ReplayBuffer(
+                200_000, ram_budget="1GiB", spill_dir=directory, sampler=Prioritized()
+            )
+            buf = serve(tmpl, shards=k)
+            try:
+                t0 = time.perf_counter()
+                added = sum(
+                    ray.get([collect.remote(buf, seconds, item_bytes, None) for _ in range(2)])
+                )
+                add_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                sampled = sum(ray.get([learn.remote(buf, seconds, batch, 0) for _ in range(2)]))
+                sample_s = time.perf_counter() - t0
+                rows.append(
+                    {
+                        "section": "sharded",
+                        "peer": f"tensortier shards={k}",
+                        "shards": k,
+                        "items": len(buf),
+                        "add_per_s": added / add_s,
+                        "add_mb_per_s": added * item_bytes / add_s / 1e6,
+                        "sample_items_per_s": sampled / sample_s,
+                        "collectors": 2,
+                        "learners": 2,
+                    }
+                )
+            finally:
+                buf.close()
+                tmpl.close()
+        one, two = rows[-2], rows[-1]
+        ratios["sharded_k2_vs_k1_add"] = two["add_per_s"] / one["add_per_s"]
+        ratios["sharded_k2_vs_k1_sample"] = two["sample_items_per_s"] / one["sample_items_per_s"]
+
+        # rate-limited: 2 collectors, 1 learner, samples_per_insert 8 held over all shards
+        limit = RateLimit(8, min_size_to_sample=1000, error_buffer=2048, timeout=60)
+        tmpl = ReplayBuffer(
+            200_000, ram_budget="1GiB", spill_dir=directory, sampler=Prioritized(), rate_limit=limit
+        )
+        buf = serve(tmpl, shards=2)
+        try:
+            t0 = time.perf_counter()
+            cols = [collect.remote(buf, seconds, item_bytes, 5.0) for _ in range(2)]
+            sampled = ray.get(learn.remote(buf, seconds, batch, 5.0))
+            added = sum(ray.get(cols))
+            wall = time.perf_counter() - t0
+            st = buf.stats["rate_limiter"]
+        finally:
+            buf.close()
+            tmpl.close()
+        within = limit.min_diff <= st["diff_low"] and st["diff_high"] <= limit.max_diff
+        rows.append(
+            {
+                "section": "sharded-ratelimit",
+                "peer": "tensortier shards=2, samples_per_insert=8",
+                "shards": 2,
+                "add_per_s": added / wall,
+                "sample_items_per_s": sampled / wall,
+                "inserts": st["inserts"],
+                "samples": st["samples"],
+                "samples_per_insert": st["samples"] / max(st["inserts"], 1),
+                "diff_low": st["diff_low"],
+                "diff_high": st["diff_high"],
+                "min_diff": limit.min_diff,
+                "max_diff": limit.max_diff,
+                "insert_waits": st["insert_waits"],
+                "sample_waits": st["sample_waits"],
+            }
+        )
+        ratios["sharded_ratelimit_samples_per_insert"] = rows[-1]["samples_per_insert"]
+        ratios["sharded_ratelimit_within_error_buffer"] = float(within)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows, ratios
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="spill directory")
+    p.add_argument("--item-bytes", default="10KB")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each timed phase")
+    p.add_argument("--json", default=None, help="write rows to this JSON file")
+    args = p.parse_args()
+    item_bytes = parse_size(args.item_bytes, name="--item-bytes")
+    rows, ratios = sharded_section(args.dir, item_bytes, args.batch, args.seconds)
+    cols = ["section", "peer", "add_per_s", "add_mb_per_s", "sample_items_per_s"]
+    cols += ["samples_per_insert", "diff_low", "diff_high", "min_diff", "max_diff"]
+    print_table(rows, cols)
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3g}")
+    write_json(
+        args.json,
+        "replay-sharded",
+        rows,
+        ratios=ratios,
+        settings={
+            "item_bytes": item_bytes,
+            "batch": args.batch,
+            "seconds": args.seconds,
+            "ray_num_cpus": _CPUS,
+            "machine_cpus": os.cpu_count(),
+            "load_average_at_end": os.getloadavg(),  # the cores are shared with other jobs
+            "env": environment(),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
