@@ -22,9 +22,11 @@ Lifetime rule. Version ``v`` stays in the object stores while the actor keeps it
 ``keep``) or any reader still holds a ``Params`` of it: its mapping holds the ObjectRef and Ray's
 buffer (pinned in the node's store, so the pages under a copy-on-write view are never reused). Ray
 frees it once neither holds it. Objects are owned by the process that published them (Ray 2.56
-removed ``ray.put(_owner=)``): if that process dies, its versions go with it. Readers then get
-:class:`ClosedError` from ``get()`` (the ``Params`` they hold stay valid), until a live process
-publishes again through the same store.
+removed ``ray.put(_owner=)``, and an owner on the actor's side would cost a copy per version): if
+that process dies, its versions go with it. A reader on a node that has no copy of the newest
+version then gets :class:`ClosedError` from ``get()`` (on a node that still has one, Ray may keep
+serving it); the ``Params`` readers hold stay valid, and a live process can publish through the
+same store again.
 """
 
 from __future__ import annotations
@@ -79,9 +81,7 @@ def _check(payload: object, version: int) -> list:
     if not (
         isinstance(payload, list)
         and payload
-        and all(
-            isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.ndim == 1 for a in payload
-        )
+        and all(isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.ndim == 1 for a in payload)
     ):
         raise CorruptDataError(f"{what} is not a list of uint8 arrays (not published by tt)")
     try:

@@ -4,7 +4,8 @@ Ray is the transport (no home-made RPC): ``serve`` starts an actor that owns the
 returns is picklable, so collectors in Ray tasks/actors on any node add and sample through it.
 Collectors encode items to blobs on their side and the learner decodes sampled blobs on its side, so
 the actor only moves bytes and updates indexes. A parameter store publishes each version with one
-``ray.put``; readers get that object (zero-copy from the object store on the same node).
+``ray.put``; each node pulls it once and its readers get copy-on-write views of that copy
+(``param_nodes.py``).
 
 Waits: ``serve`` checks the request against the cluster's nodes up front and waits at most
 ``start_timeout`` for the actor. Once it runs, a handle's calls end with the actor's answer, or with
