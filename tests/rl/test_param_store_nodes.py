@@ -34,15 +34,25 @@ def _raw(t: torch.Tensor) -> tuple[str, tuple, bytes]:
     )
 
 
-def _where(t: torch.Tensor) -> tuple[str, int] | None:
-    """(file inode, file offset) of the page under ``t``'s first byte in this process."""
+def _where(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """(file inode, file offset, private kB) of the mapping under ``t``'s first byte, here.
+
+    Private kB (smaps ``Anonymous``): pages this process copied; 0 means every page of the mapping
+    is still the file's, shared with every other process that maps it.
+    """
     addr = t.data_ptr()
-    with open("/proc/self/maps") as f:
+    found = None
+    with open("/proc/self/smaps") as f:
         for line in f:
             parts = line.split()
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= addr < hi:
-                return parts[4], int(parts[2], 16) + (addr - lo)
+            if "-" in parts[0] and ":" not in parts[0]:  # a mapping's header line
+                if found is not None:
+                    break
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    found = (parts[4], int(parts[2], 16) + (addr - lo))
+            elif found is not None and parts[0] == "Anonymous:":
+                return (*found, int(parts[1]))
     return None
 
 
@@ -173,7 +183,8 @@ def test_one_copy_per_node_shared_by_its_readers(cluster, store):
     where = ray.experimental.get_object_locations(boxed)[boxed[0]]["node_ids"]
     assert sorted(where) == sorted([head, *workers])  # Ray's own count: one copy on each node
     pages = ray.get([r.where.remote(1, "w") for r in readers], timeout=_T)
-    assert pages[0] == pages[1]  # the same file, the same offset: the same physical pages
+    assert pages[0] == pages[1]  # the same file and offset, no page copied: the same memory
+    assert pages[0][2] == 0 and pages[2][2] == 0, pages
     assert pages[2][0] != pages[0][0]  # the other node's store is another file
 
 
@@ -195,6 +206,8 @@ def test_a_reader_writing_into_its_tensors_changes_only_its_own_pages(cluster, s
     ray.get([r.get.remote(store, 1) for r in readers], timeout=_T)
     ray.get(readers[0].write.remote(1, "w", 123.0), timeout=_T)
     ones = _raw(torch.ones(_MB // 4))
+    mine, other = ray.get([r.where.remote(1, "w") for r in readers[:2]], timeout=_T)
+    assert mine[2] >= _MB // 1024 and other[2] == 0  # the writer's pages became its own
     assert ray.get(readers[0].held_raw.remote(1), timeout=_T)["w"] == _raw(
         torch.full((_MB // 4,), 123.0)
     )

@@ -14,7 +14,8 @@ from just before ``publish`` until the last reader has its tensors and has read 
   (``reader.set_weights.remote(state)``), so Ray stores one object per reader.
 
 Copies per node are measured, not assumed: the growth of each node's object-store file (pages
-touched, in units of the payload size) while the first version of a size reaches the readers.
+touched, in units of the payload size) while the first version reaches the readers, on a fresh
+cluster per path and size (2-3 nodes' start-up each, so the whole run takes minutes).
 Run: ``python -m tensortier.bench.params_nodes --json benchmarks/results/params-nodes-cpu.json``.
 """
 
@@ -248,17 +249,17 @@ PATHS = ("serve(ParamStore)", "main: shared views", "per reader: argument")
 
 
 def section(sizes: list[int], rounds: int = 2, paths=PATHS) -> list[dict]:
-    """Rows for ``tensortier bench replay`` (and this module's ``main``): one fresh cluster per path,
-    so each path's copy counts start from empty object stores."""
-    big = max(sizes)
-    store = max(256 << 20, 4 * big + (64 << 20))  # 2 readers x (held + new) on a node
-    head_store = max(256 << 20, 4 * big + (64 << 20))  # keep=2 + the one being published
+    """Rows for ``tensortier bench replay`` (and this module's ``main``): a fresh cluster per path
+    and size, so each copy count starts from empty object stores (a store reuses freed space, and
+    its touched pages are what is counted)."""
     rows = []
     for path in paths:
-        try:
-            rows += _path_rows(path, sizes, rounds, store, head_store)
-        except Exception as exc:  # reported, not hidden
-            rows.append({"section": "params-nodes", "path": path, "error": repr(exc)})
+        for nbytes in sizes:
+            store = max(256 << 20, 4 * nbytes + (64 << 20))  # node: 2 readers x (held + new)
+            try:
+                rows += _path_rows(path, [nbytes], rounds, store, store)  # head: keep=2 + new
+            except Exception as exc:  # reported, not hidden
+                rows.append({"section": "params-nodes", "path": path, "error": repr(exc)})
     return rows
 
 

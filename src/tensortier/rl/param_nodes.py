@@ -161,6 +161,10 @@ def _private_map(arrays: list[np.ndarray]) -> tuple[_Pinned, int] | None:
     except (OSError, ValueError):  # no /proc, or map_files needs CAP_SYS_ADMIN here
         return None
     base = lo - (file_off - page_off)
+    try:  # map every page readable now, in one call: a new mapping would otherwise fault per page
+        mm.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))  # Linux >= 5.14; pages stay shared
+    except OSError:
+        pass  # older kernels: the pages fault in as they are read
     for a in arrays:  # same bytes at the same places, or we found the wrong mapping
         n = min(a.size, 64)
         if n and mm[a.ctypes.data - base : a.ctypes.data - base + n] != a[:n].tobytes():
