@@ -271,6 +271,14 @@ def test_payloads_are_checked_and_copied_where_no_mapping_can_be_made():
     tensors["big"].fill_(0)  # a private copy
     assert payload[1][:4].tobytes() == _raw(sd["big"])[2][:4]
     bad = [payload[0], payload[1].view(np.int8), *payload[2:]]
-    for wrong in ({"w": 1}, [], bad, [np.frombuffer(b"{}", np.uint8)], payload[:-1]):
+    odd = np.frombuffer(b'{"magic": "tt-params-1", "tensors": [["w", "float32"]]}', np.uint8)
+    for wrong in (
+        {"w": 1},
+        [],
+        bad,
+        [np.frombuffer(b"{}", np.uint8)],
+        payload[:-1],
+        [odd, payload[1]],
+    ):
         with pytest.raises(CorruptDataError):
             param_nodes.views(wrong, None, 4)

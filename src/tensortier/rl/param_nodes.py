@@ -92,14 +92,19 @@ def _check(payload: object, version: int) -> list:
         raise CorruptDataError(f"{what}: unreadable header") from exc
     if not ok:
         raise CorruptDataError(f"{what}: header does not match its {len(payload) - 1} arrays")
-    for (name, dtype, shape, nbytes), a in zip(entries, payload[1:]):
-        if (
-            dtype not in _TORCH_DTYPES
-            or not all(isinstance(s, int) and s >= 0 for s in shape)
-            or nbytes != a.size
-            or math.prod(shape) * _TORCH_DTYPES[dtype].itemsize != nbytes
-        ):
-            raise CorruptDataError(f"{what}: bad entry for {name!r}")
+    for entry, a in zip(entries, payload[1:]):
+        try:
+            name, dtype, shape, nbytes = entry
+            ok = (
+                dtype in _TORCH_DTYPES
+                and all(isinstance(s, int) and s >= 0 for s in shape)
+                and nbytes == a.size
+                and math.prod(shape) * _TORCH_DTYPES[dtype].itemsize == nbytes
+            )
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise CorruptDataError(f"{what}: bad entry {str(entry)[:200]}")
     return entries
 
 
