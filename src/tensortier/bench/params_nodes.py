@@ -229,7 +229,7 @@ def _path_rows(path: str, sizes: list[int], rounds: int, store: int, head_store:
             rows.append(
                 {
                     "section": "params-nodes",
-                    "path": path,
+                    "peer": path,
                     "bytes": real,
                     "readers": f"{READERS_PER_NODE[0]}+{READERS_PER_NODE[1]} on 2 nodes",
                     "latency_s": min(lat[1:]),
@@ -259,7 +259,7 @@ def section(sizes: list[int], rounds: int = 2, paths=PATHS) -> list[dict]:
             try:
                 rows += _path_rows(path, [nbytes], rounds, store, store)  # head: keep=2 + new
             except Exception as exc:  # reported, not hidden
-                rows.append({"section": "params-nodes", "path": path, "error": repr(exc)})
+                rows.append({"section": "params-nodes", "peer": path, "error": repr(exc)})
     return rows
 
 
@@ -272,7 +272,7 @@ def main() -> None:
     sizes = [parse_size(s, name="--sizes") for s in args.sizes.split(",")]
     rows = section(sizes, args.rounds)
     print_table(
-        rows, ["path", "bytes", "latency_s", "latency_median_s", "copies_per_node", "error"]
+        rows, ["peer", "bytes", "latency_s", "latency_median_s", "copies_per_node", "error"]
     )
     write_json(
         args.json,
