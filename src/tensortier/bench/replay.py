@@ -13,7 +13,8 @@ prioritized sample (batch 256) and priority update throughput, peak RSS; (1b) th
 path: a collector thread and a learner held to ``samples_per_insert=8``; (2) sample latency with 10k vs 1M items (small items, so the
 sampler and index are what scale); (3) a spill run: 1M x 10 KB with a 2 GiB RAM budget
 (``--spill-items`` to scale it down at the same RAM/total ratio); (4) Ray: 4 collector tasks adding,
-1 learner sampling; (5) parameter store: publish 100 MB to 8 reader processes.
+1 learner sampling; (5) parameter store: publish 100 MB to 8 reader processes; (6) parameters to readers on
+simulated nodes (``bench/params_nodes.py``).
 Run: ``tensortier bench replay --json benchmarks/results/replay-cpu.json [--quick]``.
 """
 
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from tensortier._units import format_size, parse_size
+from tensortier.bench import params_nodes
 from tensortier.bench._common import environment, print_table, write_json
 
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_replay_peers.py")
@@ -56,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--skip",
         default="",
-        help="comma list of sections to skip: torchrl,rllib,ratelimit,ray,sharded,params",
+        help="comma list of sections to skip: torchrl,rllib,ratelimit,ray,sharded,params,nodes",
     )
     p.add_argument(
         "--cache-dir",
@@ -418,6 +420,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     if "params" not in skip:
         print("[5/5] parameter store: publish 100 MB to 8 readers")
         rows += _params_section(parse_size("100MB"))
+    if "nodes" not in skip:  # 500 MB too: python -m tensortier.bench.params_nodes (module doc)
+        print("[6/6] parameters to 3 readers on 2 simulated nodes: 5 MB, 50 MB")
+        rows += params_nodes.section([parse_size("5MB"), parse_size("50MB")])
 
     cols = [
         "section",
@@ -431,6 +436,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "peak_rss",
         "rss_growth",
         "publish_to_8_readers_s",
+        "latency_s",
         "error",
     ]
     printable = []

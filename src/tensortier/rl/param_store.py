@@ -127,10 +127,15 @@ def _shutdown(ctrl: mmap.mmap, path: str) -> None:
 
 
 class Params(Mapping):
-    """A read-only mapping name -> tensor of one version; ``.version`` says which."""
+    """A read-only mapping name -> tensor of one version; ``.version`` says which.
 
-    def __init__(self, version: int, tensors: dict[str, torch.Tensor]):
+    ``shared``: the tensors are copy-on-write views of memory other readers map too (no copy was
+    made); False where they are a private copy.
+    """
+
+    def __init__(self, version: int, tensors: dict[str, torch.Tensor], *, shared: bool = True):
         self.version = version
+        self.shared = shared
         self._tensors = tensors
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -4,7 +4,8 @@ Ray is the transport (no home-made RPC): ``serve`` starts an actor that owns the
 returns is picklable, so collectors in Ray tasks/actors on any node add and sample through it.
 Collectors encode items to blobs on their side and the learner decodes sampled blobs on its side, so
 the actor only moves bytes and updates indexes. A parameter store publishes each version with one
-``ray.put``; readers get that object (zero-copy from the object store on the same node).
+``ray.put``; each node pulls it once and its readers get copy-on-write views of that copy
+(``param_nodes.py``).
 
 Waits: ``serve`` checks the request against the cluster's nodes up front and waits at most
 ``start_timeout`` for the actor. Once it runs, a handle's calls end with the actor's answer, or with
@@ -34,6 +35,7 @@ import torch
 from tensortier._lifetime import private_dir, remove_private_dir
 from tensortier._ray import end_actors
 from tensortier.errors import ClosedError, ConfigError, TensortierError
+from tensortier.rl import param_nodes
 from tensortier.rl._backoff import poll
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import Params, ParamStore, _check_version, _deadline
@@ -307,26 +309,6 @@ class RemoteReplayBuffer:
             _end(self.actor)
 
 
-def _payload(state_dict: Mapping[str, torch.Tensor]) -> dict:
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            f"publish: state_dict must be a mapping name -> tensor (e.g. model.state_dict()), "
-            f"got {type(state_dict).__name__}"
-        )
-    payload = {}
-    for name, t in state_dict.items():
-        if not isinstance(name, str):
-            raise TypeError(f"publish: state_dict keys must be str names, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"publish: {name!r} is a {type(t).__name__}, expected a tensor")
-        t = t.detach().cpu().contiguous()
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _codec._TORCH_DTYPES:
-            raise TypeError(f"publish: {name!r} has unsupported dtype {t.dtype}")
-        payload[name] = (dtype, list(t.shape), t.reshape(-1).view(torch.uint8).numpy())
-    return payload
-
-
 class RemoteParamStore:
     """A parameter store behind a Ray actor: one ``ray.put`` per version, any number of readers."""
 
@@ -340,7 +322,7 @@ class RemoteParamStore:
         return _call(getattr(self.actor, method).remote(*args), "ParamStore")
 
     def publish(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        payload = _payload(state_dict)
+        payload = param_nodes.encode(state_dict)
         if self._closed:
             raise ClosedError("this served ParamStore is closed; serve a ParamStore again")
         ref = _ray().put(payload)  # once per version, shared by every reader
@@ -367,16 +349,13 @@ class RemoteParamStore:
         return self._wait(version, timeout)[0]
 
     def get(self, min_version: int = 1, timeout: float | None = None) -> Params:
-        """Newest version >= ``min_version``; tensors are read-only views of Ray's object store."""
+        """Newest version >= ``min_version``: copy-on-write views of this node's copy of it
+        (``rl/param_nodes.py``); writing into them changes only this reader's pages."""
+        deadline = _deadline(timeout)
         v, boxed = self._wait(min_version, timeout)
-        payload = _call(boxed[0], "ParamStore")  # the actor keeps it alive: in the object store
-        tensors = {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # the object store is read-only
-            for name, (dtype, shape, raw) in payload.items():
-                t = torch.from_numpy(raw) if raw.size else torch.empty(0, dtype=torch.uint8)
-                tensors[name] = t.view(_codec._TORCH_DTYPES[dtype]).reshape(shape)
-        return Params(v, tensors)
+        payload = param_nodes.fetch(_ray(), boxed[0], v, deadline)
+        tensors, shared = param_nodes.views(payload, boxed[0], v)
+        return Params(v, tensors, shared=shared)
 
     def close(self) -> None:
         """End the actor; readers' later calls raise ClosedError. Idempotent."""
