@@ -9,7 +9,9 @@ import torch
 ray = pytest.importorskip("ray")
 
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError  # noqa: E402
+from tensortier.tiers.host import HostPool  # noqa: E402
 from tensortier.tiers.remote import RemoteHandle, RemoteStore  # noqa: E402
+from tensortier.transfer import HostTensor, Transfer, TransferEngine  # noqa: E402
 from tests.ray_cluster import STORE as _STORE  # noqa: E402
 from tests.ray_cluster import local_cluster  # noqa: E402
 
@@ -189,6 +191,11 @@ def test_node_loss_fails_its_handles_naming_the_node(cluster):
         for h in on_doomed[1:]:  # known lost now: failed at once
             with pytest.raises(NodeLostError, match=doomed.node_id):
                 s.get(h).result(timeout=5)
+        with TransferEngine(host=HostPool("1MiB"), remote=s) as engine:  # through the engine
+            with pytest.raises(NodeLostError, match=doomed.node_id):
+                engine.from_remote(on_doomed[-1], to="host").result(timeout=5)
+            engine.synchronize(timeout=5)
+        engine.host.close()
         for h, t in kept:
             assert torch.equal(s.read(h), t)
         for b, ts in zip(batches, small):
@@ -285,3 +292,64 @@ def test_prefetch_reads_ahead_within_the_window(store):
     for h in hs[1:]:
         store.free(h)
     assert not store._prefetch.ahead and store.stats.used_bytes == 0
+
+
+# ---------------------------------------------------------------- through the TransferEngine
+@pytest.fixture
+def engine(store):
+    with TransferEngine(host=HostPool("16MiB"), remote=store) as e:
+        yield e
+    e.host.close()
+
+
+def test_engine_to_remote_and_back_is_bit_identical(store, engine):
+    t = torch.randn(257, 3).t()  # non-contiguous
+    f = engine.to_remote(t)
+    assert isinstance(f, Transfer)
+    h = f.result(timeout=60)
+    assert isinstance(h, RemoteHandle) and h in store
+    back = engine.from_remote(h, to="device", device="cpu").result(timeout=60)
+    assert _same(back, t.contiguous())
+    host = engine.from_remote(h, to="host").result(timeout=60)
+    assert isinstance(host, HostTensor) and _same(host.tensor, t.contiguous())
+    host.free()
+    back = engine.from_remote(h, device="cpu", free=True).result(timeout=60)
+    assert _same(back, t.contiguous()) and h not in store
+    assert engine.stats.bytes["h2remote"] == h.nbytes and engine.stats.count["remote2h"] == 3
+    # a host-pool tensor, freed once sent; an empty tensor
+    staged = engine.to_host(torch.arange(100)).result(timeout=60)
+    h2 = engine.to_remote(staged, free=True).result(timeout=60)
+    assert staged.block.freed and torch.equal(store.read(h2), torch.arange(100))
+    e = engine.to_remote(torch.empty(0, 4)).result(timeout=60)
+    assert engine.from_remote(e, device="cpu", free=True).result(timeout=60).shape == (0, 4)
+    store.free(h2)
+    engine.synchronize(timeout=30)
+
+
+def test_engine_remote_errors_are_typed(store, engine):
+    big = torch.zeros(store.stats.capacity_bytes, dtype=torch.uint8)
+    with pytest.raises(TierFullError, match="remote"):
+        engine.to_remote(big)
+    engine.synchronize(timeout=5)  # the throttle got its bytes back
+    h = store.write(torch.ones(4))
+    store.free(h)
+    with pytest.raises(KeyError):
+        engine.from_remote(h)
+    with pytest.raises(ConfigError, match="to must be"):
+        engine.from_remote(h, to="disk")
+    bare = TransferEngine(host=HostPool("1MiB"))
+    with bare, pytest.raises(ValueError, match="no remote tier"):
+        bare.to_remote(torch.ones(3))
+    bare.host.close()
+    engine.synchronize(timeout=5)
+
+
+@pytest.mark.gpu
+def test_engine_remote_round_trip_from_and_to_cuda(store):
+    with TransferEngine(host=HostPool("16MiB", pin=True), remote=store, device="cuda") as e:
+        x = torch.randn(1000, 33, device="cuda")
+        h = e.to_remote(x * 2).result(timeout=60)  # staged through a pinned block
+        y = e.from_remote(h, free=True).result(timeout=60)
+        assert y.device.type == "cuda" and torch.equal(y, x * 2)
+        e.synchronize(timeout=30)
+    e.host.close()
