@@ -14,6 +14,12 @@ owns, was measured slower (64 MiB, two simulated nodes on one machine, best of 5
 costs one more copy each way (into the actor's heap on put, back into the object store on get),
 while an object-store object is written once on the node and fetched from there directly.
 
+Small payloads. Ray returns a task result under ``max_direct_call_object_size`` (100 KiB by
+default) inline to the caller, into *this* process's memory, not the memory node's object store:
+such a tensor would neither save local memory nor be lost with its node. So every object is at
+least ``MIN_OBJECT`` bytes (a smaller payload is padded, and the padding is charged to the
+budget); batch small tensors with ``put_many`` to avoid the padding.
+
 Payloads. Only raw bytes cross the wire: a flat ``uint8`` NumPy array of the tensor's values
 (Ray carries it as an out-of-band buffer, not pickled); dtype and shape stay in the handle on the
 caller's side. The actor refuses anything but a ``uint8`` array.
@@ -53,6 +59,9 @@ from tensortier.tiers.disk import as_bytes
 _TIMEOUT = 60.0  # seconds one remote call may take (a 1 GiB tensor at ~0.5 GB/s takes ~2 s)
 _START_TIMEOUT = 120.0  # seconds the memory-node actors may take to start
 MAX_IO_THREADS = 64
+# Ray's default max_direct_call_object_size is 100 KiB: larger returns go to the node's object
+# store. A margin above it, for the serialized array's header.
+MIN_OBJECT = 104 << 10
 _handle_ids = itertools.count()  # process-wide: a handle of one store never matches another's
 
 
@@ -194,6 +203,19 @@ def _landing(handle: RemoteHandle, into: torch.Tensor | None) -> torch.Tensor:
             f"`into` must be a contiguous CPU uint8 tensor of >= {handle.nbytes} bytes"
         )
     return into[: handle.nbytes]
+
+
+def _stored(nbytes: int) -> int:
+    """Bytes an object of ``nbytes`` payload takes on its memory node (see MIN_OBJECT)."""
+    return max(nbytes, MIN_OBJECT) if nbytes else 0
+
+
+def _padded(payload: np.ndarray) -> np.ndarray:
+    if payload.nbytes >= MIN_OBJECT:
+        return payload
+    out = np.zeros(MIN_OBJECT, np.uint8)
+    out[: payload.nbytes] = payload
+    return out
 
 
 def _check_seconds(value: object, name: str) -> float:
@@ -406,7 +428,7 @@ class RemoteStore:
             self._register([handle], None, 0, 0.0)
             done.set_result(handle)
             return done
-        node = self._reserve(nbytes, set())  # TierFullError here, before any byte moves
+        node = self._reserve(_stored(nbytes), set())  # TierFullError here, before any byte moves
 
         def job() -> None:
             try:
@@ -414,7 +436,7 @@ class RemoteStore:
                 handle = RemoteHandle(
                     next(_handle_ids), node_id, nbytes, tensor.dtype, tuple(tensor.shape)
                 )
-                self._register([handle], ref, nbytes, seconds)
+                self._register([handle], ref, _stored(nbytes), seconds)
             except BaseException as exc:
                 done.set_exception(exc)
             else:
@@ -451,7 +473,7 @@ class RemoteStore:
             self._register(handles, None, 0, 0.0)
             done.set_result(handles)
             return done
-        node = self._reserve(total, set())  # TierFullError here, before any byte moves
+        node = self._reserve(_stored(total), set())  # TierFullError here, before any byte moves
 
         def job() -> None:
             try:
@@ -463,7 +485,7 @@ class RemoteStore:
                         offsets.append(off)
                         off += d.numel()
                 except BaseException:
-                    self._unreserve(node, total)
+                    self._unreserve(node, _stored(total))
                     raise
                 node_id, ref, seconds = self._send(payload, node)
                 key = next(_handle_ids)
@@ -475,7 +497,7 @@ class RemoteStore:
                     else RemoteHandle(next(_handle_ids), "", 0, t.dtype, tuple(t.shape))
                     for t, d, o in zip(tensors, datas, offsets)
                 ]
-                self._register(handles, ref, total, seconds, batch=key)
+                self._register(handles, ref, _stored(total), seconds, batch=key)
             except BaseException as exc:
                 done.set_exception(exc)
             else:
@@ -500,6 +522,7 @@ class RemoteStore:
         """Send to ``node`` (reserved); if that node fails, retry on another one with room.
         Returns (node id, ObjectRef of the bytes there, seconds)."""
         ray = _ray()
+        payload = _padded(payload)
         nbytes = payload.nbytes
         tried: set[str] = set()
         while True:
@@ -758,7 +781,7 @@ class RemoteStore:
         if self._live.pop(handle.id, None) is None:  # atomic: of two racing frees, one wins
             raise KeyError(f"{handle} is not live in this store (freed twice?)")
         self._prefetch.ahead.pop(handle.id, None)  # its read-ahead copy, if any
-        nbytes = handle.nbytes
+        nbytes = _stored(handle.nbytes)
         if handle.batch >= 0:
             nbytes = 0
             batch = self._pool.batches.get(handle.batch)
