@@ -6,8 +6,8 @@ one large object: put = ``ray.put`` on the driver, then an actor on the other no
 it; get = an object made on the other node, ``ray.get`` by the driver. The tier: ``RemoteStore``
 put and get of the same bytes (best of ``repeat``, bytes checked).
 
-Also in the same run: small tensors (``nbytes / 1024`` each, 1024 of them) put and read one call
-each against one ``put_many``/``get_many``; a consumer reading 16 tensors in order and waiting for
+Also in the same run: small tensors (256 of 16 KiB) put and read one call each against one
+``put_many``/``get_many``; a consumer reading 16 tensors in order and waiting for
 each, without and with ``prefetch``; and the peer the issue names, Ray's own object spilling to
 disk on the driver's node (``ray.put`` beyond the object store's capacity: each put spills
 older objects; restore: ``ray.get`` of spilled objects). On one machine with free RAM Ray's spill
@@ -145,10 +145,9 @@ def _best(fn, repeat: int) -> float:
 
 
 def _small_tensors(store: RemoteStore, nbytes: int, repeat: int) -> tuple[list[dict], bool]:
-    """1024 tensors of ``nbytes / 1024``: one put/get call each (all in flight at once) against
-    one put_many / get_many."""
-    count = 1024
-    each = max(1, nbytes // count)
+    """256 tensors of 16 KiB: one put/get call each (all in flight at once) against one
+    put_many / get_many. (One call each also pays the padding to ``MIN_OBJECT`` per tensor.)"""
+    count, each = 256, 16 << 10
     data = [torch.randint(0, 255, (each,), dtype=torch.uint8) for _ in range(count)]
     total = each * count
     ok = True
