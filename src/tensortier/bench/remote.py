@@ -96,7 +96,8 @@ def remote_bandwidth(nbytes: int, repeat: int) -> tuple[list[dict], bool]:
         ray_get_gbps = nbytes / min(timings) / 1e9
 
         ok = True
-        with RemoteStore(nbytes, nodes=[node.node_id], timeout=120) as store:
+        # room for the small-tensor rows too: 256 objects padded to MIN_OBJECT (26 MiB)
+        with RemoteStore(max(nbytes, 32 << 20), nodes=[node.node_id], timeout=120) as store:
             handles = []
             put_gbps = best(lambda: handles.append(store.write(data)) or store.free(handles[-1]))
             timings.clear()

@@ -60,10 +60,10 @@ from tensortier.optim._shard import ALIGN, Gatherer, GatherPlan, partition
 from tensortier.optim._staging import Staged, Staging
 from tensortier.optim._states import DiskStates, HostStates, slot_layout
 from tensortier.tiers.disk import DiskStore
+from tensortier.tiers.host import PAGE
 
 if TYPE_CHECKING:  # Ray is imported only when a RemoteStore is made
     from tensortier.tiers.remote import RemoteStore
-from tensortier.tiers.host import PAGE
 
 log = logging.getLogger(__name__)
 
