@@ -71,8 +71,15 @@ def test_stats_count_bytes_per_direction(engine):
     h = engine.to_disk(engine.to_host(x).result(), free=True).result()
     engine.to_device(engine.from_disk(h, to="host").result(), free=True).result()
     s = engine.stats
-    assert s.bytes == {"d2h": 4096, "h2d": 4096, "h2disk": 4096, "disk2h": 4096}
-    assert all(v == 1 for v in s.count.values())
+    assert s.bytes == {
+        "d2h": 4096,
+        "h2d": 4096,
+        "h2disk": 4096,
+        "disk2h": 4096,
+        "h2remote": 0,
+        "remote2h": 0,
+    }
+    assert all(s.count[d] == 1 for d in ("d2h", "h2d", "h2disk", "disk2h"))
     assert s.wait_seconds >= 0
 
 

@@ -1,4 +1,4 @@
-"""Asynchronous moves between device, host and disk, returned as futures.
+"""Asynchronous moves between device, host, disk and remote memory, returned as futures.
 
 * device -> host: a side stream of the *source's* device waits for that device's current stream
   (``wait_stream``, no host sync), copies into a pinned pool block and records an event. A
@@ -10,6 +10,9 @@
   second side stream, and ``result()`` makes the caller's stream wait on the copy's event
   (device-side). The engine keeps the source block and the destination until the copy is done.
 * host <-> disk: the disk tier's I/O threads.
+* host <-> remote (other machines' RAM, :class:`~tensortier.tiers.remote.RemoteStore`): the remote
+  tier's I/O threads, with the disk tier's future semantics; device tensors are staged through a
+  host block as for the disk.
 * codecs (``codec=``): raw bytes cross PCIe asynchronously and are encoded / decoded on the
   engine's host threads, so neither the caller nor the device ever waits for a data-dependent size.
 
@@ -39,7 +42,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -51,8 +54,11 @@ from tensortier.tiers.codecs import Codec
 from tensortier.tiers.disk import DiskHandle, DiskStore, as_bytes
 from tensortier.tiers.host import HostBlock, HostPool, aligned_empty, default_budget
 
+if TYPE_CHECKING:  # Ray is imported only when a RemoteStore is made
+    from tensortier.tiers.remote import RemoteHandle, RemoteStore
+
 T = TypeVar("T")
-DIRECTIONS = ("d2h", "h2d", "h2disk", "disk2h")
+DIRECTIONS = ("d2h", "h2d", "h2disk", "disk2h", "h2remote", "remote2h")
 log = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 30.0  # bound on joining the completion thread at close/GC
 
@@ -371,6 +377,8 @@ class TransferEngine:
     >>> h = engine.to_host(activation)          # Transfer[HostTensor]
     >>> d = engine.to_disk(activation)          # Transfer[DiskHandle]
     >>> x = engine.from_disk(d.result(), to="device").result()
+    >>> r = engine.to_remote(activation)        # Transfer[RemoteHandle] (remote=RemoteStore(...))
+    >>> x = engine.from_remote(r.result(), to="device").result()
 
     ``device`` is the default target of ``to_device``/``from_disk(to="device")``; each call may
     name another with ``device=``. Copies of a tensor on ``cuda:k`` run on ``cuda:k``'s streams.
@@ -383,6 +391,7 @@ class TransferEngine:
         *,
         host: HostPool | None = None,
         disk: DiskStore | None = None,
+        remote: RemoteStore | None = None,
         max_inflight: SizeLike = "512MiB",
         device: torch.device | str | None = None,
         threads: int = 2,
@@ -394,6 +403,7 @@ class TransferEngine:
         self._owns_host = host is None
         self.host = host if host is not None else HostPool(default_budget())
         self.disk = disk
+        self.remote = remote  # not owned: the caller closes it
         self.stats = TransferStats.empty()
         self._lock = threading.Lock()
         self._throttle = _Throttle(limit, self.stats)
@@ -609,6 +619,111 @@ class TransferEngine:
             raise
         return fut
 
+    def to_remote(
+        self, tensor: torch.Tensor | HostTensor, *, free: bool = False
+    ) -> Transfer[RemoteHandle]:
+        """Send a device, CPU or host-pool tensor to the remote tier (other nodes' RAM).
+
+        As :meth:`to_disk` (no codec): device tensors are staged through a host block, given
+        back once sent; ``free=True`` frees a given :class:`HostTensor` once sent (or once the
+        send failed). A full remote pool raises ``TierFullError`` here for CPU and host tensors,
+        and fails the future for device tensors (known only once staged)."""
+        self._check_open()
+        _check_tensor("to_remote(tensor)", tensor, HostTensor)
+        remote = self._need_remote()
+        is_host = isinstance(tensor, HostTensor)
+        _check_live("to_remote(tensor)", [tensor])
+        src = tensor.tensor if is_host else tensor.detach()
+        nbytes = tensor.nbytes if is_host else _nbytes(src)
+        fut = self._new()
+        ticket = self._throttle.acquire(nbytes)
+        try:
+            after = tensor.free if (is_host and free) else None
+            if src.device.type == "cuda":
+                block = self._alloc(nbytes)
+                staged = HostTensor(block, src.dtype, tuple(src.shape))
+                fail = self._failer(fut, ticket, block)
+
+                def copied() -> None:
+                    self._count("d2h", nbytes)
+
+                    def sent(handles: list) -> None:
+                        block.free()
+                        self._resolve(fut, ticket, handles[0])
+
+                    self._write_all(remote, [staged.tensor], sent, fail, "h2remote")
+
+                try:
+                    self._d2h(src, staged, copied, fail)
+                except BaseException:
+                    block.free()
+                    raise
+            else:  # on the caller's thread: a full tier raises TierFullError here, at once
+                inner = remote.put(src)
+                if is_host:  # the send reads the block until it is done
+                    sent_out = _record_host([tensor.block])
+                    inner.add_done_callback(lambda _: sent_out.set())
+
+                def sent(handles: list) -> None:
+                    if after is not None:
+                        after()
+                    self._resolve(fut, ticket, handles[0])
+
+                self._collect(remote, [inner], sent, self._failer(fut, ticket, after), "h2remote")
+        except BaseException:
+            ticket.release()
+            if is_host and free and not tensor.block.freed:
+                tensor.free()
+            raise
+        return fut
+
+    def from_remote(
+        self,
+        handle: RemoteHandle,
+        *,
+        to: str = "device",
+        free: bool = False,
+        device: torch.device | str | None = None,
+    ) -> Transfer[torch.Tensor] | Transfer[HostTensor]:
+        """Fetch a tensor from the remote tier, to a host pool block (``to="host"``) or to
+        ``device`` (default: the engine's; ``device="cpu"`` lands in process memory), as
+        :meth:`from_disk`. ``free=True`` frees the remote copy once fetched. A lost memory node
+        fails the future with ``NodeLostError`` naming it."""
+        self._check_open()
+        if to not in ("host", "device"):
+            raise ConfigError(f"to must be 'host' or 'device', got {to!r}")
+        remote = self._need_remote()
+        target = self._target(device) if to == "device" else torch.device("cpu")
+        consumer = self._consumer(target) if to == "device" else None
+        fut = self._new()
+        ticket = self._throttle.acquire(handle.nbytes)
+        try:
+            if to == "device" and target.type == "cpu":
+                inner = remote.get(handle)  # KeyError for a stale handle: raised here
+
+                def done(f: Future) -> None:
+                    with _releasing():
+                        if f.exception() is not None:
+                            self._failer(fut, ticket)(f.exception())
+                            return
+                        try:
+                            if free:
+                                remote.free(handle)
+                        except BaseException as exc:
+                            self._failer(fut, ticket)(exc)
+                            return
+                        self._count("remote2h", handle.nbytes)
+                        self._resolve(fut, ticket, f.result())
+
+                inner.add_done_callback(done)
+            else:
+                read = (fut, ticket, remote, handle, to, target, consumer, free)
+                self._read_to_block(*read, length=handle.nbytes, direction="remote2h")
+        except BaseException:
+            ticket.release()
+            raise
+        return fut
+
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait until every transfer submitted so far has finished (device->host and host->device
         copies included). Raises ``TimeoutError`` after ``timeout`` seconds (None: no bound; every
@@ -647,6 +762,14 @@ class TransferEngine:
             raise ClosedError("TransferEngine is closed")
         if self._completer.error is not None:
             raise self._completer.error  # a device copy failed earlier: say so, never hang
+
+    def _need_remote(self) -> RemoteStore:
+        if self.remote is None:
+            raise ValueError(
+                "this TransferEngine has no remote tier; pass remote=RemoteStore(capacity) "
+                "(after ray.init)"
+            )
+        return self.remote
 
     def _need_disk(self) -> DiskStore:
         if self.disk is None:
@@ -887,7 +1010,9 @@ class TransferEngine:
             raise
         return parts
 
-    def _write_all(self, disk: DiskStore, tensors: list[torch.Tensor], then, fail) -> None:
+    def _write_all(
+        self, disk: DiskStore, tensors: list[torch.Tensor], then, fail, direction: str = "h2disk"
+    ) -> None:
         """``disk.put`` each tensor from a transfer thread: synchronous errors (a full disk) fail
         like asynchronous ones. ``then(handles)`` once all are written, else free what was written
         and ``fail``."""
@@ -899,9 +1024,13 @@ class TransferEngine:
                 failed: Future = Future()
                 failed.set_exception(exc)
                 futures.append(failed)
-        self._collect(disk, futures, then, fail)
+        self._collect(disk, futures, then, fail, direction)
 
-    def _collect(self, disk: DiskStore, futures: list[Future], then, fail) -> None:
+    def _collect(
+        self, disk: DiskStore, futures: list[Future], then, fail, direction: str = "h2disk"
+    ) -> None:
+        """``then(handles)`` once every write of ``disk`` (a DiskStore or RemoteStore) is done;
+        else free what was written and ``fail``."""
         left = [len(futures)]
         lock = threading.Lock()
 
@@ -919,7 +1048,7 @@ class TransferEngine:
                     fail(errors[0])
                     return
                 handles = [f.result() for f in futures]
-                self._count("h2disk", sum(h.nbytes for h in handles))
+                self._count(direction, sum(h.nbytes for h in handles))
                 then(handles)
 
         if not futures:
@@ -953,8 +1082,22 @@ class TransferEngine:
 
         inner.add_done_callback(done)
 
-    def _read_to_block(self, fut, ticket, disk, handle, to, target, consumer, free) -> None:
-        block = self._alloc(handle.length)
+    def _read_to_block(
+        self,
+        fut,
+        ticket,
+        disk,
+        handle,
+        to,
+        target,
+        consumer,
+        free,
+        length: int | None = None,
+        direction: str = "disk2h",
+    ) -> None:
+        """Read ``handle`` of ``disk`` (a DiskStore or RemoteStore) into a pool block, then hand
+        it out (``to="host"``) or copy it to ``target``."""
+        block = self._alloc(handle.length if length is None else length)
         try:
             inner = disk.get(handle, into=block.buffer)
         except BaseException:
@@ -972,7 +1115,7 @@ class TransferEngine:
                 try:
                     if free:
                         disk.free(handle)
-                    self._count("disk2h", handle.nbytes)
+                    self._count(direction, handle.nbytes)
                     if to == "host":
                         self._resolve(fut, ticket, host)
                     else:

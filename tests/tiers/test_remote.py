@@ -1,59 +1,25 @@
 """RemoteStore on a Ray cluster of simulated nodes on this machine (ray.cluster_utils.Cluster)."""
 
-import os
 import pathlib
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError  # noqa: E402
-from tensortier.tiers.remote import RemoteHandle, RemoteStore  # noqa: E402
-
-_STORE = 96 << 20  # object store of each simulated node
-# Ray finds a killed node dead after about period * threshold; the default is ~15 s
-_FAST_DEATH = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 300,
-    "health_check_timeout_ms": 300,
-    "health_check_failure_threshold": 2,
-}
+from tensortier.tiers.host import HostPool  # noqa: E402
+from tensortier.tiers.remote import MIN_OBJECT, RemoteHandle, RemoteStore  # noqa: E402
+from tensortier.transfer import HostTensor, Transfer, TransferEngine  # noqa: E402
+from tests.ray_cluster import STORE as _STORE  # noqa: E402
+from tests.ray_cluster import local_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    # A short private directory: Ray's socket paths under it must stay below 108 bytes.
-    tmp = tempfile.mkdtemp(prefix="tt-ray-")
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp  # sessions, logs, sockets and the address file go here
-    c = None
-    try:
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "object_store_memory": _STORE,
-                "include_dashboard": False,
-                "_system_config": _FAST_DEATH,
-            },
-        )
-        nodes = [c.add_node(num_cpus=0, object_store_memory=_STORE) for _ in range(2)]
-        ray.init(address=c.address, log_to_driver=False)
-        yield c, [n.node_id for n in nodes], tmp
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
-        shutil.rmtree(tmp, ignore_errors=True)
+    with local_cluster() as lc:
+        yield lc.cluster, lc.workers, lc.tmp
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +91,9 @@ def test_payloads_are_raw_bytes_not_pickles(store):
     t = torch.arange(1000, dtype=torch.int32).reshape(10, 100)
     h = store.write(t)
     raw = ray.get(store._pool.refs[h.id], timeout=30)
-    assert isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.shape == (4000,)
-    assert bytes(raw) == t.numpy().tobytes()
+    # padded to MIN_OBJECT: a smaller object would be returned inline into this process
+    assert isinstance(raw, np.ndarray) and raw.dtype == np.uint8 and raw.shape == (MIN_OBJECT,)
+    assert bytes(raw[:4000]) == t.numpy().tobytes()
     # the memory node refuses anything but a flat uint8 array (no user objects)
     node = store._pool.nodes[h.node].actor
     with pytest.raises(ray.exceptions.RayTaskError, match="flat uint8"):
@@ -210,9 +177,14 @@ def test_node_loss_fails_its_handles_naming_the_node(cluster):
     doomed = c.add_node(num_cpus=0, object_store_memory=_STORE)
     s = RemoteStore("32MiB", nodes=[doomed.node_id, workers[0]], timeout=30)
     try:
-        data = [torch.randn(1 << 16) for _ in range(4)]
+        # large and small (below Ray's inline limit: must still live on the node, not here)
+        data = [torch.randn(n) for n in (1 << 16, 10, 1 << 16, 10)]
         hs = [s.write(t) for t in data]
-        on_doomed = [h for h in hs if h.node == doomed.node_id]
+        small = [[torch.arange(k, k + 5) for k in range(3)] for _ in range(2)]
+        batches = [s.put_many(ts).result(timeout=60) for ts in small]  # one on each node
+        assert {b[0].node for b in batches} == {doomed.node_id, workers[0]}
+        on_doomed = sorted((h for h in hs if h.node == doomed.node_id), key=lambda h: h.nbytes)
+        assert on_doomed[0].nbytes == 40  # the first get, which finds the node lost: a small one
         kept = [(h, t) for h, t in zip(hs, data) if h.node != doomed.node_id]
         assert on_doomed and kept
         c.remove_node(doomed, allow_graceful=False)
@@ -222,14 +194,166 @@ def test_node_loss_fails_its_handles_naming_the_node(cluster):
         for h in on_doomed[1:]:  # known lost now: failed at once
             with pytest.raises(NodeLostError, match=doomed.node_id):
                 s.get(h).result(timeout=5)
+        with TransferEngine(host=HostPool("1MiB"), remote=s) as engine:  # through the engine
+            with pytest.raises(NodeLostError, match=doomed.node_id):
+                engine.from_remote(on_doomed[-1], to="host").result(timeout=5)
+            engine.synchronize(timeout=5)
+        engine.host.close()
         for h, t in kept:
             assert torch.equal(s.read(h), t)
+        for b, ts in zip(batches, small):
+            if b[0].node == doomed.node_id:
+                with pytest.raises(NodeLostError, match=doomed.node_id):
+                    s.get_many(b).result(timeout=30)
+                with pytest.raises(NodeLostError, match=doomed.node_id):
+                    s.get(b[1]).result(timeout=30)
+            else:
+                assert all(torch.equal(x, t) for x, t in zip(s.get_many(b).result(timeout=30), ts))
         assert s.nodes == [workers[0]]
-        assert s.stats.lost_nodes == 1 and s.stats.lost_tensors == len(on_doomed)
+        assert s.stats.lost_nodes == 1 and s.stats.lost_tensors == len(on_doomed) + 3
         fresh = s.write(torch.arange(10))  # puts go to the surviving node
         assert fresh.node == workers[0] and torch.equal(s.read(fresh), torch.arange(10))
-        for h in hs + [fresh]:
+        for h in hs + [fresh] + batches[0] + batches[1]:
             s.free(h)
         assert s.stats.used_bytes == 0 and len(s) == 0
     finally:
         s.close()
+
+
+def test_put_many_sends_one_object_and_frees_it_with_its_last_handle(store):
+    tensors = [t for _, t in _cases() if t.numel() < 1000]  # every small dtype and layout
+    before, batches = dict(store._pool.refs), store.stats.batches
+    hs = store.put_many(tensors).result(timeout=60)
+    assert store.stats.batches == batches + 1
+    new = set(store._pool.refs) - set(before)
+    assert len(new) == 1  # one object for the whole batch
+    (key,) = new
+    assert {h.key for h in hs if h.nbytes} == {key} and all(h in store for h in hs)
+    raw = ray.get(store._pool.refs[key], timeout=30)  # raw bytes, not a pickle
+    assert isinstance(raw, np.ndarray) and raw.dtype == np.uint8
+    stored = max(sum(h.nbytes for h in hs), MIN_OBJECT)
+    assert raw.nbytes == stored
+    del raw
+    for h, t in zip(hs, tensors):  # one member at a time
+        assert _same(store.get(h).result(timeout=60), t.resolve_conj().resolve_neg())
+    backs = store.get_many(hs).result(timeout=60)  # all at once
+    for back, t in zip(backs, tensors):
+        assert _same(back, t.resolve_conj().resolve_neg())
+    used = store.stats.used_bytes
+    assert used >= stored
+    for h in hs[:-1]:
+        store.free(h)
+        assert store.stats.used_bytes == used  # the object lives while a member does
+    assert key in store._pool.refs
+    store.free(hs[-1])
+    assert key not in store._pool.refs and key not in store._pool.batches
+    assert store.stats.used_bytes == used - stored
+    with pytest.raises(KeyError):
+        store.get_many(hs)
+
+
+def test_put_many_full_pool_and_bad_arguments(store):
+    per_node = store.stats.capacity_bytes // 2
+    used = store.stats.used_bytes
+    half = torch.zeros(per_node // 2 + 1, dtype=torch.uint8)
+    with pytest.raises(TierFullError, match="remote tier capacity exceeded"):
+        store.put_many([half, half])  # the batch goes whole to one node
+    assert store.stats.used_bytes == used and len(store) == 0
+    with pytest.raises(TypeError, match="put_many"):
+        store.put_many(torch.ones(3))
+    with pytest.raises(TypeError, match=r"tensors\[1\]"):
+        store.put_many([torch.ones(3), "x"])
+    assert store.put_many([]).result(timeout=5) == []
+    with pytest.raises(TypeError, match="get_many"):
+        store.get_many("x")
+
+
+def test_prefetch_reads_ahead_within_the_window(store):
+    data = [torch.full((1 << 16,), float(i)) for i in range(6)]  # 256 KiB each
+    hs = [store.write(t) for t in data]
+    gets = store.stats.gets
+    store.prefetch(hs, window=2 * hs[0].nbytes)
+    assert len(store._prefetch.ahead) == 2  # bounded in bytes
+    assert store.stats.prefetched == 2
+    for i, (h, t) in enumerate(zip(hs, data)):
+        into = torch.empty(h.nbytes, dtype=torch.uint8) if i == 3 else None
+        back = store.get(h, into=into).result(timeout=60)
+        assert torch.equal(back, t)
+        if into is not None:
+            assert back.data_ptr() == into.data_ptr()
+        assert len(store._prefetch.ahead) <= 2
+    assert store.stats.prefetch_hits == 6 and store.stats.prefetched == 6
+    assert store.stats.gets - gets == 6  # each tensor read once
+    # a new order replaces the old one; free drops a read-ahead copy
+    store.prefetch(hs[:3], window="1GiB")
+    assert set(store._prefetch.ahead) == {h.id for h in hs[:3]}
+    store.free(hs[0])
+    assert hs[0].id not in store._prefetch.ahead
+    with pytest.raises(KeyError):
+        store.prefetch(hs[:1])
+    with pytest.raises(ConfigError, match="window"):
+        store.prefetch(hs[1:], window=0)
+    for h in hs[1:]:
+        store.free(h)
+    assert not store._prefetch.ahead and store.stats.used_bytes == 0
+
+
+# ---------------------------------------------------------------- through the TransferEngine
+@pytest.fixture
+def engine(store):
+    with TransferEngine(host=HostPool("16MiB"), remote=store) as e:
+        yield e
+    e.host.close()
+
+
+def test_engine_to_remote_and_back_is_bit_identical(store, engine):
+    t = torch.randn(257, 3).t()  # non-contiguous
+    f = engine.to_remote(t)
+    assert isinstance(f, Transfer)
+    h = f.result(timeout=60)
+    assert isinstance(h, RemoteHandle) and h in store
+    back = engine.from_remote(h, to="device", device="cpu").result(timeout=60)
+    assert _same(back, t.contiguous())
+    host = engine.from_remote(h, to="host").result(timeout=60)
+    assert isinstance(host, HostTensor) and _same(host.tensor, t.contiguous())
+    host.free()
+    back = engine.from_remote(h, device="cpu", free=True).result(timeout=60)
+    assert _same(back, t.contiguous()) and h not in store
+    assert engine.stats.bytes["h2remote"] == h.nbytes and engine.stats.count["remote2h"] == 3
+    # a host-pool tensor, freed once sent; an empty tensor
+    staged = engine.to_host(torch.arange(100)).result(timeout=60)
+    h2 = engine.to_remote(staged, free=True).result(timeout=60)
+    assert staged.block.freed and torch.equal(store.read(h2), torch.arange(100))
+    e = engine.to_remote(torch.empty(0, 4)).result(timeout=60)
+    assert engine.from_remote(e, device="cpu", free=True).result(timeout=60).shape == (0, 4)
+    store.free(h2)
+    engine.synchronize(timeout=30)
+
+
+def test_engine_remote_errors_are_typed(store, engine):
+    big = torch.zeros(store.stats.capacity_bytes, dtype=torch.uint8)
+    with pytest.raises(TierFullError, match="remote"):
+        engine.to_remote(big)
+    engine.synchronize(timeout=5)  # the throttle got its bytes back
+    h = store.write(torch.ones(4))
+    store.free(h)
+    with pytest.raises(KeyError):
+        engine.from_remote(h)
+    with pytest.raises(ConfigError, match="to must be"):
+        engine.from_remote(h, to="disk")
+    bare = TransferEngine(host=HostPool("1MiB"))
+    with bare, pytest.raises(ValueError, match="no remote tier"):
+        bare.to_remote(torch.ones(3))
+    bare.host.close()
+    engine.synchronize(timeout=5)
+
+
+@pytest.mark.gpu
+def test_engine_remote_round_trip_from_and_to_cuda(store):
+    with TransferEngine(host=HostPool("16MiB", pin=True), remote=store, device="cuda") as e:
+        x = torch.randn(1000, 33, device="cuda")
+        h = e.to_remote(x * 2).result(timeout=60)  # staged through a pinned block
+        y = e.from_remote(h, free=True).result(timeout=60)
+        assert y.device.type == "cuda" and torch.equal(y, x * 2)
+        e.synchronize(timeout=30)
+    e.host.close()

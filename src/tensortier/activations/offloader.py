@@ -3,7 +3,7 @@
 Mechanism (vDNN, FlashNeuron, in eager PyTorch). Inside ``with offloader:`` every tensor autograd
 saves for backward goes through :meth:`Offloader._pack`. Parameters, buffers and autocast's cached
 weight casts are returned as-is (saved by reference, never copied). Any other tensor's *storage* is
-moved once to host or disk by the :class:`TransferEngine` and the saved tensor becomes a handle
+moved once to host, disk or remote memory by the :class:`TransferEngine` and the saved tensor becomes a handle
 (storage record + dtype, size, stride, offset); several tensors that share a storage (the same tensor
 saved twice, views of one base) share one record, so they come back as views of one storage with
 their exact strides, on the device they were saved from. The device copy is released as soon as its
@@ -17,7 +17,12 @@ pack order when the graph changed), is read back ahead of need. At the end of fo
 the head of that order whose write is still in flight keep their source, so the first tensors
 backward needs are never read back. Every backward ends with a callback that empties the window.
 
-Lifetime. Each record frees its host block or disk extent in a weakref finalizer, so a graph that
+Remote memory (``to="remote"``): the storages go to a :class:`~tensortier.tiers.remote.RemoteStore`
+(other Ray nodes' RAM) through ``TransferEngine.to_remote`` and come back, prefetched the same way,
+through ``from_remote``. Mechanism only: the planner does not model the remote channel (it never
+chooses "remote"), and codecs do not apply to it.
+
+Lifetime. Each record frees its host block, disk extent or remote object in a weakref finalizer, so a graph that
 raises in forward or is never backpropagated releases everything once dropped. Records keep their
 pass (and so the offloader) alive; a dropped offloader's engine, pool and files are released by a
 :class:`tensortier._lifetime.Finalizer` on the reaper thread. See ``PROTOCOL.md``.
@@ -49,9 +54,10 @@ from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullErr
 from tensortier.tiers.codecs import accepts
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
+from tensortier.tiers.remote import RemoteHandle, RemoteStore
 from tensortier.transfer import Encoded, HostTensor, TransferEngine
 
-TIERS = ("host", "disk", "auto")
+TIERS = ("host", "disk", "remote", "auto")
 
 
 class Codec(Protocol):
@@ -79,14 +85,17 @@ class SavedTensorInfo:
 
 @dataclass(frozen=True)
 class Action:
-    """Where one saved tensor goes: ``keep`` (stay on device), ``host`` or ``disk``, optionally encoded."""
+    """Where one saved tensor goes: ``keep`` (stay on device), ``host``, ``disk`` (optionally
+    encoded) or ``remote`` (an Offloader made with ``remote=``; raw)."""
 
     tier: str
     codec: Codec | None = None
 
     def __post_init__(self) -> None:
-        if self.tier not in ("keep", "host", "disk"):
-            raise ConfigError(f"Action tier must be 'keep', 'host' or 'disk', got {self.tier!r}")
+        if self.tier not in ("keep", "host", "disk", "remote"):
+            raise ConfigError(
+                f"Action tier must be 'keep', 'host', 'disk' or 'remote', got {self.tier!r}"
+            )
 
 
 _KEEP = Action("keep")
@@ -96,7 +105,9 @@ _KEEP = Action("keep")
 class OffloadStats:
     tensors_packed: int = 0  # saved tensors seen (excluding parameters and buffers)
     tensors_offloaded: int = 0
-    bytes_offloaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    bytes_offloaded: dict[str, int] = field(
+        default_factory=lambda: {"host": 0, "disk": 0, "remote": 0}
+    )
     bytes_kept: int = 0  # below min_bytes, kept by the plan, or a CPU tensor in a CUDA run
     bytes_weight_casts: int = 0  # autocast's cached weight casts, left on the device
     bytes_deduplicated: int = 0  # saved again from a storage already moved
@@ -151,7 +162,7 @@ class _Record:
         self.codec: Codec | None = None
         self.dtype = torch.uint8
         self.meta: dict = {}
-        # futures of HostTensor (host) or DiskHandle (disk), one per payload
+        # futures of HostTensor (host), DiskHandle (disk) or RemoteHandle (remote), one per payload
         self.location: list[Future] = []
         self.source: torch.Tensor | None = None  # the original storage while its write is in flight
         self.keep_source = False
@@ -255,6 +266,10 @@ class Offloader:
     autocast's low-precision weight casts, which by default stay on the device: the autocast cache
     holds them until autocast exits, so moving them frees nothing before backward and costs their
     size over the bus both ways (it only lowers memory during backward).
+    ``to="remote"``: other Ray nodes' RAM; ``remote`` is a
+    :class:`~tensortier.tiers.remote.RemoteStore` (the caller's, left open) or a dict of its
+    arguments (``{"capacity": "8GiB"}``, made and closed by the offloader). A lost memory node
+    makes backward raise ``NodeLostError`` naming it. No codec.
     """
 
     def __init__(
@@ -272,9 +287,20 @@ class Offloader:
         codec: Codec | None = None,
         record: bool = False,
         offload_weight_casts: bool = False,
+        remote: RemoteStore | dict | None = None,
     ):
         if to not in TIERS:
             raise ConfigError(f"to must be one of {TIERS}, got {to!r}")
+        if to == "remote" and codec is not None:
+            raise ConfigError(
+                f"to='remote' with codec={getattr(codec, 'name', codec)!r}: codecs apply to the "
+                f"host and disk tiers only; pass codec=None"
+            )
+        if remote is not None and not isinstance(remote, (RemoteStore, dict)):
+            raise ConfigError(
+                f"remote={remote!r}: pass a RemoteStore or a dict of its arguments, e.g. "
+                f"remote={{'capacity': '8GiB'}}"
+            )
         self.to = to
         self.min_bytes = parse_size(min_bytes, name="min_bytes")
         self.host_budget = parse_size(host_budget, name="host_budget", allow_zero=False)
@@ -295,6 +321,8 @@ class Offloader:
         try:
             if to in ("disk", "auto"):
                 self._attach_disk()
+            if remote is not None or to == "remote":
+                self._attach_remote(remote)
         except BaseException:
             self._finalizer()
             raise
@@ -333,6 +361,21 @@ class Offloader:
         if disk is not None:
             total += disk.stats.staging_bytes
         return total
+
+    def _attach_remote(self, remote: RemoteStore | dict | None) -> None:
+        if isinstance(remote, RemoteStore):
+            if remote.closed:
+                raise ConfigError("remote=RemoteStore(...) is closed; pass an open store")
+            self._engine.remote = remote  # the caller's: not closed with this offloader
+            return
+        if not isinstance(remote, dict) or "capacity" not in remote:
+            raise ConfigError(
+                f"to='remote' needs remote=RemoteStore(capacity) or a dict of its arguments with a "
+                f"capacity, e.g. remote={{'capacity': '8GiB'}}; got remote={remote!r}"
+            )
+        store = RemoteStore(**remote)
+        self._engine.remote = store
+        self._resources.append(store)  # closed after the engine (which waits for transfers)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Offloader:
@@ -526,6 +569,17 @@ class Offloader:
         itself without a sync (a cast) runs here, on the current stream, and its payloads travel
         raw. See ``_restore`` for the way back."""
         engine, codec = self._engine, record.codec
+        if record.tier == "remote":
+            if engine.remote is None:
+                raise ConfigError(
+                    "a saved tensor was sent to tier 'remote' (decide returned it), but this "
+                    "Offloader has no remote store; pass remote=RemoteStore(...) or a dict"
+                )
+            record.location.append(engine.to_remote(data))  # raw: no codec on this tier
+            with self._lock:
+                self.stats.bytes_offloaded["remote"] += record.nbytes
+                self.stats.tensors_offloaded += 1
+            return
         put = _to_host if record.tier == "host" else _to_disk
         if codec is None:
             record.location.append(put(engine, data))
@@ -636,6 +690,8 @@ def _restore(
         isinstance(where, Encoded) and all(isinstance(p, HostTensor) for p in where.parts)
     ):
         engine.to_device(where, device=device).add_done_callback(then)
+    elif isinstance(where, RemoteHandle):
+        engine.from_remote(where, to="device", device=device).add_done_callback(then)
     elif _FROM_DISK_TAKES_DEVICE:
         engine.from_disk(where, to="device", device=device).add_done_callback(then)
     elif device == normalize_device(engine.device):
@@ -795,6 +851,9 @@ def _free_one(engine: TransferEngine, f: Future) -> None:
     elif isinstance(where, Encoded):
         if engine.disk is not None or all(isinstance(p, HostTensor) for p in where.parts):
             where.free(engine.disk)
+    elif isinstance(where, RemoteHandle):
+        if engine.remote is not None and where in engine.remote:  # free(): never blocks
+            engine.remote.free(where)
     elif engine.disk is not None and where in engine.disk:
         engine.disk.free(where)
 
@@ -990,7 +1049,7 @@ class _Pass:
         if off.decide is None:
             if nbytes < off.min_bytes:
                 return _KEEP
-            tier = "host" if off.to in ("host", "auto") else "disk"
+            tier = "host" if off.to in ("host", "auto") else off.to
             return Action(tier, off.codec)
         node = t.grad_fn.name() if t.grad_fn is not None else ""
         info = SavedTensorInfo(
@@ -1138,6 +1197,8 @@ def offload(to: str = "disk", **kwargs) -> Offloader:
 
 
 def _hashable(v: Any) -> Any:
+    if isinstance(v, dict):  # e.g. remote={"capacity": ...}: same settings, same offloader
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
     try:
         hash(v)
         return v

@@ -128,7 +128,9 @@ def run_remote(args: argparse.Namespace) -> list[dict]:
     repeat = args.repeat or (3 if args.quick else 5)
     print(f"measuring remote put/get of {format_size(size)}, best of {repeat}, two Ray nodes")
     rows, ok = remote_bandwidth(size, repeat)
-    print_table(rows, ["path", "bytes", "gbps", "ratio_vs_limit"])
+    print_table(
+        rows, ["path", "bytes", "gbps", "ratio_vs_limit", "remote_vs_spilling", "speedup_vs_each"]
+    )
     if not ok:
         print("WARNING: data read back from the remote tier differed from what was written")
     write_json(args.json, "tiers-remote", rows, intact=ok, repeat=repeat)
@@ -182,7 +184,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     ]
     if torch.cuda.is_available():
         rows += cuda_bandwidth(min(size, 1 << 30))
-    print_table(rows, ["path", "bytes", "gbps", "ratio_vs_limit"])
+    print_table(
+        rows, ["path", "bytes", "gbps", "ratio_vs_limit", "remote_vs_spilling", "speedup_vs_each"]
+    )
     if not ok:
         print("WARNING: data read back differed from what was written, or O_DIRECT was unavailable")
     write_json(args.json, "tiers", rows, direct_io_and_intact=ok)

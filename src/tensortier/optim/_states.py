@@ -1,4 +1,4 @@
-"""Where a bucket's optimizer state lives between steps: host RAM, or the disk tier.
+"""Where a bucket's optimizer state lives between steps: host RAM, the disk tier, or remote memory.
 
 A bucket's state is three flat vectors of its master dtype: the master weights and Adam's two
 moments. Every slot (parameter) starts on a 64-byte boundary (:func:`slot_layout`), like a fresh
@@ -31,6 +31,12 @@ each, so the optimizer's host memory is ``depth * 3 * bucket_bytes`` whatever th
 Reads run ahead (``prefetch``) and writes behind (a buffer returns to the ring when its write
 completes), both through the disk store's futures.
 
+Remote memory (``states="remote"``). :class:`DiskStates` streams from any store with the disk
+tier's interface (``put``/``get(into=)``/``free``, futures, handles): a
+:class:`~tensortier.tiers.remote.RemoteStore` holds the extents in other nodes' RAM under the same
+protocol. A lost memory node fails the reads of its buckets with ``NodeLostError`` (raised by
+``load``, so from ``step()``); a caller-owned store is left open by ``close``.
+
 Waits: ring-buffer takes poll with a timeout and steal read-aheads (no deadlock); disk futures
 complete or fail through the disk store; CUDA events complete once the copies queued before them
 ran (they cannot hang unless the device does).
@@ -43,6 +49,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +57,9 @@ from tensortier._units import align_up
 from tensortier.errors import ConfigError
 from tensortier.tiers.disk import DiskHandle, DiskStore
 from tensortier.tiers.host import PAGE, aligned_empty
+
+if TYPE_CHECKING:  # Ray is imported only when a RemoteStore is made
+    from tensortier.tiers.remote import RemoteStore
 
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # master, exp_avg, exp_avg_sq
 ALIGN = 64  # bytes: c10's CPU allocator alignment, and ATen's fused-kernel task unit
@@ -219,14 +229,18 @@ class _Layout:
 
 
 class DiskStates:
-    """Bucket states in a :class:`DiskStore`, streamed through ``depth`` host ring buffers."""
+    """Bucket states in a :class:`DiskStore` (or a ``RemoteStore``: same interface), streamed
+    through ``depth`` host ring buffers. ``owns_store``: ``close`` closes the store."""
 
-    def __init__(self, store: DiskStore, depth: int, pin: bool = False):
+    def __init__(
+        self, store: DiskStore | RemoteStore, depth: int, pin: bool = False, owns_store: bool = True
+    ):
         if depth < 2:
             raise ConfigError(
                 f"pipeline depth must be >= 2 (one buffer reading, one writing), got {depth}"
             )
         self.store, self.depth, self._pin = store, depth, pin
+        self._owns_store = owns_store
         self._layouts: dict[int, _Layout] = {}
         self._committed: dict[int, tuple[DiskHandle, DiskHandle]] = {}
         self._pending: dict[int, tuple[Future, Future]] = {}
@@ -471,4 +485,11 @@ class DiskStates:
     def close(self) -> None:
         self.drop_prefetch()
         self.abort()
-        self.store.close()
+        if self._owns_store:
+            self.store.close()
+            return
+        for hs in self._committed.values():  # the caller's store stays open: give its memory back
+            for h in hs:
+                if h in self.store:
+                    self.store.free(h)
+        self._committed.clear()

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,6 +61,9 @@ from tensortier.optim._staging import Staged, Staging
 from tensortier.optim._states import DiskStates, HostStates, slot_layout
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import PAGE
+
+if TYPE_CHECKING:  # Ray is imported only when a RemoteStore is made
+    from tensortier.tiers.remote import RemoteStore
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,7 @@ class StateTier(str, Enum):
 
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"  # other nodes' RAM (tiers.remote.RemoteStore), streamed like "disk"
 
 
 @dataclass
@@ -211,6 +216,27 @@ def _grad_hook(ref: weakref.ref, param: torch.Tensor) -> None:
         opt._on_grad(param)
 
 
+def _remote_states(remote, depth: int, pin: bool, io_threads: int) -> DiskStates:
+    """``states="remote"``: the disk path's streaming over a RemoteStore (same protocol)."""
+    from tensortier.tiers.remote import RemoteStore
+
+    if isinstance(remote, RemoteStore):
+        if remote.closed:
+            raise ConfigError("remote=RemoteStore(...) is closed; pass an open store")
+        return DiskStates(remote, depth, pin=pin, owns_store=False)
+    if not isinstance(remote, dict) or "capacity" not in remote:
+        raise ConfigError(
+            f"states='remote' needs remote=RemoteStore(capacity) or a dict of its arguments "
+            f"with a capacity, e.g. remote={{'capacity': '8GiB'}}; got remote={remote!r}"
+        )
+    store = RemoteStore(**{"io_threads": io_threads, **remote})
+    try:
+        return DiskStates(store, depth, pin=pin)
+    except BaseException:
+        store.close()
+        raise
+
+
 def _shutdown(worker: ThreadPoolExecutor, states, hooks: list) -> None:
     for h in hooks:
         h.remove()
@@ -261,7 +287,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     speculates, a second copy of the state and a gradient snapshot are added, see the module
     docstring); ``"disk"`` keeps it in a :class:`DiskStore` under ``spill_dir`` and streams it
     through ``pipeline_depth`` host buffers of one bucket each, so host memory stays
-    ``pipeline_depth * 3 * bucket_size``.
+    ``pipeline_depth * 3 * bucket_size``; ``"remote"`` streams it the same way from other Ray
+    nodes' memory: ``remote`` is a :class:`~tensortier.tiers.remote.RemoteStore` (the caller's,
+    left open by :meth:`close`) or a dict of its arguments (``{"capacity": "8GiB"}``; the
+    optimizer makes the store and closes it). A lost memory node makes ``step()`` raise
+    ``NodeLostError`` naming it (nothing applied; the state on that node is gone: restore from a
+    checkpoint).
     ``master_weights``: keep fp32 masters for bf16/fp16 parameters (else state is in their dtype).
     ``overlap``: speculate bucket updates during backward (see module docstring); ``False``
     updates in ``step()`` only; ``"auto"`` (default) speculates when parameters live on a GPU,
@@ -290,6 +321,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         states: StateTier | str = StateTier.HOST,
         spill_dir: str | None = None,
         disk_capacity: SizeLike | None = None,
+        remote: RemoteStore | dict | None = None,
         master_weights: bool = True,
         bucket_size: SizeLike = "16MiB",
         overlap: bool | str = "auto",
@@ -335,6 +367,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self.overlap = pin
         if self.tier is StateTier.HOST:
             self._states: HostStates | DiskStates = HostStates(pin=pin)
+        elif self.tier is StateTier.REMOTE:
+            self._states = _remote_states(remote, pipeline_depth, pin, io_threads)
         else:
             slab = align_up(3 * self._bucket_bytes, PAGE)
             store = DiskStore(
