@@ -12,8 +12,10 @@ and sum/min trees that is about 110 bytes per slot of capacity (~105 MiB for 1M 
 "small overhead per item" outside the RAM budget; :func:`check_args` refuses a capacity whose
 index does not fit in the memory available.
 
-Tiering. Item bytes in RAM (blob length + 33 bytes of Python object header) stay under
-``ram_budget``: an add that would exceed it first moves the oldest RAM items to the active segment
+Tiering. Item bytes in RAM stay under ``ram_budget``: an item added as encoded parts (see
+``itemcodec.encode_parts``) is copied once into a slice of the :class:`~tensortier.rl._arena.Arena`
+(counted as its size rounded up to 64 bytes), an item added as ``bytes`` (or that the arena cannot
+hold) is kept as that object (counted as its length + 33 bytes of object header); an add that would exceed it first moves the oldest RAM items to the active segment
 in one batched write (non-durable) or just drops their RAM copies (durable buffers write every
 item through to disk when it is added, so an acknowledged add survives a crash).
 
@@ -35,16 +37,33 @@ import psutil
 from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale, remove_private_dir
 from tensortier._units import format_size
 from tensortier.errors import ConfigError, CorruptDataError, SpillDirError
+from tensortier.rl._arena import Arena
 from tensortier.tiers.segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
 _META = "store.json"
 _FORMAT_VERSION = 2  # 2: records checksum their header too (see tiers/segments.py); 1 is still read
-# index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, free
-# stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
-SLOT_BYTES = 80
+# index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, arena
+# address 8, free stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
+SLOT_BYTES = 88
 _NONE = np.empty(0, np.int64)
 _NONE.flags.writeable = False
+
+
+def _size(blob: Any) -> int:
+    """Bytes of an item given as ``bytes`` (or another buffer) or as a list of byte parts."""
+    return sum(map(len, blob)) if type(blob) is list else len(blob)
+
+
+def _flat(blob: Any) -> Any:
+    """The item as one buffer (parts are joined: the disk and durable paths)."""
+    return b"".join(blob) if type(blob) is list else blob
+
+
+def _est(n: int) -> int:
+    """Budget an item of ``n`` bytes may take in RAM, whichever way it is kept (arena slice
+    rounded to 64 bytes, or a bytes object with its header)."""
+    return (n + _OBJ + 63) & -64
 
 
 def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
@@ -206,7 +225,10 @@ class ItemStore:
         self.seg = np.full(capacity, -1, np.int32)
         self.off = np.zeros(capacity, np.int64)
         self.len = np.zeros(capacity, np.int32)
-        self.ram: list[bytes | None] = [None] * capacity
+        # RAM copy per slot: a bytes object, or a view of an arena slice (address in `addr`)
+        self.ram: list[Any] = [None] * capacity
+        self.addr = np.full(capacity, -1, np.int64)
+        self.arena = Arena.for_budget(ram_budget)
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
         self.nfree = capacity
         self.seq = 0
@@ -435,7 +457,9 @@ class ItemStore:
             self.stats.disk_reads += len(missing)
             for i, d in zip(missing, datas):
                 out[i] = d
-        return out  # type: ignore[return-value]
+        # arena slices are copied out: the caller uses them after the lock is released, when
+        # their slots may hold other items (bytes(b) of a bytes object is that object)
+        return list(map(bytes, out))
 
     def order(self) -> np.ndarray:
         """Live keys, oldest first."""
@@ -481,6 +505,7 @@ class ItemStore:
         self.seg[slots] = -1
         try:
             if self.durable:
+                blobs = [_flat(b) for b in blobs]
                 locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
                 for s, (seg, off, ln) in zip(slots.tolist(), locs):
                     self.seg[s], self.off[s], self.len[s] = seg, off, ln
@@ -496,7 +521,7 @@ class ItemStore:
         self.stats.items += n
         return keys, evicted
 
-    def _add_one(self, blob: bytes) -> int:
+    def _add_one(self, blob: Any) -> int:
         """:meth:`add` of one blob into a free slot of a non-durable store, in Python scalars
         (a handful of numpy calls on 1-element arrays would cost more than the item's copy)."""
         slot = int(self.free[self.nfree - 1])
@@ -507,14 +532,13 @@ class ItemStore:
         self.issued_slot[seq % self.cap] = slot
         self.keys[slot] = key
         self.seg[slot] = -1
-        size = len(blob) + _OBJ
+        n = _size(blob)
         st = self.stats
         try:
-            if st.ram_bytes + size > self.budget:
+            if st.ram_bytes + _est(n) > self.budget:
                 self._to_ram(np.array([slot], np.int64), np.array([key], np.int64), [blob])
             else:
-                self.ram[slot] = blob
-                st.ram_bytes += size
+                st.ram_bytes += self._place(slot, blob, n)
                 st.ram_items += 1
                 if st.ram_bytes > st.peak_ram_bytes:
                     st.peak_ram_bytes = st.ram_bytes
@@ -532,11 +556,7 @@ class ItemStore:
     def _undo_add(self, slots: np.ndarray) -> None:
         """Forget half-added ``slots`` (a write failed): their slots go back to the free list."""
         for s in slots.tolist():
-            blob = self.ram[s]
-            if blob is not None:
-                self.ram[s] = None
-                self.stats.ram_bytes -= len(blob) + _OBJ
-                self.stats.ram_items -= 1
+            self._drop_ram(s)
             if self.seg[s] >= 0 and self.segments is not None:
                 self.segments.release(int(self.seg[s]), int(self.len[s]))
                 self.stats.disk_items -= 1
@@ -557,7 +577,7 @@ class ItemStore:
             locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
             for s, (seg, off, ln) in zip(slots.tolist(), locs):
                 self.seg[s], self.off[s], self.len[s] = seg, off, ln
-        self._to_ram(slots, keys, blobs)
+        self._to_ram(slots, keys, [[b] for b in blobs])  # one copy into the arena
         self.fifo.push(keys)
         self.stats.items += len(keys)
         self._rebuild_free()
@@ -568,30 +588,61 @@ class ItemStore:
         self.issued_slot[:] = -1
         self._note_issued(self.order())
 
-    def _to_ram(self, slots: np.ndarray, keys: np.ndarray, blobs: list[bytes]) -> None:
-        need = sum(len(b) + _OBJ for b in blobs)
-        if self.stats.ram_bytes + need > self.budget:
+    def _place(self, s: int, blob: Any, n: int) -> int:
+        """Keep ``blob`` (``n`` bytes) as slot ``s``'s RAM copy; returns the budget it takes.
+        Parts go into an arena slice (one copy); bytes, or parts the arena cannot hold, stay
+        a bytes object."""
+        if type(blob) is list:
+            addr, view = self.arena.put(blob, n)
+            if addr >= 0:
+                self.ram[s] = view
+                self.addr[s] = addr
+                return Arena.cost(n)
+            blob = b"".join(blob)
+        self.ram[s] = blob
+        return n + _OBJ
+
+    def _cost(self, s: int, blob: Any) -> int:
+        return Arena.cost(len(blob)) if self.addr[s] >= 0 else len(blob) + _OBJ
+
+    def _drop_ram(self, s: int) -> None:
+        """Forget slot ``s``'s RAM copy (if any): its arena slice is free for the next item."""
+        blob = self.ram[s]
+        if blob is None:
+            return
+        self.ram[s] = None
+        addr = int(self.addr[s])
+        if addr >= 0:
+            self.addr[s] = -1
+            self.arena.release(addr, len(blob))
+            self.stats.ram_bytes -= Arena.cost(len(blob))
+        else:
+            self.stats.ram_bytes -= len(blob) + _OBJ
+        self.stats.ram_items -= 1
+
+    def _to_ram(self, slots: np.ndarray, keys: np.ndarray, blobs: list) -> None:
+        sizes = [_size(b) for b in blobs]
+        need = sum(_est(n) for n in sizes)
+        st = self.stats
+        if st.ram_bytes + need > self.budget:
             # spill a little more than needed (1/16 of the budget, at most 16 MiB) so writes
             # are large and rare
-            self._spill(
-                self.stats.ram_bytes + need - self.budget + min(self.budget // 16, 16 << 20)
-            )
+            self._spill(st.ram_bytes + need - self.budget + min(self.budget // 16, 16 << 20))
         spill = []
-        for s, k, b in zip(slots.tolist(), keys.tolist(), blobs):
-            size = len(b) + _OBJ
-            if self.stats.ram_bytes + size <= self.budget:
-                self.ram[s] = b
-                self.stats.ram_bytes += size
-                self.stats.ram_items += 1
+        ram_keys = []
+        for s, k, b, n in zip(slots.tolist(), keys.tolist(), blobs, sizes):
+            if st.ram_bytes + _est(n) <= self.budget:
+                st.ram_bytes += self._place(s, b, n)
+                st.ram_items += 1
+                ram_keys.append(k)
             elif self.seg[s] < 0:  # larger than what is left of the budget: straight to disk
-                spill.append((s, k, b))
-        ram_keys = [k for s, k in zip(slots.tolist(), keys.tolist()) if self.ram[s] is not None]
+                spill.append((s, k, _flat(b)))
         self.ram_order.push(ram_keys)
-        self.stats.peak_ram_bytes = max(self.stats.peak_ram_bytes, self.stats.ram_bytes)
+        st.peak_ram_bytes = max(st.peak_ram_bytes, st.ram_bytes)
         if spill:
             self._write([s for s, _, _ in spill], [k for _, k, _ in spill], [b for *_, b in spill])
 
-    def _write(self, slots: list[int], keys: list[int], blobs: list[bytes]) -> None:
+    def _write(self, slots: list[int], keys: list[int], blobs: list) -> None:
         locs = self._disk().append([(k, 0, b) for k, b in zip(keys, blobs)])
         for s, (seg, off, ln) in zip(slots, locs):
             self.seg[s], self.off[s], self.len[s] = seg, off, ln
@@ -599,9 +650,11 @@ class ItemStore:
         self.stats.spilled_items += len(slots)
 
     def _spill(self, nbytes: int) -> None:
-        """Move the oldest RAM items out of RAM until ``nbytes`` are freed."""
+        """Move the oldest RAM items out of RAM until ``nbytes`` are freed: one gathered write
+        of the ones not on disk yet, then their RAM copies are dropped (a failed write changes
+        nothing)."""
         q = self.ram_order.view()
-        freed, dropped, i, out_s, out_k, out_b = 0, 0, 0, [], [], []
+        freed, i, drop, out_s, out_k, out_b = 0, 0, [], [], [], []
         while freed < nbytes and i < len(q):
             key = int(q[i])
             i += 1
@@ -613,36 +666,29 @@ class ItemStore:
                 out_s.append(s)
                 out_k.append(key)
                 out_b.append(blob)
-            self.ram[s] = None
-            freed += len(blob) + _OBJ
-            dropped += 1
-        self.ram_order.head += i
+            drop.append(s)
+            freed += self._cost(s, blob)
         if out_s:
-            try:
-                self._write(out_s, out_k, out_b)
-            except BaseException:
-                for s, b in zip(out_s, out_b):  # put them back: nothing is lost
-                    self.ram[s] = b
-                self.ram_order.head -= i
-                raise
-            # (items already on disk just lost their RAM copy)
-        self.stats.ram_bytes -= freed
-        self.stats.ram_items -= dropped
+            self._write(out_s, out_k, out_b)
+            # (items already on disk just lose their RAM copy)
+        self.ram_order.head += i
+        for s in drop:
+            self._drop_ram(s)
 
     def replace(self, slot: int, blob: bytes) -> None:
         """Overwrite the item in ``slot`` (same key): in RAM if it is there, else a new disk record."""
         key = int(self.keys[slot])
         old = self.ram[slot]
-        if old is not None and self.stats.ram_bytes - len(old) + len(blob) <= self.budget:
-            self.ram[slot] = blob
-            self.stats.ram_bytes += len(blob) - len(old)
-            if self.durable:
-                self._relocate(slot, key, blob)
-            return
         if old is not None:
-            self.ram[slot] = None
-            self.stats.ram_bytes -= len(old) + _OBJ
-            self.stats.ram_items -= 1
+            fits = self.stats.ram_bytes - self._cost(slot, old) + len(blob) + _OBJ <= self.budget
+            self._drop_ram(slot)
+            if fits:
+                self.ram[slot] = blob
+                self.stats.ram_bytes += len(blob) + _OBJ
+                self.stats.ram_items += 1
+                if self.durable:
+                    self._relocate(slot, key, blob)
+                return
         self._relocate(slot, key, blob)
 
     def _relocate(self, slot: int, key: int, blob: bytes) -> None:
@@ -665,11 +711,7 @@ class ItemStore:
         if self.durable and segs is not None:
             segs.append([(int(k), TOMBSTONE, b"") for k in keys.tolist()])
         for s in slots.tolist():
-            blob = self.ram[s]
-            if blob is not None:
-                self.ram[s] = None
-                self.stats.ram_bytes -= len(blob) + _OBJ
-                self.stats.ram_items -= 1
+            self._drop_ram(s)
             if self.seg[s] >= 0 and segs is not None:
                 segs.release(int(self.seg[s]), int(self.len[s]))
                 self.stats.disk_items -= 1
@@ -730,3 +772,5 @@ class ItemStore:
     def close(self) -> None:
         self._finalizer()
         self.ram = [None] * self.cap
+        self.addr[:] = -1
+        self.arena.clear()

@@ -78,7 +78,7 @@ class MemoryBank:
         return int(self.extend([item])[0])
 
     def extend(self, items: Iterable[Any]) -> np.ndarray:
-        blobs = [_codec.encode(it) for it in items]
+        blobs = [_codec.encode_parts(it) for it in items]  # copied once, into the store
         with self._lock:
             self._check()
             return self._store.add(blobs)[0]

@@ -388,10 +388,31 @@ class ReplayBuffer:
         ``timeout`` seconds (default: the RateLimit's), then raises RateLimitTimeout with nothing
         added.
         """
+        parts = _codec.encode_parts(item)
+        if (
+            episode is None
+            and step is None
+            and version is None
+            and timeout is _DEFAULT
+            and self._limiter is None
+        ):
+            with self._cond:
+                self._check()
+                store = self._store
+                if store.nfree and not store.durable:
+                    # the common case in Python scalars: a handful of 1-element numpy calls
+                    # would cost more than the item's copy
+                    key = store._add_one(parts)
+                    slot = key % store.cap
+                    self._uses[slot] = 0
+                    self._episode[slot] = self._step[slot] = self._version[slot] = -1
+                    self._sampler.add_one(slot)
+                    self._cond.notify_all()  # samplers waiting for items
+                    return key
         meta = None
         if episode is not None or step is not None or version is not None:
             meta = _meta(1, episode, step, version)
-        return int(self._extend_blobs([_codec.encode(item)], timeout, meta)[0])
+        return int(self._extend_blobs([parts], timeout, meta)[0])
 
     def extend(
         self,
@@ -408,16 +429,17 @@ class ReplayBuffer:
         ``rate_limit`` the batch is admitted whole (see :meth:`add`). ``episode``, ``step`` and
         ``version`` are each an int for all items or a sequence with one int per item.
         """
-        blobs = [_codec.encode(it) for it in items]
+        blobs = [_codec.encode_parts(it) for it in items]
         meta = None
         if episode is not None or step is not None or version is not None:
             meta = _meta(len(blobs), episode, step, version)
         return self._extend_blobs(blobs, timeout, meta)
 
     def _extend_blobs(
-        self, blobs: list[bytes], timeout: float | None = _DEFAULT, meta: tuple | None = None
+        self, blobs: list, timeout: float | None = _DEFAULT, meta: tuple | None = None
     ) -> np.ndarray:
-        """Add already-encoded items (Ray collectors encode on their side)."""
+        """Add already-encoded items: blobs (Ray collectors encode on their side) or lists of
+        parts from ``encode_parts``."""
         lim = self._limiter
         if timeout is not _DEFAULT:
             timeout = _check_timeout(timeout)
@@ -866,6 +888,7 @@ class ReplayBuffer:
             meta = self._state_meta()
             slots = arrays["keys"] % self.capacity
             ram = [store.ram[s] for s in slots.tolist()]
+            store.arena.pin()  # arena slices in `ram` are not reused until the copy ends
             locs = np.stack([store.seg[slots], store.off[slots], store.len[slots]], axis=1)
             root = store.segments.root if store.segments is not None else None
             store.compaction_paused += 1
@@ -908,6 +931,7 @@ class ReplayBuffer:
             raise
         finally:
             with self._lock:
+                store.arena.unpin()
                 store.compaction_paused -= 1
                 if store.segments is not None:
                     store.segments.pinned -= 1

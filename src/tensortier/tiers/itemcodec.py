@@ -148,7 +148,7 @@ _PY_FORMATS = {int: ("q", "<i8"), float: ("d", "<f8"), bool: ("?", "|b1")}
 class _Plan:
     """How to encode values shaped like the ones it was built from (see :func:`encode`).
 
-    Steps: ``("a", i, dtype, shape)`` a C-contiguous ndarray joined as is (the one copy is the
+    Steps: ``("a", i, dtype, shape, how)`` a C-contiguous ndarray handed out as a view (the one copy is the
     join); ``("p", indices, types, struct)`` a run of Python ``int``/``float``/``bool`` fields
     packed by one ``struct``; ``("g", i, name, desc)`` anything else, through :func:`_field`
     with its description checked. :meth:`encode` returns None when a value does not match.
@@ -183,7 +183,15 @@ class _Plan:
                 continue
             close_run()
             if t is np.ndarray and v.flags.c_contiguous and not v.dtype.hasobject:
-                steps.append(("a", i, v.dtype, v.shape))
+                # how parts() hands the array out as bytes: as is (1-D uint8), a byte-cast
+                # memoryview, or nothing (empty)
+                how = 0 if v.nbytes == 0 else 1 if (v.dtype == np.uint8 and v.ndim == 1) else 2
+                if how == 2:
+                    try:  # (memoryview casts only native single-character formats)
+                        memoryview(v).cast("B")
+                    except (TypeError, ValueError):
+                        how = 3
+                steps.append(("a", i, v.dtype, v.shape, how))
             else:
                 desc, _ = _field(name, v)
                 steps.append(("g", i, name, desc))
@@ -192,6 +200,12 @@ class _Plan:
         return plan if plan.encode(values) == blob else None  # same bytes as the general path
 
     def encode(self, values: list) -> bytes | None:
+        parts = self.parts(values)
+        return None if parts is None else b"".join(parts)
+
+    def parts(self, values: list) -> list | None:
+        """The blob as byte buffers (format ``B``) to concatenate; None when a value does not
+        match. Arrays are handed out as views, not copied."""
         parts: list = [self.head]
         for step in self.steps:
             kind = step[0]
@@ -204,7 +218,13 @@ class _Plan:
                     or not v.flags.c_contiguous
                 ):
                     return None
-                parts.append(v)
+                how = step[4]
+                if how == 1:
+                    parts.append(v)
+                elif how == 2:
+                    parts.append(memoryview(v).cast("B"))
+                elif how == 3:
+                    parts.append(v.reshape(-1).view(np.uint8))
             elif kind == "p":
                 vs = [values[i] for i in step[1]]
                 if tuple(map(type, vs)) != step[2]:
@@ -218,10 +238,33 @@ class _Plan:
                 if desc != step[3]:
                     return None
                 parts.append(payload)
-        return b"".join(parts)
+        return parts
 
 
 _plans: dict[tuple, _Plan] = {}
+
+
+def encode_parts(item: Any) -> list:
+    """:func:`encode` as a list of byte buffers (format ``B``) whose concatenation is the blob.
+
+    Nothing is joined: an item that takes a cached plan comes back as its header and views of
+    its arrays, so a store can copy it once, straight into its own memory. (Other items come
+    back as ``[encode(item)]``.) The views alias the caller's arrays: copy them before returning
+    to the caller.
+    """
+    if type(item) is dict:
+        names: tuple = tuple(item)
+        values = list(item.values())
+    elif isinstance(item, Mapping):
+        return [_encode_general(item, 1)]
+    else:
+        names, values = (type(item),), [item]
+    plan = _plans.get(names)
+    if plan is not None:
+        parts = plan.parts(values)
+        if parts is not None:
+            return parts
+    return [encode(item)]
 
 
 def _encode_general(item: Any, align: int = 1) -> bytes:
