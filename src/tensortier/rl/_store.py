@@ -38,6 +38,7 @@ from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale,
 from tensortier._units import format_size
 from tensortier.errors import ConfigError, CorruptDataError, SpillDirError
 from tensortier.rl._arena import Arena
+from tensortier.tiers import itemcodec as _codec
 from tensortier.tiers.segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
@@ -460,6 +461,17 @@ class ItemStore:
         # arena slices are copied out: the caller uses them after the lock is released, when
         # their slots may hold other items (bytes(b) of a bytes object is that object)
         return list(map(bytes, out))
+
+    def rows(self, slots: np.ndarray) -> list[bytes] | np.ndarray:
+        """:meth:`blobs` for a decode by this thread after the lock is released: items all in
+        RAM and of one length come back gathered into this thread's reused matrix (one copy,
+        the one ``decode_batch`` would make anyway; see ``itemcodec.gather``), else as
+        :meth:`blobs`."""
+        idx = slots.tolist()
+        out = list(operator.itemgetter(*idx)(self.ram)) if len(idx) > 1 else [self.ram[idx[0]]]
+        if None not in out and len(set(map(len, out))) == 1:
+            return _codec.gather(out, len(out[0]))
+        return self.blobs(slots)
 
     def order(self) -> np.ndarray:
         """Live keys, oldest first."""

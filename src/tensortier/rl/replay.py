@@ -557,8 +557,8 @@ class ReplayBuffer:
             return self._sample_filtered(n, wait, seq_len, max_staleness, bool(pad), float(eta))
         if self.config.prefetch:
             return self._sample_prefetched(n, wait)
-        blobs, keys, weights = self._draw(n, wait)
-        items, collated = _codec.decode_batch(blobs)  # outside the lock: adds continue meanwhile
+        rows, keys, weights = self._draw(n, wait, rows=True)
+        items, collated = _codec.decode_batch(rows)  # outside the lock: adds continue meanwhile
         return Batch(items, keys, weights, collated)
 
     def _sample_timeout(self, timeout: Any) -> float | None:
@@ -580,7 +580,9 @@ class ReplayBuffer:
             f"sample(..., timeout=seconds) to wait for collectors"
         )
 
-    def _draw(self, n: int, timeout: float | None) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    def _draw(
+        self, n: int, timeout: float | None, rows: bool = False
+    ) -> tuple[Any, np.ndarray, np.ndarray]:
         deadline = None if timeout is None else time.monotonic() + timeout
         lim = self._limiter
         with self._cond:
@@ -588,11 +590,11 @@ class ReplayBuffer:
                 self._check()
                 lim.check_sample(n)
                 lim.wait(self._cond, "sample", n, self._store.__len__, timeout, self._check)
-                return self._sample_locked(n)
+                return self._sample_locked(n, rows)
             while True:
                 self._check()
                 if len(self._store):
-                    return self._sample_locked(n)
+                    return self._sample_locked(n, rows)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise self._empty(timeout)
@@ -600,7 +602,9 @@ class ReplayBuffer:
                 # until one of those happens, which is what the caller asked for)
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
 
-    def _sample_locked(self, n: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    def _sample_locked(self, n: int, rows: bool = False) -> tuple[Any, np.ndarray, np.ndarray]:
+        """(blobs, keys, weights) of a draw; ``rows=True``: blobs as ``ItemStore.rows`` gives
+        them, for a decode by this thread after the lock is released."""
         self._check()
         if len(self._store) == 0:
             raise self._empty(None)
@@ -609,7 +613,7 @@ class ReplayBuffer:
             self._cond.notify_all()  # inserters waiting for sampling to catch up
         slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
         keys = self._store.keys[slots].copy()
-        blobs = self._store.blobs(slots)
+        blobs = self._store.rows(slots) if rows else self._store.blobs(slots)
         if self.config.max_uses is not None:
             np.add.at(self._uses, slots, 1)
             done = np.unique(slots[self._uses[slots] >= self.config.max_uses])
@@ -768,7 +772,7 @@ class ReplayBuffer:
                 self._cond.wait(0.1)  # an add wakes it; the tick lets it see `stop`
                 return None
             p.pending += 1  # from here on something is queued: a batch or the error
-            blobs, keys, weights = self._sample_locked(p.n)
+            blobs, keys, weights = self._sample_locked(p.n, rows=True)
         items, collated = _codec.decode_batch(blobs)
         return Batch(items, keys, weights, collated)
 

@@ -503,38 +503,48 @@ _SCRATCH_MAX = 64 << 20
 _SMALL = 256 << 10
 
 
-def _gather(blobs: Sequence[bytes], size: int) -> np.ndarray:
-    """Blobs of equal length as rows of a matrix, in a reused per-thread buffer when small enough
-    (fresh memory costs a page fault per 4 KiB, which dominates a 2.5 MB batch copy here)."""
+def gather(blobs: Sequence, size: int) -> np.ndarray:
+    """Blobs (any buffers) of equal length ``size`` as rows of a matrix, in a reused per-thread
+    buffer when small enough (fresh memory costs a page fault per 4 KiB, which dominates a 2.5 MB
+    batch copy here). The matrix is valid until this thread's next ``gather``; pass it to
+    :func:`decode_batch` (which copies every field out of it)."""
     total = size * len(blobs)
     if total <= _SMALL:  # small batches come from the heap: one C-level join
         return np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
     if total > _SCRATCH_MAX:
         return np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
-    buf = getattr(_scratch, "buf", None)
+    buf = getattr(_scratch, "buf", None)  # (another thread's gather never touches it)
     if buf is None or len(buf) < total:
         buf = _scratch.buf = np.empty(max(total, 1 << 20), np.uint8)
     np.concatenate([np.frombuffer(b, np.uint8) for b in blobs], out=buf[:total])
     return buf[:total].reshape(len(blobs), size)
 
 
-def decode_batch(blobs: Sequence[bytes]) -> tuple[Any, bool]:
+_gather = gather  # (the old private name)
+
+
+def decode_batch(blobs: Sequence[bytes] | np.ndarray) -> tuple[Any, bool]:
     """Decode many blobs; returns (batch, collated).
 
-    When every blob has the same header, fields are stacked into arrays/tensors with a leading
-    batch dimension (bytes fields become lists) and ``collated`` is True; otherwise the batch is a
-    list of items.
+    ``blobs`` is a sequence of blobs, or a (batch, size) uint8 matrix of equal-length blobs (from
+    :func:`gather`). When every blob has the same header, fields are stacked into fresh
+    arrays/tensors with a leading batch dimension (bytes fields become lists) and ``collated`` is
+    True; otherwise the batch is a list of items.
     """
-    if not blobs:
+    if len(blobs) == 0:
         return [], False
-    raw0, meta, start = _header(blobs[0])
-    size = len(blobs[0])
-    if len(set(map(len, blobs))) != 1:
-        return [decode(b) for b in blobs], False
-    mat = _gather(blobs, size)
+    if isinstance(blobs, np.ndarray):
+        mat = blobs
+        _, meta, start = _header(mat[0])
+    else:
+        _, meta, start = _header(blobs[0])
+        size = len(blobs[0])
+        if len(set(map(len, blobs))) != 1:
+            return [decode(b) for b in blobs], False
+        mat = gather(blobs, size)
     head = mat[:, 4:start]
     if not (head == head[0]).all():  # same length, different header: not collatable
-        return [decode(b) for b in blobs], False
+        return [decode(row) for row in mat], False
     out = {}
     for name, kind, dtype, shape, off, n in meta["f"]:
         cols = mat[:, start + off : start + off + n]
@@ -544,7 +554,9 @@ def decode_batch(blobs: Sequence[bytes]) -> tuple[Any, bool]:
         if kind == "s":
             out[name] = [_value("s", dtype, shape, row) for row in cols]
             continue
-        cols = np.ascontiguousarray(cols)
+        # always a copy: one row's columns are contiguous, and a view would alias the reused
+        # gather buffer (the next batch would overwrite this one)
+        cols = cols.copy(order="C")
         if kind == "pt" and n == 0:
             out[name] = torch.empty(len(blobs), *shape, dtype=_TORCH_DTYPES[dtype])
         elif kind == "pt":
