@@ -415,7 +415,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             }
         )
         if "spill_gb_per_s" in res:
+            # end to end (the add loop's rate of items leaving RAM) and the write path alone
             ratios["spill_vs_disk_tier_write"] = res["spill_gb_per_s"] / disk_w
+            ratios["spill_write_path_vs_disk_tier_write"] = res["spill_write_gb_per_s"] / disk_w
 
     if "ray" not in skip:
         print("[4/5] Ray: 4 collectors + 1 learner; ParamStore through the object store")
@@ -434,6 +436,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "add_per_s",
         "extend_items_per_s",
         "spill_gb_per_s",
+        "spill_write_gb_per_s",
         "write_gb_per_s",
         "sample_items_per_s",
         "sample_ms",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,8 +37,15 @@ import psutil
 
 from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale, remove_private_dir
 from tensortier._units import format_size
-from tensortier.errors import ConfigError, CorruptDataError, SpillDirError
+from tensortier.errors import (
+    ConfigError,
+    CorruptDataError,
+    NodeLostError,
+    SpillDirError,
+    TierFullError,
+)
 from tensortier.rl._arena import Arena
+from tensortier.rl._remote_spill import RemoteSpill
 from tensortier.tiers import itemcodec as _codec
 from tensortier.tiers.segments import TOMBSTONE, Segments
 
@@ -80,6 +88,44 @@ def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
             f"{arr.dtype} {arr.shape}"
         )
     return arr.astype(np.int64, copy=False)
+
+
+_TIERS = {("disk",), ("remote",), ("remote", "disk")}
+
+
+def check_spill(what: str, spill: Any, remote: Any, durable: bool) -> tuple[str, ...]:
+    """``spill`` ("disk", "remote" or a list of those, in order) as a tuple of tiers."""
+    tiers = (
+        ("remote", "disk") if spill == "remote" else (spill,) if isinstance(spill, str) else spill
+    )
+    try:
+        tiers = tuple(tiers)
+    except TypeError:
+        tiers = (spill,)
+    if tiers not in _TIERS:
+        raise ConfigError(
+            f"{what}: spill must be 'disk', 'remote' (RAM -> remote pool -> disk) or a list of "
+            f"tiers in order: ['remote', 'disk'] or ['remote'], got {spill!r}"
+        )
+    if "remote" in tiers:
+        from tensortier.tiers.remote import RemoteStore
+
+        if not isinstance(remote, RemoteStore):
+            raise ConfigError(
+                f"{what}: spill={spill!r} needs remote=tt.tiers.RemoteStore(capacity) (the pool "
+                f"items evicted from RAM go to), got remote={remote!r}"
+            )
+        if durable:
+            raise ConfigError(
+                f"{what}: durable=True writes every item to spill_dir when it is added, so RAM "
+                f"evictions never spill; use spill='disk' (the default) with durable=True"
+            )
+    elif remote is not None:
+        raise ConfigError(
+            f"{what}: remote= is given but spill={spill!r} does not use it; pass "
+            f"spill=['remote', 'disk']"
+        )
+    return tiers
 
 
 def check_args(
@@ -174,6 +220,11 @@ class StoreStats:
     spilled_items: int = 0
     evicted_items: int = 0
     disk_reads: int = 0
+    remote_items: int = 0  # items held in the remote pool (spill=["remote", ...])
+    remote_reads: int = 0
+    lost_items: int = 0  # remote items dropped because their memory node was lost
+    spill_bytes: int = 0  # bytes of items written out of RAM (spills and items too big for it)
+    spill_ns: int = 0  # time spent writing them (the write path's own bandwidth)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -184,10 +235,14 @@ class _Files:
 
     def __init__(self, private: bool):
         self.segments: Segments | None = None
+        self.remote: RemoteSpill | None = None  # its batches are freed (never blocks)
         self.private = private  # a private spill directory: removed with its files
         self.lock: DirLock | None = None  # durable: one writer per directory
 
     def close(self) -> None:
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            remote.close()
         segs, self.segments = self.segments, None
         if segs is not None:
             segs.close(remove=self.private)
@@ -217,6 +272,8 @@ class ItemStore:
         segment_size: int = 64 << 20,
         owner: str = "tt-rl",
         what: str = "store",
+        tiers: tuple[str, ...] = ("disk",),
+        remote: Any = None,
     ):
         self.cap = capacity
         self.budget = ram_budget
@@ -244,6 +301,11 @@ class ItemStore:
         self._owner = owner
         self._files = _Files(private=not durable)
         self._finalizer = Finalizer(self, self._files.close)
+        self.tiers = tiers
+        self.rspill: RemoteSpill | None = None
+        if "remote" in tiers:
+            self.rspill = self._files.remote = RemoteSpill(remote)
+        self.on_drop = None  # called with the slots of lost items before they are removed
         self.recovered: np.ndarray = np.empty(0, np.int64)
         self.segment_size = segment_size
         self.fsync = fsync
@@ -452,6 +514,20 @@ class ItemStore:
             out = [self.ram[s] for s in idx]
         if None in out:
             missing = [i for i, b in enumerate(out) if b is None]
+            rs = self.rspill
+            if rs is not None and rs.loc:
+                far = [i for i in missing if idx[i] in rs.loc]
+                if far:
+                    try:
+                        datas = rs.read([idx[i] for i in far])
+                    except NodeLostError as exc:
+                        self._lose(np.asarray(exc.lost, np.int64))  # type: ignore[attr-defined]
+                        raise
+                    self.stats.remote_reads += len(far)
+                    for i, d in zip(far, datas):
+                        out[i] = d
+                    missing = [i for i in missing if out[i] is None]
+        if None in out:
             rows = slots[missing]
             locs = np.stack([self.seg[rows], self.off[rows], self.len[rows]], axis=1)
             datas = self._disk().read_many(locs)
@@ -569,6 +645,9 @@ class ItemStore:
         """Forget half-added ``slots`` (a write failed): their slots go back to the free list."""
         for s in slots.tolist():
             self._drop_ram(s)
+            if self.rspill is not None and s in self.rspill.loc:
+                self.rspill.release(s)
+                self.stats.remote_items -= 1
             if self.seg[s] >= 0 and self.segments is not None:
                 self.segments.release(int(self.seg[s]), int(self.len[s]))
                 self.stats.disk_items -= 1
@@ -654,8 +733,50 @@ class ItemStore:
         if spill:
             self._write([s for s, _, _ in spill], [k for _, k, _ in spill], [b for *_, b in spill])
 
+    def _lose(self, slots: np.ndarray) -> None:
+        """Drop items whose remote copy is gone (their node was lost)."""
+        slots = slots[self.keys[slots] >= 0]
+        if self.on_drop is not None:
+            self.on_drop(slots)
+        self.remove(slots)
+        self.stats.lost_items += len(slots)
+
     def _write(self, slots: list[int], keys: list[int], blobs: list) -> None:
+        """Write items out of RAM: to the remote pool first when configured, then to disk."""
+        rs = self.rspill
+        if rs is not None:
+            t0 = time.perf_counter_ns()
+            rest = rs.put(slots, blobs)
+            self.stats.spill_ns += time.perf_counter_ns() - t0
+            placed = len(slots) - len(rest)
+            self.stats.spill_bytes += sum(len(blobs[i]) for i in range(len(slots))) - sum(
+                len(blobs[i]) for i in rest
+            )
+            self.stats.remote_items += placed
+            self.stats.spilled_items += placed
+            if rest and "disk" not in self.tiers:
+                undo = set(rest)
+                for i, s in enumerate(slots):
+                    if i not in undo:
+                        rs.release(s)
+                self.stats.remote_items -= placed
+                self.stats.spilled_items -= placed
+                raise TierFullError(
+                    f"{self.what}: the remote pool has no room for {len(rest)} items evicted "
+                    f"from RAM (spill=['remote'] has no disk tier after it); raise the pool's "
+                    f"capacity or pass spill=['remote', 'disk']",
+                    tier="remote",
+                    requested=sum(len(blobs[i]) for i in rest),
+                )
+            if not rest:
+                return
+            slots = [slots[i] for i in rest]
+            keys = [keys[i] for i in rest]
+            blobs = [blobs[i] for i in rest]
+        t0 = time.perf_counter_ns()
         locs = self._disk().append([(k, 0, b) for k, b in zip(keys, blobs)])
+        self.stats.spill_ns += time.perf_counter_ns() - t0
+        self.stats.spill_bytes += sum(ln for _, _, ln in locs)
         for s, (seg, off, ln) in zip(slots, locs):
             self.seg[s], self.off[s], self.len[s] = seg, off, ln
         self.stats.disk_items += len(slots)
@@ -701,6 +822,9 @@ class ItemStore:
                 if self.durable:
                     self._relocate(slot, key, blob)
                 return
+        if self.rspill is not None and slot in self.rspill.loc:
+            self.rspill.release(slot)  # the new bytes go to disk like any replaced spilled item
+            self.stats.remote_items -= 1
         self._relocate(slot, key, blob)
 
     def _relocate(self, slot: int, key: int, blob: bytes) -> None:
@@ -722,8 +846,12 @@ class ItemStore:
         keys = self.keys[slots].copy()
         if self.durable and segs is not None:
             segs.append([(int(k), TOMBSTONE, b"") for k in keys.tolist()])
+        rs = self.rspill
         for s in slots.tolist():
             self._drop_ram(s)
+            if rs is not None and s in rs.loc:
+                rs.release(s)
+                self.stats.remote_items -= 1
             if self.seg[s] >= 0 and segs is not None:
                 segs.release(int(self.seg[s]), int(self.len[s]))
                 self.stats.disk_items -= 1
@@ -738,16 +866,19 @@ class ItemStore:
 
     def _evict(self, n: int) -> np.ndarray:
         """Remove the ``n`` oldest items (FIFO); returns their slots."""
+        if n <= 0:
+            return _NONE
         q = self.fifo.view()
-        out, i = [], 0
-        while len(out) < n and i < len(q):
-            key = int(q[i])
-            i += 1
-            s = key % self.cap
-            if self.keys[s] == key:
-                out.append(s)
-        self.fifo.head += i
-        slots = np.asarray(out, np.int64)
+        w = min(len(q), 2 * n + 64)
+        while True:  # a window of the FIFO, widened until it holds n live keys
+            win = q[:w]
+            live = np.flatnonzero(self.keys[win % self.cap] == win)
+            if len(live) >= n or w == len(q):
+                break
+            w = min(len(q), 2 * w)
+        live = live[:n]
+        self.fifo.head += int(live[-1]) + 1 if len(live) == n else w
+        slots = win[live] % self.cap
         self.remove(slots, evicted=True)
         return slots
 

@@ -41,9 +41,15 @@ import numpy as np
 
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, parse_size
-from tensortier.errors import ClosedError, ConfigError, CorruptDataError, SpillDirError
+from tensortier.errors import (
+    ClosedError,
+    ConfigError,
+    CorruptDataError,
+    NodeLostError,
+    SpillDirError,
+)
 from tensortier.rl import _saved, _sequence
-from tensortier.rl._store import ItemStore, as_index_array, check_args
+from tensortier.rl._store import ItemStore, as_index_array, check_args, check_spill
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.sampler import Prioritized, Uniform, make_state
 from tensortier.tiers import itemcodec as _codec
@@ -247,7 +253,15 @@ class ReplayBuffer:
         seed: int | None = None,
         segment_size: SizeLike = "64MiB",
         rate_limit: RateLimit | None = None,
+        spill: str | Sequence[str] = "disk",
+        remote: Any = None,
     ):
+        """``spill``: where items evicted from RAM go: ``"disk"`` (segments in ``spill_dir``),
+        ``"remote"`` (the ``remote`` RemoteStore pool, then disk when the pool is full; same as
+        ``["remote", "disk"]``) or ``["remote"]`` (pool only: a full pool is TierFullError).
+        Items on a memory node that is lost are dropped and counted in ``stats["lost_items"]``;
+        sampling goes on over the rest. The pool is the caller's: ``close()`` frees this
+        buffer's objects in it and leaves it open."""
         # every argument is checked before anything is allocated or created
         capacity = check_args(
             "ReplayBuffer",
@@ -258,6 +272,7 @@ class ReplayBuffer:
             extra_slot_bytes=_SLOT_BYTES,
         )
         durable, fsync = bool(durable), bool(fsync)
+        tiers = check_spill("ReplayBuffer", spill, remote, durable)
         if max_uses is not None and (
             isinstance(max_uses, bool)
             or not isinstance(max_uses, (int, np.integer))
@@ -315,9 +330,12 @@ class ReplayBuffer:
             segment_size=self.config.segment_size,
             owner="tt-replay",
             what="ReplayBuffer",
+            tiers=tiers,
+            remote=remote,
         )
         try:
             self._sampler = make_state(capacity, sampler)
+            self._store.on_drop = self._sampler.remove  # items lost with a memory node
             self._rng = np.random.default_rng(seed)
             self._uses = np.zeros(capacity, np.int32)
             # per slot: episode id, step in the episode, policy version (-1: not given)
@@ -611,9 +629,17 @@ class ReplayBuffer:
         if self._limiter is not None:
             self._limiter.sampled(n)
             self._cond.notify_all()  # inserters waiting for sampling to catch up
-        slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
-        keys = self._store.keys[slots].copy()
-        blobs = self._store.rows(slots) if rows else self._store.blobs(slots)
+        while True:
+            slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
+            keys = self._store.keys[slots].copy()
+            try:
+                blobs = self._store.rows(slots) if rows else self._store.blobs(slots)
+                break
+            except NodeLostError:
+                # the items that node held were dropped (each loss drops at least one, so this
+                # ends); draw again from the rest
+                if len(self._store) == 0:
+                    raise self._empty(None) from None
         if self.config.max_uses is not None:
             np.add.at(self._uses, slots, 1)
             done = np.unique(slots[self._uses[slots] >= self.config.max_uses])
@@ -888,10 +914,11 @@ class ReplayBuffer:
         store = self._store
         with self._lock:  # a short pause: copy the index, pin the segments
             self._check()
+            far = self._fetch_remote()  # items in the remote pool, by slot
             arrays = self._state_arrays()
             meta = self._state_meta()
             slots = arrays["keys"] % self.capacity
-            ram = [store.ram[s] for s in slots.tolist()]
+            ram = [far.get(s, store.ram[s]) for s in slots.tolist()]
             store.arena.pin()  # arena slices in `ram` are not reused until the copy ends
             locs = np.stack([store.seg[slots], store.off[slots], store.len[slots]], axis=1)
             root = store.segments.root if store.segments is not None else None
@@ -941,6 +968,17 @@ class ReplayBuffer:
                     store.segments.pinned -= 1
                     store.segments.sweep()
                 store._maybe_compact()
+
+    def _fetch_remote(self) -> dict[int, bytes]:
+        """(save) The bytes of every item in the remote pool; items lost meanwhile are dropped."""
+        store = self._store
+        while store.rspill is not None and store.rspill.loc:
+            slots = np.fromiter(store.rspill.loc, np.int64, len(store.rspill.loc))
+            try:
+                return dict(zip(slots.tolist(), store.blobs(slots)))
+            except NodeLostError:
+                continue  # those items were dropped; fetch the rest
+        return {}
 
     @classmethod
     def load(
