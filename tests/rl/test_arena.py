@@ -6,9 +6,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer
+from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer, _store
 from tensortier.rl._arena import Arena
 from tensortier.tiers import itemcodec as _codec
+
+
+@pytest.fixture(autouse=True)
+def _arena_on(monkeypatch):
+    monkeypatch.setattr(_store, "USE_ARENA", True)
+
+
+def test_arena_off_keeps_bytes_objects(monkeypatch):
+    monkeypatch.setattr(_store, "USE_ARENA", False)
+    buf = ReplayBuffer(4, ram_budget="1MiB")
+    k = buf.add({"x": np.arange(10)})
+    assert buf._store.addr[k % 4] < 0 and type(buf._store.ram[k % 4]) is bytes
+    assert buf[k]["x"].tolist() == list(range(10))
+    buf.close()
 
 
 def test_arena_reuses_freed_slices_of_the_same_size_lifo():

@@ -13,9 +13,10 @@ and sum/min trees that is about 110 bytes per slot of capacity (~105 MiB for 1M 
 index does not fit in the memory available.
 
 Tiering. Item bytes in RAM stay under ``ram_budget``: an item added as encoded parts (see
-``itemcodec.encode_parts``) is copied once into a slice of the :class:`~tensortier.rl._arena.Arena`
-(counted as its size rounded up to 64 bytes), an item added as ``bytes`` (or that the arena cannot
-hold) is kept as that object (counted as its length + 33 bytes of object header); an add that would exceed it first moves the oldest RAM items to the active segment
+``itemcodec.encode_parts``) is joined once into a ``bytes`` object (or, with ``USE_ARENA``, copied
+once into a slice of the :class:`~tensortier.rl._arena.Arena`, counted as its size rounded up to
+64 bytes); an item added as ``bytes`` is kept as that object (counted as its length + 33 bytes of
+object header); an add that would exceed it first moves the oldest RAM items to the active segment
 in one batched write (non-durable) or just drops their RAM copies (durable buffers write every
 item through to disk when it is added, so an acknowledged add survives a crash).
 
@@ -50,6 +51,10 @@ from tensortier.tiers import itemcodec as _codec
 from tensortier.tiers.segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
+# RAM copies in arena slices (True) or as bytes objects joined from the parts (False). Off: on the
+# 2-core test machine the arena cost ~10% more CPU per add and ~15% per extend than glibc's
+# malloc, which reuses freed heap as well (notes/issue-15-store.md); both paths are tested.
+USE_ARENA = False
 _META = "store.json"
 _FORMAT_VERSION = 2  # 2: records checksum their header too (see tiers/segments.py); 1 is still read
 # index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, arena
@@ -286,7 +291,7 @@ class ItemStore:
         # RAM copy per slot: a bytes object, or a view of an arena slice (address in `addr`)
         self.ram: list[Any] = [None] * capacity
         self.addr = np.full(capacity, -1, np.int64)
-        self.arena = Arena.for_budget(ram_budget)
+        self.arena = Arena.for_budget(ram_budget if USE_ARENA else 0)
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
         self.nfree = capacity
         self.seq = 0
