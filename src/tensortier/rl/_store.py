@@ -544,10 +544,12 @@ class ItemStore:
         return list(map(bytes, out))
 
     def rows(self, slots: np.ndarray) -> list[bytes] | np.ndarray:
-        """:meth:`blobs` for a decode by this thread after the lock is released: items all in
-        RAM and of one length come back gathered into this thread's reused matrix (one copy,
-        the one ``decode_batch`` would make anyway; see ``itemcodec.gather``), else as
-        :meth:`blobs`."""
+        """:meth:`blobs` for a decode by this thread after the lock is released. With arena
+        slices (which must not leave the lock), items all in RAM and of one length come back
+        gathered into this thread's reused matrix (one copy, the one ``decode_batch`` would make
+        anyway; see ``itemcodec.gather``); otherwise as :meth:`blobs` (references to bytes)."""
+        if not self.arena.chunks:  # bytes objects only: hand out references, gather later
+            return self.blobs(slots)
         idx = slots.tolist()
         out = list(operator.itemgetter(*idx)(self.ram)) if len(idx) > 1 else [self.ram[idx[0]]]
         if None not in out and len(set(map(len, out))) == 1:
