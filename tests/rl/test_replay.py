@@ -336,7 +336,7 @@ def test_prefetch_hands_errors_to_the_caller():
     buf.add(item(0))
     real = buf._sample_locked
 
-    def broken(n):
+    def broken(*args, **kwargs):
         raise CorruptDataError("disk said no")
 
     buf._sample_locked = broken

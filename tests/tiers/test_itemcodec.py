@@ -155,3 +155,33 @@ def test_trailing_padding_is_refused_without_an_alignment_in_the_header():
         _codec.decode(aligned + bytes(8))
     with pytest.raises(ValueError, match="power of two"):
         _codec.encode(b"x", align=3)
+
+
+def test_decode_batch_of_one_large_item_is_not_overwritten_by_the_next_batch():
+    """One row's columns are contiguous: they used to come back as views of the per-thread
+    gather buffer (items > 256 KiB), so the next decode_batch overwrote the previous batch."""
+    from tensortier.tiers import itemcodec
+
+    a = itemcodec.encode({"x": np.full(300_000, 1, np.uint8), "t": torch.ones(3)})
+    b = itemcodec.encode({"x": np.full(300_000, 2, np.uint8), "t": torch.zeros(3)})
+    first, collated = itemcodec.decode_batch([a])
+    itemcodec.decode_batch([b])
+    assert collated and int(first["x"].min()) == 1 and first["t"].tolist() == [[1, 1, 1]]
+
+
+def test_decode_batch_of_gathered_rows_equals_decode_of_blobs():
+    from tensortier.tiers import itemcodec
+
+    blobs = [
+        itemcodec.encode({"x": np.arange(i, i + 5, dtype=np.int32), "b": b"ab"}) for i in range(4)
+    ]
+    mat = itemcodec.gather([memoryview(b) for b in blobs], len(blobs[0]))
+    got, collated = itemcodec.decode_batch(mat)
+    want, _ = itemcodec.decode_batch(blobs)
+    assert collated and np.array_equal(got["x"], want["x"]) and got["b"] == want["b"] == [b"ab"] * 4
+    odd = [
+        itemcodec.encode({"x": np.zeros(2, np.int16)}),
+        itemcodec.encode({"y": np.ones(2, np.int16)}),
+    ]
+    rows, collated = itemcodec.decode_batch(itemcodec.gather(odd, len(odd[0])))
+    assert not collated and rows[0]["x"].tolist() == [0, 0] and rows[1]["y"].tolist() == [1, 1]

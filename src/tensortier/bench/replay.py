@@ -352,8 +352,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             }
         )
 
-    if "extend_gb_per_s" in base.get("tensortier", {}):
-        ratios["extend_gb_per_s"] = base["tensortier"]["extend_gb_per_s"]
+    for k in ("extend_gb_per_s", "extend_steady_gb_per_s"):
+        if k in base.get("tensortier", {}):
+            ratios[k] = base["tensortier"][k]
 
     if "ratelimit" not in skip:
         print("[1b/5] rate-limited: 1 collector thread + 1 learner, samples_per_insert=8")
@@ -401,6 +402,24 @@ def run(args: argparse.Namespace) -> list[dict]:
                 **res,
             }
         )
+        # the disk tier's write bandwidth on the same directory, in the same run (16 MiB tensors)
+        from tensortier.bench.tiers import tier_bandwidth
+
+        size = min(max(res.get("spill_bytes", 0), 64 << 20), 1 << 30)
+        disk_w, _, intact = tier_bandwidth(args.dir, size, 16 << 20)
+        rows.append(
+            {
+                "section": "spill",
+                "peer": "disk tier write (DiskStore.put)",
+                "bytes": size,
+                "write_gb_per_s": disk_w,
+                "intact": intact,
+            }
+        )
+        if "spill_gb_per_s" in res:
+            # end to end (the add loop's rate of items leaving RAM) and the write path alone
+            ratios["spill_vs_disk_tier_write"] = res["spill_gb_per_s"] / disk_w
+            ratios["spill_write_path_vs_disk_tier_write"] = res["spill_write_gb_per_s"] / disk_w
 
     if "ray" not in skip:
         print("[4/5] Ray: 4 collectors + 1 learner; ParamStore through the object store")
@@ -430,6 +449,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         "items",
         "add_per_s",
         "extend_items_per_s",
+        "spill_gb_per_s",
+        "spill_write_gb_per_s",
+        "write_gb_per_s",
         "sample_items_per_s",
         "sample_ms",
         "update_items_per_s",

@@ -12,8 +12,11 @@ and sum/min trees that is about 110 bytes per slot of capacity (~105 MiB for 1M 
 "small overhead per item" outside the RAM budget; :func:`check_args` refuses a capacity whose
 index does not fit in the memory available.
 
-Tiering. Item bytes in RAM (blob length + 33 bytes of Python object header) stay under
-``ram_budget``: an add that would exceed it first moves the oldest RAM items to the active segment
+Tiering. Item bytes in RAM stay under ``ram_budget``: an item added as encoded parts (see
+``itemcodec.encode_parts``) is joined once into a ``bytes`` object (or, with ``USE_ARENA``, copied
+once into a slice of the :class:`~tensortier.rl._arena.Arena`, counted as its size rounded up to
+64 bytes); an item added as ``bytes`` is kept as that object (counted as its length + 33 bytes of
+object header); an add that would exceed it first moves the oldest RAM items to the active segment
 in one batched write (non-durable) or just drops their RAM copies (durable buffers write every
 item through to disk when it is added, so an acknowledged add survives a crash).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,17 +38,46 @@ import psutil
 
 from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale, remove_private_dir
 from tensortier._units import format_size
-from tensortier.errors import ConfigError, CorruptDataError, SpillDirError
+from tensortier.errors import (
+    ConfigError,
+    CorruptDataError,
+    NodeLostError,
+    SpillDirError,
+    TierFullError,
+)
+from tensortier.rl._arena import Arena
+from tensortier.rl._remote_spill import RemoteSpill
+from tensortier.tiers import itemcodec as _codec
 from tensortier.tiers.segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
+# RAM copies in arena slices (True) or as bytes objects joined from the parts (False). Off: on the
+# 2-core test machine the arena cost ~10% more CPU per add and ~15% per extend than glibc's
+# malloc, which reuses freed heap as well (notes/issue-15-store.md); both paths are tested.
+USE_ARENA = False
 _META = "store.json"
 _FORMAT_VERSION = 2  # 2: records checksum their header too (see tiers/segments.py); 1 is still read
-# index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, free
-# stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
-SLOT_BYTES = 80
+# index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, arena
+# address 8, free stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
+SLOT_BYTES = 88
 _NONE = np.empty(0, np.int64)
 _NONE.flags.writeable = False
+
+
+def _size(blob: Any) -> int:
+    """Bytes of an item given as ``bytes`` (or another buffer) or as a list of byte parts."""
+    return sum(map(len, blob)) if type(blob) is list else len(blob)
+
+
+def _flat(blob: Any) -> Any:
+    """The item as one buffer (parts are joined: the disk and durable paths)."""
+    return b"".join(blob) if type(blob) is list else blob
+
+
+def _est(n: int) -> int:
+    """Budget an item of ``n`` bytes may take in RAM, whichever way it is kept (arena slice
+    rounded to 64 bytes, or a bytes object with its header)."""
+    return (n + _OBJ + 63) & -64
 
 
 def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
@@ -60,6 +93,44 @@ def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
             f"{arr.dtype} {arr.shape}"
         )
     return arr.astype(np.int64, copy=False)
+
+
+_TIERS = {("disk",), ("remote",), ("remote", "disk")}
+
+
+def check_spill(what: str, spill: Any, remote: Any, durable: bool) -> tuple[str, ...]:
+    """``spill`` ("disk", "remote" or a list of those, in order) as a tuple of tiers."""
+    tiers = (
+        ("remote", "disk") if spill == "remote" else (spill,) if isinstance(spill, str) else spill
+    )
+    try:
+        tiers = tuple(tiers)
+    except TypeError:
+        tiers = (spill,)
+    if tiers not in _TIERS:
+        raise ConfigError(
+            f"{what}: spill must be 'disk', 'remote' (RAM -> remote pool -> disk) or a list of "
+            f"tiers in order: ['remote', 'disk'] or ['remote'], got {spill!r}"
+        )
+    if "remote" in tiers:
+        from tensortier.tiers.remote import RemoteStore
+
+        if not isinstance(remote, RemoteStore):
+            raise ConfigError(
+                f"{what}: spill={spill!r} needs remote=tt.tiers.RemoteStore(capacity) (the pool "
+                f"items evicted from RAM go to), got remote={remote!r}"
+            )
+        if durable:
+            raise ConfigError(
+                f"{what}: durable=True writes every item to spill_dir when it is added, so RAM "
+                f"evictions never spill; use spill='disk' (the default) with durable=True"
+            )
+    elif remote is not None:
+        raise ConfigError(
+            f"{what}: remote= is given but spill={spill!r} does not use it; pass "
+            f"spill=['remote', 'disk']"
+        )
+    return tiers
 
 
 def check_args(
@@ -154,6 +225,11 @@ class StoreStats:
     spilled_items: int = 0
     evicted_items: int = 0
     disk_reads: int = 0
+    remote_items: int = 0  # items held in the remote pool (spill=["remote", ...])
+    remote_reads: int = 0
+    lost_items: int = 0  # remote items dropped because their memory node was lost
+    spill_bytes: int = 0  # bytes of items written out of RAM (spills and items too big for it)
+    spill_ns: int = 0  # time spent writing them (the write path's own bandwidth)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -164,10 +240,14 @@ class _Files:
 
     def __init__(self, private: bool):
         self.segments: Segments | None = None
+        self.remote: RemoteSpill | None = None  # its batches are freed (never blocks)
         self.private = private  # a private spill directory: removed with its files
         self.lock: DirLock | None = None  # durable: one writer per directory
 
     def close(self) -> None:
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            remote.close()
         segs, self.segments = self.segments, None
         if segs is not None:
             segs.close(remove=self.private)
@@ -197,6 +277,8 @@ class ItemStore:
         segment_size: int = 64 << 20,
         owner: str = "tt-rl",
         what: str = "store",
+        tiers: tuple[str, ...] = ("disk",),
+        remote: Any = None,
     ):
         self.cap = capacity
         self.budget = ram_budget
@@ -206,7 +288,10 @@ class ItemStore:
         self.seg = np.full(capacity, -1, np.int32)
         self.off = np.zeros(capacity, np.int64)
         self.len = np.zeros(capacity, np.int32)
-        self.ram: list[bytes | None] = [None] * capacity
+        # RAM copy per slot: a bytes object, or a view of an arena slice (address in `addr`)
+        self.ram: list[Any] = [None] * capacity
+        self.addr = np.full(capacity, -1, np.int64)
+        self.arena = Arena.for_budget(ram_budget if USE_ARENA else 0)
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
         self.nfree = capacity
         self.seq = 0
@@ -221,6 +306,11 @@ class ItemStore:
         self._owner = owner
         self._files = _Files(private=not durable)
         self._finalizer = Finalizer(self, self._files.close)
+        self.tiers = tiers
+        self.rspill: RemoteSpill | None = None
+        if "remote" in tiers:
+            self.rspill = self._files.remote = RemoteSpill(remote)
+        self.on_drop = None  # called with the slots of lost items before they are removed
         self.recovered: np.ndarray = np.empty(0, np.int64)
         self.segment_size = segment_size
         self.fsync = fsync
@@ -429,13 +519,42 @@ class ItemStore:
             out = [self.ram[s] for s in idx]
         if None in out:
             missing = [i for i, b in enumerate(out) if b is None]
+            rs = self.rspill
+            if rs is not None and rs.loc:
+                far = [i for i in missing if idx[i] in rs.loc]
+                if far:
+                    try:
+                        datas = rs.read([idx[i] for i in far])
+                    except NodeLostError as exc:
+                        self._lose(np.asarray(exc.lost, np.int64))  # type: ignore[attr-defined]
+                        raise
+                    self.stats.remote_reads += len(far)
+                    for i, d in zip(far, datas):
+                        out[i] = d
+                    missing = [i for i in missing if out[i] is None]
+        if None in out:
             rows = slots[missing]
             locs = np.stack([self.seg[rows], self.off[rows], self.len[rows]], axis=1)
             datas = self._disk().read_many(locs)
             self.stats.disk_reads += len(missing)
             for i, d in zip(missing, datas):
                 out[i] = d
-        return out  # type: ignore[return-value]
+        # arena slices are copied out: the caller uses them after the lock is released, when
+        # their slots may hold other items (bytes(b) of a bytes object is that object)
+        return list(map(bytes, out))
+
+    def rows(self, slots: np.ndarray) -> list[bytes] | np.ndarray:
+        """:meth:`blobs` for a decode by this thread after the lock is released. With arena
+        slices (which must not leave the lock), items all in RAM and of one length come back
+        gathered into this thread's reused matrix (one copy, the one ``decode_batch`` would make
+        anyway; see ``itemcodec.gather``); otherwise as :meth:`blobs` (references to bytes)."""
+        if not self.arena.chunks:  # bytes objects only: hand out references, gather later
+            return self.blobs(slots)
+        idx = slots.tolist()
+        out = list(operator.itemgetter(*idx)(self.ram)) if len(idx) > 1 else [self.ram[idx[0]]]
+        if None not in out and len(set(map(len, out))) == 1:
+            return _codec.gather(out, len(out[0]))
+        return self.blobs(slots)
 
     def order(self) -> np.ndarray:
         """Live keys, oldest first."""
@@ -481,6 +600,7 @@ class ItemStore:
         self.seg[slots] = -1
         try:
             if self.durable:
+                blobs = [_flat(b) for b in blobs]
                 locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
                 for s, (seg, off, ln) in zip(slots.tolist(), locs):
                     self.seg[s], self.off[s], self.len[s] = seg, off, ln
@@ -496,7 +616,7 @@ class ItemStore:
         self.stats.items += n
         return keys, evicted
 
-    def _add_one(self, blob: bytes) -> int:
+    def _add_one(self, blob: Any) -> int:
         """:meth:`add` of one blob into a free slot of a non-durable store, in Python scalars
         (a handful of numpy calls on 1-element arrays would cost more than the item's copy)."""
         slot = int(self.free[self.nfree - 1])
@@ -507,14 +627,13 @@ class ItemStore:
         self.issued_slot[seq % self.cap] = slot
         self.keys[slot] = key
         self.seg[slot] = -1
-        size = len(blob) + _OBJ
+        n = _size(blob)
         st = self.stats
         try:
-            if st.ram_bytes + size > self.budget:
+            if st.ram_bytes + _est(n) > self.budget:
                 self._to_ram(np.array([slot], np.int64), np.array([key], np.int64), [blob])
             else:
-                self.ram[slot] = blob
-                st.ram_bytes += size
+                st.ram_bytes += self._place(slot, blob, n)
                 st.ram_items += 1
                 if st.ram_bytes > st.peak_ram_bytes:
                     st.peak_ram_bytes = st.ram_bytes
@@ -532,11 +651,10 @@ class ItemStore:
     def _undo_add(self, slots: np.ndarray) -> None:
         """Forget half-added ``slots`` (a write failed): their slots go back to the free list."""
         for s in slots.tolist():
-            blob = self.ram[s]
-            if blob is not None:
-                self.ram[s] = None
-                self.stats.ram_bytes -= len(blob) + _OBJ
-                self.stats.ram_items -= 1
+            self._drop_ram(s)
+            if self.rspill is not None and s in self.rspill.loc:
+                self.rspill.release(s)
+                self.stats.remote_items -= 1
             if self.seg[s] >= 0 and self.segments is not None:
                 self.segments.release(int(self.seg[s]), int(self.len[s]))
                 self.stats.disk_items -= 1
@@ -557,7 +675,7 @@ class ItemStore:
             locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
             for s, (seg, off, ln) in zip(slots.tolist(), locs):
                 self.seg[s], self.off[s], self.len[s] = seg, off, ln
-        self._to_ram(slots, keys, blobs)
+        self._to_ram(slots, keys, [[b] for b in blobs])  # one copy into the arena
         self.fifo.push(keys)
         self.stats.items += len(keys)
         self._rebuild_free()
@@ -568,40 +686,142 @@ class ItemStore:
         self.issued_slot[:] = -1
         self._note_issued(self.order())
 
-    def _to_ram(self, slots: np.ndarray, keys: np.ndarray, blobs: list[bytes]) -> None:
-        need = sum(len(b) + _OBJ for b in blobs)
-        if self.stats.ram_bytes + need > self.budget:
+    def _place(self, s: int, blob: Any, n: int) -> int:
+        """Keep ``blob`` (``n`` bytes) as slot ``s``'s RAM copy; returns the budget it takes.
+        Parts go into an arena slice (one copy); bytes, or parts the arena cannot hold, stay
+        a bytes object."""
+        if type(blob) is list:
+            addr, view = self.arena.put(blob, n)
+            if addr >= 0:
+                self.ram[s] = view
+                self.addr[s] = addr
+                return Arena.cost(n)
+            blob = b"".join(blob)
+        self.ram[s] = blob
+        return n + _OBJ
+
+    def _cost(self, s: int, blob: Any) -> int:
+        return Arena.cost(len(blob)) if self.addr[s] >= 0 else len(blob) + _OBJ
+
+    def _drop_ram(self, s: int) -> None:
+        """Forget slot ``s``'s RAM copy (if any): its arena slice is free for the next item."""
+        blob = self.ram[s]
+        if blob is None:
+            return
+        self.ram[s] = None
+        addr = int(self.addr[s])
+        if addr >= 0:
+            self.addr[s] = -1
+            self.arena.release(addr, len(blob))
+            self.stats.ram_bytes -= Arena.cost(len(blob))
+        else:
+            self.stats.ram_bytes -= len(blob) + _OBJ
+        self.stats.ram_items -= 1
+
+    def _to_ram(self, slots: np.ndarray, keys: np.ndarray, blobs: list) -> None:
+        sizes = [_size(b) for b in blobs]
+        need = sum(_est(n) for n in sizes)
+        st = self.stats
+        if st.ram_bytes + need > self.budget:
             # spill a little more than needed (1/16 of the budget, at most 16 MiB) so writes
             # are large and rare
-            self._spill(
-                self.stats.ram_bytes + need - self.budget + min(self.budget // 16, 16 << 20)
-            )
+            self._spill(st.ram_bytes + need - self.budget + min(self.budget // 16, 16 << 20))
         spill = []
-        for s, k, b in zip(slots.tolist(), keys.tolist(), blobs):
-            size = len(b) + _OBJ
-            if self.stats.ram_bytes + size <= self.budget:
-                self.ram[s] = b
-                self.stats.ram_bytes += size
-                self.stats.ram_items += 1
-            elif self.seg[s] < 0:  # larger than what is left of the budget: straight to disk
-                spill.append((s, k, b))
-        ram_keys = [k for s, k in zip(slots.tolist(), keys.tolist()) if self.ram[s] is not None]
+        ram_keys = []
+        # (the loop of _place, inlined with locals: it runs once per item of every extend)
+        ram, addrs, arena = self.ram, self.addr, self.arena
+        free, chunks, csize = arena.free, arena.chunks, arena.chunk_size
+        used, budget, placed = st.ram_bytes, self.budget, 0
+        for s, k, b, n in zip(slots.tolist(), keys.tolist(), blobs, sizes):
+            if used + ((n + _OBJ + 63) & -64) > budget:
+                if self.seg[s] < 0:  # larger than what is left of the budget: straight out
+                    spill.append((s, k, _flat(b)))
+                continue
+            if type(b) is list:
+                r = (n + 63) & -64
+                fl = free.get(r)
+                addr = fl.pop() if fl else arena.alloc(n)
+                if addr >= 0:
+                    c, o = divmod(addr, csize)
+                    mv = chunks[c]
+                    start = o
+                    for part in b:
+                        e = o + len(part)
+                        mv[o:e] = part
+                        o = e
+                    ram[s] = mv[start:o]
+                    addrs[s] = addr
+                    used += r
+                    placed += 1
+                    ram_keys.append(k)
+                    continue
+                b = b"".join(b)
+            ram[s] = b
+            used += n + _OBJ
+            placed += 1
+            ram_keys.append(k)
+        st.ram_bytes = used
+        st.ram_items += placed
         self.ram_order.push(ram_keys)
-        self.stats.peak_ram_bytes = max(self.stats.peak_ram_bytes, self.stats.ram_bytes)
+        st.peak_ram_bytes = max(st.peak_ram_bytes, st.ram_bytes)
         if spill:
             self._write([s for s, _, _ in spill], [k for _, k, _ in spill], [b for *_, b in spill])
 
-    def _write(self, slots: list[int], keys: list[int], blobs: list[bytes]) -> None:
+    def _lose(self, slots: np.ndarray) -> None:
+        """Drop items whose remote copy is gone (their node was lost)."""
+        slots = slots[self.keys[slots] >= 0]
+        if self.on_drop is not None:
+            self.on_drop(slots)
+        self.remove(slots)
+        self.stats.lost_items += len(slots)
+
+    def _write(self, slots: list[int], keys: list[int], blobs: list) -> None:
+        """Write items out of RAM: to the remote pool first when configured, then to disk."""
+        rs = self.rspill
+        if rs is not None:
+            t0 = time.perf_counter_ns()
+            rest = rs.put(slots, blobs)
+            self.stats.spill_ns += time.perf_counter_ns() - t0
+            placed = len(slots) - len(rest)
+            self.stats.spill_bytes += sum(len(blobs[i]) for i in range(len(slots))) - sum(
+                len(blobs[i]) for i in rest
+            )
+            self.stats.remote_items += placed
+            self.stats.spilled_items += placed
+            if rest and "disk" not in self.tiers:
+                undo = set(rest)
+                for i, s in enumerate(slots):
+                    if i not in undo:
+                        rs.release(s)
+                self.stats.remote_items -= placed
+                self.stats.spilled_items -= placed
+                raise TierFullError(
+                    f"{self.what}: the remote pool has no room for {len(rest)} items evicted "
+                    f"from RAM (spill=['remote'] has no disk tier after it); raise the pool's "
+                    f"capacity or pass spill=['remote', 'disk']",
+                    tier="remote",
+                    requested=sum(len(blobs[i]) for i in rest),
+                )
+            if not rest:
+                return
+            slots = [slots[i] for i in rest]
+            keys = [keys[i] for i in rest]
+            blobs = [blobs[i] for i in rest]
+        t0 = time.perf_counter_ns()
         locs = self._disk().append([(k, 0, b) for k, b in zip(keys, blobs)])
+        self.stats.spill_ns += time.perf_counter_ns() - t0
+        self.stats.spill_bytes += sum(ln for _, _, ln in locs)
         for s, (seg, off, ln) in zip(slots, locs):
             self.seg[s], self.off[s], self.len[s] = seg, off, ln
         self.stats.disk_items += len(slots)
         self.stats.spilled_items += len(slots)
 
     def _spill(self, nbytes: int) -> None:
-        """Move the oldest RAM items out of RAM until ``nbytes`` are freed."""
+        """Move the oldest RAM items out of RAM until ``nbytes`` are freed: one gathered write
+        of the ones not on disk yet, then their RAM copies are dropped (a failed write changes
+        nothing)."""
         q = self.ram_order.view()
-        freed, dropped, i, out_s, out_k, out_b = 0, 0, 0, [], [], []
+        freed, i, drop, out_s, out_k, out_b = 0, 0, [], [], [], []
         while freed < nbytes and i < len(q):
             key = int(q[i])
             i += 1
@@ -613,36 +833,32 @@ class ItemStore:
                 out_s.append(s)
                 out_k.append(key)
                 out_b.append(blob)
-            self.ram[s] = None
-            freed += len(blob) + _OBJ
-            dropped += 1
-        self.ram_order.head += i
+            drop.append(s)
+            freed += self._cost(s, blob)
         if out_s:
-            try:
-                self._write(out_s, out_k, out_b)
-            except BaseException:
-                for s, b in zip(out_s, out_b):  # put them back: nothing is lost
-                    self.ram[s] = b
-                self.ram_order.head -= i
-                raise
-            # (items already on disk just lost their RAM copy)
-        self.stats.ram_bytes -= freed
-        self.stats.ram_items -= dropped
+            self._write(out_s, out_k, out_b)
+            # (items already on disk just lose their RAM copy)
+        self.ram_order.head += i
+        for s in drop:
+            self._drop_ram(s)
 
     def replace(self, slot: int, blob: bytes) -> None:
         """Overwrite the item in ``slot`` (same key): in RAM if it is there, else a new disk record."""
         key = int(self.keys[slot])
         old = self.ram[slot]
-        if old is not None and self.stats.ram_bytes - len(old) + len(blob) <= self.budget:
-            self.ram[slot] = blob
-            self.stats.ram_bytes += len(blob) - len(old)
-            if self.durable:
-                self._relocate(slot, key, blob)
-            return
         if old is not None:
-            self.ram[slot] = None
-            self.stats.ram_bytes -= len(old) + _OBJ
-            self.stats.ram_items -= 1
+            fits = self.stats.ram_bytes - self._cost(slot, old) + len(blob) + _OBJ <= self.budget
+            self._drop_ram(slot)
+            if fits:
+                self.ram[slot] = blob
+                self.stats.ram_bytes += len(blob) + _OBJ
+                self.stats.ram_items += 1
+                if self.durable:
+                    self._relocate(slot, key, blob)
+                return
+        if self.rspill is not None and slot in self.rspill.loc:
+            self.rspill.release(slot)  # the new bytes go to disk like any replaced spilled item
+            self.stats.remote_items -= 1
         self._relocate(slot, key, blob)
 
     def _relocate(self, slot: int, key: int, blob: bytes) -> None:
@@ -664,16 +880,20 @@ class ItemStore:
         keys = self.keys[slots].copy()
         if self.durable and segs is not None:
             segs.append([(int(k), TOMBSTONE, b"") for k in keys.tolist()])
+        rs = self.rspill
+        ram = self.ram
         for s in slots.tolist():
-            blob = self.ram[s]
-            if blob is not None:
-                self.ram[s] = None
-                self.stats.ram_bytes -= len(blob) + _OBJ
-                self.stats.ram_items -= 1
-            if self.seg[s] >= 0 and segs is not None:
-                segs.release(int(self.seg[s]), int(self.len[s]))
-                self.stats.disk_items -= 1
-                self.seg[s] = -1
+            if ram[s] is not None:
+                self._drop_ram(s)
+            if rs is not None and s in rs.loc:
+                rs.release(s)
+                self.stats.remote_items -= 1
+        disk = slots[self.seg[slots] >= 0]
+        if len(disk) and segs is not None:
+            for sg, ln in zip(self.seg[disk].tolist(), self.len[disk].tolist()):
+                segs.release(sg, ln)
+            self.stats.disk_items -= len(disk)
+            self.seg[disk] = -1
         self.keys[slots] = -1
         self.free[self.nfree : self.nfree + len(slots)] = slots
         self.nfree += len(slots)
@@ -684,16 +904,19 @@ class ItemStore:
 
     def _evict(self, n: int) -> np.ndarray:
         """Remove the ``n`` oldest items (FIFO); returns their slots."""
+        if n <= 0:
+            return _NONE
         q = self.fifo.view()
-        out, i = [], 0
-        while len(out) < n and i < len(q):
-            key = int(q[i])
-            i += 1
-            s = key % self.cap
-            if self.keys[s] == key:
-                out.append(s)
-        self.fifo.head += i
-        slots = np.asarray(out, np.int64)
+        w = min(len(q), 2 * n + 64)
+        while True:  # a window of the FIFO, widened until it holds n live keys
+            win = q[:w]
+            live = np.flatnonzero(self.keys[win % self.cap] == win)
+            if len(live) >= n or w == len(q):
+                break
+            w = min(len(q), 2 * w)
+        live = live[:n]
+        self.fifo.head += int(live[-1]) + 1 if len(live) == n else w
+        slots = win[live] % self.cap
         self.remove(slots, evicted=True)
         return slots
 
@@ -730,3 +953,5 @@ class ItemStore:
     def close(self) -> None:
         self._finalizer()
         self.ram = [None] * self.cap
+        self.addr[:] = -1
+        self.arena.clear()

@@ -16,7 +16,7 @@ import numpy as np
 
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError
-from tensortier.rl._store import ItemStore, as_index_array, check_args
+from tensortier.rl._store import ItemStore, as_index_array, check_args, check_spill
 from tensortier.tiers import itemcodec as _codec
 
 
@@ -36,11 +36,16 @@ class MemoryBank:
         durable: bool = False,
         fsync: bool = False,
         segment_size: SizeLike = "64MiB",
+        spill: str | Sequence[str] = "disk",
+        remote: Any = None,
     ):
+        """``spill`` and ``remote``: as :class:`~tensortier.rl.ReplayBuffer`'s (RAM -> remote
+        pool -> disk); reading an item lost with its memory node raises NodeLostError."""
         capacity = check_args(
             "MemoryBank", capacity, spill_dir=spill_dir, durable=durable, fsync=fsync
         )
         durable, fsync = bool(durable), bool(fsync)
+        tiers = check_spill("MemoryBank", spill, remote, durable)
         self._lock = threading.RLock()
         self._closed = False
         self._store = ItemStore(
@@ -52,6 +57,8 @@ class MemoryBank:
             segment_size=parse_size(segment_size, name="segment_size", allow_zero=False),
             owner="tt-membank",
             what="MemoryBank",
+            tiers=tiers,
+            remote=remote,
         )
 
     @property
@@ -78,7 +85,7 @@ class MemoryBank:
         return int(self.extend([item])[0])
 
     def extend(self, items: Iterable[Any]) -> np.ndarray:
-        blobs = [_codec.encode(it) for it in items]
+        blobs = [_codec.encode_parts(it) for it in items]  # copied once, into the store
         with self._lock:
             self._check()
             return self._store.add(blobs)[0]

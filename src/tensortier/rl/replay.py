@@ -41,9 +41,15 @@ import numpy as np
 
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, parse_size
-from tensortier.errors import ClosedError, ConfigError, CorruptDataError, SpillDirError
+from tensortier.errors import (
+    ClosedError,
+    ConfigError,
+    CorruptDataError,
+    NodeLostError,
+    SpillDirError,
+)
 from tensortier.rl import _saved, _sequence
-from tensortier.rl._store import ItemStore, as_index_array, check_args
+from tensortier.rl._store import ItemStore, as_index_array, check_args, check_spill
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.sampler import Prioritized, Uniform, make_state
 from tensortier.tiers import itemcodec as _codec
@@ -247,7 +253,15 @@ class ReplayBuffer:
         seed: int | None = None,
         segment_size: SizeLike = "64MiB",
         rate_limit: RateLimit | None = None,
+        spill: str | Sequence[str] = "disk",
+        remote: Any = None,
     ):
+        """``spill``: where items evicted from RAM go: ``"disk"`` (segments in ``spill_dir``),
+        ``"remote"`` (the ``remote`` RemoteStore pool, then disk when the pool is full; same as
+        ``["remote", "disk"]``) or ``["remote"]`` (pool only: a full pool is TierFullError).
+        Items on a memory node that is lost are dropped and counted in ``stats["lost_items"]``;
+        sampling goes on over the rest. The pool is the caller's: ``close()`` frees this
+        buffer's objects in it and leaves it open."""
         # every argument is checked before anything is allocated or created
         capacity = check_args(
             "ReplayBuffer",
@@ -258,6 +272,7 @@ class ReplayBuffer:
             extra_slot_bytes=_SLOT_BYTES,
         )
         durable, fsync = bool(durable), bool(fsync)
+        tiers = check_spill("ReplayBuffer", spill, remote, durable)
         if max_uses is not None and (
             isinstance(max_uses, bool)
             or not isinstance(max_uses, (int, np.integer))
@@ -315,9 +330,12 @@ class ReplayBuffer:
             segment_size=self.config.segment_size,
             owner="tt-replay",
             what="ReplayBuffer",
+            tiers=tiers,
+            remote=remote,
         )
         try:
             self._sampler = make_state(capacity, sampler)
+            self._store.on_drop = self._sampler.remove  # items lost with a memory node
             self._rng = np.random.default_rng(seed)
             self._uses = np.zeros(capacity, np.int32)
             # per slot: episode id, step in the episode, policy version (-1: not given)
@@ -388,10 +406,31 @@ class ReplayBuffer:
         ``timeout`` seconds (default: the RateLimit's), then raises RateLimitTimeout with nothing
         added.
         """
+        parts = _codec.encode_parts(item)
+        if (
+            episode is None
+            and step is None
+            and version is None
+            and timeout is _DEFAULT
+            and self._limiter is None
+        ):
+            with self._cond:
+                self._check()
+                store = self._store
+                if store.nfree and not store.durable:
+                    # the common case in Python scalars: a handful of 1-element numpy calls
+                    # would cost more than the item's copy
+                    key = store._add_one(parts)
+                    slot = key % store.cap
+                    self._uses[slot] = 0
+                    self._episode[slot] = self._step[slot] = self._version[slot] = -1
+                    self._sampler.add_one(slot)
+                    self._cond.notify_all()  # samplers waiting for items
+                    return key
         meta = None
         if episode is not None or step is not None or version is not None:
             meta = _meta(1, episode, step, version)
-        return int(self._extend_blobs([_codec.encode(item)], timeout, meta)[0])
+        return int(self._extend_blobs([parts], timeout, meta)[0])
 
     def extend(
         self,
@@ -408,16 +447,17 @@ class ReplayBuffer:
         ``rate_limit`` the batch is admitted whole (see :meth:`add`). ``episode``, ``step`` and
         ``version`` are each an int for all items or a sequence with one int per item.
         """
-        blobs = [_codec.encode(it) for it in items]
+        blobs = [_codec.encode_parts(it) for it in items]
         meta = None
         if episode is not None or step is not None or version is not None:
             meta = _meta(len(blobs), episode, step, version)
         return self._extend_blobs(blobs, timeout, meta)
 
     def _extend_blobs(
-        self, blobs: list[bytes], timeout: float | None = _DEFAULT, meta: tuple | None = None
+        self, blobs: list, timeout: float | None = _DEFAULT, meta: tuple | None = None
     ) -> np.ndarray:
-        """Add already-encoded items (Ray collectors encode on their side)."""
+        """Add already-encoded items: blobs (Ray collectors encode on their side) or lists of
+        parts from ``encode_parts``."""
         lim = self._limiter
         if timeout is not _DEFAULT:
             timeout = _check_timeout(timeout)
@@ -535,8 +575,8 @@ class ReplayBuffer:
             return self._sample_filtered(n, wait, seq_len, max_staleness, bool(pad), float(eta))
         if self.config.prefetch:
             return self._sample_prefetched(n, wait)
-        blobs, keys, weights = self._draw(n, wait)
-        items, collated = _codec.decode_batch(blobs)  # outside the lock: adds continue meanwhile
+        rows, keys, weights = self._draw(n, wait, rows=True)
+        items, collated = _codec.decode_batch(rows)  # outside the lock: adds continue meanwhile
         return Batch(items, keys, weights, collated)
 
     def _sample_timeout(self, timeout: Any) -> float | None:
@@ -558,7 +598,9 @@ class ReplayBuffer:
             f"sample(..., timeout=seconds) to wait for collectors"
         )
 
-    def _draw(self, n: int, timeout: float | None) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    def _draw(
+        self, n: int, timeout: float | None, rows: bool = False
+    ) -> tuple[Any, np.ndarray, np.ndarray]:
         deadline = None if timeout is None else time.monotonic() + timeout
         lim = self._limiter
         with self._cond:
@@ -566,11 +608,11 @@ class ReplayBuffer:
                 self._check()
                 lim.check_sample(n)
                 lim.wait(self._cond, "sample", n, self._store.__len__, timeout, self._check)
-                return self._sample_locked(n)
+                return self._sample_locked(n, rows)
             while True:
                 self._check()
                 if len(self._store):
-                    return self._sample_locked(n)
+                    return self._sample_locked(n, rows)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise self._empty(timeout)
@@ -578,16 +620,26 @@ class ReplayBuffer:
                 # until one of those happens, which is what the caller asked for)
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
 
-    def _sample_locked(self, n: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    def _sample_locked(self, n: int, rows: bool = False) -> tuple[Any, np.ndarray, np.ndarray]:
+        """(blobs, keys, weights) of a draw; ``rows=True``: blobs as ``ItemStore.rows`` gives
+        them, for a decode by this thread after the lock is released."""
         self._check()
         if len(self._store) == 0:
             raise self._empty(None)
         if self._limiter is not None:
             self._limiter.sampled(n)
             self._cond.notify_all()  # inserters waiting for sampling to catch up
-        slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
-        keys = self._store.keys[slots].copy()
-        blobs = self._store.blobs(slots)
+        while True:
+            slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
+            keys = self._store.keys[slots].copy()
+            try:
+                blobs = self._store.rows(slots) if rows else self._store.blobs(slots)
+                break
+            except NodeLostError:
+                # the items that node held were dropped (each loss drops at least one, so this
+                # ends); draw again from the rest
+                if len(self._store) == 0:
+                    raise self._empty(None) from None
         if self.config.max_uses is not None:
             np.add.at(self._uses, slots, 1)
             done = np.unique(slots[self._uses[slots] >= self.config.max_uses])
@@ -746,7 +798,7 @@ class ReplayBuffer:
                 self._cond.wait(0.1)  # an add wakes it; the tick lets it see `stop`
                 return None
             p.pending += 1  # from here on something is queued: a batch or the error
-            blobs, keys, weights = self._sample_locked(p.n)
+            blobs, keys, weights = self._sample_locked(p.n, rows=True)
         items, collated = _codec.decode_batch(blobs)
         return Batch(items, keys, weights, collated)
 
@@ -862,10 +914,12 @@ class ReplayBuffer:
         store = self._store
         with self._lock:  # a short pause: copy the index, pin the segments
             self._check()
+            far = self._fetch_remote()  # items in the remote pool, by slot
             arrays = self._state_arrays()
             meta = self._state_meta()
             slots = arrays["keys"] % self.capacity
-            ram = [store.ram[s] for s in slots.tolist()]
+            ram = [far.get(s, store.ram[s]) for s in slots.tolist()]
+            store.arena.pin()  # arena slices in `ram` are not reused until the copy ends
             locs = np.stack([store.seg[slots], store.off[slots], store.len[slots]], axis=1)
             root = store.segments.root if store.segments is not None else None
             store.compaction_paused += 1
@@ -908,11 +962,23 @@ class ReplayBuffer:
             raise
         finally:
             with self._lock:
+                store.arena.unpin()
                 store.compaction_paused -= 1
                 if store.segments is not None:
                     store.segments.pinned -= 1
                     store.segments.sweep()
                 store._maybe_compact()
+
+    def _fetch_remote(self) -> dict[int, bytes]:
+        """(save) The bytes of every item in the remote pool; items lost meanwhile are dropped."""
+        store = self._store
+        while store.rspill is not None and store.rspill.loc:
+            slots = np.fromiter(store.rspill.loc, np.int64, len(store.rspill.loc))
+            try:
+                return dict(zip(slots.tolist(), store.blobs(slots)))
+            except NodeLostError:
+                continue  # those items were dropped; fetch the rest
+        return {}
 
     @classmethod
     def load(

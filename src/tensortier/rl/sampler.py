@@ -214,6 +214,13 @@ class UniformState:
         self.pos[slots] = np.arange(self.n, self.n + k)
         self.n += k
 
+    def add_one(self, slot: int) -> None:
+        """:meth:`add` of one slot, in Python scalars."""
+        n = self.n
+        self.live[n] = slot
+        self.pos[slot] = n
+        self.n = n + 1
+
     def remove(self, slots: np.ndarray) -> None:
         for s in slots.tolist():
             p = self.pos[s]
@@ -300,6 +307,13 @@ class PrioritizedState:
             self._queue(slots.tolist(), self._new_leaf)
         else:
             self.tree.set(slots, leaves)
+
+    def add_one(self, slot: int) -> None:
+        """:meth:`add` of one slot: a queued entry (see the class doc)."""
+        self._pend_slots.append(slot)
+        self._pend_leaves.append(self._new_leaf)
+        if len(self._pend_slots) > self._PENDING:
+            self.tree  # noqa: B018 (flushes)
 
     def remove(self, slots: np.ndarray) -> None:
         self._queue(slots.tolist(), 0.0)

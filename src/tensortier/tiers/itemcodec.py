@@ -148,7 +148,7 @@ _PY_FORMATS = {int: ("q", "<i8"), float: ("d", "<f8"), bool: ("?", "|b1")}
 class _Plan:
     """How to encode values shaped like the ones it was built from (see :func:`encode`).
 
-    Steps: ``("a", i, dtype, shape)`` a C-contiguous ndarray joined as is (the one copy is the
+    Steps: ``("a", i, dtype, shape, how)`` a C-contiguous ndarray handed out as a view (the one copy is the
     join); ``("p", indices, types, struct)`` a run of Python ``int``/``float``/``bool`` fields
     packed by one ``struct``; ``("g", i, name, desc)`` anything else, through :func:`_field`
     with its description checked. :meth:`encode` returns None when a value does not match.
@@ -183,7 +183,15 @@ class _Plan:
                 continue
             close_run()
             if t is np.ndarray and v.flags.c_contiguous and not v.dtype.hasobject:
-                steps.append(("a", i, v.dtype, v.shape))
+                # how parts() hands the array out as bytes: as is (1-D uint8), a byte-cast
+                # memoryview, or nothing (empty)
+                how = 0 if v.nbytes == 0 else 1 if (v.dtype == np.uint8 and v.ndim == 1) else 2
+                if how == 2:
+                    try:  # (memoryview casts only native single-character formats)
+                        memoryview(v).cast("B")
+                    except (TypeError, ValueError):
+                        how = 3
+                steps.append(("a", i, v.dtype, v.shape, how))
             else:
                 desc, _ = _field(name, v)
                 steps.append(("g", i, name, desc))
@@ -192,6 +200,12 @@ class _Plan:
         return plan if plan.encode(values) == blob else None  # same bytes as the general path
 
     def encode(self, values: list) -> bytes | None:
+        parts = self.parts(values)
+        return None if parts is None else b"".join(parts)
+
+    def parts(self, values: list) -> list | None:
+        """The blob as byte buffers (format ``B``) to concatenate; None when a value does not
+        match. Arrays are handed out as views, not copied."""
         parts: list = [self.head]
         for step in self.steps:
             kind = step[0]
@@ -204,7 +218,13 @@ class _Plan:
                     or not v.flags.c_contiguous
                 ):
                     return None
-                parts.append(v)
+                how = step[4]
+                if how == 1:
+                    parts.append(v)
+                elif how == 2:
+                    parts.append(memoryview(v).cast("B"))
+                elif how == 3:
+                    parts.append(v.reshape(-1).view(np.uint8))
             elif kind == "p":
                 vs = [values[i] for i in step[1]]
                 if tuple(map(type, vs)) != step[2]:
@@ -218,10 +238,33 @@ class _Plan:
                 if desc != step[3]:
                     return None
                 parts.append(payload)
-        return b"".join(parts)
+        return parts
 
 
 _plans: dict[tuple, _Plan] = {}
+
+
+def encode_parts(item: Any) -> list:
+    """:func:`encode` as a list of byte buffers (format ``B``) whose concatenation is the blob.
+
+    Nothing is joined: an item that takes a cached plan comes back as its header and views of
+    its arrays, so a store can copy it once, straight into its own memory. (Other items come
+    back as ``[encode(item)]``.) The views alias the caller's arrays: copy them before returning
+    to the caller.
+    """
+    if type(item) is dict:
+        names: tuple = tuple(item)
+        values = list(item.values())
+    elif isinstance(item, Mapping):
+        return [_encode_general(item, 1)]
+    else:
+        names, values = (type(item),), [item]
+    plan = _plans.get(names)
+    if plan is not None:
+        parts = plan.parts(values)
+        if parts is not None:
+            return parts
+    return [encode(item)]
 
 
 def _encode_general(item: Any, align: int = 1) -> bytes:
@@ -460,38 +503,48 @@ _SCRATCH_MAX = 64 << 20
 _SMALL = 256 << 10
 
 
-def _gather(blobs: Sequence[bytes], size: int) -> np.ndarray:
-    """Blobs of equal length as rows of a matrix, in a reused per-thread buffer when small enough
-    (fresh memory costs a page fault per 4 KiB, which dominates a 2.5 MB batch copy here)."""
+def gather(blobs: Sequence, size: int) -> np.ndarray:
+    """Blobs (any buffers) of equal length ``size`` as rows of a matrix, in a reused per-thread
+    buffer when small enough (fresh memory costs a page fault per 4 KiB, which dominates a 2.5 MB
+    batch copy here). The matrix is valid until this thread's next ``gather``; pass it to
+    :func:`decode_batch` (which copies every field out of it)."""
     total = size * len(blobs)
     if total <= _SMALL:  # small batches come from the heap: one C-level join
         return np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
     if total > _SCRATCH_MAX:
         return np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), size)
-    buf = getattr(_scratch, "buf", None)
+    buf = getattr(_scratch, "buf", None)  # (another thread's gather never touches it)
     if buf is None or len(buf) < total:
         buf = _scratch.buf = np.empty(max(total, 1 << 20), np.uint8)
     np.concatenate([np.frombuffer(b, np.uint8) for b in blobs], out=buf[:total])
     return buf[:total].reshape(len(blobs), size)
 
 
-def decode_batch(blobs: Sequence[bytes]) -> tuple[Any, bool]:
+_gather = gather  # (the old private name)
+
+
+def decode_batch(blobs: Sequence[bytes] | np.ndarray) -> tuple[Any, bool]:
     """Decode many blobs; returns (batch, collated).
 
-    When every blob has the same header, fields are stacked into arrays/tensors with a leading
-    batch dimension (bytes fields become lists) and ``collated`` is True; otherwise the batch is a
-    list of items.
+    ``blobs`` is a sequence of blobs, or a (batch, size) uint8 matrix of equal-length blobs (from
+    :func:`gather`). When every blob has the same header, fields are stacked into fresh
+    arrays/tensors with a leading batch dimension (bytes fields become lists) and ``collated`` is
+    True; otherwise the batch is a list of items.
     """
-    if not blobs:
+    if len(blobs) == 0:
         return [], False
-    raw0, meta, start = _header(blobs[0])
-    size = len(blobs[0])
-    if len(set(map(len, blobs))) != 1:
-        return [decode(b) for b in blobs], False
-    mat = _gather(blobs, size)
+    if isinstance(blobs, np.ndarray):
+        mat = blobs
+        _, meta, start = _header(mat[0])
+    else:
+        _, meta, start = _header(blobs[0])
+        size = len(blobs[0])
+        if len(set(map(len, blobs))) != 1:
+            return [decode(b) for b in blobs], False
+        mat = gather(blobs, size)
     head = mat[:, 4:start]
     if not (head == head[0]).all():  # same length, different header: not collatable
-        return [decode(b) for b in blobs], False
+        return [decode(row) for row in mat], False
     out = {}
     for name, kind, dtype, shape, off, n in meta["f"]:
         cols = mat[:, start + off : start + off + n]
@@ -501,7 +554,9 @@ def decode_batch(blobs: Sequence[bytes]) -> tuple[Any, bool]:
         if kind == "s":
             out[name] = [_value("s", dtype, shape, row) for row in cols]
             continue
-        cols = np.ascontiguousarray(cols)
+        # always a copy: one row's columns are contiguous, and a view would alias the reused
+        # gather buffer (the next batch would overwrite this one)
+        cols = cols.copy(order="C")
         if kind == "pt" and n == 0:
             out[name] = torch.empty(len(blobs), *shape, dtype=_TORCH_DTYPES[dtype])
         elif kind == "pt":

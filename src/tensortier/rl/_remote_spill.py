@@ -1,0 +1,141 @@
+"""Items spilled from RAM into a :class:`~tensortier.tiers.remote.RemoteStore` pool.
+
+Batches. A spill sends its items in groups of up to ``group_bytes`` (1 MiB), one remote object per
+group: one round trip per item would cost more than the item, and Ray keeps objects below about
+100 KiB in the caller's own process instead of on the memory node. An item's location is (batch,
+offset, length); a batch's object is freed when its last item leaves. A read fetches each batch
+it needs once (Ray then caches the object on this node, so later reads of the batch are local).
+
+Faults. A put the pool refuses (``TierFullError``) or that fails (its node died, a timeout) leaves
+its items to the next tier: :meth:`put` returns them, nothing is lost (they are still in RAM). A
+read from a lost node raises :class:`NodeLostError` with ``lost`` set to every slot of the
+batches that node held: the owner drops those items (non-durable items have no other copy) and
+counts them. Every remote call has the pool's timeout, so nothing here waits forever.
+
+Not thread-safe (the store's owner holds a lock); :meth:`close` never blocks (it only frees).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from tensortier.errors import ClosedError, NodeLostError, TierFullError
+
+_GROUP = 1 << 20
+
+
+class RemoteSpill:
+    def __init__(self, remote, group_bytes: int = _GROUP):
+        self.remote = remote
+        self.group_bytes = group_bytes
+        self.loc: dict[int, tuple[int, int, int]] = {}  # slot -> (batch, offset, length)
+        self.batches: dict[int, tuple[object, set[int]]] = {}  # batch -> (handle, its slots)
+        self._next = 0
+        self.bytes = 0  # bytes of live items held remotely
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self.loc
+
+    def put(self, slots: list[int], blobs: list) -> list[int]:
+        """Send items; returns the positions (in ``slots``) of those the pool did not take."""
+        groups, cur, size = [], [], 0
+        for i, b in enumerate(blobs):
+            if cur and size + len(b) > self.group_bytes:
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += len(b)
+        if cur:
+            groups.append(cur)
+        rest: list[int] = []
+        pending: list[tuple[list[int], np.ndarray, Future]] = []
+        full = False
+        for g in groups:
+            if full:
+                rest += g
+                continue
+            sizes = [len(blobs[i]) for i in g]
+            buf = np.empty(sum(sizes), np.uint8)
+            np.concatenate([np.frombuffer(blobs[i], np.uint8) for i in g], out=buf)
+            try:
+                fut = self.remote.put(torch.from_numpy(buf))
+            except (TierFullError, ClosedError):
+                full = True  # later groups would not fit either (or the pool is gone)
+                rest += g
+                continue
+            pending.append((g, buf, fut))
+        for g, _buf, fut in pending:  # _buf: kept alive until its put is done
+            try:
+                handle = fut.result()
+            except (TierFullError, NodeLostError, TimeoutError, ClosedError):
+                rest += g
+                continue
+            except Exception:  # a Ray error on the way: the next tier takes the items
+                rest += g
+                continue
+            bid = self._next
+            self._next += 1
+            members = {slots[i] for i in g}
+            self.batches[bid] = (handle, members)
+            off = 0
+            for i in g:
+                n = len(blobs[i])
+                self.loc[slots[i]] = (bid, off, n)
+                off += n
+                self.bytes += n
+        return sorted(rest)
+
+    def read(self, slots: list[int]) -> list[bytes]:
+        """Item bytes of remote ``slots``; NodeLostError (``.lost``: the slots gone) on loss."""
+        need: dict[int, list[int]] = {}
+        for i, s in enumerate(slots):
+            need.setdefault(self.loc[s][0], []).append(i)
+        futs = {bid: self.remote.get(self.batches[bid][0]) for bid in need}
+        out: list = [None] * len(slots)
+        lost: list[int] = []
+        first: NodeLostError | None = None
+        for bid, fut in futs.items():
+            try:
+                data = fut.result().numpy()
+            except NodeLostError as exc:
+                first = first or exc
+                lost += sorted(self.batches[bid][1])
+                continue
+            for i in need[bid]:
+                _, off, n = self.loc[slots[i]]
+                out[i] = data[off : off + n].tobytes()
+        if first is not None:
+            err = NodeLostError(
+                f"{len(lost)} spilled items were held on memory node {first.node}, which was "
+                f"lost: they are dropped (counted in stats['lost_items']); the rest stay",
+                node=first.node,
+            )
+            err.lost = lost  # type: ignore[attr-defined]
+            raise err from first
+        return out
+
+    def release(self, slot: int) -> None:
+        """Forget ``slot``'s remote copy; frees its batch with the batch's last item."""
+        bid, _, n = self.loc.pop(slot)
+        self.bytes -= n
+        handle, members = self.batches[bid]
+        members.discard(slot)
+        if not members:
+            del self.batches[bid]
+            _free(self.remote, handle)
+
+    def close(self) -> None:
+        batches, self.batches = self.batches, {}
+        self.loc = {}
+        for handle, _ in batches.values():
+            _free(self.remote, handle)
+
+
+def _free(remote, handle) -> None:
+    try:
+        remote.free(handle)  # never blocks
+    except KeyError:  # already gone with a closed pool
+        pass

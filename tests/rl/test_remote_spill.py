@@ -1,0 +1,205 @@
+"""Replay buffer and memory bank spilling RAM -> remote pool -> disk, on a Ray cluster of
+simulated nodes on this machine (one cluster for the module, tiny items)."""
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from tensortier.errors import ConfigError, NodeLostError, TierFullError  # noqa: E402
+from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer  # noqa: E402
+from tensortier.tiers.remote import RemoteStore  # noqa: E402
+
+_STORE = 96 << 20
+_FAST_DEATH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 300,
+    "health_check_timeout_ms": 300,
+    "health_check_failure_threshold": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    tmp = tempfile.mkdtemp(prefix="tt-ray-")  # short: Ray's socket paths must stay < 108 bytes
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    c = None
+    try:
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": _STORE,
+                "include_dashboard": False,
+                "_system_config": _FAST_DEATH,
+            },
+        )
+        nodes = [c.add_node(num_cpus=0, object_store_memory=_STORE) for _ in range(2)]
+        ray.init(address=c.address, log_to_driver=False)
+        yield c, [n.node_id for n in nodes]
+    finally:
+        ray.shutdown()
+        if c is not None:
+            c.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _items(n: int, size: int = 20_000, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {"obs": rng.integers(0, 256, size + i, dtype=np.uint8), "i": i, "t": torch.full((3,), i)}
+        for i in range(n)
+    ]
+
+
+def _same(got: dict, want: dict) -> bool:
+    return (
+        got["obs"].dtype == want["obs"].dtype
+        and got["obs"].tobytes() == want["obs"].tobytes()
+        and got["i"] == want["i"]
+        and torch.equal(got["t"], want["t"])
+    )
+
+
+def test_spill_to_remote_then_disk_keeps_every_item_bit_exact(cluster, tmp_path):
+    """A pool too small for the overflow: the oldest RAM items go to the pool, the rest to disk;
+    every item reads back bit-exact from wherever it lives, and freeing reaches the pool."""
+    sent = []
+    with RemoteStore("640KiB", timeout=30) as pool:
+        real_put = pool.put
+
+        def put(t):  # what crosses to the memory nodes: flat uint8 tensors, never objects
+            sent.append((t.dtype, t.dim()))
+            return real_put(t)
+
+        pool.put = put
+        items = _items(60)
+        buf = ReplayBuffer(
+            64,
+            ram_budget="160KiB",
+            spill="remote",
+            remote=pool,
+            spill_dir=tmp_path,
+            sampler=Prioritized(),
+            seed=0,
+        )
+        keys = [buf.add(it) for it in items[:20]]
+        for i in range(20, 60, 8):
+            keys += buf.extend(items[i : i + 8]).tolist()
+        st = buf.stats
+        assert st["remote_items"] > 0 and st["disk_items"] > 0 and st["ram_items"] > 0
+        assert st["remote_items"] + st["disk_items"] + st["ram_items"] == 60
+        assert len(pool) > 0 and set(sent) == {(torch.uint8, 1)}
+        for k, it in zip(keys, items):
+            assert _same(buf[k], it)
+        batch = buf.sample(40)
+        assert not batch.collated  # (items of different lengths)
+        for got, k in zip(batch.items, batch.indices.tolist()):
+            assert keys[got["i"]] == k and _same(got, items[got["i"]])
+        assert buf.stats["remote_reads"] > 0
+        far = [k for k in keys if k % 64 in buf._store.rspill.loc]
+        buf.delete(far)  # their batches are freed in the pool
+        assert buf.stats["remote_items"] == 0 and len(pool) == 0
+        for k, it in zip(keys, items):
+            if k not in far:
+                assert _same(buf[k], it)
+        buf.close()
+        assert len(pool) == 0 and not pool.closed  # the pool is the caller's
+
+
+def test_save_fetches_remote_items(cluster, tmp_path):
+    with RemoteStore("4MiB", timeout=30) as pool:
+        items = _items(24)
+        buf = ReplayBuffer(32, ram_budget="64KiB", spill="remote", remote=pool)
+        keys = buf.extend(items).tolist()
+        assert buf.stats["remote_items"] > 0
+        buf.save(tmp_path / "s")
+        buf.close()
+        assert len(pool) == 0
+        back = ReplayBuffer.load(tmp_path / "s")
+        assert back.indices().tolist() == keys
+        assert all(_same(g, it) for g, it in zip(back[keys], items))
+        back.close()
+
+
+def test_node_loss_drops_its_items_counts_them_and_sampling_goes_on(cluster, tmp_path):
+    c, _ = cluster
+    doomed = c.add_node(num_cpus=0, object_store_memory=_STORE)
+    pool = RemoteStore("8MiB", nodes=[doomed.node_id], timeout=30)
+    try:
+        items = _items(48)
+        buf = ReplayBuffer(
+            64, ram_budget="256KiB", spill="remote", remote=pool, spill_dir=tmp_path, seed=1
+        )
+        keys = buf.extend(items[:24]).tolist() + buf.extend(items[24:]).tolist()
+        remote = buf.stats["remote_items"]
+        assert remote > 0
+        c.remove_node(doomed, allow_graceful=False)
+        seen = set()
+        for _ in range(30):  # draws that hit lost items drop them and draw again, never hang
+            seen.update(g["i"] for g in buf.sample(16).items)
+        st = buf.stats
+        assert st["lost_items"] > 0 and len(buf) == 48 - st["lost_items"]
+        assert st["remote_items"] == remote - st["lost_items"]
+        alive = set(buf.indices().tolist())
+        for k, it in zip(keys, items):
+            if k in alive:
+                assert _same(buf[k], it)
+            else:
+                with pytest.raises(KeyError):
+                    buf[k]
+        buf.close()
+    finally:
+        pool.close()
+
+
+def test_memory_bank_spills_to_the_pool_and_reports_a_lost_node(cluster, tmp_path):
+    c, _ = cluster
+    doomed = c.add_node(num_cpus=0, object_store_memory=_STORE)
+    pool = RemoteStore("8MiB", nodes=[doomed.node_id], timeout=30)
+    try:
+        bank = MemoryBank(40, ram_budget="64KiB", spill=["remote"], remote=pool)
+        items = _items(30)
+        keys = bank.extend(items).tolist()
+        assert bank.stats["remote_items"] > 0
+        # (no read before the loss: a read leaves a copy on this node, which Ray then serves)
+        far = [k for k in keys if k % 40 in bank._store.rspill.loc]
+        c.remove_node(doomed, allow_graceful=False)
+        with pytest.raises(NodeLostError, match=doomed.node_id):
+            bank.get_many(far)
+        assert bank.stats["lost_items"] > 0 and len(bank) == 30 - bank.stats["lost_items"]
+        bank.close()
+    finally:
+        pool.close()
+
+
+def test_remote_only_spill_with_a_full_pool_is_tier_full_and_loses_nothing(cluster):
+    with RemoteStore("100KiB", timeout=30) as pool:
+        bank = MemoryBank(40, ram_budget="64KiB", spill=["remote"], remote=pool)
+        items = _items(30)
+        keys = [bank.append(it) for it in items[:3]]
+        with pytest.raises(TierFullError, match="remote"):
+            for it in items[3:]:
+                keys.append(bank.append(it))
+        assert all(_same(bank[k], it) for k, it in zip(keys, items))
+        bank.close()
+
+
+def test_bad_spill_arguments_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="remote=tt.tiers.RemoteStore"):
+        ReplayBuffer(8, spill="remote")
+    with pytest.raises(ConfigError, match="spill must be"):
+        ReplayBuffer(8, spill=["disk", "remote"])
+    with pytest.raises(ConfigError, match="remote= is given"):
+        MemoryBank(8, remote=object())
