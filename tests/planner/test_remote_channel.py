@@ -64,6 +64,14 @@ def test_slow_remote_is_never_chosen():
     assert both.result.step_s == pytest.approx(local.result.step_s)
 
 
+def test_a_remote_pool_as_fast_as_the_disk_is_not_chosen():
+    """Both hide: no step is faster with remote memory, so the plan stays on this machine."""
+    p = _with(chain(bw=10 * GB), h2remote=10 * GB, remote2h=10 * GB)
+    both = choose(p, 5 * GB, "auto", Options(tiers=("disk", "remote")))
+    assert Mode.REMOTE not in _modes(both)
+    assert both.result.peak_bytes <= 5 * GB
+
+
 def test_remote_is_not_a_tier_without_a_measured_pool():
     """A profile made without a pool (remote channels 0) never plans a remote swap, whatever
     the options say; only remote allowed is a ConfigError naming the fix."""

@@ -496,6 +496,10 @@ def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
     return smallest(profile, opts, choices).result.peak_bytes
 
 
+def _remote(choice: Choice) -> bool:
+    return any(a.mode == Mode.REMOTE for a in choice.plan.actions.values())
+
+
 def choose(
     profile: Profile,
     budget: SizeLike,
@@ -515,7 +519,10 @@ def choose(
         everything = plan_all(profile, b, opts)
         fitting = [c for c in everything.values() if c.meets(b)]
         if fitting:
-            best = min(fitting, key=lambda c: (c.result.step_s, c.result.peak_bytes))
+            # on a tie in time the plan that needs no other machine wins: remote memory is
+            # chosen only where it makes the step faster (where its transfers hide and the
+            # local tiers' do not)
+            best = min(fitting, key=lambda c: (c.result.step_s, _remote(c), c.result.peak_bytes))
             plan = Plan(f"auto:{best.plan.policy}", dict(best.plan.actions), dict(best.plan.codecs))
             return Choice(plan, best.result, time.monotonic() - t0)
         tried = list(everything.values())
