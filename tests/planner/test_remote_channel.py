@@ -81,6 +81,8 @@ def test_remote_is_not_a_tier_without_a_measured_pool():
     assert Mode.REMOTE not in _modes(c)
     with pytest.raises(ConfigError, match="remote=pool"):
         choose(p, 5 * GB, "swap_all", Options(tiers=("remote",)))
+    with pytest.raises(ConfigError, match="no measured remote channels"):
+        simulate(p, Plan("r", {"h.0": UnitAction(Mode.REMOTE)}))
 
 
 def test_only_remote_allowed_swaps_to_remote():

@@ -280,6 +280,14 @@ class _Read:
 def simulate(profile: Profile, plan: Plan) -> SimResult:
     """Runs one iteration of ``plan`` on ``profile``'s costs; see the module docstring."""
     bw = profile.bandwidth
+    if not bw.remote and any(a.mode == Mode.REMOTE for a in plan.actions.values()):
+        from tensortier.errors import ConfigError
+
+        raise ConfigError(
+            f"plan {plan.policy!r} sends units to the remote tier, but the profile has no "
+            f"measured remote channels (h2remote={bw.h2remote}, remote2h={bw.remote2h}); "
+            f"profile with tt.offload(budget=..., remote=pool) or drop the remote actions"
+        )
     dev = _Memory()
     host = dev if profile.unified else _Memory()  # where host-side payloads live
     spans: list[Span] = []
