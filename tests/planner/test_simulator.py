@@ -135,6 +135,7 @@ def test_compress_in_place_on_unified_host_saves_memory(make_profile):
 def test_memory_returns_to_base_after_the_step(make_profile):
     for unified in (True, False):
         p = make_profile(n_units=3, unified=unified, zero_frac=0.5)
+        p.bandwidth.h2remote = p.bandwidth.remote2h = p.bandwidth.h2disk  # a pool measured
         for mode in Mode:
             plan = resolve_codecs(p, Plan("x", {u.name: UnitAction(mode, True) for u in p.units}))
             r = simulate(p, plan)

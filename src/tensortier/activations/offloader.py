@@ -19,8 +19,9 @@ backward needs are never read back. Every backward ends with a callback that emp
 
 Remote memory (``to="remote"``): the storages go to a :class:`~tensortier.tiers.remote.RemoteStore`
 (other Ray nodes' RAM) through ``TransferEngine.to_remote`` and come back, prefetched the same way,
-through ``from_remote``. Mechanism only: the planner does not model the remote channel (it never
-chooses "remote"), and codecs do not apply to it.
+through ``from_remote``; codecs do not apply to it. The planner (``tt.offload(budget=...,
+remote=pool)``) sends a unit there with ``Action("remote")`` where its simulator, given the pool's
+measured bandwidth, says the transfer hides.
 
 Lifetime. Each record frees its host block, disk extent or remote object in a weakref finalizer, so a graph that
 raises in forward or is never backpropagated releases everything once dropped. Records keep their

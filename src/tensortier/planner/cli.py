@@ -88,7 +88,7 @@ def profile_gpt(args, budget: int | None = None) -> object:
 def run(args) -> int:
     from tensortier.bench._common import print_table
     from tensortier.planner.policies import Options, choose, plan_all
-    from tensortier.planner.profile import Profile
+    from tensortier.planner.profile import CHANNELS, Profile
     from tensortier.planner.report import action_rows, write_report
 
     budget = parse_size(args.budget, name="--budget", allow_zero=False)
@@ -100,7 +100,8 @@ def run(args) -> int:
         f"profile: {len(profile.tensors)} saved tensors, {format_size(profile.saved_bytes)}; "
         + ", ".join(
             f"{c} {profile.bandwidth.of(c) / 1e9:.2f} GB/s"
-            for c in ("d2h", "h2d", "h2disk", "disk2h")
+            for c in CHANNELS
+            if profile.bandwidth.of(c) > 0
         )
     )
     try:

@@ -54,7 +54,10 @@ POLICIES = (
 
 @dataclass
 class Options:
-    """Knobs a user rarely needs: which tiers exist, lossy codecs, search effort."""
+    """Knobs a user rarely needs: which tiers exist, lossy codecs, search effort.
+
+    ``"remote"`` in ``tiers`` is used only when the profile measured a remote pool
+    (``Bandwidth.remote``); ``tt.offload(budget=..., remote=pool)`` adds it."""
 
     tiers: tuple[str, ...] = ("host", "disk")
     allow_lossy: bool = False
@@ -91,8 +94,10 @@ class _Clock:
 
 
 def _tiers(profile: Profile, opts: Options) -> tuple[str, ...]:
-    """On a unified machine raw bytes on the host tier save nothing: only disk moves them away."""
-    return tuple(t for t in opts.tiers if t in ("host", "disk"))
+    """The tiers a plan may use: those allowed, the remote one only where its channels were
+    measured (a pool was given)."""
+    ok = ("host", "disk", "remote") if profile.bandwidth.remote else ("host", "disk")
+    return tuple(t for t in opts.tiers if t in ok)
 
 
 def evaluate(profile: Profile, plan: Plan, opts: Options) -> Choice:
@@ -121,12 +126,18 @@ def _plan(name: str, actions: dict[str, UnitAction]) -> Plan:
 
 
 def _swap_tier(profile: Profile, opts: Options) -> str:
+    """The one tier of the whole-model baselines (swap_all, capuchin, flashneuron): a local one;
+    remote only where it is the only tier allowed (the finer policies weigh it per unit)."""
     tiers = _tiers(profile, opts)
     if not tiers:
-        raise ConfigError("no offload tier allowed: pass tiers=('host', 'disk') or a subset")
+        raise ConfigError(
+            "no offload tier allowed: pass tiers=('host', 'disk') or a subset "
+            "('remote' needs a measured remote pool: tt.offload(budget=..., remote=pool))"
+        )
+    local = tuple(t for t in tiers if t != "remote") or tiers
     if profile.unified:
-        return "disk" if "disk" in tiers else "host"
-    return "host" if "host" in tiers and profile.host_budget is None else tiers[-1]
+        return "disk" if "disk" in local else local[0]
+    return "host" if "host" in local and profile.host_budget is None else local[-1]
 
 
 def _candidates(profile: Profile, opts: Options, unit) -> list[UnitAction]:
@@ -135,7 +146,8 @@ def _candidates(profile: Profile, opts: Options, unit) -> list[UnitAction]:
         mode = Mode(tier)
         if not (profile.unified and tier == "host"):
             out.append(UnitAction(mode))
-        out.append(UnitAction(mode, compress=True))
+        if tier != "remote":  # no codec on the remote tier
+            out.append(UnitAction(mode, compress=True))
     if unit.recomputable:
         out.append(UnitAction(Mode.RECOMPUTE))
     if opts.fine:
@@ -218,10 +230,14 @@ def _finer(profile: Profile, opts: Options, unit) -> list[UnitAction]:
     out = [UnitAction(Mode.SELECTIVE, part=m) for m in selective_menu(profile, unit)]
     tier = None
     tiers = _tiers(profile, opts)
-    if tiers:
-        tier = "disk" if profile.unified and "disk" in tiers else tiers[0]
+    local = tuple(t for t in tiers if t != "remote")
+    if local:
+        tier = "disk" if profile.unified and "disk" in local else local[0]
+    parts = partial_menu(profile, unit)
     if tier and not (profile.unified and tier == "host"):
-        out += [UnitAction(Mode(tier), part=p) for p in partial_menu(profile, unit)]
+        out += [UnitAction(Mode(tier), part=p) for p in parts]
+    if "remote" in tiers:
+        out += [UnitAction(Mode.REMOTE, part=p) for p in parts]
     return out
 
 
@@ -480,6 +496,10 @@ def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
     return smallest(profile, opts, choices).result.peak_bytes
 
 
+def _remote(choice: Choice) -> bool:
+    return any(a.mode == Mode.REMOTE for a in choice.plan.actions.values())
+
+
 def choose(
     profile: Profile,
     budget: SizeLike,
@@ -499,7 +519,10 @@ def choose(
         everything = plan_all(profile, b, opts)
         fitting = [c for c in everything.values() if c.meets(b)]
         if fitting:
-            best = min(fitting, key=lambda c: (c.result.step_s, c.result.peak_bytes))
+            # on a tie in time the plan that needs no other machine wins: remote memory is
+            # chosen only where it makes the step faster (where its transfers hide and the
+            # local tiers' do not)
+            best = min(fitting, key=lambda c: (c.result.step_s, _remote(c), c.result.peak_bytes))
             plan = Plan(f"auto:{best.plan.policy}", dict(best.plan.actions), dict(best.plan.codecs))
             return Choice(plan, best.result, time.monotonic() - t0)
         tried = list(everything.values())

@@ -22,7 +22,7 @@ import torch
 from tensortier._units import SizeLike, parse_size
 from tensortier.tiers.codecs import CodecSpeed, measure_codecs
 
-CHANNELS = ("d2h", "h2d", "h2disk", "disk2h")
+CHANNELS = ("d2h", "h2d", "h2disk", "disk2h", "h2remote", "remote2h")
 # A probe transfer (16 MiB) not done after this long is a stuck disk or device: raise
 # (concurrent.futures.TimeoutError) instead of hanging the first planned step.
 PROBE_TIMEOUT_S = 300.0
@@ -88,6 +88,14 @@ class Bandwidth:
     h2disk: float
     disk2h: float
     issue_s: float = 0.0  # compute-thread seconds to start one asynchronous move
+    # host <-> remote memory pool (other Ray nodes' RAM); 0.0: no pool was given, no remote tier
+    h2remote: float = 0.0
+    remote2h: float = 0.0
+
+    @property
+    def remote(self) -> bool:
+        """Whether the remote channels were measured (a plan may use the remote tier)."""
+        return self.h2remote > 0 and self.remote2h > 0
 
     def of(self, channel: str) -> float:
         return getattr(self, channel)
@@ -278,6 +286,47 @@ def measure_bandwidth(
         disk2h=moved / disk2h_s,
         issue_s=issue_s / (rounds * k),
     )
+
+
+def measure_remote_bandwidth(
+    store,
+    *,
+    nbytes: SizeLike = "64MiB",
+    chunk: SizeLike = "16MiB",
+    resident: SizeLike | None = None,
+) -> tuple[float, float]:
+    """``(h2remote, remote2h)`` bytes per second of a :class:`RemoteStore`, measured as
+    :func:`measure_bandwidth` measures the disk: ``nbytes`` in ``chunk``-sized tensors, at most
+    ``resident`` bytes of them alive at once (the same chunks travel in rounds), one untimed
+    round first (the memory nodes' first objects, Ray's connections). At most half the store's
+    free capacity is used, so the probe never fills a pool the training needs."""
+    total = parse_size(nbytes, name="nbytes", allow_zero=False)
+    free = max(1 << 20, (store.stats.capacity_bytes - store.stats.used_bytes) // 2)
+    size = min(total, free, parse_size(chunk, name="chunk", allow_zero=False))
+    n = max(1, total // size)
+    keep = n * size if resident is None else parse_size(resident, name="resident")
+    k = max(1, min(n, keep // size, free // size))  # chunks alive at once
+    rounds = max(1, n // k)
+    gen = torch.Generator().manual_seed(0)  # never the training's RNG (dropout masks)
+    src = [torch.randint(0, 255, (size,), dtype=torch.uint8, generator=gen) for _ in range(k)]
+    moved = rounds * k * size
+
+    def wait(futures) -> list:
+        return [f.result(timeout=PROBE_TIMEOUT_S) for f in futures]
+
+    put_s = get_s = 0.0
+    for r in range(rounds + 1):  # round 0 untimed
+        t0 = time.perf_counter()
+        handles = wait([store.put(t) for t in src])
+        if r:
+            put_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        wait([store.get(h, into=t) for h, t in zip(handles, src)])
+        if r:
+            get_s += time.perf_counter() - t0
+        for h in handles:
+            store.free(h)
+    return moved / put_s, moved / get_s
 
 
 def measure_codec_speeds(

@@ -283,12 +283,14 @@ class Profiler:
         offloader=None,
         probe_bytes: int = 64 << 20,
         record_ops: bool = True,
+        remote=None,
     ):
         from tensortier._device import default_device
 
         self.device = device or default_device()
         self.spill_dir, self.tier = spill_dir, tier
         self.bandwidth = bandwidth
+        self.remote = remote  # a RemoteStore: its channels are measured too
         self.codecs = codecs
         self.probe_bytes = probe_bytes
         names = LOSSLESS_CODECS + (LOSSY_CODECS if allow_lossy else ())
@@ -542,6 +544,8 @@ class Profiler:
         with own_rng(self.device):
             if self.bandwidth is None:
                 self.bandwidth = _bandwidth(self.spill_dir, self.device, self.probe_bytes)
+            if self.remote is not None and not self.bandwidth.remote:
+                self.bandwidth = _remote_bandwidth(self.bandwidth, self.remote, self.probe_bytes)
             if self.codecs is None:
                 # only the codecs the probe tried (lossy ones only when allowed)
                 self.codecs = _codec_speeds(self.probe.codecs, codec_sample_bytes(self.probe_bytes))
@@ -770,6 +774,19 @@ def _bandwidth(spill_dir: str | None, device: torch.device, resident: int = 64 <
     return measure_bandwidth(
         spill_dir, device=device, nbytes=64 << 20, chunk=chunk, resident=resident
     )
+
+
+def _remote_bandwidth(bw: Bandwidth, store, resident: int = 64 << 20) -> Bandwidth:
+    """``bw`` with the remote channels of ``store`` measured as the disk's are (64 MiB, at most
+    ``resident`` bytes of chunks alive at once)."""
+    import dataclasses
+
+    from tensortier.planner.profile import measure_remote_bandwidth
+
+    resident = max(1 << 20, int(resident) >> 20 << 20)
+    chunk = min(16 << 20, max(1 << 20, resident // 2 >> 20 << 20))
+    up, down = measure_remote_bandwidth(store, nbytes=64 << 20, chunk=chunk, resident=resident)
+    return dataclasses.replace(bw, h2remote=up, remote2h=down)
 
 
 def codec_sample_bytes(probe_bytes: int) -> int:

@@ -19,6 +19,7 @@ from tensortier.planner.profile import Profile
 from tensortier.planner.simulator import Plan, simulate
 
 LANES = ("compute", "d2h", "h2d", "h2disk", "disk2h")
+REMOTE_LANES = ("h2remote", "remote2h")  # drawn when the profile measured a remote pool
 COLORS = {
     "fwd": "#4c72b0",
     "bwd": "#55a868",
@@ -70,7 +71,8 @@ def render_png(profile: Profile, choice: Choice, budget: int | None = None) -> b
     ax_mem.set_xlabel("seconds")
     ax_mem.set_title("Device memory over one iteration")
     ax_mem.legend(loc="upper right", fontsize=8)
-    for row, lane in enumerate(LANES):
+    lanes = LANES + (REMOTE_LANES if profile.bandwidth.remote else ())
+    for row, lane in enumerate(lanes):
         for s in (s for s in res.spans if s.lane == lane):
             kind = s.label.split()[0]
             color = COLORS.get(kind, "#dd8452")
@@ -90,7 +92,7 @@ def render_png(profile: Profile, choice: Choice, budget: int | None = None) -> b
     handles = [Patch(color=c, label=k) for k, c in COLORS.items() if k != "decode"]
     handles.append(Patch(color="#dd8452", label="copy"))
     ax_gantt.legend(handles=handles, loc="lower right", fontsize=7, ncol=4)
-    ax_gantt.set_yticks(range(len(LANES)), LANES)
+    ax_gantt.set_yticks(range(len(lanes)), lanes)
     ax_gantt.invert_yaxis()
     ax_gantt.set_xlabel("seconds")
     ax_gantt.set_title(
@@ -189,7 +191,8 @@ def write_report(
         f.write(png)
     bw = profile.bandwidth
     bw_rows = [
-        {"channel": c, "GB/s": f"{bw.of(c) / 1e9:.2f}"} for c in ("d2h", "h2d", "h2disk", "disk2h")
+        {"channel": c, "GB/s": f"{bw.of(c) / 1e9:.2f}"}
+        for c in LANES[1:] + (REMOTE_LANES if bw.remote else ())
     ]
     policy_rows = [
         {

@@ -86,7 +86,7 @@ from tensortier.planner.profiler import (
     timing_group,
     unit_of,
 )
-from tensortier.planner.simulator import Mode, Plan, ordinals
+from tensortier.planner.simulator import SWAPS, Plan, ordinals
 from tensortier.tiers.codecs import get_codec
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def make_decide(profile: Profile, plan: Plan) -> Callable:
         k = seen.get(unit, 0)
         seen[unit] = k + 1
         action = plan.action(unit)
-        if action.mode not in (Mode.HOST, Mode.DISK):
+        if action.mode not in SWAPS:
             return Action("keep")
         if action.part is not None and k not in action.part:
             return Action("keep")
@@ -264,7 +264,9 @@ def agreed_shapes(shapes: list) -> list:
 def profiled_tier(to: str, device: torch.device) -> str:
     """The tier the warm-up and profiling iterations offload to: the one the user asked for;
     for ``"auto"``, host on CUDA (the fast tier a plan fills first) and disk on a CPU-only
-    machine (where host RAM *is* the device memory, so only disk keeps profiling in budget)."""
+    machine (where host RAM *is* the device memory, so only disk keeps profiling in budget).
+    ``"remote"`` profiles as ``"auto"`` does: the remote channels are measured by the probe and
+    the simulator, calibrated on local passes, models them."""
     if to in ("host", "disk"):
         return to
     return "host" if device.type == "cuda" else "disk"
@@ -274,7 +276,7 @@ def profiled_tier(to: str, device: torch.device) -> str:
 class PlanConfig:
     budget: int
     policy: str = "auto"
-    to: str = "auto"  # the tiers the plan may use: "host", "disk" or "auto" (both)
+    to: str = "auto"  # the tiers the plan may use: "host", "disk", "remote" or "auto" (all)
     spill_dir: str | None = None
     warmup: int = 1
     timing_iters: int = 2  # timing passes after the probe, each under the budget
@@ -286,6 +288,8 @@ class PlanConfig:
     report: str | None = None  # write an HTML report of the chosen plan here
     plan_cache: str | None = None  # directory of cached profiles and plans (JSON)
     check_steps: int = 3  # planned iterations measured against the budget (re-plan if over)
+    # a RemoteStore the plan may use (the caller's, left open); not in repr: its repr has stats
+    remote: object = field(default=None, repr=False, compare=False)
 
 
 # ------------------------------------------------------------------ plan cache
@@ -323,6 +327,7 @@ def cache_key(config: PlanConfig, device: torch.device, signature: str, shapes: 
         "budget": config.budget,
         "policy": config.policy,
         "to": config.to,
+        "remote": config.remote is not None,  # a plan made with a pool needs one, and vice versa
         "device": str(device.type),
         "world": _dist.world(),  # per-rank inputs and FSDP shards depend on it
         "torch": torch.__version__,
@@ -581,6 +586,7 @@ class PlannedOffload:
                 max_inflight=cfg.max_inflight,
                 host_budget=self._pool_budget(),
                 disk_io_threads=self._io_threads(),
+                remote=cfg.remote,
             )
         if self.iteration < cfg.warmup or self.cached:
             self._active = self._warm
@@ -597,6 +603,7 @@ class PlannedOffload:
                 prefetch=cfg.prefetch,
                 host_budget=cfg.host_budget,
                 probe_bytes=max(1 << 20, min(64 << 20, cfg.budget // 12)),
+                remote=cfg.remote,
             )
             self._active = self._profiler.forward()
         self._active.__enter__()
@@ -961,6 +968,7 @@ class PlannedOffload:
                 max_inflight=cfg.max_inflight,
                 host_budget=self._pool_budget(),
                 disk_io_threads=self._io_threads(),
+                remote=cfg.remote,
             )
         self.offloader.decide = decide
 
@@ -1084,6 +1092,7 @@ def planned_offload(
     report: str | None = None,
     plan_cache: str | os.PathLike | None = None,
     min_bytes: SizeLike | None = None,
+    remote=None,
 ) -> PlannedOffload:
     """``tt.offload(budget=...)``: profile, plan and run under a memory budget.
 
@@ -1093,21 +1102,39 @@ def planned_offload(
     first plan; later an over-budget step re-plans and warns.
 
     ``to="host"`` restricts the plan to the host tier; ``"disk"`` or ``"auto"`` let it use host
-    and disk (on a CPU-only machine, host only pays with a codec). ``plan_cache`` is a directory
+    and disk (on a CPU-only machine, host only pays with a codec). ``remote=RemoteStore(...)``
+    (the caller's, left open) adds other machines' RAM: its channels are measured with the other
+    tiers' and a block goes there only where the simulator says that is faster under the budget
+    (where the transfer hides); ``to="remote"`` restricts swaps to it. ``plan_cache`` is a directory
     where profiles and plans are kept as JSON, so a restarted job skips profiling. ``min_bytes``
     is ignored: the planner decides per tensor. Calls with the same settings return the same
     object, so a training loop can write ``with tt.offload(budget=...):`` every step.
     """
     from tensortier.errors import ConfigError
+    from tensortier.tiers.remote import RemoteStore
 
-    if to not in ("host", "disk", "auto"):
-        raise ConfigError(f"to must be 'host', 'disk' or 'auto', got {to!r}")
+    if to not in ("host", "disk", "remote", "auto"):
+        raise ConfigError(f"to must be 'host', 'disk', 'remote' or 'auto', got {to!r}")
+    if to == "remote" and remote is None:
+        raise ConfigError(
+            "tt.offload(budget=..., to='remote') needs the remote memory pool: pass "
+            "remote=RemoteStore(capacity=...) (after ray.init), or use to='auto' without one"
+        )
+    if remote is not None and (not isinstance(remote, RemoteStore) or remote.closed):
+        raise ConfigError(
+            f"remote={remote!r}: pass an open tensortier.tiers.remote.RemoteStore, e.g. "
+            f"remote=RemoteStore(capacity='8GiB') (the planner measures it and leaves it open)"
+        )
     opts = options or Options()
     if to == "host":
         opts = Options(**{**opts.__dict__, "tiers": ("host",)})
     elif not torch.cuda.is_available():
         # CPU: host RAM is the device memory and the host pool only caches read buffers
         opts = Options(**{**opts.__dict__, "tiers": ("disk",)})
+    if to == "remote":
+        opts = Options(**{**opts.__dict__, "tiers": ("remote",)})
+    elif remote is not None and "remote" not in opts.tiers:
+        opts = Options(**{**opts.__dict__, "tiers": (*opts.tiers, "remote")})
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
         policy=policy,
@@ -1123,8 +1150,9 @@ def planned_offload(
         options=opts,
         report=report,
         plan_cache=None if plan_cache is None else os.fspath(plan_cache),
+        remote=remote,
     )
-    key = repr(config)
+    key = (repr(config), id(remote))
     cached = _CACHE.get(key)
     if cached is None or cached._active is not None or cached._closed:
         cached = PlannedOffload(config)

@@ -4,9 +4,12 @@ The model (SwapAdvisor/AutoTM style, driven by a measured :class:`Profile`):
 
 * one **compute stream** runs the units' forward in order, then their backward in reverse;
   codec encode/decode, the per-move issue cost and recompute run on it too;
-* four **copy channels** (``d2h``, ``h2d``, ``h2disk``, ``disk2h``) each move one payload at a time
-  at their measured bandwidth. On a unified machine (CPU) "device" memory is host RAM, so a swap
-  to disk is one ``h2disk`` hop and host-tier bytes count in the device peak;
+* six **copy channels** (``d2h``, ``h2d``, ``h2disk``, ``disk2h``, ``h2remote``, ``remote2h``)
+  each move one payload at a time at their measured bandwidth. On a unified machine (CPU)
+  "device" memory is host RAM, so a swap to disk is one ``h2disk`` hop and host-tier bytes count
+  in the device peak; the remote tier (other machines' RAM) is modelled as the disk is: a swap is
+  device -> host -> remote (one ``h2remote`` hop on a unified machine), its bytes leave the local
+  peak once they are out, and it takes no codec;
 * a saved tensor's device bytes are freed when its outbound copy completes; in backward, reads
   are issued in need order as early as the offloader's prefetch window allows; a unit's backward
   consumes its saved tensors one at a time (reverse pack order, freeing each after use) and
@@ -32,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tensortier.planner.profile import Profile, TensorProfile
+from tensortier.planner.profile import CHANNELS, Profile, TensorProfile
 
 HOST_CODECS = ("zstd", "lz4")
 _TICK = 1e-9  # the shortest op: zero-time units still order their memory events  # run on host bytes: encoding already moves the data to the host
@@ -42,6 +45,7 @@ class Mode(str, Enum):
     KEEP = "keep"
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"  # other machines' RAM through a RemoteStore (no codec)
     RECOMPUTE = "recompute"
     SELECTIVE = "selective"  # torch.utils.checkpoint with a per-operator save/recompute policy
 
@@ -71,6 +75,9 @@ class UnitAction:
         return cls(Mode(mode), compress=codec == "codec", part=part)
 
 
+SWAPS = (Mode.HOST, Mode.DISK, Mode.REMOTE)  # the modes that move saved tensors to a tier
+
+
 @dataclass
 class Plan:
     """Per-unit actions and the codec resolved for each offloaded tensor (by pack index)."""
@@ -85,7 +92,7 @@ class Plan:
     def tier_of(self, t: TensorProfile, ordinal: int | None = None) -> str:
         """Where ``t`` goes; ``ordinal`` (its position in its unit) decides a partial swap."""
         a = self.action(t.unit)
-        if a.mode not in (Mode.HOST, Mode.DISK):
+        if a.mode not in SWAPS:
             return "keep"
         if a.part is not None and (ordinal is None or ordinal not in a.part):
             return "keep"
@@ -148,9 +155,10 @@ def path_of(profile: Profile, tier: str, codec: str | None, *, outbound: bool) -
     on_host = codec in HOST_CODECS  # the codec already left the payload on the host
     if tier == "host":
         return [] if profile.unified or on_host else (["d2h"] if outbound else ["h2d"])
+    out, back = ("h2remote", "remote2h") if tier == "remote" else ("h2disk", "disk2h")
     if profile.unified or on_host:
-        return ["h2disk"] if outbound else ["disk2h"]
-    return ["d2h", "h2disk"] if outbound else ["disk2h", "h2d"]
+        return [out] if outbound else [back]
+    return ["d2h", out] if outbound else [back, "h2d"]
 
 
 def move_seconds(profile: Profile, tier: str, codec: str | None, nbytes: float) -> float:
@@ -174,8 +182,10 @@ def choose_codec(
     """The codec with the lowest encode + move + decode time, if it beats moving raw bytes.
 
     On the unified host tier nothing moves, so a codec is chosen when it saves memory at all
-    (the lowest time among codecs that shrink the tensor by >= 10%).
+    (the lowest time among codecs that shrink the tensor by >= 10%). The remote tier takes none.
     """
+    if tier == "remote":
+        return None
     raw = move_seconds(profile, tier, None, t.nbytes)
     best, best_cost = None, float("inf") if tier == "host" and profile.unified else raw
     for name, ratio in sorted(t.ratios.items()):
@@ -270,14 +280,23 @@ class _Read:
 def simulate(profile: Profile, plan: Plan) -> SimResult:
     """Runs one iteration of ``plan`` on ``profile``'s costs; see the module docstring."""
     bw = profile.bandwidth
+    if not bw.remote and any(a.mode == Mode.REMOTE for a in plan.actions.values()):
+        from tensortier.errors import ConfigError
+
+        raise ConfigError(
+            f"plan {plan.policy!r} sends units to the remote tier, but the profile has no "
+            f"measured remote channels (h2remote={bw.h2remote}, remote2h={bw.remote2h}); "
+            f"profile with tt.offload(budget=..., remote=pool) or drop the remote actions"
+        )
     dev = _Memory()
     host = dev if profile.unified else _Memory()  # where host-side payloads live
     spans: list[Span] = []
-    chan = dict.fromkeys(("d2h", "h2d", "h2disk", "disk2h"), 0.0)
+    chan = dict.fromkeys(CHANNELS, 0.0)
     now, overhead = 0.0, 0.0
     # a hop allocates its destination when it starts and frees its source when it ends
-    src_of = {"d2h": dev, "h2disk": host, "disk2h": None, "h2d": host}
-    dst_of = {"d2h": host, "h2disk": None, "disk2h": host, "h2d": dev}
+    src_of = {"d2h": dev, "h2disk": host, "disk2h": None, "h2d": host, "h2remote": host}
+    dst_of = {"d2h": host, "h2disk": None, "disk2h": host, "h2d": dev, "h2remote": None}
+    src_of["remote2h"], dst_of["remote2h"] = None, host  # remote bytes are off this machine
 
     def hop(channel: str, ready: float, nbytes: float, label: str, count: bool = True) -> float:
         start = max(ready, chan[channel])
@@ -460,7 +479,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
                     exposed += r.arrive - now
                     now = r.arrive
                 r.consume = now
-                if pooled and r.tier == "disk":
+                if pooled and r.tier in ("disk", "remote"):
                     dev.add(now, r.payload)
                 cost = r.payload * profile.move_s_per_byte
                 now += cost
