@@ -13,10 +13,8 @@ and sum/min trees that is about 110 bytes per slot of capacity (~105 MiB for 1M 
 index does not fit in the memory available.
 
 Tiering. Item bytes in RAM stay under ``ram_budget``: an item added as encoded parts (see
-``itemcodec.encode_parts``) is joined once into a ``bytes`` object (or, with ``USE_ARENA``, copied
-once into a slice of the :class:`~tensortier.rl._arena.Arena`, counted as its size rounded up to
-64 bytes); an item added as ``bytes`` is kept as that object (counted as its length + 33 bytes of
-object header); an add that would exceed it first moves the oldest RAM items to the active segment
+``itemcodec.encode_parts``) is joined once into a ``bytes`` object; an item added as ``bytes`` is
+kept as that object; each counts as its length + 33 bytes of object header. An add that would exceed it first moves the oldest RAM items to the active segment
 in one batched write (non-durable) or just drops their RAM copies (durable buffers write every
 item through to disk when it is added, so an acknowledged add survives a crash).
 
@@ -45,21 +43,15 @@ from tensortier.errors import (
     SpillDirError,
     TierFullError,
 )
-from tensortier.rl._arena import Arena
 from tensortier.rl._remote_spill import RemoteSpill
-from tensortier.tiers import itemcodec as _codec
 from tensortier.tiers.segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
-# RAM copies in arena slices (True) or as bytes objects joined from the parts (False). Off: on the
-# 2-core test machine the arena cost ~10% more CPU per add and ~15% per extend than glibc's
-# malloc, which reuses freed heap as well (notes/issue-15-store.md); both paths are tested.
-USE_ARENA = False
 _META = "store.json"
 _FORMAT_VERSION = 2  # 2: records checksum their header too (see tiers/segments.py); 1 is still read
-# index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, arena
-# address 8, free stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
-SLOT_BYTES = 88
+# index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, free
+# stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
+SLOT_BYTES = 80
 _NONE = np.empty(0, np.int64)
 _NONE.flags.writeable = False
 
@@ -75,9 +67,8 @@ def _flat(blob: Any) -> Any:
 
 
 def _est(n: int) -> int:
-    """Budget an item of ``n`` bytes may take in RAM, whichever way it is kept (arena slice
-    rounded to 64 bytes, or a bytes object with its header)."""
-    return (n + _OBJ + 63) & -64
+    """Budget an item of ``n`` bytes takes in RAM: a bytes object with its header."""
+    return n + _OBJ
 
 
 def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
@@ -288,10 +279,7 @@ class ItemStore:
         self.seg = np.full(capacity, -1, np.int32)
         self.off = np.zeros(capacity, np.int64)
         self.len = np.zeros(capacity, np.int32)
-        # RAM copy per slot: a bytes object, or a view of an arena slice (address in `addr`)
-        self.ram: list[Any] = [None] * capacity
-        self.addr = np.full(capacity, -1, np.int64)
-        self.arena = Arena.for_budget(ram_budget if USE_ARENA else 0)
+        self.ram: list[Any] = [None] * capacity  # RAM copy per slot: a bytes object
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
         self.nfree = capacity
         self.seq = 0
@@ -539,22 +527,7 @@ class ItemStore:
             self.stats.disk_reads += len(missing)
             for i, d in zip(missing, datas):
                 out[i] = d
-        # arena slices are copied out: the caller uses them after the lock is released, when
-        # their slots may hold other items (bytes(b) of a bytes object is that object)
-        return list(map(bytes, out))
-
-    def rows(self, slots: np.ndarray) -> list[bytes] | np.ndarray:
-        """:meth:`blobs` for a decode by this thread after the lock is released. With arena
-        slices (which must not leave the lock), items all in RAM and of one length come back
-        gathered into this thread's reused matrix (one copy, the one ``decode_batch`` would make
-        anyway; see ``itemcodec.gather``); otherwise as :meth:`blobs` (references to bytes)."""
-        if not self.arena.chunks:  # bytes objects only: hand out references, gather later
-            return self.blobs(slots)
-        idx = slots.tolist()
-        out = list(operator.itemgetter(*idx)(self.ram)) if len(idx) > 1 else [self.ram[idx[0]]]
-        if None not in out and len(set(map(len, out))) == 1:
-            return _codec.gather(out, len(out[0]))
-        return self.blobs(slots)
+        return out
 
     def order(self) -> np.ndarray:
         """Live keys, oldest first."""
@@ -675,7 +648,7 @@ class ItemStore:
             locs = self._disk().append([(int(k), 0, b) for k, b in zip(keys.tolist(), blobs)])
             for s, (seg, off, ln) in zip(slots.tolist(), locs):
                 self.seg[s], self.off[s], self.len[s] = seg, off, ln
-        self._to_ram(slots, keys, [[b] for b in blobs])  # one copy into the arena
+        self._to_ram(slots, keys, blobs)
         self.fifo.push(keys)
         self.stats.items += len(keys)
         self._rebuild_free()
@@ -687,35 +660,18 @@ class ItemStore:
         self._note_issued(self.order())
 
     def _place(self, s: int, blob: Any, n: int) -> int:
-        """Keep ``blob`` (``n`` bytes) as slot ``s``'s RAM copy; returns the budget it takes.
-        Parts go into an arena slice (one copy); bytes, or parts the arena cannot hold, stay
-        a bytes object."""
-        if type(blob) is list:
-            addr, view = self.arena.put(blob, n)
-            if addr >= 0:
-                self.ram[s] = view
-                self.addr[s] = addr
-                return Arena.cost(n)
-            blob = b"".join(blob)
-        self.ram[s] = blob
+        """Keep ``blob`` (``n`` bytes) as slot ``s``'s RAM copy (parts are joined once); returns
+        the budget it takes."""
+        self.ram[s] = _flat(blob)
         return n + _OBJ
 
-    def _cost(self, s: int, blob: Any) -> int:
-        return Arena.cost(len(blob)) if self.addr[s] >= 0 else len(blob) + _OBJ
-
     def _drop_ram(self, s: int) -> None:
-        """Forget slot ``s``'s RAM copy (if any): its arena slice is free for the next item."""
+        """Forget slot ``s``'s RAM copy (if any)."""
         blob = self.ram[s]
         if blob is None:
             return
         self.ram[s] = None
-        addr = int(self.addr[s])
-        if addr >= 0:
-            self.addr[s] = -1
-            self.arena.release(addr, len(blob))
-            self.stats.ram_bytes -= Arena.cost(len(blob))
-        else:
-            self.stats.ram_bytes -= len(blob) + _OBJ
+        self.stats.ram_bytes -= len(blob) + _OBJ
         self.stats.ram_items -= 1
 
     def _to_ram(self, slots: np.ndarray, keys: np.ndarray, blobs: list) -> None:
@@ -729,34 +685,14 @@ class ItemStore:
         spill = []
         ram_keys = []
         # (the loop of _place, inlined with locals: it runs once per item of every extend)
-        ram, addrs, arena = self.ram, self.addr, self.arena
-        free, chunks, csize = arena.free, arena.chunks, arena.chunk_size
+        ram, join = self.ram, b"".join
         used, budget, placed = st.ram_bytes, self.budget, 0
         for s, k, b, n in zip(slots.tolist(), keys.tolist(), blobs, sizes):
-            if used + ((n + _OBJ + 63) & -64) > budget:
+            if used + n + _OBJ > budget:
                 if self.seg[s] < 0:  # larger than what is left of the budget: straight out
                     spill.append((s, k, _flat(b)))
                 continue
-            if type(b) is list:
-                r = (n + 63) & -64
-                fl = free.get(r)
-                addr = fl.pop() if fl else arena.alloc(n)
-                if addr >= 0:
-                    c, o = divmod(addr, csize)
-                    mv = chunks[c]
-                    start = o
-                    for part in b:
-                        e = o + len(part)
-                        mv[o:e] = part
-                        o = e
-                    ram[s] = mv[start:o]
-                    addrs[s] = addr
-                    used += r
-                    placed += 1
-                    ram_keys.append(k)
-                    continue
-                b = b"".join(b)
-            ram[s] = b
+            ram[s] = join(b) if type(b) is list else b
             used += n + _OBJ
             placed += 1
             ram_keys.append(k)
@@ -834,7 +770,7 @@ class ItemStore:
                 out_k.append(key)
                 out_b.append(blob)
             drop.append(s)
-            freed += self._cost(s, blob)
+            freed += len(blob) + _OBJ
         if out_s:
             self._write(out_s, out_k, out_b)
             # (items already on disk just lose their RAM copy)
@@ -847,7 +783,7 @@ class ItemStore:
         key = int(self.keys[slot])
         old = self.ram[slot]
         if old is not None:
-            fits = self.stats.ram_bytes - self._cost(slot, old) + len(blob) + _OBJ <= self.budget
+            fits = self.stats.ram_bytes - len(old) + len(blob) <= self.budget
             self._drop_ram(slot)
             if fits:
                 self.ram[slot] = blob
@@ -953,5 +889,3 @@ class ItemStore:
     def close(self) -> None:
         self._finalizer()
         self.ram = [None] * self.cap
-        self.addr[:] = -1
-        self.arena.clear()

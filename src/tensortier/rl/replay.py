@@ -575,8 +575,8 @@ class ReplayBuffer:
             return self._sample_filtered(n, wait, seq_len, max_staleness, bool(pad), float(eta))
         if self.config.prefetch:
             return self._sample_prefetched(n, wait)
-        rows, keys, weights = self._draw(n, wait, rows=True)
-        items, collated = _codec.decode_batch(rows)  # outside the lock: adds continue meanwhile
+        blobs, keys, weights = self._draw(n, wait)
+        items, collated = _codec.decode_batch(blobs)  # outside the lock: adds continue meanwhile
         return Batch(items, keys, weights, collated)
 
     def _sample_timeout(self, timeout: Any) -> float | None:
@@ -598,9 +598,7 @@ class ReplayBuffer:
             f"sample(..., timeout=seconds) to wait for collectors"
         )
 
-    def _draw(
-        self, n: int, timeout: float | None, rows: bool = False
-    ) -> tuple[Any, np.ndarray, np.ndarray]:
+    def _draw(self, n: int, timeout: float | None) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         deadline = None if timeout is None else time.monotonic() + timeout
         lim = self._limiter
         with self._cond:
@@ -608,11 +606,11 @@ class ReplayBuffer:
                 self._check()
                 lim.check_sample(n)
                 lim.wait(self._cond, "sample", n, self._store.__len__, timeout, self._check)
-                return self._sample_locked(n, rows)
+                return self._sample_locked(n)
             while True:
                 self._check()
                 if len(self._store):
-                    return self._sample_locked(n, rows)
+                    return self._sample_locked(n)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise self._empty(timeout)
@@ -620,9 +618,9 @@ class ReplayBuffer:
                 # until one of those happens, which is what the caller asked for)
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
 
-    def _sample_locked(self, n: int, rows: bool = False) -> tuple[Any, np.ndarray, np.ndarray]:
-        """(blobs, keys, weights) of a draw; ``rows=True``: blobs as ``ItemStore.rows`` gives
-        them, for a decode by this thread after the lock is released."""
+    def _sample_locked(self, n: int) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """(blobs, keys, weights) of a draw (references to the stored bytes, decoded by the
+        caller after the lock is released)."""
         self._check()
         if len(self._store) == 0:
             raise self._empty(None)
@@ -633,7 +631,7 @@ class ReplayBuffer:
             slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
             keys = self._store.keys[slots].copy()
             try:
-                blobs = self._store.rows(slots) if rows else self._store.blobs(slots)
+                blobs = self._store.blobs(slots)
                 break
             except NodeLostError:
                 # the items that node held were dropped (each loss drops at least one, so this
@@ -798,7 +796,7 @@ class ReplayBuffer:
                 self._cond.wait(0.1)  # an add wakes it; the tick lets it see `stop`
                 return None
             p.pending += 1  # from here on something is queued: a batch or the error
-            blobs, keys, weights = self._sample_locked(p.n, rows=True)
+            blobs, keys, weights = self._sample_locked(p.n)
         items, collated = _codec.decode_batch(blobs)
         return Batch(items, keys, weights, collated)
 
@@ -919,7 +917,6 @@ class ReplayBuffer:
             meta = self._state_meta()
             slots = arrays["keys"] % self.capacity
             ram = [far.get(s, store.ram[s]) for s in slots.tolist()]
-            store.arena.pin()  # arena slices in `ram` are not reused until the copy ends
             locs = np.stack([store.seg[slots], store.off[slots], store.len[slots]], axis=1)
             root = store.segments.root if store.segments is not None else None
             store.compaction_paused += 1
@@ -962,7 +959,6 @@ class ReplayBuffer:
             raise
         finally:
             with self._lock:
-                store.arena.unpin()
                 store.compaction_paused -= 1
                 if store.segments is not None:
                     store.segments.pinned -= 1
