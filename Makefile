@@ -6,8 +6,16 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
+# peers of scripts/gpu_check.sh, installed without their dependencies: torchao's CPU offload
+# optimizer and torchtune's OffloadActivations need neither's recipe stack (the dry run in
+# `make test` imports them; `make gpu-wheels` carries them to a GPU machine)
+GPU_PEERS := torchao==0.17.0 torchtune==0.6.1
+# what the GPU machine's image lacks of tensortier's own dependencies
+GPU_DEPS := zstandard==0.25.0 lz4==4.4.5 crc32c==2.9.post0
+WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+	manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean gpu-wheels gpu-dry-run
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +26,9 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e .
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.torch pyproject.toml
+$(VENV)/.installed-dev: $(VENV)/.torch pyproject.toml Makefile
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(GPU_PEERS)
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -34,6 +43,17 @@ lint: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/tensortier bench tiers --json benchmarks/results/tiers-cpu.json
+
+# the cp312 wheels the GPU machine lacks (no registry there): carry .whl with the working tree
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp $(WHEEL_PLATFORMS) -d .whl $(GPU_DEPS) $(GPU_PEERS)
+	@du -sh .whl
+
+# every phase of the GPU check at a tiny size on this CPU (also run by `make test`)
+gpu-dry-run: $(VENV)/.installed-dev
+	PYTHON=$(PY) scripts/gpu_check.sh --dry-run
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

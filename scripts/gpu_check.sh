@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU check: run first, in one command, whenever a GPU machine is lent (issue "GPU truth").
+#
+#   scripts/gpu_check.sh                      # on the GPU machine: every phase, results in $OUT
+#   scripts/gpu_check.sh --phases pytest,optimizer   # rerun some phases
+#   scripts/gpu_check.sh --dry-run --out DIR  # every phase at a tiny size on the CPU (in make test)
+#
+# On the GPU machine it installs the wheels of `make gpu-wheels` (carried in .whl/) and
+# tensortier itself with --no-index --no-deps into a temporary site dir, then runs each phase of
+# scripts/gpu_check.py under its own time cap (seconds: CAP_<PHASE>=... overrides), writing a log
+# and one JSON per phase named after the device (pytest-h100.json, ...). The caps add up to
+# under 8 minutes, so a failed phase can be rerun within the same lease.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+dry=0
+phases="transfer,pytest,activations,llama,optimizer,checkpoint"
+out="${OUT:-}"
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --phases) phases="$2"; shift ;;
+    --phases=*) phases="${1#*=}" ;;
+    --out) out="$2"; shift ;;
+    --out=*) out="${1#*=}" ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (--dry-run, --phases a,b, --out DIR, -- ARGS)" >&2
+       exit 2 ;;
+  esac
+  shift
+done
+[ -n "$out" ] || out=$(mktemp -d /tmp/tt-gpu-check.XXXXXX)
+mkdir -p "$out"
+PY="${PYTHON:-python3}"
+
+declare -A cap=([transfer]=25 [pytest]=150 [activations]=130 [llama]=50 [optimizer]=70 [checkpoint]=45)
+args=()
+if [ "$dry" = 1 ]; then
+  args+=(--dry-run)
+  cap=([transfer]=120 [pytest]=300 [activations]=300 [llama]=300 [optimizer]=200 [checkpoint]=200)
+else
+  site=$(mktemp -d /tmp/tt-site.XXXXXX)
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+      .whl/*.whl || echo "gpu_check.sh: installing .whl/ failed; peers may be missing"
+  else
+    echo "gpu_check.sh: no .whl/ (run 'make gpu-wheels' here and carry .whl): peers missing"
+  fi
+  if "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+      --target "$site" . ; then
+    export PATH="$site/bin:$PATH"
+  else
+    echo "gpu_check.sh: installing tensortier failed; using src/ on PYTHONPATH"
+    site="$site:$PWD/src"
+  fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # deterministic cuBLAS
+tag=$("$PY" scripts/gpu_check.py tag "${args[@]}") || { echo "cannot import torch" >&2; exit 1; }
+log="$out/gpu_check-$tag.log"
+{
+  echo "== gpu_check $(date -Is) tag=$tag phases=$phases dry=$dry"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv,noheader
+  echo "loadavg $(cat /proc/loadavg) cpus $(nproc)"
+} | tee "$log"
+
+status=0
+IFS=, read -ra list <<<"$phases"
+for phase in "${list[@]}"; do
+  var="CAP_${phase^^}"
+  limit="${!var:-${cap[$phase]:-120}}"
+  start=$SECONDS
+  timeout -k 15 "$limit" "$PY" scripts/gpu_check.py "$phase" --out "$out" --tag "$tag" \
+    "${args[@]}" "${extra[@]}" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  echo "== $phase exit $rc after $((SECONDS - start)) s (cap $limit s)" | tee -a "$log"
+  [ "$rc" = 0 ] || status=1
+done
+"$PY" scripts/gpu_check.py summary --out "$out" --tag "$tag" --phases "$phases" | tee -a "$log"
+echo "results in $out"
+exit $status
