@@ -1061,7 +1061,12 @@ def read_checkpoint(directory: str, step: int | None = None) -> tuple[dict, int]
     """(state tree with full tensors, step) of the newest checkpoint in ``directory`` that
     verifies (or of ``step``), saved by any number of ranks; read-only (no lock is taken)."""
     root = os.path.abspath(os.fspath(directory))
-    steps = _complete_steps(root)
+    steps = _complete_steps(root) if os.path.isdir(root) else []
+    if not steps:
+        raise ConfigError(
+            f"{root!r} holds no checkpoint (no complete step-N directory); pass the directory a "
+            f"Checkpointer saved into"
+        )
     if step is not None:
         if step not in steps:
             raise ConfigError(f"no complete checkpoint of step {step} in {root!r}; found {steps}")
