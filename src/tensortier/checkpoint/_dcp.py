@@ -9,8 +9,10 @@ checkpoint with DCP's own planner (``_EmptyStateDictLoadPlanner``: the state dic
 the checkpoint's metadata, DTensor shards assembled into full tensors, exactly as torch's
 ``format_utils.dcp_to_torch_save`` reads it) and writes it as a
 one-process tensortier checkpoint of ``step``, which ``Checkpointer.restore`` then loads on any
-number of ranks. Non-tensor DCP entries are read by DCP (``torch.load`` with
-``weights_only=True``); tensortier's own format is never unpickled.
+number of ranks. A DCP checkpoint may come from anywhere, so nothing in it can run code
+(``_dcp_read.py``): its ``.metadata`` pickle is read by an unpickler that resolves only DCP's
+metadata classes, its non-tensor entries with ``torch.load(weights_only=True)``; tensortier's
+own format is never unpickled.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def export_dcp(directory: str | os.PathLike, dcp_dir: str | os.PathLike, *, step
 
     from tensortier.checkpoint.checkpointer import read_checkpoint
 
-    tree, saved = read_checkpoint(os.fspath(directory), step)
+    tree, saved = read_checkpoint(os.fspath(directory), step)  # ConfigError if there is none
     state = {k: tree[k] for k in PARTS if tree.get(k) is not None}
     dcp.save(state, checkpoint_id=os.fspath(dcp_dir), no_dist=True)
     return saved
@@ -56,25 +58,36 @@ class _NoHandle:
         pass
 
 
+def _integer_ids(optimizer: dict) -> dict:
+    """torch.optim's layout back: DCP's flattened keys turn the state's integer parameter ids
+    into strings ("0"), which ``Optimizer.load_state_dict`` would keep apart from the
+    parameters (their state silently dropped). FQN-keyed layouts are left as they are."""
+    state, groups = optimizer.get("state"), optimizer.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(groups, list):
+        return optimizer
+    ids = {p for g in groups if isinstance(g, dict) for p in g.get("params", ())}
+    if not all(isinstance(p, int) for p in ids):
+        return optimizer
+    if not all(isinstance(k, str) and k.isdecimal() and int(k) in ids for k in state):
+        return optimizer
+    return {**optimizer, "state": {int(k): v for k, v in state.items()}}
+
+
 def import_dcp(
     dcp_dir: str | os.PathLike, directory: str | os.PathLike, *, step: int, **settings
 ) -> str:
     """Write the DCP checkpoint in ``dcp_dir`` as tensortier checkpoint ``step`` in
     ``directory``; returns its path. Its ``model``/``optimizer``/``scheduler``/``extra`` keys
-    become those parts (other top-level keys go to ``extra``); no RNG state is stored."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    become those parts (other top-level keys go to ``extra``); no RNG state is stored.
 
+    Safe on a checkpoint from an untrusted source: its metadata is unpickled through an
+    allow-list of DCP's own classes and its non-tensor entries weights-only, so a crafted file
+    is refused (:class:`CorruptDataError`) instead of running code; so is a damaged one.
+    """
+    from tensortier.checkpoint._dcp_read import read_dcp
     from tensortier.checkpoint.checkpointer import Checkpointer
 
-    state: dict = {}  # filled from the metadata, as torch's own dcp_to_torch_save does
-    _load_state_dict(
-        state,
-        storage_reader=FileSystemReader(os.fspath(dcp_dir)),
-        planner=_EmptyStateDictLoadPlanner(),
-        no_dist=True,
-    )
+    state = read_dcp(os.fspath(dcp_dir))
     if not state:
         raise ConfigError(f"{os.fspath(dcp_dir)!r} holds no DCP state; pass a DCP checkpoint")
     parts = {k: state.pop(k, None) for k in PARTS}
@@ -83,6 +96,8 @@ def import_dcp(
     for k in ("model", "optimizer", "scheduler"):
         if parts[k] is not None and not isinstance(parts[k], dict):
             raise ConfigError(f"the DCP checkpoint's {k!r} entry is not a state dict")
+    if parts["optimizer"] is not None:
+        parts["optimizer"] = _integer_ids(parts["optimizer"])
     wrap = {k: (_Saved(v) if v is not None else None) for k, v in parts.items() if k != "extra"}
     with Checkpointer(directory, **settings) as ck:
         ck._start(

@@ -11,8 +11,8 @@ a DTensor's shards are several) and assembles exactly the region the restoring r
 full tensor for plain targets, the local shard for DTensor targets (FSDP2 parameters, a sharded
 OffloadedAdamW's state). That is how a checkpoint of N ranks restores on M ranks.
 
-Collectives run on two gloo groups made by the Checkpointer: ``main`` (the caller's thread: save
-decisions, write plans, restore agreement) and ``bg`` (the persist thread: the commit). Each is
+Collectives run on two gloo groups made by the Checkpointer: ``main`` (the caller's thread: the
+agreement on step and parts, save decisions, write plans, restore agreement) and ``bg`` (the persist thread: the commit). Each is
 used by one thread at a time on every rank, in the same order, so they never interleave.
 Nothing here is unpickled: object collectives carry only JSON-like values this module built.
 """
@@ -32,7 +32,7 @@ from tensortier import _dist
 from tensortier.checkpoint import _faults
 from tensortier.checkpoint._format import MANIFEST, read_tensors
 from tensortier.checkpoint._persist import commit, fsync_dir, retire
-from tensortier.errors import CorruptDataError
+from tensortier.errors import ConfigError, CorruptDataError
 
 log = logging.getLogger("tensortier.checkpoint")
 
@@ -106,6 +106,64 @@ def plan_writes(held: list[tuple[str, bool, int]], ranks: Ranks) -> tuple[set[st
         name for name, shard, _ in held if shard or replicated.get(name, ranks.rank) == ranks.rank
     }
     return mine, replicated
+
+
+def agree_save(ranks: Ranks, step: int, parts: list[str], timeout_s: float) -> None:
+    """Before anything is written (``main`` group): every rank is saving ``step`` with the same
+    ``parts``, so rank 0 can never commit a manifest naming shards another rank wrote for another
+    step or without a part, and retention never retires the last good checkpoint for it.
+
+    A rank that does not arrive within ``timeout_s`` is named (gloo's monitored barrier); ranks
+    that disagree raise :class:`ConfigError` on every rank, naming each rank's step and parts.
+    """
+    _arrive(ranks, step, timeout_s)
+    everyone = _dist.gather_objects((step, list(parts)), ranks.main)
+    if all(e == everyone[0] for e in everyone):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for r, (s, p) in enumerate(everyone):
+        groups.setdefault((s, tuple(p)), []).append(r)
+    said = "; ".join(
+        f"{_who(rs)}: step {s} with {'+'.join(p) or 'no model/optimizer/scheduler'}"
+        for (s, p), rs in groups.items()
+    )
+    raise ConfigError(
+        f"checkpoint not saved: the ranks called save() differently ({said}). Every rank must "
+        f"save the same step with the same model/optimizer/scheduler arguments; nothing was "
+        f"written and the previous checkpoint is still the newest"
+    )
+
+
+def _arrive(ranks: Ranks, step: int, timeout_s: float) -> None:
+    """Wait until every rank called save for ``step``; name the ranks that did not."""
+    try:
+        torch.distributed.monitored_barrier(
+            ranks.main, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
+        )
+    except RuntimeError as exc:  # gloo's text; rank 0 learns who is missing
+        late = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(exc))
+        if ranks.rank == 0 and late:
+            missing = [int(r) for r in late.group(1).replace(" ", "").split(",") if r]
+            head = f"{_who(missing)} did not call save()/maybe_save() for step {step}"
+        elif ranks.rank == 0:
+            head = f"not every rank called save()/maybe_save() for step {step}"
+        else:
+            head = (
+                f"rank {ranks.rank} is saving step {step}, but rank 0 did not confirm that every "
+                f"rank is (rank 0 did not call save()/maybe_save() for step {step}, or rank 0's "
+                f"error names the rank that did not)"
+            )
+        raise ConfigError(
+            f"{head} within commit_timeout={timeout_s:g}s. Every rank must call save() with the "
+            f"same step (maybe_save(): the same step, so that the same steps are due). Nothing "
+            f"was written; this Checkpointer's process group is unusable now: restart the job "
+            f"from the last checkpoint (gloo: {exc})"
+        ) from exc
+
+
+def _who(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
 def commit_ranks(

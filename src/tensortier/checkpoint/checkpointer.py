@@ -225,10 +225,12 @@ class Checkpointer:
 
     Many ranks (``torch.distributed`` initialised, ``process_group`` of more than one rank):
     create one on every rank with the same directory (a filesystem every rank sees) and call
-    every method on every rank. Each rank writes its own shards (DTensor and sharded-optimizer
-    tensors as local shards; a tensor several ranks hold, written once by one of them), and rank
-    0 commits one global manifest after every rank's files are durable. ``restore`` works on any
-    world size (PROTOCOL.md, "Many ranks").
+    every method on every rank, ``save`` with the same step and the same model/optimizer/
+    scheduler arguments (otherwise :class:`ConfigError` on every rank, nothing written). Each
+    rank writes its own shards (DTensor and sharded-optimizer tensors as local shards; a tensor
+    several ranks hold, written once by one of them), and rank 0 commits one global manifest
+    after every rank's files are durable. ``restore`` works on any world size (PROTOCOL.md,
+    "Many ranks").
 
     ``replicas=1`` or ``2`` (one process, ``ray.init`` first): after each commit the checkpoint is
     also held in the RAM of that many other Ray nodes, by detached actors that outlive this
@@ -575,7 +577,7 @@ class Checkpointer:
                     stacklevel=3,
                 )
                 continue
-            check_fits(tree, path, model, optimizer, scheduler)  # before anything is loaded
+            _fits_everywhere(tree, path, model, optimizer, scheduler, ranks)
             self._apply(tree, model, optimizer, scheduler, rng)
             self._last_saved = s
             log.info("rank %d restored %s", ranks.rank, path)
@@ -655,6 +657,10 @@ class Checkpointer:
             self.stats.waited_for_persist += 1
             log.info("checkpoint of step %d waits for the previous persist", step)
         self.wait()
+        if self._ranks is not None:  # the same step and parts everywhere, or nothing is written
+            given = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+            parts = [k for k, v in given.items() if v is not None]
+            _ranks.agree_save(self._ranks, step, parts, self.config.commit_timeout)
         abandoned = self._abandoned_agreed(step)
         params = (
             {_ranks.dtensor_local(p)[0].data_ptr() for p in model.parameters()}
@@ -985,6 +991,24 @@ class Checkpointer:
             set_rng_state(tree["rng"])
 
 
+def _fits_everywhere(tree, path, model, optimizer, scheduler, ranks: _ranks.Ranks) -> None:
+    """``check_fits`` on every rank, agreed before any rank loads anything: a checkpoint that
+    does not fit one rank's objects is refused on every rank, never loaded on some only."""
+    try:
+        check_fits(tree, path, model, optimizer, scheduler)
+        misfit = None
+    except ConfigError as exc:
+        misfit = exc
+    told = _dist.gather_objects(None if misfit is None else str(misfit), ranks.main)
+    if misfit is not None:
+        raise misfit
+    bad = next(((r, e) for r, e in enumerate(told) if e is not None), None)
+    if bad is not None:
+        raise ConfigError(
+            f"rank {bad[0]} cannot restore this checkpoint, so no rank loaded it: {bad[1]}"
+        )
+
+
 def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
     """The state this rank restores from a manifest of any world size (``_ranks.Index``).
 
@@ -1037,7 +1061,12 @@ def read_checkpoint(directory: str, step: int | None = None) -> tuple[dict, int]
     """(state tree with full tensors, step) of the newest checkpoint in ``directory`` that
     verifies (or of ``step``), saved by any number of ranks; read-only (no lock is taken)."""
     root = os.path.abspath(os.fspath(directory))
-    steps = _complete_steps(root)
+    steps = _complete_steps(root) if os.path.isdir(root) else []
+    if not steps:
+        raise ConfigError(
+            f"{root!r} holds no checkpoint (no complete step-N directory); pass the directory a "
+            f"Checkpointer saved into"
+        )
     if step is not None:
         if step not in steps:
             raise ConfigError(f"no complete checkpoint of step {step} in {root!r}; found {steps}")
