@@ -119,7 +119,7 @@ def test_state_dict_mismatches_are_refused(cat):
     for kwargs, key in (
         ({"seed": 2}, "seed"),
         ({"shuffle": "block"}, "shuffle"),
-        ({"world_size": 2}, "world_size"),
+        ({"world_size": 2, "rank": 0}, "world_size"),
         ({"batch": 50}, "batch"),
     ):
         base = {"batch": 100, "seed": 1, **kwargs}
@@ -148,7 +148,7 @@ def test_bad_loader_arguments_are_config_errors_naming_them(cat):
             cat.epochs(**kwargs)
     tiny = Catalog.build(cat.path + "-tiny", [b"a", b"b"])
     with pytest.raises(ConfigError, match="even='pad'"):
-        tiny.epochs(batch=1, world_size=3, even="drop")
+        tiny.epochs(batch=1, rank=0, world_size=3, even="drop")
 
 
 # --------------------------------------------------------------------------- DataLoader workers
@@ -220,3 +220,38 @@ def test_a_loader_dropped_mid_epoch_is_collected_and_its_threads_end(cat):
     gc.collect()
     assert quiesce()
     assert ref() is None and not readers() - before
+
+
+# --------------------------------------------------------------------------- ranks and lifetimes
+def _reads_per_setting(rank: int, world: int, path: str) -> dict:
+    cat = Catalog.open(path)
+
+    def read(**kw) -> list[int]:
+        return [i for b in cat.epochs(batch=10, seed=4, **kw) for i in b.indices.tolist()]
+
+    return {
+        "explicit": read(rank=rank, world_size=world),
+        "world_only": read(world_size=world),  # every rank was rank 0 before
+        "rank_only": read(rank=rank),
+        "neither": read(),
+    }
+
+
+def test_rank_and_world_size_come_from_torch_distributed_each_when_omitted(tmp_path):
+    from tests.distributed import run
+
+    path = tmp_path / "c"
+    Catalog.build(path, [b"%d" % i for i in range(100)]).close()
+    results = run(_reads_per_setting, 2, str(path))
+    for r in results:
+        assert r["world_only"] == r["rank_only"] == r["neither"] == r["explicit"]
+    a, b = set(results[0]["explicit"]), set(results[1]["explicit"])
+    assert not a & b and a | b == set(range(100))
+
+
+def test_a_world_size_without_a_rank_outside_torch_distributed_is_refused(cat):
+    with pytest.raises(ConfigError, match="world_size=2 but no rank.*pass rank="):
+        cat.epochs(batch=8, world_size=2)
+    with pytest.raises(ConfigError, match="world_size=2 but no rank"):
+        EpochDataset(cat, batch=8, world_size=2)
+    assert len(cat.epochs(batch=8, world_size=1)) == -(-N // 8)  # one rank needs no rank

@@ -175,6 +175,8 @@ def stream(
             while upcoming is not None and (
                 not inflight or inflight_bytes + upcoming.nbytes <= prefetch
             ):
+                if catalog._index is None:
+                    raise ClosedError(f"Catalog {catalog.path!r} was closed while reading")
                 try:
                     fut = executor.submit(_read_piece, catalog, upcoming, direct, transform)
                 except RuntimeError as exc:  # the executor was shut down (loader closed)
