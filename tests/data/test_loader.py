@@ -255,3 +255,40 @@ def test_a_world_size_without_a_rank_outside_torch_distributed_is_refused(cat):
     with pytest.raises(ConfigError, match="world_size=2 but no rank"):
         EpochDataset(cat, batch=8, world_size=2)
     assert len(cat.epochs(batch=8, world_size=1)) == -(-N // 8)  # one rank needs no rank
+
+
+def test_a_temporary_epoch_dataset_can_be_iterated(cat):
+    n = sum(len(b) for b in EpochDataset(cat.path, batch=100, io_threads=2))
+    assert n == N
+    got = [b.indices for b in EpochDataset(cat, batch=500, shuffle="none")]
+    assert np.array_equal(np.concatenate(got), np.arange(N))
+
+
+ABANDON = """
+import sys, tensortier as tt
+cat = tt.data.Catalog.open(sys.argv[1])
+it = iter(cat.epochs(batch=10, num_workers=2, multiprocessing_context="fork"))
+next(it)
+del it  # abandoned mid-epoch, workers running
+for ctx in ("fork", "spawn"):
+    n = sum(len(b) for b in cat.epochs(batch=10, num_workers=2, multiprocessing_context=ctx))
+    assert n == len(cat), n
+print("done", flush=True)
+"""
+
+
+def test_abandoning_a_worker_loader_shuts_down_cleanly_without_tracebacks(cat):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", ABANDON, cat.path],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "AssertionError" not in out.stderr, out.stderr[-3000:]

@@ -31,7 +31,7 @@ import numpy as np
 from tensortier import _modes
 from tensortier._lifetime import DirLock
 from tensortier._units import SizeLike, parse_size
-from tensortier.data import _format
+from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
 from tensortier.tiers import itemcodec
@@ -188,6 +188,19 @@ def _remove_build_files(root: str, keep_lock: bool = False) -> None:
                 os.unlink(os.path.join(root, name))
 
 
+def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
+    """The blob of a record the codec refused as is: lists of numbers become arrays, or a
+    TypeError naming the record and what a record may be."""
+    try:
+        return itemcodec.encode(_sources.coerce(rec), align=ALIGN)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"Catalog.build: record {count} cannot be stored: {exc}. A record is bytes, str, a "
+            f"numpy array, a torch tensor, a Python number, a list of numbers (stored as an "
+            f"array), or a dict of those keyed by str (never pickled)"
+        ) from first
+
+
 def _write_batch(segs: Segments, first: int, blobs: list[bytes], crcs: list[int]) -> np.ndarray:
     """One writer's job: append ``blobs`` (records ``first...``); their index rows."""
     locs = segs.append([(first + i, 0, b, c) for i, (b, c) in enumerate(zip(blobs, crcs))])
@@ -215,12 +228,12 @@ def build(
     root, seg_size, writers, batch_bytes = _check_args(
         path, segment_size, writers, batch_bytes, mode
     )
+    records, total = _sources.source(records)
     if isinstance(records, (bytes, str, dict)) or not isinstance(records, Iterable):
         raise TypeError(
-            f"Catalog.build: records must be an iterable of records, got "
-            f"{type(records).__name__} (wrap a single record in a list)"
+            f"Catalog.build: records must be an iterable of records, a datasets.Dataset or a "
+            f"pyarrow Table, got {type(records).__name__} (wrap a single record in a list)"
         )
-    total = len(records) if hasattr(records, "__len__") else None
     t0 = time.monotonic()
     lock, made = _prepare(root)
     point = _Faults()
@@ -269,11 +282,7 @@ def build(
                 try:
                     blob = itemcodec.encode(rec, align=ALIGN)
                 except (TypeError, ValueError) as exc:
-                    raise TypeError(
-                        f"Catalog.build: record {count} cannot be stored: {exc}. A record is "
-                        f"bytes, str, a numpy array, a torch tensor, a Python number, or a dict "
-                        f"of those keyed by str (never pickled)"
-                    ) from exc
+                    blob = _encode_coerced(rec, count, exc)
                 batch.append(blob)
                 # the checksum is computed here: a writer thread taking the GIL back after each
                 # checksum call would wait for this loop's switch interval (5 ms) every time

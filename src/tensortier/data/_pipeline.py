@@ -144,8 +144,13 @@ def stream(
     collate: Callable | None,
     stats: LoaderStats,
     abandoned: deque,
+    owner: object = None,
 ) -> Iterator[Batch]:
-    """Batches of the records at ``ranges`` of ``order``, read ahead (see the module docstring)."""
+    """Batches of the records at ``ranges`` of ``order``, read ahead (see the module docstring).
+
+    ``owner`` (the dataset whose ``executor`` this is) is kept alive by the stream's frame: a
+    dataset made only to iterate it must not shut its executor down under the stream.
+    """
     direct = catalog.direct_io()
     index = catalog._index
     plan = _pieces(index, order, ranges, piece_bytes, prefetch)

@@ -149,7 +149,10 @@ class Catalog:
     ) -> Catalog:
         """Stream ``records`` into a new catalog at ``path`` and open it.
 
-        A record is bytes, str, a numpy array, a torch tensor, a Python number, or a dict of
+        ``records``: an iterable of records, a Hugging Face ``datasets.Dataset`` /
+        ``IterableDataset`` or a ``pyarrow.Table`` / ``RecordBatch`` (one dict per row, read a
+        column at a time from Arrow: ``_sources.py``). A record is bytes, str, a numpy array, a
+        torch tensor, a Python number, a list of numbers (stored as a numpy array), or a dict of
         those keyed by str (``TypeError`` naming the record otherwise; nothing is pickled).
         Records go to ``segment_size`` files written by ``writers`` threads at once, ``batch_bytes``
         per write; only a few batches are in memory at a time.

@@ -228,6 +228,7 @@ class EpochDataset(IterableDataset):
             collate=self.collate,
             stats=self.stats,
             abandoned=self._abandoned,
+            owner=self,  # a temporary dataset lives as long as its stream (its executor too)
         )
 
     def __iter__(self) -> Iterator[Batch]:
