@@ -74,6 +74,18 @@ class CorruptDataError(TensortierError):
         self.path = path
 
 
+class PermissionDeniedError(TensortierError, PermissionError):
+    """A file of a durable artifact (a catalog, a saved buffer) cannot be read by this process.
+
+    ``path`` names the file; the message gives its mode and owner and how to share it. Also a
+    ``PermissionError``, so code that caught the raw error keeps working.
+    """
+
+    def __init__(self, message: str, *, path: str):
+        super().__init__(message)
+        self.path = path
+
+
 class NodeLostError(TensortierError):
     """A remote memory node died or left the cluster, and the data it held is gone.
 

@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import stat
 import threading
 
 import numpy as np
@@ -233,3 +234,98 @@ def test_closed_catalog_raises_closed_error(tmp_path):
     with pytest.raises(tt.ClosedError):
         cat[0]
     assert rec == b"a"
+
+
+# --------------------------------------------------------------------------- whose directory
+def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    path = tmp_path / "c"
+    path.mkdir()
+    os.symlink(victim, path / ".tt-build.lock")
+    with pytest.raises(ConfigError, match=r"'\.tt-build\.lock', which is a symlink"):
+        Catalog.build(path, [b"a"])
+    assert victim.read_text() == "precious\n"
+    assert os.listdir(path) == [".tt-build.lock"]  # a refused directory stays as it was
+    os.symlink(victim, path / "index.bin.other")  # not a build file: "not empty"
+    with pytest.raises(ConfigError, match="not empty"):
+        Catalog.build(path, [b"a"])
+
+
+def test_a_directory_everyone_may_write_is_refused(tmp_path):
+    path = tmp_path / "c"
+    path.mkdir()
+    os.chmod(path, 0o777)  # like /tmp/<name> made by someone with umask 0
+    with pytest.raises(ConfigError, match="writable by every user"):
+        Catalog.build(path, [b"a"])
+    assert os.listdir(path) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_directory_of_another_user_is_refused_even_empty_or_with_build_leftovers(tmp_path):
+    path = tmp_path / "c"
+    path.mkdir()
+    os.chown(path, 65534, 65534)  # another user made it first under a shared parent
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        Catalog.build(path, [b"a"])
+    assert os.listdir(path) == []
+    os.chown(path, 0, 0)
+    (path / "index.bin").write_bytes(b"\0" * 20)  # a "leftover" someone else put there
+    os.chown(path / "index.bin", 65534, 65534)
+    with pytest.raises(ConfigError, match="'index.bin', which is owned by uid 65534"):
+        Catalog.build(path, [b"a"])
+    assert os.listdir(path) == ["index.bin"]
+    link = tmp_path / "link"
+    os.symlink(path, link)
+    os.lchown(link, 65534, 65534)  # a symlink planted by another user, even to our directory
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        Catalog.build(link, [b"a"])
+
+
+def test_a_new_directory_stays_private_until_the_build_commits(tmp_path):
+    path = tmp_path / "c"
+    during = []
+
+    def records():
+        for i in range(100):
+            if i == 50:
+                during.append(stat.S_IMODE(os.stat(path).st_mode))
+            yield b"r%d" % i
+
+    Catalog.build(path, records(), mode=0o644).close()
+    assert during == [0o700] and stat.S_IMODE(os.stat(path).st_mode) == 0o755
+
+
+# --------------------------------------------------------------------------- after close
+def catalog_fds(path) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(path))
+        except OSError:
+            pass
+    return n
+
+
+def test_epochs_after_close_and_a_loader_running_across_close_raise_closed_error(tmp_path):
+    import gc
+
+    from tensortier._lifetime import quiesce
+
+    path = tmp_path / "c"
+    cat = Catalog.build(path, [bytes([i % 256]) * 1000 for i in range(5000)])
+    running = iter(cat.epochs(batch=8, io_threads=1, prefetch="16KiB"))
+    first = next(running)
+    assert len(first) == 8
+    cat.close()
+    with pytest.raises(tt.ClosedError, match="closed"):
+        cat.epochs(batch=8)
+    with pytest.raises(tt.ClosedError, match="closed"):
+        for _ in running:  # read ahead before close at most, then ClosedError
+            pass
+    with pytest.raises(tt.ClosedError):
+        list(tt.data.EpochDataset(cat, batch=8))
+    del running, cat, first
+    gc.collect()
+    quiesce()
+    assert catalog_fds(path) == 0  # no descriptor outlives close

@@ -119,7 +119,7 @@ def test_state_dict_mismatches_are_refused(cat):
     for kwargs, key in (
         ({"seed": 2}, "seed"),
         ({"shuffle": "block"}, "shuffle"),
-        ({"world_size": 2}, "world_size"),
+        ({"world_size": 2, "rank": 0}, "world_size"),
         ({"batch": 50}, "batch"),
     ):
         base = {"batch": 100, "seed": 1, **kwargs}
@@ -148,7 +148,7 @@ def test_bad_loader_arguments_are_config_errors_naming_them(cat):
             cat.epochs(**kwargs)
     tiny = Catalog.build(cat.path + "-tiny", [b"a", b"b"])
     with pytest.raises(ConfigError, match="even='pad'"):
-        tiny.epochs(batch=1, world_size=3, even="drop")
+        tiny.epochs(batch=1, rank=0, world_size=3, even="drop")
 
 
 # --------------------------------------------------------------------------- DataLoader workers
@@ -220,3 +220,75 @@ def test_a_loader_dropped_mid_epoch_is_collected_and_its_threads_end(cat):
     gc.collect()
     assert quiesce()
     assert ref() is None and not readers() - before
+
+
+# --------------------------------------------------------------------------- ranks and lifetimes
+def _reads_per_setting(rank: int, world: int, path: str) -> dict:
+    cat = Catalog.open(path)
+
+    def read(**kw) -> list[int]:
+        return [i for b in cat.epochs(batch=10, seed=4, **kw) for i in b.indices.tolist()]
+
+    return {
+        "explicit": read(rank=rank, world_size=world),
+        "world_only": read(world_size=world),  # every rank was rank 0 before
+        "rank_only": read(rank=rank),
+        "neither": read(),
+    }
+
+
+def test_rank_and_world_size_come_from_torch_distributed_each_when_omitted(tmp_path):
+    from tests.distributed import run
+
+    path = tmp_path / "c"
+    Catalog.build(path, [b"%d" % i for i in range(100)]).close()
+    results = run(_reads_per_setting, 2, str(path))
+    for r in results:
+        assert r["world_only"] == r["rank_only"] == r["neither"] == r["explicit"]
+    a, b = set(results[0]["explicit"]), set(results[1]["explicit"])
+    assert not a & b and a | b == set(range(100))
+
+
+def test_a_world_size_without_a_rank_outside_torch_distributed_is_refused(cat):
+    with pytest.raises(ConfigError, match="world_size=2 but no rank.*pass rank="):
+        cat.epochs(batch=8, world_size=2)
+    with pytest.raises(ConfigError, match="world_size=2 but no rank"):
+        EpochDataset(cat, batch=8, world_size=2)
+    assert len(cat.epochs(batch=8, world_size=1)) == -(-N // 8)  # one rank needs no rank
+
+
+def test_a_temporary_epoch_dataset_can_be_iterated(cat):
+    n = sum(len(b) for b in EpochDataset(cat.path, batch=100, io_threads=2))
+    assert n == N
+    got = [b.indices for b in EpochDataset(cat, batch=500, shuffle="none")]
+    assert np.array_equal(np.concatenate(got), np.arange(N))
+
+
+ABANDON = """
+import sys, tensortier as tt
+cat = tt.data.Catalog.open(sys.argv[1])
+it = iter(cat.epochs(batch=10, num_workers=2, multiprocessing_context="fork"))
+next(it)
+del it  # abandoned mid-epoch, workers running
+for ctx in ("fork", "spawn"):
+    n = sum(len(b) for b in cat.epochs(batch=10, num_workers=2, multiprocessing_context=ctx))
+    assert n == len(cat), n
+print("done", flush=True)
+"""
+
+
+def test_abandoning_a_worker_loader_shuts_down_cleanly_without_tracebacks(cat):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", ABANDON, cat.path],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "AssertionError" not in out.stderr, out.stderr[-3000:]

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import os
 import signal
+import stat
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,9 +28,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import crc32c
 import numpy as np
 
+from tensortier import _modes
 from tensortier._lifetime import DirLock
 from tensortier._units import SizeLike, parse_size
-from tensortier.data import _format
+from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
 from tensortier.tiers import itemcodec
@@ -58,7 +60,7 @@ class _Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _check_args(path, segment_size, writers, batch_bytes) -> tuple[str, int, int, int]:
+def _check_args(path, segment_size, writers, batch_bytes, mode) -> tuple[str, int, int, int]:
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(
             f"Catalog.build: path must be a directory path (str or os.PathLike), got "
@@ -73,33 +75,20 @@ def _check_args(path, segment_size, writers, batch_bytes) -> tuple[str, int, int
             f"writing segment files at once; 2-4 keep one disk busy)"
         )
     batch = parse_size(batch_bytes, name="Catalog.build: batch_bytes", allow_zero=False)
+    _modes.check_mode(mode, "Catalog.build")
     return os.path.abspath(os.fspath(path)), seg, writers, batch
 
 
 def _prepare(root: str) -> tuple[DirLock, bool]:
-    """Take the build lock on ``root`` (made if missing); remove a dead build's leftovers."""
-    made = False
-    if os.path.exists(root):
-        if not os.path.isdir(root):
-            raise ConfigError(f"Catalog.build: path={root!r} is a file; pass a directory")
-        if os.path.exists(os.path.join(root, _format.MANIFEST)):
-            raise ConfigError(
-                f"Catalog.build: a catalog already exists at path={root!r}; catalogs are "
-                f"immutable: build into a new directory, or delete this one first"
-            )
-        _refuse_foreign(root)  # before the lock file is made: a refused directory stays as it was
-    else:
-        try:
-            os.makedirs(root, mode=0o755)
-            made = True
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise SpillDirError(
-                f"Catalog.build: cannot create path={root!r} ({exc.strerror}); pass a writable "
-                f"location",
-                path=root,
-            ) from exc
+    """Take the build lock on ``root``; remove a dead build's leftovers. Returns (lock, made).
+
+    ``root`` is made here exclusively (``mkdir``, never "exists, fine": a directory someone else
+    made under a shared parent such as /tmp is not ours), or it already exists and is ours: owned
+    by this user, not writable by everyone, holding nothing or a dead build's plain files.
+    """
+    made = _make(root)
+    if not made:
+        _check_existing(root)  # before the lock file is made: a refused directory stays as it was
     try:
         lock = DirLock(root, name=_format.LOCK, what="Catalog.build")
     except BaseException:
@@ -110,7 +99,7 @@ def _prepare(root: str) -> tuple[DirLock, bool]:
     try:
         if os.path.exists(os.path.join(root, _format.MANIFEST)):  # finished while we waited
             raise ConfigError(f"Catalog.build: a catalog already exists at path={root!r}")
-        _refuse_foreign(root)
+        _check_entries(root)
         _remove_build_files(root, keep_lock=True)  # a dead build's leftovers
     except BaseException:
         with contextlib.suppress(OSError):
@@ -120,12 +109,75 @@ def _prepare(root: str) -> tuple[DirLock, bool]:
     return lock, made
 
 
-def _refuse_foreign(root: str) -> None:
+def _make(root: str) -> bool:
+    """Make ``root`` (0700 until the build commits); False if it already exists."""
+    try:
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        os.mkdir(root, 0o700)
+        return True
+    except FileExistsError:
+        if os.path.lexists(root):
+            return False
+        raise SpillDirError(
+            f"Catalog.build: cannot create path={root!r}: a parent is a file; pass a path under "
+            f"a directory",
+            path=root,
+        ) from None
+    except OSError as exc:
+        raise SpillDirError(
+            f"Catalog.build: cannot create path={root!r} ({exc.strerror}); pass a writable "
+            f"location",
+            path=root,
+        ) from exc
+
+
+def _check_existing(root: str) -> None:
+    """Refuse an existing ``root`` that is not ours to build in (see :func:`_prepare`)."""
+    if not os.path.isdir(root):
+        raise ConfigError(f"Catalog.build: path={root!r} is a file; pass a directory")
+    if os.path.exists(os.path.join(root, _format.MANIFEST)):
+        raise ConfigError(
+            f"Catalog.build: a catalog already exists at path={root!r}; catalogs are "
+            f"immutable: build into a new directory, or delete this one first"
+        )
+    me = os.geteuid()
+    for st in (os.lstat(root), os.stat(root)):  # the link (if any) and the directory
+        if st.st_uid != me:
+            raise ConfigError(
+                f"Catalog.build: path={root!r} already exists and belongs to uid {st.st_uid}, "
+                f"not to this process (uid {me}); build into a new path (it is made "
+                f"exclusively) or into a directory you own"
+            )
+    if os.stat(root).st_mode & 0o002:
+        raise ConfigError(
+            f"Catalog.build: path={root!r} is writable by every user, who could plant files in "
+            f"the catalog; build into a new path, or remove the write bit for others (chmod o-w)"
+        )
+    _check_entries(root)
+
+
+def _check_entries(root: str) -> None:
+    """Only a dead build's files may be in ``root``, and only as plain files of this user."""
     foreign = [n for n in os.listdir(root) if not _format.BUILD_FILES.match(n)]
     if foreign:
         raise ConfigError(
             f"Catalog.build: path={root!r} is not empty ({len(foreign)} other entries, e.g. "
             f"{sorted(foreign)[0]!r}); build into a new or empty directory"
+        )
+    me = os.geteuid()
+    for name in os.listdir(root):
+        st = os.lstat(os.path.join(root, name))
+        if stat.S_ISLNK(st.st_mode):
+            what = "a symlink"
+        elif not stat.S_ISREG(st.st_mode):
+            what = "not a regular file"
+        elif st.st_uid != me:
+            what = f"owned by uid {st.st_uid}"
+        else:
+            continue
+        raise ConfigError(
+            f"Catalog.build: path={root!r} holds {name!r}, which is {what}: not the leftover "
+            f"of a build of yours; remove it, or build into a new path"
         )
 
 
@@ -134,6 +186,19 @@ def _remove_build_files(root: str, keep_lock: bool = False) -> None:
         if _format.BUILD_FILES.match(name) and not (keep_lock and name == _format.LOCK):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, name))
+
+
+def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
+    """The blob of a record the codec refused as is: lists of numbers become arrays, or a
+    TypeError naming the record and what a record may be."""
+    try:
+        return itemcodec.encode(_sources.coerce(rec), align=ALIGN)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"Catalog.build: record {count} cannot be stored: {exc}. A record is bytes, str, a "
+            f"numpy array, a torch tensor, a Python number, a list of numbers (stored as an "
+            f"array), or a dict of those keyed by str (never pickled)"
+        ) from first
 
 
 def _write_batch(segs: Segments, first: int, blobs: list[bytes], crcs: list[int]) -> np.ndarray:
@@ -154,16 +219,20 @@ def build(
     writers: int = 2,
     batch_bytes: SizeLike = "8MiB",
     progress: bool = False,
+    mode: int = _modes.PRIVATE,
 ) -> dict:
     """Build the catalog at ``path`` from ``records``; returns build statistics.
 
     See :meth:`tensortier.data.Catalog.build` (the public entry point).
     """
-    root, seg_size, writers, batch_bytes = _check_args(path, segment_size, writers, batch_bytes)
+    root, seg_size, writers, batch_bytes = _check_args(
+        path, segment_size, writers, batch_bytes, mode
+    )
+    records, total = _sources.source(records)
     if isinstance(records, (bytes, str, dict)) or not isinstance(records, Iterable):
         raise TypeError(
-            f"Catalog.build: records must be an iterable of records, got "
-            f"{type(records).__name__} (wrap a single record in a list)"
+            f"Catalog.build: records must be an iterable of records, a datasets.Dataset or a "
+            f"pyarrow Table, got {type(records).__name__} (wrap a single record in a list)"
         )
     t0 = time.monotonic()
     lock, made = _prepare(root)
@@ -178,6 +247,7 @@ def build(
             arg="path",
             direct=True,
             checksum="crc32c",
+            mode=mode,
         )
         for w in range(writers)
     ]
@@ -189,9 +259,9 @@ def build(
         if progress:
             from tqdm import tqdm
 
-            total = len(records) if hasattr(records, "__len__") else None
             bar = tqdm(total=total, desc="catalog build", unit="rec", unit_scale=True)
-        with open(os.path.join(root, _format.INDEX), "wb", buffering=1 << 20) as index:
+        index_fd = _modes.create(os.path.join(root, _format.INDEX), mode)
+        with open(index_fd, "wb", buffering=1 << 20) as index:
 
             def drain(keep: int) -> None:
                 nonlocal index_crc
@@ -212,11 +282,7 @@ def build(
                 try:
                     blob = itemcodec.encode(rec, align=ALIGN)
                 except (TypeError, ValueError) as exc:
-                    raise TypeError(
-                        f"Catalog.build: record {count} cannot be stored: {exc}. A record is "
-                        f"bytes, str, a numpy array, a torch tensor, a Python number, or a dict "
-                        f"of those keyed by str (never pickled)"
-                    ) from exc
+                    blob = _encode_coerced(rec, count, exc)
                 batch.append(blob)
                 # the checksum is computed here: a writer thread taking the GIL back after each
                 # checksum call would wait for this loop's switch interval (5 ms) every time
@@ -254,7 +320,8 @@ def build(
             writers=writers,
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
-        _format.write_manifest(root, manifest, point)
+        _modes.set_dir(root, mode)  # the one rule: every file `mode`, the directory to match
+        _format.write_manifest(root, manifest, point, mode)
     except BaseException:
         if bar is not None:
             bar.close()

@@ -25,8 +25,9 @@ from collections import OrderedDict
 
 import numpy as np
 
+from tensortier import _modes
 from tensortier.data._format import segment_path
-from tensortier.errors import CorruptDataError, TierFullError
+from tensortier.errors import ClosedError, CorruptDataError, TierFullError
 from tensortier.tiers.host import PAGE
 from tensortier.tiers.segments import REC, coalesce, item_ok
 
@@ -49,10 +50,14 @@ class Descriptors:
         self.max_open = max(2, max_open or _max_open_default())
         self._lock = threading.Lock()
         self._fds: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()  # -> [fd, users]
+        self.closed = False  # set by close(): nothing opens again (a running loader stops)
 
     def acquire(self, seg: int, direct: bool) -> int:
+        """A descriptor of segment ``seg`` for one read; :meth:`release` it after."""
         key = (seg, direct)
         with self._lock:
+            if self.closed:
+                raise ClosedError(f"Catalog {self.root!r} is closed")
             entry = self._fds.get(key)
             if entry is not None:
                 entry[1] += 1
@@ -61,6 +66,8 @@ class Descriptors:
         flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
         try:
             fd = os.open(segment_path(self.root, seg), flags)
+        except PermissionError as exc:
+            raise _modes.denied(segment_path(self.root, seg), exc, "Catalog") from exc
         except OSError as exc:
             if exc.errno not in (24, 23):  # EMFILE, ENFILE
                 raise
@@ -75,6 +82,9 @@ class Descriptors:
                     requested=0,
                 ) from exc2
         with self._lock:
+            if self.closed:  # closed while we opened it: it must not outlive the catalog
+                os.close(fd)
+                raise ClosedError(f"Catalog {self.root!r} is closed")
             entry = self._fds.get(key)
             if entry is not None:  # another thread opened it meanwhile: use theirs
                 os.close(fd)
@@ -89,7 +99,9 @@ class Descriptors:
             entry = self._fds.get((seg, direct))
             if entry is not None:
                 entry[1] -= 1
-            if len(self._fds) > self.max_open:
+            if self.closed:
+                self._trim_locked(0)
+            elif len(self._fds) > self.max_open:
                 self._trim_locked(self.max_open)
 
     def trim(self, keep: int) -> None:
@@ -111,11 +123,15 @@ class Descriptors:
         return len(self._fds)
 
     def close(self) -> None:
-        """Close every descriptor (finalizer-safe: the table is swapped out, no lock taken)."""
-        fds, self._fds = self._fds, OrderedDict()
-        for fd, _ in list(fds.values()):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close every descriptor; later :meth:`acquire` calls raise ClosedError.
+
+        Runs on the closing thread or the reaper (``_lifetime.Finalizer``), never inside GC, so
+        it may take the table's lock (held only for table updates, never during I/O). A read in
+        flight keeps its descriptor until its release: its number is never reused under it.
+        """
+        with self._lock:
+            self.closed = True
+            self._trim_locked(0)  # descriptors in use are closed by their last release()
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -174,6 +190,45 @@ class Scratch:
             self.raw = None  # a record keeps a view: it owns the buffer now
 
 
+def rows_ok(rows: np.ndarray, sizes: dict[int, int]) -> np.ndarray:
+    """Which index ``rows`` name a segment of the catalog and a span inside it, at least a
+    record header long (a flipped bit in the index must not become a huge or negative read)."""
+    if not sizes:
+        return np.zeros(len(rows), bool)
+    known = np.fromiter(sizes, np.int64, len(sizes))
+    limits = np.fromiter(sizes.values(), np.uint64, len(sizes))
+    order = np.argsort(known)
+    known, limits = known[order], limits[order]
+    seg = rows["seg"].astype(np.int64)
+    at = np.minimum(np.searchsorted(known, seg), len(known) - 1)
+    limit = limits[at]
+    length = rows["len"].astype(np.uint64)
+    with np.errstate(over="ignore"):  # limit - length wraps only where length > limit: refused
+        return (
+            (known[at] == seg)
+            & (length >= REC.size)
+            & (length <= limit)
+            & (rows["off"] <= limit - length)
+        )
+
+
+def row_problem(root: str, row: tuple, sizes: dict[int, int]) -> tuple[str, str]:
+    """(segment file, what is wrong with index ``row`` = (seg, len, off, crc), or "")."""
+    seg, length, off, _ = row
+    path = segment_path(root, seg)
+    if seg not in sizes:
+        return path, (
+            f"its index row names segment {seg}, which the catalog does not have (the index "
+            f"is damaged; rebuild the catalog)"
+        )
+    if length < REC.size or off + length > sizes[seg]:
+        return path, (
+            f"its index row spans bytes {off}..{off + length}, which is not a record of this "
+            f"{sizes[seg]}-byte segment (the index is damaged; rebuild the catalog)"
+        )
+    return path, ""
+
+
 def read_blobs(
     files: Descriptors,
     indices: np.ndarray,
@@ -195,6 +250,22 @@ def read_blobs(
     out: list[np.ndarray | None] = [None] * len(indices)
     if not len(indices):
         return out
+    ok = rows_ok(rows, sizes)
+    if not ok.all():  # damaged index rows: reported (or raised) here, the others read
+        keys = indices.tolist()
+        for p in np.flatnonzero(~ok).tolist():
+            path, reason = row_problem(files.root, rows[p].item(), sizes)
+            if errors is None:
+                raise CorruptDataError(f"record {keys[p]} in {path}: {reason}", path=path)
+            errors.append((keys[p], path, reason))
+        sel = np.flatnonzero(ok)
+        got = read_blobs(
+            files, indices[sel], rows[sel], sizes, direct=direct, gap=gap, stats=stats,
+            errors=errors, scratch=scratch,
+        )  # fmt: skip
+        for p, blob in zip(sel.tolist(), got):
+            out[p] = blob
+        return out
     runs = list(coalesce(rows["seg"], rows["off"], rows["len"], gap))
     spans, total = [], 0
     for _, start, end, _ in runs:  # each run page-aligned in the buffer (O_DIRECT needs it)
@@ -213,15 +284,6 @@ def read_blobs(
         errors.append((keys[pos], path, reason))
 
     for (s, _, _, members), (lo, hi, at) in zip(runs, spans):
-        if s not in sizes:
-            for p in members.tolist():
-                bad(
-                    p,
-                    segment_path(files.root, s),
-                    f"its index row names segment {s}, which "
-                    "the catalog does not have (the index is damaged; rebuild the catalog)",
-                )
-            continue
         try:
             fd = files.acquire(s, direct)
         except FileNotFoundError:
@@ -262,13 +324,9 @@ def read_one(
 ) -> np.ndarray:
     """The blob of one record (``row`` = its index row as a tuple): one ``pread``, no planning."""
     seg, length, off, crc = row
-    path = segment_path(files.root, seg)
-    if seg not in sizes:
-        raise CorruptDataError(
-            f"record {index} in {path}: its index row names segment {seg}, which the catalog "
-            f"does not have (the index is damaged; rebuild the catalog)",
-            path=path,
-        )
+    path, problem = row_problem(files.root, row, sizes)
+    if problem:
+        raise CorruptDataError(f"record {index} in {path}: {problem}", path=path)
     buf = np.empty(length, np.uint8)  # numpy memory is 16-aligned: the fields' 8 are kept
     try:
         fd = files.acquire(seg, False)

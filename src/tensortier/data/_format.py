@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tensortier import _modes
 from tensortier.errors import ConfigError, CorruptDataError
 
 FORMAT = "tensortier-catalog"
@@ -87,6 +88,8 @@ def read_manifest(root: str) -> Manifest:
             meta = json.loads(f.read())
     except FileNotFoundError:
         raise
+    except PermissionError as exc:
+        raise _modes.denied(path, exc, "Catalog.open") from exc
     except (OSError, ValueError) as exc:
         raise CorruptDataError(
             f"the catalog manifest {path} cannot be read ({exc}); rebuild the catalog",
@@ -146,13 +149,14 @@ def read_manifest(root: str) -> Manifest:
         ) from exc
 
 
-def write_manifest(root: str, manifest: Manifest, point=lambda name: None) -> None:
+def write_manifest(root: str, manifest: Manifest, point=lambda name: None, mode=0o600) -> None:
     """Write ``catalog.json`` atomically and durably: temp file, fsync, rename, fsync directory.
 
     The rename is the commit point of a build: before it the directory opens as incomplete.
+    The file gets exactly ``mode``, as every file of the catalog (``_modes.py``).
     """
     tmp = os.path.join(root, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
+    with open(_modes.create(tmp, mode), "w") as f:
         json.dump(manifest.to_json(), f, indent=1)
         f.flush()
         os.fsync(f.fileno())

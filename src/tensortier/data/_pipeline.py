@@ -144,8 +144,13 @@ def stream(
     collate: Callable | None,
     stats: LoaderStats,
     abandoned: deque,
+    owner: object = None,
 ) -> Iterator[Batch]:
-    """Batches of the records at ``ranges`` of ``order``, read ahead (see the module docstring)."""
+    """Batches of the records at ``ranges`` of ``order``, read ahead (see the module docstring).
+
+    ``owner`` (the dataset whose ``executor`` this is) is kept alive by the stream's frame: a
+    dataset made only to iterate it must not shut its executor down under the stream.
+    """
     direct = catalog.direct_io()
     index = catalog._index
     plan = _pieces(index, order, ranges, piece_bytes, prefetch)
@@ -175,6 +180,8 @@ def stream(
             while upcoming is not None and (
                 not inflight or inflight_bytes + upcoming.nbytes <= prefetch
             ):
+                if catalog._index is None:
+                    raise ClosedError(f"Catalog {catalog.path!r} was closed while reading")
                 try:
                     fut = executor.submit(_read_piece, catalog, upcoming, direct, transform)
                 except RuntimeError as exc:  # the executor was shut down (loader closed)

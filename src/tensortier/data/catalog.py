@@ -22,6 +22,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from tensortier import _modes
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, format_size
 from tensortier.data import _build, _format
@@ -118,11 +119,15 @@ class Catalog:
                 path=index_path,
             )
         # mapped, not read: opening costs the same for 1k or 10M records
-        self._index = (
-            np.memmap(index_path, dtype=INDEX_DTYPE, mode="r", shape=(n,))
-            if n
-            else np.empty(0, INDEX_DTYPE)
-        )
+        try:
+            self._index = (
+                np.memmap(index_path, dtype=INDEX_DTYPE, mode="r", shape=(n,))
+                if n
+                else np.empty(0, INDEX_DTYPE)
+            )
+        except PermissionError as exc:
+            raise _modes.denied(index_path, exc, "Catalog.open") from exc
+        self._check_readable()
         self._files = Descriptors(self.path, max_open)
         self._finalizers = [Finalizer(self, self._files.close)]
         self._direct: bool | None = None
@@ -140,15 +145,25 @@ class Catalog:
         batch_bytes: SizeLike = "8MiB",
         progress: bool = False,
         direct: bool | None = None,
+        mode: int = 0o600,
     ) -> Catalog:
         """Stream ``records`` into a new catalog at ``path`` and open it.
 
-        A record is bytes, str, a numpy array, a torch tensor, a Python number, or a dict of
+        ``records``: an iterable of records, a Hugging Face ``datasets.Dataset`` /
+        ``IterableDataset`` or a ``pyarrow.Table`` / ``RecordBatch`` (one dict per row, read a
+        column at a time from Arrow: ``_sources.py``). A record is bytes, str, a numpy array, a
+        torch tensor, a Python number, a list of numbers (stored as a numpy array), or a dict of
         those keyed by str (``TypeError`` naming the record otherwise; nothing is pickled).
         Records go to ``segment_size`` files written by ``writers`` threads at once, ``batch_bytes``
-        per write; only a few batches are in memory at a time. ``path`` must be new, empty, or the
-        leftovers of a build that died. A crash or an exception leaves nothing that opens as a
-        catalog (an exception removes what was written). Statistics: ``catalog.build_stats``.
+        per write; only a few batches are in memory at a time.
+
+        ``path`` is made exclusively, or must be an existing directory of this user's, not
+        writable by everyone, that is empty or holds a dead build's leftovers (refused otherwise:
+        a directory someone else made under /tmp is not ours). ``mode``: every file of the
+        catalog gets it, 0o600 (private, the default), 0o640 (the group may read) or 0o644
+        (everyone may read); the directory gets 0o700, 0o750 or 0o755 to match. A crash or an
+        exception leaves nothing that opens as a catalog (an exception removes what was
+        written). Statistics: ``catalog.build_stats``.
         """
         stats = _build.build(
             path,
@@ -157,6 +172,7 @@ class Catalog:
             writers=writers,
             batch_bytes=batch_bytes,
             progress=progress,
+            mode=mode,
         )
         cat = cls(path, direct=direct)
         cat.build_stats = stats
@@ -172,6 +188,14 @@ class Catalog:
         ``CorruptDataError``; no catalog at all is ``FileNotFoundError``.
         """
         return cls(path, direct=direct, max_open=max_open)
+
+    def _check_readable(self) -> None:
+        """Refuse at open a catalog whose segment files this process may not read (one
+        ``access`` per segment file), instead of failing at every read."""
+        for seg in self.manifest.segments:
+            path = _format.segment_path(self.path, seg)
+            if not os.access(path, os.R_OK) and os.path.exists(path):  # missing: CorruptDataError
+                raise _modes.denied(path, None, "Catalog.open")
 
     # ------------------------------------------------------------------ per process
     def _fds(self) -> Descriptors:
@@ -260,6 +284,7 @@ class Catalog:
         """A :class:`~tensortier.data.Loader` over this catalog (see its arguments)."""
         from tensortier.data.loader import Loader
 
+        self._check_open()
         return Loader(self, batch=batch, **kwargs)
 
     # ------------------------------------------------------------------ inspection

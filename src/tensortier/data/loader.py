@@ -15,6 +15,7 @@ divided among them; the DataLoader itself queues ``2 * n`` batches more).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,7 +96,10 @@ class Loader:
         self.num_workers = num_workers
         self.multiprocessing_context = multiprocessing_context
         self.epoch, self.position = epoch, 0
-        self._active: Iterator | None = None
+        # weak: the generator refers to this loader, so a strong reference back would make a
+        # cycle that only the cyclic GC frees -- maybe inside a forked DataLoader worker, which
+        # would then run the abandoned iterator's cleanup on its parent's worker processes
+        self._active: weakref.ref | None = None
 
     # ------------------------------------------------------------------ shape
     @property
@@ -117,11 +121,13 @@ class Loader:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Batch]:
         self._stop()
-        self._active = gen = self._run(self.epoch, self.position)
+        gen = self._run(self.epoch, self.position)
+        self._active = weakref.ref(gen)
         return gen
 
     def _run(self, epoch: int, start: int) -> Iterator[Batch]:
         ds = self.dataset
+        pid = os.getpid()
         if self.num_workers == 0:
             batches = ds.iterate(epoch, start)
         else:
@@ -146,16 +152,18 @@ class Loader:
                 yield b
             self.epoch, self.position = epoch + 1, 0
         finally:
-            close = getattr(batches, "close", None)  # a generator: cancels its read-ahead
-            if close is not None:
-                close()
-            else:
-                shutdown = getattr(batches, "_shutdown_workers", None)
-                if shutdown is not None:
-                    shutdown()
+            if os.getpid() == pid:  # a forked child's copy owns neither threads nor workers
+                close = getattr(batches, "close", None)  # a generator: cancels its read-ahead
+                if close is not None:
+                    close()
+                else:
+                    shutdown = getattr(batches, "_shutdown_workers", None)
+                    if shutdown is not None:
+                        shutdown()
 
     def _stop(self) -> None:
-        gen, self._active = self._active, None
+        ref, self._active = self._active, None
+        gen = ref() if ref is not None else None
         if gen is not None:
             gen.close()
         self.dataset.cancel_abandoned()

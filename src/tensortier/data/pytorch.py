@@ -52,6 +52,33 @@ def _int(what: str, name: str, value: Any, low: int, fix: str) -> int:
     return value
 
 
+def _rank_and_world(what: str, rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): each one not given comes from torch.distributed when it is
+    initialised (as ``DistributedSampler``); without it, a world size > 1 needs a rank."""
+    source = {"rank": "", "world_size": ""}
+    if dist.is_available() and dist.is_initialized():
+        if rank is None:
+            rank, source["rank"] = dist.get_rank(), " (from torch.distributed)"
+        if world_size is None:
+            world_size, source["world_size"] = dist.get_world_size(), " (from torch.distributed)"
+    elif rank is None and world_size not in (None, 1):
+        raise ConfigError(
+            f"{what}: world_size={world_size!r} but no rank, and torch.distributed is not "
+            f"initialised; pass rank= (this process's data-parallel rank), or initialise the "
+            f"process group first (every rank would read the same share otherwise)"
+        )
+    world_size = 1 if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    _int(what, "world_size", world_size, 1, "pass the number of data-parallel ranks")
+    _int(what, "rank", rank, 0, "pass this process's rank")
+    if rank >= world_size:
+        raise ConfigError(
+            f"{what}: rank={rank}{source['rank']} must be below world_size={world_size}"
+            f"{source['world_size']}; pass rank= and world_size= of the data-parallel group"
+        )
+    return rank, world_size
+
+
 class CatalogDataset(Dataset):
     """Map-style dataset: ``ds[i] = transform(cat[i])``; batches are read in one coalesced pass."""
 
@@ -104,14 +131,7 @@ class EpochDataset(IterableDataset):
         self.batch = _int(what, "batch", batch, 1, "pass the records per batch, e.g. batch=256")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"{what}: seed={seed!r} must be an int")
-        if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
-            rank, world_size = dist.get_rank(), dist.get_world_size()
-        world_size = 1 if world_size is None else world_size
-        rank = 0 if rank is None else rank
-        _int(what, "world_size", world_size, 1, "pass the number of data-parallel ranks")
-        _int(what, "rank", rank, 0, "pass this process's rank")
-        if rank >= world_size:
-            raise ConfigError(f"{what}: rank={rank} must be below world_size={world_size}")
+        rank, world_size = _rank_and_world(what, rank, world_size)
         if shuffle is True:
             shuffle = "full"
         elif shuffle is False:
@@ -191,6 +211,7 @@ class EpochDataset(IterableDataset):
         if workers == 1:  # one range: pieces may span batches
             ranges = [(start, end)] if start < end else []
         self.cancel_abandoned()
+        self.catalog._check_open()
         order = Order(self.spec, epoch, self.rank)
         threads = max(1, self.io_threads // workers)
         prefetch = max(1, self.prefetch // workers)
@@ -207,6 +228,7 @@ class EpochDataset(IterableDataset):
             collate=self.collate,
             stats=self.stats,
             abandoned=self._abandoned,
+            owner=self,  # a temporary dataset lives as long as its stream (its executor too)
         )
 
     def __iter__(self) -> Iterator[Batch]:

@@ -9,13 +9,15 @@ half-restored buffer. Nothing here writes to the directory it reads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
 
 import numpy as np
 
-from tensortier.errors import ConfigError, CorruptDataError
+from tensortier import _modes
+from tensortier.errors import CorruptDataError
 from tensortier.rl.sampler import Prioritized, Uniform, sampler_from_dict
 
 STATE = "state.npz"
@@ -28,19 +30,27 @@ ARRAYS = ("keys", "leaves", "uses")
 OPTIONAL = ("episode", "step", "version")
 
 
-def write(dirname: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    """Replace the state files in ``dirname``, each atomically.
+def write(dirname: str, arrays: dict[str, np.ndarray], meta: dict, mode: int = 0o600) -> None:
+    """Replace the state files in ``dirname``, each atomically, with exactly ``mode``.
 
     ``buffer.json`` goes first: a crash between the two replaces leaves a newer ``seq`` with
     older arrays, which is still consistent (keys only grow), never arrays the meta cannot explain.
     """
     tmp = os.path.join(dirname, META + ".tmp")
-    with open(tmp, "w") as f:
+    with open(_create(tmp, mode), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(tmp, os.path.join(dirname, META))
     tmp = os.path.join(dirname, STATE + ".tmp.npz")
-    np.savez(tmp, **arrays)
+    with open(_create(tmp, mode), "wb") as f:
+        np.savez(f, **arrays)
     os.replace(tmp, os.path.join(dirname, STATE))
+
+
+def _create(path: str, mode: int) -> int:
+    """A fresh temporary file (a crash's leftover is replaced), mode as every file here."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return _modes.create(path, mode)
 
 
 def read(dirname: str, *, fix: str) -> tuple[dict, Uniform | Prioritized, dict[str, np.ndarray]]:
@@ -60,9 +70,7 @@ def read(dirname: str, *, fix: str) -> tuple[dict, Uniform | Prioritized, dict[s
             f"{dirname!r} holds no saved ReplayBuffer ({exc.filename} is missing)", path=dirname
         ) from exc
     except PermissionError as exc:
-        raise ConfigError(
-            f"cannot read {exc.filename!r} ({exc.strerror}); make the saved buffer readable"
-        ) from exc
+        raise _modes.denied(exc.filename or dirname, exc, "ReplayBuffer.load") from exc
     except Exception as exc:  # a damaged file makes json/zipfile/numpy raise almost anything
         raise CorruptDataError(
             f"the saved state in {dirname!r} is damaged ({type(exc).__name__}: {exc}); {fix}",

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from tensortier import _modes
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import (
@@ -888,14 +889,17 @@ class ReplayBuffer:
             "policy_version": int(self._policy_version),
         }
 
-    def save(self, dirname: str | os.PathLike) -> None:
+    def save(self, dirname: str | os.PathLike, *, mode: int = 0o600) -> None:
         """Write items, priorities and sampler state to ``dirname`` (created; must be empty).
 
-        A failed save removes what it wrote (and ``dirname`` if it made it).
+        ``mode``: every file gets it, 0o600 (private, the default), 0o640 or 0o644 (the group
+        or everyone may read); the directory gets 0o700, 0o750 or 0o755 (``_modes.py``). A
+        failed save removes what it wrote (and ``dirname`` if it made it).
         """
         if not isinstance(dirname, (str, os.PathLike)):
             raise ConfigError(f"save: dirname must be a path, got {type(dirname).__name__}")
         dirname = os.fspath(dirname)
+        _modes.check_mode(mode, "ReplayBuffer.save")
         with self._lock:
             self._check()
         made = not os.path.lexists(dirname)
@@ -903,6 +907,7 @@ class ReplayBuffer:
             os.makedirs(dirname, exist_ok=True)
             if os.listdir(dirname):
                 raise ConfigError(f"save: {dirname!r} is not empty; pass a new or empty directory")
+            _modes.set_dir(dirname, mode)
         except OSError as exc:
             raise SpillDirError(
                 f"save: cannot use {dirname!r} as the save directory ({exc.strerror}); pass a "
@@ -925,7 +930,7 @@ class ReplayBuffer:
         try:
             # our own descriptors: the store's LRU belongs to the threads holding the lock
             src = Segments(root, readonly=True) if root is not None else None
-            out = Segments(dirname, segment_size=self.config.segment_size)
+            out = Segments(dirname, segment_size=self.config.segment_size, mode=mode)
             try:
                 step = 2048
                 for i in range(0, len(slots), step):
@@ -947,7 +952,7 @@ class ReplayBuffer:
                 out.close(remove=False)
                 if src is not None:
                     src.close(remove=False)
-            _saved.write(dirname, arrays, meta)
+            _saved.write(dirname, arrays, meta, mode)
         except BaseException as exc:
             _remove_saved(dirname, made)
             if isinstance(exc, OSError):
@@ -1047,6 +1052,8 @@ class ReplayBuffer:
                 part = keys[i : i + step]
                 locs = np.array([by_key[int(k)] for k in part.tolist()], np.int64).reshape(-1, 3)
                 self._store.restore(part, src.read_many(locs))
+        except PermissionError as exc:
+            raise _modes.denied(exc.filename or dirname, exc, "ReplayBuffer.load") from exc
         except OSError as exc:
             raise CorruptDataError(
                 f"cannot read the saved segments in {dirname!r} ({exc}); {fix}", path=dirname

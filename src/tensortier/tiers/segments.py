@@ -22,6 +22,9 @@ only tear the tail of the newest segment: :meth:`Segments.scan` stops there and 
 Records are never rewritten in place; compaction (in ``_store.py``) copies a segment's live
 records to the active segment and deletes the file, so the space of removed items comes back.
 
+File modes. Files are created exclusively, never through a symlink, with exactly
+``Segments(mode=...)`` (0600 by default; durable artifacts share one mode: ``_modes.py``).
+
 Parallel writers. Each writer owns its files: ``Segments(root, first=w, step=n)`` numbers its
 segments ``w, w + n, w + 2n, ...`` so ``n`` writers can fill one directory at once.
 
@@ -211,8 +214,10 @@ class Segments:
         arg: str = "spill_dir",
         direct: bool = False,
         checksum: str = "crc32",
+        mode: int = 0o600,
     ):
         self.root = root
+        self.mode = mode  # of the files it creates, set exactly (``_modes.py``: one per artifact)
         self.first, self.step = first, step  # this writer's segment numbers: first + k * step
         self.arg = arg  # the argument that chose ``root``, named by a full-disk error
         self.direct = direct and not readonly and hasattr(os, "O_DIRECT")
@@ -250,10 +255,10 @@ class Segments:
         if self.readonly:
             flags = os.O_RDONLY
         else:
-            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW if create else 0)
             flags |= os.O_DIRECT if self.direct else 0
         try:
-            fd = os.open(self.path(seg), flags | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.path(seg), flags | os.O_CLOEXEC, self.mode)
         except OSError as exc:
             if self.direct and exc.errno == errno.EINVAL:  # tmpfs and the like: buffered writes
                 self.direct = False
@@ -262,7 +267,7 @@ class Segments:
                 raise
             self._shrink(0)  # the process is out of descriptors: give back all but the active one
             try:
-                fd = os.open(self.path(seg), flags | os.O_CLOEXEC, 0o600)
+                fd = os.open(self.path(seg), flags | os.O_CLOEXEC, self.mode)
             except OSError as exc2:
                 if exc2.errno not in (errno.EMFILE, errno.ENFILE):
                     raise
@@ -273,6 +278,8 @@ class Segments:
                     tier="disk",
                     requested=0,
                 ) from exc2
+        if create:
+            os.fchmod(fd, self.mode)  # exactly: the umask may have taken bits away
         self._fds[seg] = fd
         self._shrink(self.max_open)
         self.stats.open_files = len(self._fds)
