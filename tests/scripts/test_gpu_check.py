@@ -1,0 +1,50 @@
+"""``scripts/gpu_check.sh --dry-run``: every phase of the GPU check at a tiny size on the CPU, so
+the first call on a lent GPU machine cannot fail on a typo, an import or an argument."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PHASES = ("transfer", "pytest", "activations", "llama", "optimizer", "checkpoint")
+# peers that exist only on CUDA: the dry run imports them and names why they did not run
+CUDA_ONLY = {"torchtune", "torchao-cpu-offload"}
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_phase_and_writes_its_json(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.path.join(ROOT, "src"), env.get("PYTHONPATH")])
+    )
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (tmp_path / "gpu_check-cpu-dry.log").exists()
+    for phase in PHASES:
+        data = json.loads((tmp_path / f"{phase}-cpu-dry.json").read_text())
+        assert data["complete"], phase
+        assert data["environment"]["loadavg"] and data["environment"]["loadavg_end"]
+        for row in data["rows"]:
+            if phase == "pytest":
+                continue  # every gpu test skips on the CPU: nothing may fail to collect
+            if row.get("variant") in CUDA_ONLY:
+                assert "needs CUDA" in row["error"], row
+            else:
+                assert "error" not in row, (phase, row)
+    pytest_data = json.loads((tmp_path / "pytest-cpu-dry.json").read_text())
+    assert pytest_data["exit_code"] == 0
+    assert pytest_data["counts"].get("skipped", 0) > 30
+    assert set(pytest_data["counts"]) == {"skipped"}, pytest_data["counts"]
+    acts = json.loads((tmp_path / "activations-cpu-dry.json").read_text())
+    names = {row["variant"] for row in acts["rows"]}
+    assert {"plain", "tt-host", "budget-0.4", "checkpoint", "save_on_cpu"} <= names
+    assert any(n.startswith("tt-disk@") for n in names)
+    for row in acts["rows"]:
+        if row["variant"] not in ("config", "plain", *CUDA_ONLY) and "@" not in row["variant"]:
+            assert row["grads_identical_every_step"], row  # the CPU is deterministic
