@@ -204,6 +204,24 @@ def pinning(monkeypatch):
     return fake
 
 
+@pytest.mark.parametrize("pin", [False, True])
+def test_pool_buffers_start_their_own_storage(pin, pinning):
+    """H100 run 2: ``is_pinned()`` was False on pool blocks. PyTorch asks CUDA about a tensor's
+    *storage* start, and a block was a view into a larger unaligned tensor whose first byte lies
+    in a page that was never registered. Every buffer the pool or ``aligned_empty`` hands out
+    must begin its storage at its aligned first byte (the byte that is registered)."""
+    from tensortier.tiers import host
+
+    with HostPool("16MiB", pin=pin) as pool:
+        b = pool.alloc(1 << 20)
+        assert b.buffer.untyped_storage().data_ptr() == b.buffer.data_ptr()
+        assert b.buffer.data_ptr() % PAGE == 0
+        b.free()
+    t = host.aligned_empty(10_000, alignment=4096)
+    assert t.untyped_storage().data_ptr() == t.data_ptr() and t.data_ptr() % 4096 == 0
+    assert t.numel() == 10_000
+
+
 def test_pinned_bytes_are_the_accounted_bytes_and_never_exceed_the_budget(pinning):
     """PyTorch's host allocator would pin 64 MiB for each 40 MiB class (powers of two) and never
     unpin; the pool pins exactly its size classes and unpins what it evicts or drops."""

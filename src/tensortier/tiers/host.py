@@ -96,7 +96,10 @@ def aligned_empty(nbytes: int, *, pin: bool = False, alignment: int = PAGE) -> t
         return _pinned_empty(nbytes, max(alignment, PAGE))
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % alignment
-    return raw[offset : offset + nbytes]
+    # a storage of its own that starts at the aligned byte (the array keeps ``raw`` alive):
+    # PyTorch's ``is_pinned()`` asks CUDA about the storage's first byte, which for a view of
+    # ``raw`` lies in the unregistered page before the pinned ones (seen on an H100)
+    return torch.from_numpy(raw.numpy()[offset : offset + nbytes])
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
