@@ -54,3 +54,13 @@ def test_the_budget_is_the_top_level_verbs_and_the_mechanism_refuses_it(tmp_path
     plain = tt.offload("disk", spill_dir=str(tmp_path), budget=None)
     assert isinstance(plain, tt.Offloader)
     plain.close()
+
+
+def test_the_demo_never_imports_the_benchmarks():
+    """``tensortier demo`` is a user's first command: it must not break when a benchmark's
+    private options change (issue 23 #1), nor need the benchmarks at all."""
+    bad = {m for m in _imports(SRC / "demo.py") if m.startswith("tensortier.bench")}
+    assert not bad, f"demo.py imports {bad}"
+    code = "import sys, tensortier.demo; print([m for m in sys.modules if 'tensortier.bench' in m])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -26,6 +26,7 @@ def _fake_ray(monkeypatch):
         return ref
 
     ray.get = get
+    ray.is_initialized = lambda: True
     monkeypatch.setitem(sys.modules, "ray", ray)
     return ray
 

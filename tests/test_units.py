@@ -69,3 +69,19 @@ def test_format_size():
     assert format_size(1536) == "1.5KiB"
     assert format_size(4 * 2**30) == "4GiB"
     assert format_size(12) == "12B"
+
+
+def test_format_size_up_is_a_size_that_suffices():
+    """Issue 23 #6: "raise the budget to at least 1.03GiB" was printed for 1.035 GiB, and that
+    budget was refused again; a minimum is printed rounded up."""
+    import random
+
+    from tensortier._units import format_size_up
+
+    rng = random.Random(0)
+    for n in [0, 1, 1023, 1024, 1025, 1 << 20, (1 << 20) - 1, 1111537536, *(
+        int(2 ** rng.uniform(0, 45)) for _ in range(20000)
+    )]:  # fmt: skip
+        back = parse_size(format_size_up(n))
+        assert n <= back <= n * 1.011 + 1, (n, format_size_up(n))
+    assert format_size_up(1111537536) == "1.04GiB" and format_size_up(1 << 30) == "1GiB"

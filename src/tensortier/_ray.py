@@ -18,6 +18,11 @@ def end_actors(actors: Sequence[Any], ping: Callable[[Any], Any], timeout: float
     """
     import ray
 
+    if not ray.is_initialized():
+        # Ray shut down first (its atexit hook ran before a finalizer's at interpreter exit): the
+        # driver's actors went with it, and a Ray call here would connect again and then crash
+        # the exiting process (SIGSEGV in Ray's teardown, seen running the README's RemoteStore)
+        return
     for actor in actors:
         with contextlib.suppress(Exception):  # already dead, or Ray shut down first
             ray.kill(actor)

@@ -81,5 +81,24 @@ def format_size(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_size_up(nbytes: int) -> str:
+    """:func:`format_size` rounded up, for a size printed as a minimum: "at least 1.04GiB" must
+    be enough when passed back (``parse_size`` of it is ``>= nbytes``)."""
+    if nbytes < 1024:
+        return f"{max(0, int(nbytes))}B"
+    scale, unit = 1024, "KiB"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 * scale or unit == "TiB":
+            break
+        scale *= 1024
+    decimals = max(0, 3 - len(str(nbytes // scale)))  # three significant digits
+    q = 10**decimals
+    up = math.ceil(round(nbytes / scale * q, 6)) / q
+    if int(up * scale) < nbytes:  # the float rounding went below: one more step
+        up += 1 / q
+    text = f"{up:.{decimals}f}"
+    return (text.rstrip("0").rstrip(".") if decimals else text) + unit
+
+
 def align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment

@@ -47,13 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         module.add_args(areas.add_parser(name, help=(module.__doc__ or "").splitlines()[0]))
     args = parser.parse_args(argv)
     if args.command == "demo":
-        demo_mod.run(args)
-    elif args.command == "plan":
+        return demo_mod.run(args)
+    if args.command == "plan":
         return plan_mod.run(args)
-    elif args.command == "catalog":
+    if args.command == "catalog":
         return catalog_mod.run(args)
-    else:
-        BENCHES[args.area].run(args)
+    BENCHES[args.area].run(args)
     return 0
 
 

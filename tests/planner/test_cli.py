@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import re
+import textwrap
+
 import pytest
 
 from tensortier.cli import main
+from tensortier.planner.simulator import Plan, simulate
 
 GB = 10**9
 
@@ -29,3 +33,68 @@ def test_plan_with_an_impossible_budget_states_the_minimum(make_profile, tmp_pat
     rc = main(["plan", "--profile", str(path), "--budget", "100MB"])
     err = capsys.readouterr().err
     assert rc == 2 and "at least" in err
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str, str]:
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_an_impossible_budget_names_only_fixes_that_exist(make_profile, tmp_path, capsys):
+    """Issue 23 #6: the error said "allow more tiers", which no flag does; the budget it names
+    must be one that works."""
+    path = tmp_path / "prof.json"
+    make_profile(n_units=3, per_unit=2).save(path)
+    for policy in ("auto", "capuchin"):
+        rc, _, err = _cli(["--profile", str(path), "--budget", "100MB", "--policy", policy], capsys)
+        assert rc == 2 and "more tiers" not in err, err
+        suggested = re.search(r"--budget (\S+)", err).group(1)
+        assert ("policy='auto'" in err) == (policy != "auto")
+        rc, out, _ = _cli(
+            ["--profile", str(path), "--budget", suggested, "--policy", policy], capsys
+        )
+        assert rc == 0 and "predicted peak" in out
+
+
+def test_the_printed_plan_explains_its_notation_and_how_to_apply_it(make_profile, tmp_path, capsys):
+    """Issue 23 #6: a person should understand the plan without reading the source."""
+    path = tmp_path / "prof.json"
+    p = make_profile(n_units=4, per_unit=3, zero_frac=0.9)
+    p.save(path)
+    rc, out, _ = _cli(["--profile", str(path), "--budget", "7GB"], capsys)
+    assert rc == 0
+    labels = re.findall(r"^h\.\d\s+(\S+)", out, re.M)
+    assert labels and any(lab != "keep" for lab in labels), out
+    for lab in labels:
+        head = lab.split("[")[0].split("+")[0]
+        assert re.search(rf"^\s+.*\b{head}\b.*:", out, re.M), (lab, out)
+        if "[" in lab:
+            assert "counted from 0" in out
+        if "+codec" in lab:
+            assert "+codec: compressed" in out
+    code = out.split("to run your model under this budget:\n")[1]
+    code = textwrap.dedent(code.split("\n\n")[0].rstrip())
+    assert 'tt.offload(budget="6.52GiB"' in code and 'plan_cache="plans/"' in code
+    compile(code, "apply", "exec")
+
+
+def test_the_printed_peak_the_report_header_and_its_table_agree(make_profile, tmp_path, capsys):
+    """Issue 23 #6: the header and the policy table gave different peaks for one plan (the
+    table re-planned every policy for the budget without the margin)."""
+    pytest.importorskip("matplotlib")
+    p = make_profile(n_units=6, per_unit=2, zero_frac=0.6)
+    path = tmp_path / "prof.json"
+    p.save(path)
+    budget = int(1.05 * simulate(p, Plan("keep", {})).peak_bytes)  # keep fits only without margin
+    report = tmp_path / "plan.html"
+    rc, out, _ = _cli(
+        ["--profile", str(path), "--budget", str(budget), "--report", str(report)], capsys
+    )
+    assert rc == 0
+    policy, printed = re.search(r"plan auto:(\w+): predicted peak (\S+) ", out).groups()
+    page = report.read_text()
+    assert re.search(rf"predicted peak {re.escape(printed)},", page)
+    table = page.split("Every policy")[1].split("</table>")[0]
+    row = next(r for r in table.split("</tr>") if f"<td>{policy}</td>" in r)
+    assert re.findall(r"<td>(.*?)</td>", row)[1] == printed

@@ -1,11 +1,22 @@
 from __future__ import annotations
 
+import html
+import re
+
 import pytest
 
 pytest.importorskip("matplotlib")
 
-from tensortier.planner.policies import Options, choose, plan_all  # noqa: E402
-from tensortier.planner.report import write_report  # noqa: E402
+from tensortier._units import format_size  # noqa: E402
+from tensortier.planner.policies import (  # noqa: E402
+    Choice,
+    Options,
+    choose,
+    plan_all,
+    planning_budget,
+)
+from tensortier.planner.report import LEGEND, legend, write_report  # noqa: E402
+from tensortier.planner.simulator import Mode, Plan, UnitAction, simulate  # noqa: E402
 
 
 def test_report_writes_html_and_a_png(make_profile, tmp_path):
@@ -46,3 +57,126 @@ def test_sweep_report_draws_every_policy_against_the_budget(tmp_path):
         page = f.read()
     assert "gpt:2x8x1" in page and "selective[1,2]" in page and "gelu.default" in page
     assert page.count("data:image/png;base64,") == 1 and "1.300" in page
+
+
+def _page_text(path) -> str:
+    with open(path) as f:
+        return html.unescape(re.sub(r"<[^>]+>", " ", re.sub(r"<img[^>]*>", "", f.read())))
+
+
+def _policy_table(path) -> dict[str, dict[str, str]]:
+    """The "Every policy" table of a report: policy -> column -> cell."""
+    with open(path) as f:
+        page = f.read()
+    table = page.split("Every policy")[1].split("</table>")[0]
+    rows = [re.findall(r"<t[dh]>(.*?)</t[dh]>", r) for r in table.split("</tr>")[:-1]]
+    head = [html.unescape(c) for c in rows[0]]
+    return {r[0]: dict(zip(head, map(html.unescape, r))) for r in rows[1:]}
+
+
+@pytest.mark.parametrize("policy", ["auto", "capuchin"])
+def test_the_header_and_the_policy_table_give_the_same_peak(make_profile, tmp_path, policy):
+    """Issue 23 #6: the header showed the plan made for the budget less the margin, the table
+    every policy re-planned for the whole budget (114 vs 120 MiB for one plan)."""
+    p = make_profile(n_units=6, per_unit=2, zero_frac=0.6)
+    budget = int(1.05 * simulate(p, Plan("keep", {})).peak_bytes)  # keep fits only without margin
+    opts = Options(search_iters=50)  # the default 10% margin
+    choice = choose(p, budget, policy, opts)
+    goal = planning_budget(budget, opts)
+    others = plan_all(p, goal, opts)
+    path, _ = write_report(
+        tmp_path / "plan.html", p, choice, others, budget=budget, planned_for=goal
+    )
+    text = _page_text(path)
+    header = re.search(r"predicted peak (\S+),", text).group(1)
+    assert header == format_size(choice.result.peak_bytes)
+    rows = _policy_table(path)
+    (chosen,) = [name for name, row in rows.items() if row["chosen"]]
+    assert chosen == choice.plan.policy.split(":")[-1]
+    assert rows[chosen]["peak"] == header
+    assert rows[chosen][f"under {format_size(goal)}"] == "yes"
+    assert f"planned for {format_size(goal)}" in text
+    assert rows["keep"][f"under {format_size(goal)}"] == "no"  # the margin is in the table too
+
+
+def test_a_plan_without_codec_or_recompute_reports_no_such_cost(make_profile, tmp_path):
+    """Issue 23 #6: a swap-only plan was shown with a "codec/recompute" cost (its copies')."""
+    p = make_profile(n_units=4, per_unit=2, zero_frac=0.0)
+    p.move_s_per_byte = 1e-10
+    budget = 10 * p.saved_bytes
+    opts = Options(search_iters=20, margin=0.0)
+    choice = choose(p, budget, "swap_all", opts)
+    assert not any(a.compress for a in choice.plan.actions.values())
+    path, _ = write_report(tmp_path / "plan.html", p, choice, budget=budget)
+    text = _page_text(path)
+    assert re.search(r"copies [\d.e-]+s, codecs 0s, recompute 0s", text), text[:600]
+    row = _policy_table(path)["swap_all"]
+    assert row["codecs_s"] == row["recompute_s"] == "0" and float(row["copies_s"]) > 0
+
+
+def test_the_report_explains_every_action_notation_and_how_to_apply_it(make_profile, tmp_path):
+    """Issue 23 #6: ``disk[0,3,7,14,15]`` was never explained, nor how to use the plan."""
+    p = make_profile(n_units=5, per_unit=3, zero_frac=0.9)
+    actions = {
+        "h.0": UnitAction(Mode.DISK, part=frozenset({0, 2})),
+        "h.1": UnitAction(Mode.HOST, compress=True),
+        "h.2": UnitAction(Mode.RECOMPUTE),
+        "h.3": UnitAction(Mode.SELECTIVE, part=frozenset({1})),
+    }
+    plan = Plan("hand", actions)
+    choice = Choice(plan, simulate(p, plan))
+    path, _ = write_report(tmp_path / "plan.html", p, choice, budget=p.saved_bytes)
+    text = _page_text(path)
+    explained = legend(plan)
+    for label, key in [
+        ("keep", "keep:"),
+        ("disk[0,2]", "disk[0,3,7]"),
+        ("+codec", "+codec:"),
+        ("recompute", "recompute:"),
+        ("selective[1]", "selective[2,5]:"),
+    ]:
+        assert any(line.startswith(key) for line in explained), label
+        assert key in text, label
+    assert "counted from 0" in text and "moved:" in text
+    with open(path) as f:
+        code = html.unescape(re.search(r"<pre>(.*?)</pre>", f.read(), re.S).group(1))
+    assert f'tt.offload(budget="{format_size(p.saved_bytes)}"' in code
+    compile(code, "apply", "exec")  # a block a user can paste
+    assert legend(Plan("keep", {})) == [LEGEND["keep"]]  # only what the plan uses
+
+
+@pytest.mark.parametrize("policy", ["auto", "capuchin"])
+def test_a_training_runs_report_agrees_with_the_plan_it_runs(spill_dir, tmp_path, policy):
+    """``tt.offload(budget=..., report=...)``: the header, the chosen row and the plan that runs
+    are one plan (the table used to re-plan every policy for the budget without the margin)."""
+    import torch
+    from torch import nn
+
+    from tensortier.planner.runtime import planned_offload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
+    x = torch.randn(64, 256)
+    path = tmp_path / "plan.html"
+    off = planned_offload(
+        "64MiB",
+        spill_dir=spill_dir,
+        policy=policy,
+        options=Options(search_iters=60, search_seconds=5),
+        report=str(path),
+    )
+    try:
+        for _ in range(5):  # warm-up, probe, two timing passes, the plan
+            model.zero_grad(set_to_none=True)
+            with off:
+                loss = model(x).sum()
+            loss.backward()
+        assert off.choice is not None
+        peak = format_size(off.choice.result.peak_bytes)
+    finally:
+        off.close()
+    text = _page_text(path)
+    assert re.search(rf"predicted peak {re.escape(peak)},", text)
+    rows = _policy_table(path)
+    (chosen,) = [row for row in rows.values() if row["chosen"]]
+    assert chosen["peak"] == peak and "yes" in chosen.values()

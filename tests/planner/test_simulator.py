@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from tensortier.planner.profile import Bandwidth, Profile, TensorProfile, UnitProfile
-from tensortier.planner.simulator import Mode, Plan, UnitAction, resolve_codecs, simulate
+from tensortier.planner.simulator import (
+    OVERHEADS,
+    Mode,
+    Plan,
+    UnitAction,
+    resolve_codecs,
+    simulate,
+)
 
 GB = 10**9
 
@@ -169,3 +176,25 @@ def test_moving_bytes_costs_compute_in_proportion():
     base = simulate(p, swap).step_s
     p.move_s_per_byte = 1e-10  # 0.1 s per GB, out and back
     assert simulate(p, swap).step_s == pytest.approx(base + 0.2)
+
+
+def test_the_time_a_plan_adds_is_split_by_cause(make_profile):
+    """Issue 23 #6: the report showed a "codec/recompute" cost for a plan using neither (the
+    cost was the copies'): each cause is counted on its own and they add up to overhead_s."""
+    p = make_profile(n_units=3, per_unit=2, zero_frac=0.95, bw=0.1 * GB)
+    p.move_s_per_byte = 1e-10  # copy threads take compute time, as on a CPU
+    every = {u.name: UnitAction(Mode.DISK) for u in p.units}
+    cases = [
+        (Plan("disk", every), {"copies"}),
+        (
+            resolve_codecs(p, Plan("codec", {n: UnitAction(Mode.DISK, True) for n in every})),
+            {"copies", "codecs"},
+        ),
+        (Plan("rc", {n: UnitAction(Mode.RECOMPUTE) for n in every}), {"recompute"}),
+        (Plan("keep", {}), set()),
+    ]
+    for plan, causes in cases:
+        r = simulate(p, plan)
+        assert list(r.overhead_by) == list(OVERHEADS)
+        assert r.overhead_s == pytest.approx(sum(r.overhead_by.values()))
+        assert {k for k, v in r.overhead_by.items() if v > 0} == causes, plan.policy

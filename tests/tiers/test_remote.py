@@ -357,3 +357,30 @@ def test_engine_remote_round_trip_from_and_to_cuda(store):
         assert y.device.type == "cuda" and torch.equal(y, x * 2)
         e.synchronize(timeout=30)
     e.host.close()
+
+
+def test_a_store_left_open_at_exit_does_not_reconnect_to_ray(cluster):
+    """Issue 23 #4 (the README's RemoteStore block): at exit Ray's atexit shutdown runs before
+    the store's finalizer, whose cleanup then connected to the cluster a second time and the
+    exiting process died with SIGSEGV in about one run in ten (exit hooks run last registered
+    first: tensortier imported before ray). The actors went with the driver anyway."""
+    import os
+    import subprocess
+    import sys
+
+    c, _, tmp = cluster
+    code = (
+        "import tensortier as tt\n"  # before ray: Ray's exit hook then runs first
+        "import ray, torch\n"
+        "ray.init(address='auto')\n"
+        "pool = tt.tiers.RemoteStore(capacity='64MiB')\n"
+        "h = pool.put(torch.arange(100_000)).result()\n"
+    )
+    env = dict(os.environ, RAY_ADDRESS=c.address, RAY_TMPDIR=tmp)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root / "src"), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("Connected to Ray cluster") == 1, proc.stderr[-3000:]

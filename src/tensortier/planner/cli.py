@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import textwrap
 
-from tensortier._units import format_size, parse_size
+from tensortier._units import format_size, format_size_up, parse_size
 from tensortier.errors import BudgetError
 
 
@@ -87,9 +88,16 @@ def profile_gpt(args, budget: int | None = None) -> object:
 
 def run(args) -> int:
     from tensortier.bench._common import print_table
-    from tensortier.planner.policies import Options, choose, plan_all
+    from tensortier.planner.policies import Options, choose, plan_all, planning_budget
     from tensortier.planner.profile import CHANNELS, Profile
-    from tensortier.planner.report import action_rows, write_report
+    from tensortier.planner.report import (
+        COLUMNS,
+        action_rows,
+        added_text,
+        apply_hint,
+        legend,
+        write_report,
+    )
 
     budget = parse_size(args.budget, name="--budget", allow_zero=False)
     profile = Profile.load(args.profile) if args.profile else profile_gpt(args, budget)
@@ -108,19 +116,27 @@ def run(args) -> int:
         choice = choose(profile, budget, args.policy, opts)
     except BudgetError as e:
         print(f"error: {e}", file=sys.stderr)
+        print(f"try: tensortier plan ... --budget {format_size_up(e.minimum)}", file=sys.stderr)
         return 2
     print_table(
         action_rows(profile, choice.plan), ["unit", "action", "saved", "moved", "tensors", "codecs"]
     )
+    for line in [*legend(choice.plan), COLUMNS]:
+        print(textwrap.fill(line, 100, initial_indent="  ", subsequent_indent="    "))
+    goal = planning_budget(budget, opts)
     r = choice.result
     print(
         f"plan {choice.plan.policy}: predicted peak {format_size(r.peak_bytes)} "
-        f"(budget {format_size(budget)}), step {r.step_s:.3f}s, exposed transfer {r.exposed_s:.3f}s"
-        f"; planned in {choice.plan_s:.2f}s"
+        f"(budget {format_size(budget)}, planned for {format_size(goal)}: "
+        f"{opts.margin:.0%} margin), step {r.step_s:.3f}s, exposed transfer {r.exposed_s:.3f}s, "
+        f"added {added_text(r)}; planned in {choice.plan_s:.2f}s"
     )
+    print("to run your model under this budget:")
+    print(textwrap.indent(apply_hint(budget, args.policy), "    "))
     if args.report:
+        others = {} if args.policy == "auto" else plan_all(profile, goal, opts)
         html_path, png_path = write_report(
-            args.report, profile, choice, plan_all(profile, budget, opts), budget=budget
+            args.report, profile, choice, others, budget=budget, planned_for=goal
         )
         print(f"wrote {html_path} and {png_path}")
     return 0

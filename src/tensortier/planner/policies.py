@@ -33,9 +33,9 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tensortier._units import SizeLike, format_size, parse_size
+from tensortier._units import SizeLike, format_size, format_size_up, parse_size
 from tensortier.errors import BudgetError, ConfigError
 from tensortier.planner.profile import Profile
 from tensortier.planner.simulator import Mode, Plan, SimResult, UnitAction, resolve_codecs, simulate
@@ -74,6 +74,8 @@ class Choice:
     plan: Plan
     result: SimResult
     plan_s: float = 0.0  # seconds spent choosing it
+    # what ``choose`` compared to pick it, by policy (the very objects: one source for reports)
+    considered: dict[str, Choice] = field(default_factory=dict, repr=False, compare=False)
 
     def meets(self, budget: int) -> bool:
         return self.result.peak_bytes <= budget
@@ -500,6 +502,13 @@ def _remote(choice: Choice) -> bool:
     return any(a.mode == Mode.REMOTE for a in choice.plan.actions.values())
 
 
+def planning_budget(budget: int, opts: Options) -> int:
+    """The budget plans are made for: ``budget`` less ``opts.margin`` (measured bandwidths drift)."""
+    if not 0 <= opts.margin < 1:
+        raise ConfigError(f"margin must be in [0, 1), got {opts.margin}")
+    return int(budget * (1 - opts.margin))
+
+
 def choose(
     profile: Profile,
     budget: SizeLike,
@@ -509,9 +518,7 @@ def choose(
     """The plan of ``policy`` for ``budget``; raises :class:`BudgetError` if it does not fit."""
     opts = opts or Options()
     given = parse_size(budget, name="budget", allow_zero=False)
-    if not 0 <= opts.margin < 1:
-        raise ConfigError(f"margin must be in [0, 1), got {opts.margin}")
-    b = int(given * (1 - opts.margin))
+    b = planning_budget(given, opts)
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     t0 = time.monotonic()
@@ -524,13 +531,14 @@ def choose(
             # local tiers' do not)
             best = min(fitting, key=lambda c: (c.result.step_s, _remote(c), c.result.peak_bytes))
             plan = Plan(f"auto:{best.plan.policy}", dict(best.plan.actions), dict(best.plan.codecs))
-            return Choice(plan, best.result, time.monotonic() - t0)
+            return Choice(plan, best.result, time.monotonic() - t0, considered=everything)
         tried = list(everything.values())
     else:
         one = (
             search(profile, b, opts) if policy == "search" else HEURISTICS[policy](profile, b, opts)
         )
         one.plan_s = time.monotonic() - t0
+        one.considered = {policy: one}
         if one.meets(b):
             return one
         tried = [one]
@@ -539,12 +547,8 @@ def choose(
     raise BudgetError(
         f"no {policy} plan fits a budget of {format_size(given)}: the smallest peak this model "
         f"reaches is {format_size(reached)} (policy {policy!r}, {opts.margin:.0%} margin). Raise "
-        f"the budget to at least {format_size(minimum)}"
-        + (
-            ", allow more tiers, or use policy='auto'."
-            if policy != "auto"
-            else ", or allow more tiers."
-        ),
+        f"the budget to at least {format_size_up(minimum)}"
+        + (", or use policy='auto'." if policy != "auto" else "."),
         budget=given,
         minimum=minimum,
     )

@@ -16,7 +16,7 @@ from tensortier._units import format_size
 from tensortier.errors import ConfigError
 from tensortier.planner.policies import Choice
 from tensortier.planner.profile import Profile
-from tensortier.planner.simulator import Plan, simulate
+from tensortier.planner.simulator import OVERHEADS, SWAPS, Mode, Plan, SimResult, simulate
 
 LANES = ("compute", "d2h", "h2d", "h2disk", "disk2h")
 REMOTE_LANES = ("h2remote", "remote2h")  # drawn when the profile measured a remote pool
@@ -97,7 +97,7 @@ def render_png(profile: Profile, choice: Choice, budget: int | None = None) -> b
     ax_gantt.set_xlabel("seconds")
     ax_gantt.set_title(
         f"{choice.plan.policy}: step {res.step_s:.3g}s, exposed transfer {res.exposed_s:.3g}s, "
-        f"codec/recompute {res.overhead_s:.3g}s"
+        f"added {added_text(res)}"
     )
     fig.tight_layout()
     buf = io.BytesIO()
@@ -135,6 +135,57 @@ def _short(label: str, limit: int = 40) -> str:
     return label if len(label) <= limit else label[: limit - 1] + "…]"
 
 
+def added_text(result: SimResult) -> str:
+    """What the plan adds to the compute stream, by cause: ``copies 0.01s, codecs 0s, ...``."""
+    by = result.overhead_by or {}
+    return ", ".join(f"{k} {by.get(k, 0.0):.3g}s" for k in OVERHEADS)
+
+
+COLUMNS = (
+    "saved: bytes the unit's forward saves for its backward (tensors: how many); moved: of "
+    "those, the bytes sent to a tier; (outside units): tensors saved outside every block "
+    "(embeddings, the loss)"
+)
+LEGEND = {  # action notation -> what it means, in the words of a reader of the table
+    "keep": "keep: the unit's saved tensors stay on the device until its backward",
+    "swap": "host / disk / remote: after the unit's forward its saved tensors move to pinned "
+    "host RAM / NVMe spill files / other machines' RAM, and come back, prefetched, for its "
+    "backward",
+    "part": "disk[0,3,7] (or host[...], remote[...]): only the saved tensors at these positions "
+    "move, counted from 0 in the order the unit's forward saved them; the others stay",
+    "codec": "+codec: compressed losslessly on the way (sparse, zstd or lz4; fp16/bf16 only "
+    "with --lossy), where encode + move + decode beats moving raw; the codecs column names it",
+    "recompute": "recompute: nothing is saved; backward reruns the unit's forward "
+    "(torch.utils.checkpoint)",
+    "selective": "selective[2,5]: backward reruns only the operators at these positions of the "
+    "unit's forward (counted from 0 in dispatch order; cheap ones such as norms and "
+    "activations); the other operators' outputs are kept (see the per-operator table)",
+}
+
+
+def legend(plan: Plan) -> list[str]:
+    """The notation of the action column, for the kinds of action this plan uses."""
+    acts = list(plan.actions.values())
+    used = {"keep"}
+    used |= {"swap" for a in acts if a.mode in SWAPS}
+    used |= {"part" for a in acts if a.mode in SWAPS and a.part is not None}
+    used |= {"codec" for a in acts if a.compress}
+    used |= {a.mode.value for a in acts if a.mode in (Mode.RECOMPUTE, Mode.SELECTIVE)}
+    return [text for key, text in LEGEND.items() if key in used]
+
+
+def apply_hint(budget: int, policy: str = "auto") -> str:
+    """How to run a model under this budget: the verb that profiles the model it wraps at its
+    first step and plans like this (``plan_cache=`` keeps the plan for the next run)."""
+    extra = "" if policy.split(":")[0] == "auto" else f', policy="{policy.split(":")[0]}"'
+    return (
+        f'with tt.offload(budget="{format_size(budget)}"{extra}, spill_dir="/path/on/nvme",\n'
+        f'                plan_cache="plans/"):   # profiles your model at its first step\n'
+        f"    loss = model(batch)\n"
+        f"loss.backward()"
+    )
+
+
 def op_rows(profile: Profile, plan: Plan) -> list[dict]:
     """Per selective unit and operator kind: how many are recomputed and how many cached, with
     the bytes the cached ones keep and the seconds the recomputed ones cost in backward."""
@@ -164,6 +215,29 @@ def op_rows(profile: Profile, plan: Plan) -> list[dict]:
     return rows
 
 
+def policy_rows(choice: Choice, others: dict[str, Choice] | None, goal: int | None) -> list:
+    """One row per policy, the chosen plan marked; ``choice.considered`` wins over ``others``."""
+    rows, chosen = [], choice.plan.policy.split(":")[-1]  # "auto:fine" was fine's plan
+    for name, c in {**(others or {}), **choice.considered}.items():
+        by = c.result.overhead_by or {}
+        rows.append(
+            {
+                "policy": name,
+                "peak": format_size(c.result.peak_bytes),
+                "step_s": f"{c.result.step_s:.4g}",
+                "exposed_s": f"{c.result.exposed_s:.3g}",
+                **{f"{k}_s": f"{by.get(k, 0.0):.3g}" for k in OVERHEADS},
+                **({} if goal is None else {f"under {format_size(goal)}": _yes(c.meets(goal))}),
+                "chosen": "<- chosen" if name == chosen else "",
+            }
+        )
+    return rows
+
+
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "no"
+
+
 def _table(rows: list[dict]) -> str:
     if not rows:
         return "<p>(none)</p>"
@@ -182,8 +256,13 @@ def write_report(
     others: dict[str, Choice] | None = None,
     *,
     budget: int | None = None,
+    planned_for: int | None = None,
 ) -> tuple[str, str]:
-    """Writes ``path`` (HTML) and the PNG beside it; returns both paths."""
+    """Writes ``path`` (HTML) and the PNG beside it; returns both paths.
+
+    ``others``: more policies' plans for the table, for ``planned_for`` (the budget less the
+    margin ``choose`` took off); the plans ``choose`` compared (``choice.considered``) replace
+    theirs, so the chosen row and the header are the same numbers."""
     path = os.fspath(path)
     png_path = os.path.splitext(path)[0] + ".png"
     png = render_png(profile, choice, budget)
@@ -194,30 +273,32 @@ def write_report(
         {"channel": c, "GB/s": f"{bw.of(c) / 1e9:.2f}"}
         for c in LANES[1:] + (REMOTE_LANES if bw.remote else ())
     ]
-    policy_rows = [
-        {
-            "policy": name,
-            "peak": format_size(c.result.peak_bytes),
-            "step_s": f"{c.result.step_s:.4g}",
-            "exposed_s": f"{c.result.exposed_s:.3g}",
-            "overhead_s": f"{c.result.overhead_s:.3g}",
-            "meets budget": "" if budget is None else ("yes" if c.meets(budget) else "no"),
-        }
-        for name, c in (others or {}).items()
-    ]
+    res = choice.result
+    goal = planned_for or budget
+    planned = (
+        f", planned for {format_size(planned_for)} (the rest is margin: measured speeds drift)"
+        if planned_for and budget and planned_for != budget
+        else ""
+    )
+    items = "".join(f"<li>{html.escape(t)}</li>" for t in [*legend(choice.plan), COLUMNS])
+    how = ""
+    if budget:
+        code = html.escape(apply_hint(budget, choice.plan.policy))
+        how = f"<p>To run your model under this budget:</p><pre>{code}</pre>"
     title = f"tensortier plan: {html.escape(choice.plan.policy)}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style></head><body>
 <h1>{title}</h1>
-<p>Device {html.escape(profile.device)}; budget {format_size(budget) if budget else "none"};
-predicted peak {format_size(choice.result.peak_bytes)}, step {choice.result.step_s:.4g}s
-(exposed transfer {choice.result.exposed_s:.3g}s). Saved activations
-{format_size(profile.saved_bytes)} in {len(profile.tensors)} tensors.</p>
+<p>Device {html.escape(profile.device)}; budget {format_size(budget) if budget else "none"}{planned};
+predicted peak {format_size(res.peak_bytes)}, step {res.step_s:.4g}s
+(exposed transfer {res.exposed_s:.3g}s; added to the compute stream: {added_text(res)}).
+Saved activations {format_size(profile.saved_bytes)} in {len(profile.tensors)} tensors.</p>
+{how}
 <img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="100%">
-<h2>Per-module actions</h2>{_table(action_rows(profile, choice.plan))}
+<h2>Per-module actions</h2><ul>{items}</ul>{_table(action_rows(profile, choice.plan))}
 <h2>Per-operator actions (selective recompute)</h2>{_table(op_rows(profile, choice.plan))}
-<h2>Every policy (simulated)</h2>{_table(policy_rows)}
+<h2>Every policy (simulated)</h2>{_table(policy_rows(choice, others, goal))}
 <h2>Measured bandwidth</h2>{_table(bw_rows)}
 </body></html>"""
     with open(path, "w") as f:

@@ -803,12 +803,10 @@ class PlannedOffload:
         if cfg.report and _dist.rank() == 0:
             from tensortier.planner.report import write_report
 
+            goal = self._planning_budget()  # what _choose planned for: the same numbers
+            others = {} if cfg.policy == "auto" else plan_all(self.profile, goal, cfg.options)
             write_report(
-                cfg.report,
-                self.profile,
-                self.choice,
-                plan_all(self.profile, cfg.budget, cfg.options),
-                budget=cfg.budget,
+                cfg.report, self.profile, self.choice, others, budget=cfg.budget, planned_for=goal
             )
         if prof.offloader is not None and prof.offloader is not self._warm:
             prof.offloader.close()

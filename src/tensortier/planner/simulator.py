@@ -128,6 +128,11 @@ class Span:
     label: str
 
 
+# what adds time to the compute stream besides the model's own work: issuing and copying
+# payloads (copy threads share the cores), encoding/decoding them, rerunning forwards
+OVERHEADS = ("copies", "codecs", "recompute")
+
+
 @dataclass
 class SimResult:
     peak_bytes: int
@@ -138,6 +143,7 @@ class SimResult:
     host_peak_bytes: int
     timeline: list[tuple[float, int]]  # (time, device bytes) after each change
     spans: list[Span]
+    overhead_by: dict[str, float] = field(default_factory=dict)  # overhead_s per OVERHEADS cause
 
     def summary(self) -> dict:
         return {
@@ -292,7 +298,8 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
     host = dev if profile.unified else _Memory()  # where host-side payloads live
     spans: list[Span] = []
     chan = dict.fromkeys(CHANNELS, 0.0)
-    now, overhead = 0.0, 0.0
+    now = 0.0
+    added = dict.fromkeys(OVERHEADS, 0.0)  # seconds added to the compute stream, by cause
     # a hop allocates its destination when it starts and frees its source when it ends
     src_of = {"d2h": dev, "h2disk": host, "disk2h": None, "h2d": host, "h2remote": host}
     dst_of = {"d2h": host, "h2disk": None, "disk2h": host, "h2d": dev, "h2remote": None}
@@ -342,7 +349,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
                 dev.add(start + fwd_s, -t.nbytes)
             if u.name in sel:  # the cached operator outputs stay until backward reruns the unit
                 dev.add(start + fwd_s, sel[u.name].cached_bytes)
-                overhead += sel[u.name].fwd_extra_s
+                added["recompute"] += sel[u.name].fwd_extra_s
             now += fwd_s
             kind = "selective" if u.name in sel else "ckpt"
             spans.append(Span("compute", start, now, f"fwd {u.name} ({kind})"))
@@ -373,13 +380,13 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
                     writes = [w for w in writes if w[0] > now]
             cost = bw.issue_s + payload * profile.move_s_per_byte  # copy threads share the cores
             now += cost
-            overhead += cost
+            added["copies"] += cost
             where = dev
             if codec is not None:
                 enc, _ = codec_seconds(profile, t, codec)
                 spans.append(Span("compute", now, now + enc, f"encode {codec} #{t.index}"))
                 now += enc
-                overhead += enc
+                added["codecs"] += enc
                 where = host if codec in HOST_CODECS else dev
                 where.add(now, payload)
                 dev.add(now, -t.nbytes)
@@ -459,7 +466,7 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
             transient(now, now + rerun, max((t.nbytes for t in made), default=0))
             spans.append(Span("compute", now, now + rerun, f"recompute {u.name}"))
             now += rerun
-            overhead += rerun
+            added["recompute"] += rerun
             if selective is not None:  # cached outputs autograd does not need are let go
                 dev.add(now, -selective.cached_unsaved)
         start = now
@@ -483,13 +490,13 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
                     dev.add(now, r.payload)
                 cost = r.payload * profile.move_s_per_byte
                 now += cost
-                overhead += cost
+                added["copies"] += cost
                 if r.codec is not None:
                     _, dec = codec_seconds(profile, r.t, r.codec)
                     dev.add(now, r.t.nbytes)
                     spans.append(Span("compute", now, now + dec, f"decode {r.codec} #{t.index}"))
                     now += dec
-                    overhead += dec
+                    added["codecs"] += dec
                     arrived_in = (
                         dev
                         if path_of(profile, r.tier, r.codec, outbound=False)[-1:] == ["h2d"]
@@ -518,7 +525,8 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
         peak_bytes=int(base + peak),
         step_s=now,
         exposed_s=exposed,
-        overhead_s=overhead,
+        overhead_s=sum(added.values()),
+        overhead_by=added,
         forward_s=forward_s,
         host_peak_bytes=int(host_peak),
         timeline=[(t, base + b) for t, b in timeline],
