@@ -196,6 +196,30 @@ def test_priority_updates_and_deletes_reach_the_owning_shard(cluster, spill_dir)
         tmpl.close()
 
 
+def test_a_bad_priority_update_never_poisons_a_shard(cluster):
+    """Global ids -1 and -2 named local id -1 on a shard: an empty slot got a priority and every
+    sample of every learner failed. Overflowing priorities made a shard's total inf. Both refused
+    before any shard changes."""
+    buf = serve(ReplayBuffer(100, sampler=Prioritized(alpha=1.0)), shards=2, **_ON_WORKERS)
+    try:
+        ids = np.concatenate([buf.extend([_item(i) for i in range(3)], shard=s) for s in (0, 1)])
+        before = buf.priorities(ids).tolist()
+        for bad in (-1, -2):
+            with pytest.raises(KeyError, match=f"index {bad} was never returned"):
+                buf.update_priorities([int(ids[0]), bad], [5.0, 1e6])
+        with pytest.raises(ConfigError, match=r"at most 1e\+290"):
+            buf.update_priorities(ids[:2], [1.0, 1e308])
+        assert buf.priorities(ids).tolist() == before
+        for _ in range(3):
+            batch = buf.sample(32)
+            assert set(batch.indices.tolist()) <= set(ids.tolist())
+            assert np.isfinite(batch.weights).all() and (batch.weights > 0).all()
+        new = buf.add(_item(9), shard=0)  # new items get the old max priority, not 1e308
+        assert buf.priorities([new]).tolist() == [1.0]
+    finally:
+        buf.close()
+
+
 def test_collectors_write_to_the_shard_on_their_node(cluster):
     buf = serve(ReplayBuffer(100), shards=2, **_ON_WORKERS)
     try:

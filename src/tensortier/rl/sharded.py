@@ -50,7 +50,7 @@ from tensortier.errors import ClosedError, ConfigError, ShardLostError, Tensorti
 from tensortier.rl._store import as_index_array
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.replay import _DEFAULT, Batch, ReplayBuffer, _check_batch_size, _check_timeout
-from tensortier.rl.sampler import Prioritized, PrioritizedState
+from tensortier.rl.sampler import Prioritized, PrioritizedState, check_priority
 from tensortier.rl.serve import (
     _START_TIMEOUT,
     _BufferActor,
@@ -566,6 +566,11 @@ class ShardedReplayBuffer:
     # -------------------------------------------------------------- by id
     def _by_shard(self, ids: Any) -> tuple[np.ndarray, np.ndarray, list[int]]:
         g = as_index_array(ids)
+        if g.size and g.min() < 0:  # -1 would name a shard's local -1: an empty slot's key
+            raise KeyError(
+                f"index {int(g.min())} was never returned by add() on this buffer (pass "
+                f"batch.indices from sample(), not positions in the batch)"
+            )
         shard, local = g % self.shards, g // self.shards
         return shard, local, sorted(set(shard.tolist()))
 
@@ -611,6 +616,9 @@ class ShardedReplayBuffer:
         if prios.size and not (np.isfinite(prios).all() and prios.min() >= 0):
             raise ConfigError("priorities must be finite and >= 0 (pass |td_error|)")
         top = float(prios.max()) if prios.size else 0.0
+        sampler = self._spawn["sampler"]
+        if isinstance(sampler, Prioritized):
+            check_priority(top, sampler.alpha)  # before any shard changes
         _, _, lost = self._each(
             g, lambda a, keys, pos: a.set_priorities.remote(keys, prios[pos], top)
         )
