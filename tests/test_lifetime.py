@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+import tensortier as tt
 from tensortier import _lifetime
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer, private_dir, quiesce, reclaim_stale
@@ -128,6 +129,41 @@ def test_dir_lock_excludes_and_is_released_by_gc(tmp_path):
     b.release()
     assert not b.held
     DirLock(tmp_path, what="test writer").release()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: DirLock(d, what="test writer").release(),
+        lambda d: tt.Checkpointer(d).close(),
+        lambda d: tt.rl.ReplayBuffer(10, spill_dir=d, durable=True).close(),
+    ],
+    ids=["DirLock", "Checkpointer", "durable ReplayBuffer"],
+)
+def test_dir_lock_never_follows_a_symlink_at_its_path(tmp_path, make):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious data\n")
+    d = tmp_path / "shared"
+    d.mkdir()
+    names = (".tensortier.lock", ".tensortier-checkpoint.lock")
+    for name in names:
+        os.symlink(victim, d / name)
+    with pytest.raises(SpillDirError, match="symbolic link"):
+        make(d)
+    assert victim.read_text() == "precious data\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's file")
+def test_dir_lock_refuses_another_users_lock_file(tmp_path):
+    lock = tmp_path / ".tensortier.lock"
+    lock.write_text("")
+    os.chown(lock, 65534, 65534)
+    with pytest.raises(SpillDirError, match="owned by uid 65534"):
+        DirLock(tmp_path, what="test writer")
+    os.unlink(lock)
+    os.mkfifo(lock)
+    with pytest.raises(SpillDirError, match="not a regular file"):
+        DirLock(tmp_path, what="test writer")
 
 
 def test_normalize_device():

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import queue
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -292,14 +294,7 @@ class DirLock:
 
     def __init__(self, directory: str | os.PathLike, *, name: str = ".tensortier.lock", what: str):
         self.path = os.path.join(os.fspath(directory), name)
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise SpillDirError(
-                f"cannot create the lock file {self.path!r} ({exc.strerror}); make the directory "
-                f"writable or pass another one",
-                path=os.fspath(directory),
-            ) from exc
+        fd = _open_lock_file(self.path, os.fspath(directory))
         try:
             _flock_or_child_copy(fd, self.path)
         except OSError as exc:
@@ -321,6 +316,37 @@ class DirLock:
     @property
     def held(self) -> bool:
         return self._finalize.alive
+
+
+def _open_lock_file(path: str, directory: str) -> int:
+    """Open (or create) the lock file without following a symlink planted at its path (whoever
+    can write to the directory could otherwise make us truncate any file we can write), and
+    refuse anything but a regular file of our own: another user's file is not our lock."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SpillDirError(
+                f"the lock file {path!r} is a symbolic link; tensortier does not follow links "
+                f"there (it would overwrite their target): remove it or use another directory",
+                path=directory,
+            ) from exc
+        raise SpillDirError(
+            f"cannot create the lock file {path!r} ({exc.strerror}); make the directory "
+            f"writable or pass another one",
+            path=directory,
+        ) from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        kind = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"owned by uid {st.st_uid}"
+        raise SpillDirError(
+            f"the lock file {path!r} is {kind}, not one this user made; remove it or use a "
+            f"directory of your own",
+            path=directory,
+        )
+    return fd
 
 
 def _flock_or_child_copy(fd: int, path: str) -> None:

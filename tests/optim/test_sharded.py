@@ -173,6 +173,30 @@ def test_mismatched_ranks_fail_on_every_rank():
             assert "rank 1" in message and what in message, message
 
 
+def _load_other_model(rank: int, world: int) -> str:
+    """Torch AdamW state of a model half as wide: each of its tensors has exactly one rank's
+    share of our elements (every weight cut by rows, biases too small to cut)."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 4))
+    DDP(m)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    topt = torch.optim.AdamW(other.parameters())
+    other(torch.randn(2, 8)).sum().backward()
+    topt.step()
+    try:
+        opt.load_state_dict(topt.state_dict())
+        return "accepted"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        opt.close()
+
+
+def test_the_state_of_a_smaller_model_is_refused_on_every_rank():
+    for message in distributed.run(_load_other_model, 2):
+        assert "has shape" in message and "the parameter has" in message, message
+
+
 def test_shard_true_without_a_process_group_is_a_config_error():
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="shard=True"):

@@ -122,3 +122,106 @@ def test_other_sequence_lengths_get_their_bucket_plan_without_profiling(spill_di
         2 * off._buckets[next(iter(off._buckets))].profile.saved_bytes, rel=0.01
     )
     assert passes == 3 and off._profiled == 3  # the probe and two timing passes, never again
+
+
+def test_an_unwritable_cache_warns_once_and_training_goes_on(tmp_path, spill_dir, caplog):
+    """A cache path that cannot be made (under a regular file): the first plan, a new bucket's
+    plan and every later one fail to save; one warning, the plans stay in memory, gradients
+    bit-identical to plain PyTorch."""
+    (tmp_path / "file").write_text("not a directory")
+    cache = tmp_path / "file" / "plans"
+    model = _Seq()
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 64, 256, generator=gen) for _ in range(STEPS)]
+    xs += [torch.randn(8, 100, 256, generator=gen), torch.randn(8, 64, 256, generator=gen)]
+    plain = _grads(model, xs)
+    off = planned_offload("48MiB", spill_dir=spill_dir, options=FAST, plan_cache=cache)
+    with caplog.at_level("WARNING", logger="tensortier"):
+        try:
+            got = _grads(model, xs, off)
+        finally:
+            off.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    assert len(off._buckets) == 2  # both buckets planned (and neither saved)
+    warned = [r for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(warned) == 1 and str(cache) in warned[0].getMessage()
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+_READ_ONLY_CACHE = r"""
+import logging, os, shutil, sys, tempfile
+import torch
+torch.set_num_threads(1)  # fork below: no OpenMP pool in the parent
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+from test_cache import FAST, _Seq, _grads
+from tensortier._lifetime import quiesce
+from tensortier.planner.runtime import planned_offload
+
+def xs(seq):
+    return [torch.randn(8, seq, 256, generator=torch.Generator().manual_seed(seq))]
+
+base = tempfile.mkdtemp(prefix="tt-test-plancache-")
+os.chmod(base, 0o755)
+cache, spill = os.path.join(base, "cache"), os.path.join(base, "spill")
+os.makedirs(spill)
+os.chmod(spill, 0o777)
+try:
+    model = _Seq()
+    off = planned_offload("24MiB", spill_dir=spill, options=FAST, plan_cache=cache)
+    _grads(model, xs(128) * 5, off)
+    off.close()
+    quiesce()  # no cleanup in flight when forking
+    for name in os.listdir(cache):
+        os.chmod(os.path.join(cache, name), 0o444)
+    os.chmod(cache, 0o555)  # a shared, read-only cache
+    root = os.geteuid() == 0
+    pid = os.fork() if root else 0
+    if pid == 0:
+        code = 1
+        try:
+            if root:
+                os.setgid(65534)
+                os.setuid(65534)
+            warned = []
+            handler = logging.Handler()
+            handler.emit = lambda r: warned.append(r.getMessage())
+            logging.getLogger("tensortier").addHandler(handler)
+            off = planned_offload("24MiB", spill_dir=spill, options=FAST, plan_cache=cache)
+            try:
+                got = _grads(model, xs(128) + xs(1024) + xs(2048), off)
+            finally:
+                off.close()
+            plain = _grads(model, xs(128) + xs(1024) + xs(2048))
+            same = all(torch.equal(a, b) for a, b in zip(plain, got))
+            unwritable = [m for m in warned if "cannot be written" in m]
+            print(f"cached={off.cached} same={same} warnings={len(unwritable)}")
+            code = 0
+        finally:
+            if root:
+                sys.stdout.flush()
+                os._exit(code)
+    else:
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+finally:
+    shutil.rmtree(base, ignore_errors=True)  # the forked child leaves through os._exit
+"""
+
+
+def test_a_shared_read_only_cache_is_used_and_new_lengths_still_train():
+    """Another user's read-only cache: its plan is used, then a new sequence length (whose plan
+    cannot be saved) trains on with one warning. Run as uid 65534 when the tests run as root
+    (root writes anywhere), in a fresh process (fork needs a process without thread pools)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _READ_ONLY_CACHE, __file__],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "cached=True same=True warnings=1", proc.stderr[-3000:]

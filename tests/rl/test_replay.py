@@ -380,6 +380,25 @@ def test_update_priorities_refuses_indices_add_never_returned():
     buf.close()
 
 
+def test_index_minus_one_never_touches_the_empty_slots_of_a_buffer_not_full():
+    """-1 % capacity names an empty slot whose stored key is also -1: accepting it gave that
+    slot a priority, and every later sample() drew it (FileNotFoundError)."""
+    buf = ReplayBuffer(10, sampler=Prioritized(alpha=1.0), seed=0)
+    keys = [buf.add(item(i)) for i in range(5)]
+    before = buf.priorities(keys).copy()
+    with pytest.raises(KeyError, match="index -1 was never returned"):
+        buf.update_priorities([-1], [1e6])
+    with pytest.raises(KeyError, match="never returned"):
+        buf.update_priorities([keys[0], -1], [1.0, 1e6])  # all or nothing
+    np.testing.assert_array_equal(buf.priorities(keys), before)
+    assert buf.stats["stale_updates"] == 0
+    for _ in range(5):
+        batch = buf.sample(32)
+        assert set(batch.indices.tolist()) <= set(keys)
+        assert sorted(set(batch.items["i"].tolist())) == [0, 1, 2, 3, 4]
+    buf.close()
+
+
 def test_update_priorities_knows_indices_after_a_reload(tmp_path):
     buf = ReplayBuffer(8, sampler=Prioritized(), seed=0)
     keys = buf.extend(item(i) for i in range(6))

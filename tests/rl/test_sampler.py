@@ -129,3 +129,38 @@ def test_new_items_get_running_max_priority():
 def test_bad_sampler_settings(kwargs):
     with pytest.raises(ConfigError):
         Prioritized(**kwargs)
+
+
+def test_priorities_whose_weight_sum_would_overflow_are_refused():
+    """Two finite priorities of 1e308 (alpha=1) made the tree total inf: one of two equal items
+    was never drawn and every weight was 0. Refused now, naming the limit, nothing changed."""
+    buf = ReplayBuffer(10, sampler=Prioritized(alpha=1.0), seed=0)
+    keys = [buf.add({"i": i}) for i in range(10)]  # full: every slot counts in the sum
+    before = buf.priorities(keys).copy()
+    with pytest.raises(ConfigError, match=r"at most 1e\+290 with alpha=1.0.*got 1e\+308"):
+        buf.update_priorities(keys[:2], [1e308, 1e308])
+    np.testing.assert_array_equal(buf.priorities(keys), before)
+    # at the limit the total stays finite and the sampler stays correct
+    buf.update_priorities(keys, np.full(10, 1e290))
+    buf.update_priorities(keys[:2], [1e290, 1e290])
+    buf.update_priorities(keys[2:], np.full(8, 1e289))
+    assert np.isfinite(buf._sampler.tree.total)
+    batch = buf.sample(2800)
+    counts = np.bincount(batch.items["i"], minlength=10)
+    expected = np.array([1e290, 1e290] + [1e289] * 8) / 2.8e290 * 2800
+    assert ((counts - expected) ** 2 / expected).sum() < chi2_critical(9)
+    np.testing.assert_allclose(batch.weights[batch.items["i"] < 2], 10.0**-0.4, rtol=1e-6)
+    assert buf._sampler.max_priority == 1e290  # new items get a weight that still sums finitely
+    buf.close()
+
+
+def test_the_priority_limit_follows_alpha():
+    buf = ReplayBuffer(4, sampler=Prioritized(alpha=0.5), seed=0)
+    keys = [buf.add({"i": i}) for i in range(4)]
+    buf.update_priorities(keys, np.full(4, 1e308))  # p**0.5 = 1e154: fine
+    assert np.isfinite(buf._sampler.tree.total)
+    assert set(buf.sample(64).indices.tolist()) == set(keys)
+    buf.close()
+    with pytest.raises(ConfigError, match="initial_priority must be at most"):
+        Prioritized(alpha=2.0, initial_priority=1e200)
+    Prioritized(alpha=0.0, initial_priority=1e308)  # every weight is 1

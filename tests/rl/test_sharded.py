@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from tensortier._ray import end_actors  # noqa: E402
 from tensortier.errors import (  # noqa: E402
+    ClosedError,
     ConfigError,
     CorruptDataError,
     RateLimitTimeout,
@@ -196,6 +197,30 @@ def test_priority_updates_and_deletes_reach_the_owning_shard(cluster, spill_dir)
         tmpl.close()
 
 
+def test_a_bad_priority_update_never_poisons_a_shard(cluster):
+    """Global ids -1 and -2 named local id -1 on a shard: an empty slot got a priority and every
+    sample of every learner failed. Overflowing priorities made a shard's total inf. Both refused
+    before any shard changes."""
+    buf = serve(ReplayBuffer(100, sampler=Prioritized(alpha=1.0)), shards=2, **_ON_WORKERS)
+    try:
+        ids = np.concatenate([buf.extend([_item(i) for i in range(3)], shard=s) for s in (0, 1)])
+        before = buf.priorities(ids).tolist()
+        for bad in (-1, -2):
+            with pytest.raises(KeyError, match=f"index {bad} was never returned"):
+                buf.update_priorities([int(ids[0]), bad], [5.0, 1e6])
+        with pytest.raises(ConfigError, match=r"at most 1e\+290"):
+            buf.update_priorities(ids[:2], [1.0, 1e308])
+        assert buf.priorities(ids).tolist() == before
+        for _ in range(3):
+            batch = buf.sample(32)
+            assert set(batch.indices.tolist()) <= set(ids.tolist())
+            assert np.isfinite(batch.weights).all() and (batch.weights > 0).all()
+        new = buf.add(_item(9), shard=0)  # new items get the old max priority, not 1e308
+        assert buf.priorities([new]).tolist() == [1.0]
+    finally:
+        buf.close()
+
+
 def test_collectors_write_to_the_shard_on_their_node(cluster):
     buf = serve(ReplayBuffer(100), shards=2, **_ON_WORKERS)
     try:
@@ -310,6 +335,47 @@ def test_killed_shard_is_reported_and_the_others_keep_serving(cluster):
         assert buf.stats["lost_shards"] == {} and len(buf) == 6
         assert other.locate(other.add(_item(11), shard=0))[0].tolist() == [0]  # found by name
         assert other.stats["lost_shards"] == {} and len(other) == 7
+    finally:
+        buf.close()
+
+
+def test_a_lost_rate_limiter_is_rebuilt_from_the_shards_counters(cluster):
+    """The coordinator was a single point of failure: once dead, every add and sample raised
+    ClosedError for good and the shards' items were stranded. The shards count what they took
+    and gave; restart_rate_limiter() (or restart_shard) rebuilds it from those counts."""
+    limit = RateLimit(1, min_size_to_sample=2, error_buffer=8, timeout=0.5)
+    buf = serve(ReplayBuffer(100, rate_limit=limit), shards=2, **_ON_WORKERS)
+    other = pickle.loads(pickle.dumps(buf))  # what a collector holds
+    try:
+        buf.extend([_item(i) for i in range(6)], shard=0)
+        buf.extend([_item(i) for i in range(6, 10)], shard=1)
+        buf.sample(4)
+        buf.sample(3)
+        _kill(buf._coord)
+        with pytest.raises(ClosedError, match="restart_rate_limiter"):
+            buf.add(_item(10))
+        with pytest.raises(ClosedError, match="restart_rate_limiter"):
+            other.sample(1)
+        buf.restart_rate_limiter()
+        st = buf.stats["rate_limiter"]
+        assert (st["inserts"], st["samples"], st["size"]) == (10, 7, 10)
+        # still limiting where it left off: diff 10 - 7 = 3, min_diff 2 - 8 = -6
+        assert len(buf.sample(9)) == 9
+        with pytest.raises(RateLimitTimeout):
+            buf.sample(1, timeout=0.2)
+        other.add(_item(10))  # the collector's copy finds the new coordinator by its name
+        assert len(buf.sample(1)) == 1  # released by that insert
+        # coordinator and a non-durable shard lost together: restart_shard rebuilds both
+        _kill(buf._coord)
+        _kill(buf._actors[0])
+        buf.restart_shard(0)
+        st = buf.stats["rate_limiter"]
+        assert st["size"] == len(buf) == st["inserts"] > 0  # shard 1's items, still there
+        assert 0 <= st["samples"] <= 17  # shard 1's share of the 17 drawn; shard 0's went with it
+        # the limiter goes on from shard 1's counts: inserting until diff leaves room for one
+        for k in range(max(0, st["samples"] - st["inserts"] - 5)):
+            other.add(_item(11 + k))
+        assert len(buf.sample(1)) == 1
     finally:
         buf.close()
 

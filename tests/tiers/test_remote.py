@@ -384,3 +384,34 @@ def test_a_store_left_open_at_exit_does_not_reconnect_to_ray(cluster):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("Connected to Ray cluster") == 1, proc.stderr[-3000:]
+
+
+def test_a_put_in_flight_to_a_node_found_lost_is_counted_once(cluster):
+    """A get marks a node lost while a put reserved on it is queued: the put retries on the
+    other node. stats.used_bytes used to drop the put's reservation with the node's bytes, then
+    count the put again: 4 MiB low ("0B free ... 28MiB of 32MiB used")."""
+    c, workers, _ = cluster
+    doomed = c.add_node(num_cpus=0, object_store_memory=_STORE)
+    # one I/O thread: the get's job runs before the put's, in the order they were called
+    s = RemoteStore("32MiB", nodes=[workers[0], doomed.node_id], timeout=30, io_threads=1)
+    try:
+        kept = s.write(
+            torch.randn(1 << 18)
+        )  # 1 MiB on the first node: the doomed one has more room
+        assert s.stats.used_bytes == 1 << 20
+        gone = s.write(torch.randn(1 << 16))
+        assert (kept.node, gone.node) == (workers[0], doomed.node_id)
+        c.remove_node(doomed, allow_graceful=False)
+        lost = s.get(gone)  # will find the node lost
+        tensor = torch.randn(1 << 20)  # 4 MiB, reserved on the doomed node before the get fails
+        put = s.put(tensor)
+        with pytest.raises(NodeLostError, match=doomed.node_id):
+            lost.result(timeout=60)
+        moved = put.result(timeout=60)
+        assert moved.node == workers[0] and torch.equal(s.read(moved), tensor)
+        assert s.stats.used_bytes == 5 << 20  # 1 MiB kept + 4 MiB moved; the lost node's gone
+        for h in (kept, gone, moved):
+            s.free(h)
+        assert s.stats.used_bytes == 0
+    finally:
+        s.close()

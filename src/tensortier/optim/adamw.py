@@ -1232,8 +1232,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return {"state": state, "param_groups": self._packed_groups()}
 
     def _local_state(self, value, s: _Slot, what: str) -> torch.Tensor:
-        """The flat elements of ``value`` this slot holds: from a full tensor (any world size),
-        this rank's piece, or a ``Shard(0)`` DTensor over the same group (DCP's sharded form)."""
+        """The flat elements of ``value`` this slot holds: from a full tensor of the parameter's
+        shape (any world size) or a ``Shard(0)`` DTensor over the same group (DCP's sharded
+        form)."""
         from torch.distributed.tensor import DTensor
 
         p = s.param
@@ -1276,14 +1277,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return local.reshape(-1)
         if not torch.is_tensor(value):
             raise ValueError(f"{what} is a {type(value).__name__}, not a tensor")
-        if value.numel() == s.param.numel():
-            return s.view(value.reshape(-1)) if not s.whole else value.reshape(-1)
-        if value.numel() == s.numel:
-            return value.reshape(-1)
-        raise ValueError(
-            f"{what} has {value.numel()} elements; the parameter has {s.param.numel()}"
-            + (f" (this rank holds {s.numel} of them)" if not s.whole else "")
-        )
+        # a plain tensor is the full state, shaped like the parameter: one with as many elements
+        # as this rank's piece cannot be told from a smaller model's state (and every rank would
+        # take the same tensor), so pieces come only as this optimizer's Shard(0) DTensors
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{what} has shape {tuple(value.shape)}; the parameter has {tuple(p.shape)} "
+                f"(the state of another model?): pass the full state (torch.optim.AdamW's "
+                f"state_dict() or full_state_dict()) or this optimizer's own state_dict()"
+            )
+        return s.view(value.reshape(-1)) if not s.whole else value.reshape(-1)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.optim.AdamW.state_dict()`` (any of

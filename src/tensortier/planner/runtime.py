@@ -42,6 +42,8 @@ structure, the inputs' shape bucket and dtypes, the budget and the settings: a r
 with the same key runs the cached plan from its first step. Inputs whose shapes fall in another
 bucket (each dimension rounded up to a power of two) get a plan of their own at run time, from
 the same profile scaled to that bucket's shapes, without profiling again.
+A cache that cannot be read or written (damaged, read-only, shared with another user) is
+warned about and planning goes on in memory: the cache is an optimization, never a failure.
 
 On many ranks (``torch.distributed`` initialised, world > 1) every rank runs the same plan: the
 ranks agree on the settings at the first step and on the profiled structure before planning;
@@ -364,9 +366,12 @@ def load_cached(directory: str, key: dict) -> tuple[Profile, Plan, dict] | None:
 
 def save_cached(
     directory: str, key: dict, profile: Profile, choice: Choice, shapes, overhead: int = 0
-) -> str:
-    """Write atomically (temporary file, then rename): a reader never sees half a plan."""
-    os.makedirs(directory, exist_ok=True)
+) -> str | None:
+    """Write atomically (temporary file, then rename): a reader never sees half a plan.
+
+    The cache is an optimization: a directory that cannot be written (read-only, shared, full,
+    a path under a file) gets one warning and the plan stays in memory; training goes on.
+    Returns the file written, or None."""
     path = _key_file(directory, key)
     data = {
         "key": key,
@@ -376,16 +381,40 @@ def save_cached(
         "plan": choice.plan.to_dict(),
         "predicted": choice.result.summary(),
     }
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".tmp")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".tmp")
+    except OSError as exc:
+        _unwritable(directory, exc)
+        return None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as exc:
+        try:
             os.unlink(tmp)
-        raise
+        except OSError:
+            pass  # already gone, or the directory went read-only: nothing more to clean
+        if not isinstance(exc, OSError):
+            raise
+        _unwritable(directory, exc)
+        return None
     return path
+
+
+_warned_unwritable: set[str] = set()  # plan-cache directories already warned about
+
+
+def _unwritable(directory: str, exc: OSError) -> None:
+    if directory not in _warned_unwritable:
+        _warned_unwritable.add(directory)
+        log.warning(
+            "tensortier plan cache %s cannot be written (%s): plans stay in memory for this "
+            "run; make the directory writable or pass another plan_cache to keep them",
+            directory,
+            exc,
+        )
 
 
 def dimension_map(old: list, new: list) -> dict[int, int]:

@@ -811,7 +811,8 @@ class ReplayBuffer:
         """Set the priorities of sampled items (e.g. ``|td_error|``); one value per index.
 
         Priorities must be finite and >= 0 (0: never drawn while another item has a positive
-        priority; when all are 0, items are drawn uniformly with weights 1). Indices that went
+        priority; when all are 0, items are drawn uniformly with weights 1), and ``p**alpha`` at
+        most 1e290 so that their sum stays finite (ConfigError naming the limit). Indices that went
         stale since they were sampled are skipped and counted in ``stats["stale_updates"]``; an
         index that add() never returned raises KeyError and nothing is changed. (The buffer
         remembers which index each of its last ``capacity`` adds returned; an older index that is
@@ -838,10 +839,11 @@ class ReplayBuffer:
             raise ConfigError(
                 f"priorities must be >= 0, got {float(prios.min())} (pass |td_error|)"
             )
+        self._sampler.check(hi)  # a weight sum that overflows would sample wrongly
         with self._lock:
             self._check()
             slots = keys % self.capacity
-            live = self._store.keys[slots] == keys
+            live = (keys >= 0) & (self._store.keys[slots] == keys)  # an empty slot's key is -1
             if not live.all():  # slow path: stale (skipped) or never issued (refused)
                 issued = self._store.issued(keys)
                 if not issued.all():

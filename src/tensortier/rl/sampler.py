@@ -8,12 +8,30 @@ they build lives in the buffer and is saved with it as plain numpy arrays.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from tensortier.errors import ConfigError
+
+# Largest sampling weight p**alpha of one item: the sum over 10**17 of them stays below float64's
+# largest value (1.8e308), so the sum-tree total of any buffer, and of all shards together, is
+# finite. Past it the total is inf and sampling silently picks one item with weight 0.
+LEAF_MAX = 1e290
+
+
+def check_priority(top: float, alpha: float, what: str = "priorities") -> None:
+    """ConfigError when priority ``top`` (finite, >= 0) has a weight ``top**alpha`` above
+    :data:`LEAF_MAX` (computed in logs: the power itself may overflow)."""
+    if top > 0 and alpha * math.log(top) > math.log(LEAF_MAX):
+        limit = math.exp(math.log(LEAF_MAX) / alpha)
+        raise ConfigError(
+            f"{what} must be at most {limit:.3g} with alpha={alpha} (p**alpha up to "
+            f"{LEAF_MAX:g}, so the sum over the buffer stays finite); got {top:.3g}: scale them "
+            f"down (|td_error| rarely needs more than 1e6)"
+        )
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,7 @@ class Prioritized:
             raise ConfigError(
                 f"Prioritized: initial_priority must be > 0, got {self.initial_priority}"
             )
+        check_priority(float(self.initial_priority), float(self.alpha), "initial_priority")
 
     def to_dict(self) -> dict:
         return {"kind": "prioritized", **asdict(self)}
@@ -240,6 +259,9 @@ class UniformState:
     def update(self, slots: np.ndarray, priorities: np.ndarray, top: float | None = None) -> None:
         pass  # uniform sampling ignores priorities
 
+    def check(self, top: float) -> None:
+        pass  # any finite priority is fine: they are ignored
+
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         return np.ones(len(slots))
 
@@ -345,6 +367,10 @@ class PrioritizedState:
         self.samples += 1
         return slots, weights.astype(np.float32)
 
+    def check(self, top: float) -> None:
+        """ConfigError (nothing changed) when priorities up to ``top`` could overflow the tree."""
+        check_priority(top, self.cfg.alpha)
+
     def update(self, slots: np.ndarray, priorities: np.ndarray, top: float | None = None) -> None:
         """Set priorities; for a slot given twice the last value wins, as with single updates."""
         tree = self.tree  # queued adds first: they carry the old max priority
@@ -367,6 +393,10 @@ class PrioritizedState:
         samples = state.get("samples", 0)
         if isinstance(top, bool) or not isinstance(top, (int, float)) or not 0 < top < np.inf:
             raise ValueError(f"max_priority must be a finite number > 0, got {top!r}")
+        try:
+            check_priority(float(top), self.cfg.alpha, "max_priority")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         self.tree  # noqa: B018 (queued adds keep the leaf they were given)

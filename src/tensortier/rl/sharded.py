@@ -22,7 +22,12 @@ before it touches a shard: the coordinator waits on an asyncio condition for at 
 seconds per call, the caller repeats until its own deadline, then raises RateLimitTimeout. No
 actor thread is blocked (waiting calls are coroutines), nothing queues: each waiting caller holds
 only its own batch. Shards' sizes reach the coordinator after each change (fire and forget, ordered
-by a per-shard sequence number), for ``min_size_to_sample``.
+by a per-shard sequence number), for ``min_size_to_sample``. Each shard also counts the items
+inserted into and drawn from it, so the coordinator is state that can be rebuilt, as Reverb's
+limiter lives with its table: if it dies, ``restart_rate_limiter()`` (or ``restart_shard``) starts
+it again under its Ray name with the sums of the shards' counters and sizes (exact but for calls
+in flight and rare redraws; a shard restarted since contributes its counts since then), and
+other handles find it by name.
 
 Lost shards. A failed call to a shard (its actor or its node died) marks it lost in this handle:
 ``sample`` and ``add`` go on with the others, ``stats["lost_shards"]`` lists it, and calls that
@@ -50,7 +55,7 @@ from tensortier.errors import ClosedError, ConfigError, ShardLostError, Tensorti
 from tensortier.rl._store import as_index_array
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.replay import _DEFAULT, Batch, ReplayBuffer, _check_batch_size, _check_timeout
-from tensortier.rl.sampler import Prioritized, PrioritizedState
+from tensortier.rl.sampler import Prioritized, PrioritizedState, check_priority
 from tensortier.rl.serve import (
     _START_TIMEOUT,
     _BufferActor,
@@ -83,6 +88,8 @@ class _ShardActor(_BufferActor):
     def __init__(self, kwargs: dict):
         super().__init__("replay", kwargs, None)
         self.seq = 0  # bumped by every change of size: orders size reports at the coordinator
+        self.inserted = 0  # items put here, and drawn here: the rate limiter's counts, kept with
+        self.drawn = 0  # the data so that a lost coordinator can be rebuilt from them
 
     def info(self) -> dict:
         import ray
@@ -95,7 +102,12 @@ class _ShardActor(_BufferActor):
 
     def put(self, blobs: list[bytes]):
         keys = self.obj._extend_blobs(blobs)
+        self.inserted += len(keys)
         return (keys, *self._size())
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """(inserted, drawn, seq, size): what a rebuilt coordinator starts from."""
+        return self.inserted, self.drawn, self.seq, len(self.obj)
 
     def mass(self) -> tuple[float, float, int]:
         with self.obj._lock:
@@ -115,6 +127,7 @@ class _ShardActor(_BufferActor):
             leaves = np.asarray(buf._sampler.leaves(slots), np.float64)
             keys = buf._store.keys[slots].copy()
             blobs = buf._store.blobs(slots)
+            self.drawn += len(keys)
             if buf.config.max_uses is not None:  # as ReplayBuffer._sample_locked
                 np.add.at(buf._uses, slots, 1)
                 done = np.unique(slots[buf._uses[slots] >= buf.config.max_uses])
@@ -143,10 +156,14 @@ class _ShardActor(_BufferActor):
 class _Coordinator:
     """One RateLimiter for every shard (async actor: waiting callers are coroutines)."""
 
-    def __init__(self, cfg: RateLimit, shards: int):
-        self.lim = RateLimiter(cfg)
-        self.sizes = [0] * shards
-        self.seqs = [-1] * shards
+    def __init__(self, cfg: RateLimit, shards: int, counts: list | None = None):
+        """``counts``: each shard's (inserted, drawn, seq, size) when rebuilt after a loss."""
+        counts = counts or [(0, 0, -1, 0)] * shards
+        self.lim = RateLimiter(
+            cfg, inserts=sum(c[0] for c in counts), samples=sum(c[1] for c in counts)
+        )
+        self.seqs = [c[2] for c in counts]
+        self.sizes = [c[3] for c in counts]
         # extremes of diff once min_size_to_sample items were inserted (the window holds from
         # then on; during the warm-up diff only grows toward it)
         self.low, self.high = math.inf, -math.inf
@@ -376,10 +393,27 @@ class ShardedReplayBuffer:
                 raise exc.cause from exc
             raise
         except ray.exceptions.RayActorError as exc:
+            if self._find_coord():  # another handle restarted it: the call again, there
+                return self._coord_call(method, *args)
             raise ClosedError(
-                "the rate limiter's coordinator actor of this sharded buffer is gone (closed, "
-                "or its node died); serve the buffer again"
+                "the rate limiter's coordinator actor of this sharded buffer is gone (its "
+                "process or node died); restart_rate_limiter() rebuilds it from the shards' "
+                "counters, or close() and serve the buffer again"
             ) from exc
+
+    def _find_coord(self) -> bool:
+        """Look the coordinator up by name: True if a live one other than ours answers."""
+        ray = _ray()
+        try:
+            actor = ray.get_actor(self._spawn["coord_name"])
+            if actor._actor_id == self._coord._actor_id:
+                return False
+            ray.get(actor.ready.remote(), timeout=_REVIVE_S)
+        except Exception:  # no such name (not restarted), or it died again
+            return False
+        with self._mu:
+            self._coord = actor
+        return True
 
     def _release(self, op: str, n: int) -> None:
         if self._coord is not None:
@@ -566,6 +600,11 @@ class ShardedReplayBuffer:
     # -------------------------------------------------------------- by id
     def _by_shard(self, ids: Any) -> tuple[np.ndarray, np.ndarray, list[int]]:
         g = as_index_array(ids)
+        if g.size and g.min() < 0:  # -1 would name a shard's local -1: an empty slot's key
+            raise KeyError(
+                f"index {int(g.min())} was never returned by add() on this buffer (pass "
+                f"batch.indices from sample(), not positions in the batch)"
+            )
         shard, local = g % self.shards, g // self.shards
         return shard, local, sorted(set(shard.tolist()))
 
@@ -611,6 +650,9 @@ class ShardedReplayBuffer:
         if prios.size and not (np.isfinite(prios).all() and prios.min() >= 0):
             raise ConfigError("priorities must be finite and >= 0 (pass |td_error|)")
         top = float(prios.max()) if prios.size else 0.0
+        sampler = self._spawn["sampler"]
+        if isinstance(sampler, Prioritized):
+            check_priority(top, sampler.alpha)  # before any shard changes
         _, _, lost = self._each(
             g, lambda a, keys, pos: a.set_priorities.remote(keys, prios[pos], top)
         )
@@ -700,7 +742,30 @@ class ShardedReplayBuffer:
             self._local = None
         if self._coord is not None:
             size = self._get(i, actor.length.remote())
-            self._coord_call("reset", int(i), size)
+            try:
+                self._coord_call("reset", int(i), size)
+            except ClosedError:  # the coordinator is gone too: rebuilt, with this shard's size
+                self.restart_rate_limiter(start_timeout=start_timeout)
+
+    def restart_rate_limiter(self, *, start_timeout: float | None = _START_TIMEOUT) -> None:
+        """Start the rate limiter's coordinator again (after its process or node died; a live
+        one is ended first) from the live shards' own counters: inserts and samples are the
+        sums of the items each shard took and gave, sizes their sizes. Call it where
+        ``restart_shard`` would be called (the process that owns the buffer: Ray ends an actor
+        with its creator); other handles find the new one by name."""
+        self._check()
+        if self._coord is None:
+            raise ConfigError("restart_rate_limiter: this sharded buffer has no rate_limit")
+        ray = _ray()
+        end_actors([self._coord], lambda a: a.ready.remote())
+        refs = [(i, self._actors[i].counts.remote()) for i in self._alive()]
+        counts = [(0, 0, -1, 0)] * self.shards
+        for i, ref in refs:
+            with contextlib.suppress(ShardLostError):  # a lost shard holds nothing to count
+                counts[i] = self._get(i, ref)
+        coord = _start_coord(ray, self._spawn, counts, start_timeout)
+        with self._mu:
+            self._coord = coord
 
     def close(self) -> None:
         """Close every shard (non-durable ones delete their spill files; durable ones checkpoint)
@@ -721,6 +786,7 @@ class ShardedReplayBuffer:
                 ray.get(ref, timeout=60)
         end_actors(self._actors, lambda a: a.ready.remote())
         if self._coord is not None:
+            self._find_coord()  # another handle may have restarted it
             end_actors([self._coord], lambda a: a.ready.remote())
 
     def __enter__(self) -> ShardedReplayBuffer:
@@ -751,6 +817,28 @@ def _start_shard(ray, spawn: dict, i: int, start_timeout: float | None):
             ray.kill(actor)
         raise
     return actor
+
+
+def _start_coord(ray, spawn: dict, counts: list | None, start_timeout: float | None):
+    """The rate limiter's coordinator under its Ray name (fresh, or rebuilt from ``counts``)."""
+    opts = {"num_cpus": 0, "name": spawn["coord_name"]}
+    try:
+        coord = (
+            ray.remote(_Coordinator)
+            .options(**opts)
+            .remote(spawn["rate_limit"], len(spawn["names"]), counts)
+        )
+    except ValueError as exc:  # the name is taken: a live coordinator (or one dying) has it
+        raise ConfigError(
+            f"Ray could not create the rate limiter {spawn['coord_name']!r}: {exc}"
+        ) from exc
+    try:
+        _wait_started(ray, coord, start_timeout, "rate limiter", {})
+    except BaseException:
+        with contextlib.suppress(Exception):
+            ray.kill(coord)
+        raise
+    return coord
 
 
 def serve_sharded(
@@ -818,6 +906,7 @@ def serve_sharded(
         "options": opts,
         "kwargs": kwargs,
         "names": [f"{prefix}-shard-{i}" for i in range(k)],
+        "coord_name": f"{prefix}-rate-limiter",
         "req": req,
         "sampler": c.sampler,
         "rate_limit": limit,
@@ -833,8 +922,7 @@ def serve_sharded(
             _wait_started(ray, a, start_timeout, f"replay shard {i}", req)
         infos = ray.get([a.info.remote() for a in actors])
         if limit is not None:
-            coord = ray.remote(_Coordinator).options(num_cpus=0).remote(limit, k)
-            _wait_started(ray, coord, start_timeout, "rate limiter", {})
+            coord = _start_coord(ray, spawn, None, start_timeout)
     except BaseException:
         for a in [*actors, coord]:
             if a is not None:

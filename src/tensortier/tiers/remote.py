@@ -133,7 +133,8 @@ class _Node:
     node_id: str
     actor: object
     budget: int
-    used: int = 0
+    used: int = 0  # held plus reserved by puts in flight
+    held: int = 0  # bytes of registered objects: what stats.used_bytes counts for this node
     writable: bool = True  # False once its actor failed: no new puts
     lost: bool = False  # its objects are gone: every handle on it fails
 
@@ -352,6 +353,7 @@ class RemoteStore:
             node = self._pool.nodes.get(node_id)
             if node is not None:
                 node.used -= nbytes
+                node.held -= nbytes
                 if not node.lost:
                     self.stats.used_bytes -= nbytes
             self.stats.live_tensors -= tensors
@@ -400,7 +402,9 @@ class RemoteStore:
             self.stats.lost_nodes += 1
             self.stats.lost_tensors += len(on_node)
             self.stats.capacity_bytes -= node.budget
-            self.stats.used_bytes -= node.used
+            # only registered bytes: a put in flight to this node (reserved, not yet counted)
+            # retries elsewhere and is counted there
+            self.stats.used_bytes -= node.held
             for h in on_node:  # the bytes are gone: drop the references now
                 self._pool.refs.pop(h.key, None)
 
@@ -566,7 +570,11 @@ class RemoteStore:
                 self.stats.batches += 1
             for h in handles:
                 self._live[h.id] = h
-            self.stats.used_bytes += nbytes
+            node = self._pool.nodes.get(next((h.node for h in handles if h.nbytes), ""))
+            if node is not None:
+                node.held += nbytes
+            if node is None or not node.lost:  # a node lost since the put landed holds nothing
+                self.stats.used_bytes += nbytes
             self.stats.peak_used_bytes = max(self.stats.peak_used_bytes, self.stats.used_bytes)
             self.stats.live_tensors += len(handles)
             self.stats.puts += len(handles)
