@@ -60,7 +60,12 @@ rank, world_size = 0, 1
 '''
 
 # the reader's disks -> directories under the block's temporary directory (made before it runs)
-PATHS = {"/mnt/nvme/tt": "mnt/nvme/tt", "/data/rb": "data/rb", "/data/meta": "data/meta"}
+PATHS = {
+    "/mnt/nvme/tt": "mnt/nvme/tt",
+    "/data/rb": "data/rb",
+    "/data/meta": "data/meta",
+    "/data/meta-tok": "data/meta-tok",
+}
 SPILL_DIRS = ("mnt/nvme/tt", "data/rb")  # must exist before, and be empty after, every block
 RAY = re.compile(r"\bray\.|tt\.rl\.serve\(|RemoteStore\(")
 TORCHRUN = "dist.init_process_group()"
