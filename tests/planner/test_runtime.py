@@ -75,6 +75,9 @@ def test_recompute_wrapper_is_exact_and_removable():
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, m.parameters()))
     rc.remove()
     assert "forward" not in m[0].__dict__
+    users = m[1].forward = lambda x, _f=m[1].forward: _f(x)  # a user's own wrapper stays
+    Recompute(m, ["1"]).remove()
+    assert m[1].__dict__["forward"] is users
 
 
 @pytest.mark.parametrize("budget", ["1MiB", "64MiB"])

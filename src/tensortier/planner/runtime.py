@@ -63,6 +63,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -156,6 +157,46 @@ def selective_sets(profile: Profile, plan: Plan) -> dict[str, frozenset[int]]:
     return out
 
 
+def without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A recomputed unit's arguments with Hugging Face KV caches taken out (``None``, and
+    ``use_cache=False`` beside them), as HF's own gradient checkpointing does.
+
+    Why: a decoder layer appends this step's keys and values to the cache it is given (a
+    ``transformers`` ``Cache``, created per forward even in training, since ``use_cache``
+    defaults to true). Its recompute in backward would find the cache it wrote in forward:
+    keys twice as long, a different sequence of operators, so a wrong shape in a full recompute
+    and an operator missing from selective checkpointing's per-operator storage (issue 23). The
+    loss never reads the cache; the cache the model returns lacks the recomputed layers, as
+    under ``model.gradient_checkpointing_enable()``."""
+    module = sys.modules.get("transformers.cache_utils")  # never imported here
+    cache_type = getattr(module, "Cache", None)
+    if cache_type is None:
+        return args, kwargs
+    found = [isinstance(a, cache_type) for a in (*args, *kwargs.values())]
+    if not any(found):
+        return args, kwargs
+    args = tuple(None if isinstance(a, cache_type) else a for a in args)
+    kwargs = {k: None if isinstance(v, cache_type) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _recomputed(forward: Callable, policy: SelectivePolicy | None) -> Callable:
+    """``forward`` under non-reentrant checkpoint (selective with ``policy``) when autograd
+    records, without the KV cache (see :func:`without_kv_cache`); as it was otherwise."""
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        args, kwargs = without_kv_cache(args, kwargs)
+        if policy is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return policy.run(forward, *args, **kwargs)
+
+    return run
+
+
 class Recompute:
     """Wraps the forward of the plan's recompute units in non-reentrant checkpoint (with a
     selective policy for the units in ``selective``: unit -> recomputed operator indices);
@@ -168,35 +209,22 @@ class Recompute:
         selective: dict[str, frozenset[int]] | None = None,
     ):
         units = plan_units(root)
-        self._wrapped: list[nn.Module] = []
-        wanted = {n: None for n in names}
+        self._wrapped: list[tuple[nn.Module, object]] = []  # and the instance's own forward
+        wanted: dict[str, SelectivePolicy | None] = {n: None for n in names}
         wanted.update({n: SelectivePolicy(ops) for n, ops in (selective or {}).items()})
         for name, policy in wanted.items():
             module = units.get(name)
             if module is None:
                 continue
-            original = module.forward
-
-            if policy is None:
-
-                def forward(*args, _f=original, **kwargs):
-                    if torch.is_grad_enabled():
-                        return checkpoint(_f, *args, use_reentrant=False, **kwargs)
-                    return _f(*args, **kwargs)
-
-            else:
-
-                def forward(*args, _f=original, _p=policy, **kwargs):
-                    if torch.is_grad_enabled():
-                        return _p.run(_f, *args, **kwargs)
-                    return _f(*args, **kwargs)
-
-            module.forward = forward
-            self._wrapped.append(module)
+            own = module.__dict__.get("forward")  # a user's wrapper stays when we are removed
+            module.forward = _recomputed(module.forward, policy)
+            self._wrapped.append((module, own))
 
     def remove(self) -> None:
-        for module in self._wrapped:
-            if "forward" in module.__dict__:
+        for module, own in self._wrapped:
+            if own is not None:
+                module.forward = own
+            elif "forward" in module.__dict__:
                 del module.forward
         self._wrapped = []
 
@@ -492,6 +520,7 @@ class PlannedOffload:
         self._root: nn.Module | None = None
         self._active = None
         self._root_hook = None
+        self._cache_hooks: list = []  # per unit: no KV cache while planned (_drop_kv_cache)
         self._profiled = 0  # profiler passes run: the probe, then the timing passes
         self._closed = False
         self._shapes: list | None = None  # of the profiled (or cached) iteration
@@ -517,6 +546,10 @@ class PlannedOffload:
         if self._root is None:
             self._root = module
             self._signature = model_signature(module)
+            self._cache_hooks = [
+                unit.register_forward_pre_hook(self._drop_kv_cache, with_kwargs=True)
+                for unit in plan_units(module).values()
+            ]
         if self._step_shapes is not None:
             return
         shapes = _inputs(args, {})
@@ -529,6 +562,15 @@ class PlannedOffload:
                 self._try_cache(agreed_shapes(shapes))
         elif self.profile is not None:
             self._select(agreed_shapes(shapes))
+
+    def _drop_kv_cache(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Every unit, in every iteration from the warm-up on, runs without a Hugging Face KV
+        cache (see :func:`without_kv_cache`), so the operators the probe records per unit are
+        those a recomputed unit reruns, and the memory profiled is the memory planned for. Only
+        inside ``with`` while autograd records: generation and evaluation keep their cache."""
+        if self._active is None or not torch.is_grad_enabled():
+            return None
+        return without_kv_cache(args, kwargs)
 
     def __enter__(self) -> PlannedOffload:
         cfg = self.config
@@ -1067,6 +1109,9 @@ class PlannedOffload:
         if self._recompute is not None:
             self._recompute.remove()
             self._recompute = None
+        for hook in self._cache_hooks:
+            hook.remove()
+        self._cache_hooks = []
         closed: list = []
         for off in (self.offloader, self._warm, self._profiler and self._profiler.offloader):
             if off is not None and all(off is not c for c in closed):
