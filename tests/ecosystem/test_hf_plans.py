@@ -1,6 +1,6 @@
-"""Every plan the planner can pick, forced on Hugging Face GPT-2, Llama and BERT (tiny, from configs)
-the way a restarted job meets it: through ``tt.offload(budget=..., plan_cache=...)``, from the
-first step, trained bit for bit against plain PyTorch (losses, gradients, parameters).
+"""Every plan the planner can pick, forced on Hugging Face GPT-2, Llama and BERT (tiny, from
+configs) the way a restarted job meets it: through ``tt.offload(budget=..., plan_cache=...)``,
+from the first step, trained bit for bit against plain PyTorch (losses, gradients, parameters).
 
 A plan is forced by writing it into the plan cache under the key of the run that reads it: each
 model is profiled once (``tt.offload(budget=...)``'s own warm-up, probe and timing passes), then
