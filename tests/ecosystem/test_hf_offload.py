@@ -81,7 +81,7 @@ def test_offload_module_runs_one_pass_per_forward(kind):
         off.close()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_planner_budget_trains_bit_identical_with_dropout(kind, spill_dir):
     """``tt.offload(budget=...)``: warm-up, probe, timing passes, then the plan; dropout masks
     must be the plain run's in every one of them (issue 12 #7: the probe drew from the RNG)."""

@@ -92,6 +92,34 @@ def test_timing_groups_are_predicted_under_the_budget(make_profile):
     assert timing_groups(p, GB // 2, 2) == [[], []]  # nothing fits: every pass offloads all
 
 
+def test_a_timing_pass_keeps_only_what_the_measured_passes_bound_under_the_budget(make_profile):
+    """The simulator's peaks are fitted and can err low (issue 23: a fit on passes that kept small
+    units put a pass that kept a layer 16% low, and it peaked at 1.03x the budget). A timing
+    pass also stays under the bound the measured passes give: their peak plus the saved bytes
+    of every unit kept now that they offloaded."""
+    from tensortier.planner.profiler import measured_bound, pass_plan, timing_group
+    from tensortier.planner.simulator import simulate
+
+    GB = 10**9
+    p = make_profile(n_units=4, tensor_bytes=GB, per_unit=2, bw=100 * GB)
+    p.meta["profiled_tier"] = "disk"
+
+    def simulated(kept: list[str]) -> int:
+        return simulate(p, pass_plan(p, {"kept": kept, "tier": "disk"})).peak_bytes
+
+    assert (simulated([]), simulated(["h.0"])) == (GB, 3 * GB)
+    p.passes = [{"kind": "probe", "kept": [], "peak_bytes": 2 * GB}]  # 1 GB the model misses
+    assert measured_bound(p, ["h.0"]) == 4 * GB  # the probe's peak and h.0's two tensors
+    assert timing_group(p, 3 * GB + GB // 2) == []  # the simulator fits h.0, measurement not
+    assert timing_group(p, 4 * GB) == ["h.0"]
+    p.passes.append({"kind": "offload", "kept": ["h.0"], "peak_bytes": 3 * GB + GB // 5})
+    assert measured_bound(p, []) == 2 * GB  # the tightest measured pass bounds a group
+    assert measured_bound(p, ["h.0", "h.1"]) == 5 * GB + GB // 5  # h.0's pass and h.1's tensors
+    p.passes = []  # nothing measured (a profile planned offline): the simulator alone
+    assert measured_bound(p, ["h.0"]) is None
+    assert timing_group(p, 3 * GB + GB // 2) == ["h.0"]
+
+
 def test_the_backward_ends_at_the_last_gradient_not_at_finish(spill_dir):
     m, x = _mlp(), torch.randn(256, 128)
     prof = _profiler(spill_dir)

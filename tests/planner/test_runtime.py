@@ -75,6 +75,9 @@ def test_recompute_wrapper_is_exact_and_removable():
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, m.parameters()))
     rc.remove()
     assert "forward" not in m[0].__dict__
+    users = m[1].forward = lambda x, _f=m[1].forward: _f(x)  # a user's own wrapper stays
+    Recompute(m, ["1"]).remove()
+    assert m[1].__dict__["forward"] is users
 
 
 @pytest.mark.parametrize("budget", ["1MiB", "64MiB"])
@@ -402,3 +405,47 @@ def test_memory_the_user_allocates_mid_training_is_not_the_offloaders(tmp_path):
         assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), m.parameters()))
     finally:
         off.close()
+
+
+def test_an_impossible_budget_is_reported_at_the_first_step_before_any_optimizer_step(spill_dir):
+    """The first step offloads every saved tensor; when even it peaks over the budget, the budget
+    cannot hold from the first step, and the user hears it from that step's backward, before
+    ``optimizer.step()`` can run (it came at the first plan, step 5, after four updates)."""
+    from tensortier.errors import BudgetError
+
+    m, x = _mlp(width=512, depth=4), torch.randn(512, 512)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in m.parameters()]
+    off = planned_offload("1MiB", spill_dir=spill_dir, options=FAST)
+    forwards = updates = 0
+    try:
+        with pytest.raises(BudgetError, match=r"first step peaked at .* at least") as caught:
+            for _ in range(6):
+                with off:
+                    loss = m(x).sum()
+                forwards += 1
+                loss.backward()
+                opt.step()
+                updates += 1
+    finally:
+        off.close()
+    assert (forwards, updates) == (1, 0)  # raised by the first backward
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))  # nothing applied
+    e = caught.value
+    assert e.budget == 1 << 20 and e.minimum > off.first_peak > 1 << 20
+    assert off.profile is None  # no probe, no plan: nothing ran after the first step
+
+
+def test_a_budget_the_first_step_keeps_runs_on(spill_dir):
+    """The check at the first step measures; a budget that step keeps trains on to the plan."""
+    m, x = _mlp(width=512, depth=4), torch.randn(512, 512)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    try:
+        for _ in range(5):  # warm-up, probe, 2 timing passes, plan
+            m.zero_grad(set_to_none=True)
+            with off:
+                loss = m(x).sum()
+            loss.backward()
+    finally:
+        off.close()
+    assert 0 < off.first_peak <= 64 << 20 and off.choice is not None

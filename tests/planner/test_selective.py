@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from tensortier.models import GPT, GPTConfig, Llama, LlamaConfig, random_batch
+from tensortier.planner.ops import SelectivePolicy
 from tensortier.planner.policies import selective_menu
 from tensortier.planner.profile import Bandwidth
 from tensortier.planner.profiler import Profiler, calibrate
@@ -102,3 +104,16 @@ def test_the_recorded_operators_account_for_the_units_memory(spill_dir):
         assert sum(o.out_bytes for o in u.ops) >= saved
         assert all(o.out_bytes == 0 for o in u.ops if o.view)
         assert sum(o.seconds for o in u.ops) == pytest.approx(u.fwd_s, rel=1e-6, abs=1e-12)
+
+
+def test_the_policy_counts_a_forward_and_its_recompute_apart():
+    """PyTorch before 2.5 asks the policy again for every operator of the recompute (2.5 on looks
+    the forward's decisions up): with one counter for both, the recompute's first operator was
+    numbered after the forward's last, so it was cached where the forward recomputed it."""
+    save, rerun = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
+    caching, _ = SelectivePolicy({1, 3}).contexts()
+    op = torch.ops.aten.mul.Tensor
+    for is_recompute in (False, True):
+        ctx = SelectiveCheckpointContext(is_recompute=is_recompute)
+        got = [caching.policy_fn(ctx, op) for _ in range(4)]
+        assert got == [save, rerun, save, rerun], (is_recompute, got)

@@ -147,17 +147,19 @@ class OpRecorder(TorchDispatchMode):
 
 class SelectivePolicy:
     """``MUST_RECOMPUTE`` for the operators at ``recompute`` (indices in dispatch order),
-    ``MUST_SAVE`` for the others; a fresh counter for every forward of the unit."""
+    ``MUST_SAVE`` for the others; fresh counters for every forward of the unit, one for the
+    forward and one for its recompute (PyTorch before 2.5 asks the policy again in the
+    recompute: one shared counter would go on from the forward's last index there)."""
 
     def __init__(self, recompute: Iterable[int]):
         self.recompute = frozenset(recompute)
 
     def contexts(self):
-        counter = [0]
+        counters = {False: 0, True: 0}
 
         def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-            i = counter[0]
-            counter[0] += 1
+            i = counters[ctx.is_recompute]
+            counters[ctx.is_recompute] += 1
             return (
                 CheckpointPolicy.MUST_RECOMPUTE
                 if i in self.recompute

@@ -10,9 +10,11 @@ from the first step on:
 2. profiles the next iteration (:class:`Profiler`: every saved tensor, its sparsity and codec
    ratios, every unit's operators), measures the tier bandwidths with transfers sized to the
    budget, then times ``timing_iters`` iterations that each keep the saved tensors of a group
-   of units the simulator predicts under the budget (:func:`timing_groups`) and offload the
-   rest; all of this under a forked RNG where it draws (dropout masks stay those of plain
-   training),
+   of units and offload the rest: a group under the budget less the margin both as the
+   calibrated simulator predicts it and as the passes measured so far bound it
+   (:func:`measured_bound`: a measured peak plus the saved bytes of the units kept now that
+   pass offloaded), so a fit that errs low cannot push a timing pass over; all of this under a
+   forked RNG where it draws (dropout masks stay those of plain training),
 3. from the following iteration on runs the plan the policy chose: the saved tensors of each
    unit go where the plan says (with the codec it chose per tensor, only some of them for a
    partial swap), units chosen for recompute have their ``forward`` wrapped in non-reentrant
@@ -52,10 +54,17 @@ largest inputs and resident overhead of any rank and broadcasts it (see :func:`o
 The plan cache is read and written by rank 0 only: every rank runs rank 0's plan, so one file
 per key is the whole truth, and a hit or miss is the same on every rank.
 
-It raises :class:`BudgetError` (with ``.minimum``) at step 3 (the first plan) when no plan fits
-the budget. On a
-CPU-only machine glibc's mmap threshold is fixed (``tensortier._memory``) so that activations
-freed by the plan leave the process's RSS, which is what a CPU budget measures.
+It raises :class:`BudgetError` (with ``.minimum``) at two moments only. (1) From the first
+step's backward, before the optimizer can step, when that step peaked over the budget although
+it offloaded every saved tensor (the most conservative step the runtime takes while it
+profiles; :meth:`PlannedOffload._check_first`): the budget cannot hold from the first step.
+(2) At the first plan (step ``warmup + timing_iters + 2``, the 5th by default, after the
+training loop applied four optimizer steps) when no plan fits: whether one does needs the
+profile, which takes the probe and the timing passes, and the buffers and code those passes
+leave resident count in the budget; a recompute plan may also go below the first step's peak,
+so that peak alone cannot prove a budget impossible. On a CPU-only machine glibc's mmap
+threshold is fixed (``tensortier._memory``) so that activations freed by the plan leave the
+process's RSS, which is what a CPU budget measures.
 This module never moves bytes itself: the activation offloader does.
 """
 
@@ -65,6 +74,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -158,6 +168,46 @@ def selective_sets(profile: Profile, plan: Plan) -> dict[str, frozenset[int]]:
     return out
 
 
+def without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A recomputed unit's arguments with Hugging Face KV caches taken out (``None``, and
+    ``use_cache=False`` beside them), as HF's own gradient checkpointing does.
+
+    Why: a decoder layer appends this step's keys and values to the cache it is given (a
+    ``transformers`` ``Cache``, created per forward even in training, since ``use_cache``
+    defaults to true). Its recompute in backward would find the cache it wrote in forward:
+    keys twice as long, a different sequence of operators, so a wrong shape in a full recompute
+    and an operator missing from selective checkpointing's per-operator storage (issue 23). The
+    loss never reads the cache; the cache the model returns lacks the recomputed layers, as
+    under ``model.gradient_checkpointing_enable()``."""
+    module = sys.modules.get("transformers.cache_utils")  # never imported here
+    cache_type = getattr(module, "Cache", None)
+    if cache_type is None:
+        return args, kwargs
+    found = [isinstance(a, cache_type) for a in (*args, *kwargs.values())]
+    if not any(found):
+        return args, kwargs
+    args = tuple(None if isinstance(a, cache_type) else a for a in args)
+    kwargs = {k: None if isinstance(v, cache_type) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _recomputed(forward: Callable, policy: SelectivePolicy | None) -> Callable:
+    """``forward`` under non-reentrant checkpoint (selective with ``policy``) when autograd
+    records, without the KV cache (see :func:`without_kv_cache`); as it was otherwise."""
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        args, kwargs = without_kv_cache(args, kwargs)
+        if policy is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return policy.run(forward, *args, **kwargs)
+
+    return run
+
+
 class Recompute:
     """Wraps the forward of the plan's recompute units in non-reentrant checkpoint (with a
     selective policy for the units in ``selective``: unit -> recomputed operator indices);
@@ -170,35 +220,22 @@ class Recompute:
         selective: dict[str, frozenset[int]] | None = None,
     ):
         units = plan_units(root)
-        self._wrapped: list[nn.Module] = []
-        wanted = {n: None for n in names}
+        self._wrapped: list[tuple[nn.Module, object]] = []  # and the instance's own forward
+        wanted: dict[str, SelectivePolicy | None] = {n: None for n in names}
         wanted.update({n: SelectivePolicy(ops) for n, ops in (selective or {}).items()})
         for name, policy in wanted.items():
             module = units.get(name)
             if module is None:
                 continue
-            original = module.forward
-
-            if policy is None:
-
-                def forward(*args, _f=original, **kwargs):
-                    if torch.is_grad_enabled():
-                        return checkpoint(_f, *args, use_reentrant=False, **kwargs)
-                    return _f(*args, **kwargs)
-
-            else:
-
-                def forward(*args, _f=original, _p=policy, **kwargs):
-                    if torch.is_grad_enabled():
-                        return _p.run(_f, *args, **kwargs)
-                    return _f(*args, **kwargs)
-
-            module.forward = forward
-            self._wrapped.append(module)
+            own = module.__dict__.get("forward")  # a user's wrapper stays when we are removed
+            module.forward = _recomputed(module.forward, policy)
+            self._wrapped.append((module, own))
 
     def remove(self) -> None:
-        for module in self._wrapped:
-            if "forward" in module.__dict__:
+        for module, own in self._wrapped:
+            if own is not None:
+                module.forward = own
+            elif "forward" in module.__dict__:
                 del module.forward
         self._wrapped = []
 
@@ -521,6 +558,7 @@ class PlannedOffload:
         self._root: nn.Module | None = None
         self._active = None
         self._root_hook = None
+        self._cache_hooks: list = []  # per unit: no KV cache while planned (_drop_kv_cache)
         self._profiled = 0  # profiler passes run: the probe, then the timing passes
         self._closed = False
         self._shapes: list | None = None  # of the profiled (or cached) iteration
@@ -532,6 +570,8 @@ class PlannedOffload:
         self._meter_base = 0  # resident at the metered iteration's start (CPU)
         self.cached = False  # the plan came from plan_cache
         self.measured_peaks: list[int] = []  # of the checked planned iterations
+        self.first_peak: int | None = None  # of the first iteration (see _check_first)
+        self._first = False  # the meter running now is the first iteration's
         self._check_hooks: list = []
         self._over = False  # a checked iteration went over the budget: plan again
         self.replans = 0
@@ -546,6 +586,10 @@ class PlannedOffload:
         if self._root is None:
             self._root = module
             self._signature = model_signature(module)
+            self._cache_hooks = [
+                unit.register_forward_pre_hook(self._drop_kv_cache, with_kwargs=True)
+                for unit in plan_units(module).values()
+            ]
         if self._step_shapes is not None:
             return
         shapes = _inputs(args, {})
@@ -558,6 +602,15 @@ class PlannedOffload:
                 self._try_cache(agreed_shapes(shapes))
         elif self.profile is not None:
             self._select(agreed_shapes(shapes))
+
+    def _drop_kv_cache(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Every unit, in every iteration from the warm-up on, runs without a Hugging Face KV
+        cache (see :func:`without_kv_cache`), so the operators the probe records per unit are
+        those a recomputed unit reruns, and the memory profiled is the memory planned for. Only
+        inside ``with`` while autograd records: generation and evaluation keep their cache."""
+        if self._active is None or not torch.is_grad_enabled():
+            return None
+        return without_kv_cache(args, kwargs)
 
     def __enter__(self) -> PlannedOffload:
         cfg = self.config
@@ -617,6 +670,9 @@ class PlannedOffload:
                 disk_io_threads=self._io_threads(),
                 remote=cfg.remote,
             )
+        if self.iteration == 0 and not self.cached:  # every saved tensor offloaded: metered
+            self._meter_base = self._resident()
+            self._meter, self._first = PeakMeter(self._warm.device).__enter__(), True
         if self.iteration < cfg.warmup or self.cached:
             self._active = self._warm
         elif self._profiler is not None:  # a timing pass, under the budget
@@ -785,10 +841,11 @@ class PlannedOffload:
         return profiled_tier(self.config.to, default_device())
 
     def _timing_group(self) -> list[str]:
-        """The units the next timing pass keeps: predicted under the budget by the profile so
-        far, calibrated on every pass so far (the probe's, then each timing pass's). The first
-        group is chosen for FIRST_GROUP_SHARE of the budget: only the probe calibrated the
-        model then, and the probe offloaded everything. Profile conservatively, then tighten."""
+        """The units the next timing pass keeps: under the planning budget as the profile so far
+        predicts it, calibrated on every pass so far (the probe's, then each timing pass's), and
+        as those passes' measured peaks bound it (:func:`measured_bound`). The first group is
+        chosen for FIRST_GROUP_SHARE of the budget: only the probe calibrated the model then,
+        and the probe offloaded everything. Profile conservatively, then tighten."""
         groups = self._groups if self._groups is not None else []
         self._measure_overhead()
 
@@ -929,6 +986,7 @@ class PlannedOffload:
         self.choice = Choice(plan, simulate(profile, plan))
         self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(key, shapes, profile, self.choice)
         self.cached = True
+        self._first = False  # this first step runs the plan: checked as planned steps are
         log.info("tensortier plan %s from the cache (%s)", plan.policy, self.config.plan_cache)
         self._install(json.dumps(key, sort_keys=True))
 
@@ -1027,7 +1085,7 @@ class PlannedOffload:
         self._close_window()
         self._read_meter()
 
-    def _read_meter(self) -> None:
+    def _read_meter(self, check: bool = True) -> None:
         """The metered peak, at the end of the backward or (none ran) at the next forward;
         the window stays open then: a forward without its backward still holds activations."""
         for h in self._check_hooks:
@@ -1037,8 +1095,38 @@ class PlannedOffload:
         if meter is not None:
             meter.__exit__(None, None, None)
             peak = self._meter_base + meter.delta
+            if self._first:
+                self._first, self.first_peak = False, peak
+                if check:
+                    self._check_first(peak)
+                return
             self.measured_peaks.append(peak)
             self._over = self._over or peak > self.config.budget
+
+    def _check_first(self, peak: int) -> None:
+        """The first iteration offloads every saved tensor, the most conservative way a step
+        runs while the planner profiles: over the budget, the budget cannot hold from the first
+        step, so :class:`BudgetError` now, from that step's backward (before the optimizer can
+        step), on every rank (the highest peak of any rank decides)."""
+        from tensortier.errors import BudgetError
+
+        if _dist.active():
+            peak = max(_dist.gather_objects(peak))
+        budget = self.config.budget
+        if peak <= budget:
+            return
+        minimum = int(peak / (1 - self.margin)) + 1
+        raise BudgetError(
+            f"tt.offload(budget={format_size(budget)}): the first step peaked at "
+            f"{format_size(peak)} although it offloaded every saved activation to "
+            f"{self._tier()} (the most conservative step the planner runs while it profiles; "
+            f"the peak counts the offloader's own staging and read buffers), so the budget "
+            f"cannot hold from the first step. Raise the budget to at least "
+            f"{format_size(minimum)} ({self.margin:.0%} margin; the first plan, once the model "
+            f"is profiled, may name a higher minimum).",
+            budget=budget,
+            minimum=minimum,
+        )
 
     def _check_peak(self) -> None:
         """The previous planned iteration's peak (forward to this forward): over the budget, the
@@ -1090,10 +1178,13 @@ class PlannedOffload:
         """Undo the checkpoint wrappers and release the offloaders' memory and files."""
         self._closed = True
         if self._meter is not None:
-            self._read_meter()
+            self._read_meter(check=False)
         if self._recompute is not None:
             self._recompute.remove()
             self._recompute = None
+        for hook in self._cache_hooks:
+            hook.remove()
+        self._cache_hooks = []
         closed: list = []
         for off in (self.offloader, self._warm, self._profiler and self._profiler.offloader):
             if off is not None and all(off is not c for c in closed):
@@ -1125,8 +1216,9 @@ def planned_offload(
 
     The budget bounds one iteration's added memory (activations, temporaries, new gradients)
     plus the offloader's own buffers; the user's optimizer states, data and allocations outside
-    the ``with`` block are not in it (see the module docstring). ``BudgetError`` only at the
-    first plan; later an over-budget step re-plans and warns.
+    the ``with`` block are not in it (see the module docstring). ``BudgetError`` only from the
+    first step's backward (it peaked over the budget with everything offloaded) or at the first
+    plan (no plan fits); later an over-budget step re-plans and warns.
 
     ``to="host"`` restricts the plan to the host tier; ``"disk"`` or ``"auto"`` let it use host
     and disk (on a CPU-only machine, host only pays with a codec). ``remote=RemoteStore(...)``
