@@ -73,7 +73,7 @@ def _run(
             (sc.scale(loss) if sc is not None else loss).backward()
         if edit is not None:
             if isinstance(opt, OffloadedAdamW) and getattr(edit, "after_speculation", False):
-                opt._wait_speculation()  # the snapshot surely predates the edit
+                opt._spec.wait()  # the snapshot surely predates the edit
             edit(i, m, opt, sc)
         if sc is not None:
             sc.step(opt)

@@ -50,6 +50,7 @@ from tensortier.checkpoint._format import (
     read_tensors,
     write_header,
 )
+from tensortier.checkpoint._group import Group, Solo
 from tensortier.checkpoint._persist import (
     CpuClock,
     disk_full,
@@ -62,7 +63,7 @@ from tensortier.checkpoint._persist import (
 from tensortier.checkpoint._policy import AutoInterval
 from tensortier.checkpoint._rng import rng_state, set_rng_state
 from tensortier.checkpoint._tree import decode, encode
-from tensortier.checkpoint._validate import check_fits, check_tree
+from tensortier.checkpoint._validate import check_tree
 from tensortier.errors import BudgetError, ClosedError, ConfigError, CorruptDataError, SpillDirError
 from tensortier.tiers.disk import _probe_direct, as_bytes
 from tensortier.tiers.host import aligned_empty
@@ -166,6 +167,14 @@ class CheckpointState:
 
 
 @dataclass
+class _ReplicaTry:
+    """restore() with replicas=: the replica is tried for the newest readable step only;
+    ``fallback`` is why it was not used (None: not tried yet, or it was used)."""
+
+    fallback: str | None = None
+
+
+@dataclass
 class CheckpointStats:
     saves: int = 0  # checkpoints started
     committed: int = 0  # checkpoints durable under their final name
@@ -210,6 +219,75 @@ def _complete_steps(root: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+class _Captured:
+    """One save's state tree with its tensors taken out: ``tensors`` holds (name, tensor, copy
+    late) for each. Late tensors (parameters, optimizer state) change only at the next optimizer
+    step, so they are copied in the background; the others (buffers, scheduler, RNG, extra)
+    before ``maybe_save`` returns. Many ranks: a DTensor is taken as its local shard with its
+    place in the global tensor (``chunks``); per-rank entries are named ``rank-R/...``."""
+
+    def __init__(self, group: Solo, model: torch.nn.Module | None):
+        self.group = group
+        self.tensors: list[tuple[str, torch.Tensor, bool]] = []
+        self.chunks: dict[str, dict] = {}  # many ranks: DTensor shards' place in the global tensor
+        self._names: set[str] = set()
+        self._params = (
+            {_ranks.dtensor_local(p)[0].data_ptr() for p in model.parameters()}
+            if model is not None
+            else set()
+        )
+
+    def tree(self, model, optimizer, scheduler, extra, rng: bool) -> dict:
+        """The state tree (tensors replaced by their names), in the manifest's order."""
+        return {
+            "model": encode(model.state_dict(), "model", self._adder(False, True))
+            if model is not None
+            else None,
+            "optimizer": encode(optimizer.state_dict(), "optimizer", self._adder(True))
+            if optimizer is not None
+            else None,
+            "scheduler": encode(scheduler.state_dict(), "scheduler", self._adder(False))
+            if scheduler is not None
+            else None,
+            "rng": encode(rng_state(), "rng", self._adder(False, per_rank=True)) if rng else None,
+            "extra": encode(extra, "extra", self._adder(False, per_rank=True)),
+        }
+
+    def _adder(self, background: bool, is_param: bool = False, per_rank: bool = False):
+        prefix = self.group.prefix(per_rank)
+
+        def add(path: str, t: torch.Tensor) -> str:
+            name = prefix + path
+            while name in self._names:
+                name += "'"
+            self._names.add(name)
+            t, chunk = self.group.held(t)
+            if chunk is not None:
+                self.chunks[name] = chunk
+            late = background or (is_param and t.data_ptr() in self._params)
+            self.tensors.append((name, t.detach(), late))
+            return name
+
+        return add
+
+
+@dataclass(eq=False)
+class _Save:
+    """One checkpoint in flight: what its persist writes, and the copies it waits for."""
+
+    step: int
+    abandoned: list[int]  # a rollback: the abandoned run's checkpoints this save retires
+    shards: list
+    images: list[torch.Tensor]
+    body: dict
+    chunks: dict[str, dict]
+    replicated: dict[str, int]  # many ranks: the writer of each tensor several ranks hold
+    snapshot: Future  # the copy thread's late host copies; its result is when they ended
+    cuda_done: dict  # per device: the event after its copies
+    clock: CpuClock
+    copy_started: float
+
+
 class Checkpointer:
     """Crash-consistent, CheckFreq-style checkpoints of model, optimizer, scheduler, RNG and extra.
 
@@ -241,16 +319,17 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, process_group=None, **settings):
         self.config = CheckpointConfig(**settings)
         self.root = os.path.abspath(os.fspath(directory))
-        self._ranks = None
-        if _dist.active(process_group):
-            self._ranks = _ranks.Ranks.create(process_group, self.config.commit_timeout)
-            cfg = asdict(self.config)
-            _dist.agree(
-                {"directory": self.root, **{k: cfg[k] for k in ("keep", "every", "shard_size")}},
-                "Checkpointer",
-                self._ranks.main,
-                fix="pass the same directory and settings everywhere",
-            )
+        self._group = (
+            Group.create(process_group, self.config.commit_timeout)
+            if _dist.active(process_group)
+            else Solo()
+        )
+        cfg = asdict(self.config)
+        self._group.agree(
+            {"directory": self.root, **{k: cfg[k] for k in ("keep", "every", "shard_size")}},
+            "Checkpointer",
+            fix="pass the same directory and settings everywhere",
+        )
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
         except OSError as exc:
@@ -266,7 +345,7 @@ class Checkpointer:
                 path=self.root,
             )
         cfg = self.config
-        _replica.check_replicas(cfg.replicas, many_ranks=self._ranks is not None)
+        _replica.check_replicas(cfg.replicas, many_ranks=self._group.many)
         self._replicas = (
             _replica.Replicas(self.root, cfg.replicas, cfg.replica_timeout)
             if cfg.replicas
@@ -310,7 +389,7 @@ class Checkpointer:
         the lock, removes the debris of crashed runs and probes O_DIRECT; every rank raises if
         that failed, and uses rank 0's probe (one probe file, no race between ranks)."""
         lock, error, direct = None, None, self.config.direct
-        if self._ranks is None or self._ranks.rank == 0:
+        if self._group.rank == 0:
             try:
                 lock = DirLock(self.root, name=LOCK_FILE, what="Checkpointer")
                 for name in os.listdir(self.root):  # debris of a crashed run
@@ -322,19 +401,8 @@ class Checkpointer:
                 if lock is not None:
                     lock.release()
                     lock = None
-                if self._ranks is None:
-                    raise
                 error = exc
-        if self._ranks is not None:
-            told = _dist.gather_objects(
-                (None if error is None else str(error), direct), self._ranks.main
-            )[0]
-            if told[0] is not None:
-                if error is not None:
-                    raise error
-                raise ConfigError(f"rank 0 of the Checkpointer's group failed: {told[0]}")
-            direct = told[1]
-        return lock, bool(direct)
+        return lock, bool(self._group.from_rank0(error, direct))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -380,8 +448,7 @@ class Checkpointer:
                 )
             self._last_call = now
             due = self._auto.due() and (self._persist is None or self._persist.done())
-            if self._ranks is not None:  # every rank saves, or none (its timings differ)
-                due = _dist.any_true([due], self._ranks.main)[0]
+            due = self._group.any_true(due)  # every rank saves, or none (its timings differ)
         else:
             due = (step + 1) % int(self.config.every) == 0
         if not due or step == self._last_saved:
@@ -459,60 +526,35 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
-        if self._ranks is not None:
-            return self._restore_ranks(model, optimizer, scheduler, step, rng)
-        steps = _complete_steps(self.root)
-        if step is not None:
-            if step not in steps:
-                raise ConfigError(
-                    f"no complete checkpoint of step {step} in {self.root!r}; found {steps}"
-                )
-            steps = [step]
+        steps = self._candidates(step)
         problems = []
-        fallback = None
+        replica = _ReplicaTry()
         for s in steps:
             path = step_dir(self.root, s)
-            source = "disk"
+            tree, source, error = None, "disk", None
             try:
-                body = read_manifest(path)
-                if body["step"] != s:
-                    raise CorruptDataError(f"manifest says step {body['step']!r}", path=path)
-                if body.get("version") == _ranks.VERSION:  # saved by many ranks: read it all
-                    tree = load_tree(body, path, model, optimizer, 0, range)
-                else:
-                    tensors = None
-                    if self.config.replicas and fallback is None:  # the newest readable step
-                        tensors, fallback = self._from_replica(body, path)
-                        source = "disk" if tensors is None else "replica"
-                    if tensors is None:
-                        tensors = read_tensors(path, body)
-                    tree = _decode_state(body, tensors, path)
+                tree, source = self._read(s, path, model, optimizer, replica)
             except CorruptDataError as exc:
-                problems.append(f"{path}: {exc}")
+                error = str(exc)
+            error = self._group.unusable(error)  # every rank falls back together
+            if error is not None:
+                problems.append(f"{path}: {error}")
                 warnings.warn(
-                    f"checkpoint {path} is unusable ({exc}); falling back to an older one",
+                    f"checkpoint {path} is unusable ({error}); falling back to an older one",
                     stacklevel=2,
                 )
                 continue
-            check_fits(tree, path, model, optimizer, scheduler)  # before anything is loaded
+            self._group.fits(tree, path, model, optimizer, scheduler)  # before anything loads
             self._apply(tree, model, optimizer, scheduler, rng)
             self._last_saved = s
-            log.info("restored %s from %s", path, source)
-            if self.config.replicas:
-                if source == "replica":
-                    self.stats.replica_restores += 1
-                    fallback = None
-                else:
-                    fallback = fallback or "the newest checkpoint on disk was unusable"
-                    self.stats.replica_fallbacks += 1
-                    self.stats.last_fallback_reason = fallback
+            log.info("rank %d restored %s from %s", self._group.rank, path, source)
             return CheckpointState(
                 step=s + 1,
                 saved_step=s,
                 path=path,
                 extra=tree.get("extra"),
                 source=source,
-                fallback=fallback,
+                fallback=self._count_replica_restore(source, replica),
             )
         if problems:
             raise CorruptDataError(
@@ -521,6 +563,50 @@ class Checkpointer:
                 path=self.root,
             )
         return None
+
+    def _candidates(self, step: int | None) -> list[int]:
+        """The complete checkpoints restore tries, newest first (rank 0 lists them)."""
+        steps = self._group.decide(lambda: _complete_steps(self.root))
+        if step is not None:
+            if step not in steps:
+                raise ConfigError(
+                    f"no complete checkpoint of step {step} in {self.root!r}; found {steps}"
+                )
+            steps = [step]
+        return steps
+
+    def _read(self, s: int, path: str, model, optimizer, replica: _ReplicaTry) -> tuple[dict, str]:
+        """(the verified state tree this rank restores from step ``s``, where it was read).
+
+        Many ranks, or a checkpoint of many ranks: every saved rank's tree, tensors read as the
+        targets need them (``load_tree``). One process and format v1: the files, or (replicas=)
+        a verified in-memory replica of the newest readable step.
+        """
+        body = read_manifest(path)
+        if body["step"] != s:
+            raise CorruptDataError(f"manifest says step {body['step']!r}", path=path)
+        if self._group.many or body.get("version") == _ranks.VERSION:
+            group = self._group
+            return load_tree(body, path, model, optimizer, group.rank, group.share), "disk"
+        tensors, source = None, "disk"
+        if self.config.replicas and replica.fallback is None:  # the newest readable step
+            tensors, replica.fallback = self._from_replica(body, path)
+            source = "disk" if tensors is None else "replica"
+        if tensors is None:
+            tensors = read_tensors(path, body)
+        return _decode_state(body, tensors, path), source
+
+    def _count_replica_restore(self, source: str, replica: _ReplicaTry) -> str | None:
+        """replicas=: count a restore from a replica or a fallback; returns why it fell back."""
+        if not self.config.replicas:
+            return replica.fallback
+        if source == "replica":
+            self.stats.replica_restores += 1
+            return None
+        fallback = replica.fallback or "the newest checkpoint on disk was unusable"
+        self.stats.replica_fallbacks += 1
+        self.stats.last_fallback_reason = fallback
+        return fallback
 
     def _from_replica(self, body: dict, path: str) -> tuple[dict | None, str | None]:
         """(verified tensors of ``body`` from an in-memory replica, None) or (None, the reason
@@ -537,58 +623,6 @@ class Checkpointer:
         """Free the in-memory replicas of this directory's checkpoints (they outlive this object
         on purpose, for a restart); returns how many holders were ended."""
         return _replica.drop_replicas(self.root, self.config.replica_timeout)
-
-    def _restore_ranks(self, model, optimizer, scheduler, step, rng) -> CheckpointState | None:
-        """``restore`` on many ranks: the same candidates on every rank (rank 0 lists them), each
-        rank verifies the files of its share of the saved ranks and reads what it needs, and the
-        ranks agree on the outcome, so a missing or corrupt shard of any saved rank makes every
-        rank fall back to the previous checkpoint, with a warning naming that rank."""
-        ranks = self._ranks
-        listed = _complete_steps(self.root) if ranks.rank == 0 else None
-        steps = _dist.broadcast_object(listed, 0, ranks.main)
-        if step is not None:
-            if step not in steps:
-                raise ConfigError(
-                    f"no complete checkpoint of step {step} in {self.root!r}; found {steps}"
-                )
-            steps = [step]
-
-        def share(saved_world: int) -> list[int]:
-            return [k for k in range(saved_world) if k % ranks.world == ranks.rank]
-
-        problems = []
-        for s in steps:
-            path = step_dir(self.root, s)
-            tree, error = None, None
-            try:
-                body = read_manifest(path)
-                if body["step"] != s:
-                    raise CorruptDataError(f"manifest says step {body['step']!r}", path=path)
-                tree = load_tree(body, path, model, optimizer, ranks.rank, share)
-            except CorruptDataError as exc:
-                error = str(exc)
-            errors = _dist.gather_objects(error, ranks.main)
-            bad = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
-            if bad is not None:
-                msg = f"{bad[1]} (found by rank {bad[0]})"
-                problems.append(f"{path}: {msg}")
-                warnings.warn(
-                    f"checkpoint {path} is unusable ({msg}); falling back to an older one",
-                    stacklevel=3,
-                )
-                continue
-            _fits_everywhere(tree, path, model, optimizer, scheduler, ranks)
-            self._apply(tree, model, optimizer, scheduler, rng)
-            self._last_saved = s
-            log.info("rank %d restored %s", ranks.rank, path)
-            return CheckpointState(step=s + 1, saved_step=s, path=path, extra=tree.get("extra"))
-        if problems:
-            raise CorruptDataError(
-                f"no usable checkpoint in {self.root!r}: " + "; ".join(problems) + ". Move them "
-                "away to start fresh, or restore a specific step=",
-                path=self.root,
-            )
-        return None
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the last persist, release buffers and the directory lock; re-raise its error.
@@ -651,65 +685,67 @@ class Checkpointer:
     def _start(
         self, step, model, optimizer, scheduler, extra, *, entered: float, rng: bool = True
     ) -> None:
+        """Snapshot ``step`` and queue its persist: the phases of PROTOCOL.md, in order."""
         self._stall = 0.0
         self.stats.last_stall_seconds = 0.0
         if self._persist is not None and not self._persist.done():
             self.stats.waited_for_persist += 1
             log.info("checkpoint of step %d waits for the previous persist", step)
         self.wait()
-        if self._ranks is not None:  # the same step and parts everywhere, or nothing is written
-            given = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
-            parts = [k for k, v in given.items() if v is not None]
-            _ranks.agree_save(self._ranks, step, parts, self.config.commit_timeout)
-        abandoned = self._abandoned_agreed(step)
-        params = (
-            {_ranks.dtensor_local(p)[0].data_ptr() for p in model.parameters()}
-            if model is not None
-            else set()
-        )
-        tensors: list[tuple[str, torch.Tensor, bool]] = []  # name, tensor, copy in background
-        names: set[str] = set()
-        chunks: dict[str, dict] = {}  # many ranks: DTensor shards' place in the global tensor
-
-        def collector(background: bool, is_param: bool = False, per_rank: bool = False):
-            # many ranks: RNG states and extra differ per rank, so their names say whose they
-            # are (a plain tensor several ranks hold under one name is written once, by one)
-            prefix = f"{_ranks.rank_dir(self._ranks.rank)}/" if per_rank and self._ranks else ""
-
-            def add(path: str, t: torch.Tensor) -> str:
-                name = prefix + path
-                while name in names:
-                    name += "'"
-                names.add(name)
-                t, chunk = _ranks.dtensor_local(t) if self._ranks is not None else (t, None)
-                if chunk is not None:
-                    chunks[name] = chunk
-                late = background or (is_param and t.data_ptr() in params)
-                tensors.append((name, t.detach(), late))
-                return name
-
-            return add
-
-        state = {
-            "model": encode(model.state_dict(), "model", collector(False, True))
-            if model is not None
-            else None,
-            "optimizer": encode(optimizer.state_dict(), "optimizer", collector(True))
-            if optimizer is not None
-            else None,
-            "scheduler": encode(scheduler.state_dict(), "scheduler", collector(False))
-            if scheduler is not None
-            else None,
-            "rng": encode(rng_state(), "rng", collector(False, per_rank=True)) if rng else None,
-            "extra": encode(extra, "extra", collector(False, per_rank=True)),
-        }
-        replicated: dict[str, int] = {}
-        if self._ranks is not None:  # write only this rank's share (a collective)
-            held = [(n, n in chunks, t.numel() * t.element_size()) for n, t, _ in tensors]
-            mine, replicated = _ranks.plan_writes(held, self._ranks)
-            tensors = [item for item in tensors if item[0] in mine]
+        given = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        parts = [k for k, v in given.items() if v is not None]
+        # the same step and parts on every rank, or nothing is written
+        self._group.agree_save(step, parts, self.config.commit_timeout)
+        abandoned = self._group.decide(lambda: self._abandoned(step))  # rank 0 owns the dir
+        captured = _Captured(self._group, model)
+        state = captured.tree(model, optimizer, scheduler, extra, rng)
+        held = [
+            (n, n in captured.chunks, t.numel() * t.element_size()) for n, t, _ in captured.tensors
+        ]
+        mine, replicated = self._group.plan_writes(held)  # many ranks: this rank's share only
+        tensors = [item for item in captured.tensors if item[0] in mine]
         self._layout(tensors)
         t_copy = time.monotonic()
+        snapshot, cuda_done, clock = self._copy(step, tensors)
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "torch": torch.__version__,
+            "files": [s.file for s in self._shards],
+            "tensors": {},
+            "state": state,
+        }
+        save = _Save(
+            step=step,
+            abandoned=abandoned,
+            shards=self._shards,
+            images=list(self._images),
+            body=body,
+            chunks=captured.chunks,
+            replicated=replicated,
+            snapshot=snapshot,
+            cuda_done=cuda_done,
+            clock=clock,
+            copy_started=t_copy,
+        )
+        self._persist = self._worker.submit(self._persist_job, save)
+        self._persist_step = step
+        self._last_saved = step
+        self.stats.saves += 1
+        blocked = time.monotonic() - entered
+        self._stall += blocked
+        self.stats.stall_seconds += blocked
+        self.stats.last_stall_seconds += blocked
+        nbytes = sum(s.file_bytes for s in save.shards)
+        log.debug(
+            "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
+        )
+
+    def _copy(self, step: int, tensors: list[tuple[str, torch.Tensor, bool]]):
+        """Start the snapshot copies into the images: host tensors copied now (early) or on the
+        copy thread (late), device tensors on each device's side stream. Returns (the copy
+        thread's future, per device the event after its copies, the copy thread's CPU clock)."""
         late_cpu = []
         on_device: dict[torch.device, tuple[list, list]] = {}  # device -> (early, late) copies
         for name, t, late in tensors:
@@ -725,7 +761,6 @@ class Checkpointer:
             for device, (early, late) in on_device.items()
         }
         self._cuda_done = dict(cuda_done)
-
         clock = CpuClock()
         late_cpu_versions = [(t, t._version) for _, t in late_cpu]
         self._late = [(t, t._version) for _, t, late in tensors if late and t.device.type == "cuda"]
@@ -739,82 +774,64 @@ class Checkpointer:
                 raise ConfigError(_torn_message(step, torn))
             return time.monotonic()
 
-        snapshot = self._snapshot = self._copier.submit(clock.wrap(copy_late))
-        on_host = not cuda_done
-        body = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "torch": torch.__version__,
-            "files": [s.file for s in self._shards],
-            "tensors": {},
-            "state": state,
-        }
-        shards, images = self._shards, list(self._images)
-        nbytes = sum(s.file_bytes for s in shards)
+        self._snapshot = self._copier.submit(clock.wrap(copy_late))
+        return self._snapshot, cuda_done, clock
 
-        ranks = self._ranks
-
-        def job() -> None:
-            t0 = time.thread_time()
-            _faults.begin_save()
-            if abandoned and ranks is None:  # a rollback: retire the abandoned run's checkpoints
-                retire(self.root, abandoned)
-            if ranks is None:
-                copied = self._wait_snapshot(snapshot, cuda_done, step)
-                path, written = persist(
-                    self.root, step, shards, images, body, self._io, self.direct, clock
-                )
-            else:  # a failure before the commit is reported in it, never skipping it
-                try:
-                    copied, failed = self._wait_snapshot(snapshot, cuda_done, step), None
-                except BaseException as exc:
-                    copied, failed = time.monotonic(), exc
-                path, written = self._persist_rank(
-                    step, shards, images, body, clock, chunks, replicated, abandoned, failed
-                )
-            done = time.monotonic()
-            if ranks is None:  # many ranks: rank 0 did it inside the commit
-                self._retain(step)
-                if self._replicas is not None:
-                    self._push_replicas(step, shards, images, body)
-            cpu = clock.seconds + time.thread_time() - t0
-            self._background_cpu = cpu if on_host else 0.0
-            self.stats.committed += 1
-            self.stats.last_committed_step = step
-            self.stats.last_snapshot_seconds = copied - t_copy
-            self.stats.last_persist_seconds = done - copied
-            self.stats.last_persist_bytes = written
-            self.stats.history.append(
-                {
-                    "step": step,
-                    "bytes": written,
-                    "snapshot_s": copied - t_copy,
-                    "persist_s": done - copied,
-                    "stall_s": self.stats.last_stall_seconds,
-                    "background_cpu_s": cpu,
-                }
-            )
-            log.info(
-                "checkpoint %s: %s, snapshot %.3fs, persist %.3fs (%.2f GB/s)",
-                path,
-                format_size(written),
-                copied - t_copy,
-                done - copied,
-                written / max(done - copied, 1e-9) / 1e9,
-            )
-
-        self._persist = self._worker.submit(job)
-        self._persist_step = step
-        self._last_saved = step
-        self.stats.saves += 1
-        blocked = time.monotonic() - entered
-        self._stall += blocked
-        self.stats.stall_seconds += blocked
-        self.stats.last_stall_seconds += blocked
-        log.debug(
-            "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
+    def _persist_job(self, save: _Save) -> None:
+        """Persist thread: wait for the snapshot, write, commit (alone or with every rank)."""
+        t0 = time.thread_time()
+        _faults.begin_save()
+        if self._group.many:
+            copied, path, written, done = self._persist_ranks(save)
+        else:
+            copied, path, written, done = self._persist_one(save)
+        cpu = save.clock.seconds + time.thread_time() - t0
+        self._background_cpu = cpu if not save.cuda_done else 0.0
+        self.stats.committed += 1
+        self.stats.last_committed_step = save.step
+        self.stats.last_snapshot_seconds = copied - save.copy_started
+        self.stats.last_persist_seconds = done - copied
+        self.stats.last_persist_bytes = written
+        self.stats.history.append(
+            {
+                "step": save.step,
+                "bytes": written,
+                "snapshot_s": copied - save.copy_started,
+                "persist_s": done - copied,
+                "stall_s": self.stats.last_stall_seconds,
+                "background_cpu_s": cpu,
+            }
         )
+        log.info(
+            "checkpoint %s: %s, snapshot %.3fs, persist %.3fs (%.2f GB/s)",
+            path,
+            format_size(written),
+            copied - save.copy_started,
+            done - copied,
+            written / max(done - copied, 1e-9) / 1e9,
+        )
+
+    def _persist_one(self, save: _Save) -> tuple[float, str, int, float]:
+        """One process (format v1): retire an abandoned run's checkpoints (a rollback), write
+        and commit, then retention and replicas. Returns (snapshot end, path, bytes, commit end)."""
+        if save.abandoned:
+            retire(self.root, save.abandoned)
+        copied = self._wait_snapshot(save.snapshot, save.cuda_done, save.step)
+        path, written = persist(
+            self.root,
+            save.step,
+            save.shards,
+            save.images,
+            save.body,
+            self._io,
+            self.direct,
+            save.clock,
+        )
+        done = time.monotonic()
+        self._retain(save.step)
+        if self._replicas is not None:
+            self._push_replicas(save.step, save.shards, save.images, save.body)
+        return copied, path, written, done
 
     def _push_replicas(self, step, shards, images, body) -> None:
         """Persist thread, after the commit: hold the checkpoint in other nodes' RAM too. A
@@ -845,25 +862,29 @@ class Checkpointer:
                 raise ConfigError(_torn_message(step, torn))
         return copied
 
-    def _persist_rank(
-        self, step, shards, images, body, clock, chunks, replicated, abandoned, failed=None
-    ):
-        """Many ranks (persist thread): write this rank's files durably, then the collective
-        commit (``_ranks.commit_ranks``); raises on every rank if any rank failed. ``failed``:
-        this rank's snapshot failed (e.g. torn): reported in the commit, never skipping it."""
-        ranks = self._ranks
-        error, table, written = failed, {}, 0
+    def _persist_ranks(self, save: _Save) -> tuple[float, str, int, float]:
+        """Many ranks (format v2): write this rank's files durably, then the collective commit
+        (``_ranks.commit_ranks``: rank 0 retires, writes the manifest, renames, retains); raises
+        on every rank if any rank failed. A failure before the commit (a torn snapshot, a full
+        disk) is reported in it, never skipping it. Returns as ``_persist_one``."""
+        ranks, step = self._group.ranks, save.step
+        error, table, written = None, {}, 0
+        try:
+            copied = self._wait_snapshot(save.snapshot, save.cuda_done, step)
+        except BaseException as exc:
+            copied, error = time.monotonic(), exc
+        failed = error
         try:
             if error is not None:
                 raise error
             folder = _ranks.write_rank_dir(self.root, step, ranks.rank)
             table, written = write_shards(
                 folder,
-                shards,
-                images,
+                save.shards,
+                save.images,
                 self._io,
                 self.direct,
-                clock,
+                save.clock,
                 prefix=_ranks.rank_dir(ranks.rank) + "/",
             )
             fsync_dir(folder)
@@ -872,33 +893,18 @@ class Checkpointer:
         report = {
             "error": None if error is None else repr(error),
             "tensors": table,
-            "state": body["state"],
-            "chunks": {n: c for n, c in chunks.items() if n in table},
-            "replicated": replicated,
+            "state": save.body["state"],
+            "chunks": {n: c for n, c in save.chunks.items() if n in table},
+            "replicated": save.replicated,
         }
-        base = {k: body[k] for k in ("format", "step", "torch")}
+        base = {k: save.body[k] for k in ("format", "step", "torch")}
         try:
-            _ranks.commit_ranks(self.root, step, report, ranks, abandoned, base, self._retain)
+            _ranks.commit_ranks(self.root, step, report, ranks, save.abandoned, base, self._retain)
         except RuntimeError as exc:
             if error is not None:
                 raise error from exc
             raise
-        return step_dir(self.root, step), written
-
-    def _abandoned_agreed(self, step: int) -> list[int]:
-        """``_abandoned``; many ranks: decided on rank 0 (it owns the directory), told to all."""
-        if self._ranks is None:
-            return self._abandoned(step)
-        result: object = None
-        if self._ranks.rank == 0:
-            try:
-                result = self._abandoned(step)
-            except ConfigError as exc:
-                result = str(exc)
-        result = _dist.broadcast_object(result, 0, self._ranks.main)
-        if isinstance(result, str):
-            raise ConfigError(result)
-        return result
+        return copied, step_dir(self.root, step), written, time.monotonic()
 
     def _abandoned(self, step: int) -> list[int]:
         """Complete checkpoints that saving ``step`` retires: those of an abandoned future.
@@ -989,24 +995,6 @@ class Checkpointer:
             scheduler.load_state_dict(tree["scheduler"])
         if rng and tree.get("rng") is not None:
             set_rng_state(tree["rng"])
-
-
-def _fits_everywhere(tree, path, model, optimizer, scheduler, ranks: _ranks.Ranks) -> None:
-    """``check_fits`` on every rank, agreed before any rank loads anything: a checkpoint that
-    does not fit one rank's objects is refused on every rank, never loaded on some only."""
-    try:
-        check_fits(tree, path, model, optimizer, scheduler)
-        misfit = None
-    except ConfigError as exc:
-        misfit = exc
-    told = _dist.gather_objects(None if misfit is None else str(misfit), ranks.main)
-    if misfit is not None:
-        raise misfit
-    bad = next(((r, e) for r, e in enumerate(told) if e is not None), None)
-    if bad is not None:
-        raise ConfigError(
-            f"rank {bad[0]} cannot restore this checkpoint, so no rank loaded it: {bad[1]}"
-        )
 
 
 def load_tree(body, path, model, optimizer, rank: int, share) -> dict:

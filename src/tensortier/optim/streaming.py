@@ -156,37 +156,29 @@ class ParameterStreamer:
         self.units, slots = _build_units(model)
         if not self.units:
             raise ConfigError("the model has no parameters to stream")
-        for s in slots:
-            owner = getattr(s.param, _OWNER_ATTR, None)
-            if owner is not None and owner() is not None:
-                raise ConfigError(
-                    f"parameter {s.name!r} is already streamed by another ParameterStreamer "
-                    f"(its values are that streamer's NaN placeholders); call close() on it "
-                    f"first (that makes the model resident again), or keep using it"
-                )
+        _refuse_streamed(slots)
         self._slots = slots
-        first = slots[0].param
-        # a tensor's .device is always "cuda:<i>" / "cpu": compare against the normalised form
-        if device is not None and torch.device(device).type == "cuda" and not cuda_available():
-            raise ConfigError(
-                f"device={device!r} but CUDA is not available; pass device='cpu' or leave it "
-                f"None (the parameters' device)"
-            )
-        self.device = normalize_device(device if device is not None else first.device)
-        largest = max(u.nbytes for u in self.units)
-        self.budget = (
-            2 * largest if budget is None else parse_size(budget, name="budget", allow_zero=False)
-        )
-        if self.budget < largest:
-            raise BudgetError(
-                f"parameter budget {format_size(self.budget)} cannot hold the largest module's "
-                f"parameters ({format_size(largest)}); raise budget to at least that, or split "
-                f"the module",
-                budget=self.budget,
-                minimum=largest,
-            )
+        self.device = _target_device(device, slots[0].param)
+        self.budget = _check_budget(budget, max(u.nbytes for u in self.units))
         self._cuda = self.device.type == "cuda"
         self.stats = StreamStats()
+        self._open_tier(spill_dir)
+        self._pending: dict[int, _Load] = {}
+        self._installed: dict[int, tuple[int, int]] = {}  # storage ptr -> (unit, slot position)
+        self._live_bytes = 0
+        self._hooks = []
+        self._saved_ctx = None
+        self._depth = 0
+        self._last: _Load | None = None
+        # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
+        self._releasing: deque[tuple[Any, int]] = deque()
+        self._releasing_bytes = 0
+        self._closed = False
+        self._take_over()
+
+    def _open_tier(self, spill_dir: str | None) -> None:
+        """The store, loader thread, staging and side stream; every parameter copied to its home
+        (on failure nothing was swapped yet: the model is untouched)."""
         self._store = (
             DiskStore(spill_dir, owner="tensortier-params") if self.tier is ParamTier.DISK else None
         )
@@ -205,26 +197,18 @@ class ParameterStreamer:
         except BaseException:
             self._finalizer()  # nothing was swapped yet: the model is untouched
             raise
-        self._pending: dict[int, _Load] = {}
-        self._installed: dict[int, tuple[int, int]] = {}  # storage ptr -> (unit, slot position)
-        self._live_bytes = 0
-        self._hooks = []
-        self._saved_ctx = None
-        self._depth = 0
-        self._last: _Load | None = None
-        # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
-        self._releasing: deque[tuple[Any, int]] = deque()
-        self._releasing_bytes = 0
-        self._closed = False
+
+    def _take_over(self) -> None:
+        """Swap every parameter for its placeholder and hook every unit's forward."""
         with torch.no_grad():
-            for s in slots:
+            for s in self._slots:
                 s.param.data = s.placeholder
                 setattr(s.param, _OWNER_ATTR, weakref.ref(self))
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
-        self._hooks.append(model.register_forward_pre_hook(self._enter))
-        self._hooks.append(model.register_forward_hook(self._exit, always_call=True))
+        self._hooks.append(self.model.register_forward_pre_hook(self._enter))
+        self._hooks.append(self.model.register_forward_hook(self._exit, always_call=True))
 
     def _store_homes(self) -> None:
         """Copy every parameter to its tier, before any parameter is touched."""
@@ -509,3 +493,38 @@ def stream_parameters(
     one streamer at a time (``ConfigError`` otherwise: close the first one).
     """
     return ParameterStreamer(model, budget=budget, tier=tier, device=device, spill_dir=spill_dir)
+
+
+def _refuse_streamed(slots: list[_Slot]) -> None:
+    for s in slots:
+        owner = getattr(s.param, _OWNER_ATTR, None)
+        if owner is not None and owner() is not None:
+            raise ConfigError(
+                f"parameter {s.name!r} is already streamed by another ParameterStreamer "
+                f"(its values are that streamer's NaN placeholders); call close() on it "
+                f"first (that makes the model resident again), or keep using it"
+            )
+
+
+def _target_device(device: torch.device | str | None, first: nn.Parameter) -> torch.device:
+    # a tensor's .device is always "cuda:<i>" / "cpu": compare against the normalised form
+    if device is not None and torch.device(device).type == "cuda" and not cuda_available():
+        raise ConfigError(
+            f"device={device!r} but CUDA is not available; pass device='cpu' or leave it "
+            f"None (the parameters' device)"
+        )
+    return normalize_device(device if device is not None else first.device)
+
+
+def _check_budget(budget: SizeLike | None, largest: int) -> int:
+    """Device bytes for installed and prefetched units: at least the largest unit (default 2x)."""
+    out = 2 * largest if budget is None else parse_size(budget, name="budget", allow_zero=False)
+    if out < largest:
+        raise BudgetError(
+            f"parameter budget {format_size(out)} cannot hold the largest module's "
+            f"parameters ({format_size(largest)}); raise budget to at least that, or split "
+            f"the module",
+            budget=out,
+            minimum=largest,
+        )
+    return out

@@ -1,0 +1,178 @@
+"""The bucket update, run on the optimizer's one worker thread.
+
+Owns the worker (``tt-adamw``: one thread, strictly FIFO, which is what lets ``step()`` wait on
+bucket i while i+1 still runs) and its scratch buffer for unscaled gradient copies. An update
+loads a bucket's state (committed, or a shadow copy when speculating), seeds masters from
+parameters that changed, runs the fused kernel (``_kernel.py``) and saves the result as pending
+(``_states.py``). It never commits, never writes a parameter, and reads gradients only as staged
+host copies (``_staging.py``); what to update is decided on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from tensortier._units import align_up
+from tensortier.optim._kernel import adamw_
+from tensortier.optim._layout import Bucket, Hyper, Layout, Slot
+from tensortier.optim._staging import Staged, Staging
+from tensortier.optim._stats import OffloadStats
+
+# (bucket, slots updated, the update's future, per slot: the kernel unscaled .grad in place)
+Job = tuple[Bucket, list[Slot], Future, list[bool]]
+
+
+class Updater:
+    """Queues bucket updates on the worker and runs them there.
+
+    ``groups``: the optimizer's ``param_groups`` (hyper-parameters are read from it on the
+    caller's thread). ``sharded``: other ranks own the rest of each gradient, so the kernel never
+    unscales one in place.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        states,
+        staging: Staging,
+        stats: OffloadStats,
+        groups: list[dict],
+        *,
+        sharded: bool,
+    ):
+        self.layout, self.states, self.staging = layout, states, staging
+        self.stats = stats
+        self.groups = groups
+        self.sharded = sharded
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="tt-adamw")
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # worker only: unscaled gradient copies
+
+    def submit_shadow(
+        self, b: Bucket, slots: list[Slot], staged: Staged, scale: float | None, hyper: Hyper
+    ) -> Future:
+        """A speculative update of ``b`` into a copy of its committed state."""
+        return self.worker.submit(self._update, b, slots, staged, scale, hyper, True, None, None)
+
+    def submit_now(self, b: Bucket, scale: float | None, staged: Staged | None) -> Job | None:
+        """Queue a non-speculative update of ``b`` with the gradients as they are now."""
+        slots = [s for s in b.slots if s.param.grad is not None]
+        if not slots:
+            return None
+        grads = [s.grad() for s in slots]
+        if staged is None:
+            params = [s.tensor() for s in b.slots]
+            staged = self.staging.stage(b.id, params, [s.index for s in slots], grads)
+        direct = [  # sharded: never unscale a gradient in place (other ranks own the rest of it)
+            not self.sharded and g.device.type == "cpu" and g.dtype == b.dtype and g.is_contiguous()
+            for g in grads
+        ]
+        seeds = [
+            s.tensor().reshape(-1).to("cpu")
+            if s.version == -1 or s.local._version != s.version
+            else None
+            for s in slots
+        ]
+        hyper = Hyper.of(self.groups[b.group])
+        fut = self.worker.submit(self._update, b, slots, staged, scale, hyper, False, seeds, direct)
+        self.stats.launched_in_step += 1
+        return b, slots, fut, direct
+
+    def prefetch_depth(self) -> int:
+        return getattr(self.states, "depth", 2)
+
+    def _update(
+        self,
+        bucket: Bucket,
+        slots: list[Slot],
+        staged: Staged,
+        scale: float | None,
+        hyper: Hyper,
+        shadow: bool,
+        seeds: list | None,
+        direct: list[bool] | None,
+    ) -> list[torch.Tensor]:
+        """Worker: run one bucket's AdamW update; returns the slots' new step counters.
+
+        ``shadow``: update a copy of the committed state (speculation). ``seeds``: per slot, the
+        parameter's current value (CPU) when the master must be checked against it.
+        ``direct``: per slot, the kernel may unscale the gradient tensor itself (CPU, in step()).
+        """
+        t0 = time.perf_counter()
+        grads = staged.wait()
+        flat = self._kernel_grads(bucket, grads, scale, keep=shadow or self.sharded, direct=direct)
+        token, (master, m, v), _ = self.states.load(bucket.id, shadow=shadow)
+        saved = False
+        try:
+            order = self.layout.order
+            pos = order.index(bucket.id) if bucket.id in order else -1
+            if pos >= 0:
+                self.states.prefetch(order[pos + 1 : pos + self.prefetch_depth()])
+            ps, ms, vs, steps = [], [], [], []
+            for i, s in enumerate(slots):
+                sl = slice(s.offset, s.offset + s.numel)
+                mp = master[sl]
+                seed = seeds[i] if seeds is not None else None
+                if seed is not None and (
+                    s.version == -1 or not torch.equal(seed, mp.to(seed.dtype))
+                ):  # first step, or the user changed the parameter: the parameter wins
+                    mp.copy_(seed)
+                ps.append(mp)
+                ms.append(m[sl])
+                vs.append(v[sl])
+                steps.append(s.step.clone())
+            tk = time.perf_counter()
+            adamw_(
+                ps,
+                flat,
+                ms,
+                vs,
+                steps,
+                lr=hyper.lr,
+                beta1=hyper.beta1,
+                beta2=hyper.beta2,
+                eps=hyper.eps,
+                weight_decay=hyper.weight_decay,
+                maximize=hyper.maximize,
+                grad_scale=None if scale is None else torch.tensor(scale, dtype=torch.float32),
+            )
+            self.stats.kernel_seconds += time.perf_counter() - tk
+            saved = True  # save() owns the token from here on, also when it raises
+            self.states.save(bucket.id, token, (master, m, v))
+        finally:
+            if not saved:
+                self.states.discard(token)
+            self.stats.update_seconds += time.perf_counter() - t0
+        return steps
+
+    def _kernel_grads(self, bucket, grads, scale, *, keep: bool, direct) -> list[torch.Tensor]:
+        """Flat gradients in the master dtype for the kernel (worker thread).
+
+        With ``scale`` the kernel writes the unscaled gradient back into its input: a snapshot that
+        ``step()`` still compares (``keep``) is copied to a scratch buffer first.
+        """
+        flat = []
+        need = 0
+        for i, g in enumerate(grads):
+            if g.dtype != bucket.dtype:
+                flat.append(g.reshape(-1).to(bucket.dtype))
+            elif direct is not None and direct[i]:
+                flat.append(g.view(-1))
+            elif scale is not None and keep:
+                flat.append(None)
+                need = align_up(need + g.numel() * g.element_size(), 64)
+            else:
+                flat.append(g.reshape(-1))
+        if need:
+            if self._scratch.numel() < need:
+                self._scratch = torch.empty(need, dtype=torch.uint8)
+            off = 0
+            for i, g in enumerate(grads):
+                if flat[i] is None:
+                    nb = g.numel() * g.element_size()
+                    flat[i] = self._scratch[off : off + nb].view(g.dtype)
+                    flat[i].copy_(g.reshape(-1))
+                    off = align_up(off + nb, 64)
+        return flat

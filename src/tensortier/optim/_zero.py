@@ -1,0 +1,162 @@
+"""ZeRO over ``torch.distributed``: whether the optimizer shards, every rank agreeing on what it
+builds, and the sharded step (PROTOCOL.md, "Sharded across ranks").
+
+``Sharding`` decides, at construction, between one full state per rank, ZeRO-1 sharding over
+``process_group`` (each rank keeps masters and moments for its pieces of every bucket), and
+FSDP2 (DTensor parameters: FSDP already shards, each rank updates its local shards); it checks
+that every rank builds the same optimizer, and gives the CPU ``DeviceMesh`` of the state's
+DTensors. ``ShardedStep`` updates this rank's pieces from the gradients DDP reduced, agrees with
+the other ranks that every one succeeded, commits, and all-gathers the updated pieces into every
+replica. The partition and the all-gather's byte layout are ``_shard.py``'s.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tensortier import _dist
+from tensortier.errors import ConfigError
+from tensortier.optim._dtensor import is_dtensor
+from tensortier.optim._shard import Gatherer
+from tensortier.optim._step import Done, Step
+
+
+class Sharding:
+    """How this rank's optimizer state relates to the other ranks' (decided at construction)."""
+
+    def __init__(self, params: list[torch.Tensor], process_group, shard: bool | None):
+        group_active = _dist.active(process_group)
+        # FSDP2 (fully_shard): parameters are DTensors; FSDP already shards them, so each rank
+        # updates its local shards and the state is DTensor-aware (PROTOCOL.md, "FSDP2")
+        self.fsdp = any(is_dtensor(p) for p in params)
+        if shard is None:
+            shard = group_active and not self.fsdp
+        if shard and self.fsdp:
+            raise ConfigError(
+                "shard=True with DTensor parameters: FSDP2 (fully_shard) already shards them; "
+                "leave shard=None and each rank updates its local shards"
+            )
+        if shard and not group_active:
+            raise ConfigError(
+                f"shard={shard!r} needs torch.distributed initialised with more than one rank in "
+                f"process_group; call torch.distributed.init_process_group() first, or pass "
+                f"shard=False"
+            )
+        self.sharded = bool(shard)
+        self.pg = process_group
+        self.world = _dist.world(process_group) if self.sharded else 1
+        self.rank = _dist.rank(process_group) if self.sharded else 0
+        self.gatherer = Gatherer(process_group, self.world, self.rank) if shard else None
+        self.agreeing = group_active  # every rank must build the same optimizer
+        self._mesh = None
+
+    @property
+    def local_form(self) -> bool:
+        """Sharded or FSDP2: ``state_dict()`` holds this rank's part, one entry per parameter it
+        holds (``step`` 0 when never stepped, so DCP and restores find every key); ``step()``
+        agrees with the other ranks before it branches."""
+        return self.sharded or self.fsdp
+
+    def agree(self, settings: dict, groups: list[dict], what: str) -> None:
+        """Every rank must build the same buckets: same parameters, groups and settings."""
+        _dist.agree(
+            {
+                **settings,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+                "parameters": [
+                    [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in g["params"]]
+                    for g in groups
+                ],
+            },
+            what,
+            self.pg,
+            fix="build the model and the optimizer the same way on every rank",
+        )
+
+    def device_mesh(self):
+        """The CPU mesh of the group: the sharded state's DTensors live in host memory."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            group = self.pg if self.pg is not None else torch.distributed.group.WORLD
+            self._mesh = DeviceMesh.from_group(group, "cpu")  # the states live in host memory
+        return self._mesh
+
+
+def peer_failed(rank: int, applied: bool) -> RuntimeError:
+    what = (
+        "the parts that succeeded were applied on every rank"
+        if applied
+        else "no rank applied it, so parameters and state are as before the step"
+    )
+    return RuntimeError(
+        f"OffloadedAdamW: rank {rank} failed its part of this step (its log has the error); {what}"
+    )
+
+
+class ShardedStep(Step):
+    """``step()`` when the state is sharded: never speculated, every rank in lockstep."""
+
+    def __init__(self, *args, sharding: Sharding, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sharding = sharding
+
+    def run(self, scale_t: torch.Tensor | None, scale: float | None) -> None:
+        """Update this rank's pieces, agree that every rank succeeded, commit, all-gather.
+
+        Disk states: all or nothing on every rank (a failed write on any rank aborts the step
+        everywhere, parameters untouched). Host states: as without sharding, what succeeded is
+        applied (a host update fails only on a bug or out of memory) and every rank raises.
+        """
+        t0 = time.perf_counter()
+        jobs, done, error = [], [], None
+        for b in self.layout.ordered():
+            try:
+                job = self.updater.submit_now(b, scale, None)
+            except BaseException as exc:  # e.g. out of memory: nothing more is launched
+                error = exc
+                break
+            if job is not None:
+                jobs.append(job)
+        error = self._collect(jobs, lambda *d: done.append(d), error)
+        if error is None and not self.host:
+            error = self.states.write_error()  # waits for this step's state writes
+        self.stats.step_wait_seconds += time.perf_counter() - t0
+        failed = _dist.first_true(error is not None, self.sharding.pg)
+        if failed is not None and not self.host:
+            self.states.abort()
+            self.speculator.reset_cycle()
+            raise error or peer_failed(failed, applied=False)
+        tw = time.perf_counter()
+        try:
+            self.states.commit()
+            updated = self._advance(done)
+            self._gather_updates(done)
+            for s in self.layout.slots():
+                if s.version != -1 or id(s) in updated:
+                    s.version = s.local._version
+            if scale_t is not None:  # fused AdamW leaves the unscaled gradients in .grad
+                for p in (p for g in self.groups for p in g["params"]):
+                    if p.grad is not None:
+                        p.grad.div_(scale_t.to(p.grad.device))
+        finally:
+            self.stats.writeback_seconds += time.perf_counter() - tw
+        self._finish(scale_t)
+        if failed is not None:
+            raise error or peer_failed(failed, applied=True)
+
+    def _gather_updates(self, done: list[Done]) -> None:
+        """All-gather every bucket's updated pieces into the parameters (bucket-id order)."""
+        by_id = {b.id: slots for b, slots, _, _ in done}
+        masters = self.states.masters(sorted(by_id))  # disk: streamed with read-ahead
+        for b in self.layout.buckets:
+            values = {}
+            if b.id in by_id:
+                i, master = next(masters)
+                assert i == b.id
+                for s in by_id[b.id]:
+                    values[s.index] = master[s.offset : s.offset + s.numel]
+            self.sharding.gatherer.gather(b.plan, values)
+        masters.close()
