@@ -174,15 +174,8 @@ class Catalog:
         exception leaves nothing that opens as a catalog (an exception removes what was
         written). Statistics: ``catalog.build_stats``.
         """
-        stats = _build.build(
-            path,
-            records,
-            segment_size=segment_size,
-            writers=writers,
-            batch_bytes=batch_bytes,
-            progress=progress,
-            mode=mode,
-        )
+        args = _build.check_args(path, segment_size, writers, batch_bytes, mode)
+        stats = _build.build(args, records, progress=progress)
         cat = cls(path, direct=direct)
         cat.build_stats = stats
         return cat
