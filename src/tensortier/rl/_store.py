@@ -324,7 +324,7 @@ class ItemStore:
         self.ram_order = KeyQueue()
         self.stats = StoreStats()
         self.compaction_paused = 0
-        self._spill_dir = spill_dir
+        self.spill_dir = spill_dir
         self._owner = owner
         self._files = _Files(private=not durable)
         self._finalizer = Finalizer(self, self._files.close)
@@ -444,7 +444,7 @@ class ItemStore:
     def _disk(self) -> Segments:
         if self._files.segments is None:
             self._files.segments = Segments(
-                private_dir(self._spill_dir, self._owner),
+                private_dir(self.spill_dir, self._owner),
                 segment_size=self.segment_size,
                 fsync=self.fsync,
             )

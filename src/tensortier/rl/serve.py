@@ -338,7 +338,7 @@ def _actor_args(
         kwargs = {
             "capacity": s.cap,
             "ram_budget": s.budget,
-            "spill_dir": s._spill_dir,
+            "spill_dir": s.spill_dir,
             "segment_size": s.segment_size,
         }
         return ("bank", kwargs, None), None
