@@ -233,7 +233,7 @@ def test_save_load_restores_items_and_distribution(spill_dir, tmp_path):
     assert len(new) == len(buf) == 64
     np.testing.assert_array_equal(new.indices(), buf.indices())
     np.testing.assert_allclose(new.priorities(keys), buf.priorities(keys))
-    np.testing.assert_array_equal(new._uses, buf._uses)
+    np.testing.assert_array_equal(new._meta.uses, buf._meta.uses)
     for k in keys[::7]:
         a, b = new[int(k)], buf[int(k)]
         assert a["i"] == b["i"] and a["obs"].tobytes() == b["obs"].tobytes()
@@ -576,6 +576,49 @@ def test_damaged_saved_state_is_corrupt_data_error(tmp_path, spill_dir, kind):
     with pytest.raises(CorruptDataError):
         ReplayBuffer.load(saved, spill_dir=spill_dir, ram_budget=0)
     assert not os.path.exists(_Evil.marker)
+
+
+def test_a_save_after_one_that_saw_the_first_spill_still_pins_the_files(
+    tmp_path, monkeypatch, spill_dir
+):
+    """A save pins the segment files while it copies outside the lock. When the buffer spilled
+    for the first time during one save's copy, that save used to unpin files it never pinned:
+    the next save's pin then held nothing, and a delete during its copy removed files it was
+    reading."""
+    from tensortier.tiers.segments import Segments
+
+    buf = ReplayBuffer(256, ram_budget="16KiB", spill_dir=spill_dir, segment_size="8KiB")
+    buf.extend([np.zeros(100, np.uint8)] * 4)  # in RAM: no segment files yet
+    write = __import__("tensortier.rl._saved", fromlist=["write"]).write
+
+    def spill_then_write(*args, **kwargs):  # runs outside the buffer's lock
+        buf.extend([np.full(1000, i, np.uint8) for i in range(40)])  # the first spill
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr("tensortier.rl._saved.write", spill_then_write)
+    buf.save(tmp_path / "first")
+    monkeypatch.undo()
+    expected = buf[buf.indices()]
+    read_many = Segments.read_many
+    deleted = []
+
+    def delete_then_read(self, locs):  # the second save's reader, outside the lock
+        if self.readonly and not deleted:
+            deleted.extend(buf.indices().tolist())
+            del buf[deleted]  # every file emptied: deleted now unless the save pinned it
+        return read_many(self, locs)
+
+    monkeypatch.setattr(Segments, "read_many", delete_then_read)
+    try:
+        buf.save(tmp_path / "second")
+    finally:
+        monkeypatch.undo()
+        buf.close()
+    assert len(deleted) == 44
+    loaded = ReplayBuffer.load(tmp_path / "second", spill_dir=spill_dir)
+    got = loaded[loaded.indices()]
+    assert len(got) == 44 and all(np.array_equal(a, b) for a, b in zip(got, expected))
+    loaded.close()
 
 
 def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch, spill_dir):

@@ -119,6 +119,21 @@ def test_slices_are_drawn_by_their_r2d2_priority():
     buf.close()
 
 
+def test_slice_priorities_belong_to_their_own_steps_when_other_items_lack_an_episode():
+    """Items added without episode/step sit among the live slots; the slices' priorities must
+    still come from the slices' own steps (they were shifted onto the wrong items before)."""
+    buf = ReplayBuffer(100, sampler=Prioritized(alpha=1.0), seed=0)
+    lone = buf.add({"t": -1})  # no episode: never in a slice, but a live slot before the others
+    a = buf.extend([{"t": t} for t in range(2)], episode=0, step=[0, 1])
+    b = buf.extend([{"t": t} for t in range(2)], episode=1, step=[0, 1])
+    buf.update_priorities([lone, *a, *b], [5.0, 0.0, 0.0, 1.0, 1.0])
+    batch = buf.sample(500, seq_len=2)
+    # episode 0's steps have priority 0: its slice is never drawn while episode 1's can be
+    assert set(batch.indices[:, 0].tolist()) == {int(b[0])}
+    np.testing.assert_array_equal(batch.weights, np.ones(500, np.float32))
+    buf.close()
+
+
 def test_max_staleness_excludes_old_items():
     buf = ReplayBuffer(200, sampler=Prioritized(), seed=0)
     for v in range(10):

@@ -11,7 +11,8 @@ ray = pytest.importorskip("ray")
 
 from tensortier.errors import ClosedError, ConfigError, RateLimitTimeout  # noqa: E402
 from tensortier.rl import ParamStore, Prioritized, RateLimit, ReplayBuffer, serve  # noqa: E402
-from tensortier.rl.serve import _PARAM_THREADS, _call  # noqa: E402
+from tensortier.rl._actors import call as _call  # noqa: E402
+from tensortier.rl.serve import _PARAM_THREADS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

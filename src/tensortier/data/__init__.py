@@ -3,10 +3,12 @@
 ``Catalog.build(path, records)`` streams records (bytes, str, arrays, tensors, dicts of those) into
 append-only segment files plus a fixed-width index; ``Catalog.open(path)`` maps the index;
 ``cat.epochs(...)`` is a :class:`Loader` that reads a seeded, rank-split order ahead on I/O threads
-and resumes mid-epoch exactly. PyTorch datasets: :class:`CatalogDataset`, :class:`EpochDataset`.
+and resumes mid-epoch exactly. PyTorch datasets: :class:`CatalogDataset`, :class:`EpochDataset`. The settings of the epochs are
+one :class:`EpochConfig`.
 Protocols: ``PROTOCOL.md``.
 """
 
+from tensortier.data._epochs import EpochConfig
 from tensortier.data._pipeline import Batch, LoaderStats
 from tensortier.data.catalog import Catalog, VerifyReport
 from tensortier.data.loader import Loader
@@ -16,6 +18,7 @@ __all__ = [
     "Batch",
     "Catalog",
     "CatalogDataset",
+    "EpochConfig",
     "EpochDataset",
     "Loader",
     "LoaderStats",

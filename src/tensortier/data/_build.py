@@ -22,15 +22,16 @@ import os
 import signal
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import crc32c
 import numpy as np
 
 from tensortier import _modes
 from tensortier._lifetime import DirLock
-from tensortier._units import SizeLike, parse_size
+from tensortier._units import parse_size
 from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
@@ -60,7 +61,18 @@ class _Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _check_args(path, segment_size, writers, batch_bytes, mode) -> tuple[str, int, int, int]:
+@dataclass(frozen=True)
+class BuildArgs:
+    """``Catalog.build``'s settings, checked (:func:`check_args`)."""
+
+    root: str  # absolute
+    segment_size: int
+    writers: int
+    batch_bytes: int
+    mode: int
+
+
+def check_args(path, segment_size, writers, batch_bytes, mode) -> BuildArgs:
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(
             f"Catalog.build: path must be a directory path (str or os.PathLike), got "
@@ -76,7 +88,7 @@ def _check_args(path, segment_size, writers, batch_bytes, mode) -> tuple[str, in
         )
     batch = parse_size(batch_bytes, name="Catalog.build: batch_bytes", allow_zero=False)
     _modes.check_mode(mode, "Catalog.build")
-    return os.path.abspath(os.fspath(path)), seg, writers, batch
+    return BuildArgs(os.path.abspath(os.fspath(path)), seg, writers, batch, mode)
 
 
 def _prepare(root: str) -> tuple[DirLock, bool]:
@@ -211,23 +223,144 @@ def _write_batch(segs: Segments, first: int, blobs: list[bytes], crcs: list[int]
     return rows
 
 
-def build(
-    path: str | os.PathLike,
-    records: Iterable,
-    *,
-    segment_size: SizeLike = "1GiB",
-    writers: int = 2,
-    batch_bytes: SizeLike = "8MiB",
-    progress: bool = False,
-    mode: int = _modes.PRIVATE,
-) -> dict:
-    """Build the catalog at ``path`` from ``records``; returns build statistics.
+class _Writers:
+    """The writer threads of one build: writer ``w`` owns its segment files and takes every
+    ``writers``-th batch; results come back in batch order (see the module doc)."""
+
+    def __init__(self, args: BuildArgs):
+        self.pools: list[ThreadPoolExecutor] = []
+        self.segs: list[Segments] = []
+        self.pending: collections.deque[tuple[int, Future]] = collections.deque()
+        self.batches = 0
+        try:
+            for w in range(args.writers):
+                self.pools.append(ThreadPoolExecutor(1, thread_name_prefix=f"tt-catalog-w{w}"))
+                self.segs.append(
+                    Segments(
+                        args.root,
+                        segment_size=args.segment_size,
+                        first=w,
+                        step=args.writers,
+                        arg="path",
+                        direct=True,
+                        checksum="crc32c",
+                        mode=args.mode,
+                    )
+                )
+        except BaseException:
+            self.shutdown(failed=True)
+            raise
+
+    def submit(self, first: int, blobs: list[bytes], crcs: list[int]) -> None:
+        """Queue the batch of records ``first...`` to the next writer."""
+        w = self.batches % len(self.pools)
+        self.pending.append(
+            (len(blobs), self.pools[w].submit(_write_batch, self.segs[w], first, blobs, crcs))
+        )
+        self.batches += 1
+
+    def results(self, keep: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(records, index rows) of the oldest batches until at most ``keep`` are in flight."""
+        while len(self.pending) > keep:
+            n, fut = self.pending.popleft()
+            yield n, fut.result()
+
+    def sync(self, point: _Faults) -> dict[int, int]:
+        """Make every segment durable and close it; the segment sizes (for the manifest)."""
+        for s in self.segs:
+            s.sync()
+        point("segments-synced")
+        sizes = {n: b for s in self.segs for n, b in s.size.items()}
+        for s in self.segs:
+            s.close(remove=False)
+        return sizes
+
+    def shutdown(self, failed: bool = False) -> None:
+        for p in self.pools:
+            p.shutdown(wait=True, cancel_futures=failed)
+        if failed:
+            for s in self.segs:
+                s.close(remove=False)
+
+
+class _Index:
+    """``index.bin`` as it is written: rows in record order, their running CRC."""
+
+    def __init__(self, f, point: _Faults, bar) -> None:
+        self.f, self.point, self.bar = f, point, bar
+        self.crc = 0
+
+    def add(self, writers: _Writers, keep: int) -> None:
+        """Append the rows of finished batches until at most ``keep`` are in flight."""
+        for n, rows in writers.results(keep):
+            raw = rows.tobytes()
+            self.f.write(raw)
+            self.crc = crc32c.crc32c(raw, self.crc)
+            self.point("batch-indexed")
+            if self.bar is not None:
+                self.bar.update(n)
+
+
+def _encode_all(
+    records: Iterable, writers: _Writers, index: _Index, batch_bytes: int
+) -> tuple[int, int]:
+    """Encode ``records`` into batches of about ``batch_bytes`` for the writers (at most
+    ``2 * writers`` in flight); (records, payload bytes)."""
+    batch: list[bytes] = []
+    sums: list[int] = []
+    size = count = payload = 0
+    for rec in records:
+        try:
+            blob = itemcodec.encode(rec, align=ALIGN)
+        except (TypeError, ValueError) as exc:
+            blob = _encode_coerced(rec, count, exc)
+        batch.append(blob)
+        # the checksum is computed here: a writer thread taking the GIL back after each
+        # checksum call would wait for this loop's switch interval (5 ms) every time
+        sums.append(record_crc32c(len(blob), 0, count, blob))
+        size += len(blob)
+        count += 1
+        payload += len(blob)
+        if size >= batch_bytes or len(batch) >= 65536:
+            writers.submit(count - len(batch), batch, sums)
+            batch, sums, size = [], [], 0
+            index.add(writers, 2 * len(writers.pools))
+    if batch:
+        writers.submit(count - len(batch), batch, sums)
+    index.add(writers, 0)
+    return count, payload
+
+
+def _write(args: BuildArgs, records: Iterable, writers: _Writers, point: _Faults, bar) -> Manifest:
+    """Write segments, index and (last: the commit) the manifest."""
+    index_fd = _modes.create(os.path.join(args.root, _format.INDEX), args.mode)
+    with open(index_fd, "wb", buffering=1 << 20) as f:
+        index = _Index(f, point, bar)
+        count, payload = _encode_all(records, writers, index, args.batch_bytes)
+        f.flush()
+        os.fsync(f.fileno())
+    point("index-synced")
+    sizes = writers.sync(point)
+    if bar is not None:
+        bar.close()
+    manifest = Manifest(
+        records=count,
+        payload_bytes=payload,
+        segments=sizes,
+        index_crc=index.crc,
+        writers=args.writers,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    _modes.set_dir(args.root, args.mode)  # the one rule: every file `mode`, the directory to match
+    _format.write_manifest(args.root, manifest, point, args.mode)
+    return manifest
+
+
+def build(args: BuildArgs, records: Iterable, *, progress: bool = False) -> dict:
+    """Build the catalog ``args`` describe from ``records``; returns build statistics.
 
     See :meth:`tensortier.data.Catalog.build` (the public entry point).
     """
-    root, seg_size, writers, batch_bytes = _check_args(
-        path, segment_size, writers, batch_bytes, mode
-    )
     records, total = _sources.source(records)
     if isinstance(records, (bytes, str, dict)) or not isinstance(records, Iterable):
         raise TypeError(
@@ -235,117 +368,36 @@ def build(
             f"pyarrow Table, got {type(records).__name__} (wrap a single record in a list)"
         )
     t0 = time.monotonic()
-    lock, made = _prepare(root)
-    point = _Faults()
-    pools = [ThreadPoolExecutor(1, thread_name_prefix=f"tt-catalog-w{w}") for w in range(writers)]
-    segs = [
-        Segments(
-            root,
-            segment_size=seg_size,
-            first=w,
-            step=writers,
-            arg="path",
-            direct=True,
-            checksum="crc32c",
-            mode=mode,
-        )
-        for w in range(writers)
-    ]
-    pending: collections.deque[tuple[int, Future]] = collections.deque()
-    index_crc = 0
-    count = payload = 0
-    bar = None
+    lock, made = _prepare(args.root)
+    writers = bar = None
     try:
+        writers = _Writers(args)
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=total, desc="catalog build", unit="rec", unit_scale=True)
-        index_fd = _modes.create(os.path.join(root, _format.INDEX), mode)
-        with open(index_fd, "wb", buffering=1 << 20) as index:
-
-            def drain(keep: int) -> None:
-                nonlocal index_crc
-                while len(pending) > keep:
-                    n, fut = pending.popleft()
-                    rows = fut.result()
-                    raw = rows.tobytes()
-                    index.write(raw)
-                    index_crc = crc32c.crc32c(raw, index_crc)
-                    point("batch-indexed")
-                    if bar is not None:
-                        bar.update(n)
-
-            batch: list[bytes] = []
-            sums: list[int] = []
-            size = nbatch = 0
-            for rec in records:
-                try:
-                    blob = itemcodec.encode(rec, align=ALIGN)
-                except (TypeError, ValueError) as exc:
-                    blob = _encode_coerced(rec, count, exc)
-                batch.append(blob)
-                # the checksum is computed here: a writer thread taking the GIL back after each
-                # checksum call would wait for this loop's switch interval (5 ms) every time
-                sums.append(record_crc32c(len(blob), 0, count, blob))
-                size += len(blob)
-                count += 1
-                payload += len(blob)
-                if size >= batch_bytes or len(batch) >= 65536:
-                    w = nbatch % writers
-                    job = pools[w].submit(_write_batch, segs[w], count - len(batch), batch, sums)
-                    pending.append((len(batch), job))
-                    batch, sums, size, nbatch = [], [], 0, nbatch + 1
-                    drain(2 * writers)
-            if batch:
-                w = nbatch % writers
-                job = pools[w].submit(_write_batch, segs[w], count - len(batch), batch, sums)
-                pending.append((len(batch), job))
-            drain(0)
-            index.flush()
-            os.fsync(index.fileno())
-        point("index-synced")
-        for s in segs:
-            s.sync()
-        point("segments-synced")
-        sizes = {n: b for s in segs for n, b in s.size.items()}
-        for s in segs:
-            s.close(remove=False)
-        if bar is not None:
-            bar.close()
-        manifest = Manifest(
-            records=count,
-            payload_bytes=payload,
-            segments=sizes,
-            index_crc=index_crc,
-            writers=writers,
-            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        )
-        _modes.set_dir(root, mode)  # the one rule: every file `mode`, the directory to match
-        _format.write_manifest(root, manifest, point, mode)
+        manifest = _write(args, records, writers, _Faults(), bar)
     except BaseException:
         if bar is not None:
             bar.close()
-        for p in pools:
-            p.shutdown(wait=True, cancel_futures=True)
-        for s in segs:
-            s.close(remove=False)
-        _remove_build_files(root)
+        if writers is not None:
+            writers.shutdown(failed=True)
+        _remove_build_files(args.root)
         if made:
             with contextlib.suppress(OSError):
-                os.rmdir(root)
+                os.rmdir(args.root)
         lock.release()
         raise
-    for p in pools:
-        p.shutdown(wait=True)
+    writers.shutdown()
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(root, _format.LOCK))  # complete: nothing of the build remains
+        os.unlink(os.path.join(args.root, _format.LOCK))  # complete: nothing of the build remains
     lock.release()
     seconds = time.monotonic() - t0
     return {
-        "records": count,
-        "payload_bytes": payload,
+        "records": manifest.records,
+        "payload_bytes": manifest.payload_bytes,
         "file_bytes": manifest.file_bytes,
-        "segments": len(sizes),
+        "segments": len(manifest.segments),
         "seconds": seconds,
         "bytes_per_s": manifest.file_bytes / seconds if seconds > 0 else 0.0,
     }

@@ -255,9 +255,7 @@ def read_blobs(
         keys = indices.tolist()
         for p in np.flatnonzero(~ok).tolist():
             path, reason = row_problem(files.root, rows[p].item(), sizes)
-            if errors is None:
-                raise CorruptDataError(f"record {keys[p]} in {path}: {reason}", path=path)
-            errors.append((keys[p], path, reason))
+            _bad(errors, keys[p], path, reason)
         sel = np.flatnonzero(ok)
         got = read_blobs(
             files, indices[sel], rows[sel], sizes, direct=direct, gap=gap, stats=stats,
@@ -274,49 +272,62 @@ def read_blobs(
         spans.append((lo, hi, total))
         total += -(-(hi - lo) // PAGE) * PAGE
     buf = scratch.take(total) if scratch is not None else aligned_buffer(total)
-    view = memoryview(buf)
-    offs, lens = rows["off"].tolist(), rows["len"].tolist()
-    crcs, keys = rows["crc"].tolist(), indices.tolist()
+    reader = _RunReader(files, buf, indices, rows, direct, stats, errors)
+    for (seg, _, _, members), span in zip(runs, spans):
+        reader.read(seg, members.tolist(), *span, out)
+    return out
 
-    def bad(pos: int, path: str, reason: str) -> None:
-        if errors is None:
-            raise CorruptDataError(f"record {keys[pos]} in {path}: {reason}", path=path)
-        errors.append((keys[pos], path, reason))
 
-    for (s, _, _, members), (lo, hi, at) in zip(runs, spans):
+def _bad(errors: list | None, key: int, path: str, reason: str) -> None:
+    """A bad record: CorruptDataError, or ``(key, path, reason)`` appended to ``errors``."""
+    if errors is None:
+        raise CorruptDataError(f"record {key} in {path}: {reason}", path=path)
+    errors.append((key, path, reason))
+
+
+class _RunReader:
+    """Reads coalesced runs of records into one buffer and checks every record read."""
+
+    def __init__(self, files, buf, indices, rows, direct, stats, errors) -> None:
+        self.files, self.buf, self.view = files, buf, memoryview(buf)
+        self.offs, self.lens = rows["off"].tolist(), rows["len"].tolist()
+        self.crcs, self.keys = rows["crc"].tolist(), indices.tolist()
+        self.direct, self.stats, self.errors = direct, stats, errors
+
+    def read(self, seg: int, members: list[int], lo: int, hi: int, at: int, out: list) -> None:
+        """Read bytes ``lo..hi`` of segment ``seg`` to ``buf[at:]``; ``out[p]`` for each record
+        ``p`` of ``members`` that is whole and intact."""
+        path = segment_path(self.files.root, seg)
         try:
-            fd = files.acquire(s, direct)
+            fd = self.files.acquire(seg, self.direct)
         except FileNotFoundError:
-            for p in members.tolist():
-                bad(p, segment_path(files.root, s), "the segment file is missing")
-            continue
+            for p in members:
+                _bad(self.errors, self.keys[p], path, "the segment file is missing")
+            return
         try:
-            got = _pread_into(fd, buf[at : at + hi - lo], lo, direct)
+            got = _pread_into(fd, self.buf[at : at + hi - lo], lo, self.direct)
         finally:
-            files.release(s, direct)
-        if stats is not None:
-            stats.reads += 1
-            stats.bytes_read += got
-            stats.records += len(members)
-        for p in members.tolist():
-            o, n = at + offs[p] - lo, lens[p]
+            self.files.release(seg, self.direct)
+        if self.stats is not None:
+            self.stats.reads += 1
+            self.stats.bytes_read += got
+            self.stats.records += len(members)
+        for p in members:
+            o, n, off = at + self.offs[p] - lo, self.lens[p], self.offs[p]
             if o + n > at + got:
-                bad(
-                    p,
-                    segment_path(files.root, s),
-                    f"the file ends at byte {lo + got} but the "
-                    f"record spans bytes {offs[p]}..{offs[p] + n} (the file was truncated)",
+                reason = (
+                    f"the file ends at byte {lo + got} but the record spans bytes "
+                    f"{off}..{off + n} (the file was truncated)"
                 )
-            elif not item_ok(view, o, n, keys[p], crcs[p]):
-                bad(
-                    p,
-                    segment_path(files.root, s),
-                    f"the record at offset {offs[p]} failed its "
-                    f"check (header, length or CRC): the file was modified or damaged",
+            elif not item_ok(self.view, o, n, self.keys[p], self.crcs[p]):
+                reason = (
+                    f"the record at offset {off} failed its check (header, length or CRC): the "
+                    f"file was modified or damaged"
                 )
             else:
-                out[p] = buf[o + REC.size : o + n]
-    return out
+                out[p] = self.buf[o + REC.size : o + n]
+                continue
+            _bad(self.errors, self.keys[p], path, reason)
 
 
 def read_one(

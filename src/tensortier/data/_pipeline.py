@@ -131,6 +131,88 @@ def _read_piece(catalog, piece: _Piece, direct: bool, transform) -> tuple[list, 
     return records, stats
 
 
+class _ReadAhead:
+    """Pieces submitted in order while the bytes in flight stay within ``prefetch`` (always at
+    least one piece), and their results taken in order."""
+
+    def __init__(self, catalog, plan: Iterator[_Piece], executor, prefetch, transform, stats):
+        self.catalog, self.plan, self.executor = catalog, plan, executor
+        self.prefetch, self.transform, self.stats = prefetch, transform, stats
+        self.direct = catalog.direct_io()
+        self.upcoming = next(plan, None)
+        self.inflight: deque[tuple[_Piece, Future]] = deque()
+        self.inflight_bytes = 0
+
+    def _fill(self) -> None:
+        stats, up = self.stats, self.upcoming
+        while up is not None and (
+            not self.inflight or self.inflight_bytes + up.nbytes <= self.prefetch
+        ):
+            if self.catalog._index is None:
+                raise ClosedError(f"Catalog {self.catalog.path!r} was closed while reading")
+            try:
+                args = (self.catalog, up, self.direct, self.transform)
+                fut = self.executor.submit(_read_piece, *args)
+            except RuntimeError as exc:  # the executor was shut down (loader closed)
+                raise ClosedError("the loader was closed") from exc
+            self.inflight.append((up, fut))
+            self.inflight_bytes += up.nbytes
+            stats.max_inflight_bytes = max(stats.max_inflight_bytes, self.inflight_bytes)
+            up = self.upcoming = next(self.plan, None)
+
+    def next(self) -> tuple[_Piece, list] | None:
+        """The next piece and its records (waiting for them if needed); None at the end."""
+        self._fill()
+        if not self.inflight:
+            return None
+        piece, fut = self.inflight.popleft()
+        if not fut.done():
+            t0 = time.perf_counter()
+            try:
+                fut.result()
+            except BaseException:
+                pass
+            self.stats.wait_seconds += time.perf_counter() - t0
+        try:
+            got, read_stats = fut.result()
+        except CancelledError as exc:
+            raise ClosedError("the loader was closed while reading ahead") from exc
+        self.inflight_bytes -= piece.nbytes
+        self.stats.pieces += 1
+        self.stats.reads += read_stats.reads
+        self.stats.bytes_read += read_stats.bytes_read
+        return piece, got
+
+
+class _Batches:
+    """Records taken in order, cut into batches."""
+
+    def __init__(self, epoch: int, collate: Callable | None, stats: LoaderStats):
+        self.epoch, self.collate, self.stats = epoch, collate, stats
+        self.records: list = []
+        self.positions: list[np.ndarray] = []
+        self.indices: list[np.ndarray] = []
+        self.held = 0  # records in `records`
+
+    def take(self, piece: _Piece, records: list) -> None:
+        self.records += records
+        self.positions.append(piece.positions)
+        self.indices.append(piece.indices)
+        self.held += len(records)
+
+    def emit(self, n: int) -> Batch:
+        data, self.records = self.records[:n], self.records[n:]
+        pos = np.concatenate(self.positions)
+        idx = np.concatenate(self.indices)
+        self.positions[:] = [pos[n:]] if self.held > n else []
+        self.indices[:] = [idx[n:]] if self.held > n else []
+        self.held -= n
+        self.stats.batches += 1
+        self.stats.records += n
+        out = self.collate(data) if self.collate is not None else data
+        return Batch(out, idx[:n], self.epoch, int(pos[n - 1]) + 1)
+
+
 def stream(
     catalog,
     order: Order,
@@ -151,72 +233,17 @@ def stream(
     ``owner`` (the dataset whose ``executor`` this is) is kept alive by the stream's frame: a
     dataset made only to iterate it must not shut its executor down under the stream.
     """
-    direct = catalog.direct_io()
-    index = catalog._index
-    plan = _pieces(index, order, ranges, piece_bytes, prefetch)
-    upcoming = next(plan, None)
-    inflight: deque[tuple[_Piece, Future]] = deque()
-    inflight_bytes = 0
-    records: list = []
-    positions: list[np.ndarray] = []
-    indices: list[np.ndarray] = []
-    held = 0  # records in `records`
-
-    def emit(n: int) -> Batch:
-        nonlocal records, held
-        data, records = records[:n], records[n:]
-        pos = np.concatenate(positions)
-        idx = np.concatenate(indices)
-        positions[:] = [pos[n:]] if held > n else []
-        indices[:] = [idx[n:]] if held > n else []
-        held -= n
-        stats.batches += 1
-        stats.records += n
-        out = collate(data) if collate is not None else data
-        return Batch(out, idx[:n], order.epoch, int(pos[n - 1]) + 1)
-
+    plan = _pieces(catalog._index, order, ranges, piece_bytes, prefetch)
+    ahead = _ReadAhead(catalog, plan, executor, prefetch, transform, stats)
+    out = _Batches(order.epoch, collate, stats)
     try:
-        while True:
-            while upcoming is not None and (
-                not inflight or inflight_bytes + upcoming.nbytes <= prefetch
-            ):
-                if catalog._index is None:
-                    raise ClosedError(f"Catalog {catalog.path!r} was closed while reading")
-                try:
-                    fut = executor.submit(_read_piece, catalog, upcoming, direct, transform)
-                except RuntimeError as exc:  # the executor was shut down (loader closed)
-                    raise ClosedError("the loader was closed") from exc
-                inflight.append((upcoming, fut))
-                inflight_bytes += upcoming.nbytes
-                stats.max_inflight_bytes = max(stats.max_inflight_bytes, inflight_bytes)
-                upcoming = next(plan, None)
-            if not inflight:
-                break
-            piece, fut = inflight.popleft()
-            if not fut.done():
-                t0 = time.perf_counter()
-                try:
-                    fut.result()
-                except BaseException:
-                    pass
-                stats.wait_seconds += time.perf_counter() - t0
-            try:
-                got, read_stats = fut.result()
-            except CancelledError as exc:
-                raise ClosedError("the loader was closed while reading ahead") from exc
-            inflight_bytes -= piece.nbytes
-            stats.pieces += 1
-            stats.reads += read_stats.reads
-            stats.bytes_read += read_stats.bytes_read
-            records += got
-            positions.append(piece.positions)
-            indices.append(piece.indices)
-            held += len(got)
-            while held >= batch:
-                yield emit(batch)
-        if held:
-            yield emit(held)
+        while (done := ahead.next()) is not None:
+            out.take(*done)
+            while out.held >= batch:
+                yield out.emit(batch)
+        if out.held:
+            yield out.emit(out.held)
     finally:
         # Reads ahead of an abandoned stream are cancelled by the owner's next call: this may run
         # inside garbage collection, where taking a future's lock (cancel) is not allowed.
-        abandoned.extend(fut for _, fut in inflight)
+        abandoned.extend(fut for _, fut in ahead.inflight)

@@ -15,7 +15,7 @@ could inherit locked (descriptors are per process), or unpickle anything. Format
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,15 @@ from tensortier.tiers import itemcodec
 from tensortier.tiers.host import PAGE
 
 _GAP = 64 << 10  # random access: coalesce records closer than this
+# The class Catalog.epochs makes. loader.py (which imports this module) registers its Loader here
+# when it is imported, and ``import tensortier.data`` imports it: this module never imports the
+# loader back, so the two form no import cycle.
+_LOADER: list[Callable[..., Any]] = []
+
+
+def register_loader(cls: Callable[..., Any]) -> None:
+    """Make ``cls`` the class :meth:`Catalog.epochs` returns (``loader.py`` calls this)."""
+    _LOADER[:] = [cls]
 
 
 def as_indices(indices: Any, n: int, what: str = "indices") -> np.ndarray:
@@ -165,15 +174,8 @@ class Catalog:
         exception leaves nothing that opens as a catalog (an exception removes what was
         written). Statistics: ``catalog.build_stats``.
         """
-        stats = _build.build(
-            path,
-            records,
-            segment_size=segment_size,
-            writers=writers,
-            batch_bytes=batch_bytes,
-            progress=progress,
-            mode=mode,
-        )
+        args = _build.check_args(path, segment_size, writers, batch_bytes, mode)
+        stats = _build.build(args, records, progress=progress)
         cat = cls(path, direct=direct)
         cat.build_stats = stats
         return cat
@@ -280,12 +282,11 @@ class Catalog:
         for a in range(0, len(self), step):
             yield from self.read(np.arange(a, min(len(self), a + step)))
 
-    def epochs(self, batch: int, **kwargs: Any):
+    def epochs(self, batch: int, **kwargs: Any) -> Any:
         """A :class:`~tensortier.data.Loader` over this catalog (see its arguments)."""
-        from tensortier.data.loader import Loader
-
         self._check_open()
-        return Loader(self, batch=batch, **kwargs)
+        assert _LOADER, "tensortier.data.loader registers the Loader class when imported"
+        return _LOADER[0](self, batch=batch, **kwargs)
 
     # ------------------------------------------------------------------ inspection
     def info(self) -> dict:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from tensortier._units import SizeLike
+from tensortier.data._epochs import EpochConfig
 from tensortier.data._pipeline import Batch, LoaderStats
-from tensortier.data.catalog import Catalog
+from tensortier.data.catalog import Catalog, register_loader
 from tensortier.data.pytorch import EpochDataset
 from tensortier.errors import ConfigError
 
@@ -36,53 +36,23 @@ def _identity(batch: Batch) -> Batch:
 class Loader:
     """Stateful epochs of a catalog (made by :meth:`Catalog.epochs`).
 
-    Arguments: ``batch`` records per batch; ``seed``; ``rank``/``world_size`` (default: from
-    ``torch.distributed`` when initialised, else 0/1); ``shuffle`` "full", "block" (``block``
-    records per block, default about 1 MiB of records; ``window`` blocks shuffled together) or
-    "none"; ``even`` "pad" or "drop" (equal counts per rank, never resampled: ``_order.py``);
-    ``drop_last`` drops the final partial batch; ``prefetch`` bytes read ahead; ``io_threads``;
-    ``transform(record)`` and ``collate(list)`` run where records are read (I/O threads or
-    workers); ``num_workers``/``multiprocessing_context`` as a DataLoader's.
+    Arguments: the fields of :class:`~tensortier.data.EpochConfig` as keywords (``batch``
+    records per batch, required; ``seed``; ``rank``/``world_size``; ``shuffle``, ``block``,
+    ``window``; ``even``; ``drop_last``; ``prefetch`` bytes read ahead; ``io_threads``;
+    ``transform``/``collate``; ``epoch``), or one ``config``; ``num_workers`` and
+    ``multiprocessing_context`` as a DataLoader's.
     """
 
     def __init__(
         self,
         catalog: Catalog | str | os.PathLike,
         *,
-        batch: int,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
-        shuffle: str | bool = "full",
-        block: int | None = None,
-        window: int = 8,
-        even: str = "pad",
-        drop_last: bool = False,
-        prefetch: SizeLike = "512MiB",
-        io_threads: int = 16,
-        transform: Callable | None = None,
-        collate: Callable | None = None,
         num_workers: int = 0,
         multiprocessing_context: str | None = None,
-        epoch: int = 0,
+        config: EpochConfig | None = None,
+        **options: Any,
     ):
-        self.dataset = EpochDataset(
-            catalog,
-            batch=batch,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            shuffle=shuffle,
-            block=block,
-            window=window,
-            even=even,
-            drop_last=drop_last,
-            prefetch=prefetch,
-            io_threads=io_threads,
-            transform=transform,
-            collate=collate,
-            epoch=epoch,
-        )
+        self.dataset = EpochDataset(catalog, config=config, **options)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigError(
                 f"Catalog.epochs: num_workers={num_workers!r} must be an int >= 0 (0 reads ahead "
@@ -95,7 +65,7 @@ class Loader:
             )
         self.num_workers = num_workers
         self.multiprocessing_context = multiprocessing_context
-        self.epoch, self.position = epoch, 0
+        self.epoch, self.position = self.dataset.epoch, 0
         # weak: the generator refers to this loader, so a strong reference back would make a
         # cycle that only the cyclic GC frees -- maybe inside a forked DataLoader worker, which
         # would then run the abandoned iterator's cleanup on its parent's worker processes
@@ -172,7 +142,7 @@ class Loader:
         """Start ``epoch`` from its beginning at the next iteration."""
         self._stop()
         self.dataset.set_epoch(epoch, 0)
-        self.epoch, self.position = epoch, 0
+        self.epoch, self.position = self.dataset.epoch, 0
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -251,3 +221,6 @@ class Loader:
             f"rank={self.dataset.rank}/{spec.world_size}, epoch={self.epoch}, "
             f"position={self.position}/{self.records_per_epoch})"
         )
+
+
+register_loader(Loader)  # Catalog.epochs makes this class (catalog.py does not import this module)

@@ -22,18 +22,16 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from tensortier._lifetime import Finalizer
-from tensortier._units import SizeLike, parse_size
-from tensortier.data._order import EVENS, SHUFFLES, Order, OrderSpec
+from tensortier.data._epochs import WHAT, EpochConfig, check_int
+from tensortier.data._order import Order
 from tensortier.data._pipeline import Batch, LoaderStats, stream
 from tensortier.data.catalog import Catalog
 from tensortier.errors import ConfigError
 
 PIECE_BYTES = 4 << 20
-BLOCK_BYTES = 1 << 20  # default block of block shuffle: about 1 MiB of records
 
 
 def _catalog(catalog: Catalog | str | os.PathLike, what: str) -> Catalog:
@@ -44,39 +42,6 @@ def _catalog(catalog: Catalog | str | os.PathLike, what: str) -> Catalog:
     raise ConfigError(
         f"{what}: catalog must be a tt.data.Catalog or its path, got {type(catalog).__name__}"
     )
-
-
-def _int(what: str, name: str, value: Any, low: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{what}: {name}={value!r} must be an int >= {low}; {fix}")
-    return value
-
-
-def _rank_and_world(what: str, rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world_size): each one not given comes from torch.distributed when it is
-    initialised (as ``DistributedSampler``); without it, a world size > 1 needs a rank."""
-    source = {"rank": "", "world_size": ""}
-    if dist.is_available() and dist.is_initialized():
-        if rank is None:
-            rank, source["rank"] = dist.get_rank(), " (from torch.distributed)"
-        if world_size is None:
-            world_size, source["world_size"] = dist.get_world_size(), " (from torch.distributed)"
-    elif rank is None and world_size not in (None, 1):
-        raise ConfigError(
-            f"{what}: world_size={world_size!r} but no rank, and torch.distributed is not "
-            f"initialised; pass rank= (this process's data-parallel rank), or initialise the "
-            f"process group first (every rank would read the same share otherwise)"
-        )
-    world_size = 1 if world_size is None else world_size
-    rank = 0 if rank is None else rank
-    _int(what, "world_size", world_size, 1, "pass the number of data-parallel ranks")
-    _int(what, "rank", rank, 0, "pass this process's rank")
-    if rank >= world_size:
-        raise ConfigError(
-            f"{what}: rank={rank}{source['rank']} must be below world_size={world_size}"
-            f"{source['world_size']}; pass rank= and world_size= of the data-parallel group"
-        )
-    return rank, world_size
 
 
 class CatalogDataset(Dataset):
@@ -101,74 +66,31 @@ class CatalogDataset(Dataset):
 class EpochDataset(IterableDataset):
     """Batches of one rank's epoch in a seeded order, read ahead; see the module docstring.
 
-    Arguments as :class:`~tensortier.data.Loader`; ``epoch`` and ``start`` (records of the rank's
-    epoch already consumed) say where iteration begins (:meth:`set_epoch`).
+    Arguments: the fields of :class:`~tensortier.data.EpochConfig` as keywords (``batch`` is
+    required; as :class:`~tensortier.data.Loader`'s), or one ``config``; ``start`` (records of the
+    rank's epoch already consumed) says where iteration begins (:meth:`set_epoch`).
     """
 
     def __init__(
         self,
         catalog: Catalog | str | os.PathLike,
         *,
-        batch: int,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
-        shuffle: str | bool = "full",
-        block: int | None = None,
-        window: int = 8,
-        even: str = "pad",
-        drop_last: bool = False,
-        prefetch: SizeLike = "512MiB",
-        io_threads: int = 16,
-        transform: Callable | None = None,
-        collate: Callable | None = None,
-        epoch: int = 0,
+        config: EpochConfig | None = None,
         start: int = 0,
+        **options: Any,
     ):
-        what = "Catalog.epochs"
-        self.catalog = _catalog(catalog, what)
+        self.catalog = _catalog(catalog, WHAT)
+        if config is None:
+            config = EpochConfig.of(options)
+        elif options:
+            raise TypeError(f"{WHAT}: pass config= or the settings as keywords, not both")
         n = len(self.catalog)
-        self.batch = _int(what, "batch", batch, 1, "pass the records per batch, e.g. batch=256")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"{what}: seed={seed!r} must be an int")
-        rank, world_size = _rank_and_world(what, rank, world_size)
-        if shuffle is True:
-            shuffle = "full"
-        elif shuffle is False:
-            shuffle = "none"
-        if shuffle not in SHUFFLES:
-            raise ConfigError(
-                f"{what}: shuffle={shuffle!r}; pass 'full' (any record anywhere), 'block' "
-                f"(blocks of neighbours, for locality) or 'none' (index order)"
-            )
-        if block is None:
-            mean = self.catalog.manifest.payload_bytes / n if n else 1.0
-            block = max(1, round(BLOCK_BYTES / max(mean, 1.0)))
-        _int(what, "block", block, 1, "pass the records per block of block shuffle")
-        _int(what, "window", window, 1, "pass the blocks shuffled together")
-        if even not in EVENS:
-            raise ConfigError(
-                f"{what}: even={even!r}; pass 'pad' (every rank gets ceil(n/world_size) records, "
-                f"a few read twice) or 'drop' (n//world_size each, a few skipped per epoch)"
-            )
-        if even == "drop" and n < world_size:
-            raise ConfigError(
-                f"{what}: a catalog of {n} records gives no record to each of world_size="
-                f"{world_size} ranks with even='drop'; use even='pad'"
-            )
-        if not isinstance(drop_last, bool):
-            raise ConfigError(f"{what}: drop_last={drop_last!r} must be True or False")
-        self.spec = OrderSpec(n, seed, shuffle, block, window, world_size, even)
-        self.rank = rank
-        self.drop_last = drop_last
-        self.prefetch = parse_size(prefetch, name=f"{what}: prefetch", allow_zero=False)
-        self.io_threads = _int(what, "io_threads", io_threads, 1, "4-16 keep an NVMe busy")
-        for name, fn in (("transform", transform), ("collate", collate)):
-            if fn is not None and not callable(fn):
-                raise ConfigError(f"{what}: {name}={fn!r} must be callable or None")
-        self.transform, self.collate = transform, collate
+        self.config = config.checked(n, self.catalog.manifest.payload_bytes)
+        self.spec = self.config.spec(n)
+        self.rank: int = self.config.rank  # type: ignore[assignment]
+        self.batch = self.config.batch
         self.stats = LoaderStats()
-        self.set_epoch(epoch, start)
+        self.set_epoch(self.config.epoch, start)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_fin: Finalizer | None = None
@@ -178,15 +100,15 @@ class EpochDataset(IterableDataset):
     @property
     def records_per_epoch(self) -> int:
         k = self.spec.per_rank
-        return k // self.batch * self.batch if self.drop_last else k
+        return k // self.batch * self.batch if self.config.drop_last else k
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (all DataLoader workers together)."""
         return -(-self.records_per_epoch // self.batch)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        _int("set_epoch", "epoch", epoch, 0, "epochs count from 0")
-        _int("set_epoch", "start", start, 0, "start is a record position in the epoch")
+        check_int("epoch", epoch, 0, "epochs count from 0", "set_epoch")
+        check_int("start", start, 0, "start is a record position in the epoch", "set_epoch")
         if start > self.records_per_epoch or start % self.batch and start != self.records_per_epoch:
             raise ConfigError(
                 f"start={start} is not a batch boundary of this epoch ({self.records_per_epoch} "
@@ -213,8 +135,8 @@ class EpochDataset(IterableDataset):
         self.cancel_abandoned()
         self.catalog._check_open()
         order = Order(self.spec, epoch, self.rank)
-        threads = max(1, self.io_threads // workers)
-        prefetch = max(1, self.prefetch // workers)
+        threads = max(1, self.config.io_threads // workers)
+        prefetch = max(1, self.config.prefetch // workers)  # type: ignore[operator]
         return stream(
             self.catalog,
             order,
@@ -224,8 +146,8 @@ class EpochDataset(IterableDataset):
             prefetch=prefetch,
             # every thread gets work within the budget; large reads where the budget allows
             piece_bytes=max(1, min(PIECE_BYTES, prefetch // (2 * threads))),
-            transform=self.transform,
-            collate=self.collate,
+            transform=self.config.transform,
+            collate=self.config.collate,
             stats=self.stats,
             abandoned=self._abandoned,
             owner=self,  # a temporary dataset lives as long as its stream (its executor too)

@@ -20,6 +20,8 @@ the same order as TorchRL's ``SliceSampler`` without its cache. Nothing here hol
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 _BLOCK = 8192  # rows of the (starts, seq_len) window processed at once (bounded memory)
@@ -74,3 +76,67 @@ def draw(
     pos = pos[rng.permutation(n)]
     w = weights[pos] / weights[weights > 0].min()
     return pos, (w ** (-beta)).astype(np.float32)
+
+
+def draw_slices(
+    slots: np.ndarray,
+    episode: np.ndarray,
+    step: np.ndarray,
+    prio: np.ndarray | None,
+    alpha: float,
+    n: int,
+    seq_len: int,
+    pad: bool,
+    eta: float,
+    rng: np.random.Generator,
+    beta: float | None,
+    fresh: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``n`` slices of ``seq_len`` steps among the items in ``slots`` (``prio``: their sampling
+    weights p**alpha, aligned with ``slots``, or None for uniform sampling): the drawn slots
+    (n, seq_len), the slices' importance weights and the mask of real (unpadded) steps.
+
+    ``episode`` and ``step`` are indexed by slot (-1: not given; such items are never drawn).
+    IndexError when no slice can be drawn (``fresh``: ``slots`` were filtered by staleness)."""
+    keep = (episode[slots] >= 0) & (step[slots] >= 0)
+    slots = slots[keep]
+    order, left = runs(episode[slots], step[slots])
+    slots = slots[order]
+    starts = np.arange(len(slots)) if pad else np.flatnonzero(left >= seq_len)
+    if not len(starts):
+        raise IndexError(
+            f"cannot sample slices of seq_len={seq_len}: no episode has {seq_len} "
+            f"consecutive steps in the buffer ({len(slots)} items with episode and "
+            f"step{' and fresh enough' if fresh else ''}); add "
+            f"longer episodes, lower seq_len or pass pad=True"
+        )
+    if prio is not None:
+        raw = prio[keep][order]
+        if alpha > 0:
+            raw = raw ** (1.0 / alpha)
+        sp = slice_priorities(raw, left, starts, seq_len, eta)
+        w = sp**alpha if alpha != 1 else sp
+    else:
+        w = np.ones(len(starts))
+    pos, weights = draw(w, n, rng, beta)
+    first = starts[pos]
+    steps = np.arange(seq_len)
+    mask = steps[None, :] < left[first][:, None]
+    offs = np.minimum(steps[None, :], left[first][:, None] - 1)
+    return slots[first[:, None] + offs], weights, mask
+
+
+def fold(items: Any, collated: bool, n: int, seq_len: int) -> Any:
+    """Decoded items of ``n * seq_len`` drawn slots as ``n`` slices: stacked fields (and a
+    stacked array) as (n, seq_len, ...), lists (bytes fields, uncollated items) as n lists."""
+    if collated and isinstance(items, dict):
+        return {k: _fold(v, n, seq_len) for k, v in items.items()}
+    if collated:
+        return _fold(items, n, seq_len)
+    return [items[i * seq_len : (i + 1) * seq_len] for i in range(n)]
+
+
+def _fold(v: Any, n: int, seq_len: int) -> Any:
+    if isinstance(v, list):
+        return [v[i * seq_len : (i + 1) * seq_len] for i in range(n)]
+    return v.reshape(n, seq_len, *v.shape[1:])

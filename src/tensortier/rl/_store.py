@@ -18,6 +18,10 @@ kept as that object; each counts as its length + 33 bytes of object header. An a
 in one batched write (non-durable) or just drops their RAM copies (durable buffers write every
 item through to disk when it is added, so an acknowledged add survives a crash).
 
+Copies. :meth:`ItemStore.pin` hands out what a copy of every live item needs (keys, RAM
+references, disk locations) and keeps those locations valid (no compaction, no file deleted) until
+:meth:`ItemStore.unpin`, so a save copies the bytes without holding the owner's lock.
+
 This module owns bytes and their location; it knows nothing of sampling or priorities, and it is
 not thread-safe (its owner holds a lock).
 """
@@ -28,6 +32,7 @@ import json
 import operator
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -249,6 +254,35 @@ class _Files:
             lock.release()  # last: the files are closed before another writer may open them
 
 
+@dataclass
+class Pinned:
+    """Items held for a copy outside the owner's lock (:meth:`ItemStore.pin`)."""
+
+    keys: np.ndarray
+    ram: list  # RAM or remote bytes per key; None where the item is only on disk
+    locs: np.ndarray  # (n, 3): segment, offset, length
+    segments: Segments | None  # pinned: none of its files is deleted until unpin
+
+    def chunks(self, step: int = 2048) -> Iterator[tuple[list[int], list]]:
+        """(keys, blobs) of the items, ``step`` at a time. Disk bytes are read through
+        descriptors of our own: the store's LRU belongs to the threads holding the lock."""
+        src = None
+        if self.segments is not None:
+            src = Segments(self.segments.root, readonly=True)
+        try:
+            for i in range(0, len(self.keys), step):
+                part = self.ram[i : i + step]
+                need = [j for j, b in enumerate(part) if b is None]
+                if need:
+                    assert src is not None
+                    for j, d in zip(need, src.read_many(self.locs[i : i + step][need])):
+                        part[j] = d
+                yield self.keys[i : i + step].tolist(), part
+        finally:
+            if src is not None:
+                src.close(remove=False)
+
+
 class ItemStore:
     """Keyed item blobs in RAM up to ``ram_budget``, then in segment files (see the module doc).
 
@@ -290,7 +324,7 @@ class ItemStore:
         self.ram_order = KeyQueue()
         self.stats = StoreStats()
         self.compaction_paused = 0
-        self._spill_dir = spill_dir
+        self.spill_dir = spill_dir
         self._owner = owner
         self._files = _Files(private=not durable)
         self._finalizer = Finalizer(self, self._files.close)
@@ -319,6 +353,13 @@ class ItemStore:
     @property
     def segments(self) -> Segments | None:
         return self._files.segments
+
+    @property
+    def root(self) -> str | None:
+        """The directory of the segment files (a durable store's ``spill_dir``); None before
+        a non-durable store first spills."""
+        segs = self._files.segments
+        return None if segs is None else segs.root
 
     # ------------------------------------------------------------------ setup
     def _open_durable(self, root: str) -> None:
@@ -403,7 +444,7 @@ class ItemStore:
     def _disk(self) -> Segments:
         if self._files.segments is None:
             self._files.segments = Segments(
-                private_dir(self._spill_dir, self._owner),
+                private_dir(self.spill_dir, self._owner),
                 segment_size=self.segment_size,
                 fsync=self.fsync,
             )
@@ -498,6 +539,16 @@ class ItemStore:
             return False
         return bool(self.slots(np.array([index], np.int64))[0] >= 0)
 
+    def remote_blobs(self) -> dict[int, bytes]:
+        """The bytes of every item in the remote pool, by slot; items lost meanwhile are dropped."""
+        while self.rspill is not None and self.rspill.loc:
+            slots = np.fromiter(self.rspill.loc, np.int64, len(self.rspill.loc))
+            try:
+                return dict(zip(slots.tolist(), self.blobs(slots)))
+            except NodeLostError:
+                continue  # those items were dropped; fetch the rest
+        return {}
+
     def blobs(self, slots: np.ndarray) -> list[bytes]:
         """Item blobs of live ``slots``, RAM copies first, the rest in one sorted disk pass."""
         idx = slots.tolist()
@@ -534,7 +585,38 @@ class ItemStore:
         q = self.fifo.view()
         return q[self.keys[q % self.cap] == q]
 
+    # ------------------------------------------------------------------ copies
+    def pin(self) -> Pinned:
+        """What a copy of every live item needs once the owner's lock is released: their keys
+        (oldest first), references to their RAM (or remote) bytes and their disk locations.
+        Until :meth:`unpin`, no compaction moves a record and no segment file is deleted, so the
+        locations stay valid while adds, samples and removals go on."""
+        far = self.remote_blobs()  # items of a lost node are dropped first
+        keys = self.order()
+        slots = keys % self.cap
+        ram = [far.get(s, self.ram[s]) for s in slots.tolist()]
+        locs = np.stack([self.seg[slots], self.off[slots], self.len[slots]], axis=1)
+        self.compaction_paused += 1
+        segs = self.segments
+        if segs is not None:
+            segs.pinned += 1
+        return Pinned(keys, ram, locs, segs)
+
+    def unpin(self, pinned: Pinned) -> None:
+        """End :meth:`pin`: files emptied meanwhile are deleted, compaction resumes."""
+        self.compaction_paused -= 1
+        if pinned.segments is not None:
+            pinned.segments.pinned -= 1  # the files pinned, even if the store spilled since
+        if self.segments is not None:
+            self.segments.sweep()
+        self._maybe_compact()
+
     # ------------------------------------------------------------------ changes
+    def update(self, index: Any, blob: bytes, added_by: str = "add()") -> None:
+        """Overwrite the live item ``index`` (KeyError if it is not live), see :meth:`replace`."""
+        [slot] = self.live_slots(as_index_array(index, "index"), added_by)
+        self.replace(int(slot), blob)
+
     def add(self, blobs: list[bytes], on_evict=None) -> tuple[np.ndarray, np.ndarray]:
         """Store ``blobs``; returns (their keys, slots of items evicted to make room).
 
@@ -546,7 +628,7 @@ class ItemStore:
         if n > self.cap:
             raise ConfigError(f"cannot add {n} items at once to a store of capacity {self.cap}")
         if n == 1 and self.nfree and not self.durable:
-            key = self._add_one(blobs[0])
+            key = self.add_one(blobs[0])
             return np.array([key], np.int64), _NONE
         # the slots n single adds would take: free slots first (top of the stack first), then
         # the slots of the oldest items, evicted in FIFO order, so extend == repeated add
@@ -589,7 +671,7 @@ class ItemStore:
         self.stats.items += n
         return keys, evicted
 
-    def _add_one(self, blob: Any) -> int:
+    def add_one(self, blob: Any) -> int:
         """:meth:`add` of one blob into a free slot of a non-durable store, in Python scalars
         (a handful of numpy calls on 1-element arrays would cost more than the item's copy)."""
         slot = int(self.free[self.nfree - 1])

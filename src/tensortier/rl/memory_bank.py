@@ -105,8 +105,7 @@ class MemoryBank:
         blob = _codec.encode(item)
         with self._lock:
             self._check()
-            [slot] = self._slots(as_index_array(index, "index"))
-            self._store.replace(int(slot), blob)
+            self._store.update(index, blob, "append()")
 
     def __delitem__(self, index: int | Sequence[int]) -> None:
         keys = as_index_array(index, "index")

@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from tensortier.errors import ClosedError, CorruptDataError
-from tensortier.tiers.itemcodec import _TORCH_DTYPES
+from tensortier.rl.param_store import checked_tensors
+from tensortier.tiers.itemcodec import TORCH_DTYPES
 
 _MAGIC = "tt-params-1"
 
@@ -53,20 +54,8 @@ class _Pinned(mmap.mmap):
 
 def encode(state_dict: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
     """``[header, tensor bytes...]`` as flat ``uint8`` arrays: views of CPU tensors, no copy."""
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            f"publish: state_dict must be a mapping name -> tensor (e.g. model.state_dict()), "
-            f"got {type(state_dict).__name__}"
-        )
     entries, arrays = [], []
-    for name, t in state_dict.items():
-        if not isinstance(name, str):
-            raise TypeError(f"publish: state_dict keys must be str names, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"publish: {name!r} is a {type(t).__name__}, expected a tensor")
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _TORCH_DTYPES:
-            raise TypeError(f"publish: {name!r} has unsupported dtype {t.dtype}")
+    for name, dtype, t in checked_tensors(state_dict):
         t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         entries.append([name, dtype, list(t.shape), raw.numel()])
@@ -96,10 +85,10 @@ def _check(payload: object, version: int) -> list:
         try:
             name, dtype, shape, nbytes = entry
             ok = (
-                dtype in _TORCH_DTYPES
+                dtype in TORCH_DTYPES
                 and all(isinstance(s, int) and s >= 0 for s in shape)
                 and nbytes == a.size
-                and math.prod(shape) * _TORCH_DTYPES[dtype].itemsize == nbytes
+                and math.prod(shape) * TORCH_DTYPES[dtype].itemsize == nbytes
             )
         except (ValueError, TypeError):
             ok = False
@@ -190,11 +179,11 @@ def views(payload: object, ref, version: int) -> tuple[dict[str, torch.Tensor], 
     tensors = {}
     for (name, dtype, shape, nbytes), a in zip(entries, arrays):
         if nbytes == 0:
-            tensors[name] = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+            tensors[name] = torch.empty(shape, dtype=TORCH_DTYPES[dtype])
             continue
         if mapped is not None:
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=a.ctypes.data - base)
         else:
             raw = torch.from_numpy(a.copy())
-        tensors[name] = raw.view(_TORCH_DTYPES[dtype]).reshape(shape)
+        tensors[name] = raw.view(TORCH_DTYPES[dtype]).reshape(shape)
     return tensors, mapped is not None

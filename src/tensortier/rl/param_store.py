@@ -47,7 +47,7 @@ from tensortier._lifetime import OWNER_FILE, Finalizer, private_dir, remove_priv
 from tensortier._units import align_up, format_size
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError, TierFullError
 from tensortier.tiers.disk import as_bytes
-from tensortier.tiers.itemcodec import _TORCH_DTYPES
+from tensortier.tiers.itemcodec import TORCH_DTYPES
 
 _MAGIC = b"TTPARAM1"
 _HEAD = struct.Struct("<8sQ")  # magic, header length
@@ -64,7 +64,7 @@ def _shm_base() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def _check_version(value: object, arg: str) -> int:
+def check_version(value: object, arg: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ConfigError(
             f"{arg} must be an int >= 0 (a version number; 0 or 1: any published version), "
@@ -73,7 +73,7 @@ def _check_version(value: object, arg: str) -> int:
     return max(int(value), 1)  # version 0 means "nothing published": there is nothing to get
 
 
-def _deadline(timeout: object) -> float | None:
+def deadline_of(timeout: object) -> float | None:
     if timeout is None:
         return None
     if (
@@ -86,6 +86,27 @@ def _deadline(timeout: object) -> float | None:
             f"timeout must be None (wait as long as it takes) or seconds >= 0, got {timeout!r}"
         )
     return time.monotonic() + float(timeout)
+
+
+def checked_tensors(state_dict: object) -> list[tuple[str, str, torch.Tensor]]:
+    """``(name, dtype name, tensor)`` of each entry of a state dict to publish (here or through
+    ``serve``); TypeError naming the first entry that is not a str name and a supported tensor."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"publish: state_dict must be a mapping name -> tensor (e.g. "
+            f"model.state_dict()), got {type(state_dict).__name__}"
+        )
+    out = []
+    for name, t in state_dict.items():
+        if not isinstance(name, str):
+            raise TypeError(f"publish: state_dict keys must be str names, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"publish: {name!r} is a {type(t).__name__}, expected a tensor")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in TORCH_DTYPES:
+            raise TypeError(f"publish: {name!r} has unsupported dtype {t.dtype}")
+        out.append((name, dtype, t))
+    return out
 
 
 def _publisher_alive(path: str) -> bool:
@@ -210,8 +231,8 @@ class ParamReader:
         Raises TimeoutError after ``timeout`` seconds, and ClosedError once the publisher closed
         the store or its process exited (no newer version can come).
         """
-        want = _check_version(version, "version")
-        deadline = _deadline(timeout)
+        want = check_version(version, "version")
+        deadline = deadline_of(timeout)
         delay = _POLL_MIN
         next_check = time.monotonic() + _LIVENESS_EVERY
         while True:
@@ -291,13 +312,13 @@ class ParamReader:
         tensors = {}
         for name, dtype, shape, rel, nbytes in entries:
             off = start + rel
-            if dtype not in _TORCH_DTYPES or off + nbytes > size:
+            if dtype not in TORCH_DTYPES or off + nbytes > size:
                 raise CorruptDataError(f"{path!r}: bad entry for {name!r}", path=path)
             if nbytes == 0:
-                tensors[name] = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+                tensors[name] = torch.empty(shape, dtype=TORCH_DTYPES[dtype])
                 continue
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
-            tensors[name] = raw.view(_TORCH_DTYPES[dtype]).reshape(shape)
+            tensors[name] = raw.view(TORCH_DTYPES[dtype]).reshape(shape)
         return Params(hversion, tensors)
 
     def close(self) -> None:
@@ -362,22 +383,11 @@ class ParamStore:
 
     def publish(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Copy ``state_dict`` (tensors on any device) into a new version; returns its number."""
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"publish: state_dict must be a mapping name -> tensor (e.g. "
-                f"model.state_dict()), got {type(state_dict).__name__}"
-            )
+        checked = checked_tensors(state_dict)
         self._check_open()
         t0 = time.perf_counter()
         entries, datas, off = [], [], 0
-        for name, t in state_dict.items():
-            if not isinstance(name, str):
-                raise TypeError(f"publish: state_dict keys must be str names, got {name!r}")
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"publish: {name!r} is a {type(t).__name__}, expected a tensor")
-            dtype = str(t.dtype).removeprefix("torch.")
-            if dtype not in _TORCH_DTYPES:
-                raise TypeError(f"publish: {name!r} has unsupported dtype {t.dtype}")
+        for name, dtype, t in checked:
             data = as_bytes(t.detach().cpu())
             entries.append([name, dtype, list(t.shape), off, data.numel()])
             datas.append(data)

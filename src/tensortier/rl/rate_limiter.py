@@ -199,7 +199,7 @@ class RateLimiter:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise self._timeout(op, n, size_fn(), timeout)
+                    raise self.timeout_error(op, n, size_fn(), timeout)
                 cond.wait(1.0 if left is None else min(left, 1.0))
                 if check is not None:
                     check()
@@ -208,7 +208,7 @@ class RateLimiter:
         finally:
             st.waited_s += time.monotonic() - t0
 
-    def _timeout(self, op: str, n: int, size: int, timeout: float | None) -> RateLimitTimeout:
+    def timeout_error(self, op: str, n: int, size: int, timeout: float | None) -> RateLimitTimeout:
         st, cfg = self.stats, self.cfg
         if op == "insert":
             st.insert_timeouts += 1

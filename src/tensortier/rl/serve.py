@@ -20,12 +20,9 @@ Ray is imported here only when ``serve`` or a handle method runs, never by ``imp
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import os
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,150 +30,34 @@ import numpy as np
 import torch
 
 from tensortier._lifetime import private_dir, remove_private_dir
-from tensortier._ray import end_actors
-from tensortier.errors import ClosedError, ConfigError, TensortierError
+from tensortier.errors import ClosedError, ConfigError
 from tensortier.rl import param_nodes
+from tensortier.rl._actors import (
+    START_TIMEOUT,
+    BufferActor,
+    actor_class,
+    call,
+    check_num_cpus,
+    check_resources,
+    end_actor,
+    import_ray,
+    kill_quietly,
+    wait_started,
+)
+from tensortier.rl._api import DEFAULT, Batch, check_batch_size, check_timeout
 from tensortier.rl._backoff import poll
+from tensortier.rl._store import as_index_array
 from tensortier.rl.memory_bank import MemoryBank
-from tensortier.rl.param_store import Params, ParamStore, _check_version, _deadline
+from tensortier.rl.param_store import Params, ParamStore, check_version, deadline_of
 from tensortier.rl.rate_limiter import RateLimit
-from tensortier.rl.replay import _DEFAULT, Batch, ReplayBuffer, _as_index_array, _check_timeout
+from tensortier.rl.replay import ReplayBuffer
 from tensortier.tiers import itemcodec as _codec
 
-_START_TIMEOUT = 120.0  # seconds serve() waits for the actor to be scheduled and built
 _WAIT_CHUNK = 1.0  # longest one parameter wait holds an actor thread (seconds)
 _PARAM_THREADS = 64  # concurrent calls a parameter actor serves
 
 
-def _ray():
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "tt.rl.serve needs Ray: pip install 'tensortier[rl]' (or pip install ray)"
-        ) from exc
-    return ray
-
-
-def _check_batch_size(batch_size: object) -> int:
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, (int, np.integer))
-        or batch_size < 1
-    ):
-        raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    return int(batch_size)
-
-
-def _end(actor) -> None:
-    """Kill ``actor`` and wait (at most 10 s) until Ray reports it dead, so that no call made
-    after ``close()`` returns, from any handle, still reaches it."""
-    _ray()
-    end_actors([actor], lambda a: a.ready.remote())
-
-
-def _call(ref, what: str):
-    """``ray.get`` that raises tensortier's errors from the actor as themselves.
-
-    Cannot hang on a dead actor: Ray fails its pending calls (ActorDiedError -> ClosedError).
-    """
-    ray = _ray()
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, TensortierError):
-            raise exc.cause from exc
-        raise
-    except ray.exceptions.ActorDiedError as exc:
-        raise ClosedError(
-            f"the Ray actor serving this {what} is gone (closed, killed, or its process died); "
-            f"serve the store again"
-        ) from exc
-
-
-# ---------------------------------------------------------------------- actors (plain classes)
-class _BufferActor:
-    """Owns a ReplayBuffer or MemoryBank inside the actor process."""
-
-    def __init__(self, kind: str, kwargs: dict, saved: str | None):
-        # An error here is kept and raised by ready(): Ray reports a constructor's exception only
-        # as text (ActorDiedError), which would lose its type.
-        self.error: Exception | None = None
-        try:
-            if kind == "replay":
-                self.obj = ReplayBuffer.load(saved, **kwargs) if saved else ReplayBuffer(**kwargs)
-            else:
-                self.obj = MemoryBank(**kwargs)
-        except Exception as exc:
-            self.error = exc
-
-    def ready(self) -> bool:
-        if self.error is not None:
-            raise self.error
-        return True
-
-    def extend(self, blobs: list[bytes]) -> np.ndarray:
-        if isinstance(self.obj, ReplayBuffer):
-            return self.obj._extend_blobs(blobs)
-        with self.obj._lock:
-            return self.obj._store.add(blobs)[0]
-
-    def sample(self, n: int):
-        return self.obj._sample_blobs(_check_batch_size(n))
-
-    # rate-limited calls never wait here (this actor runs one call at a time): the caller polls
-    def try_extend(self, blobs: list[bytes], first: bool):
-        buf, lim = self.obj, self.obj._limiter
-        with buf._cond:
-            lim.check_insert(len(blobs))
-            if not lim.can_insert(len(blobs), len(buf)):
-                lim.stats.insert_waits += first
-                return None
-            return buf._extend_blobs(blobs)
-
-    def try_sample(self, n: int, first: bool):
-        buf, lim = self.obj, self.obj._limiter
-        with buf._cond:
-            buf._check()
-            lim.check_sample(n)
-            if not lim.can_sample(n, len(buf)):
-                lim.stats.sample_waits += first
-                return None
-            return buf._draw(n, 0.0)
-
-    def limit_timeout(self, op: str, n: int, timeout: float | None):
-        """The RateLimitTimeout a caller raises after polling ``timeout`` seconds (counted)."""
-        return self.obj._limiter._timeout(op, n, len(self.obj), timeout)
-
-    def update_priorities(self, indices, priorities) -> None:
-        self.obj.update_priorities(indices, priorities)
-
-    def get_blobs(self, indices) -> list[bytes]:
-        keys = np.asarray(indices, np.int64).reshape(-1)
-        with self.obj._lock:
-            return self.obj._store.blobs(self.obj._slots(keys))
-
-    def update(self, index: int, blob: bytes) -> None:
-        with self.obj._lock:
-            [slot] = self.obj._slots(np.asarray([index], np.int64))
-            self.obj._store.replace(int(slot), blob)
-
-    def delete(self, indices) -> None:
-        del self.obj[indices]
-
-    def length(self) -> int:
-        return len(self.obj)
-
-    def stats(self) -> dict:
-        return self.obj.stats
-
-    def save(self, dirname: str) -> None:
-        self.obj.save(dirname)
-
-    def close(self) -> None:
-        self.obj.close()
-
-
+# ---------------------------------------------------------------------- the parameter actor
 class _ParamActor:
     """Keeps the newest ``keep`` versions as object refs; readers wait on a condition (threaded actor)."""
 
@@ -227,9 +108,9 @@ class RemoteReplayBuffer:
     def _do(self, method: str, *args):
         if self._closed:
             raise ClosedError(f"this served {self._what} is closed; serve a store again")
-        return _call(getattr(self.actor, method).remote(*args), self._what)
+        return call(getattr(self.actor, method).remote(*args), self._what)
 
-    def add(self, item: Any, *, timeout: float | None = _DEFAULT) -> int:
+    def add(self, item: Any, *, timeout: float | None = DEFAULT) -> int:
         return int(self.extend([item], timeout=timeout)[0])
 
     append = add
@@ -238,7 +119,7 @@ class RemoteReplayBuffer:
         """A rate-limited call: the actor answers at once, this side retries until ``timeout``
         (default: the RateLimit's) and then raises RateLimitTimeout."""
         assert self.rate_limit is not None
-        wait = self.rate_limit.timeout if timeout is _DEFAULT else _check_timeout(timeout)
+        wait = self.rate_limit.timeout if timeout is DEFAULT else check_timeout(timeout)
         tries = iter(range(1 << 62))
         return poll(
             lambda: self._do(f"try_{op}", *args, next(tries) == 0),
@@ -246,16 +127,16 @@ class RemoteReplayBuffer:
             lambda: self._do("limit_timeout", "insert" if op == "extend" else op, n, wait),
         )
 
-    def extend(self, items, *, timeout: float | None = _DEFAULT) -> np.ndarray:
+    def extend(self, items, *, timeout: float | None = DEFAULT) -> np.ndarray:
         blobs = [_codec.encode(it) for it in items]
         if self.rate_limit is not None:
             return self._limited("extend", len(blobs), timeout, blobs)
         return self._do("extend", blobs)
 
-    def sample(self, batch_size: int, *, timeout: float | None = _DEFAULT) -> Batch:
+    def sample(self, batch_size: int, *, timeout: float | None = DEFAULT) -> Batch:
         """Draw a batch; with a rate limit, waits on this side up to ``timeout`` (default: the
         RateLimit's) while inserting is behind, then raises RateLimitTimeout."""
-        n = _check_batch_size(batch_size)  # before the remote call: a typed error, no round trip
+        n = check_batch_size(batch_size)  # before the remote call: a typed error, no round trip
         if self.kind != "replay":
             raise TypeError("a served MemoryBank has no sample(); read items by index (bank[i])")
         if self.rate_limit is not None:
@@ -268,12 +149,12 @@ class RemoteReplayBuffer:
     def update_priorities(self, indices, priorities) -> None:
         if hasattr(priorities, "detach"):
             priorities = priorities.detach().float().cpu().numpy()
-        keys = _as_index_array(indices)  # typed errors here, not wrapped by Ray
+        keys = as_index_array(indices)  # typed errors here, not wrapped by Ray
         self._do("update_priorities", keys, np.asarray(priorities))
 
     def __getitem__(self, index):
         single = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
-        keys = _as_index_array(index, "index")
+        keys = as_index_array(index, "index")
         items = [_codec.decode(b) for b in self._do("get_blobs", keys)]
         return items[0] if single else items
 
@@ -285,7 +166,7 @@ class RemoteReplayBuffer:
     __setitem__ = update
 
     def __delitem__(self, index) -> None:
-        self._do("delete", _as_index_array(index, "index"))
+        self._do("delete", as_index_array(index, "index"))
 
     def __len__(self) -> int:
         return self._do("length")
@@ -306,7 +187,7 @@ class RemoteReplayBuffer:
                 self._do("close")
         finally:
             self._closed = True
-            _end(self.actor)
+            end_actor(self.actor)
 
 
 class RemoteParamStore:
@@ -319,13 +200,13 @@ class RemoteParamStore:
     def _do(self, method: str, *args):
         if self._closed:
             raise ClosedError("this served ParamStore is closed; serve a ParamStore again")
-        return _call(getattr(self.actor, method).remote(*args), "ParamStore")
+        return call(getattr(self.actor, method).remote(*args), "ParamStore")
 
     def publish(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         payload = param_nodes.encode(state_dict)
         if self._closed:
             raise ClosedError("this served ParamStore is closed; serve a ParamStore again")
-        ref = _ray().put(payload)  # once per version, shared by every reader
+        ref = import_ray().put(payload)  # once per version, shared by every reader
         return self._do("publish", [ref])
 
     @property
@@ -333,8 +214,8 @@ class RemoteParamStore:
         return self._do("latest")
 
     def _wait(self, min_version: object, timeout: object) -> tuple[int, list]:
-        want = _check_version(min_version, "min_version")
-        deadline = _deadline(timeout)
+        want = check_version(min_version, "min_version")
+        deadline = deadline_of(timeout)
         while True:
             left = _WAIT_CHUNK if deadline is None else deadline - time.monotonic()
             v, boxed = self._do("get", want, max(0.0, min(left, _WAIT_CHUNK)))
@@ -351,9 +232,9 @@ class RemoteParamStore:
     def get(self, min_version: int = 1, timeout: float | None = None) -> Params:
         """Newest version >= ``min_version``: copy-on-write views of this node's copy of it
         (``rl/param_nodes.py``); writing into them changes only this reader's pages."""
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         v, boxed = self._wait(min_version, timeout)
-        payload = param_nodes.fetch(_ray(), boxed[0], v, deadline)
+        payload = param_nodes.fetch(import_ray(), boxed[0], v, deadline)
         tensors, shared = param_nodes.views(payload, boxed[0], v)
         return Params(v, tensors, shared=shared)
 
@@ -361,85 +242,16 @@ class RemoteParamStore:
         """End the actor; readers' later calls raise ClosedError. Idempotent."""
         if not self._closed:
             self._closed = True
-            _end(self.actor)
+            end_actor(self.actor)
 
 
 # ---------------------------------------------------------------------- serve
-def _check_num_cpus(num_cpus: object) -> None:
-    if (
-        isinstance(num_cpus, bool)
-        or not isinstance(num_cpus, numbers.Real)
-        or not math.isfinite(num_cpus)
-        or num_cpus < 0
-    ):
-        raise ConfigError(
-            f"num_cpus must be a number >= 0 (CPUs Ray reserves for the store's actor; the "
-            f"default 0 suits a store, which mostly waits on I/O), got {num_cpus!r}"
-        )
-
-
-def _requested(opts: dict) -> dict[str, float]:
-    req = {"CPU": opts.get("num_cpus"), "GPU": opts.get("num_gpus"), "memory": opts.get("memory")}
-    req.update(opts.get("resources") or {})
-    return {k: float(v) for k, v in req.items() if v}
-
-
-def _fmt(resources: Mapping[str, float], keys) -> str:
-    return ", ".join(f"{k}={resources.get(k, 0):g}" for k in keys) or "none"
-
-
-def _check_resources(ray, opts: dict, what: str) -> dict[str, float]:
-    """ConfigError when no node can ever hold the actor (Ray would wait forever); a warning when it
-    takes the last CPU (tasks that need one, collectors by default, would wait for it)."""
-    req = _requested(opts)
-    strategy = opts.get("scheduling_strategy")
-    if not req or "placement_group" in opts or not (strategy is None or isinstance(strategy, str)):
-        return req  # resources come from a bundle or a chosen node: start_timeout bounds the wait
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    if not any(all(node.get(k, 0.0) >= v for k, v in req.items()) for node in nodes):
-        largest = max(nodes, key=lambda n: n.get("CPU", 0.0), default={})
-        raise ConfigError(
-            f"serve: the {what} actor requests {_fmt(req, req)} but no node of the Ray cluster has "
-            f"that much (largest node: {_fmt(largest, req)}; cluster total: "
-            f"{_fmt(ray.cluster_resources(), req)}), so it could never start. Pass num_cpus=0 "
-            f"(the default) or fewer resources, or start Ray with more (ray.init(num_cpus=...))"
-        )
-    if req.get("CPU"):
-        total = ray.cluster_resources().get("CPU", 0.0)
-        left = ray.available_resources().get("CPU", 0.0) - req["CPU"]
-        if left < 1:
-            warnings.warn(
-                f"serve: the {what} actor reserves {req['CPU']:g} CPU, leaving {max(left, 0):g} "
-                f"of the cluster's {total:g} CPUs free: Ray tasks that need a CPU (collectors, "
-                f"num_cpus=1 by default) wait until one frees up. Pass num_cpus=0 (the default) "
-                f"unless the store needs a CPU to itself",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    return req
-
-
-def _wait_started(ray, actor, timeout: float | None, what: str, req: dict[str, float]) -> None:
-    """Wait until the actor runs (scheduled and built); ``None`` waits as long as it takes."""
-    ref = actor.ready.remote()
-    done, _ = ray.wait([ref], timeout=timeout)
-    if not done:
-        raise TimeoutError(
-            f"serve: the {what} actor did not start within {timeout}s; it requests "
-            f"{_fmt(req, req)} and the cluster has {_fmt(ray.available_resources(), req)} free "
-            f"of {_fmt(ray.cluster_resources(), req)} (other tasks or actors hold the rest). "
-            f"Free resources, request fewer (num_cpus=0 is the default), or pass a larger "
-            f"start_timeout (None: wait as long as it takes)"
-        )
-    _call(ref, what)  # the constructor's error, typed
-
-
 def serve(
     obj: ReplayBuffer | MemoryBank | ParamStore,
     *,
     num_cpus: float = 0,
     name: str | None = None,
-    start_timeout: float | None = _START_TIMEOUT,
+    start_timeout: float | None = START_TIMEOUT,
     shards: int | None = None,
     **actor_options: Any,
 ) -> Any:
@@ -459,88 +271,36 @@ def serve(
     one :class:`~tensortier.rl.sharded.ShardedReplayBuffer` handle (see ``sharded.py``).
     """
     if shards is not None:
-        from tensortier.rl.sharded import serve_sharded
+        from tensortier.rl.sharded import serve_sharded  # asyncio and friends only when used
 
         return serve_sharded(
             obj, shards, num_cpus=num_cpus, name=name, start_timeout=start_timeout, **actor_options
         )
-    ray = _ray()
-    if not isinstance(obj, (ReplayBuffer, MemoryBank, ParamStore)):
-        raise ConfigError(
-            f"serve takes a ReplayBuffer, MemoryBank or ParamStore, got {type(obj).__name__}"
-        )
-    _check_num_cpus(num_cpus)
-    if start_timeout is not None:
-        _deadline(start_timeout)  # validates: None or seconds >= 0
-    if name is not None and not isinstance(name, str):
-        raise ConfigError(f"name must be a str (the Ray actor's name) or None, got {name!r}")
-    if isinstance(obj, MemoryBank) and len(obj):
-        raise ConfigError("serve an empty MemoryBank (its items are not carried over)")
+    ray = import_ray()
+    _check_serve_args(obj, num_cpus, start_timeout, name)
     what = type(obj).__name__
     opts = {"num_cpus": num_cpus, **actor_options}
     if name is not None:
         opts["name"] = name
     if isinstance(obj, ParamStore):
         opts.setdefault("max_concurrency", _PARAM_THREADS)
-    try:
-        actor_cls = ray.remote(_ParamActor if isinstance(obj, ParamStore) else _BufferActor)
-        actor_cls = actor_cls.options(**opts)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"serve: Ray rejected the actor options {opts}: {exc}") from exc
+    actor_cls = actor_class(ray, _ParamActor if isinstance(obj, ParamStore) else BufferActor, opts)
     if not ray.is_initialized():
         ray.init()  # what the first .remote() would do; the resource check needs the cluster
-    req = _check_resources(ray, opts, what)
-
+    req = check_resources(ray, opts, what)
+    limit = None
+    if isinstance(obj, ReplayBuffer) and obj._limiter is not None:
+        limit = obj._limiter.cfg
     copy_dir = actor = None
     try:
-        if isinstance(obj, ParamStore):
-            args: tuple = (obj.keep,)
-        elif isinstance(obj, ReplayBuffer):
-            c = obj.config
-            limit = obj._limiter.cfg if obj._limiter is not None else None
-            kwargs = {
-                "capacity": c.capacity,
-                "ram_budget": c.ram_budget,
-                "spill_dir": c.spill_dir,
-                "sampler": c.sampler,
-                "max_uses": c.max_uses,
-                "durable": c.durable,
-                "seed": c.seed,
-                "segment_size": c.segment_size,
-                "rate_limit": limit,
-            }
-            saved = None
-            if c.durable:
-                obj.close()  # checkpointed; the actor reopens the same directory (one owner at a time)
-            elif len(obj):
-                copy_dir = private_dir(c.spill_dir, "tt-serve")  # reclaimed if we are killed
-                saved = os.path.join(copy_dir, "buffer")
-                obj.save(saved)
-                kwargs = {
-                    "ram_budget": c.ram_budget,
-                    "spill_dir": c.spill_dir,
-                    "seed": c.seed,
-                    "rate_limit": limit,
-                }
-            args = ("replay", kwargs, saved)
-        else:
-            s = obj._store
-            kwargs = {
-                "capacity": s.cap,
-                "ram_budget": s.budget,
-                "spill_dir": s._spill_dir,
-                "segment_size": s.segment_size,
-            }
-            args = ("bank", kwargs, None)
+        args, copy_dir = _actor_args(obj, limit)
         try:
             actor = actor_cls.remote(*args)
         except ValueError as exc:  # e.g. the name is taken
             raise ConfigError(f"serve: Ray could not create the {what} actor: {exc}") from exc
-        _wait_started(ray, actor, start_timeout, what, req)
+        wait_started(ray, actor, start_timeout, what, req)
     except BaseException:
-        if actor is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)  # never starts later, holding resources
+        kill_quietly(ray, [actor])  # never starts later, holding resources
         raise
     finally:
         if copy_dir is not None:
@@ -550,3 +310,61 @@ def serve(
     if isinstance(obj, ReplayBuffer):
         return RemoteReplayBuffer(actor, "replay", limit)
     return RemoteReplayBuffer(actor, "bank")
+
+
+def _check_serve_args(obj: object, num_cpus: object, start_timeout: object, name: object) -> None:
+    if not isinstance(obj, (ReplayBuffer, MemoryBank, ParamStore)):
+        raise ConfigError(
+            f"serve takes a ReplayBuffer, MemoryBank or ParamStore, got {type(obj).__name__}"
+        )
+    check_num_cpus(num_cpus)
+    if start_timeout is not None:
+        deadline_of(start_timeout)  # validates: None or seconds >= 0
+    if name is not None and not isinstance(name, str):
+        raise ConfigError(f"name must be a str (the Ray actor's name) or None, got {name!r}")
+    if isinstance(obj, MemoryBank) and len(obj):
+        raise ConfigError("serve an empty MemoryBank (its items are not carried over)")
+
+
+def _actor_args(
+    obj: ReplayBuffer | MemoryBank | ParamStore, limit: RateLimit | None
+) -> tuple[tuple, str | None]:
+    """The actor's constructor arguments, and the private directory of a buffer's copy (the
+    caller removes it once the actor has loaded it)."""
+    if isinstance(obj, ParamStore):
+        return (obj.keep,), None
+    if isinstance(obj, MemoryBank):
+        s = obj._store
+        kwargs = {
+            "capacity": s.cap,
+            "ram_budget": s.budget,
+            "spill_dir": s.spill_dir,
+            "segment_size": s.segment_size,
+        }
+        return ("bank", kwargs, None), None
+    c = obj.config
+    kwargs = {
+        "capacity": c.capacity,
+        "ram_budget": c.ram_budget,
+        "spill_dir": c.spill_dir,
+        "sampler": c.sampler,
+        "max_uses": c.max_uses,
+        "durable": c.durable,
+        "seed": c.seed,
+        "segment_size": c.segment_size,
+        "rate_limit": limit,
+    }
+    if c.durable:
+        obj.close()  # checkpointed; the actor reopens the same directory (one owner at a time)
+        return ("replay", kwargs, None), None
+    if not len(obj):
+        return ("replay", kwargs, None), None
+    copy_dir = private_dir(c.spill_dir, "tt-serve")  # reclaimed if we are killed
+    saved = os.path.join(copy_dir, "buffer")
+    try:
+        obj.save(saved)
+    except BaseException:
+        remove_private_dir(copy_dir)
+        raise
+    small = {"ram_budget": c.ram_budget, "spill_dir": c.spill_dir, "seed": c.seed}
+    return ("replay", {**small, "rate_limit": limit}, saved), copy_dir

@@ -51,19 +51,30 @@ from typing import Any
 import numpy as np
 
 from tensortier._ray import end_actors
-from tensortier.errors import ClosedError, ConfigError, ShardLostError, TensortierError
+from tensortier.errors import ClosedError, ConfigError, ShardLostError
+from tensortier.rl._actors import (
+    START_TIMEOUT,
+    BufferActor,
+    actor_class,
+    check_num_cpus,
+    check_resources,
+    import_ray,
+    kill_quietly,
+    result,
+    wait_started,
+)
+from tensortier.rl._api import (
+    DEFAULT,
+    Batch,
+    ReplayConfig,
+    check_batch_size,
+    check_timeout,
+    priority_array,
+)
 from tensortier.rl._store import as_index_array
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
-from tensortier.rl.replay import _DEFAULT, Batch, ReplayBuffer, _check_batch_size, _check_timeout
+from tensortier.rl.replay import ReplayBuffer
 from tensortier.rl.sampler import Prioritized, PrioritizedState, check_priority
-from tensortier.rl.serve import (
-    _START_TIMEOUT,
-    _BufferActor,
-    _check_num_cpus,
-    _check_resources,
-    _ray,
-    _wait_started,
-)
 from tensortier.tiers import itemcodec as _codec
 
 _CHUNK = 1.0  # longest one coordinator wait holds (seconds); the caller repeats until its deadline
@@ -82,7 +93,7 @@ def _mass(buf: ReplayBuffer) -> tuple[float, float, int]:
     return float(n), 1.0, n
 
 
-class _ShardActor(_BufferActor):
+class _ShardActor(BufferActor):
     """One shard: a ReplayBuffer, plus the two-level sampling calls and a change counter."""
 
     def __init__(self, kwargs: dict):
@@ -128,12 +139,7 @@ class _ShardActor(_BufferActor):
             keys = buf._store.keys[slots].copy()
             blobs = buf._store.blobs(slots)
             self.drawn += len(keys)
-            if buf.config.max_uses is not None:  # as ReplayBuffer._sample_locked
-                np.add.at(buf._uses, slots, 1)
-                done = np.unique(slots[buf._uses[slots] >= buf.config.max_uses])
-                if len(done):
-                    buf._sampler.remove(done)
-                    buf._store.remove(done)
+            buf._use(slots)  # max_uses, as ReplayBuffer._sample_locked
             return blobs, keys, leaves, total, low, *self._size()
 
     def set_priorities(self, keys, priorities, top: float) -> None:
@@ -230,7 +236,7 @@ class _Coordinator:
             self._c().notify_all()
 
     async def timeout_error(self, op: str, n: int, timeout: float | None) -> Exception:
-        return self.lim._timeout(op, n, sum(self.sizes), timeout)
+        return self.lim.timeout_error(op, n, sum(self.sizes), timeout)
 
     async def stats(self) -> dict:
         cfg = self.lim.cfg
@@ -321,13 +327,9 @@ class ShardedReplayBuffer:
     def _get(self, i: int, ref):
         """``ray.get`` of a call to shard ``i``: tensortier's errors as themselves, a dead shard as
         ShardLostError (Ray fails calls to a dead actor, so this cannot hang on one)."""
-        ray = _ray()
+        ray = import_ray()
         try:
-            return ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, TensortierError):
-                raise exc.cause from exc
-            raise
+            return result(ref)
         except ray.exceptions.RayActorError as exc:
             self._mark_lost(i, type(exc).__name__)
             raise self._lost_error(i) from exc
@@ -337,7 +339,7 @@ class ShardedReplayBuffer:
         if not self._lost or (not force and time.monotonic() < self._revive_at):
             return
         self._revive_at = time.monotonic() + _REVIVE_S
-        ray = _ray()
+        ray = import_ray()
         for i in list(self._lost):
             try:  # the same actor answering again (Ray restarted it, or it was unreachable)
                 actor = ray.get_actor(self._names[i])  # or a new one: restart_shard elsewhere
@@ -364,10 +366,10 @@ class ShardedReplayBuffer:
 
     # -------------------------------------------------------------- rate limiting
     def _timeout(self, timeout: Any) -> float | None:
-        if timeout is _DEFAULT:
+        if timeout is DEFAULT:
             lim = self.rate_limit
             return lim.timeout if lim is not None else 0.0
-        return _check_timeout(timeout)
+        return check_timeout(timeout)
 
     def _acquire(self, op: str, n: int, timeout: float | None) -> bool:
         """Reserve ``op`` of ``n`` items at the coordinator, waiting up to ``timeout`` seconds."""
@@ -385,13 +387,9 @@ class ShardedReplayBuffer:
                 raise self._coord_call("timeout_error", op, n, timeout)
 
     def _coord_call(self, method: str, *args):
-        ray = _ray()
+        ray = import_ray()
         try:
-            return ray.get(getattr(self._coord, method).remote(*args))
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, TensortierError):
-                raise exc.cause from exc
-            raise
+            return result(getattr(self._coord, method).remote(*args))
         except ray.exceptions.RayActorError as exc:
             if self._find_coord():  # another handle restarted it: the call again, there
                 return self._coord_call(method, *args)
@@ -403,7 +401,7 @@ class ShardedReplayBuffer:
 
     def _find_coord(self) -> bool:
         """Look the coordinator up by name: True if a live one other than ours answers."""
-        ray = _ray()
+        ray = import_ray()
         try:
             actor = ray.get_actor(self._spawn["coord_name"])
             if actor._actor_id == self._coord._actor_id:
@@ -425,12 +423,12 @@ class ShardedReplayBuffer:
             self._coord.report.remote(i, seq, size)  # fire and forget: ordered by seq
 
     # -------------------------------------------------------------- add
-    def add(self, item: Any, *, shard: int | None = None, timeout: Any = _DEFAULT) -> int:
+    def add(self, item: Any, *, shard: int | None = None, timeout: Any = DEFAULT) -> int:
         return int(self.extend([item], shard=shard, timeout=timeout)[0])
 
     append = add
 
-    def extend(self, items, *, shard: int | None = None, timeout: Any = _DEFAULT) -> np.ndarray:
+    def extend(self, items, *, shard: int | None = None, timeout: Any = DEFAULT) -> np.ndarray:
         """Store ``items`` in one shard (``shard``, else one on this node, else round-robin) in
         one call; returns their global ids. With a rate limit, waits up to ``timeout`` (default:
         the RateLimit's) while sampling is behind, then raises RateLimitTimeout, nothing added."""
@@ -476,18 +474,18 @@ class ShardedReplayBuffer:
                 shard=-1,
             )
         if self._local is None:
-            here = _ray().get_runtime_context().get_node_id()
+            here = import_ray().get_runtime_context().get_node_id()
             self._local = [i for i, node in enumerate(self.nodes) if node == here]
         cand = [i for i in self._local if i in alive] or alive
         self._rr += 1
         return cand[self._rr % len(cand)]
 
     # -------------------------------------------------------------- sample
-    def sample(self, batch_size: int, *, timeout: Any = _DEFAULT) -> Batch:
+    def sample(self, batch_size: int, *, timeout: Any = DEFAULT) -> Batch:
         """``batch_size`` items drawn from the union of the live shards (exact PER; see the module
         doc). Empty buffer: IndexError after ``timeout`` (default 0); with a rate limit, waits up
         to ``timeout`` (default: the RateLimit's) while inserting is behind."""
-        n = _check_batch_size(batch_size)
+        n = check_batch_size(batch_size)
         self._check()
         wait = self._timeout(timeout)
         if not self._spawn["prefetch"]:
@@ -633,20 +631,8 @@ class ShardedReplayBuffer:
     def update_priorities(self, ids: Any, priorities: Any) -> None:
         """Set priorities of sampled items on their shards. Items of a lost shard are gone: the
         others are updated, then ShardLostError names the first lost one."""
-        if hasattr(priorities, "detach"):
-            priorities = priorities.detach().float().cpu().numpy()
         g = as_index_array(ids)
-        try:
-            prios = np.asarray(priorities, np.float64)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"priorities must be numbers, one per index, got {type(priorities).__name__}"
-            ) from exc
-        if prios.shape != g.shape:
-            raise ConfigError(
-                f"priorities must have one value per index: got shape {prios.shape} for "
-                f"{g.shape[0]} indices (flatten with .reshape(-1))"
-            )
+        prios = priority_array(priorities, g)
         if prios.size and not (np.isfinite(prios).all() and prios.min() >= 0):
             raise ConfigError("priorities must be finite and >= 0 (pass |td_error|)")
         top = float(prios.max()) if prios.size else 0.0
@@ -724,7 +710,7 @@ class ShardedReplayBuffer:
         return out
 
     # -------------------------------------------------------------- lifetime
-    def restart_shard(self, i: int, *, start_timeout: float | None = _START_TIMEOUT) -> None:
+    def restart_shard(self, i: int, *, start_timeout: float | None = START_TIMEOUT) -> None:
         """Start shard ``i`` again (after its actor or node died; a live one is ended first). A
         durable shard reopens ``spill_dir/shard-i``: every add it acknowledged is back, with the
         priorities of its last checkpoint (later ones: the max priority). A non-durable shard
@@ -732,7 +718,7 @@ class ShardedReplayBuffer:
         self._check()
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.shards:
             raise ConfigError(f"restart_shard: i must be an int in [0, {self.shards}), got {i!r}")
-        ray = _ray()
+        ray = import_ray()
         end_actors([self._actors[i]], lambda a: a.ready.remote())
         actor = _start_shard(ray, self._spawn, int(i), start_timeout)
         info = ray.get(actor.info.remote())
@@ -747,7 +733,7 @@ class ShardedReplayBuffer:
             except ClosedError:  # the coordinator is gone too: rebuilt, with this shard's size
                 self.restart_rate_limiter(start_timeout=start_timeout)
 
-    def restart_rate_limiter(self, *, start_timeout: float | None = _START_TIMEOUT) -> None:
+    def restart_rate_limiter(self, *, start_timeout: float | None = START_TIMEOUT) -> None:
         """Start the rate limiter's coordinator again (after its process or node died; a live
         one is ended first) from the live shards' own counters: inserts and samples are the
         sums of the items each shard took and gave, sizes their sizes. Call it where
@@ -756,7 +742,7 @@ class ShardedReplayBuffer:
         self._check()
         if self._coord is None:
             raise ConfigError("restart_rate_limiter: this sharded buffer has no rate_limit")
-        ray = _ray()
+        ray = import_ray()
         end_actors([self._coord], lambda a: a.ready.remote())
         refs = [(i, self._actors[i].counts.remote()) for i in self._alive()]
         counts = [(0, 0, -1, 0)] * self.shards
@@ -779,7 +765,7 @@ class ShardedReplayBuffer:
                 nxt[1].result(timeout=_PREFETCH_WAIT)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-        ray = _ray()
+        ray = import_ray()
         refs = [a.close.remote() for j, a in enumerate(self._actors) if j not in self._lost]
         for ref in refs:
             with contextlib.suppress(Exception):  # a dead shard has nothing left to close
@@ -811,10 +797,9 @@ def _create_shard(ray, spawn: dict, i: int):
 def _start_shard(ray, spawn: dict, i: int, start_timeout: float | None):
     actor = _create_shard(ray, spawn, i)
     try:
-        _wait_started(ray, actor, start_timeout, f"replay shard {i}", spawn["req"])
+        wait_started(ray, actor, start_timeout, f"replay shard {i}", spawn["req"])
     except BaseException:
-        with contextlib.suppress(Exception):
-            ray.kill(actor)
+        kill_quietly(ray, [actor])
         raise
     return actor
 
@@ -833,10 +818,9 @@ def _start_coord(ray, spawn: dict, counts: list | None, start_timeout: float | N
             f"Ray could not create the rate limiter {spawn['coord_name']!r}: {exc}"
         ) from exc
     try:
-        _wait_started(ray, coord, start_timeout, "rate limiter", {})
+        wait_started(ray, coord, start_timeout, "rate limiter", {})
     except BaseException:
-        with contextlib.suppress(Exception):
-            ray.kill(coord)
+        kill_quietly(ray, [coord])
         raise
     return coord
 
@@ -847,11 +831,51 @@ def serve_sharded(
     *,
     num_cpus: float = 0,
     name: str | None = None,
-    start_timeout: float | None = _START_TIMEOUT,
+    start_timeout: float | None = START_TIMEOUT,
     **actor_options: Any,
 ) -> ShardedReplayBuffer:
     """``serve(buf, shards=K)``: K shard actors made from ``buf``'s settings (``buf`` must be
     empty: its items are not carried over) and, with a rate limit, one coordinator."""
+    _check_sharded_args(obj, shards, num_cpus, name)
+    ray = import_ray()
+    limit = obj._limiter.cfg if obj._limiter is not None else None
+    if obj.config.durable:
+        obj.close()  # releases spill_dir; each shard owns spill_dir/shard-i
+    opts = {"num_cpus": num_cpus, "scheduling_strategy": "SPREAD", **actor_options}
+    actor_class(ray, _ShardActor, opts)  # Ray's objections to the options, before anything runs
+    if not ray.is_initialized():
+        ray.init()
+    req = check_resources(ray, opts, "replay shard")
+    k = int(shards)
+    prefix = name or f"tt-replay-{uuid.uuid4().hex[:12]}"
+    spawn = {
+        "options": opts,
+        "kwargs": _shard_kwargs(obj.config, k),
+        "names": [f"{prefix}-shard-{i}" for i in range(k)],
+        "coord_name": f"{prefix}-rate-limiter",
+        "req": req,
+        "sampler": obj.config.sampler,
+        "rate_limit": limit,
+        "prefetch": bool(obj.config.prefetch),
+        "seed": obj.config.seed,
+    }
+    actors: list = []
+    coord = None
+    try:
+        for i in range(k):  # all at once: they start in parallel
+            actors.append(_create_shard(ray, spawn, i))
+        for i, a in enumerate(actors):
+            wait_started(ray, a, start_timeout, f"replay shard {i}", req)
+        infos = ray.get([a.info.remote() for a in actors])
+        if limit is not None:
+            coord = _start_coord(ray, spawn, None, start_timeout)
+    except BaseException:
+        kill_quietly(ray, [*actors, coord])
+        raise
+    return ShardedReplayBuffer(actors, spawn["names"], [x["node"] for x in infos], spawn, coord)
+
+
+def _check_sharded_args(obj: object, shards: Any, num_cpus: object, name: object) -> None:
     if not isinstance(obj, ReplayBuffer):
         raise ConfigError(f"serve(shards=K) takes a ReplayBuffer, got {type(obj).__name__}")
     if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
@@ -861,26 +885,25 @@ def serve_sharded(
             f"serve(shards={shards}) takes an empty ReplayBuffer as a template (its settings are "
             f"used; its {len(obj)} items would not be carried over); add items through the handle"
         )
-    _check_num_cpus(num_cpus)
+    check_num_cpus(num_cpus)
     if name is not None and not isinstance(name, str):
         raise ConfigError(
             f"name must be a str (prefix of the shards' Ray names) or None, got {name!r}"
         )
-    ray = _ray()
-    k = int(shards)
-    c = obj.config
-    limit = obj._limiter.cfg if obj._limiter is not None else None
-    if c.durable:
-        obj.close()  # releases spill_dir; each shard owns spill_dir/shard-i
+
+
+def _shard_kwargs(c: ReplayConfig, k: int) -> list[dict]:
+    """Each shard's ReplayBuffer arguments: 1/k of the capacity and RAM budget (rounded up), a
+    seed of its own, a durable shard's own directory ``spill_dir/shard-i``."""
     per_cap = -(-c.capacity // k)
     per_ram = -(-c.ram_budget // k)
-    kwargs = []
+    out = []
     for i in range(k):
         spill = c.spill_dir
         if c.durable:
             assert spill is not None
             spill = os.path.join(spill, f"shard-{i}")
-        kwargs.append(
+        out.append(
             {
                 "capacity": per_cap,
                 "ram_budget": per_ram,
@@ -893,40 +916,4 @@ def serve_sharded(
                 "segment_size": c.segment_size,
             }
         )
-    opts = {"num_cpus": num_cpus, "scheduling_strategy": "SPREAD", **actor_options}
-    try:
-        ray.remote(_ShardActor).options(**opts)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"serve: Ray rejected the actor options {opts}: {exc}") from exc
-    if not ray.is_initialized():
-        ray.init()
-    req = _check_resources(ray, opts, "replay shard")
-    prefix = name or f"tt-replay-{uuid.uuid4().hex[:12]}"
-    spawn = {
-        "options": opts,
-        "kwargs": kwargs,
-        "names": [f"{prefix}-shard-{i}" for i in range(k)],
-        "coord_name": f"{prefix}-rate-limiter",
-        "req": req,
-        "sampler": c.sampler,
-        "rate_limit": limit,
-        "prefetch": bool(c.prefetch),
-        "seed": c.seed,
-    }
-    actors: list = []
-    coord = None
-    try:
-        for i in range(k):  # all at once: they start in parallel
-            actors.append(_create_shard(ray, spawn, i))
-        for i, a in enumerate(actors):
-            _wait_started(ray, a, start_timeout, f"replay shard {i}", req)
-        infos = ray.get([a.info.remote() for a in actors])
-        if limit is not None:
-            coord = _start_coord(ray, spawn, None, start_timeout)
-    except BaseException:
-        for a in [*actors, coord]:
-            if a is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(a)
-        raise
-    return ShardedReplayBuffer(actors, spawn["names"], [x["node"] for x in infos], spawn, coord)
+    return out

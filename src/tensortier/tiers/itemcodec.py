@@ -37,7 +37,7 @@ _LEN = struct.Struct("<I")
 _SINGLE = ""  # field name used when an item is one value rather than a dict
 
 # torch dtypes without a numpy twin travel as raw bytes and are viewed back on decode
-_TORCH_DTYPES = {
+TORCH_DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
         torch.float32,
@@ -69,7 +69,7 @@ def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
                 f"field {name!r}: only dense tensors can be stored; call .to_dense() first"
             )
         dtype = str(value.dtype).removeprefix("torch.")
-        if dtype not in _TORCH_DTYPES:
+        if dtype not in TORCH_DTYPES:
             raise TypeError(f"field {name!r}: unsupported torch dtype {value.dtype}")
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
         # an empty tensor's stride may be 0, which .view(uint8) refuses
@@ -359,7 +359,7 @@ def _check_fields(fields: list) -> None:
         kind, dtype = f[1], f[2]
         if not isinstance(f[0], str) or kind not in ("np", "py", "pt", "b", "s"):
             raise ValueError(f"unknown field kind {kind!r}")
-        if kind == "pt" and dtype not in _TORCH_DTYPES:
+        if kind == "pt" and dtype not in TORCH_DTYPES:
             raise ValueError(f"unknown torch dtype {dtype!r}")
         if kind in ("np", "py") and np.dtype(dtype).hasobject:
             raise ValueError("object dtype")
@@ -455,16 +455,16 @@ def _value(kind: str, dtype: str, shape: Sequence[int], raw: np.ndarray) -> Any:
             raise CorruptDataError(f"a str field is not valid UTF-8 ({exc})") from exc
     if kind == "pt":
         if raw.size == 0:
-            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
+            return torch.empty(shape, dtype=TORCH_DTYPES[dtype])
         t = torch.from_numpy(raw)
-        return t.view(_TORCH_DTYPES[dtype]).reshape(shape)
+        return t.view(TORCH_DTYPES[dtype]).reshape(shape)
     arr = raw.view(np.dtype(dtype)).reshape(shape)
     return arr.item() if kind == "py" else arr
 
 
 def _alignment(kind: str, dtype: str) -> int:
     if kind == "pt":
-        return min(8, _TORCH_DTYPES[dtype].itemsize)
+        return min(8, TORCH_DTYPES[dtype].itemsize)
     return 1 if kind in ("b", "s") else np.dtype(dtype).alignment
 
 
@@ -558,11 +558,9 @@ def decode_batch(blobs: Sequence[bytes] | np.ndarray) -> tuple[Any, bool]:
         # gather buffer (the next batch would overwrite this one)
         cols = cols.copy(order="C")
         if kind == "pt" and n == 0:
-            out[name] = torch.empty(len(blobs), *shape, dtype=_TORCH_DTYPES[dtype])
+            out[name] = torch.empty(len(blobs), *shape, dtype=TORCH_DTYPES[dtype])
         elif kind == "pt":
-            out[name] = (
-                torch.from_numpy(cols).view(_TORCH_DTYPES[dtype]).reshape(len(blobs), *shape)
-            )
+            out[name] = torch.from_numpy(cols).view(TORCH_DTYPES[dtype]).reshape(len(blobs), *shape)
         else:
             out[name] = cols.view(np.dtype(dtype)).reshape(len(blobs), *shape)
     return (out[_SINGLE] if meta["s"] else out), True

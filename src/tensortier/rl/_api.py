@@ -1,0 +1,220 @@
+"""The surface a ReplayBuffer shares with its served and sharded handles: what it returns and takes.
+
+Owns :class:`Batch` (what ``sample`` returns), :class:`ReplayConfig` (the buffer's settings, checked
+once by :func:`check_replay_args` before anything is allocated), the ``DEFAULT`` timeout sentinel
+and the checks of the arguments the sampling and priority methods take. Nothing here holds state or
+touches storage, so ``replay.py``, ``serve.py`` and ``sharded.py`` can all use it without importing
+one another's internals.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensortier._units import parse_size
+from tensortier.errors import ConfigError
+from tensortier.rl._store import check_args, check_spill
+from tensortier.rl.rate_limiter import RateLimit
+from tensortier.rl.sampler import Prioritized, Uniform
+
+DEFAULT: Any = object()  # timeout not given: 0 for sample() (None for add), or the RateLimit's
+# per slot of capacity, beyond the store's index: use count 4, sampler (sum + min trees 17, or the
+# uniform sampler's dense live array and positions 16)
+SLOT_BYTES = 48  # + episode, step and policy version, 8 bytes each
+
+
+@dataclass
+class Batch:
+    """A sample: ``items`` (a dict of stacked arrays/tensors when ``collated``, else a list of items),
+    their ``indices`` (int64) and importance ``weights`` (float32, all 1 for uniform sampling).
+
+    With ``sample(B, seq_len=T)``: fields are (B, T, ...) (a list of B lists when not collated),
+    ``indices`` and ``mask`` are (B, T) and ``weights`` (B,), one per slice."""
+
+    items: Any
+    indices: np.ndarray
+    weights: np.ndarray
+    collated: bool
+    mask: np.ndarray | None = None  # sample(seq_len=T): (B, T), False on padded positions
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+@dataclass
+class ReplayConfig:
+    capacity: int
+    ram_budget: int
+    spill_dir: str | None
+    sampler: Uniform | Prioritized
+    max_uses: int | None
+    durable: bool
+    fsync: bool
+    prefetch: int
+    seed: int | None
+    segment_size: int
+
+    def to_dict(self) -> dict:
+        return {
+            "capacity": self.capacity,
+            "ram_budget": self.ram_budget,
+            "sampler": self.sampler.to_dict(),
+            "max_uses": self.max_uses,
+            "segment_size": self.segment_size,
+        }
+
+
+def check_replay_args(
+    capacity: Any,
+    *,
+    ram_budget: Any,
+    spill_dir: Any,
+    sampler: Any,
+    max_uses: Any,
+    durable: Any,
+    fsync: Any,
+    prefetch: Any,
+    seed: Any,
+    segment_size: Any,
+    rate_limit: Any,
+    spill: Any,
+    remote: Any,
+) -> tuple[ReplayConfig, tuple[str, ...]]:
+    """``ReplayBuffer``'s arguments as a :class:`ReplayConfig` and the spill tiers, or the
+    ConfigError naming the first bad one (see ``ReplayBuffer.__init__``)."""
+    capacity = check_args(
+        "ReplayBuffer",
+        capacity,
+        spill_dir=spill_dir,
+        durable=durable,
+        fsync=fsync,
+        extra_slot_bytes=SLOT_BYTES,
+    )
+    durable, fsync = bool(durable), bool(fsync)
+    tiers = check_spill("ReplayBuffer", spill, remote, durable)
+    if max_uses is not None and (
+        isinstance(max_uses, bool) or not isinstance(max_uses, (int, np.integer)) or max_uses < 1
+    ):
+        raise ConfigError(
+            f"max_uses must be None or an int >= 1 (draws before an item is removed), got "
+            f"{max_uses!r}"
+        )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+        raise ConfigError(f"prefetch must be an int >= 0 (batches drawn ahead), got {prefetch!r}")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
+    ):
+        raise ConfigError(f"seed must be None or an int >= 0, got {seed!r}")
+    if rate_limit is not None and not isinstance(rate_limit, RateLimit):
+        raise ConfigError(
+            f"rate_limit must be None or tt.rl.RateLimit(samples_per_insert, ...), got "
+            f"{rate_limit!r}"
+        )
+    sampler = Uniform() if sampler is None else sampler
+    if not isinstance(sampler, (Uniform, Prioritized)):
+        raise ConfigError(
+            f"sampler must be tt.rl.Uniform() or tt.rl.Prioritized(...), got {sampler!r}"
+        )
+    config = ReplayConfig(
+        capacity=capacity,
+        ram_budget=parse_size(ram_budget, name="ram_budget"),
+        spill_dir=None if spill_dir is None else os.fspath(spill_dir),
+        sampler=sampler,
+        max_uses=None if max_uses is None else int(max_uses),
+        durable=durable,
+        fsync=fsync,
+        prefetch=int(prefetch),
+        seed=None if seed is None else int(seed),
+        segment_size=parse_size(segment_size, name="segment_size", allow_zero=False),
+    )
+    return config, tiers
+
+
+def check_batch_size(batch_size: Any) -> int:
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, (int, np.integer))
+        or batch_size < 1
+    ):
+        raise ConfigError(
+            f"batch_size must be an int >= 1 (items drawn per sample, with replacement), got "
+            f"{batch_size!r}"
+        )
+    return int(batch_size)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ConfigError(
+            f"timeout must be None (wait for an add) or seconds >= 0, got {timeout!r}"
+        )
+    return float(timeout)
+
+
+def check_sequence_args(seq_len: Any, max_staleness: Any, eta: Any) -> None:
+    if seq_len is not None and (
+        isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1
+    ):
+        raise ConfigError(f"seq_len must be None or an int >= 1 (steps per slice), got {seq_len!r}")
+    if max_staleness is not None and (
+        isinstance(max_staleness, bool)
+        or not isinstance(max_staleness, (int, np.integer))
+        or max_staleness < 0
+    ):
+        raise ConfigError(
+            f"max_staleness must be None or an int >= 0 (policy versions behind "
+            f"policy_version), got {max_staleness!r}"
+        )
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+        raise ConfigError(f"eta must be a number in [0, 1] (R2D2 uses 0.9), got {eta!r}")
+
+
+def item_meta(n: int, episode: Any, step: Any, version: Any) -> tuple | None:
+    """(episode, step, version) as int64 arrays of ``n`` values (-1 where not given); None when
+    none is given."""
+    if episode is None and step is None and version is None:
+        return None
+    out = []
+    for name, v in (("episode", episode), ("step", step), ("version", version)):
+        if v is None:
+            out.append(np.full(n, -1, np.int64))
+            continue
+        if hasattr(v, "detach"):
+            v = v.detach().cpu().numpy()
+        arr = np.asarray(v)
+        if arr.ndim == 0:
+            arr = np.full(n, arr)
+        if (
+            arr.shape != (n,)
+            or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0)
+            or (arr.size and arr.min() < 0)
+        ):
+            raise ConfigError(
+                f"{name} must be an int >= 0 or one such int per item ({n} items), got {v!r:.80}"
+            )
+        out.append(arr.astype(np.int64, copy=False))
+    return tuple(out)
+
+
+def priority_array(priorities: Any, keys: np.ndarray) -> np.ndarray:
+    """``priorities`` (numbers, an array or a tensor) as float64, one per index in ``keys``."""
+    if hasattr(priorities, "detach"):
+        priorities = priorities.detach().float().cpu().numpy()
+    try:
+        prios = np.asarray(priorities, np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"priorities must be numbers, one per index, got {type(priorities).__name__}"
+        ) from exc
+    if prios.shape != keys.shape:
+        raise ConfigError(
+            f"priorities must have one value per index: got shape {prios.shape} for "
+            f"{keys.shape[0]} indices (flatten with .reshape(-1))"
+        )
+    return prios
