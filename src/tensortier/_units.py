@@ -1,7 +1,9 @@
 """Sizes written by people ("512MiB", "4GiB", "1.5GB") turned into bytes, and back.
 
 This is the only place that parses a size; every budget, capacity and threshold goes through it
-so that a typo is caught once, with one message that lists the accepted forms.
+so that a typo is caught once, with one message that lists the accepted forms. Rows of numbers
+go back to people as a plain-text table (:func:`print_table`, used by ``tensortier plan`` and
+the benchmarks).
 """
 
 from __future__ import annotations
@@ -102,3 +104,17 @@ def format_size_up(nbytes: int) -> str:
 
 def align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Print ``rows`` as left-aligned columns under a header; floats with three digits."""
+
+    def fmt(v: object) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))

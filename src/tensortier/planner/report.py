@@ -342,7 +342,7 @@ def render_sweep_png(model: str, rows: list[dict], plain_peak: int | None = None
 
 
 def write_sweep_report(path: str | os.PathLike, rows: list[dict], summary: list[dict]) -> str:
-    """One HTML page for a ``tensortier bench planner`` sweep: per model the two charts, the
+    """One HTML page for a ``python -m benchmarks planner`` sweep: per model the two charts, the
     per-budget summary, and the chosen (``auto``) plan's per-unit and per-operator actions."""
     path = os.fspath(path)
     parts = []
@@ -393,7 +393,7 @@ def write_sweep_report(path: str | os.PathLike, rows: list[dict], summary: list[
 </title><style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
 table{{border-collapse:collapse;font-size:12px}}td,th{{border:1px solid #ccc;padding:2px 6px;
 text-align:right}}</style></head><body><h1>tensortier planner: budget sweep</h1>
-<p>Peaks are over every step, the first included (see <code>tensortier bench planner</code>).
+<p>Peaks are over every step, the first included (see <code>python -m benchmarks planner</code>).
 Solid lines: measured; dashed: the simulator's prediction.</p>{"".join(parts)}</body></html>"""
     with open(path, "w") as f:
         f.write(page)

@@ -1,4 +1,4 @@
-"""`tensortier bench checkpoint`: training stall and persist speed of torch.save, DCP async_save, tensortier.
+"""`python -m benchmarks checkpoint`: training stall and persist speed of torch.save, DCP async_save, tensortier.
 
 An MLP whose parameters plus AdamW state make about ``--state-size`` trains on CPU (or a lent GPU);
 each variant checkpoints every ``--every`` steps in the same run: ``torch.save`` (synchronous, as
@@ -7,7 +7,7 @@ most loops do), ``torch.distributed.checkpoint.async_save`` (single process) and
 the checkpoint was durable, its bandwidth against ``dd`` O_DIRECT on the same directory (the disk
 limit of the tiers benchmark), peak extra RSS, and the loop slowdown against the same steps with no
 checkpoint. Then ``every="auto"`` with ``--max-overhead`` runs ``--auto-steps`` steps against a
-plain run of the same length. Run: ``tensortier bench checkpoint --json out.json [--quick]``.
+plain run of the same length. Run: ``python -m benchmarks checkpoint --json out.json [--quick]``.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from benchmarks._common import environment, write_json
+from benchmarks.tiers import dd_bandwidth
 from tensortier._device import default_device, rss_bytes
-from tensortier._units import format_size, parse_size
-from tensortier.bench._common import environment, print_table, write_json
-from tensortier.bench.tiers import dd_bandwidth
+from tensortier._units import format_size, parse_size, print_table
 from tensortier.checkpoint import Checkpointer
 
 
@@ -300,7 +300,7 @@ def _measure(variant_fn: Callable[[str], _Variant], model, opt, width, args, ste
 
 def run(args: argparse.Namespace) -> list[dict]:
     if args.replica:
-        from tensortier.bench import checkpoint_replica
+        from benchmarks import checkpoint_replica
 
         return checkpoint_replica.run(args)
     quick = args.quick
