@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from tensortier._lifetime import private_dir, remove_private_dir
-from tensortier._ray import end_actors
+from tensortier._ray import end_actors, require_ray
 from tensortier.errors import ClosedError, ConfigError, TensortierError
 from tensortier.rl import param_nodes
 from tensortier.rl._backoff import poll
@@ -46,16 +46,6 @@ from tensortier.tiers import itemcodec as _codec
 _START_TIMEOUT = 120.0  # seconds serve() waits for the actor to be scheduled and built
 _WAIT_CHUNK = 1.0  # longest one parameter wait holds an actor thread (seconds)
 _PARAM_THREADS = 64  # concurrent calls a parameter actor serves
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "tt.rl.serve needs Ray: pip install 'tensortier[rl]' (or pip install ray)"
-        ) from exc
-    return ray
 
 
 def _check_batch_size(batch_size: object) -> int:
@@ -71,7 +61,7 @@ def _check_batch_size(batch_size: object) -> int:
 def _end(actor) -> None:
     """Kill ``actor`` and wait (at most 10 s) until Ray reports it dead, so that no call made
     after ``close()`` returns, from any handle, still reaches it."""
-    _ray()
+    require_ray("tt.rl.serve")
     end_actors([actor], lambda a: a.ready.remote())
 
 
@@ -80,7 +70,7 @@ def _call(ref, what: str):
 
     Cannot hang on a dead actor: Ray fails its pending calls (ActorDiedError -> ClosedError).
     """
-    ray = _ray()
+    ray = require_ray("tt.rl.serve")
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
@@ -325,7 +315,7 @@ class RemoteParamStore:
         payload = param_nodes.encode(state_dict)
         if self._closed:
             raise ClosedError("this served ParamStore is closed; serve a ParamStore again")
-        ref = _ray().put(payload)  # once per version, shared by every reader
+        ref = require_ray("tt.rl.serve").put(payload)  # once per version, shared by every reader
         return self._do("publish", [ref])
 
     @property
@@ -353,7 +343,7 @@ class RemoteParamStore:
         (``rl/param_nodes.py``); writing into them changes only this reader's pages."""
         deadline = _deadline(timeout)
         v, boxed = self._wait(min_version, timeout)
-        payload = param_nodes.fetch(_ray(), boxed[0], v, deadline)
+        payload = param_nodes.fetch(require_ray("tt.rl.serve"), boxed[0], v, deadline)
         tensors, shared = param_nodes.views(payload, boxed[0], v)
         return Params(v, tensors, shared=shared)
 
@@ -464,7 +454,7 @@ def serve(
         return serve_sharded(
             obj, shards, num_cpus=num_cpus, name=name, start_timeout=start_timeout, **actor_options
         )
-    ray = _ray()
+    ray = require_ray("tt.rl.serve")
     if not isinstance(obj, (ReplayBuffer, MemoryBank, ParamStore)):
         raise ConfigError(
             f"serve takes a ReplayBuffer, MemoryBank or ParamStore, got {type(obj).__name__}"

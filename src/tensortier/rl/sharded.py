@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from tensortier._ray import end_actors
+from tensortier._ray import end_actors, require_ray
 from tensortier.errors import ClosedError, ConfigError, ShardLostError, TensortierError
 from tensortier.rl._store import as_index_array
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
@@ -61,7 +61,6 @@ from tensortier.rl.serve import (
     _BufferActor,
     _check_num_cpus,
     _check_resources,
-    _ray,
     _wait_started,
 )
 from tensortier.tiers import itemcodec as _codec
@@ -321,7 +320,7 @@ class ShardedReplayBuffer:
     def _get(self, i: int, ref):
         """``ray.get`` of a call to shard ``i``: tensortier's errors as themselves, a dead shard as
         ShardLostError (Ray fails calls to a dead actor, so this cannot hang on one)."""
-        ray = _ray()
+        ray = require_ray("tt.rl.serve(shards=K)")
         try:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
@@ -337,7 +336,7 @@ class ShardedReplayBuffer:
         if not self._lost or (not force and time.monotonic() < self._revive_at):
             return
         self._revive_at = time.monotonic() + _REVIVE_S
-        ray = _ray()
+        ray = require_ray("tt.rl.serve(shards=K)")
         for i in list(self._lost):
             try:  # the same actor answering again (Ray restarted it, or it was unreachable)
                 actor = ray.get_actor(self._names[i])  # or a new one: restart_shard elsewhere
@@ -385,7 +384,7 @@ class ShardedReplayBuffer:
                 raise self._coord_call("timeout_error", op, n, timeout)
 
     def _coord_call(self, method: str, *args):
-        ray = _ray()
+        ray = require_ray("tt.rl.serve(shards=K)")
         try:
             return ray.get(getattr(self._coord, method).remote(*args))
         except ray.exceptions.RayTaskError as exc:
@@ -403,7 +402,7 @@ class ShardedReplayBuffer:
 
     def _find_coord(self) -> bool:
         """Look the coordinator up by name: True if a live one other than ours answers."""
-        ray = _ray()
+        ray = require_ray("tt.rl.serve(shards=K)")
         try:
             actor = ray.get_actor(self._spawn["coord_name"])
             if actor._actor_id == self._coord._actor_id:
@@ -476,7 +475,7 @@ class ShardedReplayBuffer:
                 shard=-1,
             )
         if self._local is None:
-            here = _ray().get_runtime_context().get_node_id()
+            here = require_ray("tt.rl.serve(shards=K)").get_runtime_context().get_node_id()
             self._local = [i for i, node in enumerate(self.nodes) if node == here]
         cand = [i for i in self._local if i in alive] or alive
         self._rr += 1
@@ -732,7 +731,7 @@ class ShardedReplayBuffer:
         self._check()
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.shards:
             raise ConfigError(f"restart_shard: i must be an int in [0, {self.shards}), got {i!r}")
-        ray = _ray()
+        ray = require_ray("tt.rl.serve(shards=K)")
         end_actors([self._actors[i]], lambda a: a.ready.remote())
         actor = _start_shard(ray, self._spawn, int(i), start_timeout)
         info = ray.get(actor.info.remote())
@@ -756,7 +755,7 @@ class ShardedReplayBuffer:
         self._check()
         if self._coord is None:
             raise ConfigError("restart_rate_limiter: this sharded buffer has no rate_limit")
-        ray = _ray()
+        ray = require_ray("tt.rl.serve(shards=K)")
         end_actors([self._coord], lambda a: a.ready.remote())
         refs = [(i, self._actors[i].counts.remote()) for i in self._alive()]
         counts = [(0, 0, -1, 0)] * self.shards
@@ -779,7 +778,7 @@ class ShardedReplayBuffer:
                 nxt[1].result(timeout=_PREFETCH_WAIT)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-        ray = _ray()
+        ray = require_ray("tt.rl.serve(shards=K)")
         refs = [a.close.remote() for j, a in enumerate(self._actors) if j not in self._lost]
         for ref in refs:
             with contextlib.suppress(Exception):  # a dead shard has nothing left to close
@@ -866,7 +865,7 @@ def serve_sharded(
         raise ConfigError(
             f"name must be a str (prefix of the shards' Ray names) or None, got {name!r}"
         )
-    ray = _ray()
+    ray = require_ray("tt.rl.serve(shards=K)")
     k = int(shards)
     c = obj.config
     limit = obj._limiter.cfg if obj._limiter is not None else None
