@@ -1,15 +1,18 @@
 """Sizes written by people ("512MiB", "4GiB", "1.5GB") turned into bytes, and back.
 
 This is the only place that parses a size; every budget, capacity and threshold goes through it
-so that a typo is caught once, with one message that lists the accepted forms. Rows of numbers
-go back to people as a plain-text table (:func:`print_table`, used by ``tensortier plan`` and
-the benchmarks).
+so that a typo is caught once, with one message that lists the accepted forms. Counts (threads,
+items, steps, seeds) go through :func:`check_int`, which refuses a bool where an int belongs.
+Rows of numbers go back to people as a plain-text table (:func:`print_table`, used by
+``tensortier plan`` and the benchmarks).
 """
 
 from __future__ import annotations
 
 import math
 import re
+
+import numpy as np
 
 from tensortier.errors import ConfigError
 
@@ -69,6 +72,30 @@ def parse_size(value: SizeLike, *, name: str = "size", allow_zero: bool = True) 
     if nbytes == 0 and not allow_zero:
         raise ConfigError(f"{name}: got {value!r}; it must be larger than 0 bytes")
     return nbytes
+
+
+def is_int(value: object) -> bool:
+    """A Python or numpy integer, and not a bool: ``True`` is an ``int`` to Python, so a flag
+    passed where a count belongs would otherwise count as 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_int(
+    value: object,
+    message: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    error: type[Exception] = ConfigError,
+) -> int:
+    """``int(value)`` when :func:`is_int` and within ``[minimum, maximum]``; else raises
+    ``error(message)``. The message is the caller's own sentence: it names the argument, the
+    value received and the fix, in the words of the API it belongs to."""
+    if not is_int(value):
+        raise error(message)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise error(message)
+    return int(value)
 
 
 def format_size(nbytes: float) -> str:

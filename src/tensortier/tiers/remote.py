@@ -52,7 +52,7 @@ import torch
 
 from tensortier._lifetime import Finalizer
 from tensortier._ray import end_actors, require_ray
-from tensortier._units import SizeLike, format_size, parse_size
+from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
 from tensortier.tiers.disk import as_bytes
 
@@ -249,10 +249,12 @@ class RemoteStore:
         self.capacity = parse_size(capacity, name="remote capacity", allow_zero=False)
         self.timeout = _check_seconds(timeout, "timeout")
         start_timeout = _check_seconds(start_timeout, "start_timeout")
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int):
-            raise ConfigError(f"io_threads={io_threads!r}: pass an int, e.g. io_threads=4")
-        if not 1 <= io_threads <= MAX_IO_THREADS:
-            raise ConfigError(f"io_threads={io_threads!r}: pass an int from 1 to {MAX_IO_THREADS}")
+        io_threads = check_int(
+            io_threads,
+            f"io_threads={io_threads!r}: pass an int from 1 to {MAX_IO_THREADS}, e.g. io_threads=4",
+            minimum=1,
+            maximum=MAX_IO_THREADS,
+        )
         if not ray.is_initialized():
             ray.init()  # what the first .remote() would do; placement needs the cluster
         chosen = self._choose_nodes(ray, nodes)
