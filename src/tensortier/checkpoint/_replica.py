@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from tensortier._ray import require_ray
+from tensortier._units import check_int
 from tensortier.checkpoint._format import Shard, canonical, crc, parse_manifest
 from tensortier.checkpoint._tree import dtype_from_name
 from tensortier.errors import ConfigError, CorruptDataError
@@ -117,11 +118,13 @@ class Fallback(Exception):
 
 
 def check_replicas(replicas: object, many_ranks: bool) -> int:
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= 2:
-        raise ConfigError(
-            f"replicas={replicas!r}: pass 0 (disk only), 1 or 2 (other nodes that keep the newest "
-            f"checkpoint in RAM)"
-        )
+    replicas = check_int(
+        replicas,
+        f"replicas={replicas!r}: pass 0 (disk only), 1 or 2 (other nodes that keep the newest "
+        f"checkpoint in RAM)",
+        minimum=0,
+        maximum=2,
+    )
     if replicas and many_ranks:
         raise ConfigError(
             f"replicas={replicas}: in-memory replicas are supported for one process only, not a "
