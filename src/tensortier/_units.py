@@ -74,10 +74,11 @@ def parse_size(value: SizeLike, *, name: str = "size", allow_zero: bool = True) 
     return nbytes
 
 
-def is_int(value: object) -> bool:
-    """A Python or numpy integer, and not a bool: ``True`` is an ``int`` to Python, so a flag
-    passed where a count belongs would otherwise count as 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+def is_int(value: object, *, numpy: bool = False) -> bool:
+    """An ``int`` (or, with ``numpy=True``, a numpy integer too), and not a bool: ``True`` is an
+    ``int`` to Python, so a flag passed where a count belongs would otherwise count as 1."""
+    kinds = (int, np.integer) if numpy else int
+    return isinstance(value, kinds) and not isinstance(value, bool)
 
 
 def check_int(
@@ -86,12 +87,14 @@ def check_int(
     *,
     minimum: int | None = None,
     maximum: int | None = None,
+    numpy: bool = False,
     error: type[Exception] = ConfigError,
 ) -> int:
-    """``int(value)`` when :func:`is_int` and within ``[minimum, maximum]``; else raises
-    ``error(message)``. The message is the caller's own sentence: it names the argument, the
-    value received and the fix, in the words of the API it belongs to."""
-    if not is_int(value):
+    """``int(value)`` when :func:`is_int` (``numpy``: numpy integers too) and within
+    ``[minimum, maximum]``; else raises ``error(message)``. The message is the caller's own
+    sentence: it names the argument, the value received and the fix, in the words of the API it
+    belongs to."""
+    if not is_int(value, numpy=numpy):
         raise error(message)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise error(message)

@@ -395,7 +395,6 @@ class HostPool:
             )
         if nbytes < 0:
             raise ConfigError(f"HostPool.alloc: cannot allocate a negative size ({nbytes} bytes)")
-        nbytes = int(nbytes)
         cls = size_class(nbytes)
         while True:
             buffer = copies = None
