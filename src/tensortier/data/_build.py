@@ -30,7 +30,7 @@ import numpy as np
 
 from tensortier import _modes
 from tensortier._lifetime import DirLock
-from tensortier._units import SizeLike, parse_size
+from tensortier._units import SizeLike, check_int, parse_size
 from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
@@ -69,11 +69,13 @@ def _check_args(path, segment_size, writers, batch_bytes, mode) -> tuple[str, in
     seg = parse_size(segment_size, name="Catalog.build: segment_size", allow_zero=False)
     if seg >= 1 << 40:
         raise ConfigError(f"Catalog.build: segment_size={segment_size!r} must be below 1TiB")
-    if isinstance(writers, bool) or not isinstance(writers, int) or not 1 <= writers <= MAX_WRITERS:
-        raise ConfigError(
-            f"Catalog.build: writers={writers!r} must be an int from 1 to {MAX_WRITERS} (threads "
-            f"writing segment files at once; 2-4 keep one disk busy)"
-        )
+    writers = check_int(
+        writers,
+        f"Catalog.build: writers={writers!r} must be an int from 1 to {MAX_WRITERS} (threads "
+        f"writing segment files at once; 2-4 keep one disk busy)",
+        minimum=1,
+        maximum=MAX_WRITERS,
+    )
     batch = parse_size(batch_bytes, name="Catalog.build: batch_bytes", allow_zero=False)
     _modes.check_mode(mode, "Catalog.build")
     return os.path.abspath(os.fspath(path)), seg, writers, batch

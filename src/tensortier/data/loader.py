@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tensortier._units import SizeLike
+from tensortier._units import SizeLike, check_int
 from tensortier.data._pipeline import Batch, LoaderStats
 from tensortier.data.catalog import Catalog
 from tensortier.data.pytorch import EpochDataset
@@ -83,11 +83,12 @@ class Loader:
             collate=collate,
             epoch=epoch,
         )
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(
-                f"Catalog.epochs: num_workers={num_workers!r} must be an int >= 0 (0 reads ahead "
-                f"on threads of this process)"
-            )
+        num_workers = check_int(
+            num_workers,
+            f"Catalog.epochs: num_workers={num_workers!r} must be an int >= 0 (0 reads ahead on "
+            f"threads of this process)",
+            minimum=0,
+        )
         if multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
             raise ConfigError(
                 f"Catalog.epochs: multiprocessing_context={multiprocessing_context!r}; pass "

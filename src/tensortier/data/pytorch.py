@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from tensortier._lifetime import Finalizer
-from tensortier._units import SizeLike, parse_size
+from tensortier._units import SizeLike, check_int, parse_size
 from tensortier.data._order import EVENS, SHUFFLES, Order, OrderSpec
 from tensortier.data._pipeline import Batch, LoaderStats, stream
 from tensortier.data.catalog import Catalog
@@ -47,9 +47,8 @@ def _catalog(catalog: Catalog | str | os.PathLike, what: str) -> Catalog:
 
 
 def _int(what: str, name: str, value: Any, low: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{what}: {name}={value!r} must be an int >= {low}; {fix}")
-    return value
+    msg = f"{what}: {name}={value!r} must be an int >= {low}; {fix}"
+    return check_int(value, msg, minimum=low)
 
 
 def _rank_and_world(what: str, rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -69,8 +68,8 @@ def _rank_and_world(what: str, rank: int | None, world_size: int | None) -> tupl
         )
     world_size = 1 if world_size is None else world_size
     rank = 0 if rank is None else rank
-    _int(what, "world_size", world_size, 1, "pass the number of data-parallel ranks")
-    _int(what, "rank", rank, 0, "pass this process's rank")
+    world_size = _int(what, "world_size", world_size, 1, "pass the number of data-parallel ranks")
+    rank = _int(what, "rank", rank, 0, "pass this process's rank")
     if rank >= world_size:
         raise ConfigError(
             f"{what}: rank={rank}{source['rank']} must be below world_size={world_size}"
@@ -129,8 +128,7 @@ class EpochDataset(IterableDataset):
         self.catalog = _catalog(catalog, what)
         n = len(self.catalog)
         self.batch = _int(what, "batch", batch, 1, "pass the records per batch, e.g. batch=256")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"{what}: seed={seed!r} must be an int")
+        seed = check_int(seed, f"{what}: seed={seed!r} must be an int")
         rank, world_size = _rank_and_world(what, rank, world_size)
         if shuffle is True:
             shuffle = "full"
@@ -144,8 +142,8 @@ class EpochDataset(IterableDataset):
         if block is None:
             mean = self.catalog.manifest.payload_bytes / n if n else 1.0
             block = max(1, round(BLOCK_BYTES / max(mean, 1.0)))
-        _int(what, "block", block, 1, "pass the records per block of block shuffle")
-        _int(what, "window", window, 1, "pass the blocks shuffled together")
+        block = _int(what, "block", block, 1, "pass the records per block of block shuffle")
+        window = _int(what, "window", window, 1, "pass the blocks shuffled together")
         if even not in EVENS:
             raise ConfigError(
                 f"{what}: even={even!r}; pass 'pad' (every rank gets ceil(n/world_size) records, "
@@ -185,8 +183,8 @@ class EpochDataset(IterableDataset):
         return -(-self.records_per_epoch // self.batch)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        _int("set_epoch", "epoch", epoch, 0, "epochs count from 0")
-        _int("set_epoch", "start", start, 0, "start is a record position in the epoch")
+        epoch = _int("set_epoch", "epoch", epoch, 0, "epochs count from 0")
+        start = _int("set_epoch", "start", start, 0, "start is a record position in the epoch")
         if start > self.records_per_epoch or start % self.batch and start != self.records_per_epoch:
             raise ConfigError(
                 f"start={start} is not a batch boundary of this epoch ({self.records_per_epoch} "
