@@ -44,7 +44,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from tensortier._lifetime import OWNER_FILE, Finalizer, private_dir, remove_private_dir
-from tensortier._units import align_up, format_size
+from tensortier._units import align_up, check_int, format_size
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError, TierFullError
 from tensortier.tiers.disk import as_bytes
 from tensortier.tiers.itemcodec import _TORCH_DTYPES
@@ -65,12 +65,13 @@ def _shm_base() -> str | None:
 
 
 def _check_version(value: object, arg: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ConfigError(
-            f"{arg} must be an int >= 0 (a version number; 0 or 1: any published version), "
-            f"got {value!r}"
-        )
-    return max(int(value), 1)  # version 0 means "nothing published": there is nothing to get
+    msg = (
+        f"{arg} must be an int >= 0 (a version number; 0 or 1: any published version), "
+        f"got {value!r}"
+    )
+    return max(
+        check_int(value, msg, minimum=0, numpy=True), 1
+    )  # version 0 means "nothing published": there is nothing to get
 
 
 def _deadline(timeout: object) -> float | None:
@@ -318,8 +319,9 @@ class ParamStore:
     """
 
     def __init__(self, *, keep: int = 2, shm_dir: str | os.PathLike | None = None):
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep must be an int >= 1 (versions kept for readers), got {keep!r}")
+        check_int(
+            keep, f"keep must be an int >= 1 (versions kept for readers), got {keep!r}", minimum=1
+        )
         if shm_dir is not None and not isinstance(shm_dir, (str, os.PathLike)):
             raise TypeError(
                 f"shm_dir must be a directory path (str or os.PathLike), got {shm_dir!r}; "

@@ -41,7 +41,7 @@ import numpy as np
 
 from tensortier import _modes
 from tensortier._lifetime import Finalizer
-from tensortier._units import SizeLike, parse_size
+from tensortier._units import SizeLike, check_int, is_int, parse_size
 from tensortier.errors import (
     ClosedError,
     ConfigError,
@@ -112,16 +112,13 @@ _as_index_array = as_index_array  # (kept for callers of the old private name)
 
 
 def _check_batch_size(batch_size: Any) -> int:
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, (int, np.integer))
-        or batch_size < 1
-    ):
-        raise ConfigError(
-            f"batch_size must be an int >= 1 (items drawn per sample, with replacement), got "
-            f"{batch_size!r}"
-        )
-    return int(batch_size)
+    return check_int(
+        batch_size,
+        f"batch_size must be an int >= 1 (items drawn per sample, with replacement), got "
+        f"{batch_size!r}",
+        minimum=1,
+        numpy=True,
+    )
 
 
 def _check_timeout(timeout: Any) -> float | None:
@@ -159,19 +156,15 @@ def _meta(n: int, episode: Any, step: Any, version: Any) -> tuple:
 
 
 def _check_sequence_args(seq_len: Any, max_staleness: Any, eta: Any) -> None:
-    if seq_len is not None and (
-        isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1
-    ):
-        raise ConfigError(f"seq_len must be None or an int >= 1 (steps per slice), got {seq_len!r}")
-    if max_staleness is not None and (
-        isinstance(max_staleness, bool)
-        or not isinstance(max_staleness, (int, np.integer))
-        or max_staleness < 0
-    ):
-        raise ConfigError(
+    if seq_len is not None:
+        msg = f"seq_len must be None or an int >= 1 (steps per slice), got {seq_len!r}"
+        check_int(seq_len, msg, minimum=1, numpy=True)
+    if max_staleness is not None:
+        msg = (
             f"max_staleness must be None or an int >= 0 (policy versions behind "
             f"policy_version), got {max_staleness!r}"
         )
+        check_int(max_staleness, msg, minimum=0, numpy=True)
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
         raise ConfigError(f"eta must be a number in [0, 1] (R2D2 uses 0.9), got {eta!r}")
 
@@ -274,27 +267,18 @@ class ReplayBuffer:
         )
         durable, fsync = bool(durable), bool(fsync)
         tiers = check_spill("ReplayBuffer", spill, remote, durable)
-        if max_uses is not None and (
-            isinstance(max_uses, bool)
-            or not isinstance(max_uses, (int, np.integer))
-            or max_uses < 1
-        ):
-            raise ConfigError(
+        if max_uses is not None:
+            msg = (
                 f"max_uses must be None or an int >= 1 (draws before an item is removed), got "
                 f"{max_uses!r}"
             )
-        if (
-            isinstance(prefetch, bool)
-            or not isinstance(prefetch, (int, np.integer))
-            or prefetch < 0
-        ):
-            raise ConfigError(
-                f"prefetch must be an int >= 0 (batches drawn ahead), got {prefetch!r}"
+            check_int(max_uses, msg, minimum=1, numpy=True)
+        msg = f"prefetch must be an int >= 0 (batches drawn ahead), got {prefetch!r}"
+        check_int(prefetch, msg, minimum=0, numpy=True)
+        if seed is not None:
+            check_int(
+                seed, f"seed must be None or an int >= 0, got {seed!r}", minimum=0, numpy=True
             )
-        if seed is not None and (
-            isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
-        ):
-            raise ConfigError(f"seed must be None or an int >= 0, got {seed!r}")
         if rate_limit is not None and not isinstance(rate_limit, RateLimit):
             raise ConfigError(
                 f"rate_limit must be None or tt.rl.RateLimit(samples_per_insert, ...), got "
@@ -492,7 +476,7 @@ class ReplayBuffer:
 
     def __getitem__(self, index: int | Sequence[int] | np.ndarray) -> Any:
         """The item at ``index`` (or a list of items for a sequence of indices), RAM or disk."""
-        single = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+        single = is_int(index, numpy=True)
         keys = as_index_array(index, "index")
         with self._lock:
             self._check()
@@ -535,8 +519,7 @@ class ReplayBuffer:
 
     @policy_version.setter
     def policy_version(self, v: int) -> None:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise ConfigError(f"policy_version must be an int >= 0, got {v!r}")
+        v = check_int(v, f"policy_version must be an int >= 0, got {v!r}", minimum=0, numpy=True)
         with self._lock:
             self._policy_version = max(self._policy_version, int(v))
 

@@ -34,6 +34,7 @@ import torch
 
 from tensortier._lifetime import private_dir, remove_private_dir
 from tensortier._ray import end_actors, require_ray
+from tensortier._units import check_int, is_int
 from tensortier.errors import ClosedError, ConfigError, TensortierError
 from tensortier.rl import param_nodes
 from tensortier.rl._backoff import poll
@@ -49,13 +50,8 @@ _PARAM_THREADS = 64  # concurrent calls a parameter actor serves
 
 
 def _check_batch_size(batch_size: object) -> int:
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, (int, np.integer))
-        or batch_size < 1
-    ):
-        raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    return int(batch_size)
+    msg = f"batch_size must be an int >= 1, got {batch_size!r}"
+    return check_int(batch_size, msg, minimum=1, numpy=True)
 
 
 def _end(actor) -> None:
@@ -262,13 +258,13 @@ class RemoteReplayBuffer:
         self._do("update_priorities", keys, np.asarray(priorities))
 
     def __getitem__(self, index):
-        single = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+        single = is_int(index, numpy=True)
         keys = _as_index_array(index, "index")
         items = [_codec.decode(b) for b in self._do("get_blobs", keys)]
         return items[0] if single else items
 
     def update(self, index: int, item: Any) -> None:
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+        if not is_int(index, numpy=True):
             raise TypeError(f"update: index must be an int returned by add(), got {index!r}")
         self._do("update", int(index), _codec.encode(item))
 

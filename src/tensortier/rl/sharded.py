@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from tensortier._ray import end_actors, require_ray
+from tensortier._units import check_int, is_int
 from tensortier.errors import ClosedError, ConfigError, ShardLostError, TensortierError
 from tensortier.rl._store import as_index_array
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
@@ -434,14 +435,9 @@ class ShardedReplayBuffer:
         one call; returns their global ids. With a rate limit, waits up to ``timeout`` (default:
         the RateLimit's) while sampling is behind, then raises RateLimitTimeout, nothing added."""
         self._check()
-        if shard is not None and (
-            isinstance(shard, bool)
-            or not isinstance(shard, (int, np.integer))
-            or not 0 <= shard < self.shards
-        ):
-            raise ConfigError(
-                f"shard must be None (pick one) or an int in [0, {self.shards}), got {shard!r}"
-            )
+        if shard is not None:
+            msg = f"shard must be None (pick one) or an int in [0, {self.shards}), got {shard!r}"
+            check_int(shard, msg, minimum=0, maximum=self.shards - 1, numpy=True)
         blobs = [_codec.encode(it) for it in items]
         if not blobs:
             return np.empty(0, np.int64)
@@ -670,7 +666,7 @@ class ShardedReplayBuffer:
         return res
 
     def __getitem__(self, ids: Any):
-        single = isinstance(ids, (int, np.integer)) and not isinstance(ids, bool)
+        single = is_int(ids, numpy=True)
         g = as_index_array(ids, "index")
         _, out, lost = self._each(g, lambda a, keys, pos: a.get_blobs.remote(keys))
         if lost:
@@ -729,8 +725,8 @@ class ShardedReplayBuffer:
         priorities of its last checkpoint (later ones: the max priority). A non-durable shard
         comes back empty. Placed by the buffer's scheduling strategy."""
         self._check()
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.shards:
-            raise ConfigError(f"restart_shard: i must be an int in [0, {self.shards}), got {i!r}")
+        msg = f"restart_shard: i must be an int in [0, {self.shards}), got {i!r}"
+        check_int(i, msg, minimum=0, maximum=self.shards - 1, numpy=True)
         ray = require_ray("tt.rl.serve(shards=K)")
         end_actors([self._actors[i]], lambda a: a.ready.remote())
         actor = _start_shard(ray, self._spawn, int(i), start_timeout)
@@ -853,8 +849,9 @@ def serve_sharded(
     empty: its items are not carried over) and, with a rate limit, one coordinator."""
     if not isinstance(obj, ReplayBuffer):
         raise ConfigError(f"serve(shards=K) takes a ReplayBuffer, got {type(obj).__name__}")
-    if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
-        raise ConfigError(f"shards must be an int >= 1 (buffer actors), got {shards!r}")
+    check_int(
+        shards, f"shards must be an int >= 1 (buffer actors), got {shards!r}", minimum=1, numpy=True
+    )
     if len(obj):
         raise ConfigError(
             f"serve(shards={shards}) takes an empty ReplayBuffer as a template (its settings are "
