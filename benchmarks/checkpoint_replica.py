@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from benchmarks.checkpoint import build, train
+    from benchmarks._mlp import build, train
 
     state = parse_size(args.state_size or ("64MiB" if args.quick else "1GiB"), name="--state-size")
     rounds = args.checkpoints or (2 if args.quick else 3)

@@ -169,13 +169,8 @@ def _worker(args) -> dict:
     from tensortier.errors import BudgetError
     from tensortier.planner.policies import Options, plan_all
     from tensortier.planner.report import op_rows
-    from tensortier.planner.runtime import (
-        PlanConfig,
-        PlannedOffload,
-        Recompute,
-        make_decide,
-        selective_sets,
-    )
+    from tensortier.planner.runtime import PlanConfig, PlannedOffload, Recompute, make_decide
+    from tensortier.planner.simulator import selective_sets
 
     release_freed_memory()
     model, x, y = _build(args)

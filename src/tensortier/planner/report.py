@@ -16,7 +16,15 @@ from tensortier._units import format_size
 from tensortier.errors import ConfigError
 from tensortier.planner.policies import Choice
 from tensortier.planner.profile import Profile
-from tensortier.planner.simulator import OVERHEADS, SWAPS, Mode, Plan, SimResult, simulate
+from tensortier.planner.simulator import (
+    OVERHEADS,
+    SWAPS,
+    Mode,
+    Plan,
+    SimResult,
+    selective_sets,
+    simulate,
+)
 
 LANES = ("compute", "d2h", "h2d", "h2disk", "disk2h")
 REMOTE_LANES = ("h2remote", "remote2h")  # drawn when the profile measured a remote pool
@@ -189,8 +197,6 @@ def apply_hint(budget: int, policy: str = "auto") -> str:
 def op_rows(profile: Profile, plan: Plan) -> list[dict]:
     """Per selective unit and operator kind: how many are recomputed and how many cached, with
     the bytes the cached ones keep and the seconds the recomputed ones cost in backward."""
-    from tensortier.planner.runtime import selective_sets
-
     rows = []
     for unit, rerun in selective_sets(profile, plan).items():
         kinds: dict[str, dict] = {}
