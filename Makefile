@@ -41,8 +41,9 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
+# benchmarks live outside the installed library: run from the repository root (benchmarks/README.md)
 bench: $(VENV)/.installed
-	$(VENV)/bin/tensortier bench tiers --json benchmarks/results/tiers-cpu.json
+	$(PY) -m benchmarks tiers --json benchmarks/results/tiers-cpu.json
 
 # the cp312 wheels the GPU machine lacks (no registry there): carry .whl with the working tree
 gpu-wheels:

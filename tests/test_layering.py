@@ -1,8 +1,12 @@
-"""Layering: ``activations/`` is a mechanism that never imports the planner (issue 17 #5)."""
+"""Layering: imports point down the layers of ``scripts/layering.py`` (DESIGN.md's, with the
+planner above the clients), no import cycle inside a folder beyond its commented allow-list,
+nothing in the library imports ``benchmarks`` (issue 26); ``activations/`` is a mechanism that
+never imports the planner (issue 17 #5). ``python scripts/layering.py`` prints the picture."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -13,6 +17,68 @@ import tensortier as tt
 from tensortier.errors import ConfigError
 
 SRC = pathlib.Path(tt.__file__).parent
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _layering():
+    spec = importlib.util.spec_from_file_location("layering", ROOT / "scripts" / "layering.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+layering = _layering()
+
+
+def _picture() -> str:
+    return "\n".join(layering.picture(ROOT))
+
+
+def test_every_import_points_down_the_layers():
+    graph = layering.import_graph(ROOT)
+    up = layering.upward_imports(graph, ROOT)
+    assert up == [], "upward imports:\n" + "\n".join(up) + "\n\n" + _picture()
+
+
+def test_no_import_cycle_inside_a_folder_but_the_allowed_ones():
+    """An allowed cycle that is gone must leave the allow-list too, so the list stays true."""
+    found = layering.folder_cycles(layering.import_graph(ROOT), ROOT)
+    found = {folder: set(cycles) for folder, cycles in found.items()}
+    allowed = {folder: {cycle} for folder, (cycle, _) in layering.ALLOWED_CYCLES.items()}
+    assert found == allowed, _picture()
+
+
+def test_nothing_in_the_library_imports_the_benchmarks():
+    graph = layering.import_graph(ROOT)
+    bench = ("benchmarks", "tensortier.bench")
+    bad = [
+        f"{m} -> {d}"
+        for m in graph
+        if m.startswith("tensortier")
+        for d in graph[m]
+        if d.startswith(bench)
+    ]
+    assert not bad, bad
+    code = (
+        "import sys, tensortier, tensortier.cli, tensortier.planner.cli, tensortier.data.cli; "
+        "print([m for m in sys.modules if m.startswith(('benchmarks', 'tensortier.bench'))])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_tensortier_help_imports_no_subcommand():
+    """``tensortier --help`` (or a typo) pays for no subcommand's imports: each is imported
+    only when it runs."""
+    code = (
+        "import sys, contextlib, io, tensortier.cli as c\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    c.main(['--help'])\n"
+        "subcommands = ('tensortier.demo', 'tensortier.planner.cli', 'tensortier.data.cli')\n"
+        "print(sorted(m for m in sys.modules if m in subcommands))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -59,8 +125,8 @@ def test_the_budget_is_the_top_level_verbs_and_the_mechanism_refuses_it(tmp_path
 def test_the_demo_never_imports_the_benchmarks():
     """``tensortier demo`` is a user's first command: it must not break when a benchmark's
     private options change (issue 23 #1), nor need the benchmarks at all."""
-    bad = {m for m in _imports(SRC / "demo.py") if m.startswith("tensortier.bench")}
+    bad = {m for m in _imports(SRC / "demo.py") if m.split(".")[0] == "benchmarks"}
     assert not bad, f"demo.py imports {bad}"
-    code = "import sys, tensortier.demo; print([m for m in sys.modules if 'tensortier.bench' in m])"
+    code = "import sys, tensortier.demo; print([m for m in sys.modules if 'benchmarks' in m])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from tensortier import ConfigError, format_size, parse_size
@@ -85,3 +86,20 @@ def test_format_size_up_is_a_size_that_suffices():
         back = parse_size(format_size_up(n))
         assert n <= back <= n * 1.011 + 1, (n, format_size_up(n))
     assert format_size_up(1111537536) == "1.04GiB" and format_size_up(1 << 30) == "1GiB"
+
+
+def test_check_int_refuses_bools_and_out_of_range_values_with_the_callers_message():
+    from tensortier._units import check_int, is_int
+
+    assert check_int(3, "unused", minimum=1) == 3
+    got = check_int(np.int64(7), "unused", minimum=0, maximum=7, numpy=True)
+    assert got == 7 and type(got) is int  # numpy ints come back as Python ints
+    for bad in (True, False, np.True_, 2.0, "2", None, 0, 9, np.int64(2)):
+        with pytest.raises(ConfigError, match=r"^threads=.*: pass an int from 1 to 8$"):
+            check_int(bad, f"threads={bad!r}: pass an int from 1 to 8", minimum=1, maximum=8)
+    with pytest.raises(ValueError, match="bad alignment"):
+        check_int(-1, "bad alignment", minimum=1, error=ValueError)
+    assert is_int(np.int32(1), numpy=True) and not is_int(np.int32(1))
+    assert (
+        not is_int(True) and not is_int(True, numpy=True) and not is_int(np.bool_(True), numpy=True)
+    )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import stat
 
+from tensortier._units import is_int
 from tensortier.errors import ConfigError, PermissionDeniedError
 
 PRIVATE = 0o600
@@ -30,8 +31,8 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_N
 
 def check_mode(mode: object, what: str) -> int:
     """``mode`` if it is one of :data:`MODES`, else a ConfigError naming the choices."""
-    if isinstance(mode, bool) or not isinstance(mode, int) or mode not in MODES:
-        shown = oct(mode) if isinstance(mode, int) and not isinstance(mode, bool) else repr(mode)
+    if not is_int(mode) or mode not in MODES:
+        shown = oct(mode) if is_int(mode) else repr(mode)
         raise ConfigError(
             f"{what}: mode={shown}; pass 0o600 (private, the default), 0o640 (the group may "
             f"read) or 0o644 (everyone may read). Every file gets this mode and only the owner "

@@ -1,11 +1,30 @@
-"""Ray helpers shared by every Ray client in tensortier (``rl.serve``, ``tiers.remote``)."""
+"""Ray helpers shared by every Ray client in tensortier (``rl.serve``, ``tiers.remote``,
+``checkpoint`` replicas): importing Ray with a message that says how to install it, and ending
+actors for certain.
+
+Ray is an optional dependency: ``import tensortier`` never imports it; a client gets it from
+:func:`require_ray` when it first needs it (code that runs inside a Ray actor imports it plainly).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
+
+
+def require_ray(what: str) -> ModuleType:
+    """The ``ray`` module; without Ray installed, an ImportError naming ``what`` needs it and
+    how to install it."""
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            f"{what} needs Ray: pip install 'tensortier[rl]' (or pip install ray)"
+        ) from exc
+    return ray
 
 
 def end_actors(actors: Sequence[Any], ping: Callable[[Any], Any], timeout: float = 10.0) -> None:

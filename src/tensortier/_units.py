@@ -1,13 +1,18 @@
 """Sizes written by people ("512MiB", "4GiB", "1.5GB") turned into bytes, and back.
 
 This is the only place that parses a size; every budget, capacity and threshold goes through it
-so that a typo is caught once, with one message that lists the accepted forms.
+so that a typo is caught once, with one message that lists the accepted forms. Counts (threads,
+items, steps, seeds) go through :func:`check_int`, which refuses a bool where an int belongs.
+Rows of numbers go back to people as a plain-text table (:func:`print_table`, used by
+``tensortier plan`` and the benchmarks).
 """
 
 from __future__ import annotations
 
 import math
 import re
+
+import numpy as np
 
 from tensortier.errors import ConfigError
 
@@ -69,6 +74,33 @@ def parse_size(value: SizeLike, *, name: str = "size", allow_zero: bool = True) 
     return nbytes
 
 
+def is_int(value: object, *, numpy: bool = False) -> bool:
+    """An ``int`` (or, with ``numpy=True``, a numpy integer too), and not a bool: ``True`` is an
+    ``int`` to Python, so a flag passed where a count belongs would otherwise count as 1."""
+    kinds = (int, np.integer) if numpy else int
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def check_int(
+    value: object,
+    message: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    numpy: bool = False,
+    error: type[Exception] = ConfigError,
+) -> int:
+    """``int(value)`` when :func:`is_int` (``numpy``: numpy integers too) and within
+    ``[minimum, maximum]``; else raises ``error(message)``. The message is the caller's own
+    sentence: it names the argument, the value received and the fix, in the words of the API it
+    belongs to."""
+    if not is_int(value, numpy=numpy):
+        raise error(message)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise error(message)
+    return int(value)
+
+
 def format_size(nbytes: float) -> str:
     """Human-readable binary size: 1536 -> '1.5KiB'."""
     sign = "-" if nbytes < 0 else ""
@@ -102,3 +134,17 @@ def format_size_up(nbytes: int) -> str:
 
 def align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Print ``rows`` as left-aligned columns under a header; floats with three digits."""
+
+    def fmt(v: object) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))

@@ -9,7 +9,7 @@ allocated device memory; CPU-only: RSS, where host RAM *is* the device memory, s
 cannot lower it there). Gradients of the first step are compared bit for bit with ``plain``'s.
 
 Self-contained on purpose: only the public ``tt.offload`` verb, the package's GPT and
-``tensortier._memory``'s RSS high-water mark; never ``tensortier.bench``.
+``tensortier._memory``'s RSS high-water mark; never the benchmarks (``benchmarks/``).
 """
 
 from __future__ import annotations

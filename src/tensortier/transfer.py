@@ -48,7 +48,7 @@ import torch
 
 from tensortier._device import normalize_device
 from tensortier._lifetime import Finalizer
-from tensortier._units import SizeLike, parse_size
+from tensortier._units import SizeLike, check_int, parse_size
 from tensortier.errors import ClosedError, ConfigError
 from tensortier.tiers.codecs import Codec
 from tensortier.tiers.disk import DiskHandle, DiskStore, as_bytes
@@ -396,8 +396,9 @@ class TransferEngine:
         device: torch.device | str | None = None,
         threads: int = 2,
     ):
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ConfigError(f"threads must be an int >= 1, got {threads!r}; the default is 2")
+        threads = check_int(
+            threads, f"threads must be an int >= 1, got {threads!r}; the default is 2", minimum=1
+        )
         limit = parse_size(max_inflight, name="max_inflight", allow_zero=False)
         self.device = normalize_device(device)
         self._owns_host = host is None

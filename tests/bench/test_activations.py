@@ -1,13 +1,12 @@
 import json
 
-from tensortier.cli import main
+from benchmarks.__main__ import main
 
 
 def test_bench_activations_quick_writes_rows(tmp_path):
     out = tmp_path / "act.json"
     main(
         [
-            "bench",
             "activations",
             "--quick",
             "--variants",

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-import tensortier.bench.catalog as bench
-from tensortier.cli import main
+import benchmarks.catalog as bench
+from benchmarks.__main__ import main
 
 
 def _job_in_process(**spec) -> dict:
@@ -19,7 +19,7 @@ def test_bench_catalog_runs_every_peer_and_writes_ratios(tmp_path, monkeypatch):
     pytest.importorskip("lmdb")
     monkeypatch.setattr(bench, "run_job", _job_in_process)
     main(
-        ["bench", "catalog", "--quick", "--records", "300", "--index-records", "100000",
+        ["catalog", "--quick", "--records", "300", "--index-records", "100000",
          "--orders", "full", "--dir", str(tmp_path), "--json", str(out)]
     )  # fmt: skip
     data = json.loads(out.read_text())

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tensortier.cli import main
+from benchmarks.__main__ import main
 
 
 @pytest.mark.slow
@@ -10,7 +10,6 @@ def test_bench_checkpoint_runs_the_three_variants_side_by_side(tmp_path):
     out = tmp_path / "checkpoint.json"
     main(
         [
-            "bench",
             "checkpoint",
             "--quick",
             "--state-size",
@@ -47,7 +46,6 @@ def test_bench_checkpoint_replica_restores_from_both_sources(tmp_path):
     out = tmp_path / "replica.json"
     main(
         [
-            "bench",
             "checkpoint",
             "--replica",
             "--quick",

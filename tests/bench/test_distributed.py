@@ -1,7 +1,7 @@
-"""`tensortier bench distributed`: the summary computes the issue's targets from per-rank rows
+"""`python -m benchmarks distributed`: the summary computes the issue's targets from per-rank rows
 (the worst rank of each), keeps the best of repeated runs, and explains a peer that cannot run."""
 
-from tensortier.bench.distributed import _better, _summary
+from benchmarks.distributed import _better, _summary
 
 
 def _row(variant, rank, **kw):

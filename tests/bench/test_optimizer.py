@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tensortier.cli import main
+from benchmarks.__main__ import main
 
 
 @pytest.mark.slow
@@ -10,7 +10,7 @@ def test_bench_optimizer_runs_and_writes_json(tmp_path):
     out = tmp_path / "o.json"
     main(
         [
-            "bench", "optimizer", "--quick", "--params", "3e5", "--width", "128", "--steps", "2",
+            "optimizer", "--quick", "--params", "3e5", "--width", "128", "--steps", "2",
             "--variants", "torch-foreach,tt-host,tt-disk", "--no-kernels", "--dir", str(tmp_path), "--json", str(out),
         ]
     )  # fmt: skip

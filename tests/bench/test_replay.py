@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tensortier.cli import main
+from benchmarks.__main__ import main
 
 
 @pytest.mark.slow
@@ -10,7 +10,7 @@ def test_bench_replay_runs_peers_and_writes_ratios(tmp_path):
     out = tmp_path / "replay.json"
     main(
         [
-            "bench", "replay", "--quick", "--items", "600", "--rounds", "4",
+            "replay", "--quick", "--items", "600", "--rounds", "4",
             "--item-bytes", "2KB", "--spill-items", "800", "--spill-budget", "256KiB", "--skip", "torchrl,rllib,ray,params,nodes",
             "--dir", str(tmp_path), "--json", str(out),
         ]

@@ -2,14 +2,13 @@ import json
 
 import pytest
 
-from tensortier.cli import main
+from benchmarks.__main__ import main
 
 
 def test_bench_tiers_writes_rows_against_dd(tmp_path):
     out = tmp_path / "tiers.json"
     main(
         [
-            "bench",
             "tiers",
             "--quick",
             "--size",
@@ -40,7 +39,7 @@ def test_bench_tiers_writes_rows_against_dd(tmp_path):
 def test_bench_tiers_remote_writes_rows_against_ray(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "remote.json"
-    main(["bench", "tiers", "--remote", "--size", "4MiB", "--repeat", "1", "--json", str(out)])
+    main(["tiers", "--remote", "--size", "4MiB", "--repeat", "1", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["benchmark"] == "tiers-remote" and data["intact"] is True
     paths = [r["path"] for r in data["rows"]]

@@ -9,11 +9,9 @@ import json
 import os
 import pathlib
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -21,53 +19,21 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from tensortier.checkpoint import Checkpointer, _faults, _replica  # noqa: E402
 from tensortier.errors import ConfigError  # noqa: E402
 from tests.checkpoint._replica_child import make  # noqa: E402
+from tests.ray_cluster import local_cluster  # noqa: E402
 
 _STORE = 80 << 20  # object store of each simulated node
-_FAST_DEATH = {  # Ray finds a killed node dead after about period * threshold
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 300,
-    "health_check_timeout_ms": 300,
-    "health_check_failure_threshold": 2,
-}
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    tmp = tempfile.mkdtemp(prefix="tt-ray-")  # short: Ray's socket paths must stay < 108 bytes
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "PYTHONPATH")}
-    os.environ["RAY_TMPDIR"] = tmp
     # the nodes' workers (and the writer process) import this checkout's tensortier
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(_ROOT / "src"), str(_ROOT)])
-    c = None
-    try:
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "object_store_memory": _STORE,
-                "include_dashboard": False,
-                "_system_config": _FAST_DEATH,
-            },
-        )
-        workers = [c.add_node(num_cpus=0, object_store_memory=_STORE) for _ in range(2)]
-        ray.init(address=c.address, log_to_driver=False)
-        yield c, workers, tmp
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(tmp, ignore_errors=True)
+    with local_cluster(store=_STORE, checkout_path=True) as lc:
+        yield lc.cluster, lc.nodes, lc.tmp
 
 
 def _flat(obj, prefix=""):

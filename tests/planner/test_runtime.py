@@ -125,7 +125,7 @@ def test_every_step_from_the_first_is_under_the_budget(tmp_path, model):
     the RSS before it plus what its earlier steps left resident, against the budget."""
     from argparse import Namespace
 
-    from tensortier.bench.planner import _spawn
+    from benchmarks.planner import _spawn
 
     args = Namespace(
         seq=128,
@@ -170,7 +170,7 @@ def test_codecs_through_the_offloader_keep_gradients_bit_identical(tmp_path, cod
 
 
 def test_bench_summary_finds_the_fastest_policy_that_meets_the_budget():
-    from tensortier.bench.planner import summarize
+    from benchmarks.planner import summarize
 
     def row(policy, step, meets):
         return {"policy": policy, "step_s": step, "meets_budget": meets, "peak_bytes": 1,

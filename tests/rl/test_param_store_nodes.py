@@ -13,7 +13,7 @@ import torch
 ray = pytest.importorskip("ray")
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as Pin  # noqa: E402
 
-from tensortier.bench.params_nodes import (  # noqa: E402
+from benchmarks.params_nodes import (  # noqa: E402
     plasma_bytes,
     primary_bytes,
     start_cluster,

@@ -1,58 +1,24 @@
 """Replay buffer and memory bank spilling RAM -> remote pool -> disk, on a Ray cluster of
 simulated nodes on this machine (one cluster for the module, tiny items)."""
 
-import os
-import shutil
-import tempfile
-
 import numpy as np
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from tensortier.errors import ConfigError, NodeLostError, TierFullError  # noqa: E402
 from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
+from tests.ray_cluster import local_cluster  # noqa: E402
 
 _STORE = 96 << 20
-_FAST_DEATH = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 300,
-    "health_check_timeout_ms": 300,
-    "health_check_failure_threshold": 2,
-}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    tmp = tempfile.mkdtemp(prefix="tt-ray-")  # short: Ray's socket paths must stay < 108 bytes
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
-    c = None
-    try:
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "object_store_memory": _STORE,
-                "include_dashboard": False,
-                "_system_config": _FAST_DEATH,
-            },
-        )
-        nodes = [c.add_node(num_cpus=0, object_store_memory=_STORE) for _ in range(2)]
-        ray.init(address=c.address, log_to_driver=False)
-        yield c, [n.node_id for n in nodes]
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
-        shutil.rmtree(tmp, ignore_errors=True)
+    with local_cluster(store=_STORE) as lc:
+        yield lc.cluster, lc.workers
 
 
 def _items(n: int, size: int = 20_000, seed: int = 0) -> list[dict]:

@@ -3,16 +3,13 @@
 import math
 import os
 import pickle
-import shutil
 import signal
-import tempfile
 import time
 
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from tensortier._ray import end_actors  # noqa: E402
@@ -25,15 +22,10 @@ from tensortier.errors import (  # noqa: E402
 )
 from tensortier.rl import Prioritized, RateLimit, ReplayBuffer, serve  # noqa: E402
 from tensortier.rl.sharded import ShardedReplayBuffer  # noqa: E402
+from tests.ray_cluster import local_cluster  # noqa: E402
 from tests.rl.test_serve import blocked_round_trip  # noqa: E402
 
 _STORE = 80 << 20  # object store of each simulated node
-_FAST_DEATH = {  # a removed node is found dead in about a second (default ~15 s)
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 300,
-    "health_check_timeout_ms": 300,
-    "health_check_failure_threshold": 2,
-}
 # shards only on the worker nodes (a tiny custom resource): removing one never kills the driver's
 _ON_WORKERS = {"resources": {"shard": 0.01}}
 _WAIT = 30.0  # bound of every wait for another thread in these tests (never reached when right)
@@ -41,35 +33,8 @@ _WAIT = 30.0  # bound of every wait for another thread in these tests (never rea
 
 @pytest.fixture(scope="module")
 def cluster():
-    tmp = tempfile.mkdtemp(prefix="tt-ray-")  # short: Ray's socket paths must stay < 108 bytes
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
-    c = None
-    try:
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "object_store_memory": _STORE,
-                "include_dashboard": False,
-                "_system_config": _FAST_DEATH,
-            },
-        )
-        nodes = [
-            c.add_node(num_cpus=1, object_store_memory=_STORE, resources={"shard": 1})
-            for _ in range(2)
-        ]
-        ray.init(address=c.address, log_to_driver=False)
-        yield c, nodes
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
-        shutil.rmtree(tmp, ignore_errors=True)
+    with local_cluster(store=_STORE, cpus=1, resources={"shard": 1}) as lc:
+        yield lc.cluster, lc.nodes
 
 
 def _item(i: int) -> dict:

@@ -37,20 +37,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tensortier._ray import require_ray
+from tensortier._units import check_int
 from tensortier.checkpoint._format import Shard, canonical, crc, parse_manifest
 from tensortier.checkpoint._tree import dtype_from_name
 from tensortier.errors import ConfigError, CorruptDataError
 
 log = logging.getLogger("tensortier.checkpoint")
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("Checkpointer(replicas=...) needs Ray: pip install ray") from exc
-    return ray
 
 
 def namespace(root: str) -> str:
@@ -71,7 +65,7 @@ class _Holder:
         self.complete = False
 
     def node_id(self) -> str:
-        return _ray().get_runtime_context().get_node_id()
+        return require_ray("Checkpointer(replicas=...)").get_runtime_context().get_node_id()
 
     def begin(self, step: int, manifest: bytes, files: dict) -> bool:
         self._reset(step, bytes(manifest), files)
@@ -84,7 +78,8 @@ class _Holder:
             raise TypeError(f"a replica holds flat uint8 arrays only, got {type(payload)}")
         if payload.nbytes != self.expected[name]:
             raise ValueError(f"{name}: {payload.nbytes} bytes, expected {self.expected[name]}")
-        self.refs[name] = _ray().put(payload)  # owned by this (detached) actor, on this node
+        ray = require_ray("Checkpointer(replicas=...)")
+        self.refs[name] = ray.put(payload)  # owned by this (detached) actor, on this node
         return payload.nbytes
 
     def commit(self, step: int) -> bool:
@@ -123,11 +118,13 @@ class Fallback(Exception):
 
 
 def check_replicas(replicas: object, many_ranks: bool) -> int:
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= 2:
-        raise ConfigError(
-            f"replicas={replicas!r}: pass 0 (disk only), 1 or 2 (other nodes that keep the newest "
-            f"checkpoint in RAM)"
-        )
+    replicas = check_int(
+        replicas,
+        f"replicas={replicas!r}: pass 0 (disk only), 1 or 2 (other nodes that keep the newest "
+        f"checkpoint in RAM)",
+        minimum=0,
+        maximum=2,
+    )
     if replicas and many_ranks:
         raise ConfigError(
             f"replicas={replicas}: in-memory replicas are supported for one process only, not a "
@@ -140,7 +137,7 @@ class Replicas:
     """The writer's side: pushes each committed checkpoint to ``count`` other nodes' holders."""
 
     def __init__(self, root: str, count: int, timeout: float):
-        ray = _ray()
+        ray = require_ray("Checkpointer(replicas=...)")
         if not ray.is_initialized():
             raise ConfigError(
                 f"replicas={count} needs a Ray cluster: call ray.init(address=...) before "
@@ -187,7 +184,7 @@ class Replicas:
         hold it complete. Raises on any failure (the caller counts it; the disk copy stands)."""
         from tensortier.checkpoint import _faults
 
-        ray = _ray()
+        ray = require_ray("Checkpointer(replicas=...)")
         others = self._other_nodes(ray)
         need = sum(s.file_bytes for s in shards)
         held = {h["node"]: h for h in _describe_all(ray, self.namespace, self.timeout)[0]}
@@ -263,7 +260,7 @@ def drop_replicas(directory: str, timeout: float = 30.0) -> int:
     """Free every in-memory replica of ``directory``'s checkpoints; returns how many were found."""
     import os
 
-    ray = _ray()
+    ray = require_ray("Checkpointer(replicas=...)")
     if not ray.is_initialized():
         return 0
     ns = namespace(os.path.abspath(os.fspath(directory)))
@@ -279,7 +276,7 @@ def drop_replicas(directory: str, timeout: float = 30.0) -> int:
 
 def load(root: str, body: dict, timeout: float) -> Found:
     """The tensors of the disk manifest ``body`` from a verified replica, or :class:`Fallback`."""
-    ray = _ray()
+    ray = require_ray("Checkpointer(replicas=...)")
     if not ray.is_initialized():
         raise Fallback("Ray is not initialized in this process (ray.init(address=...) first)")
     step = body["step"]

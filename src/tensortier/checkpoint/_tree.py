@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from tensortier._units import is_int
 from tensortier.errors import ConfigError, CorruptDataError
 
 TAG = "$tt"
@@ -191,7 +192,7 @@ def decode(obj: object, tensors: Mapping[str, torch.Tensor], depth: int = 0) -> 
         if (
             dtype not in _NP_DTYPES
             or not isinstance(shape, list)
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+            or not all(is_int(n) and n >= 0 for n in shape)
         ):
             raise CorruptDataError(f"bad ndarray (dtype {dtype!r}) in manifest")
         try:

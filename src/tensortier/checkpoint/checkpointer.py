@@ -37,7 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tensortier import _dist
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer
-from tensortier._units import SizeLike, format_size, parse_size
+from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.checkpoint import _faults, _ranks, _replica
 from tensortier.checkpoint._format import (
     FORMAT,
@@ -92,13 +92,15 @@ class CheckpointConfig:
     replica_timeout: float = 60.0  # seconds any one Ray call of a replica push or read may take
 
     def __post_init__(self) -> None:
-        if not _is_int(self.keep) or self.keep < 2:
-            raise ConfigError(
-                f"keep={self.keep!r}: keep at least 2 checkpoints, since the newest one may still "
-                f"be writing (or be damaged) when you need to resume"
-            )
-        if self.every != "auto" and (not _is_int(self.every) or self.every < 1):
-            raise ConfigError(f"every={self.every!r}: pass a number of steps >= 1, or 'auto'")
+        self.keep = check_int(
+            self.keep,
+            f"keep={self.keep!r}: keep at least 2 checkpoints, since the newest one may still be "
+            f"writing (or be damaged) when you need to resume",
+            minimum=2,
+        )
+        if self.every != "auto":
+            msg = f"every={self.every!r}: pass a number of steps >= 1, or 'auto'"
+            self.every = check_int(self.every, msg, minimum=1)
         if (
             not isinstance(self.max_overhead, numbers.Real)
             or isinstance(self.max_overhead, bool)
@@ -114,11 +116,13 @@ class CheckpointConfig:
             if self.host_budget is None
             else parse_size(self.host_budget, name="host_budget", allow_zero=False)
         )
-        if not _is_int(self.io_threads) or not 1 <= self.io_threads <= MAX_IO_THREADS:
-            raise ConfigError(
-                f"io_threads={self.io_threads!r}: pass an int from 1 to {MAX_IO_THREADS}, e.g. "
-                f"io_threads=4 (the number of parallel writes per checkpoint)"
-            )
+        self.io_threads = check_int(
+            self.io_threads,
+            f"io_threads={self.io_threads!r}: pass an int from 1 to {MAX_IO_THREADS}, e.g. "
+            f"io_threads=4 (the number of parallel writes per checkpoint)",
+            minimum=1,
+            maximum=MAX_IO_THREADS,
+        )
         if self.direct is not None and not isinstance(self.direct, bool):
             raise ConfigError(
                 f"direct={self.direct!r}: pass True, False, or None (O_DIRECT when the filesystem "
@@ -133,7 +137,7 @@ class CheckpointConfig:
                 f"commit_timeout={self.commit_timeout!r}: pass the seconds a rank may wait for "
                 f"the other ranks during a commit or restore, e.g. 600"
             )
-        _replica.check_replicas(self.replicas, many_ranks=False)
+        self.replicas = _replica.check_replicas(self.replicas, many_ranks=False)
         if (
             not isinstance(self.replica_timeout, numbers.Real)
             or isinstance(self.replica_timeout, bool)
@@ -143,15 +147,12 @@ class CheckpointConfig:
                 f"replica_timeout={self.replica_timeout!r}: pass the seconds one Ray call of a "
                 f"replica push or restore may take, e.g. 60"
             )
-        if not _is_int(self.warmup) or self.warmup < 0:
-            raise ConfigError(
-                f"warmup={self.warmup!r}: pass the number of clean iterations (an int >= 0) "
-                f"measured before the first automatic checkpoint"
-            )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        self.warmup = check_int(
+            self.warmup,
+            f"warmup={self.warmup!r}: pass the number of clean iterations (an int >= 0) "
+            f"measured before the first automatic checkpoint",
+            minimum=0,
+        )
 
 
 @dataclass

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensortier import _modes
+from tensortier._units import check_int, is_int
 from tensortier.errors import ConfigError, CorruptDataError
 
 FORMAT = "tensortier-catalog"
@@ -75,9 +76,8 @@ class Manifest:
 
 def _int(d: dict, name: str, low: int = 0, high: int = 2**63) -> int:
     v = d.get(name)
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v < high:
-        raise ValueError(f"{name} must be an int in [{low}, {high}), got {v!r}")
-    return v
+    msg = f"{name} must be an int in [{low}, {high}), got {v!r}"
+    return check_int(v, msg, minimum=low, maximum=high - 1, error=ValueError)
 
 
 def read_manifest(root: str) -> Manifest:
@@ -123,7 +123,7 @@ def read_manifest(root: str) -> Manifest:
             if (
                 not isinstance(entry, list)
                 or len(entry) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in entry)
+                or not all(is_int(x) for x in entry)
                 or not 0 <= entry[0] < 2**32
                 or entry[1] < 0
                 or entry[0] in table

@@ -24,7 +24,7 @@ import numpy as np
 
 from tensortier import _modes
 from tensortier._lifetime import Finalizer
-from tensortier._units import SizeLike, format_size
+from tensortier._units import SizeLike, format_size, is_int
 from tensortier.data import _build, _format
 from tensortier.data._files import Descriptors, ReadStats, read_blobs, read_one
 from tensortier.data._format import INDEX_DTYPE, Manifest
@@ -249,7 +249,7 @@ class Catalog:
         """``cat[i]`` one record; ``cat[a:b:c]`` and ``cat[[i, j, ...]]`` a list of records."""
         if isinstance(key, slice):
             return self.read(np.arange(*key.indices(len(self))))
-        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        if is_int(key, numpy=True):
             self._check_open()
             n, i = len(self), int(key)
             if not -n <= i < n:

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import textwrap
 
-from tensortier._units import format_size, format_size_up, parse_size
+from tensortier._units import format_size, format_size_up, parse_size, print_table
 from tensortier.errors import BudgetError
 
 
@@ -87,7 +87,6 @@ def profile_gpt(args, budget: int | None = None) -> object:
 
 
 def run(args) -> int:
-    from tensortier.bench._common import print_table
     from tensortier.planner.policies import Options, choose, plan_all, planning_budget
     from tensortier.planner.profile import CHANNELS, Profile
     from tensortier.planner.report import (

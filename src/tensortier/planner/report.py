@@ -16,7 +16,15 @@ from tensortier._units import format_size
 from tensortier.errors import ConfigError
 from tensortier.planner.policies import Choice
 from tensortier.planner.profile import Profile
-from tensortier.planner.simulator import OVERHEADS, SWAPS, Mode, Plan, SimResult, simulate
+from tensortier.planner.simulator import (
+    OVERHEADS,
+    SWAPS,
+    Mode,
+    Plan,
+    SimResult,
+    selective_sets,
+    simulate,
+)
 
 LANES = ("compute", "d2h", "h2d", "h2disk", "disk2h")
 REMOTE_LANES = ("h2remote", "remote2h")  # drawn when the profile measured a remote pool
@@ -189,8 +197,6 @@ def apply_hint(budget: int, policy: str = "auto") -> str:
 def op_rows(profile: Profile, plan: Plan) -> list[dict]:
     """Per selective unit and operator kind: how many are recomputed and how many cached, with
     the bytes the cached ones keep and the seconds the recomputed ones cost in backward."""
-    from tensortier.planner.runtime import selective_sets
-
     rows = []
     for unit, rerun in selective_sets(profile, plan).items():
         kinds: dict[str, dict] = {}
@@ -342,7 +348,7 @@ def render_sweep_png(model: str, rows: list[dict], plain_peak: int | None = None
 
 
 def write_sweep_report(path: str | os.PathLike, rows: list[dict], summary: list[dict]) -> str:
-    """One HTML page for a ``tensortier bench planner`` sweep: per model the two charts, the
+    """One HTML page for a ``python -m benchmarks planner`` sweep: per model the two charts, the
     per-budget summary, and the chosen (``auto``) plan's per-unit and per-operator actions."""
     path = os.fspath(path)
     parts = []
@@ -393,7 +399,7 @@ def write_sweep_report(path: str | os.PathLike, rows: list[dict], summary: list[
 </title><style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
 table{{border-collapse:collapse;font-size:12px}}td,th{{border:1px solid #ccc;padding:2px 6px;
 text-align:right}}</style></head><body><h1>tensortier planner: budget sweep</h1>
-<p>Peaks are over every step, the first included (see <code>tensortier bench planner</code>).
+<p>Peaks are over every step, the first included (see <code>python -m benchmarks planner</code>).
 Solid lines: measured; dashed: the simulator's prediction.</p>{"".join(parts)}</body></html>"""
     with open(path, "w") as f:
         f.write(page)

@@ -98,7 +98,7 @@ from tensortier.planner.profiler import (
     timing_group,
     unit_of,
 )
-from tensortier.planner.simulator import SWAPS, Plan, ordinals
+from tensortier.planner.simulator import SWAPS, Plan, ordinals, selective_sets
 from tensortier.tiers.codecs import get_codec
 
 log = logging.getLogger(__name__)
@@ -152,20 +152,6 @@ def make_decide(profile: Profile, plan: Plan) -> Callable:
         return Action(action.mode.value, use)
 
     return decide
-
-
-def selective_sets(profile: Profile, plan: Plan) -> dict[str, frozenset[int]]:
-    """Per selective unit, the operators to recompute: the plan's, plus those that always rerun:
-    views and in-place ops (caching one would keep or write a storage another op owns), random
-    ops and ops whose output is later written in place (see ``OpRecorder``)."""
-    out = {}
-    for name, ops in plan.selective().items():
-        try:
-            unit = profile.unit(name)
-        except KeyError:
-            continue
-        out[name] = ops | {o.index for o in unit.ops if o.pinned or o.view}
-    return out
 
 
 def without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

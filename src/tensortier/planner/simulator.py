@@ -227,6 +227,21 @@ def ordinals(profile: Profile) -> dict[int, int]:
     return out
 
 
+def selective_sets(profile: Profile, plan: Plan) -> dict[str, frozenset[int]]:
+    """Per selective unit, the operators to recompute: the plan's, plus those that always rerun:
+    views and in-place ops (caching one would keep or write a storage another op owns), random
+    ops and ops whose output is later written in place (see ``OpRecorder``). Used by the runtime
+    (what it recomputes) and the report (what it shows)."""
+    out = {}
+    for name, ops in plan.selective().items():
+        try:
+            unit = profile.unit(name)
+        except KeyError:
+            continue
+        out[name] = ops | {o.index for o in unit.ops if o.pinned or o.view}
+    return out
+
+
 @dataclass
 class Selective:
     """What selective recompute of one unit holds and costs (see the module docstring)."""

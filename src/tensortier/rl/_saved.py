@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tensortier import _modes
+from tensortier._units import check_int
 from tensortier.errors import CorruptDataError
 from tensortier.rl.sampler import Prioritized, Uniform, sampler_from_dict
 
@@ -90,8 +91,7 @@ def _int(d: dict, name: str, low: int, *, none: bool = False) -> None:
     v = d.get(name)
     if none and v is None:
         return
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    check_int(v, f"{name} must be an int >= {low}, got {v!r}", minimum=low, error=ValueError)
 
 
 def _check_meta(meta: Any) -> Uniform | Prioritized:

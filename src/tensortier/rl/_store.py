@@ -40,7 +40,7 @@ import numpy as np
 import psutil
 
 from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale, remove_private_dir
-from tensortier._units import format_size
+from tensortier._units import check_int, format_size, is_int
 from tensortier.errors import (
     ConfigError,
     CorruptDataError,
@@ -144,10 +144,8 @@ def check_args(
     extra_slot_bytes`` per slot), so a capacity whose index cannot fit in the memory available now
     is refused here instead of failing (or swapping) inside numpy.
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ConfigError(
-            f"{what}: capacity must be an int >= 1 (the most items it holds), got {capacity!r}"
-        )
+    msg = f"{what}: capacity must be an int >= 1 (the most items it holds), got {capacity!r}"
+    check_int(capacity, msg, minimum=1, numpy=True)
     per_slot = SLOT_BYTES + extra_slot_bytes
     need = int(capacity) * per_slot
     available = psutil.virtual_memory().available
@@ -535,7 +533,7 @@ class ItemStore:
         return slots
 
     def contains(self, index: object) -> bool:
-        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+        if not is_int(index, numpy=True):
             return False
         return bool(self.slots(np.array([index], np.int64))[0] >= 0)
 

@@ -5,7 +5,7 @@ list of flat ``uint8`` NumPy arrays (a JSON header, then each tensor's bytes) an
 once; the store's actor keeps the newest ``keep`` versions' ObjectRefs and hands the newest to
 readers. Ray pulls an object to a node's object store once, the first time a reader there asks,
 and every reader on that node maps that one copy (measured: ``tests/rl/test_param_store_nodes.py``,
-``tensortier.bench.params_nodes``). Ray carries the arrays as out-of-band buffers: the only
+``benchmarks/params_nodes.py``). Ray carries the arrays as out-of-band buffers: the only
 pickle a reader loads is Ray's own for plain ``uint8`` arrays; names, dtypes and shapes come from
 the JSON header, dtypes from a fixed table.
 

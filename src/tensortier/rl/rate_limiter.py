@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from tensortier._units import check_int
 from tensortier.errors import ConfigError, RateLimitTimeout
 
 
@@ -65,11 +66,11 @@ class RateLimit:
     def __post_init__(self) -> None:
         spi = _number("samples_per_insert", self.samples_per_insert, 0, strict=True)
         m = self.min_size_to_sample
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-            raise ConfigError(
-                f"RateLimit: min_size_to_sample must be an int >= 1 (items before the first "
-                f"sample), got {m!r}"
-            )
+        msg = (
+            f"RateLimit: min_size_to_sample must be an int >= 1 (items before the first sample), "
+            f"got {m!r}"
+        )
+        check_int(m, msg, minimum=1, numpy=True)
         if self.error_buffer is None:
             object.__setattr__(self, "error_buffer", max(1.0, spi) * 100)
         eb = _number("error_buffer", self.error_buffer, 0)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from tensortier._units import check_int
 from tensortier.errors import ConfigError
 
 # Largest sampling weight p**alpha of one item: the sum over 10**17 of them stays below float64's
@@ -64,10 +65,8 @@ class Prioritized:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
                 raise ConfigError(f"Prioritized: {name} must be a number, got {v!r}")
-        if isinstance(self.beta_steps, bool) or not isinstance(self.beta_steps, (int, np.integer)):
-            raise ConfigError(
-                f"Prioritized: beta_steps must be an int (sample() calls), got {self.beta_steps!r}"
-            )
+        msg = f"Prioritized: beta_steps must be an int (sample() calls), got {self.beta_steps!r}"
+        check_int(self.beta_steps, msg, numpy=True)
         if not (np.isfinite(self.alpha) and self.alpha >= 0):
             raise ConfigError(f"Prioritized: alpha must be >= 0, got {self.alpha}")
         for name in ("beta", "beta_final"):
@@ -397,8 +396,8 @@ class PrioritizedState:
             check_priority(float(top), self.cfg.alpha, "max_priority")
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        msg = f"samples must be an int >= 0, got {samples!r}"
+        check_int(samples, msg, minimum=0, error=ValueError)
         self.tree  # noqa: B018 (queued adds keep the leaf they were given)
         self.max_priority = float(top)
         self.samples = samples

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
-from tensortier._units import SizeLike, align_up, format_size, parse_size
+from tensortier._units import SizeLike, align_up, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
 from tensortier.tiers.host import PAGE, aligned_empty
 
@@ -283,16 +283,14 @@ class DiskStore:
         slab = align_up(parse_size(slab_size, name="slab_size", allow_zero=False), PAGE)
         # A slab larger than the capacity could never be made: cap it (puts then work up to capacity).
         self.slab_size = slab if self.capacity is None else min(slab, _page_floor(self.capacity))
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int):
-            raise ConfigError(
-                f"io_threads={io_threads!r} ({type(io_threads).__name__}): pass the number of I/O "
-                f"threads as an int, e.g. io_threads=4"
-            )
-        if not 1 <= io_threads <= MAX_IO_THREADS:
-            raise ConfigError(
-                f"io_threads={io_threads!r}: pass an int from 1 to {MAX_IO_THREADS} (4-16 saturate "
-                f"an NVMe drive)"
-            )
+        io_threads = check_int(
+            io_threads,
+            f"io_threads={io_threads!r} ({type(io_threads).__name__}): pass the number of I/O "
+            f"threads as an int from 1 to {MAX_IO_THREADS}, e.g. io_threads=4 (4-16 saturate an "
+            f"NVMe drive)",
+            minimum=1,
+            maximum=MAX_IO_THREADS,
+        )
         if direct is not None and not isinstance(direct, bool):
             raise ConfigError(
                 f"direct={direct!r}: pass True (require O_DIRECT), False (buffered I/O) or None "

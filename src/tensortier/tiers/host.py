@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from tensortier import _lifetime
-from tensortier._units import SizeLike, format_size, parse_size
+from tensortier._units import SizeLike, format_size, is_int, parse_size
 from tensortier.errors import ClosedError, ConfigError, TierFullError
 
 log = logging.getLogger(__name__)
@@ -387,7 +387,7 @@ class HostPool:
         When the budget is short only because freed blocks are still used by copies, ``wait=True``
         waits for those copies (a CUDA event or a transfer job that always finishes); threads that
         complete copies pass ``wait=False`` and get :class:`TierFullError` instead."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if not is_int(nbytes):
             raise TypeError(
                 f"HostPool.alloc(nbytes): expected a byte count as an int, got "
                 f"{type(nbytes).__name__} {nbytes!r}; convert sizes first, e.g. "

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensortier._units import is_int
 from tensortier.errors import CorruptDataError
 
 _LEN = struct.Struct("<I")
@@ -375,13 +376,13 @@ def _parse_v2(raw: bytes) -> dict:
     if entry is None:
         schema = json.loads(static)
         align = schema["a"]
-        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 4096:
+        if not is_int(align) or not 1 <= align <= 4096:
             raise ValueError(f"bad alignment {align!r}")
         fields = schema["f"]
         if not isinstance(fields, list) or not fields:
             raise ValueError("no fields")
         for f in fields:
-            if not isinstance(f, list) or len(f) != 4 or not isinstance(f[3], int) or f[3] < 0:
+            if not isinstance(f, list) or len(f) != 4 or not is_int(f[3]) or f[3] < 0:
                 raise ValueError(f"bad field {f!r}")
         _check_fields(fields)
         count = sum(f[3] + 2 for f in fields)

@@ -51,8 +51,8 @@ import numpy as np
 import torch
 
 from tensortier._lifetime import Finalizer
-from tensortier._ray import end_actors
-from tensortier._units import SizeLike, format_size, parse_size
+from tensortier._ray import end_actors, require_ray
+from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
 from tensortier.tiers.disk import as_bytes
 
@@ -63,14 +63,6 @@ MAX_IO_THREADS = 64
 # store. A margin above it, for the serialized array's header.
 MIN_OBJECT = 104 << 10
 _handle_ids = itertools.count()  # process-wide: a handle of one store never matches another's
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("RemoteStore needs Ray: pip install ray") from exc
-    return ray
 
 
 @dataclass(frozen=True)
@@ -118,7 +110,7 @@ class _MemoryNode:
     """The actor on a memory node (a plain class; ``ray.remote`` wraps it when a store starts)."""
 
     def node_id(self) -> str:
-        return _ray().get_runtime_context().get_node_id()
+        return require_ray("RemoteStore").get_runtime_context().get_node_id()
 
     def hold(self, payload):
         """Return the bytes as two objects: a small ack, and the payload, which Ray stores in this
@@ -156,7 +148,7 @@ class _Pool:
         executor.shutdown(wait=True, cancel_futures=True)
         self.refs.clear()  # Ray frees the objects once no reference is left
         self.batches.clear()
-        _ray()
+        require_ray("RemoteStore")
         # Wait (at most 10 s, on the closing or reaper thread) until Ray reports them dead, so no
         # call made after close() still reaches one.
         end_actors([n.actor for n in self.nodes.values()], lambda a: a.node_id.remote())
@@ -253,14 +245,16 @@ class RemoteStore:
         start_timeout: float = _START_TIMEOUT,
         io_threads: int = 4,
     ):
-        ray = _ray()
+        ray = require_ray("RemoteStore")
         self.capacity = parse_size(capacity, name="remote capacity", allow_zero=False)
         self.timeout = _check_seconds(timeout, "timeout")
         start_timeout = _check_seconds(start_timeout, "start_timeout")
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int):
-            raise ConfigError(f"io_threads={io_threads!r}: pass an int, e.g. io_threads=4")
-        if not 1 <= io_threads <= MAX_IO_THREADS:
-            raise ConfigError(f"io_threads={io_threads!r}: pass an int from 1 to {MAX_IO_THREADS}")
+        io_threads = check_int(
+            io_threads,
+            f"io_threads={io_threads!r}: pass an int from 1 to {MAX_IO_THREADS}, e.g. io_threads=4",
+            minimum=1,
+            maximum=MAX_IO_THREADS,
+        )
         if not ray.is_initialized():
             ray.init()  # what the first .remote() would do; placement needs the cluster
         chosen = self._choose_nodes(ray, nodes)
@@ -387,7 +381,7 @@ class RemoteStore:
             node.used -= nbytes
 
     def _node_alive(self, node_id: str) -> bool:
-        ray = _ray()
+        ray = require_ray("RemoteStore")
         try:
             return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
         except Exception:  # the GCS did not answer: cannot tell, so do not declare it lost
@@ -525,7 +519,7 @@ class RemoteStore:
     def _send(self, payload: np.ndarray, node: _Node) -> tuple[str, object, float]:
         """Send to ``node`` (reserved); if that node fails, retry on another one with room.
         Returns (node id, ObjectRef of the bytes there, seconds)."""
-        ray = _ray()
+        ray = require_ray("RemoteStore")
         payload = _padded(payload)
         nbytes = payload.nbytes
         tried: set[str] = set()
@@ -692,7 +686,7 @@ class RemoteStore:
 
     def _fetch(self, handles, outs, where) -> None:
         """One ``ray.get`` per object, then each handle's bytes copied out of it."""
-        ray = _ray()
+        ray = require_ray("RemoteStore")
         t0 = time.perf_counter()
         nbytes = 0
         for key, (node, ref) in where.items():

@@ -16,7 +16,7 @@ from just before ``publish`` until the last reader has its tensors and has read 
 Copies per node are measured, not assumed: the growth of each node's object-store file (pages
 touched, in units of the payload size) while the first version reaches the readers, on a fresh
 cluster per path and size (2-3 nodes' start-up each, so the whole run takes minutes).
-Run: ``python -m tensortier.bench.params_nodes --json benchmarks/results/params-nodes-cpu.json``.
+Run: ``python -m benchmarks.params_nodes --json benchmarks/results/params-nodes-cpu.json``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import warnings
 
 import torch
 
-from tensortier._units import format_size, parse_size
-from tensortier.bench._common import print_table, write_json
+from benchmarks._common import write_json
+from tensortier._units import format_size, parse_size, print_table
 
 READERS_PER_NODE = (2, 1)  # readers on the first and the second worker node
 _saved_tmpdir: list[str | None] = []  # RAY_TMPDIR before start_cluster, restored by stop_cluster
@@ -249,7 +249,7 @@ PATHS = ("serve(ParamStore)", "main: shared views", "per reader: argument")
 
 
 def section(sizes: list[int], rounds: int = 2, paths=PATHS) -> list[dict]:
-    """Rows for ``tensortier bench replay`` (and this module's ``main``): a fresh cluster per path
+    """Rows for ``python -m benchmarks replay`` (and this module's ``main``): a fresh cluster per path
     and size, so each copy count starts from empty object stores (a store reuses freed space, and
     its touched pages are what is counted)."""
     rows = []

@@ -1,4 +1,4 @@
-"""`tensortier bench tiers --remote`: the remote tier against Ray's own transfer of one object.
+"""`python -m benchmarks tiers --remote`: the remote tier against Ray's own transfer of one object.
 
 A Ray cluster of two simulated nodes on this machine (``ray.cluster_utils.Cluster``, under a
 private temporary directory): the driver's node and one memory node. Limits, Ray's own path for

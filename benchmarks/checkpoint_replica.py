@@ -1,4 +1,4 @@
-"""`tensortier bench checkpoint --replica`: restore from an in-memory replica vs from disk.
+"""`python -m benchmarks checkpoint --replica`: restore from an in-memory replica vs from disk.
 
 A Ray cluster of two simulated nodes on this machine (``ray.cluster_utils.Cluster``, under a
 private temporary directory): the driver's node and one replica node. An MLP whose parameters plus
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from tensortier._units import format_size, parse_size
-from tensortier.bench._common import environment, print_table, write_json
+from benchmarks._common import environment, write_json
+from tensortier._units import format_size, parse_size, print_table
 from tensortier.checkpoint import Checkpointer
 
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from tensortier.bench.checkpoint import build, train
+    from benchmarks._mlp import build, train
 
     state = parse_size(args.state_size or ("64MiB" if args.quick else "1GiB"), name="--state-size")
     rounds = args.checkpoints or (2 if args.quick else 3)

@@ -1,4 +1,4 @@
-"""`tensortier bench activations`: a GPT trained with each activation-memory strategy side by side.
+"""`python -m benchmarks activations`: a GPT trained with each activation-memory strategy side by side.
 
 Variants: ``plain``, ``checkpoint`` (torch.utils.checkpoint per block), ``save_on_cpu``
 (PyTorch's), ``tt-host`` and ``tt-disk``. Each runs in a fresh subprocess (peaks cannot leak
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from tensortier.bench._common import environment, print_table, write_json
+from benchmarks._common import child_env, environment, write_json
+from tensortier._units import print_table
 
 VARIANTS = ("plain", "checkpoint", "save_on_cpu", "tt-host", "tt-disk")
 
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     variants.insert(0, "plain")
     cfg = _config(args)
     print(f"GPT {cfg} on {environment()['device']}")
-    env = {**os.environ}
+    env = child_env()
     if args.quick:
         args.rounds = 1
     if args.malloc_release:
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _spawn(args: argparse.Namespace, variant: str, env: dict) -> dict:
-    cmd = [sys.executable, "-m", "tensortier.bench.activations", "--worker", variant]
+    cmd = [sys.executable, "-m", "benchmarks.activations", "--worker", variant]
     for flag in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps", "spill_dir"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--prefetch", args.prefetch, "--max-inflight", args.max_inflight]

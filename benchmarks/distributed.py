@@ -1,4 +1,4 @@
-"""`tensortier bench distributed`: data-parallel training with OffloadedAdamW and the Checkpointer.
+"""`python -m benchmarks distributed`: data-parallel training with OffloadedAdamW and the Checkpointer.
 
 Every variant trains the same GPT (``tensortier.models.gpt``) on ``--world`` ranks spawned by
 ``torch.multiprocessing`` (gloo on CPU, NCCL on GPU), each rank its own batches, one variant at a
@@ -18,7 +18,7 @@ time (fresh processes, so memory figures are each variant's own):
 
 Per rank: median ``opt.step()`` and iteration times, the optimizer's host state bytes (accounted:
 our stats, torch/DeepSpeed state tensors) and its RSS growth. Run:
-``tensortier bench distributed --json benchmarks/results/distributed-cpu.json [--quick]``.
+``python -m benchmarks distributed --json benchmarks/results/distributed-cpu.json [--quick]``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ import time
 import numpy as np
 import torch
 
+from benchmarks._common import write_json
 from tensortier._device import rss_bytes
-from tensortier.bench._common import print_table, write_json
+from tensortier._units import print_table
 
 VARIANTS = [
     "ddp-torch-fused",

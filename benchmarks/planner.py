@@ -1,4 +1,4 @@
-"""`tensortier bench planner`: a budget sweep; every policy's measured peak and step time.
+"""`python -m benchmarks planner`: a budget sweep; every policy's measured peak and step time.
 
 Each model runs in one fresh subprocess, the way a user's job would. Plain training gives the
 reference peak. Then, for every budget (``--budget-fracs`` x the plain peak), ``auto`` runs as a
@@ -21,7 +21,7 @@ meets it (``keep``, ``swap_all``, ``recompute_all``, ``flashneuron``, ``capuchin
 
 The subprocess runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``), the setting
 tensortier's offloader makes itself on a CPU-only machine, for every policy alike.
-Run: ``tensortier bench planner --json benchmarks/results/planner-sweep-cpu.json [--quick]``.
+Run: ``python -m benchmarks planner --json benchmarks/results/planner-sweep-cpu.json [--quick]``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,8 +37,8 @@ import time
 
 from tqdm import tqdm
 
-from tensortier._units import format_size
-from tensortier.bench._common import print_table, write_json
+from benchmarks._common import child_env, write_json
+from tensortier._units import format_size, print_table
 
 VARIANTS = (
     "keep",
@@ -170,13 +169,8 @@ def _worker(args) -> dict:
     from tensortier.errors import BudgetError
     from tensortier.planner.policies import Options, plan_all
     from tensortier.planner.report import op_rows
-    from tensortier.planner.runtime import (
-        PlanConfig,
-        PlannedOffload,
-        Recompute,
-        make_decide,
-        selective_sets,
-    )
+    from tensortier.planner.runtime import PlanConfig, PlannedOffload, Recompute, make_decide
+    from tensortier.planner.simulator import selective_sets
 
     release_freed_memory()
     model, x, y = _build(args)
@@ -314,7 +308,7 @@ def _worker(args) -> dict:
 
 
 def _spawn(args, model: str) -> dict:
-    cmd = [sys.executable, "-m", "tensortier.bench.planner", "--worker", "--model", model]
+    cmd = [sys.executable, "-m", "benchmarks.planner", "--worker", "--model", model]
     for k in (
         "seq",
         "heads",
@@ -327,7 +321,7 @@ def _spawn(args, model: str) -> dict:
         "plan_seconds",
     ):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    env = child_env(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"worker for {model} failed:\n{out.stderr[-3000:]}")
@@ -467,7 +461,7 @@ def run(args) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m tensortier.bench.planner", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__)
     add_args(p)
     run(p.parse_args())
 

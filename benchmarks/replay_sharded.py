@@ -1,4 +1,4 @@
-"""Sharded replay section of `tensortier bench replay`: K=1 vs K=2 shards on one Ray node.
+"""Sharded replay section of `python -m benchmarks replay`: K=1 vs K=2 shards on one Ray node.
 
 For each K: (a) add throughput: 2 collector tasks ``extend`` 32 x 10 KB items per call for
 ``seconds``; (b) sample throughput: 2 learner tasks ``sample(256)`` + ``update_priorities`` for
@@ -9,7 +9,7 @@ samples`` must stay inside ``[min_diff, max_diff]`` (the error buffer) over the 
 Cores: Ray is started with ``num_cpus=2`` (this machine's count); shards reserve no CPU, each task
 0.5. With 2 cores the shard processes, collectors and learners share them, so K=2 can only gain
 where one shard process was the bottleneck. Run alone:
-``python -m tensortier.bench.replay_sharded --json benchmarks/results/replay-sharded-cpu.json``.
+``python -m benchmarks.replay_sharded --json benchmarks/results/replay-sharded-cpu.json``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from tensortier._units import parse_size
-from tensortier.bench._common import environment, print_table, write_json
+from benchmarks._common import environment, write_json
+from tensortier._units import parse_size, print_table
 
 _CPUS = 2
 

@@ -1,4 +1,4 @@
-"""`tensortier bench replay`: prioritized replay against TorchRL and a deque, spill, Ray, params.
+"""`python -m benchmarks replay`: prioritized replay against TorchRL and a deque, spill, Ray, params.
 
 Every peer runs in its own process so its peak RSS is its own. TorchRL's C++ segment tree does not
 load with torch 2.13.0 (its wheels are built against another torch), so the TorchRL peer runs in a
@@ -14,8 +14,8 @@ path: a collector thread and a learner held to ``samples_per_insert=8``; (2) sam
 sampler and index are what scale); (3) a spill run: 1M x 10 KB with a 2 GiB RAM budget
 (``--spill-items`` to scale it down at the same RAM/total ratio); (4) Ray: 4 collector tasks adding,
 1 learner sampling; (5) parameter store: publish 100 MB to 8 reader processes; (6) parameters to readers on
-simulated nodes (``bench/params_nodes.py``).
-Run: ``tensortier bench replay --json benchmarks/results/replay-cpu.json [--quick]``.
+simulated nodes (``benchmarks/params_nodes.py``).
+Run: ``python -m benchmarks replay --json benchmarks/results/replay-cpu.json [--quick]``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import time
 import numpy as np
 import torch
 
-from tensortier._units import format_size, parse_size
-from tensortier.bench import params_nodes
-from tensortier.bench._common import environment, print_table, write_json
+from benchmarks import params_nodes
+from benchmarks._common import environment, write_json
+from tensortier._units import format_size, parse_size, print_table
 
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_replay_peers.py")
 TORCHRL_SPEC = ["torch==2.15.0", "torchrl==0.14.1", "numpy", "psutil"]
@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             }
         )
         # the disk tier's write bandwidth on the same directory, in the same run (16 MiB tensors)
-        from tensortier.bench.tiers import tier_bandwidth
+        from benchmarks.tiers import tier_bandwidth
 
         size = min(max(res.get("spill_bytes", 0), 64 << 20), 1 << 30)
         disk_w, _, intact = tier_bandwidth(args.dir, size, 16 << 20)
@@ -428,7 +428,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         except Exception as exc:  # reported, not hidden
             rows.append({"section": "ray", "peer": "tensortier serve", "error": repr(exc)})
     if "sharded" not in skip:  # K=1 vs K=2 shards, rate limiter across shards
-        from tensortier.bench.replay_sharded import sharded_section
+        from benchmarks.replay_sharded import sharded_section
 
         print("[4b/5] sharded: K=1 vs K=2 shards (2 collectors, 2 learners); rate-limited K=2")
         try:
@@ -439,7 +439,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if "params" not in skip:
         print("[5/5] parameter store: publish 100 MB to 8 readers")
         rows += _params_section(parse_size("100MB"))
-    if "nodes" not in skip:  # 500 MB too: python -m tensortier.bench.params_nodes (module doc)
+    if "nodes" not in skip:  # 500 MB too: python -m benchmarks.params_nodes (module doc)
         print("[6/6] parameters to 3 readers on 2 simulated nodes: 5 MB, 50 MB")
         rows += params_nodes.section([parse_size("5MB"), parse_size("50MB")])
 

@@ -1,4 +1,4 @@
-"""`tensortier bench catalog`: the dataset catalog against `dd`, Hugging Face datasets and LMDB.
+"""`python -m benchmarks catalog`: the dataset catalog against `dd`, Hugging Face datasets and LMDB.
 
 One run, same disk (``--dir``), same records (random bytes of ``--min-size``..``--max-size``,
 uniform), same read order (the catalog's seeded full shuffle, then its block shuffle), the page
@@ -12,7 +12,7 @@ to the disk tier's ``O_DIRECT`` write bandwidth and ``dd`` writes; epoch read th
 time and RSS growth of a 10M-record catalog (a synthetic sparse index by default, a real one with
 ``--real-index``), measured in a fresh process. The record count is scaled to the free disk (three
 copies must fit in 40% of it) and to ``--max-gb`` per copy; the JSON records the scale.
-Run: ``tensortier bench catalog --json benchmarks/results/catalog-cpu.json [--quick]``.
+Run: ``python -m benchmarks catalog --json benchmarks/results/catalog-cpu.json [--quick]``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import time
 
 import numpy as np
 
-from tensortier._units import format_size, parse_size
-from tensortier.bench._common import print_table, write_json
-from tensortier.bench.tiers import dd_bandwidth, tier_bandwidth
+from benchmarks._common import child_env, write_json
+from benchmarks.tiers import dd_bandwidth, tier_bandwidth
+from tensortier._units import format_size, parse_size, print_table
 
 ISSUE_RECORDS = 1_000_000  # the issue's scale: 1M records of 1-100 KB
 
@@ -424,15 +424,11 @@ def _peak_rss() -> int:
 
 
 def run_job(**spec) -> dict:
-    import tensortier
-
-    src = os.path.dirname(os.path.dirname(os.path.abspath(tensortier.__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
-        [sys.executable, "-m", "tensortier.bench.catalog", "--job", json.dumps(spec)],
+        [sys.executable, "-m", "benchmarks.catalog", "--job", json.dumps(spec)],
         capture_output=True,
         text=True,
-        env=env,
+        env=child_env(),
     )
     if out.returncode != 0:
         raise RuntimeError(f"bench job {spec['kind']} {spec['peer']} failed:\n{out.stderr[-3000:]}")

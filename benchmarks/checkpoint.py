@@ -1,4 +1,4 @@
-"""`tensortier bench checkpoint`: training stall and persist speed of torch.save, DCP async_save, tensortier.
+"""`python -m benchmarks checkpoint`: training stall and persist speed of torch.save, DCP async_save, tensortier.
 
 An MLP whose parameters plus AdamW state make about ``--state-size`` trains on CPU (or a lent GPU);
 each variant checkpoints every ``--every`` steps in the same run: ``torch.save`` (synchronous, as
@@ -7,14 +7,13 @@ most loops do), ``torch.distributed.checkpoint.async_save`` (single process) and
 the checkpoint was durable, its bandwidth against ``dd`` O_DIRECT on the same directory (the disk
 limit of the tiers benchmark), peak extra RSS, and the loop slowdown against the same steps with no
 checkpoint. Then ``every="auto"`` with ``--max-overhead`` runs ``--auto-steps`` steps against a
-plain run of the same length. Run: ``tensortier bench checkpoint --json out.json [--quick]``.
+plain run of the same length. Run: ``python -m benchmarks checkpoint --json out.json [--quick]``.
 """
 
 from __future__ import annotations
 
 import abc
 import argparse
-import math
 import os
 import shutil
 import statistics
@@ -25,13 +24,13 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
+from benchmarks._common import environment, write_json
+from benchmarks._mlp import build, train
+from benchmarks.tiers import dd_bandwidth
 from tensortier._device import default_device, rss_bytes
-from tensortier._units import format_size, parse_size
-from tensortier.bench._common import environment, print_table, write_json
-from tensortier.bench.tiers import dd_bandwidth
+from tensortier._units import format_size, parse_size, print_table
 from tensortier.checkpoint import Checkpointer
 
 
@@ -71,43 +70,6 @@ class _PeakRSS:
         self._stop.set()
         self._thread.join()
         return max(0, self.peak - self.start)
-
-
-def build(state_bytes: int, device: torch.device, layers: int = 4):
-    """An MLP of ``layers`` square layers with AdamW state that totals about ``state_bytes``."""
-    params = state_bytes // 12  # fp32 weights + exp_avg + exp_avg_sq
-    width = max(8, int(math.sqrt(params / layers)))
-    torch.manual_seed(0)
-    mods: list[nn.Module] = []
-    for i in range(layers):
-        mods.append(nn.Linear(width, width))
-        if i < layers - 1:
-            mods.append(nn.ReLU())
-    model = nn.Sequential(*mods).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return model, opt, width
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def train(model, opt, width, batch, steps, device, *, before_step=None, after_step=None) -> float:
-    """Run ``steps`` steps; returns the wall time, including whatever the hooks block."""
-    _sync(device)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        x = torch.randn(batch, width, device=device)
-        model(x).pow(2).mean().backward()
-        if before_step is not None:
-            before_step()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        if after_step is not None:
-            after_step(i)
-    _sync(device)
-    return time.perf_counter() - t0
 
 
 def _fsync_tree(path: str) -> None:
@@ -300,7 +262,7 @@ def _measure(variant_fn: Callable[[str], _Variant], model, opt, width, args, ste
 
 def run(args: argparse.Namespace) -> list[dict]:
     if args.replica:
-        from tensortier.bench import checkpoint_replica
+        from benchmarks import checkpoint_replica
 
         return checkpoint_replica.run(args)
     quick = args.quick

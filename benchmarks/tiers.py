@@ -1,9 +1,9 @@
-"""`tensortier bench tiers`: disk tier bandwidth against `dd` direct I/O on the same directory.
+"""`python -m benchmarks tiers`: disk tier bandwidth against `dd` direct I/O on the same directory.
 
 `dd` with O_DIRECT and a large block is the physical limit of the disk behind ``--dir``; the disk
 tier should reach >= 90% of it. On CUDA, the transfer engine's device<->host copies are compared
-with a plain pinned ``copy_``. Run: ``tensortier bench tiers --json out.json [--quick]``.
-``--remote`` measures the remote tier instead (:mod:`tensortier.bench.remote`).
+with a plain pinned ``copy_``. Run: ``python -m benchmarks tiers --json out.json [--quick]``.
+``--remote`` measures the remote tier instead (:mod:`benchmarks.remote`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from tensortier._units import format_size, parse_size
-from tensortier.bench._common import environment, print_table, write_json
+from benchmarks._common import environment, write_json
+from tensortier._units import format_size, parse_size, print_table
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool
 from tensortier.transfer import TransferEngine
@@ -122,7 +122,7 @@ def cuda_bandwidth(nbytes: int) -> list[dict]:
 
 
 def run_remote(args: argparse.Namespace) -> list[dict]:
-    from tensortier.bench.remote import remote_bandwidth
+    from benchmarks.remote import remote_bandwidth
 
     size = parse_size(args.size or ("64MiB" if args.quick else "256MiB"), name="--size")
     repeat = args.repeat or (3 if args.quick else 5)

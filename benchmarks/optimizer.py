@@ -1,4 +1,4 @@
-"""`tensortier bench optimizer`: OffloadedAdamW against torch AdamW and DeepSpeed's CPU Adam.
+"""`python -m benchmarks optimizer`: OffloadedAdamW against torch AdamW and DeepSpeed's CPU Adam.
 
 One run, each variant in its own child process (so peak RSS is its own): ``torch.optim.AdamW``
 with ``foreach=True`` and ``fused=True``, DeepSpeed's ``DeepSpeedCPUAdam`` (optional peer,
@@ -9,7 +9,7 @@ time the optimizer adds to forward+backward (``exposed_ms``), peak RSS, and the 
 difference of the parameters after ``--steps`` steps against ``torch.optim.AdamW(foreach=True)``.
 For tt: ``update_alone_ms`` is the CPU AdamW kernel time of a non-overlapped step, and
 ``step_vs_update`` = exposed_ms / update_alone_ms (the issue's "step <= 1.15x update alone").
-Run: ``tensortier bench optimizer --json out.json [--quick]``.
+Run: ``python -m benchmarks optimizer --json out.json [--quick]``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from benchmarks._common import child_env, write_json
 from tensortier._device import rss_bytes
-from tensortier._units import parse_size
-from tensortier.bench._common import print_table, write_json
+from tensortier._units import parse_size, print_table
 
 # tt-host / tt-disk run OffloadedAdamW's defaults (overlap="auto": no speculation on CPU);
 # tt-host-overlap forces the speculation a GPU run uses, to show what it costs here
@@ -310,7 +310,7 @@ def _run_child(variant: str, args, out: str) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "tensortier.bench.optimizer",
+        "benchmarks.optimizer",
         "--child",
         variant,
         "--out",
@@ -330,7 +330,7 @@ def _run_child(variant: str, args, out: str) -> dict:
         "--variants",
         args.variants,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

@@ -1,1 +1,0 @@
-"""Benchmarks behind `tensortier bench ...`: one module per area, peers side by side, JSON out."""
