@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tensortier._ray import end_actors
+from tensortier._ray import end_actors, require_ray
 from tensortier.errors import ClosedError, ConfigError, TensortierError
 from tensortier.rl._api import check_batch_size
 from tensortier.rl.memory_bank import MemoryBank
@@ -28,13 +28,7 @@ START_TIMEOUT = 120.0  # seconds serve() waits for an actor to be scheduled and 
 
 
 def import_ray():
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "tt.rl.serve needs Ray: pip install 'tensortier[rl]' (or pip install ray)"
-        ) from exc
-    return ray
+    return require_ray("tt.rl.serve")
 
 
 def end_actor(actor) -> None:
