@@ -37,8 +37,8 @@ from enum import Enum
 
 from tensortier.planner.profile import CHANNELS, Profile, TensorProfile
 
-HOST_CODECS = ("zstd", "lz4")
-_TICK = 1e-9  # the shortest op: zero-time units still order their memory events  # run on host bytes: encoding already moves the data to the host
+HOST_CODECS = ("zstd", "lz4")  # run on host bytes: encoding already moves the data to the host
+_TICK = 1e-9  # the shortest op: zero-time units still order their memory events
 
 
 class Mode(str, Enum):
@@ -266,6 +266,8 @@ def selective_costs(profile: Profile, unit, recompute: frozenset[int]) -> Select
 
 # ------------------------------------------------------------------ simulation
 class _Memory:
+    """One memory's timeline: (time, +/- bytes) events, swept into its peak."""
+
     def __init__(self) -> None:
         self.events: list[tuple[float, int]] = []
 
@@ -298,8 +300,21 @@ class _Read:
     issued: bool = False
 
 
-def simulate(profile: Profile, plan: Plan) -> SimResult:
-    """Runs one iteration of ``plan`` on ``profile``'s costs; see the module docstring."""
+@dataclass
+class _Window:
+    """The backward's read-ahead: reads start in need order while the bytes issued and not yet
+    consumed fit the offloader's prefetch window."""
+
+    order: list[_Read]  # need order
+    size: float  # the window, bytes
+    last: float  # start of the latest read (a start never precedes the previous one)
+    issued: list[_Read] = field(default_factory=list)  # in issue order, consumed in that order
+    head: int = 0  # issued[:head] are consumed
+    inflight: float = 0.0  # bytes issued and not consumed
+    cursor: int = 0  # order[:cursor] are issued
+
+
+def _check_remote(profile: Profile, plan: Plan) -> None:
     bw = profile.bandwidth
     if not bw.remote and any(a.mode == Mode.REMOTE for a in plan.actions.values()):
         from tensortier.errors import ConfigError
@@ -309,241 +324,318 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
             f"measured remote channels (h2remote={bw.h2remote}, remote2h={bw.remote2h}); "
             f"profile with tt.offload(budget=..., remote=pool) or drop the remote actions"
         )
-    dev = _Memory()
-    host = dev if profile.unified else _Memory()  # where host-side payloads live
-    spans: list[Span] = []
-    chan = dict.fromkeys(CHANNELS, 0.0)
-    now = 0.0
-    added = dict.fromkeys(OVERHEADS, 0.0)  # seconds added to the compute stream, by cause
-    # a hop allocates its destination when it starts and frees its source when it ends
-    src_of = {"d2h": dev, "h2disk": host, "disk2h": None, "h2d": host, "h2remote": host}
-    dst_of = {"d2h": host, "h2disk": None, "disk2h": host, "h2d": dev, "h2remote": None}
-    src_of["remote2h"], dst_of["remote2h"] = None, host  # remote bytes are off this machine
 
-    def hop(channel: str, ready: float, nbytes: float, label: str, count: bool = True) -> float:
-        start = max(ready, chan[channel])
-        end = start + nbytes / bw.of(channel)
-        chan[channel] = end
-        spans.append(Span(channel, start, end, label))
-        if dst_of[channel] is not None and count:
-            dst_of[channel].add(start, nbytes)
-        if src_of[channel] is not None:
-            src_of[channel].add(end, -nbytes)
+
+class _Iteration:
+    """One simulated iteration: the compute stream's clock, the copy channels, device and host
+    memory, and the spans drawn; :meth:`forward` then :meth:`backward` advance it in order."""
+
+    def __init__(self, profile: Profile, plan: Plan):
+        self.profile, self.plan, self.bw = profile, plan, profile.bandwidth
+        self.dev = _Memory()
+        self.host = self.dev if profile.unified else _Memory()  # where host-side payloads live
+        self.spans: list[Span] = []
+        self.chan = dict.fromkeys(CHANNELS, 0.0)  # when each channel is free
+        self.now = 0.0  # the compute stream's clock
+        self.added = dict.fromkeys(OVERHEADS, 0.0)  # seconds added to the compute stream
+        self.exposed = 0.0  # seconds the compute stream waited on transfers
+        # a hop allocates its destination when it starts and frees its source when it ends;
+        # remote bytes are off this machine
+        dev, host = self.dev, self.host
+        self.src_of = {"d2h": dev, "h2disk": host, "disk2h": None, "h2d": host}
+        self.dst_of = {"d2h": host, "h2disk": None, "disk2h": host, "h2d": dev}
+        self.src_of.update(h2remote=host, remote2h=None)
+        self.dst_of.update(h2remote=None, remote2h=host)
+        self.groups: dict[str, list[TensorProfile]] = {}
+        for t in profile.tensors:
+            self.groups.setdefault(t.unit, []).append(t)
+        self.ordinal = ordinals(profile)
+        self.sel: dict[str, Selective] = {}  # the units under selective recompute
+        self.recomputed: set[str] = set()  # every unit whose forward reruns in backward
+        self.resident: dict[int, tuple[float, _Memory]] = {}  # held until the unit's backward
+        self.reads: list[_Read] = []
+        self.limit = profile.inflight_bytes or 0  # the engine's bound on bytes in flight
+        self.writes: list[tuple[float, float]] = []  # (completion, bytes) holding tickets
+        self.window = _Window([], profile.prefetch_bytes, 0.0)  # set up by backward
+        self.read_of: dict[int, _Read] = {}  # pack index -> its read
+
+    # -------------------------------------------------------------- channels and the stream
+    def hop(self, channel: str, ready: float, nbytes: float, label: str, count=True) -> float:
+        """``nbytes`` over ``channel`` once both it and the payload are ready; its end."""
+        start = max(ready, self.chan[channel])
+        end = start + nbytes / self.bw.of(channel)
+        self.chan[channel] = end
+        self.spans.append(Span(channel, start, end, label))
+        if self.dst_of[channel] is not None and count:
+            self.dst_of[channel].add(start, nbytes)
+        if self.src_of[channel] is not None:
+            self.src_of[channel].add(end, -nbytes)
         return end
 
-    def transient(start: float, end: float, nbytes: float) -> None:
+    def transient(self, start: float, end: float, nbytes: float) -> None:
         """Temporaries of the op that produces (forward) or consumes (backward) a saved tensor."""
-        dev.add(start, profile.transient_factor * nbytes)
-        dev.add(end, -profile.transient_factor * nbytes)
+        self.dev.add(start, self.profile.transient_factor * nbytes)
+        self.dev.add(end, -self.profile.transient_factor * nbytes)
 
-    groups: dict[str, list[TensorProfile]] = {}
-    for t in profile.tensors:
-        groups.setdefault(t.unit, []).append(t)
+    def spend(self, seconds: float, cause: str) -> None:
+        """The compute stream busy with offload work (an OVERHEADS ``cause``), no span."""
+        self.now += seconds
+        self.added[cause] += seconds
 
-    # ---------------------------------------------------------------- forward
-    reads: list[_Read] = []
-    resident: dict[int, tuple[float, _Memory]] = {}  # bytes held until the unit's backward
-    ordinal = ordinals(profile)
-    sel: dict[str, Selective] = {}
-    limit = profile.inflight_bytes or 0
-    writes: list[tuple[float, float]] = []  # (completion, bytes) of writes holding tickets
-    exposed = 0.0
-    for u in profile.units:
-        action = plan.action(u.name)
-        ts = groups.get(u.name, [])
-        start = now
-        if action.mode == Mode.SELECTIVE and u.recomputable and u.selective:
-            sel[u.name] = selective_costs(profile, u, action.part or frozenset())
-        if u.name in sel or (action.mode == Mode.RECOMPUTE and u.recomputable):
-            fwd_s = u.fwd_s + (sel[u.name].fwd_extra_s if u.name in sel else 0.0)
-            dev.add(start, u.input_bytes)
-            for k, t in enumerate(ts):  # alive only while the unit runs
-                at = start + fwd_s * (k + 1) / (len(ts) + 1)
-                dev.add(at, t.nbytes)
-                transient(at, at + fwd_s / (len(ts) + 1), t.nbytes)
-                dev.add(start + fwd_s, -t.nbytes)
-            if u.name in sel:  # the cached operator outputs stay until backward reruns the unit
-                dev.add(start + fwd_s, sel[u.name].cached_bytes)
-                added["recompute"] += sel[u.name].fwd_extra_s
-            now += fwd_s
-            kind = "selective" if u.name in sel else "ckpt"
-            spans.append(Span("compute", start, now, f"fwd {u.name} ({kind})"))
-            continue
+    def run(self, seconds: float, label: str, cause: str) -> None:
+        """The compute stream busy with offload work, drawn as a span."""
+        self.spans.append(Span("compute", self.now, self.now + seconds, label))
+        self.spend(seconds, cause)
+
+    def wait(self, until: float, label: str) -> None:
+        """The compute stream idle until ``until``: exposed transfer time."""
+        self.spans.append(Span("compute", self.now, until, label))
+        self.exposed += until - self.now
+        self.now = until
+
+    # -------------------------------------------------------------- forward
+    def forward(self) -> float:
+        """Every unit's forward, then the loss; the forward's end."""
+        p, plan = self.profile, self.plan
+        for u in p.units:
+            action = plan.action(u.name)
+            if action.mode == Mode.SELECTIVE and u.recomputable and u.selective:
+                self.sel[u.name] = selective_costs(p, u, action.part or frozenset())
+            if u.name in self.sel or (action.mode == Mode.RECOMPUTE and u.recomputable):
+                self.recomputed.add(u.name)
+                self.forward_checkpointed(u)
+            else:
+                self.forward_saving(u)
+        extra = p.other_fwd_s + p.other_bwd_s
+        if extra:
+            self.spans.append(Span("compute", self.now, self.now + extra, "loss"))
+        self.now += extra
+        return self.now
+
+    def forward_checkpointed(self, u) -> None:
+        """A recomputed unit keeps its inputs (and, selective, its cached operator outputs);
+        its saved tensors are alive only while it runs."""
+        ts, sel, dev = self.groups.get(u.name, []), self.sel.get(u.name), self.dev
+        start = self.now
+        fwd_s = u.fwd_s + (sel.fwd_extra_s if sel is not None else 0.0)
+        dev.add(start, u.input_bytes)
+        for k, t in enumerate(ts):
+            at = start + fwd_s * (k + 1) / (len(ts) + 1)
+            dev.add(at, t.nbytes)
+            self.transient(at, at + fwd_s / (len(ts) + 1), t.nbytes)
+            dev.add(start + fwd_s, -t.nbytes)
+        if sel is not None:  # the cached operator outputs stay until backward reruns the unit
+            dev.add(start + fwd_s, sel.cached_bytes)
+            self.added["recompute"] += sel.fwd_extra_s
+        self.now += fwd_s
+        kind = "selective" if sel is not None else "ckpt"
+        self.spans.append(Span("compute", start, self.now, f"fwd {u.name} ({kind})"))
+
+    def forward_saving(self, u) -> None:
+        """A unit whose saved tensors are made one after another, each kept or sent out."""
+        ts = self.groups.get(u.name, [])
+        start = self.now
         seg = max(u.fwd_s / max(1, len(ts)), _TICK)  # a tick: every op's temporaries show
         if not ts:
-            now += u.fwd_s
+            self.now += u.fwd_s
         for t in ts:
-            transient(now, now + seg, t.nbytes)
-            now += seg
-            dev.add(now, t.nbytes)
-            tier = plan.tier_of(t, ordinal[t.index])
-            codec = plan.codecs.get(t.index) if tier != "keep" else None
-            hops = path_of(profile, tier, codec, outbound=True) if tier != "keep" else []
-            if tier == "keep" or (codec is None and not hops):  # nothing leaves the device
-                resident[t.index] = (t.nbytes, dev)
-                continue
-            payload: float = t.nbytes
-            if codec is not None:
-                payload = t.nbytes * t.ratios[codec]
-            if limit and hops:  # the engine's throttle: pack waits for earlier writes to land
-                writes = [w for w in writes if w[0] > now]
-                while writes and sum(n for _, n in writes) + payload > limit:
-                    done = min(e for e, _ in writes)
-                    spans.append(Span("compute", now, done, "throttle"))
-                    exposed += done - now
-                    now = done
-                    writes = [w for w in writes if w[0] > now]
-            cost = bw.issue_s + payload * profile.move_s_per_byte  # copy threads share the cores
-            now += cost
-            added["copies"] += cost
-            where = dev
-            if codec is not None:
-                enc, _ = codec_seconds(profile, t, codec)
-                spans.append(Span("compute", now, now + enc, f"encode {codec} #{t.index}"))
-                now += enc
-                added["codecs"] += enc
-                where = host if codec in HOST_CODECS else dev
-                where.add(now, payload)
-                dev.add(now, -t.nbytes)
-            ready = now
-            for c in hops:
-                ready = hop(c, ready, payload, f"{c} #{t.index}")
-                where = dst_of[c] or where
-            if limit:
-                writes.append((ready, payload))
-            if tier == "host":  # the payload waits in memory for its backward
-                resident[t.index] = (payload, where)
-            reads.append(_Read(t, tier, codec, payload, avail=ready))
-        spans.append(Span("compute", start, now, f"fwd {u.name}"))
-    extra = profile.other_fwd_s + profile.other_bwd_s
-    if extra:
-        spans.append(Span("compute", now, now + extra, "loss"))
-    now += extra
-    forward_s = now
+            self.transient(self.now, self.now + seg, t.nbytes)
+            self.now += seg
+            self.dev.add(self.now, t.nbytes)
+            self.pack(t)
+        self.spans.append(Span("compute", start, self.now, f"fwd {u.name}"))
 
-    # ---------------------------------------------------------------- backward
-    rank = {u.name: i for i, u in enumerate(profile.units)}
-    order = sorted(reads, key=lambda r: (-rank[r.t.unit], -r.t.index))  # need order
-    issued: list[_Read] = []  # in issue order; consumption follows the same order
-    window, bwd_start = profile.prefetch_bytes, now
-    state = {"head": 0, "inflight": 0.0, "last": bwd_start}
-    nxt = 0
+    def pack(self, t: TensorProfile) -> None:
+        """The saved tensor ``t`` just made: kept, or encoded and sent over its channels."""
+        p = self.profile
+        tier = self.plan.tier_of(t, self.ordinal[t.index])
+        codec = self.plan.codecs.get(t.index) if tier != "keep" else None
+        hops = path_of(p, tier, codec, outbound=True) if tier != "keep" else []
+        if tier == "keep" or (codec is None and not hops):  # nothing leaves the device
+            self.resident[t.index] = (t.nbytes, self.dev)
+            return
+        payload: float = t.nbytes
+        if codec is not None:
+            payload = t.nbytes * t.ratios[codec]
+        if self.limit and hops:
+            self.throttle(payload)
+        self.spend(self.bw.issue_s + payload * p.move_s_per_byte, "copies")  # threads share cores
+        where = self.dev
+        if codec is not None:
+            where = self.encode(t, codec, payload)
+        ready = self.now
+        for c in hops:
+            ready = self.hop(c, ready, payload, f"{c} #{t.index}")
+            where = self.dst_of[c] or where
+        if self.limit:
+            self.writes.append((ready, payload))
+        if tier == "host":  # the payload waits in memory for its backward
+            self.resident[t.index] = (payload, where)
+        self.reads.append(_Read(t, tier, codec, payload, avail=ready))
 
-    def issue(r: _Read, force: bool, not_before: float = 0.0) -> bool:
-        # reads start in need order (FIFO), so a start time never precedes the previous one
-        s = max(r.avail, state["last"], not_before)
-        while True:
-            while state["head"] < len(issued):  # drop reads already consumed by time s
-                x = issued[state["head"]]
-                if x.consume is None or x.consume > s:
-                    break
-                state["inflight"] -= x.payload
-                state["head"] += 1
-            pending = state["inflight"]
-            if force or not pending or pending + r.payload <= window:
-                break
-            x = issued[state["head"]]
-            if x.consume is None:
-                return False  # the window opens when a unit not yet simulated consumes
-            s = x.consume
-        state["last"] = s
-        ready = s
-        for c in path_of(profile, r.tier, r.codec, outbound=False):
-            # unified: reads land in the host pool's buffers, resident from the first iteration
-            # on (persistent, like the staging buffers); they count once backward holds them
-            ready = hop(c, ready, r.payload, f"{c} #{r.t.index}", count=not pooled)
-        if r.tier == "host":
-            resident.pop(r.t.index, None)
-        r.arrive = ready
-        r.issued = True
-        issued.append(r)
-        state["inflight"] += r.payload
-        return True
+    def throttle(self, payload: float) -> None:
+        """The engine's throttle: pack waits for earlier writes to land."""
+        self.writes = [w for w in self.writes if w[0] > self.now]
+        while self.writes and sum(n for _, n in self.writes) + payload > self.limit:
+            self.wait(min(e for e, _ in self.writes), "throttle")
+            self.writes = [w for w in self.writes if w[0] > self.now]
 
-    pooled = profile.unified
-    read_of = {r.t.index: r for r in order}
+    def encode(self, t: TensorProfile, codec: str, payload: float) -> _Memory:
+        """Encode ``t`` on the compute stream; the memory its payload lands in."""
+        enc, _ = codec_seconds(self.profile, t, codec)
+        self.run(enc, f"encode {codec} #{t.index}", "codecs")
+        where = self.host if codec in HOST_CODECS else self.dev
+        where.add(self.now, payload)
+        self.dev.add(self.now, -t.nbytes)
+        return where
 
-    def pump() -> None:  # start every read the window allows, in need order
-        nonlocal nxt
-        while nxt < len(order) and (order[nxt].issued or issue(order[nxt], False)):
-            nxt += 1
+    # -------------------------------------------------------------- backward
+    def backward(self) -> None:
+        """Every unit's backward in reverse, with the reads prefetched ahead of their need."""
+        rank = {u.name: i for i, u in enumerate(self.profile.units)}
+        order = sorted(self.reads, key=lambda r: (-rank[r.t.unit], -r.t.index))  # need order
+        self.window = _Window(order, self.profile.prefetch_bytes, self.now)
+        self.read_of = {r.t.index: r for r in order}
+        for u in reversed(self.profile.units):
+            self.backward_unit(u)
 
-    for u in reversed(profile.units):
-        action = plan.action(u.name)
-        ts = groups.get(u.name, [])
-        selective = sel.get(u.name)
-        recompute = selective is not None or (action.mode == Mode.RECOMPUTE and u.recomputable)
-        pump()
-        if recompute:  # the unit's forward runs again and materialises its saved tensors
-            rerun = u.fwd_s if selective is None else selective.rerun_s
-            made = [t for t in ts if selective is None or t.index in selective.recomputed]
-            dev.add(now, sum(t.nbytes for t in made))
-            transient(now, now + rerun, max((t.nbytes for t in made), default=0))
-            spans.append(Span("compute", now, now + rerun, f"recompute {u.name}"))
-            now += rerun
-            added["recompute"] += rerun
-            if selective is not None:  # cached outputs autograd does not need are let go
-                dev.add(now, -selective.cached_unsaved)
-        start = now
-        # autograd consumes the unit's saved tensors in reverse pack order, one node at a time,
-        # and frees each once its node ran
+    def backward_unit(self, u) -> None:
+        """Autograd consumes the unit's saved tensors in reverse pack order, one node at a time,
+        and frees each once its node ran."""
+        ts, dev = self.groups.get(u.name, []), self.dev
+        recompute = u.name in self.recomputed
+        self.pump()
+        if recompute:
+            self.rerun(u, ts)
+        start = self.now
         need = list(reversed(ts))
         seg = max(u.bwd_s / max(1, len(need)), _TICK)
         if not need:
-            now += u.bwd_s
+            self.now += u.bwd_s
         for t in need:
-            r = None if recompute else read_of.get(t.index)
+            r = None if recompute else self.read_of.get(t.index)
             if r is not None:
-                if not r.issued:
-                    issue(r, True, now)  # on demand: the window had no room for it earlier
-                if r.arrive > now:
-                    spans.append(Span("compute", now, r.arrive, "wait"))
-                    exposed += r.arrive - now
-                    now = r.arrive
-                r.consume = now
-                if pooled and r.tier in ("disk", "remote"):
-                    dev.add(now, r.payload)
-                cost = r.payload * profile.move_s_per_byte
-                now += cost
-                added["copies"] += cost
-                if r.codec is not None:
-                    _, dec = codec_seconds(profile, r.t, r.codec)
-                    dev.add(now, r.t.nbytes)
-                    spans.append(Span("compute", now, now + dec, f"decode {r.codec} #{t.index}"))
-                    now += dec
-                    added["codecs"] += dec
-                    arrived_in = (
-                        dev
-                        if path_of(profile, r.tier, r.codec, outbound=False)[-1:] == ["h2d"]
-                        else (host if r.codec in HOST_CODECS or r.tier == "disk" else dev)
-                    )
-                    arrived_in.add(now, -r.payload)
-                pump()
-            transient(now, now + seg, t.nbytes)
-            now += seg
+                self.read_in(r)
+            self.transient(self.now, self.now + seg, t.nbytes)
+            self.now += seg
             if recompute:
-                dev.add(now, -t.nbytes)
+                dev.add(self.now, -t.nbytes)
             elif r is not None:  # raw bytes arrived in the device (h2d) or, unified, in RAM
-                dev.add(now, -(t.nbytes if r.codec is not None else r.payload))
-            elif t.index in resident:
-                n, mem = resident.pop(t.index)
-                mem.add(now, -n)
-        spans.append(Span("compute", start, now, f"bwd {u.name}"))
-        dev.add(now, u.grad_bytes)
+                dev.add(self.now, -(t.nbytes if r.codec is not None else r.payload))
+            elif t.index in self.resident:
+                n, mem = self.resident.pop(t.index)
+                mem.add(self.now, -n)
+        self.spans.append(Span("compute", start, self.now, f"bwd {u.name}"))
+        dev.add(self.now, u.grad_bytes)
         if recompute:
-            dev.add(now, -u.input_bytes)
-        pump()
-    peak, timeline = dev.sweep()
-    host_peak = peak if profile.unified else host.sweep()[0]
-    base = profile.base_bytes + profile.workspace_bytes
-    return SimResult(
-        peak_bytes=int(base + peak),
-        step_s=now,
-        exposed_s=exposed,
-        overhead_s=sum(added.values()),
-        overhead_by=added,
-        forward_s=forward_s,
-        host_peak_bytes=int(host_peak),
-        timeline=[(t, base + b) for t, b in timeline],
-        spans=spans,
-    )
+            dev.add(self.now, -u.input_bytes)
+        self.pump()
+
+    def rerun(self, u, ts: list[TensorProfile]) -> None:
+        """The unit's forward runs again and materialises its saved tensors (selective: the
+        recomputed operators' only, and then lets go of the cached outputs autograd skips)."""
+        selective = self.sel.get(u.name)
+        rerun = u.fwd_s if selective is None else selective.rerun_s
+        made = [t for t in ts if selective is None or t.index in selective.recomputed]
+        self.dev.add(self.now, sum(t.nbytes for t in made))
+        self.transient(self.now, self.now + rerun, max((t.nbytes for t in made), default=0))
+        self.run(rerun, f"recompute {u.name}", "recompute")
+        if selective is not None:
+            self.dev.add(self.now, -selective.cached_unsaved)
+
+    def read_in(self, r: _Read) -> None:
+        """The backward needs ``r`` now: issue it if the window had no room, wait for it,
+        copy it in and decode it."""
+        p, dev = self.profile, self.dev
+        if not r.issued:
+            self.issue(r, True, self.now)  # on demand: the window had no room for it earlier
+        if r.arrive > self.now:
+            self.wait(r.arrive, "wait")
+        r.consume = self.now
+        if p.unified and r.tier in ("disk", "remote"):
+            dev.add(self.now, r.payload)
+        self.spend(r.payload * p.move_s_per_byte, "copies")
+        if r.codec is not None:
+            _, dec = codec_seconds(p, r.t, r.codec)
+            dev.add(self.now, r.t.nbytes)
+            self.run(dec, f"decode {r.codec} #{r.t.index}", "codecs")
+            arrived_in = (
+                dev
+                if path_of(p, r.tier, r.codec, outbound=False)[-1:] == ["h2d"]
+                else (self.host if r.codec in HOST_CODECS or r.tier == "disk" else dev)
+            )
+            arrived_in.add(self.now, -r.payload)
+        self.pump()
+
+    def pump(self) -> None:
+        """Start every read the window allows, in need order."""
+        w = self.window
+        while w.cursor < len(w.order) and (
+            w.order[w.cursor].issued or self.issue(w.order[w.cursor])
+        ):
+            w.cursor += 1
+
+    def issue(self, r: _Read, force: bool = False, not_before: float = 0.0) -> bool:
+        """Start ``r`` when the window has room for it (``force``: now); False when the room
+        comes only once a unit not yet simulated consumes a read."""
+        w = self.window
+        s = self.read_start(r, force, max(r.avail, w.last, not_before))
+        if s is None:
+            return False
+        w.last = ready = s
+        for c in path_of(self.profile, r.tier, r.codec, outbound=False):
+            # unified: reads land in the host pool's buffers, resident from the first iteration
+            # on (persistent, like the staging buffers); they count once backward holds them
+            ready = self.hop(
+                c, ready, r.payload, f"{c} #{r.t.index}", count=not self.profile.unified
+            )
+        if r.tier == "host":
+            self.resident.pop(r.t.index, None)
+        r.arrive, r.issued = ready, True
+        w.issued.append(r)
+        w.inflight += r.payload
+        return True
+
+    def read_start(self, r: _Read, force: bool, s: float) -> float | None:
+        """The earliest time from ``s`` on at which ``r`` fits the window (reads consumed by
+        then leave it), or None."""
+        w = self.window
+        while True:
+            while w.head < len(w.issued):  # drop reads already consumed by time s
+                x = w.issued[w.head]
+                if x.consume is None or x.consume > s:
+                    break
+                w.inflight -= x.payload
+                w.head += 1
+            if force or not w.inflight or w.inflight + r.payload <= w.size:
+                return s
+            x = w.issued[w.head]
+            if x.consume is None:
+                return None  # the window opens when a unit not yet simulated consumes
+            s = x.consume
+
+    # -------------------------------------------------------------- result
+    def result(self, forward_s: float) -> SimResult:
+        peak, timeline = self.dev.sweep()
+        host_peak = peak if self.profile.unified else self.host.sweep()[0]
+        base = self.profile.base_bytes + self.profile.workspace_bytes
+        return SimResult(
+            peak_bytes=int(base + peak),
+            step_s=self.now,
+            exposed_s=self.exposed,
+            overhead_s=sum(self.added.values()),
+            overhead_by=self.added,
+            forward_s=forward_s,
+            host_peak_bytes=int(host_peak),
+            timeline=[(t, base + b) for t, b in timeline],
+            spans=self.spans,
+        )
+
+
+def simulate(profile: Profile, plan: Plan) -> SimResult:
+    """Runs one iteration of ``plan`` on ``profile``'s costs; see the module docstring."""
+    _check_remote(profile, plan)
+    it = _Iteration(profile, plan)
+    forward_s = it.forward()
+    it.backward()
+    return it.result(forward_s)
