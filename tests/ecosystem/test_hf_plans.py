@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import tensortier as tt
+from tensortier.planner.cache import save_cached
 from tensortier.planner.policies import POLICIES, Choice, Options, plan_all, selective_menu
 from tensortier.planner.profile import Profile
-from tensortier.planner.runtime import save_cached
 from tensortier.planner.simulator import Mode, Plan, UnitAction, simulate
 from tests.ecosystem._hf import KINDS, assert_same_params, batch, block_path, build, twin
 

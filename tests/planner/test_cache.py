@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from tensortier.planner.buckets import bucket
 from tensortier.planner.policies import Options
-from tensortier.planner.runtime import bucket, planned_offload
+from tensortier.planner.runtime import planned_offload
 
 FAST = Options(search_iters=60, search_seconds=5, plan_seconds=20)
 STEPS = 5  # warm-up, probe, 2 timing passes, one planned step

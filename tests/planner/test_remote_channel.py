@@ -7,9 +7,11 @@ import dataclasses
 import pytest
 
 from tensortier.errors import ConfigError
+from tensortier.planner.cache import _key_file, cache_key
+from tensortier.planner.config import PlanConfig
 from tensortier.planner.policies import Options, choose
 from tensortier.planner.profile import Bandwidth, Profile
-from tensortier.planner.runtime import PlanConfig, _key_file, cache_key, planned_offload
+from tensortier.planner.runtime import planned_offload
 from tensortier.planner.simulator import Mode, Plan, UnitAction, path_of, simulate
 from tests.planner.conftest import GB, chain
 

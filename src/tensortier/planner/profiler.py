@@ -125,13 +125,14 @@ def unit_of(module_name: str, units: list[str]) -> str:
     return best
 
 
-def _tensors(x) -> list[torch.Tensor]:
+def tensors_in(x) -> list[torch.Tensor]:
+    """The tensors in ``x`` (a tensor, or lists, tuples and dicts of them), in order."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
+        return [t for v in x for t in tensors_in(v)]
     if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
+        return [t for v in x.values() for t in tensors_in(v)]
     return []
 
 
@@ -343,7 +344,7 @@ class Profiler:
         if name is not None and name not in cur.fwd:  # not again while a checkpoint recomputes
             if len(self._passes) == 0:
                 self.order.append(name)
-                self.inputs[name] = sum(t.untyped_storage().nbytes() for t in _tensors(args))
+                self.inputs[name] = sum(t.untyped_storage().nbytes() for t in tensors_in(args))
             cur.fwd[name] = [self._now(cur), 0.0]
             self._unit_now = name
 
@@ -354,7 +355,7 @@ class Profiler:
             return
         cur.fwd[name][1] = self._now(cur)
         self._unit_now = None
-        outs = [t for t in _tensors(output) if t.requires_grad]
+        outs = [t for t in tensors_in(output) if t.requires_grad]
         if outs:
 
             def mark(grad, name=name, cur=cur):

@@ -43,14 +43,16 @@ predicted peak, and warns (``warnings.warn``, naming the measured peak and the b
 structure, the inputs' shape bucket and dtypes, the budget and the settings: a restarted job
 with the same key runs the cached plan from its first step. Inputs whose shapes fall in another
 bucket (each dimension rounded up to a power of two) get a plan of their own at run time, from
-the same profile scaled to that bucket's shapes, without profiling again.
+the same profile scaled to that bucket's shapes, without profiling again (:mod:`.buckets`).
 A cache that cannot be read or written (damaged, read-only, shared with another user) is
-warned about and planning goes on in memory: the cache is an optimization, never a failure.
+warned about and planning goes on in memory: the cache is an optimization, never a failure
+(keys, files and warnings: :mod:`.cache`).
 
 On many ranks (``torch.distributed`` initialised, world > 1) every rank runs the same plan: the
 ranks agree on the settings at the first step and on the profiled structure before planning;
 rank 0 alone chooses (each timing pass's group, the plan, a bucket's plan, a re-plan) from the
-largest inputs and resident overhead of any rank and broadcasts it (see :func:`on_rank0`).
+largest inputs and resident overhead of any rank and broadcasts it (the collectives:
+:mod:`.ranks`).
 The plan cache is read and written by rank 0 only: every rank runs rank 0's plan, so one file
 per key is the whole truth, and a hit or miss is the same on every rank.
 
@@ -70,15 +72,13 @@ This module never moves bytes itself: the activation offloader does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -86,9 +86,12 @@ from torch.utils.checkpoint import checkpoint
 
 from tensortier import _dist
 from tensortier._units import SizeLike, format_size, parse_size
+from tensortier.planner.buckets import dimension_map, input_shapes, scale_profile
+from tensortier.planner.cache import cache_key, load_cached, model_signature, save_cached
+from tensortier.planner.config import PlanConfig
 from tensortier.planner.ops import SelectivePolicy, preload
 from tensortier.planner.policies import Choice, Options, choose, plan_all, smallest
-from tensortier.planner.profile import FORMAT, Bandwidth, OpProfile, Profile
+from tensortier.planner.profile import Profile
 from tensortier.planner.profiler import (
     PeakMeter,
     Profiler,
@@ -98,13 +101,20 @@ from tensortier.planner.profiler import (
     timing_group,
     unit_of,
 )
+from tensortier.planner.ranks import (
+    agree_settings,
+    agree_structure,
+    agreed_shapes,
+    highest,
+    on_rank0,
+    over_anywhere,
+)
 from tensortier.planner.simulator import SWAPS, Plan, ordinals, selective_sets
 from tensortier.tiers.codecs import get_codec
 
 log = logging.getLogger(__name__)
 MAX_REPLANS = 3
 FIRST_GROUP_SHARE = 0.75  # of the budget, for the first timing pass (see _timing_group)
-CACHE_FORMAT = 1
 
 
 def default_prefetch(budget: int) -> int:
@@ -226,66 +236,6 @@ class Recompute:
         self._wrapped = []
 
 
-def on_rank0(make: Callable[[], object], what: str = "planning") -> object:
-    """``make()`` run on rank 0 alone, its result on every rank (without ``torch.distributed``,
-    or in a world of one: ``make()`` here).
-
-    Ranks that recompute different blocks run different collectives (FSDP's all-gathers in the
-    recomputed forward) and can deadlock, so, as torchtitan does, one rank decides and the
-    others receive its decision. Rank 0's error is sent as a value, so every rank raises (a
-    ``BudgetError`` with its ``.minimum``) instead of waiting for a broadcast that never comes.
-    Callers call it on every rank, in the same order (one broadcast each).
-    """
-    if not _dist.active():
-        return make()
-    from tensortier.errors import BudgetError
-
-    sent: tuple = ("none",)
-    error: Exception | None = None
-    if _dist.rank() == 0:
-        try:
-            sent = ("ok", make())
-        except BudgetError as exc:
-            error, sent = exc, ("BudgetError", str(exc), exc.budget, exc.minimum)
-        except Exception as exc:  # every rank must leave the broadcast
-            error, sent = exc, ("error", f"{type(exc).__name__}: {exc}")
-    got = _dist.broadcast_object(sent, 0)
-    if got[0] == "ok":
-        return got[1]
-    if got[0] == "BudgetError":
-        _, message, budget, minimum = got
-        raise BudgetError(f"rank 0 planned: {message}", budget=budget, minimum=minimum) from error
-    if error is not None:
-        raise error
-    raise RuntimeError(f"tensortier {what} failed on rank 0 ({got[1]}); see rank 0's traceback")
-
-
-def agreed_shapes(shapes: list) -> list:
-    """The inputs' shapes every rank plans for: each dimension's largest size over the ranks (a
-    plan made for larger inputs errs high in memory). Ranks whose inputs differ in number, rank
-    or dtype are a ConfigError on every rank."""
-    if not _dist.active():
-        return shapes
-    from tensortier.errors import ConfigError
-
-    everyone = _dist.gather_objects(shapes)
-    base = everyone[0]
-    for r, other in enumerate(everyone[1:], start=1):
-        same = len(other) == len(base) and all(
-            len(a) == len(b) and da == db for (a, da), (b, db) in zip(base, other)
-        )
-        if not same:
-            raise ConfigError(
-                f"tt.offload(budget=...): rank {r}'s inputs {other} differ from rank 0's {base} "
-                f"in number, dimensions or dtype; every rank must call the model with tensors "
-                f"of the same structure (sizes may differ: the plan is made for the largest)"
-            )
-    return [
-        [[max(o[i][0][d] for o in everyone) for d in range(len(base[i][0]))], base[i][1]]
-        for i in range(len(base))
-    ]
-
-
 def profiled_tier(to: str, device: torch.device) -> str:
     """The tier the warm-up and profiling iterations offload to: the one the user asked for;
     for ``"auto"``, host on CUDA (the fast tier a plan fills first) and disk on a CPU-only
@@ -295,218 +245,6 @@ def profiled_tier(to: str, device: torch.device) -> str:
     if to in ("host", "disk"):
         return to
     return "host" if device.type == "cuda" else "disk"
-
-
-@dataclass
-class PlanConfig:
-    budget: int
-    policy: str = "auto"
-    to: str = "auto"  # the tiers the plan may use: "host", "disk", "remote" or "auto" (all)
-    spill_dir: str | None = None
-    warmup: int = 1
-    timing_iters: int = 2  # timing passes after the probe, each under the budget
-    prefetch: int | None = None  # None: default_prefetch(budget)
-    max_inflight: int | None = None  # None: default_inflight(budget)
-    host_budget: int = 8 << 30
-    options: Options | None = None
-    bandwidth: Bandwidth | None = None
-    report: str | None = None  # write an HTML report of the chosen plan here
-    plan_cache: str | None = None  # directory of cached profiles and plans (JSON)
-    check_steps: int = 3  # planned iterations measured against the budget (re-plan if over)
-    # a RemoteStore the plan may use (the caller's, left open); not in repr: its repr has stats
-    remote: object = field(default=None, repr=False, compare=False)
-
-
-# ------------------------------------------------------------------ plan cache
-def bucket(n: int) -> int:
-    """A dimension's shape bucket: the next power of two (1 for 0 and 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _inputs(args, kwargs) -> list[tuple[list[int], str]]:
-    from tensortier.planner.profiler import _tensors
-
-    flat = _tensors(list(args)) + _tensors(dict(sorted(kwargs.items())))
-    return [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in flat]
-
-
-def model_signature(root: nn.Module) -> str:
-    """Hash of what a profile depends on in the model: module types and names, parameter
-    shapes, dtypes and whether they train."""
-    h = hashlib.sha256()
-    for name, m in root.named_modules():
-        h.update(f"{name}:{type(m).__qualname__};".encode())
-    for name, p in root.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
-    return h.hexdigest()[:32]
-
-
-def cache_key(config: PlanConfig, device: torch.device, signature: str, shapes: list) -> dict:
-    """What a cached plan is valid for; any difference means profiling again."""
-    opts = config.options or Options()
-    return {
-        "format": CACHE_FORMAT,
-        "profile_format": FORMAT,
-        "model": signature,
-        "inputs": [[[bucket(d) for d in shape], dtype] for shape, dtype in shapes],
-        "budget": config.budget,
-        "policy": config.policy,
-        "to": config.to,
-        "remote": config.remote is not None,  # a plan made with a pool needs one, and vice versa
-        "device": str(device.type),
-        "world": _dist.world(),  # per-rank inputs and FSDP shards depend on it
-        "torch": torch.__version__,
-        "options": {
-            "tiers": list(opts.tiers),
-            "allow_lossy": opts.allow_lossy,
-            "fine": opts.fine,
-            "margin": opts.margin,
-            "seed": opts.seed,
-        },
-    }
-
-
-def _key_file(directory: str, key: dict) -> str:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return os.path.join(directory, f"plan-{digest}.json")
-
-
-def load_cached(directory: str, key: dict) -> tuple[Profile, Plan, dict] | None:
-    """The cached profile and plan for ``key``, or None (absent, another key, unreadable)."""
-    path = _key_file(directory, key)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("key") != key:
-            return None
-        return Profile.from_dict(data["profile"]), Plan.from_dict(data["plan"]), data
-    except FileNotFoundError:
-        return None
-    except Exception as exc:  # damaged or from another version: profile again, say why
-        log.warning("tensortier plan cache %s unusable (%s): profiling again", path, exc)
-        return None
-
-
-def save_cached(
-    directory: str, key: dict, profile: Profile, choice: Choice, shapes, overhead: int = 0
-) -> str | None:
-    """Write atomically (temporary file, then rename): a reader never sees half a plan.
-
-    The cache is an optimization: a directory that cannot be written (read-only, shared, full,
-    a path under a file) gets one warning and the plan stays in memory; training goes on.
-    Returns the file written, or None."""
-    path = _key_file(directory, key)
-    data = {
-        "key": key,
-        "shapes": shapes,
-        "overhead_bytes": overhead,
-        "profile": profile.to_dict(),
-        "plan": choice.plan.to_dict(),
-        "predicted": choice.result.summary(),
-    }
-    try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".tmp")
-    except OSError as exc:
-        _unwritable(directory, exc)
-        return None
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass  # already gone, or the directory went read-only: nothing more to clean
-        if not isinstance(exc, OSError):
-            raise
-        _unwritable(directory, exc)
-        return None
-    return path
-
-
-_warned_unwritable: set[str] = set()  # plan-cache directories already warned about
-
-
-def _unwritable(directory: str, exc: OSError) -> None:
-    if directory not in _warned_unwritable:
-        _warned_unwritable.add(directory)
-        log.warning(
-            "tensortier plan cache %s cannot be written (%s): plans stay in memory for this "
-            "run; make the directory writable or pass another plan_cache to keep them",
-            directory,
-            exc,
-        )
-
-
-def dimension_map(old: list, new: list) -> dict[int, int]:
-    """Tensor dimension sizes of the profiled inputs -> their size for ``new`` inputs (rounded up
-    to the bucket): every product of input dimensions, since a model flattens (batch x sequence
-    is a matmul's rows). Where two products coincide the larger new size wins (memory errs
-    high)."""
-    out: dict[int, int] = {}
-    for (a, _), (b, _) in zip(old, new):
-        if len(a) != len(b) or len(a) > 6:
-            continue
-        nb = [bucket(d) for d in b]
-        for mask in range(1, 1 << len(a)):
-            pa = pb = 1
-            for i in range(len(a)):
-                if mask >> i & 1:
-                    pa, pb = pa * a[i], pb * nb[i]
-            if pa > 1 and pb != pa:
-                out[pa] = max(out.get(pa, pb), pb)
-            elif pa > 1:
-                out.setdefault(pa, pa)
-    return {k: v for k, v in out.items() if k != v}
-
-
-def scale_profile(profile: Profile, sizes: dict[int, int]) -> Profile:
-    """The profile of another input shape without profiling it: every tensor dimension whose
-    profiled size is a key of ``sizes`` takes the mapped size; bytes scale with the shape, a
-    unit's times, operators and inputs with its bytes."""
-    p = Profile.from_dict(profile.to_dict())
-    ratios: dict[str, tuple[int, int]] = {}
-    for t in p.tensors:
-        factor = 1.0
-        shape = []
-        for d in t.shape:
-            new = sizes.get(d, d)
-            factor *= new / d if d else 1.0
-            shape.append(new)
-        old = t.nbytes
-        t.nbytes = int(round(old * factor))
-        t.shape = shape
-        a, b = ratios.get(t.unit, (0, 0))
-        ratios[t.unit] = (a + old, b + t.nbytes)
-    for u in p.units:
-        old, new = ratios.get(u.name, (1, 1))
-        r = new / old if old else 1.0
-        u.fwd_s *= r
-        u.bwd_s *= r
-        u.input_bytes = int(u.input_bytes * r)
-        u.grad_bytes = u.grad_bytes  # parameter gradients do not depend on the input
-        u.ops = [
-            OpProfile(
-                o.index,
-                o.name,
-                int(o.out_bytes * r),
-                o.seconds * r,
-                int(o.saved_bytes * r),
-                o.view,
-                o.random,
-                o.pinned,
-            )
-            for o in u.ops
-        ]
-    total_old = sum(a for a, _ in ratios.values()) or 1
-    total_new = sum(b for _, b in ratios.values())
-    r = total_new / total_old
-    p.other_fwd_s *= r
-    p.other_bwd_s *= r
-    p.passes = []  # measured at the profiled shape only
-    return p
 
 
 # ------------------------------------------------------------------ the planned offload
@@ -578,7 +316,7 @@ class PlannedOffload:
             ]
         if self._step_shapes is not None:
             return
-        shapes = _inputs(args, {})
+        shapes = input_shapes(args, {})
         if not shapes:
             return
         self._step_shapes = shapes
@@ -609,7 +347,8 @@ class PlannedOffload:
                 "tt.offload(budget=...) again"
             )
         if not self._agreed:
-            self._agree_settings()
+            self._agreed = True
+            agree_settings(cfg)
         if self._rss0 is None and self.offloader is None and not torch.cuda.is_available():
             from tensortier._device import rss_bytes
             from tensortier._memory import release_freed_memory
@@ -694,30 +433,6 @@ class PlannedOffload:
             self.iteration += 1
             if self.profile is None and self._profiler is not None and active is not self._warm:
                 self._profiled += 1
-
-    def _agree_settings(self) -> None:
-        """Many ranks: the same settings on every rank, checked at the first step (before any
-        rank profiles or reads the plan cache); a mismatch is ConfigError on every rank. The
-        spill directory may differ (a node's own disk): it does not change the plan."""
-        self._agreed = True
-        if not _dist.active():
-            return
-        cfg = self.config
-        _dist.agree(
-            {
-                "budget": cfg.budget,
-                "to": cfg.to,
-                "policy": cfg.policy,
-                "host_budget": cfg.host_budget,
-                "plan_cache": cfg.plan_cache is not None,
-                "warmup": cfg.warmup,
-                "timing_iters": cfg.timing_iters,
-                "check_steps": cfg.check_steps,
-                "options": repr(cfg.options),
-            },
-            "tt.offload(budget=...)",
-            fix="run the same offload settings on every rank",
-        )
 
     def _measure_overhead(self) -> None:
         """The machinery's resident memory (see :meth:`_resident`), measured again before each
@@ -858,20 +573,17 @@ class PlannedOffload:
         self._measure_overhead()  # the profiling passes left more resident than the warm-up
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
         if _dist.active():
-            self._agree_structure(self.profile)
+            agree_structure(self.profile)
             # rank 0 plans for the largest resident overhead, with its profile and shapes
-            self._overhead = max(_dist.gather_objects(self._overhead))
+            self._overhead = highest(self._overhead)
         self.profile, self.choice, self._shapes = on_rank0(
             lambda: (self.profile, self._choose(self.profile), self._shapes)
         )
         key = self._key(self._shapes)
-        self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(
-            key, self._shapes, self.profile, self.choice
-        )
-        if cfg.plan_cache and self._shapes is not None and _dist.rank() == 0:
-            save_cached(
-                cfg.plan_cache, key, self.profile, self.choice, self._shapes, self._overhead
-            )
+        name = json.dumps(key, sort_keys=True)
+        self._buckets[name] = _Bucket(key, self._shapes, self.profile, self.choice)
+        if self._shapes is not None:
+            self._save(name)
         if cfg.report and _dist.rank() == 0:
             from tensortier.planner.report import write_report
 
@@ -882,20 +594,7 @@ class PlannedOffload:
             )
         if prof.offloader is not None and prof.offloader is not self._warm:
             prof.offloader.close()
-        self._install(json.dumps(key, sort_keys=True))
-
-    @staticmethod
-    def _agree_structure(profile: Profile) -> None:
-        """Every rank profiled the same units and saved tensors (else one plan cannot fit all):
-        ConfigError on every rank otherwise, naming the rank."""
-        _dist.agree(
-            {
-                "planning units": [u.name for u in profile.units],
-                "saved tensors": [(t.unit, t.nbytes) for t in profile.tensors],
-            },
-            "tt.offload(budget=...)",
-            fix="run the same model, batch shapes and offload settings on every rank",
-        )
+        self._install(name)
 
     def _choose(self, profile: Profile) -> Choice:
         from tensortier.errors import BudgetError
@@ -903,7 +602,7 @@ class PlannedOffload:
         cfg = self.config
         opts = cfg.options or Options()
         margin = self.margin
-        inner = Options(**{**opts.__dict__, "margin": 0.0})
+        inner = replace(opts, margin=0.0)
         try:  # the margin and the machinery's resident buffers come off the top
             choice = choose(profile, self._planning_budget(margin), cfg.policy, inner)
         except BudgetError as e:  # say it in the user's terms
@@ -942,7 +641,7 @@ class PlannedOffload:
             return self._choose(profile), None
         except BudgetError as e:
             opts = self.config.options or Options()
-            choice = smallest(profile, Options(**{**opts.__dict__, "margin": 0.0}))
+            choice = smallest(profile, replace(opts, margin=0.0))
             note = (
                 f"{choice.plan.policy}: predicted peak {format_size(choice.result.peak_bytes)} "
                 f"plus {format_size(self._overhead)} of offloader buffers; raise the budget to "
@@ -1001,9 +700,17 @@ class PlannedOffload:
                     stacklevel=3,
                 )
             self._buckets[name] = _Bucket(key, shapes, profile, choice, sizes)
-            if self.config.plan_cache and _dist.rank() == 0:
-                save_cached(self.config.plan_cache, key, profile, choice, shapes, self._overhead)
+            self._save(name)
         self._install(name)
+
+    def _save(self, name: str) -> None:
+        """Bucket ``name``'s profile and plan into the plan cache, if there is one: by rank 0
+        alone (every rank runs its plan, so one file per key is the whole truth)."""
+        b = self._buckets[name]
+        if self.config.plan_cache and _dist.rank() == 0:
+            save_cached(
+                self.config.plan_cache, b.key, b.profile, b.choice, b.shapes, self._overhead
+            )
 
     def _install(self, name: str) -> None:
         """Make ``self._buckets[name]``'s plan the one that runs (now: in the current forward,
@@ -1096,8 +803,7 @@ class PlannedOffload:
         step), on every rank (the highest peak of any rank decides)."""
         from tensortier.errors import BudgetError
 
-        if _dist.active():
-            peak = max(_dist.gather_objects(peak))
+        peak = highest(peak)
         budget = self.config.budget
         if peak <= budget:
             return
@@ -1124,8 +830,7 @@ class PlannedOffload:
         if _dist.active() and len(self.measured_peaks) > self._checked:
             # one rank over the budget re-plans them all, for the highest peak of any rank
             self._checked = len(self.measured_peaks)
-            everyone = _dist.gather_objects((over, peak))
-            over, peak = any(o for o, _ in everyone), max(p for _, p in everyone)
+            over, peak = over_anywhere(over, peak)
         if not over or self.replans >= MAX_REPLANS or self.profile is None:
             return
         budget = self.config.budget
@@ -1150,10 +855,8 @@ class PlannedOffload:
             ),
             stacklevel=3,
         )
-        b = self._buckets[self._current]
-        b.choice = choice
-        if self.config.plan_cache and _dist.rank() == 0:
-            save_cached(self.config.plan_cache, b.key, b.profile, choice, b.shapes, self._overhead)
+        self._buckets[self._current].choice = choice
+        self._save(self._current)
         self._install(self._current)
 
     @property
@@ -1179,6 +882,36 @@ class PlannedOffload:
 
 
 _CACHE: dict = {}
+
+
+def _tier_options(to: str, remote, opts: Options) -> Options:
+    """The options with the tiers ``to`` and ``remote`` allow (ConfigError for a tier that does
+    not exist or a remote pool that is missing or closed)."""
+    from tensortier.errors import ConfigError
+    from tensortier.tiers.remote import RemoteStore
+
+    if to not in ("host", "disk", "remote", "auto"):
+        raise ConfigError(f"to must be 'host', 'disk', 'remote' or 'auto', got {to!r}")
+    if to == "remote" and remote is None:
+        raise ConfigError(
+            "tt.offload(budget=..., to='remote') needs the remote memory pool: pass "
+            "remote=RemoteStore(capacity=...) (after ray.init), or use to='auto' without one"
+        )
+    if remote is not None and (not isinstance(remote, RemoteStore) or remote.closed):
+        raise ConfigError(
+            f"remote={remote!r}: pass an open tensortier.tiers.remote.RemoteStore, e.g. "
+            f"remote=RemoteStore(capacity='8GiB') (the planner measures it and leaves it open)"
+        )
+    if to == "host":
+        opts = replace(opts, tiers=("host",))
+    elif not torch.cuda.is_available():
+        # CPU: host RAM is the device memory and the host pool only caches read buffers
+        opts = replace(opts, tiers=("disk",))
+    if to == "remote":
+        opts = replace(opts, tiers=("remote",))
+    elif remote is not None and "remote" not in opts.tiers:
+        opts = replace(opts, tiers=(*opts.tiers, "remote"))
+    return opts
 
 
 def planned_offload(
@@ -1215,31 +948,7 @@ def planned_offload(
     is ignored: the planner decides per tensor. Calls with the same settings return the same
     object, so a training loop can write ``with tt.offload(budget=...):`` every step.
     """
-    from tensortier.errors import ConfigError
-    from tensortier.tiers.remote import RemoteStore
-
-    if to not in ("host", "disk", "remote", "auto"):
-        raise ConfigError(f"to must be 'host', 'disk', 'remote' or 'auto', got {to!r}")
-    if to == "remote" and remote is None:
-        raise ConfigError(
-            "tt.offload(budget=..., to='remote') needs the remote memory pool: pass "
-            "remote=RemoteStore(capacity=...) (after ray.init), or use to='auto' without one"
-        )
-    if remote is not None and (not isinstance(remote, RemoteStore) or remote.closed):
-        raise ConfigError(
-            f"remote={remote!r}: pass an open tensortier.tiers.remote.RemoteStore, e.g. "
-            f"remote=RemoteStore(capacity='8GiB') (the planner measures it and leaves it open)"
-        )
-    opts = options or Options()
-    if to == "host":
-        opts = Options(**{**opts.__dict__, "tiers": ("host",)})
-    elif not torch.cuda.is_available():
-        # CPU: host RAM is the device memory and the host pool only caches read buffers
-        opts = Options(**{**opts.__dict__, "tiers": ("disk",)})
-    if to == "remote":
-        opts = Options(**{**opts.__dict__, "tiers": ("remote",)})
-    elif remote is not None and "remote" not in opts.tiers:
-        opts = Options(**{**opts.__dict__, "tiers": (*opts.tiers, "remote")})
+    opts = _tier_options(to, remote, options or Options())
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
         policy=policy,
