@@ -203,6 +203,7 @@ def measure_bandwidth(
     One untimed round first: first-touch page faults, the disk slab's allocation and CUDA's
     ``cudaMalloc`` are not bandwidth.
     """
+    from tensortier._device import normalize_device
     from tensortier.tiers.disk import DiskStore
     from tensortier.tiers.host import HostPool
     from tensortier.transfer import TransferEngine
@@ -213,68 +214,21 @@ def measure_bandwidth(
     keep = n if resident is None else parse_size(resident, name="resident", allow_zero=False)
     k = max(1, min(n, keep // size))  # chunks alive at once
     rounds = max(1, n // k)
-    from tensortier._device import normalize_device
-
     dev = normalize_device(device)
-    cuda = dev.type == "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)  # never the training's RNG (dropout masks)
     src = [
         torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev, generator=gen)
         for _ in range(k)
     ]
     moved = rounds * k * size
-
-    def sync() -> None:
-        if cuda:  # bounded: the copies this probe issued
-            torch.cuda.synchronize(dev)
-
-    def wait(futures) -> list:
-        return [f.result(timeout=PROBE_TIMEOUT_S) for f in futures]
-
     with HostPool(2 * k * size + (16 << 20)) as pool, DiskStore(spill_dir, owner="tt-plan") as disk:
         eng = TransferEngine(host=pool, disk=disk, device=dev)
         try:
-            for h in wait([eng.to_host(t) for t in src]):  # maps the pool's pages
+            for h in _wait([eng.to_host(t) for t in src]):  # maps the pool's pages
                 h.free()
-            issue_s = d2h_s = 0.0
-            hosts: list = []
-            for r in range(rounds):
-                t0 = time.perf_counter()
-                futs = [eng.to_host(t) for t in src]
-                issue_s += time.perf_counter() - t0
-                hosts = wait(futs)
-                d2h_s += time.perf_counter() - t0
-                if r + 1 < rounds:
-                    for h in hosts:
-                        h.free()
-            # On CUDA ``result()`` of a device-bound move only makes the current stream wait on
-            # the copy's event: synchronize before reading the clock, or the issue time is
-            # measured instead of the copy.
-            h2d_s = 0.0
-            for r in range(rounds + 1):  # round 0 untimed: the destinations' cudaMalloc
-                sync()
-                t0 = time.perf_counter()
-                backs = wait([eng.to_device(h, free=False) for h in hosts])
-                sync()
-                if r:
-                    h2d_s += time.perf_counter() - t0
-                del backs
-            h2disk_s = disk2h_s = 0.0
-            handles: list = []
-            for r in range(rounds + 1):  # round 0 untimed: the slab file is allocated
-                t0 = time.perf_counter()
-                new = wait([disk.put(h.tensor) for h in hosts])
-                if r:
-                    h2disk_s += time.perf_counter() - t0
-                for hd in handles:
-                    disk.free(hd)
-                handles = new
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                wait([disk.get(hd, into=h.tensor) for hd, h in zip(handles, hosts)])
-                disk2h_s += time.perf_counter() - t0
-            for hd in handles:
-                disk.free(hd)
+            issue_s, d2h_s, hosts = _time_d2h(eng, src, rounds)
+            h2d_s = _time_h2d(eng, hosts, rounds, dev)
+            h2disk_s, disk2h_s = _time_disk(disk, hosts, rounds)
             for h in hosts:
                 h.free()
         finally:
@@ -286,6 +240,72 @@ def measure_bandwidth(
         disk2h=moved / disk2h_s,
         issue_s=issue_s / (rounds * k),
     )
+
+
+def _wait(futures) -> list:
+    """The results of a probe's transfers; a stuck disk or device raises instead of hanging."""
+    return [f.result(timeout=PROBE_TIMEOUT_S) for f in futures]
+
+
+def _time_d2h(eng, src: list[torch.Tensor], rounds: int) -> tuple[float, float, list]:
+    """Seconds issuing and completing ``rounds`` of device-to-host copies of ``src``, and the
+    host copies of the last round (kept: the other channels move them)."""
+    issue_s = d2h_s = 0.0
+    hosts: list = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        futs = [eng.to_host(t) for t in src]
+        issue_s += time.perf_counter() - t0
+        hosts = _wait(futs)
+        d2h_s += time.perf_counter() - t0
+        if r + 1 < rounds:
+            for h in hosts:
+                h.free()
+    return issue_s, d2h_s, hosts
+
+
+def _time_h2d(eng, hosts: list, rounds: int, dev: torch.device) -> float:
+    """Seconds of ``rounds`` of host-to-device copies of ``hosts``, after one untimed round (the
+    destinations' ``cudaMalloc``). On CUDA ``result()`` of a device-bound move only makes the
+    current stream wait on the copy's event: synchronize before reading the clock, or the issue
+    time is measured instead of the copy."""
+
+    def sync() -> None:
+        if dev.type == "cuda":  # bounded: the copies this probe issued
+            torch.cuda.synchronize(dev)
+
+    h2d_s = 0.0
+    for r in range(rounds + 1):
+        sync()
+        t0 = time.perf_counter()
+        backs = _wait([eng.to_device(h, free=False) for h in hosts])
+        sync()
+        if r:
+            h2d_s += time.perf_counter() - t0
+        del backs
+    return h2d_s
+
+
+def _time_disk(disk, hosts: list, rounds: int) -> tuple[float, float]:
+    """Seconds of ``rounds`` of writes of ``hosts`` to ``disk`` (after one untimed round: the
+    slab file is allocated) and of ``rounds`` of reads back into them."""
+    h2disk_s = disk2h_s = 0.0
+    handles: list = []
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        new = _wait([disk.put(h.tensor) for h in hosts])
+        if r:
+            h2disk_s += time.perf_counter() - t0
+        for hd in handles:
+            disk.free(hd)
+        handles = new
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        _wait([disk.get(hd, into=h.tensor) for hd, h in zip(handles, hosts)])
+        disk2h_s += time.perf_counter() - t0
+    for hd in handles:
+        disk.free(hd)
+    return h2disk_s, disk2h_s
 
 
 def measure_remote_bandwidth(
@@ -310,18 +330,14 @@ def measure_remote_bandwidth(
     gen = torch.Generator().manual_seed(0)  # never the training's RNG (dropout masks)
     src = [torch.randint(0, 255, (size,), dtype=torch.uint8, generator=gen) for _ in range(k)]
     moved = rounds * k * size
-
-    def wait(futures) -> list:
-        return [f.result(timeout=PROBE_TIMEOUT_S) for f in futures]
-
     put_s = get_s = 0.0
     for r in range(rounds + 1):  # round 0 untimed
         t0 = time.perf_counter()
-        handles = wait([store.put(t) for t in src])
+        handles = _wait([store.put(t) for t in src])
         if r:
             put_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        wait([store.get(h, into=t) for h, t in zip(handles, src)])
+        _wait([store.get(h, into=t) for h, t in zip(handles, src)])
         if r:
             get_s += time.perf_counter() - t0
         for h in handles:

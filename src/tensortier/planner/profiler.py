@@ -513,6 +513,22 @@ class Profiler:
         self._param_hooks = []
         return self._build(meta=meta, offload_overhead=offload_overhead)
 
+    def _measure_machine(self) -> None:
+        """The channels' bandwidth, the codecs' speeds and the selective policy's dispatch cost,
+        each measured once (under a forked RNG: the training's dropout masks stay its own)."""
+        with own_rng(self.device):
+            if self.bandwidth is None:
+                self.bandwidth = _bandwidth(self.spill_dir, self.device, self.probe_bytes)
+            if self.remote is not None and not self.bandwidth.remote:
+                self.bandwidth = _remote_bandwidth(self.bandwidth, self.remote, self.probe_bytes)
+            if self.codecs is None:
+                # only the codecs the probe tried (lossy ones only when allowed)
+                self.codecs = _codec_speeds(self.probe.codecs, codec_sample_bytes(self.probe_bytes))
+            if self._sac_op_s is None:
+                self._sac_op_s = (
+                    measure_sac_overhead(self.device) if self.recorder is not None else 0.0
+                )
+
     def _build(self, *, meta: dict | None = None, offload_overhead: int = 0) -> Profile:
         if not self._passes:
             from tensortier.errors import ConfigError
@@ -542,19 +558,7 @@ class Profiler:
         self._attach_ops(units, tensors)
         if any(t.unit == "" for t in tensors):
             units.append(UnitProfile("", 0.0, 0.0, recomputable=False, selective=False))
-        with own_rng(self.device):
-            if self.bandwidth is None:
-                self.bandwidth = _bandwidth(self.spill_dir, self.device, self.probe_bytes)
-            if self.remote is not None and not self.bandwidth.remote:
-                self.bandwidth = _remote_bandwidth(self.bandwidth, self.remote, self.probe_bytes)
-            if self.codecs is None:
-                # only the codecs the probe tried (lossy ones only when allowed)
-                self.codecs = _codec_speeds(self.probe.codecs, codec_sample_bytes(self.probe_bytes))
-            if self._sac_op_s is None:
-                self._sac_op_s = (
-                    measure_sac_overhead(self.device) if self.recorder is not None else 0.0
-                )
-            sac_op_s = self._sac_op_s
+        self._measure_machine()
         passes = [
             {
                 "kind": p.kind,
@@ -583,7 +587,7 @@ class Profiler:
             measured_peak_bytes=probe.meter.delta,
             measured_step_s=min(steps),
             passes=passes,
-            sac_op_s=sac_op_s,
+            sac_op_s=self._sac_op_s,
             meta={
                 "profiled_tier": self.tier,
                 "timing": "kept"
