@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
+from tensortier import _cuda
 from tensortier._device import normalize_device
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, check_int, parse_size
@@ -353,8 +354,8 @@ class _Side:
     __slots__ = ("d2h", "h2d")
 
     def __init__(self, device: torch.device):
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
+        self.d2h = _cuda.side_stream(device)
+        self.h2d = _cuda.side_stream(device)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -882,7 +883,7 @@ class TransferEngine:
             return
         device = src.device
         side = self._side(device)
-        event = torch.cuda.Event(blocking=True)
+        event = _cuda.event(blocking=True)
         with torch.cuda.device(device):
             side.d2h.wait_stream(torch.cuda.current_stream(device))  # after the producer
             with torch.cuda.stream(side.d2h):
@@ -912,7 +913,7 @@ class TransferEngine:
             self._on_cpu(copy, fail, done)
             return
         side = self._side(target)
-        event = torch.cuda.Event(blocking=True)
+        event = _cuda.event(blocking=True)
         with torch.cuda.device(target):
             with torch.cuda.stream(consumer):  # dst belongs to the consumer's stream
                 dst = torch.empty(src.shape, dtype=src.dtype, device=target)
