@@ -18,8 +18,8 @@ the head of that order whose write is still in flight keep their source, so the 
 backward needs are never read back. Every backward ends with a callback that empties the window.
 
 Remote memory (``to="remote"``): the storages go to a :class:`~tensortier.tiers.remote.RemoteStore`
-(other Ray nodes' RAM) through ``TransferEngine.to_remote`` and come back, prefetched the same way,
-through ``from_remote``; codecs do not apply to it. The planner (``tt.offload(budget=...,
+(other Ray nodes' RAM) through ``TransferEngine.to_store`` and come back, prefetched the same way,
+through ``from_store``; codecs do not apply to it. The planner (``tt.offload(budget=...,
 remote=pool)``) sends a unit there with ``Action("remote")`` where its simulator, given the pool's
 measured bandwidth, says the transfer hides.
 
@@ -565,7 +565,7 @@ class Offloader:
         """Start moving ``data`` (the storage bytes) to ``record.tier``, through its codec if any.
 
         The one place that encodes. Codecs see the typed values of the whole storage, and encode
-        through the engine (``to_host/to_disk(codec=)``: an async raw D2H, then a copy worker), so
+        through the engine (``to_host/to_store(codec=)``: an async raw D2H, then a copy worker), so
         the forward thread never waits for the device; only a codec that encodes on the device
         itself without a sync (a cast) runs here, on the current stream, and its payloads travel
         raw. See ``_restore`` for the way back."""
@@ -576,7 +576,7 @@ class Offloader:
                     "a saved tensor was sent to tier 'remote' (decide returned it), but this "
                     "Offloader has no remote store; pass remote=RemoteStore(...) or a dict"
                 )
-            record.location.append(engine.to_remote(data))  # raw: no codec on this tier
+            record.location.append(engine.to_store(data, "remote"))  # raw: no codec on this tier
             with self._lock:
                 self.stats.bytes_offloaded["remote"] += record.nbytes
                 self.stats.tensors_offloaded += 1
@@ -667,7 +667,7 @@ _COMPILED_HOOKS = (
     "compiled model inside `with tt.offload(...)` instead, or offload_module() an uncompiled model"
 )
 _last_stats: OffloadStats | None = None  # for offload_stats(); never keeps an Offloader alive
-_FROM_DISK_TAKES_DEVICE = "device" in inspect.signature(TransferEngine.from_disk).parameters
+_FROM_STORE_TAKES_DEVICE = "device" in inspect.signature(TransferEngine.from_store).parameters
 
 
 def _restore(
@@ -692,11 +692,11 @@ def _restore(
     ):
         engine.to_device(where, device=device).add_done_callback(then)
     elif isinstance(where, RemoteHandle):
-        engine.from_remote(where, to="device", device=device).add_done_callback(then)
-    elif _FROM_DISK_TAKES_DEVICE:
-        engine.from_disk(where, to="device", device=device).add_done_callback(then)
+        engine.from_store(where, "remote", to="device", device=device).add_done_callback(then)
+    elif _FROM_STORE_TAKES_DEVICE:
+        engine.from_store(where, "disk", to="device", device=device).add_done_callback(then)
     elif device == normalize_device(engine.device):
-        engine.from_disk(where, to="device").add_done_callback(then)
+        engine.from_store(where, "disk", to="device").add_done_callback(then)
     else:  # an engine that reads to its own device only: stage in host memory, then copy
 
         def staged(f: Future) -> None:
@@ -712,7 +712,7 @@ def _restore(
                 return
             inner.add_done_callback(then)
 
-        engine.from_disk(where, to="host").add_done_callback(staged)
+        engine.from_store(where, "disk", to="host").add_done_callback(staged)
 
 
 class _Source(list):
@@ -742,7 +742,7 @@ def _restore_payloads(
             if isinstance(part, HostTensor):
                 futures.append(engine.to_device(part, device=device))
             else:
-                futures.append(engine.from_disk(part, to="device", device=device))
+                futures.append(engine.from_store(part, "disk", to="device", device=device))
     except BaseException as exc:  # e.g. closed: the unpack must raise, never wait forever
         futures.append(_failed(exc))
     done: Future = Future()
@@ -776,15 +776,15 @@ def _to_host(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
 
 
 def _to_disk(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
-    """``engine.to_disk``; a device tensor that the host pool cannot stage (``to="auto"`` with
-    the pool full of host records) is copied to pageable memory first, on the current stream:
-    slower (the forward waits for it), never a failed forward."""
+    """``engine.to_store(t, "disk")``; a device tensor that the host pool cannot stage
+    (``to="auto"`` with the pool full of host records) is copied to pageable memory first, on the
+    current stream: slower (the forward waits for it), never a failed forward."""
     try:
-        return engine.to_disk(t, **codec)
+        return engine.to_store(t, "disk", **codec)
     except TierFullError as exc:
         if exc.tier != "host" or t.device.type == "cpu":
             raise
-        return engine.to_disk(t.cpu(), **codec)
+        return engine.to_store(t.cpu(), "disk", **codec)
 
 
 def _spill_if_full(engine: TransferEngine, first: Future, src, codec, off: Offloader) -> Future:
