@@ -55,10 +55,13 @@ from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullErr
 from tensortier.tiers.codecs import accepts
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
+from tensortier.tiers.placement import Placement
 from tensortier.tiers.remote import RemoteHandle, RemoteStore
 from tensortier.transfer import Encoded, HostTensor, TransferEngine
 
 TIERS = ("host", "disk", "remote", "auto")
+# the tiers each ``to=`` may place bytes on, in spill order
+_PLACEMENT = {"host": ("host",), "disk": ("disk",), "remote": ("remote",), "auto": ("host", "disk")}
 
 
 class Codec(Protocol):
@@ -297,20 +300,24 @@ class Offloader:
                 f"to='remote' with codec={getattr(codec, 'name', codec)!r}: codecs apply to the "
                 f"host and disk tiers only; pass codec=None"
             )
-        if remote is not None and not isinstance(remote, (RemoteStore, dict)):
-            raise ConfigError(
-                f"remote={remote!r}: pass a RemoteStore or a dict of its arguments, e.g. "
-                f"remote={{'capacity': '8GiB'}}"
-            )
+        # tiers, spill directory, budgets and remote pool: checked here, once
+        self.placement = Placement(
+            _PLACEMENT[to],
+            directory=spill_dir,
+            host_budget=host_budget,
+            disk_capacity=disk_capacity,
+            remote=remote,
+            where=f"Offloader(to={to!r})",
+        )
         self.to = to
         self.min_bytes = parse_size(min_bytes, name="min_bytes")
-        self.host_budget = parse_size(host_budget, name="host_budget", allow_zero=False)
+        self.host_budget = self.placement.host_budget
         self.prefetch = parse_size(prefetch, name="prefetch")
         self.decide, self.codec, self.record = decide, codec, record
         self.offload_weight_casts = offload_weight_casts
         self.spill_dir = spill_dir
         # each disk I/O thread keeps a 4 MiB aligned staging buffer: fewer threads, less memory
-        self._disk_args = {"capacity": disk_capacity, "io_threads": disk_io_threads}
+        self._disk_io_threads = disk_io_threads
         self._max_inflight = max_inflight
         self._host = HostPool(self.host_budget)
         self._disk: DiskStore | None = None
@@ -322,8 +329,8 @@ class Offloader:
         try:
             if to in ("disk", "auto"):
                 self._attach_disk()
-            if remote is not None or to == "remote":
-                self._attach_remote(remote)
+            if remote is not None:  # to="remote" without one: refused by the Placement
+                self._attach_remote()
         except BaseException:
             self._finalizer()
             raise
@@ -347,7 +354,8 @@ class Offloader:
                 # RAM is the device memory: activations written to disk must leave the RSS, which
                 # glibc's adaptive heap never lets them do (see tensortier._memory)
                 release_freed_memory()
-            self._disk = DiskStore(self.spill_dir, owner=_dist.owner("tt-act"), **self._disk_args)
+            owner, threads = _dist.owner("tt-act"), self._disk_io_threads
+            self._disk = self.placement.open_disk(owner=owner, io_threads=threads)
             self._engine.disk = self._disk
             self._resources.append(self._disk)
 
@@ -363,20 +371,11 @@ class Offloader:
             total += disk.stats.staging_bytes
         return total
 
-    def _attach_remote(self, remote: RemoteStore | dict | None) -> None:
-        if isinstance(remote, RemoteStore):
-            if remote.closed:
-                raise ConfigError("remote=RemoteStore(...) is closed; pass an open store")
-            self._engine.remote = remote  # the caller's: not closed with this offloader
-            return
-        if not isinstance(remote, dict) or "capacity" not in remote:
-            raise ConfigError(
-                f"to='remote' needs remote=RemoteStore(capacity) or a dict of its arguments with a "
-                f"capacity, e.g. remote={{'capacity': '8GiB'}}; got remote={remote!r}"
-            )
-        store = RemoteStore(**remote)
+    def _attach_remote(self) -> None:
+        store, made_here = self.placement.open_remote()  # else the caller's: left open
         self._engine.remote = store
-        self._resources.append(store)  # closed after the engine (which waits for transfers)
+        if made_here:
+            self._resources.append(store)  # closed after the engine (which waits for transfers)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Offloader:

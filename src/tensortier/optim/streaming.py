@@ -54,6 +54,7 @@ from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
 from tensortier.tiers.disk import DiskHandle, DiskStore
 from tensortier.tiers.host import HostPool, pinned_copy
+from tensortier.tiers.placement import Placement
 
 # attribute set on a streamed Parameter: a weakref to its streamer (one streamer per parameter)
 _OWNER_ATTR = "_tensortier_streamer"
@@ -180,9 +181,9 @@ class ParameterStreamer:
     def _open_tier(self, spill_dir: str | None) -> None:
         """The store, loader thread, staging and side stream; every parameter copied to its home
         (on failure nothing was swapped yet: the model is untouched)."""
-        self._store = (
-            DiskStore(spill_dir, owner="tensortier-params") if self.tier is ParamTier.DISK else None
-        )
+        place = Placement((self.tier.value,), directory=spill_dir, where="stream_parameters")
+        disk = self.tier is ParamTier.DISK
+        self._store = place.open_disk(owner="tensortier-params") if disk else None
         # CUDA host tier: copies are issued inline on the side stream, no thread needed
         need_thread = self._store is not None or not self._cuda
         self._loader = (
