@@ -52,6 +52,7 @@ from tensortier._device import normalize_device
 from tensortier._memory import release_freed_memory
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
+from tensortier.tiers.base import failed, gather
 from tensortier.tiers.codecs import accepts
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
@@ -743,31 +744,17 @@ def _restore_payloads(
             else:
                 futures.append(engine.from_store(part, "disk", to="device", device=device))
     except BaseException as exc:  # e.g. closed: the unpack must raise, never wait forever
-        futures.append(_failed(exc))
-    done: Future = Future()
-    left = [len(futures)]
-    lock = threading.Lock()
+        futures.append(failed(exc))
 
-    def one(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            done.set_exception(errors[0])
+    def finished(all_done: Future) -> None:
+        done: Future = Future()
+        if all_done.exception() is not None:
+            done.set_exception(all_done.exception())
         else:
             done.set_result(_Payloads(futures, enc))
         then(done)
 
-    for f in list(futures):
-        f.add_done_callback(one)
-
-
-def _failed(exc: BaseException) -> Future:
-    f: Future = Future()
-    f.set_exception(exc)
-    return f
+    gather(futures).add_done_callback(finished)
 
 
 def _to_host(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:

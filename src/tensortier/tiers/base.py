@@ -16,8 +16,9 @@ This module never does I/O itself and imports no store.
 
 from __future__ import annotations
 
+import collections
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
@@ -144,6 +145,7 @@ class StoreBase(Store):
     tier: str = ""
     _handle_type: type = object
     _live: dict
+    _freed: collections.deque
     _lock: threading.Lock
     _finalizer: Any
 
@@ -211,6 +213,14 @@ class StoreBase(Store):
                 self._drain_freed_locked()
             finally:
                 self._lock.release()
+
+    def _take_freed(self) -> Iterator[Any]:
+        """The entries ``free`` queued, oldest first, until the queue is empty (lock held)."""
+        while True:
+            try:
+                yield self._freed.popleft()
+            except IndexError:
+                return
 
     def _drain_freed_locked(self) -> None:
         raise NotImplementedError

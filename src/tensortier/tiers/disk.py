@@ -398,11 +398,7 @@ class DiskStore(StoreBase):
 
     def _drain_freed_locked(self) -> None:
         """Put the extents queued by :meth:`free` back on their slabs' free lists (lock held)."""
-        while True:
-            try:
-                index, offset, length = self._freed.popleft()
-            except IndexError:
-                return
+        for index, offset, length in self._take_freed():
             slab = self._files.slabs.get(index)
             if slab is not None:
                 slab.release(offset, length)

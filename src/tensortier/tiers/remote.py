@@ -343,11 +343,7 @@ class RemoteStore(StoreBase):
 
     # ---------------------------------------------------------------- bookkeeping
     def _drain_freed_locked(self) -> None:
-        while True:
-            try:
-                node_id, nbytes, tensors = self._freed.popleft()
-            except IndexError:
-                return
+        for node_id, nbytes, tensors in self._take_freed():
             node = self._pool.nodes.get(node_id)
             if node is not None:
                 node.used -= nbytes
