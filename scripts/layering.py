@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensortier/data/",
         ),
     ),
-    ("transfer", ("tensortier/transfer.py",)),
+    ("transfer", ("tensortier/transfer.py", "tensortier/_cuda.py")),
     ("tiers", ("tensortier/tiers/",)),
     (
         "foundation",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -130,3 +131,23 @@ def test_the_demo_never_imports_the_benchmarks():
     code = "import sys, tensortier.demo; print([m for m in sys.modules if 'benchmarks' in m])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# constructing a CUDA stream or event, by any spelling torch offers
+_STREAM_OR_EVENT = re.compile(
+    r"\bcuda\.(Stream|Event)\s*\(|\.record_event\s*\(|from\s+torch\.cuda\s+import[^\n]*\b(Stream|Event)\b"
+)
+
+
+def test_cuda_streams_and_events_are_made_in_one_module():
+    """Issue 26: every CUDA stream and event is constructed in ``tensortier/_cuda.py`` (owned by
+    the transfer layer), so one file says which streams exist and what threads sleep on."""
+    sites = [
+        f"{path.relative_to(SRC)}:{n}: {line.strip()}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path.name != "_cuda.py" or path.parent != SRC
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _STREAM_OR_EVENT.search(line)
+    ]
+    assert sites == [], "CUDA streams/events made outside tensortier/_cuda.py:\n" + "\n".join(sites)
+    assert _STREAM_OR_EVENT.search((SRC / "_cuda.py").read_text())  # the pattern still matches

@@ -48,8 +48,8 @@ def test_device_host_device_round_trip(engine, dtype):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_device_disk_device_round_trip(engine, dtype):
     x = make_tensor((3, 1000), dtype).to(_device())[:, ::2]  # non-contiguous
-    handle = engine.to_disk(x).result()
-    y = engine.from_disk(handle, to="device", free=True).result()
+    handle = engine.to_store(x, "disk").result()
+    y = engine.from_store(handle, "disk", to="device", free=True).result()
     assert torch.equal(y.cpu(), x.cpu()) and y.dtype == x.dtype
     del y  # on CPU the result lives in memory lent by the host pool until it is dropped
     _until(lambda: gc.collect() is not None and engine.host.stats.in_use == 0)
@@ -59,17 +59,17 @@ def test_device_disk_device_round_trip(engine, dtype):
 def test_host_tensor_to_disk_and_back_to_host(engine):
     x = torch.randn(5000)
     host = engine.to_host(x).result()
-    handle = engine.to_disk(host, free=True).result()
+    handle = engine.to_store(host, "disk", free=True).result()
     assert host.block.freed
-    back = engine.from_disk(handle, to="host").result()
+    back = engine.from_store(handle, "disk", to="host").result()
     assert isinstance(back, HostTensor) and torch.equal(back.tensor, x)
     back.free()
 
 
 def test_stats_count_bytes_per_direction(engine):
     x = torch.randn(1024)  # 4 KiB
-    h = engine.to_disk(engine.to_host(x).result(), free=True).result()
-    engine.to_device(engine.from_disk(h, to="host").result(), free=True).result()
+    h = engine.to_store(engine.to_host(x).result(), "disk", free=True).result()
+    engine.to_device(engine.from_store(h, "disk", to="host").result(), free=True).result()
     s = engine.stats
     assert s.bytes == {
         "d2h": 4096,
@@ -87,10 +87,10 @@ def test_many_concurrent_transfers_stay_under_inflight_bound(engine):
     xs = [
         torch.full((1 << 18,), float(i)) for i in range(40)
     ]  # 1 MiB each, 40 MiB total > 8 MiB bound
-    futs = [engine.to_disk(x) for x in xs]
+    futs = [engine.to_store(x, "disk") for x in xs]
     handles = [f.result() for f in futs]
     assert engine.stats.peak_inflight_bytes <= 8 << 20
-    outs = [engine.from_disk(h, free=True) for h in handles]
+    outs = [engine.from_store(h, "disk", free=True) for h in handles]
     for i, f in enumerate(outs):
         assert bool((f.result() == i).all())
     assert engine.stats.peak_inflight_bytes <= 8 << 20
@@ -102,7 +102,7 @@ def test_disk_error_reaches_the_future_and_releases_everything(engine, monkeypat
 
     monkeypatch.setattr(os, "pwrite", enospc)
     with pytest.raises(TierFullError):
-        engine.to_disk(engine.to_host(torch.randn(2000)).result(), free=True).result()
+        engine.to_store(engine.to_host(torch.randn(2000)).result(), "disk", free=True).result()
     monkeypatch.undo()
     engine.synchronize()  # nothing left in flight
     assert engine.host.stats.in_use == 0 and len(engine.disk) == 0
@@ -121,7 +121,30 @@ def test_engine_without_disk_explains(spill_dir):
         TransferEngine(host=HostPool("1MiB", pin=False)) as e,
         pytest.raises(ValueError, match="DiskStore"),
     ):
-        e.to_disk(torch.zeros(4))
+        e.to_store(torch.zeros(4), "disk")
+
+
+def test_to_store_takes_any_store_and_refuses_what_is_not_one(spill_dir):
+    """Issue 26: ``to_store``/``from_store`` move to the store they are given (a Store object,
+    or the engine's own by tier name); anything else is a TypeError naming the fix."""
+    x = torch.randn(3000)
+    with (
+        DiskStore(spill_dir) as disk,
+        TransferEngine(host=HostPool("1MiB", pin=False)) as e,
+    ):
+        h = e.to_store(x, disk).result()
+        assert h in disk and e.stats.bytes["h2disk"] == x.nbytes
+        assert torch.equal(e.from_store(h, disk, free=True).result(), x) and h not in disk
+        enc = e.to_store(x, disk, codec=get_codec("zstd")).result()
+        assert isinstance(enc, Encoded) and all(p in disk for p in enc.parts)
+        assert torch.equal(e.from_store(enc, disk, to="device", free=True).result(), x)
+        assert len(disk) == 0 and e.stats.count["disk2h"] == 2
+        for bad in (None, 42, "nvme"):
+            with pytest.raises(TypeError, match="not a Store"):
+                e.to_store(x, bad)
+            with pytest.raises(TypeError, match="not a Store"):
+                e.from_store(h, bad)
+        e.synchronize(timeout=30)
 
 
 def test_closed_engine_refuses(spill_dir):
@@ -139,9 +162,9 @@ def test_wait_time_is_accounted(engine):
         gate.wait(5)
         return real(*a)
 
-    h = engine.to_disk(torch.randn(1000)).result()
+    h = engine.to_store(torch.randn(1000), "disk").result()
     engine.disk._read_chunk = slow_read
-    fut = engine.from_disk(h)
+    fut = engine.from_store(h, "disk")
     threading.Timer(0.2, gate.set).start()
     fut.result()
     assert engine.stats.wait_seconds >= 0.15
@@ -163,11 +186,11 @@ def _idle(engine) -> bool:
 def test_stale_handle_raises_and_gives_its_bytes_back(engine):
     """Issue 18 #7: a synchronous KeyError used to keep its bytes in the throttle forever, so
     synchronize() and close() hung."""
-    h = engine.to_disk(torch.ones(100)).result()
-    engine.from_disk(h, free=True).result()
+    h = engine.to_store(torch.ones(100), "disk").result()
+    engine.from_store(h, "disk", free=True).result()
     for to in ("device", "host"):
         with pytest.raises(KeyError):
-            engine.from_disk(h, to=to).result()
+            engine.from_store(h, "disk", to=to).result()
     assert _idle(engine) and engine.host.stats.in_use == 0
 
 
@@ -176,13 +199,13 @@ def test_full_disk_at_submit_raises_and_gives_its_bytes_back(spill_dir):
         DiskStore(spill_dir, slab_size="1MiB", capacity="1MiB") as disk,
         TransferEngine(host=HostPool("16MiB", pin=False), disk=disk, max_inflight="4MiB") as e,
     ):
-        keep = e.to_disk(torch.zeros(200_000)).result()  # 800 KB of the 1 MiB
+        keep = e.to_store(torch.zeros(200_000), "disk").result()  # 800 KB of the 1 MiB
         for _ in range(8):  # more than max_inflight in total: a leak would block the next call
             with pytest.raises(TierFullError):
-                e.to_disk(torch.zeros(200_000)).result()
+                e.to_store(torch.zeros(200_000), "disk").result()
             host = e.to_host(torch.zeros(200_000)).result()
             with pytest.raises(TierFullError):
-                e.to_disk(host, free=True).result()
+                e.to_store(host, "disk", free=True).result()
             assert host.block.freed
         assert _idle(e) and e.host.stats.in_use == 0
         disk.free(keep)
@@ -195,19 +218,19 @@ def test_full_host_pool_raises_and_gives_its_bytes_back(spill_dir):
         TransferEngine(host=HostPool("1MiB", pin=False), disk=disk, max_inflight="1MiB") as e,
     ):
         held = e.to_host(torch.zeros(200_000)).result()
-        h = e.to_disk(torch.zeros(200_000)).result()
+        h = e.to_store(torch.zeros(200_000), "disk").result()
         for _ in range(4):
             with pytest.raises(TierFullError):
                 e.to_host(torch.zeros(200_000))
             with pytest.raises(TierFullError):
-                e.from_disk(h, to="host")
+                e.from_store(h, "disk", to="host")
         held.free()
         assert _idle(e)
-        e.from_disk(h, to="host", free=True).result().free()
+        e.from_store(h, "disk", to="host", free=True).result().free()
 
 
 def test_failed_read_gives_its_bytes_and_block_back(engine, monkeypatch):
-    h = engine.to_disk(torch.randn(5000)).result()
+    h = engine.to_store(torch.randn(5000), "disk").result()
 
     def eio(*a):
         raise OSError(errno.EIO, "Input/output error")
@@ -215,7 +238,7 @@ def test_failed_read_gives_its_bytes_and_block_back(engine, monkeypatch):
     monkeypatch.setattr(engine.disk, "_read_chunk", eio)
     for to in ("host", "device"):
         with pytest.raises(OSError):
-            engine.from_disk(h, to=to).result()
+            engine.from_store(h, "disk", to=to).result()
     monkeypatch.undo()
     # the I/O error's traceback (a reference cycle) holds the lent buffer until a GC pass
     _until(lambda: gc.collect() is not None and engine.host.stats.in_use == 0)
@@ -306,7 +329,9 @@ def test_dropped_engines_leave_no_threads_and_are_collected(spill_dir):
         e = TransferEngine(host=HostPool("4MiB", pin=False), disk=disk)
         x = torch.randn(1000)
         assert torch.equal(e.to_device(e.to_host(x).result(), free=True).result(), x)
-        assert torch.equal(e.from_disk(e.to_disk(x).result(), free=True).result(), x)
+        assert torch.equal(
+            e.from_store(e.to_store(x, "disk").result(), "disk", free=True).result(), x
+        )
         event = _Event()
         fut = _pending(e, event, _Source())  # starts the completion thread
         event.done.set()
@@ -323,13 +348,13 @@ def test_dropped_engines_leave_no_threads_and_are_collected(spill_dir):
 
 # ----------------------------------------------------------------------------- devices, defaults
 def test_restores_go_to_the_device_asked_for(engine):
-    """Issue 12 #6: to_device/from_disk take device= (the record's device), normalised."""
+    """Issue 12 #6: to_device/from_store take device= (the record's device), normalised."""
     x = torch.randn(300)
     for device in ("cpu", "cpu:0", torch.device("cpu", 0)):
         y = engine.to_device(engine.to_host(x).result(), free=True, device=device).result()
         assert y.device == torch.device("cpu") and torch.equal(y, x)
-        h = engine.to_disk(x).result()
-        y = engine.from_disk(h, to="device", free=True, device=device).result()
+        h = engine.to_store(x, "disk").result()
+        y = engine.from_store(h, "disk", to="device", free=True, device=device).result()
         assert y.device == torch.device("cpu") and torch.equal(y, x)
     del y
     _until(lambda: gc.collect() is not None and engine.host.stats.in_use == 0)
@@ -359,12 +384,12 @@ def test_codec_round_trips_through_host_and_disk_are_bit_exact(engine, codec, dt
     y = engine.to_device(enc, free=True).result()
     assert y.device.type == x.device.type and bit_equal(y, x)
     assert engine.host.stats.in_use == 0
-    on_disk = engine.to_disk(x, codec=c).result()
+    on_disk = engine.to_store(x, "disk", codec=c).result()
     assert all(p in engine.disk for p in on_disk.parts)
-    back = engine.from_disk(on_disk, to="host").result()
+    back = engine.from_store(on_disk, "disk", to="host").result()
     assert isinstance(back, HostTensor) and bit_equal(back.tensor, x)
     back.free()
-    y = engine.from_disk(on_disk, to="device", free=True).result()
+    y = engine.from_store(on_disk, "disk", to="device", free=True).result()
     assert bit_equal(y, x) and len(engine.disk) == 0
     del y
     _until(lambda: gc.collect() is not None and engine.host.stats.in_use == 0)
@@ -392,7 +417,7 @@ def test_codec_failure_reaches_the_future_and_gives_bytes_back(engine):
     with pytest.raises(ValueError, match="cannot encode"):
         engine.to_host(torch.randn(100), codec=Broken()).result()
     with pytest.raises(ValueError, match="cannot encode"):
-        engine.to_disk(torch.randn(100), codec=Broken()).result()
+        engine.to_store(torch.randn(100), "disk", codec=Broken()).result()
     assert _idle(engine) and engine.host.stats.in_use == 0 and len(engine.disk) == 0
 
 
@@ -476,7 +501,7 @@ def test_block_freed_while_it_is_written_to_disk_is_not_rewritten(engine, monkey
     x = torch.randn(1 << 18)
     h = engine.to_host(x).result()
     ptr = h.block.buffer.data_ptr()
-    fut = engine.to_disk(h)
+    fut = engine.to_store(h, "disk")
     h.free()
     other = engine.host.alloc(h.nbytes)
     assert other.buffer.data_ptr() != ptr, "the block was lent again under a queued disk write"
@@ -484,14 +509,16 @@ def test_block_freed_while_it_is_written_to_disk_is_not_rewritten(engine, monkey
     gate.set()
     handle = fut.result()
     monkeypatch.undo()
-    assert torch.equal(engine.from_disk(handle, to="device", device="cpu", free=True).result(), x)
+    assert torch.equal(
+        engine.from_store(handle, "disk", to="device", device="cpu", free=True).result(), x
+    )
     other.free()
 
 
 def test_transfers_of_a_freed_host_tensor_are_refused(engine):
     h = engine.to_host(torch.randn(100)).result()
     h.free()
-    for call in (engine.to_device, engine.to_disk):
+    for call in (engine.to_device, lambda h: engine.to_store(h, "disk")):
         with pytest.raises(ValueError, match="already freed"):
             call(h)
     assert _idle(engine)
@@ -593,7 +620,9 @@ def test_cpu_tensor_restored_to_cpu_in_a_cuda_engine(spill_dir):
         x = torch.randn(1 << 19)
         y = e.to_device(e.to_host(x).result(), free=True, device=x.device).result()
         assert y.device.type == "cpu" and torch.equal(y, x)
-        z = e.from_disk(e.to_disk(x).result(), free=True, device=x.device).result()
+        z = e.from_store(
+            e.to_store(x, "disk").result(), "disk", free=True, device=x.device
+        ).result()
         assert z.device.type == "cpu" and torch.equal(z, x)
 
 
@@ -614,7 +643,9 @@ def test_tensor_on_another_gpu_round_trips_on_that_gpu(spill_dir):
         host = e.to_host(x).result()
         assert bool((host.tensor == 6.0).all()), "the copy did not wait for cuda:1's stream"
         y = e.to_device(host, free=True, device=dev).result()
-        z = e.from_disk(e.to_disk(x).result(), free=True, device="cuda:1").result()
+        z = e.from_store(
+            e.to_store(x, "disk").result(), "disk", free=True, device="cuda:1"
+        ).result()
         assert y.device == dev == z.device and torch.equal(y, x) and torch.equal(z, x)
         assert set(e._sides) == {dev}
 

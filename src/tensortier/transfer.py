@@ -9,10 +9,10 @@
   stream of the target device, captured when the call is made), the copy runs on that device's
   second side stream, and ``result()`` makes the caller's stream wait on the copy's event
   (device-side). The engine keeps the source block and the destination until the copy is done.
-* host <-> disk: the disk tier's I/O threads.
-* host <-> remote (other machines' RAM, :class:`~tensortier.tiers.remote.RemoteStore`): the remote
-  tier's I/O threads, with the disk tier's future semantics; device tensors are staged through a
-  host block as for the disk.
+* host <-> a store (``to_store``/``from_store``: any :class:`~tensortier.tiers.base.Store`, the
+  disk tier's files or other machines' RAM through
+  :class:`~tensortier.tiers.remote.RemoteStore`): the store's I/O threads and futures; device
+  tensors are staged through a host block, and read back into one before their H2D copy.
 * codecs (``codec=``): raw bytes cross PCIe asynchronously and are encoded / decoded on the
   engine's host threads, so neither the caller nor the device ever waits for a data-dependent size.
 
@@ -46,16 +46,18 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
+from tensortier import _cuda
 from tensortier._device import normalize_device
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, check_int, parse_size
 from tensortier.errors import ClosedError, ConfigError
+from tensortier.tiers.base import Handle, Store, StoreBase, failed, gather
 from tensortier.tiers.codecs import Codec
-from tensortier.tiers.disk import DiskHandle, DiskStore, as_bytes
+from tensortier.tiers.disk import DiskStore, as_bytes
 from tensortier.tiers.host import HostBlock, HostPool, aligned_empty, default_budget
 
 if TYPE_CHECKING:  # Ray is imported only when a RemoteStore is made
-    from tensortier.tiers.remote import RemoteHandle, RemoteStore
+    from tensortier.tiers.remote import RemoteStore
 
 T = TypeVar("T")
 DIRECTIONS = ("d2h", "h2d", "h2disk", "disk2h", "h2remote", "remote2h")
@@ -107,13 +109,13 @@ class HostTensor:
 
 @dataclass
 class Encoded:
-    """A tensor stored through a codec: its payloads on the host (``HostTensor``) or on disk
-    (``DiskHandle``), plus what the codec needs to decode them. ``dtype``/``shape``/``nbytes``
+    """A tensor stored through a codec: its payloads on the host (``HostTensor``) or in a store
+    (its handles), plus what the codec needs to decode them. ``dtype``/``shape``/``nbytes``
     describe the original tensor."""
 
     codec: Codec
     meta: dict
-    parts: list  # list[HostTensor] | list[DiskHandle]
+    parts: list  # list[HostTensor] | list[Handle]
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
@@ -122,16 +124,18 @@ class Encoded:
     def payload_bytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def free(self, disk: DiskStore | None = None) -> None:
-        """Give the payloads back: host blocks to their pool, disk extents to ``disk``."""
+    def free(self, store: Store | None = None) -> None:
+        """Give the payloads back: host blocks to their pool, stored ones to ``store``."""
         for part in self.parts:
             if isinstance(part, HostTensor):
                 if not part.block.freed:
                     part.free()
-            elif disk is None:
-                raise ValueError("these payloads are on disk: pass the DiskStore, free(disk=...)")
-            elif part in disk:
-                disk.free(part)
+            elif store is None:
+                raise ValueError(
+                    "these payloads are in a store: pass it, free(store=...) (e.g. the DiskStore)"
+                )
+            elif part in store:
+                store.free(part)
 
 
 class Transfer(Future, Generic[T]):
@@ -353,8 +357,8 @@ class _Side:
     __slots__ = ("d2h", "h2d")
 
     def __init__(self, device: torch.device):
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
+        self.d2h = _cuda.side_stream(device)
+        self.h2d = _cuda.side_stream(device)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -375,12 +379,12 @@ class TransferEngine:
 
     >>> engine = TransferEngine(host=HostPool("8GiB"), disk=DiskStore("/mnt/nvme/tt"))
     >>> h = engine.to_host(activation)          # Transfer[HostTensor]
-    >>> d = engine.to_disk(activation)          # Transfer[DiskHandle]
-    >>> x = engine.from_disk(d.result(), to="device").result()
-    >>> r = engine.to_remote(activation)        # Transfer[RemoteHandle] (remote=RemoteStore(...))
-    >>> x = engine.from_remote(r.result(), to="device").result()
+    >>> d = engine.to_store(activation, "disk")   # Transfer[DiskHandle]
+    >>> x = engine.from_store(d.result(), "disk", to="device").result()
+    >>> r = engine.to_store(activation, pool)     # any Store, e.g. a RemoteStore
+    >>> x = engine.from_store(r.result(), pool, to="device").result()
 
-    ``device`` is the default target of ``to_device``/``from_disk(to="device")``; each call may
+    ``device`` is the default target of ``to_device``/``from_store(to="device")``; each call may
     name another with ``device=``. Copies of a tensor on ``cuda:k`` run on ``cuda:k``'s streams.
     ``host=None`` makes a pool of :func:`~tensortier.tiers.host.default_budget` bytes that the
     engine owns and closes.
@@ -478,7 +482,9 @@ class TransferEngine:
         consumer = self._consumer(target)
         if isinstance(host, Encoded):
             if not all(isinstance(p, HostTensor) for p in host.parts):
-                raise ValueError("these payloads are on disk: use from_disk(encoded, to='device')")
+                raise ValueError(
+                    "these payloads are in a store: use from_store(encoded, store, to='device')"
+                )
             _check_live("to_device(encoded)", host.parts)
             nbytes = host.nbytes
         else:
@@ -509,24 +515,29 @@ class TransferEngine:
             raise
         return fut
 
-    def to_disk(
+    def to_store(
         self,
         tensor: torch.Tensor | HostTensor,
+        store: Store | str,
         *,
         free: bool = False,
         codec: Codec | None = None,
-    ) -> Transfer[DiskHandle] | Transfer[Encoded]:
-        """Write a device, CPU or host-pool tensor to the disk tier.
+    ) -> Transfer[Handle] | Transfer[Encoded]:
+        """Write a device, CPU or host-pool tensor to ``store``: a :class:`Store` (a
+        :class:`DiskStore`, a :class:`~tensortier.tiers.remote.RemoteStore`), or ``"disk"`` /
+        ``"remote"`` for the one this engine was made with.
 
-        Device tensors are staged through a host block, which is returned to the pool once written.
-        ``free=True`` frees a given :class:`HostTensor` once written (or once the write failed).
-        With ``codec`` the result is an :class:`Encoded` whose payloads are disk handles.
+        Device tensors are staged through a host block, which is returned to the pool once
+        written. ``free=True`` frees a given :class:`HostTensor` once written (or once the write
+        failed). With ``codec`` the result is an :class:`Encoded` whose payloads are handles of
+        ``store``. A full store raises ``TierFullError`` here for CPU and host tensors, and fails
+        the future for device tensors (known only once staged).
         """
         self._check_open()
-        _check_tensor("to_disk(tensor)", tensor, HostTensor)
-        disk = self._need_disk()
+        _check_tensor("to_store(tensor)", tensor, HostTensor)
+        store = self._store(store)
         is_host = isinstance(tensor, HostTensor)
-        _check_live("to_disk(tensor)", [tensor])
+        _check_live("to_store(tensor)", [tensor])
         src = tensor.tensor if is_host else tensor.detach()
         nbytes = tensor.nbytes if is_host else _nbytes(src)
         fut = self._new()
@@ -534,53 +545,23 @@ class TransferEngine:
         try:
             after = tensor.free if (is_host and free) else None
             if codec is not None:
-
-                def encoded(payloads: list[torch.Tensor], meta: dict) -> None:
-                    if after is not None:
-                        after()
-
-                    def written(handles: list[DiskHandle]) -> None:
-                        self._resolve(
-                            fut,
-                            ticket,
-                            Encoded(codec, meta, handles, src.dtype, tuple(src.shape), nbytes),
-                        )
-
-                    self._write_all(disk, payloads, written, self._failer(fut, ticket))
-
                 block = tensor.block if is_host else None
-                self._encode(src, codec, encoded, self._failer(fut, ticket, after), block)
+                self._encode_to_store(fut, ticket, store, src, codec, after, block, nbytes)
             elif src.device.type == "cuda":
-                block = self._alloc(nbytes)
-                staged = HostTensor(block, src.dtype, tuple(src.shape))
-                fail = self._failer(fut, ticket, block)
-
-                def copied() -> None:
-                    self._count("d2h", nbytes)
-
-                    def written(handles: list[DiskHandle]) -> None:
-                        block.free()
-                        self._resolve(fut, ticket, handles[0])
-
-                    self._write_all(disk, [staged.tensor], written, fail)
-
-                try:
-                    self._d2h(src, staged, copied, fail)
-                except BaseException:
-                    block.free()
-                    raise
+                self._staged_to_store(fut, ticket, store, src, nbytes)
             else:  # on the caller's thread: a full tier raises TierFullError here, at once
-                inner = disk.put(src)  # a pool block is page-aligned: O_DIRECT writes from it
+                inner = store.put(src)  # a pool block is page-aligned: O_DIRECT writes from it
                 if is_host:  # the write reads the block until it is done
                     written_out = _record_host([tensor.block])
                     inner.add_done_callback(lambda _: written_out.set())
 
-                def written(handles: list[DiskHandle]) -> None:
+                def written(handles: list) -> None:
                     if after is not None:
                         after()
                     self._resolve(fut, ticket, handles[0])
 
-                self._collect(disk, [inner], written, self._failer(fut, ticket, after))
+                fail = self._failer(fut, ticket, after)
+                self._collect(gather([inner]), written, fail, f"h2{store.tier}")
         except BaseException:
             ticket.release()
             if is_host and free and not tensor.block.freed:
@@ -588,138 +569,35 @@ class TransferEngine:
             raise
         return fut
 
-    def from_disk(
+    def from_store(
         self,
-        handle: DiskHandle | Encoded,
+        handle: Handle | Encoded,
+        store: Store | str,
         *,
         to: str = "device",
         free: bool = False,
         device: torch.device | str | None = None,
     ) -> Transfer[torch.Tensor] | Transfer[HostTensor]:
-        """Read a tensor back, to a host pool block (``to="host"``) or to ``device`` (default: the
-        engine's; ``device="cpu"`` reads straight into process memory). An :class:`Encoded` with
-        disk payloads is decoded on the engine's host threads. ``free=True`` frees the disk
-        extent(s) once read."""
+        """Read a tensor back from ``store`` (as in :meth:`to_store`), to a host pool block
+        (``to="host"``) or to ``device`` (default: the engine's; ``device="cpu"`` reads straight
+        into process memory). An :class:`Encoded` with stored payloads is decoded on the engine's
+        host threads. ``free=True`` frees the stored copy once read. A stale handle raises
+        ``KeyError`` here; a lost memory node fails the future with ``NodeLostError`` naming it."""
         self._check_open()
         if to not in ("host", "device"):
             raise ConfigError(f"to must be 'host' or 'device', got {to!r}")
-        disk = self._need_disk()
+        store = self._store(store)
         target = self._target(device) if to == "device" else torch.device("cpu")
         consumer = self._consumer(target) if to == "device" else None
         fut = self._new()
         ticket = self._throttle.acquire(handle.nbytes)
         try:
             if isinstance(handle, Encoded):
-                self._from_disk_encoded(fut, ticket, disk, handle, to, target, consumer, free)
+                self._from_store_encoded(fut, ticket, store, handle, to, target, consumer, free)
             elif to == "device" and target.type == "cpu":
-                self._read_to_cpu(fut, ticket, disk, handle, free)
+                self._read_to_cpu(fut, ticket, store, handle, free)
             else:
-                self._read_to_block(fut, ticket, disk, handle, to, target, consumer, free)
-        except BaseException:
-            ticket.release()
-            raise
-        return fut
-
-    def to_remote(
-        self, tensor: torch.Tensor | HostTensor, *, free: bool = False
-    ) -> Transfer[RemoteHandle]:
-        """Send a device, CPU or host-pool tensor to the remote tier (other nodes' RAM).
-
-        As :meth:`to_disk` (no codec): device tensors are staged through a host block, given
-        back once sent; ``free=True`` frees a given :class:`HostTensor` once sent (or once the
-        send failed). A full remote pool raises ``TierFullError`` here for CPU and host tensors,
-        and fails the future for device tensors (known only once staged)."""
-        self._check_open()
-        _check_tensor("to_remote(tensor)", tensor, HostTensor)
-        remote = self._need_remote()
-        is_host = isinstance(tensor, HostTensor)
-        _check_live("to_remote(tensor)", [tensor])
-        src = tensor.tensor if is_host else tensor.detach()
-        nbytes = tensor.nbytes if is_host else _nbytes(src)
-        fut = self._new()
-        ticket = self._throttle.acquire(nbytes)
-        try:
-            after = tensor.free if (is_host and free) else None
-            if src.device.type == "cuda":
-                block = self._alloc(nbytes)
-                staged = HostTensor(block, src.dtype, tuple(src.shape))
-                fail = self._failer(fut, ticket, block)
-
-                def copied() -> None:
-                    self._count("d2h", nbytes)
-
-                    def sent(handles: list) -> None:
-                        block.free()
-                        self._resolve(fut, ticket, handles[0])
-
-                    self._write_all(remote, [staged.tensor], sent, fail, "h2remote")
-
-                try:
-                    self._d2h(src, staged, copied, fail)
-                except BaseException:
-                    block.free()
-                    raise
-            else:  # on the caller's thread: a full tier raises TierFullError here, at once
-                inner = remote.put(src)
-                if is_host:  # the send reads the block until it is done
-                    sent_out = _record_host([tensor.block])
-                    inner.add_done_callback(lambda _: sent_out.set())
-
-                def sent(handles: list) -> None:
-                    if after is not None:
-                        after()
-                    self._resolve(fut, ticket, handles[0])
-
-                self._collect(remote, [inner], sent, self._failer(fut, ticket, after), "h2remote")
-        except BaseException:
-            ticket.release()
-            if is_host and free and not tensor.block.freed:
-                tensor.free()
-            raise
-        return fut
-
-    def from_remote(
-        self,
-        handle: RemoteHandle,
-        *,
-        to: str = "device",
-        free: bool = False,
-        device: torch.device | str | None = None,
-    ) -> Transfer[torch.Tensor] | Transfer[HostTensor]:
-        """Fetch a tensor from the remote tier, to a host pool block (``to="host"``) or to
-        ``device`` (default: the engine's; ``device="cpu"`` lands in process memory), as
-        :meth:`from_disk`. ``free=True`` frees the remote copy once fetched. A lost memory node
-        fails the future with ``NodeLostError`` naming it."""
-        self._check_open()
-        if to not in ("host", "device"):
-            raise ConfigError(f"to must be 'host' or 'device', got {to!r}")
-        remote = self._need_remote()
-        target = self._target(device) if to == "device" else torch.device("cpu")
-        consumer = self._consumer(target) if to == "device" else None
-        fut = self._new()
-        ticket = self._throttle.acquire(handle.nbytes)
-        try:
-            if to == "device" and target.type == "cpu":
-                inner = remote.get(handle)  # KeyError for a stale handle: raised here
-
-                def done(f: Future) -> None:
-                    with _releasing():
-                        if f.exception() is not None:
-                            self._failer(fut, ticket)(f.exception())
-                            return
-                        try:
-                            if free:
-                                remote.free(handle)
-                        except BaseException as exc:
-                            self._failer(fut, ticket)(exc)
-                            return
-                        self._count("remote2h", handle.nbytes)
-                        self._resolve(fut, ticket, f.result())
-
-                inner.add_done_callback(done)
-            else:
-                read = (fut, ticket, remote, handle, to, target, consumer, free)
-                self._read_to_block(*read, length=handle.nbytes, direction="remote2h")
+                self._read_to_block(fut, ticket, store, handle, to, target, consumer, free)
         except BaseException:
             ticket.release()
             raise
@@ -777,6 +655,19 @@ class TransferEngine:
             raise ValueError("this TransferEngine has no disk tier; pass disk=DiskStore(spill_dir)")
         return self.disk
 
+    def _store(self, store: Store | str) -> Store:
+        """``store``, or the engine's own for ``"disk"``/``"remote"``."""
+        if store == "disk":
+            return self._need_disk()
+        if store == "remote":
+            return self._need_remote()
+        if isinstance(store, (StoreBase, Store)):  # the nominal check first: it is fast
+            return store
+        raise TypeError(
+            f"TransferEngine: store={store!r} is not a Store; pass a DiskStore or RemoteStore, "
+            f"or 'disk'/'remote' for the engine's own"
+        )
+
     def _target(self, device: torch.device | str | None) -> torch.device:
         return self.device if device is None else normalize_device(device)
 
@@ -803,9 +694,9 @@ class TransferEngine:
         return Transfer(self.stats, self._lock)
 
     def _count(self, direction: str, nbytes: int) -> None:
-        with self._lock:
-            self.stats.bytes[direction] += nbytes
-            self.stats.count[direction] += 1
+        with self._lock:  # a store of another tier than disk/remote adds its own directions
+            self.stats.bytes[direction] = self.stats.bytes.get(direction, 0) + nbytes
+            self.stats.count[direction] = self.stats.count.get(direction, 0) + 1
 
     @staticmethod
     def _resolve(fut: Transfer, ticket: _Ticket, value, on_result=None) -> None:
@@ -882,7 +773,7 @@ class TransferEngine:
             return
         device = src.device
         side = self._side(device)
-        event = torch.cuda.Event(blocking=True)
+        event = _cuda.event(blocking=True)
         with torch.cuda.device(device):
             side.d2h.wait_stream(torch.cuda.current_stream(device))  # after the producer
             with torch.cuda.stream(side.d2h):
@@ -912,7 +803,7 @@ class TransferEngine:
             self._on_cpu(copy, fail, done)
             return
         side = self._side(target)
-        event = torch.cuda.Event(blocking=True)
+        event = _cuda.event(blocking=True)
         with torch.cuda.device(target):
             with torch.cuda.stream(consumer):  # dst belongs to the consumer's stream
                 dst = torch.empty(src.shape, dtype=src.dtype, device=target)
@@ -1011,61 +902,86 @@ class TransferEngine:
             raise
         return parts
 
-    def _write_all(
-        self, disk: DiskStore, tensors: list[torch.Tensor], then, fail, direction: str = "h2disk"
-    ) -> None:
-        """``disk.put`` each tensor from a transfer thread: synchronous errors (a full disk) fail
-        like asynchronous ones. ``then(handles)`` once all are written, else free what was written
-        and ``fail``."""
-        futures = []
-        for t in tensors:
-            try:
-                futures.append(disk.put(t))
-            except BaseException as exc:
-                failed: Future = Future()
-                failed.set_exception(exc)
-                futures.append(failed)
-        self._collect(disk, futures, then, fail, direction)
+    def _staged_to_store(self, fut, ticket, store: Store, src: torch.Tensor, nbytes: int) -> None:
+        """``to_store`` of a device tensor: D2H into a pool block, then write the block."""
+        block = self._alloc(nbytes)
+        staged = HostTensor(block, src.dtype, tuple(src.shape))
+        fail = self._failer(fut, ticket, block)
 
-    def _collect(
-        self, disk: DiskStore, futures: list[Future], then, fail, direction: str = "h2disk"
-    ) -> None:
-        """``then(handles)`` once every write of ``disk`` (a DiskStore or RemoteStore) is done;
-        else free what was written and ``fail``."""
-        left = [len(futures)]
-        lock = threading.Lock()
+        def copied() -> None:
+            self._count("d2h", nbytes)
 
-        def one_done(_: Future) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
+            def written(handles: list) -> None:
+                block.free()
+                self._resolve(fut, ticket, handles[0])
+
+            self._write_all(store, [staged.tensor], written, fail, f"h2{store.tier}")
+
+        try:
+            self._d2h(src, staged, copied, fail)
+        except BaseException:
+            block.free()
+            raise
+
+    def _encode_to_store(
+        self, fut, ticket, store: Store, src: torch.Tensor, codec: Codec, after, block, nbytes
+    ) -> None:
+        """``to_store(codec=)``: encode on a host thread (device tensors copied raw first), then
+        write the payloads. ``after`` frees the source host tensor once encoded; ``block`` is its
+        pool block (read until encoded), if any."""
+
+        def encoded(payloads: list[torch.Tensor], meta: dict) -> None:
+            if after is not None:
+                after()
+
+            def written(handles: list) -> None:
+                shape = tuple(src.shape)
+                self._resolve(fut, ticket, Encoded(codec, meta, handles, src.dtype, shape, nbytes))
+
+            self._write_all(store, payloads, written, self._failer(fut, ticket), f"h2{store.tier}")
+
+        self._encode(src, codec, encoded, self._failer(fut, ticket, after), block)
+
+    def _write_all(self, store: Store, tensors: list[torch.Tensor], then, fail, direction) -> None:
+        """Store ``tensors`` from a transfer thread: a synchronous error (a full tier) fails like
+        an asynchronous one. ``then(handles)`` once all are written; else ``fail`` (the store
+        frees what was written)."""
+        try:
+            if len(tensors) == 1:  # put_many of one would pack it (a copy) on some stores
+                stored = gather([store.put(tensors[0])])
+            else:
+                stored = store.put_many(tensors)
+        except BaseException as exc:
+            stored = failed(exc)
+        self._collect(stored, then, fail, direction)
+
+    def _collect(self, stored: Future, then, fail, direction: str) -> None:
+        """``then(handles)`` once ``stored`` (a future of a list of handles) is done, else
+        ``fail``; on the thread that finished it, as a releasing thread."""
+
+        def done(f: Future) -> None:
             with _releasing():
-                errors = [f.exception() for f in futures if f.exception() is not None]
-                if errors:
-                    for f in futures:
-                        if f.exception() is None and f.result() in disk:
-                            disk.free(f.result())
-                    fail(errors[0])
+                error = f.exception()
+                if error is not None:
+                    fail(error)
                     return
-                handles = [f.result() for f in futures]
-                self._count(direction, sum(h.nbytes for h in handles))
+                handles = f.result()
+                if handles:
+                    self._count(direction, sum(h.nbytes for h in handles))
                 then(handles)
 
-        if not futures:
-            with _releasing():
-                then([])
-        for f in futures:
-            f.add_done_callback(one_done)
+        stored.add_done_callback(done)
 
-    def _read_to_cpu(self, fut, ticket, disk: DiskStore, handle: DiskHandle, free: bool) -> None:
-        """Process memory is the target: read straight into it (recycled pool memory when the pool
-        is not pinned: no first-touch page faults; pinned memory is kept for DMA)."""
+    def _read_to_cpu(self, fut, ticket, store: Store, handle: Handle, free: bool) -> None:
+        """Process memory is the target: read straight into it. A disk read lands in recycled
+        pool memory when the pool is not pinned (no first-touch page faults; pinned memory is
+        kept for DMA); a remote read lands in fresh NumPy memory, which is faster there (huge
+        pages: ``tiers/remote.py``)."""
         into = None
-        if not self.host.pin:
+        if isinstance(store, DiskStore) and not self.host.pin:
             with contextlib.suppress(Exception):  # full pool: the disk allocates instead
                 into = self.host.lend(handle.length, wait=not getattr(_local, "releasing", 0))
-        inner = disk.get(handle, into=into)
+        inner = store.get(handle, into=into)  # KeyError for a stale handle: raised here
 
         def done(f: Future) -> None:
             with _releasing():
@@ -1074,33 +990,21 @@ class TransferEngine:
                     return
                 try:
                     if free:
-                        disk.free(handle)
+                        store.free(handle)
                 except BaseException as exc:
                     self._failer(fut, ticket)(exc)
                     return
-                self._count("disk2h", handle.nbytes)
+                self._count(f"{store.tier}2h", handle.nbytes)
                 self._resolve(fut, ticket, f.result())
 
         inner.add_done_callback(done)
 
-    def _read_to_block(
-        self,
-        fut,
-        ticket,
-        disk,
-        handle,
-        to,
-        target,
-        consumer,
-        free,
-        length: int | None = None,
-        direction: str = "disk2h",
-    ) -> None:
-        """Read ``handle`` of ``disk`` (a DiskStore or RemoteStore) into a pool block, then hand
-        it out (``to="host"``) or copy it to ``target``."""
-        block = self._alloc(handle.length if length is None else length)
+    def _read_to_block(self, fut, ticket, store: Store, handle, to, target, consumer, free) -> None:
+        """Read ``handle`` of ``store`` into a pool block, then hand it out (``to="host"``) or
+        copy it to ``target``."""
+        block = self._alloc(handle.length)
         try:
-            inner = disk.get(handle, into=block.buffer)
+            inner = store.get(handle, into=block.buffer)
         except BaseException:
             block.free()
             raise
@@ -1115,8 +1019,8 @@ class TransferEngine:
                     return
                 try:
                     if free:
-                        disk.free(handle)
-                    self._count(direction, handle.nbytes)
+                        store.free(handle)
+                    self._count(f"{store.tier}2h", handle.nbytes)
                     if to == "host":
                         self._resolve(fut, ticket, host)
                     else:
@@ -1127,34 +1031,23 @@ class TransferEngine:
 
         inner.add_done_callback(read_done)
 
-    def _from_disk_encoded(
-        self, fut, ticket, disk, enc: Encoded, to, target, consumer, free
+    def _from_store_encoded(
+        self, fut, ticket, store: Store, enc: Encoded, to, target, consumer, free
     ) -> None:
-        if not all(isinstance(p, DiskHandle) for p in enc.parts):
+        if any(isinstance(p, HostTensor) for p in enc.parts):
             raise ValueError("these payloads are on the host: use to_device(encoded)")
-        futures = [disk.get(h) for h in enc.parts]  # KeyError for a stale handle: raised here
-        left = [len(futures)]
-        lock = threading.Lock()
+        stored = store.get_many(enc.parts)  # KeyError for a stale handle: raised here
 
-        def one_done(_: Future) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
+        def done(f: Future) -> None:
             with _releasing():
-                errors = [f.exception() for f in futures if f.exception() is not None]
-                if errors:
-                    self._failer(fut, ticket)(errors[0])
+                if f.exception() is not None:
+                    self._failer(fut, ticket)(f.exception())
                     return
-                payloads = [f.result() for f in futures]
-                self._count("disk2h", enc.payload_bytes)
-                release = (lambda: enc.free(disk)) if free else None
-                self._decode_to(fut, ticket, enc, payloads, to, target, consumer, release)
+                self._count(f"{store.tier}2h", enc.payload_bytes)
+                release = (lambda: enc.free(store)) if free else None
+                self._decode_to(fut, ticket, enc, f.result(), to, target, consumer, release)
 
-        for f in futures:
-            f.add_done_callback(one_done)
-        if not futures:
-            one_done(Future())
+        stored.add_done_callback(done)
 
     def _decode_to(
         self, fut, ticket, enc: Encoded, payloads, to, target, consumer, release

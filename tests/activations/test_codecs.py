@@ -54,7 +54,7 @@ class _Spy:
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("codec", LOSSLESS_CODECS)
 def test_codec_gradients_bit_identical_and_never_on_the_training_thread(spill_dir, tier, codec):
-    """#8: the codec runs on the engine's copy workers (``to_host/to_disk(codec=)``), never on the
+    """#8: the codec runs on the engine's copy workers (``to_host/to_store(codec=)``), never on the
     forward thread (where a device tensor needs a blocking D2H) nor the backward thread."""
     model, x = _model(), torch.randn(128, 64)
     ref = _grads(model, x)
@@ -212,8 +212,11 @@ def test_payloads_restored_raw_decode_on_the_consumer(spill_dir, tier):
         DiskStore(spill_dir) as disk,
         TransferEngine(host=HostPool("16MiB", pin=False), disk=disk) as engine,
     ):
-        put = engine.to_host if tier == "host" else engine.to_disk
-        enc = put(x, codec=get_codec("sparse")).result()
+        codec = get_codec("sparse")
+        if tier == "host":
+            enc = engine.to_host(x, codec=codec).result()
+        else:
+            enc = engine.to_store(x, "disk", codec=codec).result()
         got: list[Future] = []
         _restore_payloads(engine, enc, torch.device("cpu"), got.append)
         engine.synchronize()

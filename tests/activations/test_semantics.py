@@ -143,12 +143,12 @@ def test_cpu_saved_tensor_comes_back_on_the_cpu_in_a_device_run(monkeypatch):
 def test_restore_goes_to_the_records_device_through_the_one_call(spill_dir, monkeypatch):
     """Every read back asks the engine for the saved tensor's own device (``_restore``); with an
     engine whose disk reads land on its own device only, disk payloads are staged through host."""
-    monkeypatch.setattr(O, "_FROM_DISK_TAKES_DEVICE", False)
+    monkeypatch.setattr(O, "_FROM_STORE_TAKES_DEVICE", False)
     engine = ElsewhereEngine(disk=tt.DiskStore(spill_dir))
     try:
         t = torch.randn(1000)
         host = engine.to_host(t).result()
-        for where in (host, engine.to_disk(t).result()):
+        for where in (host, engine.to_store(t, "disk").result()):
             out = Future()
             O._restore(engine, where, torch.device("cpu"), out.set_result)
             back = out.result(timeout=30).result()

@@ -196,7 +196,7 @@ def test_node_loss_fails_its_handles_naming_the_node(cluster):
                 s.get(h).result(timeout=5)
         with TransferEngine(host=HostPool("1MiB"), remote=s) as engine:  # through the engine
             with pytest.raises(NodeLostError, match=doomed.node_id):
-                engine.from_remote(on_doomed[-1], to="host").result(timeout=5)
+                engine.from_store(on_doomed[-1], "remote", to="host").result(timeout=5)
             engine.synchronize(timeout=5)
         engine.host.close()
         for h, t in kept:
@@ -308,24 +308,27 @@ def engine(store):
 
 def test_engine_to_remote_and_back_is_bit_identical(store, engine):
     t = torch.randn(257, 3).t()  # non-contiguous
-    f = engine.to_remote(t)
+    f = engine.to_store(t, "remote")
     assert isinstance(f, Transfer)
     h = f.result(timeout=60)
     assert isinstance(h, RemoteHandle) and h in store
-    back = engine.from_remote(h, to="device", device="cpu").result(timeout=60)
+    back = engine.from_store(h, "remote", to="device", device="cpu").result(timeout=60)
     assert _same(back, t.contiguous())
-    host = engine.from_remote(h, to="host").result(timeout=60)
+    host = engine.from_store(h, "remote", to="host").result(timeout=60)
     assert isinstance(host, HostTensor) and _same(host.tensor, t.contiguous())
     host.free()
-    back = engine.from_remote(h, device="cpu", free=True).result(timeout=60)
+    back = engine.from_store(h, "remote", device="cpu", free=True).result(timeout=60)
     assert _same(back, t.contiguous()) and h not in store
     assert engine.stats.bytes["h2remote"] == h.nbytes and engine.stats.count["remote2h"] == 3
     # a host-pool tensor, freed once sent; an empty tensor
     staged = engine.to_host(torch.arange(100)).result(timeout=60)
-    h2 = engine.to_remote(staged, free=True).result(timeout=60)
+    h2 = engine.to_store(staged, "remote", free=True).result(timeout=60)
     assert staged.block.freed and torch.equal(store.read(h2), torch.arange(100))
-    e = engine.to_remote(torch.empty(0, 4)).result(timeout=60)
-    assert engine.from_remote(e, device="cpu", free=True).result(timeout=60).shape == (0, 4)
+    e = engine.to_store(torch.empty(0, 4), "remote").result(timeout=60)
+    assert engine.from_store(e, "remote", device="cpu", free=True).result(timeout=60).shape == (
+        0,
+        4,
+    )
     store.free(h2)
     engine.synchronize(timeout=30)
 
@@ -333,17 +336,17 @@ def test_engine_to_remote_and_back_is_bit_identical(store, engine):
 def test_engine_remote_errors_are_typed(store, engine):
     big = torch.zeros(store.stats.capacity_bytes, dtype=torch.uint8)
     with pytest.raises(TierFullError, match="remote"):
-        engine.to_remote(big)
+        engine.to_store(big, "remote")
     engine.synchronize(timeout=5)  # the throttle got its bytes back
     h = store.write(torch.ones(4))
     store.free(h)
     with pytest.raises(KeyError):
-        engine.from_remote(h)
+        engine.from_store(h, "remote")
     with pytest.raises(ConfigError, match="to must be"):
-        engine.from_remote(h, to="disk")
+        engine.from_store(h, "remote", to="disk")
     bare = TransferEngine(host=HostPool("1MiB"))
     with bare, pytest.raises(ValueError, match="no remote tier"):
-        bare.to_remote(torch.ones(3))
+        bare.to_store(torch.ones(3), "remote")
     bare.host.close()
     engine.synchronize(timeout=5)
 
@@ -352,8 +355,8 @@ def test_engine_remote_errors_are_typed(store, engine):
 def test_engine_remote_round_trip_from_and_to_cuda(store):
     with TransferEngine(host=HostPool("16MiB", pin=True), remote=store, device="cuda") as e:
         x = torch.randn(1000, 33, device="cuda")
-        h = e.to_remote(x * 2).result(timeout=60)  # staged through a pinned block
-        y = e.from_remote(h, free=True).result(timeout=60)
+        h = e.to_store(x * 2, "remote").result(timeout=60)  # staged through a pinned block
+        y = e.from_store(h, "remote", free=True).result(timeout=60)
         assert y.device.type == "cuda" and torch.equal(y, x * 2)
         e.synchronize(timeout=30)
     e.host.close()

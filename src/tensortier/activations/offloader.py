@@ -18,8 +18,8 @@ the head of that order whose write is still in flight keep their source, so the 
 backward needs are never read back. Every backward ends with a callback that empties the window.
 
 Remote memory (``to="remote"``): the storages go to a :class:`~tensortier.tiers.remote.RemoteStore`
-(other Ray nodes' RAM) through ``TransferEngine.to_remote`` and come back, prefetched the same way,
-through ``from_remote``; codecs do not apply to it. The planner (``tt.offload(budget=...,
+(other Ray nodes' RAM) through ``TransferEngine.to_store`` and come back, prefetched the same way,
+through ``from_store``; codecs do not apply to it. The planner (``tt.offload(budget=...,
 remote=pool)``) sends a unit there with ``Action("remote")`` where its simulator, given the pool's
 measured bandwidth, says the transfer hides.
 
@@ -52,13 +52,17 @@ from tensortier._device import normalize_device
 from tensortier._memory import release_freed_memory
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
+from tensortier.tiers.base import failed, gather
 from tensortier.tiers.codecs import accepts
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
+from tensortier.tiers.placement import Placement
 from tensortier.tiers.remote import RemoteHandle, RemoteStore
 from tensortier.transfer import Encoded, HostTensor, TransferEngine
 
 TIERS = ("host", "disk", "remote", "auto")
+# the tiers each ``to=`` may place bytes on, in spill order
+_PLACEMENT = {"host": ("host",), "disk": ("disk",), "remote": ("remote",), "auto": ("host", "disk")}
 
 
 class Codec(Protocol):
@@ -297,20 +301,24 @@ class Offloader:
                 f"to='remote' with codec={getattr(codec, 'name', codec)!r}: codecs apply to the "
                 f"host and disk tiers only; pass codec=None"
             )
-        if remote is not None and not isinstance(remote, (RemoteStore, dict)):
-            raise ConfigError(
-                f"remote={remote!r}: pass a RemoteStore or a dict of its arguments, e.g. "
-                f"remote={{'capacity': '8GiB'}}"
-            )
+        # tiers, spill directory, budgets and remote pool: checked here, once
+        self.placement = Placement(
+            _PLACEMENT[to],
+            directory=spill_dir,
+            host_budget=host_budget,
+            disk_capacity=disk_capacity,
+            remote=remote,
+            where=f"Offloader(to={to!r})",
+        )
         self.to = to
         self.min_bytes = parse_size(min_bytes, name="min_bytes")
-        self.host_budget = parse_size(host_budget, name="host_budget", allow_zero=False)
+        self.host_budget = self.placement.host_budget
         self.prefetch = parse_size(prefetch, name="prefetch")
         self.decide, self.codec, self.record = decide, codec, record
         self.offload_weight_casts = offload_weight_casts
         self.spill_dir = spill_dir
         # each disk I/O thread keeps a 4 MiB aligned staging buffer: fewer threads, less memory
-        self._disk_args = {"capacity": disk_capacity, "io_threads": disk_io_threads}
+        self._disk_io_threads = disk_io_threads
         self._max_inflight = max_inflight
         self._host = HostPool(self.host_budget)
         self._disk: DiskStore | None = None
@@ -322,8 +330,8 @@ class Offloader:
         try:
             if to in ("disk", "auto"):
                 self._attach_disk()
-            if remote is not None or to == "remote":
-                self._attach_remote(remote)
+            if remote is not None:  # to="remote" without one: refused by the Placement
+                self._attach_remote()
         except BaseException:
             self._finalizer()
             raise
@@ -347,7 +355,8 @@ class Offloader:
                 # RAM is the device memory: activations written to disk must leave the RSS, which
                 # glibc's adaptive heap never lets them do (see tensortier._memory)
                 release_freed_memory()
-            self._disk = DiskStore(self.spill_dir, owner=_dist.owner("tt-act"), **self._disk_args)
+            owner, threads = _dist.owner("tt-act"), self._disk_io_threads
+            self._disk = self.placement.open_disk(owner=owner, io_threads=threads)
             self._engine.disk = self._disk
             self._resources.append(self._disk)
 
@@ -363,20 +372,11 @@ class Offloader:
             total += disk.stats.staging_bytes
         return total
 
-    def _attach_remote(self, remote: RemoteStore | dict | None) -> None:
-        if isinstance(remote, RemoteStore):
-            if remote.closed:
-                raise ConfigError("remote=RemoteStore(...) is closed; pass an open store")
-            self._engine.remote = remote  # the caller's: not closed with this offloader
-            return
-        if not isinstance(remote, dict) or "capacity" not in remote:
-            raise ConfigError(
-                f"to='remote' needs remote=RemoteStore(capacity) or a dict of its arguments with a "
-                f"capacity, e.g. remote={{'capacity': '8GiB'}}; got remote={remote!r}"
-            )
-        store = RemoteStore(**remote)
+    def _attach_remote(self) -> None:
+        store, made_here = self.placement.open_remote()  # else the caller's: left open
         self._engine.remote = store
-        self._resources.append(store)  # closed after the engine (which waits for transfers)
+        if made_here:
+            self._resources.append(store)  # closed after the engine (which waits for transfers)
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Offloader:
@@ -565,7 +565,7 @@ class Offloader:
         """Start moving ``data`` (the storage bytes) to ``record.tier``, through its codec if any.
 
         The one place that encodes. Codecs see the typed values of the whole storage, and encode
-        through the engine (``to_host/to_disk(codec=)``: an async raw D2H, then a copy worker), so
+        through the engine (``to_host/to_store(codec=)``: an async raw D2H, then a copy worker), so
         the forward thread never waits for the device; only a codec that encodes on the device
         itself without a sync (a cast) runs here, on the current stream, and its payloads travel
         raw. See ``_restore`` for the way back."""
@@ -576,7 +576,7 @@ class Offloader:
                     "a saved tensor was sent to tier 'remote' (decide returned it), but this "
                     "Offloader has no remote store; pass remote=RemoteStore(...) or a dict"
                 )
-            record.location.append(engine.to_remote(data))  # raw: no codec on this tier
+            record.location.append(engine.to_store(data, "remote"))  # raw: no codec on this tier
             with self._lock:
                 self.stats.bytes_offloaded["remote"] += record.nbytes
                 self.stats.tensors_offloaded += 1
@@ -667,7 +667,7 @@ _COMPILED_HOOKS = (
     "compiled model inside `with tt.offload(...)` instead, or offload_module() an uncompiled model"
 )
 _last_stats: OffloadStats | None = None  # for offload_stats(); never keeps an Offloader alive
-_FROM_DISK_TAKES_DEVICE = "device" in inspect.signature(TransferEngine.from_disk).parameters
+_FROM_STORE_TAKES_DEVICE = "device" in inspect.signature(TransferEngine.from_store).parameters
 
 
 def _restore(
@@ -692,11 +692,11 @@ def _restore(
     ):
         engine.to_device(where, device=device).add_done_callback(then)
     elif isinstance(where, RemoteHandle):
-        engine.from_remote(where, to="device", device=device).add_done_callback(then)
-    elif _FROM_DISK_TAKES_DEVICE:
-        engine.from_disk(where, to="device", device=device).add_done_callback(then)
+        engine.from_store(where, "remote", to="device", device=device).add_done_callback(then)
+    elif _FROM_STORE_TAKES_DEVICE:
+        engine.from_store(where, "disk", to="device", device=device).add_done_callback(then)
     elif device == normalize_device(engine.device):
-        engine.from_disk(where, to="device").add_done_callback(then)
+        engine.from_store(where, "disk", to="device").add_done_callback(then)
     else:  # an engine that reads to its own device only: stage in host memory, then copy
 
         def staged(f: Future) -> None:
@@ -712,7 +712,7 @@ def _restore(
                 return
             inner.add_done_callback(then)
 
-        engine.from_disk(where, to="host").add_done_callback(staged)
+        engine.from_store(where, "disk", to="host").add_done_callback(staged)
 
 
 class _Source(list):
@@ -742,33 +742,19 @@ def _restore_payloads(
             if isinstance(part, HostTensor):
                 futures.append(engine.to_device(part, device=device))
             else:
-                futures.append(engine.from_disk(part, to="device", device=device))
+                futures.append(engine.from_store(part, "disk", to="device", device=device))
     except BaseException as exc:  # e.g. closed: the unpack must raise, never wait forever
-        futures.append(_failed(exc))
-    done: Future = Future()
-    left = [len(futures)]
-    lock = threading.Lock()
+        futures.append(failed(exc))
 
-    def one(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            done.set_exception(errors[0])
+    def finished(all_done: Future) -> None:
+        done: Future = Future()
+        if all_done.exception() is not None:
+            done.set_exception(all_done.exception())
         else:
             done.set_result(_Payloads(futures, enc))
         then(done)
 
-    for f in list(futures):
-        f.add_done_callback(one)
-
-
-def _failed(exc: BaseException) -> Future:
-    f: Future = Future()
-    f.set_exception(exc)
-    return f
+    gather(futures).add_done_callback(finished)
 
 
 def _to_host(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
@@ -776,15 +762,15 @@ def _to_host(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
 
 
 def _to_disk(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
-    """``engine.to_disk``; a device tensor that the host pool cannot stage (``to="auto"`` with
-    the pool full of host records) is copied to pageable memory first, on the current stream:
-    slower (the forward waits for it), never a failed forward."""
+    """``engine.to_store(t, "disk")``; a device tensor that the host pool cannot stage
+    (``to="auto"`` with the pool full of host records) is copied to pageable memory first, on the
+    current stream: slower (the forward waits for it), never a failed forward."""
     try:
-        return engine.to_disk(t, **codec)
+        return engine.to_store(t, "disk", **codec)
     except TierFullError as exc:
         if exc.tier != "host" or t.device.type == "cpu":
             raise
-        return engine.to_disk(t.cpu(), **codec)
+        return engine.to_store(t.cpu(), "disk", **codec)
 
 
 def _spill_if_full(engine: TransferEngine, first: Future, src, codec, off: Offloader) -> Future:

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tensortier import _dist
+from tensortier import _cuda, _dist
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer
 from tensortier._units import SizeLike, check_int, format_size, parse_size
@@ -931,7 +931,7 @@ class Checkpointer:
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[device] = _cuda.side_stream(device)
         return stream
 
     def _layout(self, tensors: list[tuple[str, torch.Tensor, bool]]) -> None:
@@ -1132,11 +1132,11 @@ def _copy_from_device(device, early, late, side: torch.cuda.Stream) -> torch.cud
             t.record_stream(side)
             dst.copy_(as_bytes(t), non_blocking=True)
         if early:
-            compute.wait_event(side.record_event())
+            compute.wait_event(_cuda.recorded(side))
         for dst, t in late:
             t.record_stream(side)
             dst.copy_(as_bytes(t), non_blocking=True)
-        done = torch.cuda.Event(blocking=True)  # the persist thread sleeps on it, never spins
+        done = _cuda.event(blocking=True)  # the persist thread sleeps on it, never spins
         done.record(side)
     return done
 

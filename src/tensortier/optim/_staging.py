@@ -31,6 +31,7 @@ import ctypes.util
 
 import torch
 
+from tensortier import _cuda
 from tensortier._units import align_up
 from tensortier.optim._states import ALIGN
 from tensortier.tiers.host import aligned_empty
@@ -97,7 +98,7 @@ class Staging:
     def add_devices(self, devices: set[torch.device]) -> None:
         for d in devices:
             if d.type == "cuda" and d not in self._streams:
-                self._streams[d] = torch.cuda.Stream(device=d)
+                self._streams[d] = _cuda.side_stream(d)
 
     @property
     def host_bytes(self) -> int:
@@ -165,7 +166,7 @@ class Staging:
             for v, g in zip(views, grads):
                 v.copy_(g, non_blocking=True)
                 g.record_stream(stream)  # the allocator must not reuse g before the copy ran
-            event = torch.cuda.Event()
+            event = _cuda.event()
             event.record(stream)
         return Staged(views, event)
 
@@ -217,7 +218,7 @@ class Staging:
                     tmp = torch.empty(p.shape, dtype=m.dtype, device=device)
                     tmp.copy_(src, non_blocking=True)
                     p.copy_(tmp)
-            event = torch.cuda.Event()
+            event = _cuda.event()
             event.record(stream)
         if holder is None:
             event.synchronize()
@@ -227,7 +228,7 @@ class Staging:
     def finish_write_back(self) -> None:
         """Make each compute stream wait for this step's write-back (one event per device)."""
         for device in [d for d, used in self._wb_devices.items() if used]:
-            event = torch.cuda.Event()
+            event = _cuda.event()
             event.record(self._streams[device])
             torch.cuda.current_stream(device).wait_event(event)
             self._wb_devices[device] = False

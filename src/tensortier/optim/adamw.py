@@ -66,7 +66,7 @@ from tensortier.optim._state_dict import StateDicts
 from tensortier.optim._states import DiskStates
 from tensortier.optim._stats import OffloadStats, record_memory
 from tensortier.optim._step import Step
-from tensortier.optim._tiers import StateTier, open_states, parse_tier
+from tensortier.optim._tiers import StateTier, open_states, parse_tier, states_placement
 from tensortier.optim._update import Updater
 from tensortier.optim._zero import ShardedStep, Sharding
 
@@ -157,6 +157,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ):
         _check_hyper(lr, betas, eps, weight_decay)
         self.tier = parse_tier(states)
+        placement = states_placement(self.tier, spill_dir, disk_capacity, remote)
         self._bucket_bytes = parse_size(bucket_size, name="bucket_size", allow_zero=False)
         self.master_weights = master_weights
         if overlap not in (True, False, "auto"):
@@ -173,10 +174,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         devices = {p.device for g in self.param_groups for p in g["params"]}
         pin = any(d.type == "cuda" for d in devices)
         self._states = open_states(
-            self.tier,
-            spill_dir=spill_dir,
-            disk_capacity=disk_capacity,
-            remote=remote,
+            placement,
             bucket_bytes=self._bucket_bytes,
             depth=pipeline_depth,
             io_threads=io_threads,

@@ -47,12 +47,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensortier import _cuda
 from tensortier._device import cuda_available, normalize_device
 from tensortier._lifetime import Finalizer
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
 from tensortier.tiers.disk import DiskHandle, DiskStore
 from tensortier.tiers.host import HostPool, pinned_copy
+from tensortier.tiers.placement import Placement
 
 # attribute set on a streamed Parameter: a weakref to its streamer (one streamer per parameter)
 _OWNER_ATTR = "_tensortier_streamer"
@@ -179,9 +181,9 @@ class ParameterStreamer:
     def _open_tier(self, spill_dir: str | None) -> None:
         """The store, loader thread, staging and side stream; every parameter copied to its home
         (on failure nothing was swapped yet: the model is untouched)."""
-        self._store = (
-            DiskStore(spill_dir, owner="tensortier-params") if self.tier is ParamTier.DISK else None
-        )
+        place = Placement((self.tier.value,), directory=spill_dir, where="stream_parameters")
+        disk = self.tier is ParamTier.DISK
+        self._store = place.open_disk(owner="tensortier-params") if disk else None
         # CUDA host tier: copies are issued inline on the side stream, no thread needed
         need_thread = self._store is not None or not self._cuda
         self._loader = (
@@ -191,7 +193,7 @@ class ParameterStreamer:
         staged = self._store is not None and self._cuda
         self._staging = HostPool(2 * self.budget, pin=True) if staged else None
         self._finalizer = Finalizer(self, _shutdown, self._loader, self._store, self._staging)
-        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._side = _cuda.side_stream(self.device) if self._cuda else None
         try:
             self._store_homes()
         except BaseException:
@@ -246,7 +248,7 @@ class ParameterStreamer:
         """Copy pinned host tensors on the side stream; the event marks their arrival."""
         with torch.cuda.stream(self._side):  # destinations come from the side stream's pool
             out = [h.to(self.device, non_blocking=True) for h in host]
-            event = torch.cuda.Event()
+            event = _cuda.event()
             event.record(self._side)
         return out, event
 
@@ -274,7 +276,7 @@ class ParameterStreamer:
     def _released(self, nbytes: int) -> None:
         """The host is done with ``nbytes`` of a unit; the device is done at this event."""
         if self._cuda:
-            event = torch.cuda.Event(blocking=True)  # a waiting host sleeps instead of spinning
+            event = _cuda.event(blocking=True)  # a waiting host sleeps instead of spinning
             event.record(torch.cuda.current_stream(self.device))
             self._releasing.append((event, nbytes))
             self._releasing_bytes += nbytes

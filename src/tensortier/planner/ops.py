@@ -30,6 +30,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from tensortier import _cuda
+
 
 def _is_inplace(func) -> bool:
     try:
@@ -87,8 +89,8 @@ class OpRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         cuda = self.device.type == "cuda"
         if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
+            start = _cuda.timing_event()
+            end = _cuda.timing_event()
             start.record()
         t0 = time.perf_counter()
         out = func(*args, **kwargs)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tensortier import _cuda
 from tensortier._memory import HighWater
 from tensortier.planner.ops import OpRecorder, measure_sac_overhead, preload
 from tensortier.planner.profile import (
@@ -395,8 +396,8 @@ class Profiler:
         cur.meter = PeakMeter(self.device).__enter__()  # CUDA: synchronizes first
         if self.device.type == "cuda" and not sync_units:
             stream = torch.cuda.current_stream(self.device)
-            cur.start_event = torch.cuda.Event(enable_timing=True)
-            cur.end_event = torch.cuda.Event(enable_timing=True)
+            cur.start_event = _cuda.timing_event()
+            cur.end_event = _cuda.timing_event()
             cur.start_event.record(stream)
         cur.t_fwd = time.perf_counter()
         recorder = self.recorder if kind == "probe" else None

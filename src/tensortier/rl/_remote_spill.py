@@ -23,12 +23,16 @@ import numpy as np
 import torch
 
 from tensortier.errors import ClosedError, NodeLostError, TierFullError
+from tensortier.tiers.base import Store
 
 _GROUP = 1 << 20
 
 
 class RemoteSpill:
-    def __init__(self, remote, group_bytes: int = _GROUP):
+    """Spilled items in ``remote``, any :class:`~tensortier.tiers.base.Store` (a RemoteStore
+    here): only ``put``, ``get`` and ``free`` are used."""
+
+    def __init__(self, remote: Store, group_bytes: int = _GROUP):
         self.remote = remote
         self.group_bytes = group_bytes
         self.loc: dict[int, tuple[int, int, int]] = {}  # slot -> (batch, offset, length)

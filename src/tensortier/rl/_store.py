@@ -49,6 +49,7 @@ from tensortier.errors import (
     TierFullError,
 )
 from tensortier.rl._remote_spill import RemoteSpill
+from tensortier.tiers.placement import check_remote
 from tensortier.tiers.segments import TOMBSTONE, Segments
 
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
@@ -108,14 +109,8 @@ def check_spill(what: str, spill: Any, remote: Any, durable: bool) -> tuple[str,
             f"{what}: spill must be 'disk', 'remote' (RAM -> remote pool -> disk) or a list of "
             f"tiers in order: ['remote', 'disk'] or ['remote'], got {spill!r}"
         )
-    if "remote" in tiers:
-        from tensortier.tiers.remote import RemoteStore
-
-        if not isinstance(remote, RemoteStore):
-            raise ConfigError(
-                f"{what}: spill={spill!r} needs remote=tt.tiers.RemoteStore(capacity) (the pool "
-                f"items evicted from RAM go to), got remote={remote!r}"
-            )
+    if "remote" in tiers:  # the pool items evicted from RAM go to: the caller's, left open
+        check_remote(remote, where=f"{what}: spill={spill!r}", needed=True, args=False)
         if durable:
             raise ConfigError(
                 f"{what}: durable=True writes every item to spill_dir when it is added, so RAM "

@@ -52,6 +52,7 @@ import torch
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
 from tensortier._units import SizeLike, align_up, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
+from tensortier.tiers.base import StoreBase, running
 from tensortier.tiers.host import PAGE, aligned_empty
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -248,7 +249,7 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-class DiskStore:
+class DiskStore(StoreBase):
     """A tensor store on local disk (ideally NVMe) with async, thread-pooled I/O.
 
     >>> with DiskStore("/mnt/nvme/tt", capacity="64GiB") as store:
@@ -258,7 +259,12 @@ class DiskStore:
 
     ``direct=None`` uses O_DIRECT if the filesystem supports it; ``False`` forces buffered I/O.
     ``slab_size`` is the preallocation unit; larger tensors get a slab of their own size.
+    Implements :class:`~tensortier.tiers.base.Store` (``put_many``/``get_many``: one put or get
+    per tensor, all in flight at once).
     """
+
+    tier = "disk"
+    _handle_type = DiskHandle
 
     def __init__(
         self,
@@ -392,11 +398,7 @@ class DiskStore:
 
     def _drain_freed_locked(self) -> None:
         """Put the extents queued by :meth:`free` back on their slabs' free lists (lock held)."""
-        while True:
-            try:
-                index, offset, length = self._freed.popleft()
-            except IndexError:
-                return
+        for index, offset, length in self._take_freed():
             slab = self._files.slabs.get(index)
             if slab is not None:
                 slab.release(offset, length)
@@ -418,7 +420,7 @@ class DiskStore:
         if tensor.device.type != "cpu":
             raise ValueError(
                 f"DiskStore.put(tensor) takes CPU tensors, got one on {tensor.device}; "
-                f"use TransferEngine.to_disk to move device tensors"
+                f"use TransferEngine.to_store to move device tensors"
             )
         self._check_open()
         data = as_bytes(tensor.detach())
@@ -434,8 +436,7 @@ class DiskStore:
             tensor.dtype,
             tuple(tensor.shape),
         )
-        done: Future[DiskHandle] = Future()
-        done.set_running_or_notify_cancel()
+        done: Future[DiskHandle] = running()
 
         def finished(error: BaseException | None) -> None:
             if error is None:
@@ -485,8 +486,7 @@ class DiskStore:
                 f"`into` must be a contiguous, 64-byte aligned CPU uint8 tensor of "
                 f">= {handle.length} bytes"
             )
-        done: Future[torch.Tensor] = Future()
-        done.set_running_or_notify_cancel()
+        done: Future[torch.Tensor] = running()
 
         def finished(error: BaseException | None) -> None:
             if error is not None:
@@ -514,45 +514,14 @@ class DiskStore:
             )
         if self.closed:
             return
-        if self._live.get(handle.id) is not handle:  # ids are process-wide: no foreign match
-            raise KeyError(f"{handle} is not live in this store (freed twice?)")
-        if self._live.pop(handle.id, None) is None:  # atomic: of two racing frees, one wins
-            raise KeyError(f"{handle} is not live in this store (freed twice?)")
+        self._unlive(handle)
         self._freed.append((handle.slab, handle.offset, handle.length))  # deque.append: atomic
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain_freed_locked()
-            finally:
-                self._lock.release()
-
-    def write(self, tensor: torch.Tensor) -> DiskHandle:
-        """Synchronous :meth:`put`."""
-        return self.put(tensor).result()
-
-    def read(self, handle: DiskHandle) -> torch.Tensor:
-        """Synchronous :meth:`get`."""
-        return self.get(handle).result()
-
-    def __contains__(self, handle: object) -> bool:
-        return isinstance(handle, DiskHandle) and self._live.get(handle.id) is handle
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
+        self._drain_soon()
 
     def close(self) -> None:
         """Wait for pending I/O, then delete every file and the private directory."""
         self._finalizer()
         self._live.clear()
-
-    def __enter__(self) -> DiskStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -54,6 +54,7 @@ from tensortier._lifetime import Finalizer
 from tensortier._ray import end_actors, require_ray
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
+from tensortier.tiers.base import StoreBase, running
 from tensortier.tiers.disk import as_bytes
 
 _TIMEOUT = 60.0  # seconds one remote call may take (a 1 GiB tensor at ~0.5 GB/s takes ~2 s)
@@ -76,6 +77,11 @@ class RemoteHandle:
     shape: tuple[int, ...]
     batch: int = -1  # put_many: id of the one object its bytes share with the batch, else -1
     offset: int = 0  # byte offset of its bytes in that object
+
+    @property
+    def length(self) -> int:
+        """Bytes a ``get(into=)`` buffer must hold (the data: no padding on this tier)."""
+        return self.nbytes
 
     @property
     def key(self) -> int:
@@ -164,12 +170,6 @@ class _Prefetch:
         self.window = 0
 
 
-def _running() -> Future:
-    done: Future = Future()
-    done.set_running_or_notify_cancel()
-    return done
-
-
 def _check_handle(handle: object, where: str) -> None:
     if not isinstance(handle, RemoteHandle):
         raise TypeError(
@@ -222,7 +222,7 @@ def _check_seconds(value: object, name: str) -> float:
     return float(value)
 
 
-class RemoteStore:
+class RemoteStore(StoreBase):
     """A tensor store in the RAM of other Ray nodes, with the :class:`DiskStore` interface.
 
     >>> with RemoteStore(capacity="8GiB") as store:   # ray.init(address=...) first
@@ -233,8 +233,12 @@ class RemoteStore:
     ``nodes``: Ray node ids to hold memory on; ``None`` takes every alive node but this process's
     own (this node's if it is the only one). Each gets ``capacity / len(nodes)``, which must fit in
     that node's object store (beyond it Ray would spill to disk). ``timeout`` bounds every remote
-    call; ``start_timeout`` bounds the actors' start.
+    call; ``start_timeout`` bounds the actors' start. Implements
+    :class:`~tensortier.tiers.base.Store`.
     """
+
+    tier = "remote"
+    _handle_type = RemoteHandle
 
     def __init__(
         self,
@@ -339,11 +343,7 @@ class RemoteStore:
 
     # ---------------------------------------------------------------- bookkeeping
     def _drain_freed_locked(self) -> None:
-        while True:
-            try:
-                node_id, nbytes, tensors = self._freed.popleft()
-            except IndexError:
-                return
+        for node_id, nbytes, tensors in self._take_freed():
             node = self._pool.nodes.get(node_id)
             if node is not None:
                 node.used -= nbytes
@@ -420,7 +420,7 @@ class RemoteStore:
         data = self._bytes_of(tensor, "put(tensor)")
         self._check_open()
         nbytes = data.numel()
-        done = _running()
+        done = running()
         if nbytes == 0:
             handle = RemoteHandle(next(_handle_ids), "", 0, tensor.dtype, tuple(tensor.shape))
             self._register([handle], None, 0, 0.0)
@@ -463,7 +463,7 @@ class RemoteStore:
         datas = [self._bytes_of(t, f"put_many(tensors[{i}])") for i, t in enumerate(tensors)]
         self._check_open()
         total = sum(d.numel() for d in datas)
-        done = _running()
+        done = running()
         if total == 0:
             handles = [
                 RemoteHandle(next(_handle_ids), "", 0, t.dtype, tuple(t.shape)) for t in tensors
@@ -599,7 +599,7 @@ class RemoteStore:
         self._refill()
         if into is None:
             return ahead[1]
-        done = _running()
+        done = running()
 
         def landed(f: Future) -> None:
             if f.exception() is not None:
@@ -650,7 +650,7 @@ class RemoteStore:
     def _read(self, handles, outs, where, single: bool) -> Future:
         """Fetch ``handles`` into ``outs`` on an I/O thread; a future of the tensor (``single``)
         or of the list of tensors."""
-        done = _running()
+        done = running()
 
         def finish() -> None:
             with self._lock:
@@ -778,10 +778,7 @@ class RemoteStore:
         _check_handle(handle, "free(handle)")
         if self.closed:
             return
-        if self._live.get(handle.id) is not handle:
-            raise KeyError(f"{handle} is not live in this store (freed twice?)")
-        if self._live.pop(handle.id, None) is None:  # atomic: of two racing frees, one wins
-            raise KeyError(f"{handle} is not live in this store (freed twice?)")
+        self._unlive(handle)
         self._prefetch.ahead.pop(handle.id, None)  # its read-ahead copy, if any
         nbytes = _stored(handle.nbytes)
         if handle.batch >= 0:
@@ -796,34 +793,12 @@ class RemoteStore:
         else:
             self._pool.refs.pop(handle.id, None)  # Ray frees the object (dict.pop: atomic)
         self._freed.append((handle.node, nbytes, 1))
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain_freed_locked()
-            finally:
-                self._lock.release()
-
-    def write(self, tensor: torch.Tensor) -> RemoteHandle:
-        """Synchronous :meth:`put`."""
-        return self.put(tensor).result()
-
-    def read(self, handle: RemoteHandle) -> torch.Tensor:
-        """Synchronous :meth:`get`."""
-        return self.get(handle).result()
+        self._drain_soon()
 
     @property
     def nodes(self) -> list[str]:
         """Ray node ids of the memory nodes that are not lost."""
         return [n.node_id for n in self._pool.nodes.values() if not n.lost]
-
-    def __contains__(self, handle: object) -> bool:
-        return isinstance(handle, RemoteHandle) and self._live.get(handle.id) is handle
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def close(self) -> None:
         """Wait for running transfers (each ends within ``timeout``), drop every object, end the
@@ -832,12 +807,6 @@ class RemoteStore:
         self._live.clear()
         self._prefetch.ahead.clear()
         self._prefetch.order.clear()
-
-    def __enter__(self) -> RemoteStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

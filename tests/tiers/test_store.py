@@ -1,0 +1,136 @@
+"""The storage contract (``tiers/base.py``, ``STORE.md``): every store that declares ``Store``
+behaves the same way, checked by one set of tests over the disk and the remote tier (the remote
+one on a Ray cluster of simulated nodes on this machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensortier.errors import ClosedError
+from tensortier.tiers.base import Handle, Store
+from tensortier.tiers.disk import DiskStore
+from tensortier.tiers.host import aligned_empty
+from tests.ray_cluster import local_cluster
+
+KINDS = ["disk", "remote"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    pytest.importorskip("ray")
+    with local_cluster() as lc:
+        yield lc
+
+
+def _open(kind: str, request, directory) -> Store:
+    if kind == "disk":
+        return DiskStore(directory, slab_size="1MiB")
+    request.getfixturevalue("cluster")
+    from tensortier.tiers.remote import RemoteStore
+
+    return RemoteStore("32MiB", timeout=30)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def store(request, tmp_path_factory):
+    s = _open(request.param, request, tmp_path_factory.mktemp("store"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 17, generator=g)
+    return [
+        x,
+        x.t(),  # non-contiguous
+        x.bfloat16(),
+        (x * 100).to(torch.int8),
+        x > 0,
+        torch.complex(x, -x).conj(),
+        torch.empty(0, 3),
+        torch.tensor(2.5),
+        torch.randn(1 << 18, generator=g),  # 1 MiB
+    ]
+
+
+def test_each_store_declares_the_protocol(store):
+    assert isinstance(store, Store) and store.tier in ("disk", "remote")
+    h = store.put(torch.ones(3)).result(timeout=60)
+    assert isinstance(h, Handle) and h.length >= h.nbytes == 12
+    assert h.dtype == torch.float32 and h.shape == (3,)
+    store.free(h)
+
+
+def test_round_trip_is_bit_identical_and_free_forgets(store):
+    before = len(store)
+    for t in _tensors():
+        h = store.put(t).result(timeout=60)
+        assert h in store and len(store) == before + 1
+        assert _same(store.get(h).result(timeout=60), t)
+        store.free(h)
+        assert h not in store and len(store) == before
+        with pytest.raises(KeyError):
+            store.free(h)
+        with pytest.raises(KeyError):
+            store.get(h)
+
+
+def test_get_lands_in_a_given_buffer(store):
+    t = torch.randn(1000, dtype=torch.float64)
+    h = store.put(t).result(timeout=60)
+    into = aligned_empty(h.length)  # what the contract asks of `into`
+    back = store.get(h, into=into).result(timeout=60)
+    assert _same(back, t) and back.data_ptr() == into.data_ptr()
+    store.free(h)
+
+
+def test_put_many_and_get_many_keep_order(store):
+    ts = _tensors()
+    handles = store.put_many(ts).result(timeout=60)
+    assert len(handles) == len(ts) and all(h in store for h in handles)
+    back = store.get_many(handles).result(timeout=60)
+    assert all(_same(b, t) for b, t in zip(back, ts))
+    assert _same(store.get(handles[1]).result(timeout=60), ts[1])  # members read one by one
+    for h in handles:
+        store.free(h)
+    assert not any(h in store for h in handles)
+    assert store.put_many([]).result(timeout=60) == []
+    assert store.get_many([]).result(timeout=60) == []
+
+
+def test_stats_count_puts_gets_and_bytes(store):
+    before = store.stats.as_dict()
+    t = torch.arange(4096, dtype=torch.int32)
+    h = store.put(t).result(timeout=60)
+    store.get(h).result(timeout=60)
+    after = store.stats.as_dict()
+    assert after["puts"] == before["puts"] + 1 and after["gets"] == before["gets"] + 1
+    assert after["bytes_written"] >= before["bytes_written"] + t.nbytes
+    assert after["bytes_read"] >= before["bytes_read"] + t.nbytes
+    assert after["live_tensors"] == before["live_tensors"] + 1
+    store.free(h)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_releases_and_refuses(kind, request, tmp_path):
+    s = _open(kind, request, tmp_path)
+    with s:
+        h = s.write(torch.ones(8))
+        assert torch.equal(s.read(h), torch.ones(8))
+    assert s.closed and h not in s and len(s) == 0
+    s.free(h)  # a no-op after close: everything was freed
+    with pytest.raises(ClosedError):
+        s.put(torch.ones(2))
+    s.close()  # twice: fine
