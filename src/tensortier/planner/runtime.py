@@ -888,20 +888,14 @@ def _tier_options(to: str, remote, opts: Options) -> Options:
     """The options with the tiers ``to`` and ``remote`` allow (ConfigError for a tier that does
     not exist or a remote pool that is missing or closed)."""
     from tensortier.errors import ConfigError
-    from tensortier.tiers.remote import RemoteStore
+    from tensortier.tiers.placement import check_remote
 
     if to not in ("host", "disk", "remote", "auto"):
         raise ConfigError(f"to must be 'host', 'disk', 'remote' or 'auto', got {to!r}")
-    if to == "remote" and remote is None:
-        raise ConfigError(
-            "tt.offload(budget=..., to='remote') needs the remote memory pool: pass "
-            "remote=RemoteStore(capacity=...) (after ray.init), or use to='auto' without one"
-        )
-    if remote is not None and (not isinstance(remote, RemoteStore) or remote.closed):
-        raise ConfigError(
-            f"remote={remote!r}: pass an open tensortier.tiers.remote.RemoteStore, e.g. "
-            f"remote=RemoteStore(capacity='8GiB') (the planner measures it and leaves it open)"
-        )
+    # the planner measures the caller's pool and leaves it open: an open store, not arguments
+    check_remote(
+        remote, where="tt.offload(budget=..., to='remote')", needed=to == "remote", args=False
+    )
     if to == "host":
         opts = replace(opts, tiers=("host",))
     elif not torch.cuda.is_available():
