@@ -696,3 +696,13 @@ def test_wrong_argument_types_are_typed_errors_naming_the_fix():
             engine.host.alloc("1KiB")
         with pytest.raises(ConfigError, match="negative"):
             engine.host.alloc(-1)
+
+
+def test_to_disk_and_from_disk_are_the_store_path_to_the_engines_disk(spill_dir):
+    """The short names kept for the engine's own disk tier (the fault reproducers use them)."""
+    with DiskStore(spill_dir) as disk, TransferEngine(disk=disk) as eng:
+        x = torch.randn(1000)
+        h = eng.to_disk(x).result()
+        assert torch.equal(eng.from_disk(h, free=True).result(), x)
+        with pytest.raises(KeyError):
+            eng.from_disk(h).result()

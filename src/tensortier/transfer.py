@@ -569,6 +569,14 @@ class TransferEngine:
             raise
         return fut
 
+    def to_disk(self, tensor: torch.Tensor | HostTensor, **kwargs) -> Transfer:
+        """``to_store(tensor, "disk", ...)``: the engine's own disk tier."""
+        return self.to_store(tensor, "disk", **kwargs)
+
+    def from_disk(self, handle: Handle | Encoded, **kwargs) -> Transfer:
+        """``from_store(handle, "disk", ...)``: the engine's own disk tier."""
+        return self.from_store(handle, "disk", **kwargs)
+
     def from_store(
         self,
         handle: Handle | Encoded,
