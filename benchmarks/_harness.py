@@ -40,10 +40,20 @@ def default_quiet_load(cpus: int) -> float:
     return max(0.5, 0.25 * cpus)
 
 
-def add_args(p: argparse.ArgumentParser, rounds: int, *, quick_rounds: int = 1) -> None:
-    """The harness options of an area; ``rounds`` is the area's default number of rounds."""
+def add_args(
+    p: argparse.ArgumentParser,
+    rounds: int,
+    *,
+    quick_rounds: int = 1,
+    aliases: tuple[str, ...] = (),
+    dest: str = "rounds",
+) -> None:
+    """The harness options of an area; ``rounds`` is the area's default number of rounds
+    (``aliases``/``dest``: an area whose older option already meant rounds keeps it)."""
     p.add_argument(
         "--rounds",
+        *aliases,
+        dest=dest,
         type=int,
         default=None,
         help=f"every variant once per round, interleaved (default {rounds}, {quick_rounds} with "
@@ -62,14 +72,14 @@ def add_args(p: argparse.ArgumentParser, rounds: int, *, quick_rounds: int = 1) 
         default=None,
         help="1-minute load that counts as quiet (default max(0.5, CPUs/4))",
     )
-    p.set_defaults(harness_rounds=(rounds, quick_rounds))
+    p.set_defaults(harness_rounds=(rounds, quick_rounds, dest))
 
 
 def rounds_of(args: argparse.Namespace) -> int:
     """``--rounds`` if given, else the area's default (its quick default with ``--quick``)."""
-    if getattr(args, "rounds", None):
-        return args.rounds
-    full, quick = getattr(args, "harness_rounds", (3, 1))
+    full, quick, dest = getattr(args, "harness_rounds", (3, 1, "rounds"))
+    if getattr(args, dest, None):
+        return getattr(args, dest)
     return quick if getattr(args, "quick", False) else full
 
 
