@@ -2,10 +2,10 @@
 
 Every peer runs in its own process so its peak RSS is its own. TorchRL's C++ segment tree does not
 load with torch 2.13.0 (its wheels are built against another torch), so the TorchRL peer runs in a
-virtual environment under ``--cache-dir`` with the torch release its wheel was built for (created on
-first use: ``pip install torch==2.15.0 torchrl==0.14.1``, several GB from PyPI). RLlib's
-``PrioritizedEpisodeReplayBuffer`` runs in this environment (``pip install "ray[rllib]"``, an
-optional peer); DI-engine is reported as not measured (its ``gym==0.25.1`` dependency does not
+virtual environment under ``--cache-dir`` with the torch release its wheel was built for, pinned in
+``benchmarks/requirements-torchrl.txt`` (``make bench-peers`` creates it, or this benchmark on
+first use; torch 2.14.1 is a CUDA build of several GB). RLlib's ``PrioritizedEpisodeReplayBuffer``
+runs in this environment (the ``bench-rl`` extra, ``make bench-peers``); DI-engine is reported as not measured (its ``gym==0.25.1`` dependency does not
 build).
 
 Sections: (1) 100k x 10 KB items (``--quick``: 10k): add, ``extend`` (1000 items a call),
@@ -39,7 +39,7 @@ from benchmarks._common import environment, write_json
 from tensortier._units import format_size, parse_size, print_table
 
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_replay_peers.py")
-TORCHRL_SPEC = ["torch==2.15.0", "torchrl==0.14.1", "numpy", "psutil"]
+TORCHRL_REQUIREMENTS = os.path.join(os.path.dirname(PEERS_SCRIPT), "requirements-torchrl.txt")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -112,14 +112,16 @@ def _torchrl_python(cache_dir: str) -> tuple[str | None, str]:
     venv = os.path.join(cache_dir, "torchrl-venv")
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
-        print(f"creating {venv} for TorchRL ({' '.join(TORCHRL_SPEC)}; several GB from PyPI)")
+        print(f"creating {venv} for TorchRL ({TORCHRL_REQUIREMENTS}; several GB)")
         os.makedirs(cache_dir, exist_ok=True)
-        made = subprocess.run([sys.executable, "-m", "venv", venv])
+        made = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
         if made.returncode == 0:
-            made = subprocess.run([python, "-m", "pip", "install", "-q", *TORCHRL_SPEC])
+            pip = [python, "-m", "pip", "install", "-q", "-r", TORCHRL_REQUIREMENTS]
+            made = subprocess.run(pip, capture_output=True, text=True)
         if made.returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
-            return None, "could not create the TorchRL virtual environment"
+            why = (made.stderr or made.stdout).strip()[-400:]
+            return None, f"could not create the TorchRL virtual environment: {why}"
     there = subprocess.run([python, "-c", probe], capture_output=True, text=True)
     if there.returncode != 0:
         return None, f"TorchRL venv cannot load its segment tree: {there.stderr[-300:]}"
