@@ -8,12 +8,37 @@ from tensortier._lifetime import quiesce
 
 
 def pytest_collection_modifyitems(config, items):
+    _ray_modules_last(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _ray_modules_last(items: list) -> None:
+    """The modules on the shared Ray cluster (``ray_nodes``) run together, last, in their order:
+    the cluster then runs only while they do (its idle processes take CPU from other tests)."""
+    ray_modules = {item.module for item in items if "ray_nodes" in item.fixturenames}
+    items[:] = [i for i in items if i.module not in ray_modules] + [
+        i for i in items if i.module in ray_modules
+    ]
+
+
+@pytest.fixture(scope="session")
+def ray_nodes():
+    """One Ray cluster of simulated nodes for every module that asks (``tests/ray_cluster.py``):
+    starting one costs 7-70 s here, so seven modules share it; each connects through
+    ``ray_nodes.module()`` and finds it as new."""
+    pytest.importorskip("ray")
+    from tests.ray_cluster import SharedCluster
+
+    shared = SharedCluster()
+    try:
+        yield shared
+    finally:
+        shared.close()
 
 
 @pytest.fixture(autouse=True, scope="session")
