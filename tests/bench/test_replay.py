@@ -11,7 +11,7 @@ def test_bench_replay_runs_peers_and_writes_ratios(tmp_path):
     main(
         [
             "replay", "--quick", "--items", "600", "--batches", "4", "--rounds", "2", "--quiet-wait", "0",
-            "--item-bytes", "2KB", "--spill-items", "800", "--spill-budget", "256KiB", "--skip", "torchrl,rllib,ray,params,nodes",
+            "--item-bytes", "2KB", "--spill-items", "800", "--spill-budget", "256KiB", "--skip", "torchrl,rllib,ray,sharded,params,nodes",
             "--dir", str(tmp_path), "--json", str(out),
         ]
     )  # fmt: skip
