@@ -1,4 +1,4 @@
-"""serve(ParamStore) across nodes: the session's Ray cluster of a head and two worker nodes.
+"""serve(ParamStore) across nodes: a local Ray cluster of a head (no CPUs) and two worker nodes.
 
 Readers: two on the first worker node, one on the second. Payloads are >= 1 MiB where a test needs
 the object store (Ray inlines smaller objects into the reply).
@@ -13,7 +13,12 @@ import torch
 ray = pytest.importorskip("ray")
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as Pin  # noqa: E402
 
-from benchmarks.params_nodes import plasma_bytes, primary_bytes  # noqa: E402
+from benchmarks.params_nodes import (  # noqa: E402
+    plasma_bytes,
+    primary_bytes,
+    start_cluster,
+    stop_cluster,
+)  # noqa: E402
 from tensortier.errors import CorruptDataError  # noqa: E402
 from tensortier.rl import ParamStore, param_nodes, serve  # noqa: E402
 
@@ -117,9 +122,9 @@ class Publisher:
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_nodes):
-    with ray_nodes.module() as lc:  # a head and two worker nodes of 96 MiB object stores
-        workers = lc.workers
+def cluster():
+    c, workers, tmp = start_cluster(96 * _MB, 96 * _MB)
+    try:
         head = ray.get_runtime_context().get_node_id()
         readers = [
             Reader.options(scheduling_strategy=Pin(node, soft=False)).remote()
@@ -131,6 +136,8 @@ def cluster(ray_nodes):
             workers[1],
         ]
         yield head, workers, readers
+    finally:
+        stop_cluster(c, tmp)
 
 
 @pytest.fixture
