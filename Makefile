@@ -15,7 +15,10 @@ GPU_DEPS := zstandard==0.25.0 lz4==4.4.5 crc32c==2.9.post0
 WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
 	manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
 
-.PHONY: demo test lint bench clean gpu-wheels gpu-dry-run
+# the TorchRL peer's own venv (benchmarks/replay.py looks there: --cache-dir's default)
+TORCHRL_VENV ?= $(HOME)/.cache/tensortier/torchrl-venv
+
+.PHONY: demo test lint bench bench-peers clean gpu-wheels gpu-dry-run
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +47,22 @@ lint: $(VENV)/.installed-dev
 # benchmarks live outside the installed library: run from the repository root (benchmarks/README.md)
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks tiers --json benchmarks/results/tiers-cpu.json
+
+# the peers the benchmarks compare against (benchmarks/README.md): RLlib (extra bench-rl) here with
+# torch held at its pin (a constraint on the installed version), TorchRL in its own venv with the
+# torch its C++ segment tree was built against
+bench-peers: $(VENV)/.installed-bench $(TORCHRL_VENV)/.installed
+
+$(VENV)/.installed-bench: $(VENV)/.installed-dev pyproject.toml
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
+	$(PIP) install -q -c $(VENV)/torch-pin.txt -e ".[dev,bench-rl]"
+	touch $@
+
+$(TORCHRL_VENV)/.installed: benchmarks/requirements-torchrl.txt
+	$(PYTHON) -m venv --clear $(TORCHRL_VENV)
+	$(TORCHRL_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+		-r benchmarks/requirements-torchrl.txt
+	touch $@
 
 # the cp312 wheels the GPU machine lacks (no registry there): carry .whl with the working tree
 gpu-wheels:

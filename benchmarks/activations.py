@@ -32,6 +32,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from benchmarks import _harness as harness
 from benchmarks._common import child_env, environment, write_json
 from tensortier._units import print_table
 
@@ -50,7 +51,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spill-dir", default=tempfile.gettempdir())
     p.add_argument("--prefetch", default="128MiB", help="tensortier prefetch window")
     p.add_argument("--max-inflight", default="128MiB", help="tensortier bytes in flight to a tier")
-    p.add_argument("--rounds", type=int, default=2, help="every variant once per round")
     p.add_argument(
         "--malloc-release",
         action="store_true",
@@ -58,6 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quick", action="store_true", help="a small model, one measured step")
     p.add_argument("--json", default=None)
+    harness.add_args(p, rounds=3)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
@@ -198,52 +199,26 @@ def run(args: argparse.Namespace) -> list[dict]:
     cfg = _config(args)
     print(f"GPT {cfg} on {environment()['device']}")
     env = child_env()
-    if args.quick:
-        args.rounds = 1
     if args.malloc_release:
         env.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-    rounds: list[dict[str, dict]] = []
-    bar = tqdm(total=args.rounds * len(variants), desc="variants", unit="run")
-    for _ in range(args.rounds):
-        got: dict[str, dict] = {}
-        for variant in variants:
-            got[variant] = _spawn(args, variant, env)
-            bar.update()
-        rounds.append(got)
+    session = harness.Session.from_args("activations", args)
+    bar = tqdm(total=session.rounds * len(variants), desc="variants", unit="run")
+
+    def measure(variant: str, _round: int) -> dict:
+        out = _spawn(args, variant, env)
+        bar.update()
+        return out
+
+    with session:
+        rounds = session.run(variants, measure)
     bar.close()
-    device = environment()["device"]
-    ref_hash = rounds[0]["plain"]["grad_sha256"]
-    rows = []
-    for variant in variants:
-        runs = [r[variant] for r in rounds]
-        plain = [r["plain"] for r in rounds]
-
-        def ratio(key: str, runs=runs, plain=plain) -> float:  # the worst round: a promise
-            return max(a[key] / max(b[key], 1) for a, b in zip(runs, plain))
-
-        rows.append(
-            {
-                "variant": variant,
-                "peak_bytes": max(r["peak_bytes"] for r in runs),
-                "peak_first_bytes": max(r["peak_first_bytes"] for r in runs),
-                "peak_steady_bytes": max(r["peak_steady_bytes"] for r in runs),
-                "peak_vs_plain": ratio("peak_bytes"),
-                "first_vs_plain": ratio("peak_first_bytes"),
-                "steady_vs_plain": ratio("peak_steady_bytes"),
-                "step_s": statistics.median(t for r in runs for t in r["step_times_s"]),
-                # within a round (the same minutes of the host), then the median over rounds
-                "time_vs_plain": statistics.median(
-                    a["step_s"] / b["step_s"] for a, b in zip(runs, plain)
-                ),
-                "grads_match": all(r["grad_sha256"] == ref_hash for r in runs),
-                "device": device,
-                "rounds": [
-                    {k: r[k] for k in ("peak_bytes", "step_peaks_bytes", "step_times_s")}
-                    for r in runs
-                ],
-                **({"offload": runs[-1]["offload"]} if "offload" in runs[-1] else {}),
-            }
-        )
+    failed = [(v, got[v]["error"]) for got in rounds for v in variants if "error" in got[v]]
+    if failed:
+        raise RuntimeError(f"variant {failed[0][0]} failed: {failed[0][1]}")
+    rows, ratios = _rows(session, rounds, variants)
+    measurement = session.report(
+        {r["variant"]: {"step_s": r["step_s_stats"]} for r in rows}, ratios
+    )
     print_table(
         rows,
         [
@@ -255,17 +230,64 @@ def run(args: argparse.Namespace) -> list[dict]:
             "step_s",
             "time_vs_plain",
             "grads_match",
+            "noisy",
         ],
     )
+    print(harness.summary_line(measurement))
     write_json(
         args.json,
         "activations",
         rows,
         config=cfg,
-        rounds=args.rounds,
+        rounds=session.rounds,
+        measurement=measurement,
         malloc="release (MALLOC_MMAP_THRESHOLD_=131072)" if args.malloc_release else "default",
     )
     return rows
+
+
+def _rows(
+    session: harness.Session, rounds: list[dict[str, dict]], variants: list[str]
+) -> tuple[list[dict], dict]:
+    """One row per variant (peaks: the worst round; times: medians, ratios within a round)."""
+    device = environment()["device"]
+    ref_hash = rounds[0]["plain"]["grad_sha256"]
+    rows, ratios = [], {}
+    for variant in variants:
+        runs = [r[variant] for r in rounds]
+        plain = [r["plain"] for r in rounds]
+
+        def ratio(key: str, runs=runs, plain=plain) -> float:  # the worst round: a promise
+            return max(a[key] / max(b[key], 1) for a, b in zip(runs, plain))
+
+        # within a round (the same minutes of the host), then the median over rounds
+        ratios[f"{variant}_time_vs_plain"] = harness.round_ratios(
+            rounds, variant, "plain", "step_s"
+        )
+        timed = harness.variant_stats(rounds, variant, ["step_s"])
+        rows.append(
+            {
+                "variant": variant,
+                "peak_bytes": max(r["peak_bytes"] for r in runs),
+                "peak_first_bytes": max(r["peak_first_bytes"] for r in runs),
+                "peak_steady_bytes": max(r["peak_steady_bytes"] for r in runs),
+                "peak_vs_plain": ratio("peak_bytes"),
+                "first_vs_plain": ratio("peak_first_bytes"),
+                "steady_vs_plain": ratio("peak_steady_bytes"),
+                "step_s": statistics.median(t for r in runs for t in r["step_times_s"]),
+                "time_vs_plain": ratios[f"{variant}_time_vs_plain"]["median"],
+                "time_vs_plain_spread": ratios[f"{variant}_time_vs_plain"]["spread"],
+                "grads_match": all(r["grad_sha256"] == ref_hash for r in runs),
+                "device": device,
+                "rounds": [
+                    {k: r[k] for k in ("peak_bytes", "step_peaks_bytes", "step_times_s")}
+                    for r in runs
+                ],
+                **session.row_fields(timed),
+                **({"offload": runs[-1]["offload"]} if "offload" in runs[-1] else {}),
+            }
+        )
+    return rows, ratios
 
 
 def _spawn(args: argparse.Namespace, variant: str, env: dict) -> dict:

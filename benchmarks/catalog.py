@@ -27,9 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from benchmarks import _harness as harness
 from benchmarks._common import child_env, write_json
 from benchmarks.tiers import dd_bandwidth, tier_bandwidth
 from tensortier._units import format_size, parse_size, print_table
@@ -56,6 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the stores (default: removed)")
     p.add_argument("--quick", action="store_true", help="2000 records, small sizes: a smoke run")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
+    harness.add_args(p, rounds=3)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -435,6 +438,144 @@ def run_job(**spec) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# --------------------------------------------------------------------------- rounds
+@dataclass
+class _Ctx:
+    """What the phases of one run share (the stores, the records, the harness session)."""
+
+    args: argparse.Namespace
+    recs: Records
+    roots: dict[str, str]
+    work: str
+    peers: list[str]
+    n: int
+    low: int
+    high: int
+    session: harness.Session
+    methods: set[str] = field(default_factory=set)
+    timed: dict[str, dict] = field(default_factory=dict)
+    ratios: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def common(self) -> dict:
+        return {"n": self.n, "low": self.low, "high": self.high, "args": vars(self.args)}
+
+    def stats(self, phase: str, per_round: list[dict], peer: str, metric: str) -> dict:
+        """The harness fields of one row; the stats also go into the run's verdict."""
+        stats = harness.variant_stats(per_round, peer, [metric])
+        self.timed[f"{phase} {peer}"] = stats
+        return self.session.row_fields(stats)
+
+    def ratio(self, name: str, per_round: list[dict], num: str, den: str, metric: str) -> float:
+        self.ratios[name] = harness.round_ratios(per_round, num, den, metric)
+        return self.ratios[name]["median"]
+
+
+def _check(per_round: list[dict]) -> None:
+    for got in per_round:
+        for peer, out in got.items():
+            if "error" in out:
+                raise RuntimeError(f"{peer}: {out['error']}")
+
+
+def _builds(ctx: _Ctx, result: dict) -> list[dict]:
+    """Every store built once per round (the last round's stores stay for the reads), next to
+    the disk tier's write and ``dd`` on the same disk in the same round."""
+    args, recs = ctx.args, ctx.recs
+    ref_size = 64 << 20 if args.quick else max(min(recs.total, 4 << 30), 256 << 20)
+
+    def measure(peer: str, _round: int) -> dict:
+        if peer == "dd":
+            w, r = dd_bandwidth(args.dir, ref_size)
+            return {"gbps": w, "read_gbps": r}
+        if peer == "disk tier write":
+            size = min(ref_size, 2 << 30)
+            return {"gbps": tier_bandwidth(args.dir, size, min(ref_size, 64 << 20))[0]}
+        shutil.rmtree(ctx.roots[peer], ignore_errors=True)
+        os.sync()
+        b = run_job(kind="build", peer=peer, root=ctx.roots[peer], **ctx.common)
+        return {**b, "gbps": recs.total / b["seconds"] / 1e9}
+
+    per_round = ctx.session.run(["dd", "disk tier write", "tensortier", *ctx.peers], measure)
+    _check(per_round)
+    med = lambda peer, k: harness.spread_stats(g[peer][k] for g in per_round)["median"]  # noqa: E731
+    result["disk"] = {"dd_write_gbps": med("dd", "gbps"), "dd_read_gbps": med("dd", "read_gbps"),
+                      "tier_write_gbps": med("disk tier write", "gbps")}  # fmt: skip
+    rows = []
+    for peer in ["tensortier", *ctx.peers]:
+        b = harness.median_run([g[peer] for g in per_round], "gbps")
+        vs = ctx.ratio(
+            f"build_{peer}_vs_disk_tier_write", per_round, peer, "disk tier write", "gbps"
+        )
+        rows.append({"phase": "build", "peer": peer, "order": "-", "seconds": b["seconds"],
+                     "gbps": med(peer, "gbps"), "vs_limit": vs, "limit": "disk tier write",
+                     "store_bytes": b["bytes"], "peak_rss": b["peak_rss"],
+                     "cpu_seconds": b["cpu_seconds"],
+                     **ctx.stats("build", per_round, peer, "gbps")})  # fmt: skip
+    ctx.ratios["build_vs_disk_tier_write"] = ctx.ratios.pop("build_tensortier_vs_disk_tier_write")
+    return rows
+
+
+def _reads(ctx: _Ctx, result: dict) -> list[dict]:
+    """Per read order: ``dd`` over the catalog's files and every store's epoch, in rounds, the
+    page cache dropped before each."""
+    args, roots = ctx.args, ctx.roots
+    segs = sorted(os.path.join(roots["tensortier"], f)
+                  for f in os.listdir(roots["tensortier"]) if f.startswith("seg-"))  # fmt: skip
+    rows = []
+    for order in [o for o in args.orders.split(",") if o]:
+        order_file = os.path.join(ctx.work, f"order-{order}.npy")
+        np.save(order_file, epoch_order(roots["tensortier"], args, order))
+
+        def measure(peer: str, _round: int, order=order, order_file=order_file) -> dict:
+            if peer == "dd":
+                ctx.methods.add(drop_caches([roots["tensortier"]]))
+                return {"gbps": dd_read_files(segs)}
+            ctx.methods.add(drop_caches([roots[peer]]))
+            r = run_job(kind="read", peer=peer, root=roots[peer], order=order,
+                        order_file=order_file, **ctx.common)  # fmt: skip
+            return {**r, "gbps": r["bytes"] / r["seconds"] / 1e9}
+
+        per_round = ctx.session.run(["dd", "tensortier", *ctx.peers], measure)
+        _check(per_round)
+        dd = harness.spread_stats(g["dd"]["gbps"] for g in per_round)["median"]
+        result["disk"].setdefault("dd_read_catalog_files_gbps", dd)
+        for peer in ["tensortier", *ctx.peers]:
+            r = harness.median_run([g[peer] for g in per_round], "gbps")
+            gbps = harness.spread_stats(g[peer]["gbps"] for g in per_round)["median"]
+            vs = ctx.ratio(f"read_{order}_{peer}_vs_dd", per_round, peer, "dd", "gbps")
+            rows.append({"phase": "read", "peer": peer, "order": order,
+                         "seconds": r["seconds"], "gbps": gbps, "vs_limit": vs,
+                         "limit": "dd read of the catalog files",
+                         "records_per_s": r["records"] / r["seconds"], "intact": r["intact"],
+                         "peak_rss": r["peak_rss"], "cpu_seconds": r["cpu_seconds"],
+                         **({"stats": r["stats"]} if "stats" in r else {}),
+                         **ctx.stats(f"read {order}", per_round, peer, "gbps")})  # fmt: skip
+        ctx.ratios[f"read_{order}_vs_dd"] = ctx.ratios.pop(f"read_{order}_tensortier_vs_dd")
+        for peer in ctx.peers:
+            ctx.ratio(f"read_{order}_vs_{peer}", per_round, "tensortier", peer, "gbps")
+    return rows
+
+
+def _randoms(ctx: _Ctx) -> list[dict]:
+    """Random single-record reads of every store on a cold cache, in rounds."""
+
+    def measure(peer: str, _round: int) -> dict:
+        ctx.methods.add(drop_caches([ctx.roots[peer]]))
+        return run_job(kind="random", peer=peer, root=ctx.roots[peer], **ctx.common)
+
+    per_round = ctx.session.run(["tensortier", *ctx.peers], measure)
+    _check(per_round)
+    rows = []
+    for peer in ["tensortier", *ctx.peers]:
+        rate = harness.spread_stats(g[peer]["records_per_s"] for g in per_round)["median"]
+        rows.append({"phase": "random", "peer": peer, "order": "uniform", "records_per_s": rate,
+                     **ctx.stats("random", per_round, peer, "records_per_s")})  # fmt: skip
+    for peer in ctx.peers:
+        ctx.ratio(f"random_vs_{peer}", per_round, "tensortier", peer, "records_per_s")
+    return rows
+
+
 # --------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> dict:
     low = parse_size(args.min_size, name="--min-size")
@@ -458,54 +599,14 @@ def run(args: argparse.Namespace) -> dict:
           f"{work}; {why}")  # fmt: skip
     result: dict = {"records": n, "record_bytes": [low, high], "payload_bytes": recs.total}
     result["scale"] = why
-    rows: list[dict] = []
+    session = harness.Session.from_args("catalog", args)
+    ctx = _Ctx(args, recs, roots, work, peers, n, low, high, session)
     try:
-        ref_size = 64 << 20 if args.quick else max(min(recs.total, 4 << 30), 256 << 20)
-        dd_w, dd_r = dd_bandwidth(args.dir, ref_size)
-        tier_w, _, _ = tier_bandwidth(args.dir, min(ref_size, 2 << 30), min(ref_size, 64 << 20))
-        result["disk"] = {"dd_write_gbps": dd_w, "dd_read_gbps": dd_r, "tier_write_gbps": tier_w}
-        common = {"n": n, "low": low, "high": high, "args": vars(args)}
-        builds = {}
-        for peer in ["tensortier", *peers]:
-            os.sync()
-            builds[peer] = run_job(kind="build", peer=peer, root=roots[peer], **common)
-        for peer, b in builds.items():
-            gbps = recs.total / b["seconds"] / 1e9
-            rows.append({"phase": "build", "peer": peer, "order": "-", "seconds": b["seconds"],
-                         "gbps": gbps, "vs_limit": gbps / tier_w, "limit": "disk tier write",
-                         "store_bytes": b["bytes"], "peak_rss": b["peak_rss"],
-                         "cpu_seconds": b["cpu_seconds"]})  # fmt: skip
-        segs = sorted(
-            os.path.join(roots["tensortier"], f)
-            for f in os.listdir(roots["tensortier"])
-            if f.startswith("seg-")
-        )
-        drop_caches([roots["tensortier"]])
-        dd_same = dd_read_files(segs)
-        result["disk"]["dd_read_catalog_files_gbps"] = dd_same
-        methods = set()
-        for order in [o for o in args.orders.split(",") if o]:
-            order_file = os.path.join(work, f"order-{order}.npy")
-            np.save(order_file, epoch_order(roots["tensortier"], args, order))
-            reads = {}
-            for peer in ["tensortier", *peers]:
-                methods.add(drop_caches([roots[peer]]))
-                reads[peer] = run_job(kind="read", peer=peer, root=roots[peer], order=order,
-                                      order_file=order_file, **common)  # fmt: skip
-            for peer, r in reads.items():
-                gbps = r["bytes"] / r["seconds"] / 1e9
-                rows.append({"phase": "read", "peer": peer, "order": order,
-                             "seconds": r["seconds"], "gbps": gbps, "vs_limit": gbps / dd_same,
-                             "limit": "dd read of the catalog files", "records_per_s":
-                             r["records"] / r["seconds"], "intact": r["intact"],
-                             "peak_rss": r["peak_rss"], "cpu_seconds": r["cpu_seconds"],
-                             **({"stats": r["stats"]} if "stats" in r else {})})  # fmt: skip
-        for peer in ["tensortier", *peers]:
-            methods.add(drop_caches([roots[peer]]))
-            rate = run_job(kind="random", peer=peer, root=roots[peer], **common)["records_per_s"]
-            rows.append({"phase": "random", "peer": peer, "order": "uniform",
-                         "records_per_s": rate})  # fmt: skip
-        result["cache_drop"] = sorted(methods)
+        with session:
+            rows = _builds(ctx, result)
+            rows += _reads(ctx, result)
+            rows += _randoms(ctx)
+        result["cache_drop"] = sorted(ctx.methods)
         if not args.keep:  # make room for the open test
             for peer in ("tensortier", *peers):
                 shutil.rmtree(roots[peer], ignore_errors=True)
@@ -515,23 +616,15 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    by = {(r["phase"], r["peer"], r["order"]): r for r in rows}
-    ratios = {}
-    for order in args.orders.split(","):
-        tt_row = by.get(("read", "tensortier", order))
-        if tt_row is None:
-            continue
-        ratios[f"read_{order}_vs_dd"] = tt_row["vs_limit"]
-        for peer in peers:
-            ratios[f"read_{order}_vs_{peer}"] = tt_row["gbps"] / by[("read", peer, order)]["gbps"]
-    ratios["build_vs_disk_tier_write"] = by[("build", "tensortier", "-")]["vs_limit"]
-    result["ratios"] = ratios
+    result["ratios"] = {k: r["median"] for k, r in ctx.ratios.items()}
     result["load_average"] = os.getloadavg()
+    result["measurement"] = session.report(ctx.timed, ctx.ratios)
     print_table(rows, ["phase", "peer", "order", "seconds", "gbps", "vs_limit", "records_per_s"])
     o = result["open"]
     print(f"open {o['records']} records ({o['index']}): {o['open_ms']:.2f} ms, RSS +"
           f"{o['rss_growth_mib']:.1f} MiB")  # fmt: skip
-    print("ratios:", json.dumps({k: round(v, 3) for k, v in ratios.items()}))
+    print("ratios:", json.dumps({k: v and round(v, 3) for k, v in result["ratios"].items()}))
+    print(harness.summary_line(result["measurement"]))
     write_json(args.json, "catalog", rows, **result)
     return result
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from benchmarks import _harness as harness
 from benchmarks._common import environment, write_json
 from benchmarks._mlp import build, train
 from benchmarks.tiers import dd_bandwidth
@@ -46,6 +47,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=32, help="rows per training step")
     p.add_argument("--quick", action="store_true", help="small state, fewer steps")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
+    harness.add_args(p, rounds=3)
     p.add_argument(
         "--replica",
         action="store_true",
@@ -260,6 +262,57 @@ def _measure(variant_fn: Callable[[str], _Variant], model, opt, width, args, ste
     return variant, loop, peak
 
 
+def _one_variant(variant_fn, model, opt, width, args, steps, device) -> dict:
+    """One checkpointing variant's run: its medians over its checkpoints, loop time, peak."""
+    variant, loop, peak = _measure(variant_fn, model, opt, width, args, steps, device, None)
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "name": variant.name,
+        "nbytes": variant.nbytes,
+        "stall_s": med(variant.stalls),
+        "persist_s": med(variant.persists),
+        "durable_s": med(getattr(variant, "durables", variant.persists)),
+        "loop_s": loop,
+        "peak": peak,
+    }
+
+
+def _rows(session: harness.Session, per_round: list[dict], keys: list[str], dd_write: float):
+    """One row per variant: medians over the rounds; its stall against torch.save's and its
+    loop against the no-checkpoint loop taken within each round."""
+    rows, errors, timed, ratios = [], [], {}, {}
+    for key in keys:
+        runs = [got[key] for got in per_round if "error" not in got[key]]
+        if not runs:
+            errors.append({"variant": key, "error": per_round[0][key]["error"]})
+            continue
+        timed[key] = harness.variant_stats(per_round, key, ["stall_s", "persist_s", "loop_s"])
+        ratios[f"{key}_stall_vs_torch_save"] = harness.round_ratios(
+            per_round, key, "torch.save", "stall_s"
+        )
+        ratios[f"{key}_loop_vs_none"] = harness.round_ratios(per_round, key, "none", "loop_s")
+        med = {m: s["median"] for m, s in timed[key].items()}
+        durable = harness.spread_stats(r["durable_s"] for r in runs)["median"]
+        gbps = runs[0]["nbytes"] / med["persist_s"] / 1e9 if med["persist_s"] else float("nan")
+        stall_ratio = ratios[f"{key}_stall_vs_torch_save"]["median"]
+        rows.append(
+            {
+                "variant": runs[0]["name"],
+                "state_bytes": runs[0]["nbytes"],
+                "stall_s": med["stall_s"],
+                "stall_vs_torch_save": float("nan") if stall_ratio is None else stall_ratio,
+                "persist_s": med["persist_s"],
+                "durable_s": durable,
+                "persist_gbps": gbps,
+                "persist_vs_disk_limit": gbps / dd_write if dd_write else float("nan"),
+                "peak_extra_rss": max(r["peak"] for r in runs),
+                "slowdown": (ratios[f"{key}_loop_vs_none"]["median"] or float("nan")) - 1,
+                **session.row_fields(timed[key]),
+            }
+        )
+    return rows + errors, timed, ratios
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     if args.replica:
         from benchmarks import checkpoint_replica
@@ -279,51 +332,26 @@ def run(args: argparse.Namespace) -> list[dict]:
     )
     train(model, opt, width, args.batch, 3, device)  # warm up: optimizer state exists
     dd_write, _ = dd_bandwidth(args.dir, min(state, 1 << 30))
-    rows = []
-    base_runs = [train(model, opt, width, args.batch, steps, device)]
-    variants: list[tuple[str, Callable[[str], _Variant]]] = [
-        ("torch.save", lambda r: TorchSave(r, every)),
-        ("dcp", lambda r: DcpAsync(r, every)),
-        ("tensortier", lambda r: Tensortier(r, every)),
-    ]
-    measured = []
-    for _key, fn in tqdm(variants, desc="checkpoint variants", unit="variant"):
-        try:
-            measured.append(_measure(fn, model, opt, width, args, steps, device, None))
-        except Exception as exc:  # report honestly, keep the other variants
-            print(f"variant failed: {type(exc).__name__}: {exc}")
-            measured.append((None, None, None, exc))
-    base_runs.append(train(model, opt, width, args.batch, steps, device))
-    base = statistics.mean(base_runs)
-    save_stall = None
-    for item in measured:
-        if len(item) == 4:
-            continue
-        variant, loop, peak = item
-        stall = statistics.median(variant.stalls) if variant.stalls else float("nan")
-        persist = statistics.median(variant.persists) if variant.persists else float("nan")
-        durables = getattr(variant, "durables", variant.persists)
-        durable = statistics.median(durables) if durables else float("nan")
-        if isinstance(variant, TorchSave):
-            save_stall = stall
-        gbps = variant.nbytes / persist / 1e9 if persist else float("nan")
-        rows.append(
-            {
-                "variant": variant.name,
-                "state_bytes": variant.nbytes,
-                "stall_s": stall,
-                "stall_vs_torch_save": stall / save_stall if save_stall else float("nan"),
-                "persist_s": persist,
-                "durable_s": durable,
-                "persist_gbps": gbps,
-                "persist_vs_disk_limit": gbps / dd_write if dd_write else float("nan"),
-                "peak_extra_rss": peak,
-                "slowdown": loop / base - 1,
-            }
-        )
-    for (key, _), item in zip(variants, measured):
-        if len(item) == 4:
-            rows.append({"variant": key, "error": f"{type(item[3]).__name__}: {item[3]}"})
+    variants: dict[str, Callable[[str], _Variant]] = {
+        "torch.save": lambda r: TorchSave(r, every),
+        "dcp": lambda r: DcpAsync(r, every),
+        "tensortier": lambda r: Tensortier(r, every),
+    }
+
+    session = harness.Session.from_args("checkpoint", args)
+    bar = tqdm(total=session.rounds * 4, desc="checkpoint variants", unit="run")
+
+    def measure(key: str, _round: int) -> dict:
+        bar.update()
+        if key == "none":  # the same steps with no checkpoint, in the same round
+            return {"loop_s": train(model, opt, width, args.batch, steps, device)}
+        return _one_variant(variants[key], model, opt, width, args, steps, device)
+
+    with session:
+        per_round = session.run(["none", *variants], measure)
+        bar.close()
+        rows, timed, ratios = _rows(session, per_round, list(variants), dd_write)
+        base = harness.spread_stats(got["none"].get("loop_s") for got in per_round)["median"]
     idle = idle_persist_gbps(model, opt, args.dir)
     # every="auto" against a plain run of the same length, back to back
     # plain runs before and after the auto run: their mean cancels slow drifts of a shared machine
@@ -394,10 +422,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         f"{dd_write:.2f} GB/s; tensortier persist with the loop idle {idle:.2f} GB/s "
         f"({idle / dd_write:.0%} of it)"
     )
+    measurement = session.report(timed, ratios)
+    print(harness.summary_line(measurement))
     write_json(
         args.json,
         "checkpoint",
         rows,
+        measurement=measurement,
         auto=auto_row,
         disk_limit_gbps=dd_write,
         tensortier_idle_persist_gbps=idle,

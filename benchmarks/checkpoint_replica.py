@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from benchmarks import _harness as harness
 from benchmarks._common import environment, write_json
 from tensortier._units import format_size, parse_size, print_table
 from tensortier.checkpoint import Checkpointer
@@ -83,67 +84,69 @@ def run(args: argparse.Namespace) -> list[dict]:
     print(
         f"state {format_size(state)} (MLP width {width}), {rounds} rounds, checkpoints in {ckdir}"
     )
-    try:
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "object_store_memory": store,
-                "include_dashboard": False,
-            },
-        )
-        node = cluster.add_node(num_cpus=0, object_store_memory=store)
-        ray.init(address=cluster.address, log_to_driver=False)
-        there = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-        peer = ray.remote(_Peer).options(num_cpus=0, scheduling_strategy=there).remote()
-        for r in range(rounds):
-            with Checkpointer(ckdir, keep=2, replicas=1, replica_timeout=300) as ck:
-                if r:
-                    ck.restore()  # continue the run: the next step is newer
-                ck.save(r, model=model, optimizer=opt)
-                ck.wait()
-                if ck.stats.last_replica_error:
-                    raise RuntimeError(f"replica push failed: {ck.stats.last_replica_error}")
-                persist_s.append(ck.stats.last_persist_seconds)
-                push_s.append(ck.stats.last_replica_seconds)
-                nbytes = ck.stats.last_persist_bytes
-            got = {}
-            for source in ("disk", "replica") if r % 2 == 0 else ("replica", "disk"):
-                cached = drop_cache(ckdir) if source == "disk" else 0
+    session = harness.Session("checkpoint-replica", rounds, args.quiet_wait, args.quiet_load)
+    with session:
+        try:
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 0,
+                    "object_store_memory": store,
+                    "include_dashboard": False,
+                },
+            )
+            node = cluster.add_node(num_cpus=0, object_store_memory=store)
+            ray.init(address=cluster.address, log_to_driver=False)
+            there = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+            peer = ray.remote(_Peer).options(num_cpus=0, scheduling_strategy=there).remote()
+            for r in range(rounds):
+                with Checkpointer(ckdir, keep=2, replicas=1, replica_timeout=300) as ck:
+                    if r:
+                        ck.restore()  # continue the run: the next step is newer
+                    ck.save(r, model=model, optimizer=opt)
+                    ck.wait()
+                    if ck.stats.last_replica_error:
+                        raise RuntimeError(f"replica push failed: {ck.stats.last_replica_error}")
+                    persist_s.append(ck.stats.last_persist_seconds)
+                    push_s.append(ck.stats.last_replica_seconds)
+                    nbytes = ck.stats.last_persist_bytes
+                got = {}
+                for source in ("disk", "replica") if r % 2 == 0 else ("replica", "disk"):
+                    cached = drop_cache(ckdir) if source == "disk" else 0
+                    t0 = time.perf_counter()
+                    with Checkpointer(ckdir, keep=2, replicas=int(source == "replica")) as ck:
+                        st = ck.restore(model=target, optimizer=target_opt)
+                    seconds = time.perf_counter() - t0
+                    if st.source != source:
+                        raise RuntimeError(f"restore read from {st.source}: {st.fallback}")
+                    (disk_s if source == "disk" else replica_s).append(seconds)
+                    got[source] = {
+                        "model": {k: v.clone() for k, v in target.state_dict().items()},
+                        "optimizer": target_opt.state_dict(),
+                    }
+                    got[source]["optimizer"] = _clone(got[source]["optimizer"])
+                    del cached
+                # the engine's limit: one object of the same size made on that node, pulled here
+                ref = peer.make.remote(nbytes)
+                ray.wait([ref], fetch_local=False, timeout=300)
                 t0 = time.perf_counter()
-                with Checkpointer(ckdir, keep=2, replicas=int(source == "replica")) as ck:
-                    st = ck.restore(model=target, optimizer=target_opt)
-                seconds = time.perf_counter() - t0
-                if st.source != source:
-                    raise RuntimeError(f"restore read from {st.source}: {st.fallback}")
-                (disk_s if source == "disk" else replica_s).append(seconds)
-                got[source] = {
-                    "model": {k: v.clone() for k, v in target.state_dict().items()},
-                    "optimizer": target_opt.state_dict(),
-                }
-                got[source]["optimizer"] = _clone(got[source]["optimizer"])
-                del cached
-            # the engine's limit: one object of the same size made on that node, pulled here
-            ref = peer.make.remote(nbytes)
-            ray.wait([ref], fetch_local=False, timeout=300)
-            t0 = time.perf_counter()
-            arr = ray.get(ref, timeout=300)
-            wire_s.append(time.perf_counter() - t0)
-            del arr, ref
-            intact &= _same(got["disk"], got["replica"])
-            intact &= _same(got["disk"]["model"], model.state_dict())
-            del got
-        Checkpointer(ckdir, replicas=1).drop_replicas()
-    finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(ckdir, ignore_errors=True)
+                arr = ray.get(ref, timeout=300)
+                wire_s.append(time.perf_counter() - t0)
+                del arr, ref
+                intact &= _same(got["disk"], got["replica"])
+                intact &= _same(got["disk"]["model"], model.state_dict())
+                del got
+            Checkpointer(ckdir, replicas=1).drop_replicas()
+        finally:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
+            if old is None:
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = old
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(ckdir, ignore_errors=True)
     disk, replica = statistics.median(disk_s), statistics.median(replica_s)
     rows = [
         {
@@ -170,7 +173,20 @@ def run(args: argparse.Namespace) -> list[dict]:
             "vs_disk": wire / disk,
         }
     )
-    print_table(rows, ["source", "restore_s", "gbps", "vs_disk"])
+    per_round = [
+        {"disk": {"restore_s": d}, "replica": {"restore_s": r}, "wire": {"restore_s": w}}
+        for d, r, w in zip(disk_s, replica_s, wire_s)
+    ]
+    timed = {k: harness.variant_stats(per_round, k, ["restore_s"]) for k in per_round[0]}
+    for row, key in zip(rows, ("disk", "replica", "wire")):
+        row.update(session.row_fields(timed[key]))
+    ratios = {
+        "replica_vs_disk": harness.round_ratios(per_round, "replica", "disk", "restore_s"),
+        "wire_vs_disk": harness.round_ratios(per_round, "wire", "disk", "restore_s"),
+    }
+    measurement = session.report(timed, ratios)
+    print_table(rows, ["source", "restore_s", "gbps", "vs_disk", "noisy"])
+    print(harness.summary_line(measurement))
     print(
         f"replica/disk restore time: {replica / disk:.3f}x (target <= 0.3x); push "
         f"{statistics.median(push_s):.3f}s after a {statistics.median(persist_s):.3f}s persist; "
@@ -180,6 +196,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         args.json,
         "checkpoint-replica",
         rows,
+        measurement=measurement,
         state_size=state,
         checkpoint_bytes=nbytes,
         rounds=rounds,

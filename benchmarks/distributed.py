@@ -35,6 +35,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks import _harness as harness
 from benchmarks._common import write_json
 from tensortier._device import rss_bytes
 from tensortier._units import print_table
@@ -68,14 +69,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     p.add_argument("--quick", action="store_true", help="small model, few steps")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per variant")
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=2,
-        help="run the variant list this many times, interleaved; each rank keeps its best run "
-        "(other processes share this machine's cores)",
-    )
     p.add_argument("--json", default=None, help="write rows to this JSON file")
+    # --repeat: the older name; each rank's row is now its median round, not its best
+    harness.add_args(p, rounds=3, aliases=("--repeat",))
 
 
 def _cfg(args):
@@ -375,17 +371,26 @@ def run(args) -> list[dict]:
         "dir": args.dir,
         "timeout": args.timeout,
     }
-    best: dict[tuple[str, int], dict] = {}
-    for _ in range(max(1, args.repeat)):
-        for v in [v for v in args.variants.split(",") if v]:
-            t0 = time.monotonic()
-            for row in _spawn(v, a):
-                key, old = (v, row["rank"]), best.get((v, row["rank"]))
-                if old is None or _better(row, old):
-                    best[key] = row
-            print(f"{v}: {time.monotonic() - t0:.0f}s")
-    rows = list(best.values())
+    variants = [v for v in args.variants.split(",") if v]
+
+    def measure(v: str, _round: int) -> dict:
+        t0 = time.monotonic()
+        ranks = _spawn(v, a)
+        print(f"{v}: {time.monotonic() - t0:.0f}s")
+        return _worst_rank(ranks)
+
+    session = harness.Session.from_args("distributed", args)
+    with session:
+        per_round = session.run(variants, measure)
+    rows, timed = _median_rows(session, per_round, variants)
     summary = _summary(rows)
+    ratios = {
+        f"{m}_vs_{peer}": harness.round_ratios(per_round, "ddp-tt", peer, m)
+        for peer in ("ddp-torch-fused", "fsdp2-cpuoffload", "deepspeed-zero2-offload", "fsdp2-tt")
+        if peer in variants and "ddp-tt" in variants
+        for m in ("iter_ms", "step_ms")
+    }
+    measurement = session.report(timed, ratios)
     cols = [
         "variant",
         "rank",
@@ -401,15 +406,44 @@ def run(args) -> list[dict]:
     ]
     print_table(rows, cols)
     print("summary:", json.dumps(summary, indent=1))
-    write_json(args.json, "distributed", rows, settings=a, summary=summary)
+    print(harness.summary_line(measurement))
+    write_json(args.json, "distributed", rows, settings=a, summary=summary, measurement=measurement)
     return rows
 
 
-def _better(row: dict, old: dict) -> bool:
-    if "error" in row or "error" in old:
-        return "error" in old and "error" not in row
-    key = "stall_s" if "stall_s" in row else "iter_ms"
-    return row[key] < old[key]
+TIMED = ("iter_ms", "step_ms", "stall_s")  # a rank row's timed metrics (stall_s: checkpoint)
+
+
+def _worst_rank(ranks: list[dict]) -> dict:
+    """One round of a variant: its ranks' rows, and per timed metric the slowest rank (the step
+    waits for it); an error if any rank failed."""
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        return {"error": errors[0], "ranks": ranks}
+    out: dict = {"ranks": ranks}
+    for m in TIMED:
+        if all(m in r for r in ranks):
+            out[m] = max(r[m] for r in ranks)
+    return out
+
+
+def _median_rows(session: harness.Session, per_round: list[dict], variants: list[str]):
+    """Per variant and rank its median round (a whole row, by the variant's main timed metric:
+    ``stall_s`` for the checkpoint, else ``iter_ms``) with the harness fields of the slowest rank
+    over the rounds; a variant that failed in every round keeps its error rows."""
+    rows, timed = [], {}
+    for v in variants:
+        rounds = [got[v] for got in per_round]
+        ok = [r for r in rounds if "error" not in r]
+        if not ok:
+            rows += rounds[-1]["ranks"]
+            continue
+        key = "stall_s" if "stall_s" in ok[0] else "iter_ms"
+        timed[v] = harness.variant_stats(per_round, v, [m for m in TIMED if m in ok[0]])
+        fields = session.row_fields(timed[v])
+        for rank in range(len(ok[0]["ranks"])):
+            rows.append({**harness.median_run([r["ranks"][rank] for r in ok], key), **fields})
+    return rows, timed
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -449,7 +483,8 @@ def _summary(rows: list[dict]) -> dict:
         )
     out["note"] = (
         "2 ranks on a 2-core machine shared with other jobs: iteration times vary by tens of "
-        "percent between runs; each rank keeps its best of --repeat runs. optimizer_state_bytes "
+        "percent between runs; each rank's row is its median of --rounds interleaved rounds "
+        "(the measurement block: spreads, ratios within a round). optimizer_state_bytes "
         "counts the host state (and for ddp-tt its all-gather buffer); optimizer_rss_bytes is "
         "the process's RSS growth from optimizer creation on, dominated by gradients, DDP "
         "buckets and allocator caching, so it does not isolate the optimizer."

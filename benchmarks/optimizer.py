@@ -1,6 +1,7 @@
 """`python -m benchmarks optimizer`: OffloadedAdamW against torch AdamW and DeepSpeed's CPU Adam.
 
-One run, each variant in its own child process (so peak RSS is its own): ``torch.optim.AdamW``
+Each variant in its own child process (so peak RSS is its own), once per round, rounds
+interleaved (``--rounds``, :mod:`benchmarks._harness`): ``torch.optim.AdamW``
 with ``foreach=True`` and ``fused=True``, DeepSpeed's ``DeepSpeedCPUAdam`` (optional peer,
 ``pip install deepspeed`` with torch pinned; reported as an error row if it cannot build), and
 ``OffloadedAdamW`` with host and disk states. All train the same MLP (``--params`` fp32
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from benchmarks import _harness as harness
 from benchmarks._common import child_env, write_json
 from tensortier._device import rss_bytes
 from tensortier._units import parse_size, print_table
@@ -70,6 +72,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="also time the candidate CPU AdamW kernels (fused, foreach, torch.compile)",
     )
     p.add_argument("--json", default=None, help="write rows to this JSON file")
+    harness.add_args(p, rounds=3)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 
@@ -238,15 +241,42 @@ def _interleaved_child(args) -> dict:
             if v in kernel:
                 kernel[v].append(opt.stats.kernel_seconds - k0)
     out = {v: {"step_ms": min(ts) * 1e3} for v, ts in times.items()}
+    per_round = [
+        {v: {"step_ms": ts[i] * 1e3} for v, ts in times.items()} for i in range(args.steps)
+    ]
+    for i, got in enumerate(per_round):
+        for v, ks in kernel.items():
+            got[v]["kernel_ms"] = ks[i] * 1e3
+    for v in out:
+        out[v]["stats"] = harness.variant_stats(
+            per_round, v, ["step_ms", *(["kernel_ms"] if v in kernel else [])]
+        )
     for v, ks in kernel.items():
         out[v]["kernel_ms"] = min(ks) * 1e3
         opts[v].close()
+    ratios = {
+        f"{v}_step_vs_{peer}": harness.round_ratios(per_round, v, peer, "step_ms")
+        for v in kernel
+        for peer in ("torch-fused", "deepspeed-cpu-adam")
+        if peer in times
+    }
+    ratios.update(
+        {
+            f"{v}_kernel_vs_{peer}": harness.round_ratios(
+                per_round, v, peer, "kernel_ms", "step_ms"
+            )
+            for v in kernel
+            for peer in ("torch-fused", "deepspeed-cpu-adam")
+            if peer in times
+        }
+    )
     for v, e in errors.items():
         out[v] = {"error": e}
     return {
         "variant": "interleaved",
         "params": sum(p.numel() for p in model.parameters()),
         "rows": out,
+        "ratios": ratios,
     }
 
 
@@ -338,6 +368,31 @@ def _run_child(variant: str, args, out: str) -> dict:
     return json.loads(lines[-1])
 
 
+TIMED = ("step_ms", "iter_ms", "exposed_ms")  # the child's timed metrics the harness judges
+
+
+def _rows(session: harness.Session, per_round: list[dict], variants: list[str], tmp: str):
+    """Per variant its median round (a whole row) plus the harness fields, and the parameter
+    difference against torch AdamW(foreach) (the last round's final parameters)."""
+    rows = []
+    for v in variants:
+        runs = [got[v] for got in per_round]
+        row = dict(harness.median_run(runs, "step_ms"))
+        if "error" not in row:
+            row.update(session.row_fields(harness.variant_stats(per_round, v, TIMED)))
+            row["peak_rss_bytes"] = max(r.get("peak_rss_bytes", 0) for r in runs)
+        rows.append(row)
+    ref_path = os.path.join(tmp, "torch-foreach.npy")
+    ref = np.load(ref_path, allow_pickle=False) if os.path.exists(ref_path) else None
+    for r in rows:
+        path = os.path.join(tmp, f"{r['variant']}.npy")
+        if ref is not None and "error" not in r and os.path.exists(path):
+            r["max_abs_diff_vs_torch"] = float(
+                np.abs(np.load(path, allow_pickle=False) - ref).max()
+            )
+    return rows
+
+
 def run(args) -> list[dict]:
     if args.child:
         fn = {"kernels": _kernel_child, "interleaved": _interleaved_child}.get(args.child, _child)
@@ -347,20 +402,32 @@ def run(args) -> list[dict]:
     args.steps = args.steps or (3 if args.quick else 6)
     parse_size(args.bucket_size, name="bucket_size", allow_zero=False)
     variants = [v for v in args.variants.split(",") if v]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="tt-bench-optim-") as tmp:
-        for v in tqdm(variants, desc="optimizer variants", unit="variant"):
-            rows.append(_run_child(v, args, os.path.join(tmp, f"{v}.npy")))
-        ref_path = os.path.join(tmp, "torch-foreach.npy")
-        ref = np.load(ref_path, allow_pickle=False) if os.path.exists(ref_path) else None
-        for r in rows:
-            path = os.path.join(tmp, f"{r['variant']}.npy")
-            if ref is not None and "error" not in r and os.path.exists(path):
-                r["max_abs_diff_vs_torch"] = float(
-                    np.abs(np.load(path, allow_pickle=False) - ref).max()
-                )
+    session = harness.Session.from_args("optimizer", args)
+    with session, tempfile.TemporaryDirectory(prefix="tt-bench-optim-") as tmp:
+        bar = tqdm(total=session.rounds * len(variants), desc="optimizer variants", unit="run")
+
+        def measure(v: str, _round: int) -> dict:
+            out = _run_child(v, args, os.path.join(tmp, f"{v}.npy"))
+            bar.update()
+            return out
+
+        per_round = session.run(variants, measure)
+        bar.close()
+        rows = _rows(session, per_round, variants, tmp)
         kernels = _run_child("kernels", args, os.path.join(tmp, "k.npy")) if args.kernels else None
         inter = _run_child("interleaved", args, os.path.join(tmp, "i.npy"))
+    ratios = {
+        f"{v}_{m}_vs_{peer}": harness.round_ratios(per_round, v, peer, m)
+        for v in variants
+        if v.startswith("tt-")
+        for peer in ("torch-fused", "deepspeed-cpu-adam")
+        if peer in variants
+        for m in ("step_ms", "iter_ms")
+    }
+    measurement = session.report(
+        {r["variant"]: {m: r[f"{m}_stats"] for m in TIMED if f"{m}_stats" in r} for r in rows},
+        {**ratios, **{f"interleaved_{k}": v for k, v in inter.get("ratios", {}).items()}},
+    )
     print("opt.step() timed round-robin in one process:", json.dumps(inter, indent=1))
     ir = inter.get("rows", {})
     peers = [
@@ -398,6 +465,7 @@ def run(args) -> list[dict]:
     ]
     print_table(rows, cols)
     print("summary (round-robin figures):", json.dumps(summary))
+    print(harness.summary_line(measurement))
     write_json(
         args.json,
         "optimizer",
@@ -405,10 +473,13 @@ def run(args) -> list[dict]:
         kernels=kernels,
         interleaved=inter,
         summary=summary,
+        measurement=measurement,
         params=int(args.params),
         steps=args.steps,
         note=(
-            "Times are the best of --steps steps (other processes share these 2 cores). "
+            "Each variant runs once per round in its own process, rounds interleaved (--rounds); "
+            "its row is its median round by step_ms, with <metric>_stats over the rounds. "
+            "Within a process the times are the best of --steps steps. "
             "CPU-only machine: the 'device' is host RAM, so backward and the CPU update share the "
             "same cores; peak device memory equals peak RSS here. optimizer_rss_bytes = peak RSS "
             "while training minus RSS once the model and its optimizer-free twin exist (so it also "

@@ -37,6 +37,7 @@ import time
 
 from tqdm import tqdm
 
+from benchmarks import _harness as harness
 from benchmarks._common import child_env, write_json
 from tensortier._units import format_size, print_table
 
@@ -62,12 +63,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--budget-fracs", default="0.2,0.35,0.5,0.7", help="budgets / plain peak")
-    p.add_argument("--steps", type=int, default=3, help="measured rounds (after 1 warm-up round)")
     p.add_argument("--timing-iters", type=int, default=2, help="timing passes of the profile")
     p.add_argument("--plan-seconds", type=float, default=30.0, help="bound on planning time")
     p.add_argument("--policies", default=",".join(VARIANTS))
     p.add_argument("--spill-dir", default=tempfile.gettempdir())
     p.add_argument("--quick", action="store_true", help="one small model, two budgets, 1 round")
+    # one step of every policy per round, after 1 warm-up round (--steps: the older name)
+    harness.add_args(p, rounds=5, aliases=("--steps",), dest="steps")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     p.add_argument("--report", default=None, help="write an HTML report of the sweep here")
     p.add_argument(
@@ -287,6 +289,7 @@ def _worker(args) -> dict:
                     "pred_step_s": pred.step_s,
                     "step_s": step_s,
                     "step_median_s": statistics.median(var["times"]),
+                    "step_times_s": var["times"],  # one per round, the rounds aligned
                     "meets_budget": max(peaks) <= budget,
                     "grads_match": var["digest"] == plain_grads if lossless else None,
                     "plan_s": choice.plan_s,
@@ -344,6 +347,12 @@ def summarize(rows: list[dict]) -> dict:
     }
     if auto and fastest:
         out["auto_vs_fastest"] = auto["step_s"] / fastest["step_s"]
+        if "step_times_s" in auto and "step_times_s" in fastest:  # the rounds are aligned
+            per_round = [
+                {"auto": {"t": a}, "fastest": {"t": f}}
+                for a, f in zip(auto["step_times_s"], fastest["step_times_s"])
+            ]
+            out["auto_vs_fastest_rounds"] = harness.round_ratios(per_round, "auto", "fastest", "t")
         # the same plan measured twice in one run: any difference is the host's noise
         out["auto_same_plan_as_fastest"] = auto.get("actions") == fastest.get("actions")
         out["auto_within_3pct"] = (
@@ -371,22 +380,8 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def run(args) -> list[dict]:
-    if args.worker:
-        print(json.dumps(_worker(args)))
-        return []
-    if args.from_json:
-        with open(args.from_json) as f:
-            data = json.load(f)
-        if args.report:
-            from tensortier.planner.report import write_sweep_report
-
-            print(f"wrote {write_sweep_report(args.report, data['rows'], data['summary'])}")
-        return data["rows"]
-    models = args.models.split(",")
-    if args.quick:
-        models, args.budget_fracs, args.steps = ["gpt:4x128x8"], "0.35,0.7", 1
-        args.plan_seconds = min(args.plan_seconds, 10.0)
+def _sweep(args, models: list[str]) -> tuple[list[dict], list[dict]]:
+    """Every model's sweep in its own worker process; its rows and per-budget summaries."""
     rows: list[dict] = []
     summary: list[dict] = []
     for model in tqdm(models, desc="bench planner"):
@@ -407,6 +402,46 @@ def run(args) -> list[dict]:
                 }
             )
             rows += b["rows"]
+    return rows, summary
+
+
+def _measurement(session: harness.Session, rows: list[dict], summary: list[dict]) -> dict:
+    """The harness fields of every policy's row (its rounds' step times) and the run's verdict;
+    ``auto`` against the fastest plan that met the budget, within each round."""
+    timed, ratios = {}, {}
+    for r in rows:
+        if "step_times_s" not in r:
+            continue
+        stats = {"step_s": harness.spread_stats(r["step_times_s"])}
+        r.update(session.row_fields(stats))
+        timed[f"{r['model']}@{r['frac']} {r['policy']}"] = stats
+    for s in summary:
+        if "auto_vs_fastest_rounds" in s:
+            ratios[f"{s['model']}@{s['frac']} auto_vs_fastest"] = s["auto_vs_fastest_rounds"]
+    return session.report(timed, ratios)
+
+
+def run(args) -> list[dict]:
+    if args.worker:
+        print(json.dumps(_worker(args)))
+        return []
+    if args.from_json:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        if args.report:
+            from tensortier.planner.report import write_sweep_report
+
+            print(f"wrote {write_sweep_report(args.report, data['rows'], data['summary'])}")
+        return data["rows"]
+    models = args.models.split(",")
+    if args.quick:
+        models, args.budget_fracs = ["gpt:4x128x8"], "0.35,0.7"
+        args.plan_seconds = min(args.plan_seconds, 10.0)
+    args.steps = harness.rounds_of(args)
+    session = harness.Session("planner", args.steps, args.quiet_wait, args.quiet_load)
+    with session:
+        rows, summary = _sweep(args, models)
+    measurement = _measurement(session, rows, summary)
     print_table(
         [
             {
@@ -452,7 +487,10 @@ def run(args) -> list[dict]:
             f"fastest, x{s.get('auto_speedup_vs_best_global', float('nan')):.3f} faster than "
             f"{s['best_global']}"
         )
-    write_json(args.json, "planner-sweep", rows, summary=summary, args=vars(args))
+    print(harness.summary_line(measurement))
+    write_json(
+        args.json, "planner-sweep", rows, summary=summary, measurement=measurement, args=vars(args)
+    )
     if args.report:
         from tensortier.planner.report import write_sweep_report
 

@@ -2,10 +2,10 @@
 
 Every peer runs in its own process so its peak RSS is its own. TorchRL's C++ segment tree does not
 load with torch 2.13.0 (its wheels are built against another torch), so the TorchRL peer runs in a
-virtual environment under ``--cache-dir`` with the torch release its wheel was built for (created on
-first use: ``pip install torch==2.15.0 torchrl==0.14.1``, several GB from PyPI). RLlib's
-``PrioritizedEpisodeReplayBuffer`` runs in this environment (``pip install "ray[rllib]"``, an
-optional peer); DI-engine is reported as not measured (its ``gym==0.25.1`` dependency does not
+virtual environment under ``--cache-dir`` with the torch release its wheel was built for, pinned in
+``benchmarks/requirements-torchrl.txt`` (``make bench-peers`` creates it, or this benchmark on
+first use; torch 2.14.1 is a CUDA build of several GB). RLlib's ``PrioritizedEpisodeReplayBuffer``
+runs in this environment (the ``bench-rl`` extra, ``make bench-peers``); DI-engine is reported as not measured (its ``gym==0.25.1`` dependency does not
 build).
 
 Sections: (1) 100k x 10 KB items (``--quick``: 10k): add, ``extend`` (1000 items a call),
@@ -33,12 +33,13 @@ import time
 import numpy as np
 import torch
 
+from benchmarks import _harness as harness
 from benchmarks import params_nodes
 from benchmarks._common import environment, write_json
 from tensortier._units import format_size, parse_size, print_table
 
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_replay_peers.py")
-TORCHRL_SPEC = ["torch==2.15.0", "torchrl==0.14.1", "numpy", "psutil"]
+TORCHRL_REQUIREMENTS = os.path.join(os.path.dirname(PEERS_SCRIPT), "requirements-torchrl.txt")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +49,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--item-bytes", default="10KB", help="bytes of each item's observation")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=None, help="sample/update batches (200; 50 quick)")
+    p.add_argument(
+        "--batches", type=int, default=None, help="sample/update batches per peer (200; 50 quick)"
+    )
     p.add_argument(
         "--spill-items", type=int, default=None, help="items in the spill run (1M; 0 skips)"
     )
@@ -67,6 +70,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quick", action="store_true", help="small sizes")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
+    harness.add_args(p, rounds=3)
 
 
 # ---------------------------------------------------------------------- peers in subprocesses
@@ -108,14 +112,16 @@ def _torchrl_python(cache_dir: str) -> tuple[str | None, str]:
     venv = os.path.join(cache_dir, "torchrl-venv")
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
-        print(f"creating {venv} for TorchRL ({' '.join(TORCHRL_SPEC)}; several GB from PyPI)")
+        print(f"creating {venv} for TorchRL ({TORCHRL_REQUIREMENTS}; several GB)")
         os.makedirs(cache_dir, exist_ok=True)
-        made = subprocess.run([sys.executable, "-m", "venv", venv])
+        made = subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, text=True)
         if made.returncode == 0:
-            made = subprocess.run([python, "-m", "pip", "install", "-q", *TORCHRL_SPEC])
+            pip = [python, "-m", "pip", "install", "-q", "-r", TORCHRL_REQUIREMENTS]
+            made = subprocess.run(pip, capture_output=True, text=True)
         if made.returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
-            return None, "could not create the TorchRL virtual environment"
+            why = (made.stderr or made.stdout).strip()[-400:]
+            return None, f"could not create the TorchRL virtual environment: {why}"
     there = subprocess.run([python, "-c", probe], capture_output=True, text=True)
     if there.returncode != 0:
         return None, f"TorchRL venv cannot load its segment tree: {there.stderr[-300:]}"
@@ -287,75 +293,36 @@ def _params_section(nbytes: int, readers: int = 8) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------- driver
-def run(args: argparse.Namespace) -> list[dict]:
-    item_bytes = parse_size(args.item_bytes, name="--item-bytes")
-    n = args.items or (10_000 if args.quick else 100_000)
-    rounds = args.rounds or (50 if args.quick else 200)
-    spill_n = (
-        args.spill_items if args.spill_items is not None else (50_000 if args.quick else 1_000_000)
-    )
-    full_spill_bytes = 1_000_000 * item_bytes
-    spill_budget = (
-        parse_size(args.spill_budget, name="--spill-budget")
-        if args.spill_budget
-        else int((2 << 30) * spill_n * item_bytes / full_spill_bytes)
-    )
-    skip = set(filter(None, args.skip.split(",")))
-    rows: list[dict] = []
-    notes: dict[str, str] = {
-        "di-engine": "not measured: DI-engine 0.5.3 needs gym==0.25.1, whose setup fails to build "
-        "with current setuptools ('extras_require must be a dictionary ...')",
-        "rllib": "PrioritizedEpisodeReplayBuffer (ray[rllib]) in this environment, fed 100-step "
-        "episodes; its update_priorities applies to the last sampled batch only",
-    }
+MAIN_TIMED = ("add_per_s", "sample_items_per_s", "update_items_per_s")
 
-    print(f"[1/5] main run: {n} items x {format_size(item_bytes)}, batch {args.batch}")
-    main_peers = [("tensortier", sys.executable), ("deque", sys.executable)]
-    if "rllib" not in skip:
-        main_peers.append(("rllib", sys.executable))
-    if "torchrl" not in skip:
-        py, where = _torchrl_python(args.cache_dir)
-        notes["torchrl"] = where
-        if py:
-            main_peers.insert(1, ("torchrl", py))
-    for peer, py in main_peers:
-        env = None
-        if peer == "torchrl":
-            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        res = _run_peer(py, peer, n, item_bytes, args.batch, rounds, args.dir, env=env)
-        rows.append({"section": "main", "peer": peer, "items": n, **res})
-        print(f"  {peer}: {res.get('error') or 'ok'}")
-    base = {r["peer"]: r for r in rows if r["section"] == "main" and "error" not in r}
-    ratios = {}
-    if "tensortier" in base and "torchrl" in base:
-        t, p = base["tensortier"], base["torchrl"]
-        ratios = {
-            f"vs_torchrl_{k}": t[k] / p[k]
-            for k in ("add_per_s", "sample_items_per_s", "update_items_per_s")
-        }
-    if "tensortier" in base and "deque" in base:
-        t, p = base["tensortier"], base["deque"]
-        ratios.update(
-            {
-                f"vs_deque_{k}": t[k] / p[k]
-                for k in ("add_per_s", "sample_items_per_s", "update_items_per_s")
-            }
-        )
 
-    if "tensortier" in base and "rllib" in base:
-        t, p = base["tensortier"], base["rllib"]
-        ratios.update(
-            {
-                f"vs_rllib_{k}": t[k] / p[k]
-                for k in ("add_per_s", "sample_items_per_s", "update_items_per_s")
-            }
-        )
-
+def _main_rows(session: harness.Session, per_round: list[dict], peers: list[str], n: int):
+    """Section 1's rows (per peer: its timed rates are medians over the rounds, the rest its
+    median round by sampling rate) and its ratios, each taken within a round."""
+    rows, timed = [], {}
+    for peer in peers:
+        runs = [got[peer] for got in per_round]
+        row = dict(harness.median_run(runs, "sample_items_per_s"))
+        if "error" not in row:
+            timed[peer] = harness.variant_stats(per_round, peer, MAIN_TIMED)
+            row.update({k: s["median"] for k, s in timed[peer].items()})
+            row.update(session.row_fields(timed[peer]))
+        rows.append({"section": "main", "peer": peer, "items": n, **row})
+    ratios, stats = {}, {}
+    for peer in ("torchrl", "deque", "rllib"):
+        if peer in timed and "tensortier" in timed:
+            for k in MAIN_TIMED:
+                stats[f"vs_{peer}_{k}"] = harness.round_ratios(per_round, "tensortier", peer, k)
+                ratios[f"vs_{peer}_{k}"] = stats[f"vs_{peer}_{k}"]["median"]
+    base = {r["peer"]: r for r in rows if "error" not in r}
     for k in ("extend_gb_per_s", "extend_steady_gb_per_s"):
         if k in base.get("tensortier", {}):
             ratios[k] = base["tensortier"][k]
+    return rows, ratios, timed, stats
 
+
+def _other_sections(args, skip, n, item_bytes, rounds, spill_n, spill_budget, rows, ratios):
+    """Sections 1b-6, each run once (their rows and ratios appended in place)."""
     if "ratelimit" not in skip:
         print("[1b/5] rate-limited: 1 collector thread + 1 learner, samples_per_insert=8")
         res = _run_peer(
@@ -421,6 +388,11 @@ def run(args: argparse.Namespace) -> list[dict]:
             ratios["spill_vs_disk_tier_write"] = res["spill_gb_per_s"] / disk_w
             ratios["spill_write_path_vs_disk_tier_write"] = res["spill_write_gb_per_s"] / disk_w
 
+    _ray_sections(args, skip, item_bytes, rows, ratios)
+
+
+def _ray_sections(args, skip, item_bytes, rows, ratios) -> None:
+    """Sections 4-6: Ray, shards, the parameter store (rows and ratios appended in place)."""
     if "ray" not in skip:
         print("[4/5] Ray: 4 collectors + 1 learner; ParamStore through the object store")
         try:
@@ -433,7 +405,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         print("[4b/5] sharded: K=1 vs K=2 shards (2 collectors, 2 learners); rate-limited K=2")
         try:
             more, more_ratios = sharded_section(args.dir, item_bytes, args.batch, 5.0)
-            rows, ratios = rows + more, {**ratios, **more_ratios}
+            rows += more
+            ratios.update(more_ratios)
         except Exception as exc:  # reported, not hidden
             rows.append({"section": "sharded", "peer": "tensortier shards", "error": repr(exc)})
     if "params" not in skip:
@@ -443,6 +416,58 @@ def run(args: argparse.Namespace) -> list[dict]:
         print("[6/6] parameters to 3 readers on 2 simulated nodes: 5 MB, 50 MB")
         rows += params_nodes.section([parse_size("5MB"), parse_size("50MB")])
 
+
+# ---------------------------------------------------------------------- driver
+def run(args: argparse.Namespace) -> list[dict]:
+    item_bytes = parse_size(args.item_bytes, name="--item-bytes")
+    n = args.items or (10_000 if args.quick else 100_000)
+    rounds = args.batches or (50 if args.quick else 200)
+    spill_n = (
+        args.spill_items if args.spill_items is not None else (50_000 if args.quick else 1_000_000)
+    )
+    full_spill_bytes = 1_000_000 * item_bytes
+    spill_budget = (
+        parse_size(args.spill_budget, name="--spill-budget")
+        if args.spill_budget
+        else int((2 << 30) * spill_n * item_bytes / full_spill_bytes)
+    )
+    skip = set(filter(None, args.skip.split(",")))
+    rows: list[dict] = []
+    notes: dict[str, str] = {
+        "di-engine": "not measured: DI-engine 0.5.3 needs gym==0.25.1, whose setup fails to build "
+        "with current setuptools ('extras_require must be a dictionary ...')",
+        "rllib": "PrioritizedEpisodeReplayBuffer (ray[rllib]) in this environment, fed 100-step "
+        "episodes; its update_priorities applies to the last sampled batch only",
+    }
+
+    session = harness.Session.from_args("replay", args)
+    print(
+        f"[1/5] main run: {n} items x {format_size(item_bytes)}, batch {args.batch}, "
+        f"{session.rounds} interleaved rounds"
+    )
+    main_peers = [("tensortier", sys.executable), ("deque", sys.executable)]
+    if "rllib" not in skip:
+        main_peers.append(("rllib", sys.executable))
+    if "torchrl" not in skip:
+        py, where = _torchrl_python(args.cache_dir)
+        notes["torchrl"] = where
+        if py:
+            main_peers.insert(1, ("torchrl", py))
+    python = dict(main_peers)
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # TorchRL's own venv
+
+    def measure(peer: str, r: int) -> dict:
+        env = clean if peer == "torchrl" else None
+        res = _run_peer(python[peer], peer, n, item_bytes, args.batch, rounds, args.dir, env=env)
+        print(f"  round {r + 1}: {peer}: {res.get('error') or 'ok'}")
+        return res
+
+    with session:
+        per_round = session.run(list(python), measure)
+        main_rows, ratios, timed, ratio_stats = _main_rows(session, per_round, list(python), n)
+        rows += main_rows
+        _other_sections(args, skip, n, item_bytes, rounds, spill_n, spill_budget, rows, ratios)
+    measurement = session.report(timed, ratio_stats)
     cols = [
         "section",
         "peer",
@@ -471,17 +496,20 @@ def run(args: argparse.Namespace) -> list[dict]:
     print_table(printable, cols)
     for k, v in ratios.items():
         print(f"{k}: {v:.3g}")
+    print(harness.summary_line(measurement))
     write_json(
         args.json,
         "replay",
         rows,
         ratios=ratios,
         peers=notes,
+        measurement=measurement,
         settings={
             "items": n,
             "item_bytes": item_bytes,
             "batch": args.batch,
-            "rounds": rounds,
+            "batches": rounds,
+            "rounds": session.rounds,
             "spill_items": spill_n,
             "spill_budget": spill_budget,
             "env": environment(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from benchmarks import _harness as harness
 from benchmarks._common import environment, write_json
 from tensortier._units import format_size, parse_size, print_table
 from tensortier.tiers.disk import DiskStore
@@ -34,8 +34,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--size", default=None, help="bytes per measurement (default 2GiB, 512MiB with --quick)"
     )
     p.add_argument("--tensor-size", default="64MiB", help="size of each tensor written by the tier")
-    p.add_argument("--repeat", type=int, default=None, help="repetitions, median reported")
-    p.add_argument("--quick", action="store_true", help="small sizes, one repetition")
+    p.add_argument(
+        "--repeat", type=int, default=None, help="--remote: repetitions; else as --rounds"
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes, one round")
+    harness.add_args(p, rounds=3)
     p.add_argument("--json", default=None, help="write rows to this JSON file")
     p.add_argument(
         "--remote",
@@ -127,14 +130,40 @@ def run_remote(args: argparse.Namespace) -> list[dict]:
     size = parse_size(args.size or ("64MiB" if args.quick else "256MiB"), name="--size")
     repeat = args.repeat or (3 if args.quick else 5)
     print(f"measuring remote put/get of {format_size(size)}, best of {repeat}, two Ray nodes")
-    rows, ok = remote_bandwidth(size, repeat)
+    # best of ``repeat`` inside one Ray session: the load envelope only (README, Measurement)
+    session = harness.Session("tiers-remote", 1, args.quiet_wait, args.quiet_load)
+    with session:
+        rows, ok = remote_bandwidth(size, repeat)
+    measurement = session.report({})
     print_table(
         rows, ["path", "bytes", "gbps", "ratio_vs_limit", "remote_vs_spilling", "speedup_vs_each"]
     )
     if not ok:
         print("WARNING: data read back from the remote tier differed from what was written")
-    write_json(args.json, "tiers-remote", rows, intact=ok, repeat=repeat)
+    print(harness.summary_line(measurement))
+    write_json(args.json, "tiers-remote", rows, intact=ok, repeat=repeat, measurement=measurement)
     return rows
+
+
+def _disk_rounds(args, session: harness.Session, size: int, tensor_bytes: int) -> list[dict]:
+    """``dd`` and the disk tier, interleaved in rounds; each write then read."""
+
+    bar = tqdm(total=session.rounds * 2, desc="tiers", unit="run")
+
+    def measure(variant: str, _round: int) -> dict:
+        if variant == "dd":
+            w, r = dd_bandwidth(args.dir, size)
+            out = {"write_gbps": w, "read_gbps": r}
+        else:
+            w, r, intact = tier_bandwidth(args.dir, size, tensor_bytes)
+            out = {"write_gbps": w, "read_gbps": r, "intact": intact}
+        bar.update()
+        return out
+
+    with session:
+        per_round = session.run(["dd", "tensortier"], measure)
+    bar.close()
+    return per_round
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -142,54 +171,49 @@ def run(args: argparse.Namespace) -> list[dict]:
         return run_remote(args)
     size = parse_size(args.size or ("512MiB" if args.quick else "2GiB"), name="--size")
     tensor_bytes = parse_size(args.tensor_size, name="--tensor-size")
-    repeat = args.repeat or (1 if args.quick else 3)
-    print(f"measuring {format_size(size)} x {repeat} in {args.dir} ({environment()['device']})")
-    dd_w, dd_r, tt_w, tt_r = [], [], [], []
-    ok = True
-    for _ in tqdm(range(repeat), desc="tiers", unit="round"):
-        w, r = dd_bandwidth(args.dir, size)
-        dd_w.append(w)
-        dd_r.append(r)
-        w, r, intact = tier_bandwidth(args.dir, size, tensor_bytes)
-        tt_w.append(w)
-        tt_r.append(r)
-        ok = ok and intact
-    dd_w, dd_r = statistics.median(dd_w), statistics.median(dd_r)
-    tt_w, tt_r = statistics.median(tt_w), statistics.median(tt_r)
-    rows = [
-        {
-            "path": "host->disk dd O_DIRECT (limit)",
-            "bytes": size,
-            "gbps": dd_w,
-            "ratio_vs_limit": 1.0,
-        },
-        {
-            "path": "host->disk (tensortier)",
-            "bytes": size,
-            "gbps": tt_w,
-            "ratio_vs_limit": tt_w / dd_w,
-        },
-        {
-            "path": "disk->host dd O_DIRECT (limit)",
-            "bytes": size,
-            "gbps": dd_r,
-            "ratio_vs_limit": 1.0,
-        },
-        {
-            "path": "disk->host (tensortier)",
-            "bytes": size,
-            "gbps": tt_r,
-            "ratio_vs_limit": tt_r / dd_r,
-        },
-    ]
+    args.rounds = args.rounds or args.repeat
+    session = harness.Session.from_args("tiers", args)
+    print(
+        f"measuring {format_size(size)} x {session.rounds} in {args.dir} ({environment()['device']})"
+    )
+    per_round = _disk_rounds(args, session, size, tensor_bytes)
+    errors = [got[v]["error"] for got in per_round for v in got if "error" in got[v]]
+    if errors:
+        raise RuntimeError(errors[0])
+    ok = all(got["tensortier"]["intact"] for got in per_round)
+    rows, timed, ratios = [], {}, {}
+    for direction, metric, arrow in (("write", "write_gbps", "host->disk"),
+                                     ("read", "read_gbps", "disk->host")):  # fmt: skip
+        ratio = harness.round_ratios(per_round, "tensortier", "dd", metric)
+        ratios[f"{direction}_vs_dd"] = ratio
+        for variant, path, vs in (("dd", f"{arrow} dd O_DIRECT (limit)", None),
+                                  ("tensortier", f"{arrow} (tensortier)", ratio)):  # fmt: skip
+            stats = harness.variant_stats(per_round, variant, [metric])
+            timed.setdefault(variant, {}).update(stats)
+            row = {"path": path, "bytes": size, "gbps": stats[metric]["median"]}
+            row["ratio_vs_limit"] = 1.0 if vs is None else vs["median"]
+            if vs is not None:
+                row["ratio_vs_limit_spread"] = vs["spread"]
+            rows.append({**row, **session.row_fields({"gbps": stats[metric]})})
     if torch.cuda.is_available():
         rows += cuda_bandwidth(min(size, 1 << 30))
     print_table(
-        rows, ["path", "bytes", "gbps", "ratio_vs_limit", "remote_vs_spilling", "speedup_vs_each"]
+        rows,
+        [
+            "path",
+            "bytes",
+            "gbps",
+            "ratio_vs_limit",
+            "remote_vs_spilling",
+            "speedup_vs_each",
+            "noisy",
+        ],
     )
     if not ok:
         print("WARNING: data read back differed from what was written, or O_DIRECT was unavailable")
-    write_json(args.json, "tiers", rows, direct_io_and_intact=ok)
+    measurement = session.report(timed, ratios)
+    print(harness.summary_line(measurement))
+    write_json(args.json, "tiers", rows, direct_io_and_intact=ok, measurement=measurement)
     return rows
 
 

@@ -8,12 +8,37 @@ from tensortier._lifetime import quiesce
 
 
 def pytest_collection_modifyitems(config, items):
+    _ray_modules_last(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _ray_modules_last(items: list) -> None:
+    """The modules on the shared Ray cluster (``ray_nodes``) run together, last, in their order:
+    the cluster then runs only while they do (its idle processes take CPU from other tests)."""
+    ray_modules = {item.module for item in items if "ray_nodes" in item.fixturenames}
+    items[:] = [i for i in items if i.module not in ray_modules] + [
+        i for i in items if i.module in ray_modules
+    ]
+
+
+@pytest.fixture(scope="session")
+def ray_nodes():
+    """One Ray cluster of simulated nodes for every module that asks (``tests/ray_cluster.py``):
+    starting one costs 7-70 s here, so seven modules share it; each connects through
+    ``ray_nodes.module()`` and finds it as new."""
+    pytest.importorskip("ray")
+    from tests.ray_cluster import SharedCluster
+
+    shared = SharedCluster()
+    try:
+        yield shared
+    finally:
+        shared.close()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -33,12 +58,19 @@ def _warm_cpu_kernels():
 
 @pytest.fixture
 def spill_dir(tmp_path):
-    """A spill directory that must be empty again when the test ends (nothing left behind)."""
+    """A spill directory that must be empty again when the test ends (nothing left behind).
+
+    Stores a test dropped without close() are cleaned up by the reaper thread once collected; a
+    full garbage collection walks the whole session's heap (over a second late in a full run, on
+    every test that uses this fixture), so it runs only when files are still there after the
+    reaper's queue drained: the verdict is the same, a clean test pays nothing."""
     d = tmp_path / "spill"
     d.mkdir()
     yield str(d)
-    gc.collect()  # stores a test dropped without close() are cleaned up by the reaper thread
     quiesce()
+    if os.listdir(d):
+        gc.collect()
+        quiesce()
     leftovers = os.listdir(d)
     assert leftovers == [], f"files left behind in the spill directory: {leftovers}"
 

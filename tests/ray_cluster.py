@@ -1,10 +1,15 @@
 """A Ray cluster of simulated nodes on this machine for tests (``ray.cluster_utils.Cluster``).
 
-One per test module (a module-scoped fixture calls :func:`local_cluster`): a head node (the
-driver's node, no CPUs unless asked) and ``workers`` nodes, everything Ray writes (sessions, logs,
+A head node (the driver's node) and ``workers`` nodes, everything Ray writes (sessions, logs,
 sockets, spilled objects) under a private temporary directory that is removed at the end, and fast
 health checks so a removed node is found dead in about a second instead of ~15 s. Every test
-module that needs a cluster of simulated nodes starts it here (issue 26: it was rebuilt in three).
+module that needs a cluster of simulated nodes gets it here (issue 26: it was rebuilt in three).
+
+Starting one costs 7-70 s on a 2-core machine, so the modules share one per test session
+(:class:`SharedCluster`, the ``ray_nodes`` fixture of ``tests/conftest.py``; issue 27): each
+module connects its driver for its own tests and disconnects after them, and finds the cluster as
+new (the two worker nodes alive, nodes its predecessors added gone, no named actor left).
+:func:`local_cluster` still starts a private one for a module that needs another shape.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -84,3 +90,108 @@ def local_cluster(
             else:
                 os.environ[key] = value
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# The shared cluster's node shape: what every module sharing it needs at once (rl/test_sharded:
+# one CPU and a ``shard`` resource per worker node, a CPU on the head; the others ask for none).
+SHARED_CPUS = 1
+SHARED_RESOURCES = {"shard": 1}
+
+
+class SharedCluster:
+    """One cluster of simulated nodes for a whole test session (see the module docstring).
+
+    Nodes start with ``PYTHONPATH`` naming this checkout (their workers import its tensortier
+    and tests, as :func:`local_cluster`'s ``checkout_path`` gives a private one).
+    """
+
+    def __init__(self, workers: int = 2, store: int = STORE):
+        from ray.cluster_utils import Cluster
+
+        self.tmp = tempfile.mkdtemp(prefix="tt-ray-")
+        self.store, self.workers = store, workers
+        with _environ(RAY_TMPDIR=self.tmp, PYTHONPATH=_checkout_path()):
+            self.cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": SHARED_CPUS,
+                    "object_store_memory": store,
+                    "include_dashboard": False,
+                    "_system_config": FAST_DEATH,
+                },
+            )
+            self.own = [self._add() for _ in range(workers)]
+
+    def _add(self):
+        return self.cluster.add_node(
+            num_cpus=SHARED_CPUS, object_store_memory=self.store, resources=SHARED_RESOURCES
+        )
+
+    def _repair(self) -> None:
+        """Back to the session's shape: nodes an earlier module added go, a worker node it
+        removed (or that died) is replaced."""
+        live = list(self.cluster.worker_nodes)
+        for node in live:
+            if node not in self.own or not node.remaining_processes_alive():
+                self.cluster.remove_node(node, allow_graceful=False)
+        self.own = [n for n in self.own if n in self.cluster.worker_nodes]
+        if len(self.own) < self.workers:
+            with _environ(RAY_TMPDIR=self.tmp, PYTHONPATH=_checkout_path()):
+                self.own += [self._add() for _ in range(self.workers - len(self.own))]
+
+    @contextlib.contextmanager
+    def module(self, *, checkout_path: bool = False) -> Iterator[LocalCluster]:
+        """The cluster for one module's tests: the driver connected while they run; named
+        actors they left behind (detached ones outlive the driver) are ended after them."""
+        import ray
+
+        self._repair()
+        extra = {"PYTHONPATH": _checkout_path()} if checkout_path else {}
+        with _environ(RAY_TMPDIR=self.tmp, **extra):
+            ray.init(address=self.cluster.address, log_to_driver=False)
+            try:
+                nodes = list(self.own)
+                yield LocalCluster(self.cluster, [n.node_id for n in nodes], self.tmp, nodes)
+            finally:
+                if ray.is_initialized():
+                    _end_named_actors()
+                ray.shutdown()
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _end_named_actors() -> None:
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        try:
+            ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+        except ValueError:  # gone meanwhile
+            pass
+    deadline = time.monotonic() + 10
+    while ray.util.list_named_actors(all_namespaces=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _checkout_path() -> str:
+    return os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

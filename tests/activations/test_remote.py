@@ -15,12 +15,12 @@ from tensortier.errors import ConfigError, NodeLostError  # noqa: E402
 from tensortier.tiers.codecs import ZstdCodec  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
 from tests.activations.test_offloader import _inputs, _step, cnn, gpt, mlp  # noqa: E402
-from tests.ray_cluster import STORE, local_cluster  # noqa: E402
+from tests.ray_cluster import STORE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster() as lc:
+def cluster(ray_nodes):
+    with ray_nodes.module() as lc:
         yield lc
 
 

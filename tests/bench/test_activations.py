@@ -15,6 +15,8 @@ def test_bench_activations_quick_writes_rows(tmp_path):
             str(tmp_path),
             "--json",
             str(out),
+            "--quiet-wait",
+            "0",
         ]
     )
     data = json.loads(out.read_text())
@@ -28,5 +30,10 @@ def test_bench_activations_quick_writes_rows(tmp_path):
         (run,) = r["rounds"]
         assert len(run["step_peaks_bytes"]) == 2 and min(run["step_peaks_bytes"]) > 0
         assert r["peak_bytes"] == max(run["step_peaks_bytes"]) >= r["peak_steady_bytes"] > 0
+        assert r["step_s_stats"]["n"] == 1 and r["noisy"]  # one round cannot show its spread
+    m = data["measurement"]
+    assert m["order"] == ["plain", "tt-disk"] and m["load_before"]["cpus"] == m["cpus"]
+    assert "1 round: spread unknown" in m["noisy_reasons"]
+    assert m["ratios"]["tt-disk_time_vs_plain"]["median"] == rows["tt-disk"]["time_vs_plain"]
     assert rows["tt-disk"]["offload"]["bytes_offloaded"]["disk"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["act.json"]  # spill files cleaned up

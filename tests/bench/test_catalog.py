@@ -20,7 +20,8 @@ def test_bench_catalog_runs_every_peer_and_writes_ratios(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run_job", _job_in_process)
     main(
         ["catalog", "--quick", "--records", "300", "--index-records", "100000",
-         "--orders", "full", "--dir", str(tmp_path), "--json", str(out)]
+         "--orders", "full", "--dir", str(tmp_path), "--json", str(out), "--rounds", "2",
+         "--quiet-wait", "0"]
     )  # fmt: skip
     data = json.loads(out.read_text())
     rows = {(r["phase"], r["peer"], r["order"]): r for r in data["rows"]}
@@ -33,6 +34,12 @@ def test_bench_catalog_runs_every_peer_and_writes_ratios(tmp_path, monkeypatch):
     assert {"read_full_vs_dd", "read_full_vs_datasets", "build_vs_disk_tier_write"} <= set(
         data["ratios"]
     )
+    m = data["measurement"]  # builds, reads and random reads each interleaved in 2 rounds
+    assert m["order"][:5] == ["dd", "disk tier write", "tensortier", "datasets", "lmdb"]
+    assert len(m["order"]) == 2 * 5 + 2 * 4 + 2 * 3
+    ratio = m["ratios"]["read_full_vs_dd"]
+    assert len(ratio["per_round"]) == 2 and data["ratios"]["read_full_vs_dd"] == ratio["median"]
+    assert rows[("read", "tensortier", "full")]["gbps_stats"]["n"] == 2
     assert data["open"]["records"] == 100000 and data["open"]["rss_growth_mib"] < 64
     assert [p.name for p in tmp_path.iterdir()] == ["catalog.json"]  # the stores were removed
 

@@ -26,9 +26,12 @@ def test_bench_checkpoint_runs_the_three_variants_side_by_side(tmp_path):
             str(tmp_path),
             "--json",
             str(out),
+            "--quiet-wait",
+            "0",
         ]
     )
     data = json.loads(out.read_text())
+    assert data["measurement"]["order"] == ["none", "torch.save", "dcp", "tensortier"]
     assert data["benchmark"] == "checkpoint" and "device" in data["env"]
     rows = {r["variant"]: r for r in data["rows"]}
     assert {"torch.save (sync)", "tensortier Checkpointer"} <= set(rows)
@@ -57,6 +60,8 @@ def test_bench_checkpoint_replica_restores_from_both_sources(tmp_path):
             str(tmp_path),
             "--json",
             str(out),
+            "--quiet-wait",
+            "0",
         ]
     )
     data = json.loads(out.read_text())

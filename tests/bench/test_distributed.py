@@ -1,7 +1,8 @@
 """`python -m benchmarks distributed`: the summary computes the issue's targets from per-rank rows
-(the worst rank of each), keeps the best of repeated runs, and explains a peer that cannot run."""
+(the worst rank of each), keeps each rank's median round, and explains a peer that cannot run."""
 
-from benchmarks.distributed import _better, _summary
+from benchmarks import _harness as harness
+from benchmarks.distributed import _median_rows, _summary, _worst_rank
 
 
 def _row(variant, rank, **kw):
@@ -25,7 +26,29 @@ def test_summary_uses_the_worst_rank_and_explains_missing_peers():
     assert "accelerator" in s["why_fsdp2_cpuoffload_cannot_run"]
 
 
-def test_best_run_is_kept():
-    assert _better({"iter_ms": 1}, {"iter_ms": 2})
-    assert not _better({"stall_s": 3}, {"stall_s": 2})
-    assert _better({"iter_ms": 9}, {"error": "x"}) and not _better({"error": "x"}, {"iter_ms": 9})
+def test_each_rank_keeps_its_median_round_and_the_slowest_rank_is_judged():
+    def rnd(v, *iters):
+        return _worst_rank([_row(v, r, iter_ms=t, step_ms=t / 2) for r, t in enumerate(iters)])
+
+    per_round = [
+        {
+            "ddp-tt": rnd("ddp-tt", 10, 12),
+            "fsdp2-cpuoffload": _worst_rank([_row("f", 0, error="x")]),
+        },
+        {
+            "ddp-tt": rnd("ddp-tt", 30, 11),
+            "fsdp2-cpuoffload": _worst_rank([_row("f", 0, error="x")]),
+        },
+        {
+            "ddp-tt": rnd("ddp-tt", 20, 13),
+            "fsdp2-cpuoffload": _worst_rank([_row("f", 0, error="x")]),
+        },
+    ]
+    assert per_round[0]["ddp-tt"]["iter_ms"] == 12  # the slowest rank of the round
+    session = harness.Session("t", 3, poll=None, loadavg=lambda: (0.1, 0.1, 0.1), cpus=2)
+    rows, timed = _median_rows(session, per_round, ["ddp-tt", "fsdp2-cpuoffload"])
+    by = {(r["variant"], r["rank"]): r for r in rows}
+    assert by[("ddp-tt", 0)]["iter_ms"] == 20 and by[("ddp-tt", 1)]["iter_ms"] == 12
+    assert timed["ddp-tt"]["iter_ms"] == harness.spread_stats([12, 30, 20])
+    assert by[("ddp-tt", 0)]["noisy"] and by[("ddp-tt", 0)]["iter_ms_stats"]["spread"] == 1.5
+    assert by[("f", 0)]["error"] == "x"  # failed in every round: its error row stays

@@ -12,6 +12,7 @@ def test_bench_optimizer_runs_and_writes_json(tmp_path):
         [
             "optimizer", "--quick", "--params", "3e5", "--width", "128", "--steps", "2",
             "--variants", "torch-foreach,tt-host,tt-disk", "--no-kernels", "--dir", str(tmp_path), "--json", str(out),
+            "--quiet-wait", "0",
         ]
     )  # fmt: skip
     data = json.loads(out.read_text())
@@ -23,3 +24,8 @@ def test_bench_optimizer_runs_and_writes_json(tmp_path):
         assert rows[v]["update_alone_ms"] > 0
     assert set(data["interleaved"]["rows"]) == {"tt-host", "tt-disk"}
     assert data["summary"]["disk_vs_host_step"] > 0
+    m = data["measurement"]  # --quick: one round (the harness's own tests interleave more)
+    assert m["order"] == ["torch-foreach", "tt-host", "tt-disk"]
+    assert rows["tt-host"]["step_ms_stats"]["n"] == 1 and rows["tt-host"]["noisy"] is True
+    inter = data["interleaved"]["rows"]["tt-disk"]["stats"]["step_ms"]
+    assert inter["n"] == 2 and inter["min"] == data["interleaved"]["rows"]["tt-disk"]["step_ms"]

@@ -10,8 +10,8 @@ def test_bench_replay_runs_peers_and_writes_ratios(tmp_path):
     out = tmp_path / "replay.json"
     main(
         [
-            "replay", "--quick", "--items", "600", "--rounds", "4",
-            "--item-bytes", "2KB", "--spill-items", "800", "--spill-budget", "256KiB", "--skip", "torchrl,rllib,ray,params,nodes",
+            "replay", "--quick", "--items", "600", "--batches", "4", "--rounds", "2", "--quiet-wait", "0",
+            "--item-bytes", "2KB", "--spill-items", "800", "--spill-budget", "256KiB", "--skip", "torchrl,rllib,ray,sharded,params,nodes",
             "--dir", str(tmp_path), "--json", str(out),
         ]
     )  # fmt: skip
@@ -22,3 +22,9 @@ def test_bench_replay_runs_peers_and_writes_ratios(tmp_path):
     assert "error" not in main_row and main_row["add_per_s"] > 0 and main_row["peak_rss"] > 0
     assert rows[("spill", "tensortier")]["stats"]["disk_items"] > 0
     assert "vs_deque_sample_items_per_s" in data["ratios"]
+    # the main run's peers interleaved in rounds, ratios within a round, medians in the rows
+    m = data["measurement"]
+    assert m["order"] == ["tensortier", "deque"] * 2
+    ratio = m["ratios"]["vs_deque_add_per_s"]
+    assert len(ratio["per_round"]) == 2 and data["ratios"]["vs_deque_add_per_s"] == ratio["median"]
+    assert main_row["add_per_s"] == main_row["add_per_s_stats"]["median"]

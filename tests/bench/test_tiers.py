@@ -19,6 +19,10 @@ def test_bench_tiers_writes_rows_against_dd(tmp_path):
             str(tmp_path),
             "--json",
             str(out),
+            "--rounds",
+            "2",
+            "--quiet-wait",
+            "0",
         ]
     )
     data = json.loads(out.read_text())
@@ -33,15 +37,36 @@ def test_bench_tiers_writes_rows_against_dd(tmp_path):
     for row in data["rows"]:
         assert row["bytes"] == 32 << 20 and row["gbps"] > 0 and row["ratio_vs_limit"] > 0
     assert data["direct_io_and_intact"] is True
+    m = data["measurement"]  # dd and the tier interleaved, ratios within a round
+    assert m["order"] == ["dd", "tensortier", "dd", "tensortier"]
+    assert len(m["ratios"]["write_vs_dd"]["per_round"]) == 2
+    assert (
+        paths["host->disk (tensortier)"]["ratio_vs_limit"] == m["ratios"]["write_vs_dd"]["median"]
+    )
+    assert paths["disk->host (tensortier)"]["gbps_stats"]["n"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["tiers.json"]  # scratch files cleaned up
 
 
 def test_bench_tiers_remote_writes_rows_against_ray(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "remote.json"
-    main(["tiers", "--remote", "--size", "4MiB", "--repeat", "1", "--json", str(out)])
+    main(
+        [
+            "tiers",
+            "--remote",
+            "--size",
+            "4MiB",
+            "--repeat",
+            "1",
+            "--json",
+            str(out),
+            "--quiet-wait",
+            "0",
+        ]
+    )
     data = json.loads(out.read_text())
     assert data["benchmark"] == "tiers-remote" and data["intact"] is True
+    assert data["measurement"]["load_before"]["cpus"] > 0
     paths = [r["path"] for r in data["rows"]]
     assert paths[:4] == [
         "host->remote ray.put + remote ray.get (limit)",

@@ -10,12 +10,12 @@ ray = pytest.importorskip("ray")
 from tensortier.errors import ConfigError, NodeLostError  # noqa: E402
 from tensortier.optim import OffloadedAdamW  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
-from tests.ray_cluster import STORE, local_cluster  # noqa: E402
+from tests.ray_cluster import STORE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster() as lc:
+def cluster(ray_nodes):
+    with ray_nodes.module() as lc:
         yield lc
 
 

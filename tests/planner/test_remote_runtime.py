@@ -16,15 +16,14 @@ from tensortier.planner.policies import Options  # noqa: E402
 from tensortier.planner.simulator import Mode  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
 from tests.activations.test_offloader import _inputs, gpt  # noqa: E402
-from tests.ray_cluster import local_cluster  # noqa: E402
 
 FAST = Options(search_iters=60, search_seconds=5, plan_seconds=10)
 STEPS = 6  # warm-up, probe, 2 timing passes, the plan twice
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with local_cluster():
+def pool(ray_nodes):
+    with ray_nodes.module():
         store = RemoteStore("64MiB", timeout=30)
         try:
             yield store

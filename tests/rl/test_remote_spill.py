@@ -10,14 +10,13 @@ ray = pytest.importorskip("ray")
 from tensortier.errors import ConfigError, NodeLostError, TierFullError  # noqa: E402
 from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
-from tests.ray_cluster import local_cluster  # noqa: E402
 
 _STORE = 96 << 20
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(store=_STORE) as lc:
+def cluster(ray_nodes):
+    with ray_nodes.module() as lc:
         yield lc.cluster, lc.workers
 
 

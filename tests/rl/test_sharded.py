@@ -22,7 +22,6 @@ from tensortier.errors import (  # noqa: E402
 )
 from tensortier.rl import Prioritized, RateLimit, ReplayBuffer, serve  # noqa: E402
 from tensortier.rl.sharded import ShardedReplayBuffer  # noqa: E402
-from tests.ray_cluster import local_cluster  # noqa: E402
 from tests.rl.test_serve import blocked_round_trip  # noqa: E402
 
 _STORE = 80 << 20  # object store of each simulated node
@@ -32,8 +31,8 @@ _WAIT = 30.0  # bound of every wait for another thread in these tests (never rea
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(store=_STORE, cpus=1, resources={"shard": 1}) as lc:
+def cluster(ray_nodes):
+    with ray_nodes.module() as lc:  # its nodes: one CPU and a shard resource each
         yield lc.cluster, lc.nodes
 
 

@@ -13,12 +13,11 @@ from tensortier.tiers.host import HostPool  # noqa: E402
 from tensortier.tiers.remote import MIN_OBJECT, RemoteHandle, RemoteStore  # noqa: E402
 from tensortier.transfer import HostTensor, Transfer, TransferEngine  # noqa: E402
 from tests.ray_cluster import STORE as _STORE  # noqa: E402
-from tests.ray_cluster import local_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster() as lc:
+def cluster(ray_nodes):
+    with ray_nodes.module() as lc:
         yield lc.cluster, lc.workers, lc.tmp
 
 
