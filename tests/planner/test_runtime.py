@@ -449,3 +449,34 @@ def test_a_budget_the_first_step_keeps_runs_on(spill_dir):
     finally:
         off.close()
     assert 0 < off.first_peak <= 64 << 20 and off.choice is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the resident accounting is a CPU budget's")
+def test_resident_memory_counts_what_freed_gradients_leave_in_the_process(spill_dir):
+    """On a CPU the planner adds the memory its machinery keeps between iterations to every
+    prediction (``_resident``): the growth inside its forward/backward windows, gradients taken
+    out. Gradients glibc carves from heap pages that were resident already (64 KiB matrices
+    here) added nothing to the window, and freeing them (``zero_grad()``) returns nothing: a
+    window that took them out at full size counted ~2 MiB too little each step, so the estimate
+    drifted below what the process really kept and the first planned step ran over (issue 23).
+    """
+    from tensortier._device import rss_bytes
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*(nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(32)))
+    x = torch.randn(64, 128)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    seen = []  # per step: the process's RSS before it, the planner's estimate once it began
+    try:
+        for _ in range(4):  # warm-up, probe, 2 timing passes: three measured windows
+            m.zero_grad(set_to_none=True)
+            before = rss_bytes()
+            with off:
+                seen.append((before, off._resident()))
+                loss = m(x).square().mean()
+            loss.backward()
+    finally:
+        off.close()
+    grown = seen[-1][0] - seen[1][0]  # what the probe and the first timing pass left
+    estimated = seen[-1][1] - seen[1][1]
+    assert estimated >= grown - (512 << 10), (estimated, grown)
