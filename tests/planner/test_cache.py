@@ -168,7 +168,7 @@ os.makedirs(spill)
 os.chmod(spill, 0o777)
 try:
     model = _Seq()
-    off = planned_offload("24MiB", spill_dir=spill, options=FAST, plan_cache=cache)
+    off = planned_offload("28MiB", spill_dir=spill, options=FAST, plan_cache=cache)
     _grads(model, xs(128) * 5, off)
     off.close()
     quiesce()  # no cleanup in flight when forking
@@ -187,7 +187,7 @@ try:
             handler = logging.Handler()
             handler.emit = lambda r: warned.append(r.getMessage())
             logging.getLogger("tensortier").addHandler(handler)
-            off = planned_offload("24MiB", spill_dir=spill, options=FAST, plan_cache=cache)
+            off = planned_offload("28MiB", spill_dir=spill, options=FAST, plan_cache=cache)
             try:
                 got = _grads(model, xs(128) + xs(1024) + xs(2048), off)
             finally:

@@ -104,19 +104,20 @@ def test_a_timing_pass_keeps_only_what_the_measured_passes_bound_under_the_budge
     p = make_profile(n_units=4, tensor_bytes=GB, per_unit=2, bw=100 * GB)
     p.meta["profiled_tier"] = "disk"
 
-    def simulated(kept: list[str]) -> int:
-        return simulate(p, pass_plan(p, {"kept": kept, "tier": "disk"})).peak_bytes
+    def keeping(kept: list[str]):
+        return pass_plan(p, {"kept": kept, "tier": "disk"})
 
-    assert (simulated([]), simulated(["h.0"])) == (GB, 3 * GB)
+    assert [simulate(p, keeping(k)).peak_bytes for k in ([], ["h.0"])] == [GB, 3 * GB]
     p.passes = [{"kind": "probe", "kept": [], "peak_bytes": 2 * GB}]  # 1 GB the model misses
-    assert measured_bound(p, ["h.0"]) == 4 * GB  # the probe's peak and h.0's two tensors
+    assert measured_bound(p, keeping(["h.0"])) == 4 * GB  # the probe's peak and h.0's tensors
     assert timing_group(p, 3 * GB + GB // 2) == []  # the simulator fits h.0, measurement not
     assert timing_group(p, 4 * GB) == ["h.0"]
     p.passes.append({"kind": "offload", "kept": ["h.0"], "peak_bytes": 3 * GB + GB // 5})
-    assert measured_bound(p, []) == 2 * GB  # the tightest measured pass bounds a group
-    assert measured_bound(p, ["h.0", "h.1"]) == 5 * GB + GB // 5  # h.0's pass and h.1's tensors
+    assert measured_bound(p, keeping([])) == 2 * GB  # the tightest measured pass bounds a group
+    # h.0's pass and h.1's tensors
+    assert measured_bound(p, keeping(["h.0", "h.1"])) == 5 * GB + GB // 5
     p.passes = []  # nothing measured (a profile planned offline): the simulator alone
-    assert measured_bound(p, ["h.0"]) is None
+    assert measured_bound(p, keeping(["h.0"])) is None
     assert timing_group(p, 3 * GB + GB // 2) == ["h.0"]
 
 
@@ -306,3 +307,52 @@ def test_cuda_peak_meter_reads_reserved_memory():
         del keep[::2]  # holes: reserved stays above allocated
     assert meter.peak == torch.cuda.max_memory_reserved(dev)
     assert meter.peak >= meter.peak_allocated
+
+
+def test_a_timing_pass_keeps_part_of_the_units_it_does_not_keep_whole(spill_dir):
+    """A unit too large to keep whole was never kept in a timing pass, so the fit only knew
+    passes that offloaded nearly everything (issue 23): a pass can keep the tensors ``parts``
+    names (unit -> ordinals, as a partial swap names them), and its plan says so."""
+    from tensortier.planner.profiler import pass_plan, unit_of
+    from tensortier.planner.simulator import ordinals
+
+    p_units = ["0", "1", "2"]
+    m, x = _mlp(), torch.randn(256, 128)
+    prof = _profiler(spill_dir)
+    try:
+        _step(m, x, prof.forward())
+        _step(m, x, prof.timing(keep=["0"], parts={"2": [0]}))
+        moved = [r["module"] for r in prof.offloader.records]
+        p = prof.finish()
+    finally:
+        prof.offloader.close()
+    ordinal = ordinals(p)
+    run = p.passes[-1]
+    assert run["kept"] == ["0"] and run["parts"] == {"2": [0]}
+    plan = pass_plan(p, run)
+    stayed = {t.index for t in p.tensors if plan.tier_of(t, ordinal[t.index]) == "keep"}
+    assert stayed == {t.index for t in p.tensors if t.unit in ("0", "2")}
+    went = [t for t in p.tensors if t.index not in stayed]  # unit 1's: what the offloader moved
+    assert [unit_of(m, p_units) for m in moved] == [t.unit for t in went] == ["1"] * len(went)
+    with pytest.raises(ConfigError, match="not planning units"):
+        prof.timing(parts={"9": [0]}).__enter__()
+
+
+def test_timing_parts_fill_the_room_with_the_smallest_tensors_of_every_unit(make_profile):
+    from tensortier.planner.profiler import measured_bound, pass_plan, timing_parts
+    from tensortier.planner.simulator import simulate
+
+    GB = 10**9
+    p = make_profile(n_units=3, tensor_bytes=GB, per_unit=2, bw=100 * GB)
+    p.tensors[1].nbytes = p.tensors[3].nbytes = p.tensors[5].nbytes = GB // 4  # each unit's 2nd
+    p.meta["profiled_tier"] = "disk"
+    p.passes = [{"kind": "probe", "kept": [], "peak_bytes": 2 * GB}]
+    # room for two quarters over the probe's measured 2 GB: h.0's and h.1's, alike, in turn
+    assert timing_parts(p, 2 * GB + GB // 2, []) == {"h.0": [1], "h.1": [1]}
+    assert timing_parts(p, 4 * GB, ["h.0"]) == {"h.1": [1], "h.2": [1]}  # beside h.0 whole
+    parts = timing_parts(p, 5 * GB, ["h.0"])  # the quarters first, then a whole tensor
+    assert parts == {"h.1": [0, 1], "h.2": [1]}
+    plan = pass_plan(p, {"kept": ["h.0"], "parts": parts})
+    assert measured_bound(p, plan) == 2 * GB + 2 * (GB + GB // 4) + GB // 4
+    assert simulate(p, plan).peak_bytes <= 5 * GB
+    assert timing_parts(p, GB, []) == {}  # no room: the pass offloads every tensor

@@ -38,7 +38,14 @@ from dataclasses import dataclass, field
 from tensortier._units import SizeLike, format_size, format_size_up, parse_size
 from tensortier.errors import BudgetError, ConfigError
 from tensortier.planner.profile import Profile
-from tensortier.planner.simulator import Mode, Plan, SimResult, UnitAction, resolve_codecs, simulate
+from tensortier.planner.simulator import (
+    Mode,
+    Plan,
+    SimResult,
+    UnitAction,
+    resolve_codecs,
+    simulate_worst,
+)
 
 POLICIES = (
     "keep",
@@ -103,9 +110,11 @@ def _tiers(profile: Profile, opts: Options) -> tuple[str, ...]:
 
 
 def evaluate(profile: Profile, plan: Plan, opts: Options) -> Choice:
+    """``plan`` made canonical and simulated, with the peak it reaches when its writes stall
+    (:func:`simulate_worst`): a budget holds whatever the timing of the copies."""
     resolve_codecs(profile, plan, allow_lossy=opts.allow_lossy)
     _canonical(profile, plan)
-    return Choice(plan, simulate(profile, plan))
+    return Choice(plan, simulate_worst(profile, plan))
 
 
 def _canonical(profile: Profile, plan: Plan) -> None:

@@ -122,8 +122,9 @@ class Profile:
     measured_peak_bytes: int | None = None  # of the profiled iteration itself
     measured_step_s: float | None = None
     # the measured iterations the simulator is calibrated on (see planner.profiler.calibrate):
-    # {"kind", "kept": [unit names kept, the rest on "tier"], "tier", "peak_bytes", "step_s",
-    #  "timed_step": whether step_s may calibrate move costs}
+    # {"kind", "kept": [unit names kept, the rest on "tier"], "parts": {unit: [ordinals of the
+    #  tensors it kept]} (of other units), "tier", "peak_bytes", "step_s", "timed_step": whether
+    #  step_s may calibrate move costs}
     passes: list[dict] = field(default_factory=list)
     sac_op_s: float = 0.0  # compute seconds selective checkpointing adds per operator and pass
     meta: dict = field(default_factory=dict)

@@ -385,10 +385,16 @@ class Profiler:
 
     @contextmanager
     def _pass(
-        self, kind: str, offloader, *, kept: frozenset = frozenset(), sync_units: bool = True
+        self,
+        kind: str,
+        offloader,
+        *,
+        kept: frozenset = frozenset(),
+        parts: dict[str, frozenset[int]] | None = None,
+        sync_units: bool = True,
     ) -> Iterator[Profiler]:
         self._close_pass()
-        cur = self._cur = _Pass(kind, kept=kept, sync_units=sync_units)
+        cur = self._cur = _Pass(kind, kept=kept, parts=parts or {}, sync_units=sync_units)
         self._hooks = [
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post),
@@ -463,9 +469,13 @@ class Profiler:
             yield self
 
     @contextmanager
-    def timing(self, keep: Iterable[str] | None = None) -> Iterator[Profiler]:
+    def timing(
+        self, keep: Iterable[str] | None = None, parts: dict[str, Iterable[int]] | None = None
+    ) -> Iterator[Profiler]:
         """A timing pass (after pass 1's backward; repeatable): the units in ``keep`` keep their
-        saved tensors, every other one goes to the profiled tier (all of them: ``keep=None``)."""
+        saved tensors, and so do the tensors ``parts`` names (unit -> ordinals within it, as a
+        plan's partial swap names them) of other units; every other tensor goes to the profiled
+        tier (all of them: ``keep=None``)."""
         from tensortier.activations import Action
         from tensortier.errors import ConfigError
 
@@ -473,7 +483,8 @@ class Profiler:
             raise ConfigError("run Profiler.forward() (and its backward) before a timing pass")
         self._close_pass()
         kept = frozenset(keep or ())
-        unknown = kept - set(self.order)
+        some = {u: frozenset(o) for u, o in (parts or {}).items() if o and u not in kept}
+        unknown = (kept | set(some)) - set(self.order)
         if unknown:
             raise ConfigError(
                 f"keep={sorted(unknown)}: not planning units of the profiled model; pass names "
@@ -488,13 +499,18 @@ class Profiler:
                 yield self
             return
         tier, names = self.tier, list(self.order)
+        seen: dict[str, int] = {}  # per unit: its tensors decided so far in this forward
 
         def decide(info):
-            return Action("keep" if unit_of(info.module, names) in kept else tier)
+            if info.index == 0:
+                seen.clear()  # a new forward
+            unit = unit_of(info.module, names)
+            k = seen[unit] = seen.get(unit, -1) + 1
+            return Action("keep" if unit in kept or k in some.get(unit, ()) else tier)
 
         self.offloader.decide = decide
         self.offloader.record, self.offloader.records = True, []
-        with self._pass("offload", self.offloader, kept=kept, sync_units=sync_units):
+        with self._pass("offload", self.offloader, kept=kept, parts=some, sync_units=sync_units):
             yield self
 
     @property
@@ -564,6 +580,7 @@ class Profiler:
             {
                 "kind": p.kind,
                 "kept": sorted(p.kept) if p.kind != "probe" else [],
+                "parts": {u: sorted(o) for u, o in sorted(p.parts.items())},
                 "tier": self.tier,
                 "peak_bytes": p.meter.delta,
                 "step_s": p.t_end - p.t_fwd,
@@ -710,6 +727,7 @@ class _Pass:
 
     kind: str  # "probe", "keep" or "offload"
     kept: frozenset = frozenset()  # units whose saved tensors stayed on the device
+    parts: dict[str, frozenset[int]] = field(default_factory=dict)  # and tensors of other units
     sync_units: bool = True  # CUDA: synchronize at unit boundaries (unit times are used)
     fwd: dict[str, list[float]] = field(default_factory=dict)  # unit -> [start, end]
     grad_at: dict[str, float] = field(default_factory=dict)  # unit -> its output's gradient
@@ -810,18 +828,29 @@ def _codec_speeds(names: tuple[str, ...], nbytes: int) -> dict[str, CodecSpeed]:
 
 
 def pass_plan(profile: Profile, run: dict):
-    """The plan a measured pass ran: its kept units keep, every other unit on its tier."""
+    """The plan a measured pass ran: its kept units keep, the tensors ``parts`` names (unit ->
+    ordinals) stay in their units, every other tensor goes to the pass's tier."""
     from tensortier.planner.simulator import Mode, Plan, UnitAction
 
     tier = Mode(run.get("tier") or profile.meta.get("profiled_tier", "disk"))
     kept = set(run.get("kept", ()))
-    return Plan(
-        run.get("kind", "pass"),
-        {u.name: UnitAction(Mode.KEEP if u.name in kept else tier) for u in profile.units},
-    )
+    parts = {u: set(o) for u, o in (run.get("parts") or {}).items()}
+    counts: dict[str, int] = {}
+    for t in profile.tensors:
+        counts[t.unit] = counts.get(t.unit, 0) + 1
+    actions = {}
+    for u in profile.units:
+        if u.name in kept:
+            actions[u.name] = UnitAction(Mode.KEEP)
+        elif parts.get(u.name):
+            moved = frozenset(range(counts.get(u.name, 0))) - parts[u.name]
+            actions[u.name] = UnitAction(tier, part=moved)
+        else:
+            actions[u.name] = UnitAction(tier)
+    return Plan(run.get("kind", "pass"), actions)
 
 
-def calibrate(profile: Profile) -> Profile:
+def calibrate(profile: Profile, *, with_probe: bool = False) -> Profile:
     """Fits the two constants the simulator cannot know from first principles to measurement.
 
     * ``transient_factor`` (an op's temporaries / the saved tensor it makes or uses): for each
@@ -829,42 +858,28 @@ def calibrate(profile: Profile) -> Profile:
       the largest of them is kept, so every measured pass is predicted at or above its peak (a
       budget is a promise). A pass whose peak is below what its saved bytes alone need did not
       see live memory (an allocator reused freed heap memory) and is skipped. The probe pass is
-      used only when there is no other: the probe adds temporaries a plan does not have.
+      used only when there is no other (or ``with_probe``, which the choice of timing passes
+      asks for: the probe adds temporaries a plan does not have, so a fit on it errs high).
     * ``move_s_per_byte`` (compute seconds lost per byte moved: on a CPU the copy threads share
       the cores with compute; on a GPU it comes out near zero): least squares over the passes
       whose step time was taken without unit synchronization, of measured step minus the
       simulated step without move costs against the bytes each pass moved.
     """
-    from tensortier.planner.simulator import simulate
+    from tensortier.planner.simulator import ordinals, simulate
 
-    runs = [r for r in profile.passes if r.get("kind") != "probe"] or list(profile.passes)
-    factors = []
-    for run in runs:
-        plan = pass_plan(profile, run)
-        target = int(run.get("peak_bytes") or 0)
-
-        def peak(f: float, plan=plan) -> int:
-            profile.transient_factor = f
-            return simulate(profile, plan).peak_bytes
-
-        if not profile.tensors or target < peak(0.0):
-            continue
-        lo, hi = 0.0, 8.0
-        if peak(hi) <= target:
-            factors.append(hi)
-            continue
-        for _ in range(30):  # the peak grows monotonically with the factor
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if peak(mid) < target else (lo, mid)
-        factors.append(hi)
+    runs = _calibrating(profile, with_probe)
+    factors = [f for f in (_factor(profile, run) for run in runs) if f is not None]
     profile.transient_factor = max(factors) if factors else 1.5
     timed = [r for r in runs if r.get("timed_step") and r.get("step_s")]
     if timed and profile.tensors:
         num = den = 0.0
         profile.move_s_per_byte = 0.0
+        ordinal = ordinals(profile)
         for run in timed:
             plan = pass_plan(profile, run)
-            moved = 2 * sum(t.nbytes for t in profile.tensors if plan.tier_of(t) != "keep")
+            moved = 2 * sum(
+                t.nbytes for t in profile.tensors if plan.tier_of(t, ordinal[t.index]) != "keep"
+            )
             resid = run["step_s"] - simulate(profile, plan).step_s
             num += moved * resid
             den += moved * moved
@@ -872,11 +887,56 @@ def calibrate(profile: Profile) -> Profile:
     return profile
 
 
-def measured_bound(profile: Profile, kept: Iterable[str]) -> int | None:
-    """An upper bound, from measurement alone, on the peak of a pass that keeps the saved tensors
-    of the units in ``kept`` and offloads every other unit's: a measured pass's peak plus the
-    saved bytes of the units kept now that it offloaded (the tightest over the passes; None
-    before any was measured).
+def _calibrating(profile: Profile, with_probe: bool = False) -> list[dict]:
+    """The passes :func:`calibrate` fits: the timing passes (and the probe ``with_probe``), or
+    the probe alone when there is no other."""
+    runs = [r for r in profile.passes if with_probe or r.get("kind") != "probe"]
+    return runs or list(profile.passes)
+
+
+def _factor(profile: Profile, run: dict) -> float | None:
+    """The transient factor at which ``run``'s simulated plan peaks where it measured (None when
+    its peak is below its saved bytes alone; see :func:`calibrate`). Leaves the profile's
+    factor changed."""
+    from tensortier.planner.simulator import simulate
+
+    plan = pass_plan(profile, run)
+    target = int(run.get("peak_bytes") or 0)
+
+    def peak(f: float) -> int:
+        profile.transient_factor = f
+        return simulate(profile, plan).peak_bytes
+
+    if not profile.tensors or target < peak(0.0):
+        return None
+    lo, hi = 0.0, 8.0
+    if peak(hi) <= target:
+        return hi
+    for _ in range(30):  # the peak grows monotonically with the factor
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if peak(mid) < target else (lo, mid)
+    return hi
+
+
+def held(profile: Profile, plan) -> dict[int, int]:
+    """Pack index -> bytes of each saved tensor ``plan`` holds that a full offload would not: the
+    tensors it keeps, the ones a recomputed unit makes again in its backward (recompute and
+    selective units hold them as a kept unit does, from their rerun on) and the ones it
+    encodes (source and payload exist together while the codec runs)."""
+    from tensortier.planner.simulator import ordinals
+
+    ordinal = ordinals(profile)
+    return {
+        t.index: t.nbytes
+        for t in profile.tensors
+        if plan.tier_of(t, ordinal[t.index]) == "keep" or plan.codecs.get(t.index)
+    }
+
+
+def measured_bound(profile: Profile, plan) -> int | None:
+    """An upper bound, from measurement alone, on the peak of ``plan``: a measured pass's peak
+    plus the bytes of the tensors ``plan`` holds that the pass offloaded (:func:`held`; the
+    tightest over the passes; None before any was measured).
 
     Why it bounds: keeping a tensor instead of offloading it adds at most its bytes at any
     moment, and offloading a tensor that pass kept only shortens its life (its read-back is
@@ -884,16 +944,15 @@ def measured_bound(profile: Profile, kept: Iterable[str]) -> int | None:
     made on passes that kept small units underestimated one that kept a layer by 16% (issue 23:
     a timing pass at 1.03x its budget); this bound is what keeps the timing passes under the
     budget, the margin covers what is left (allocator and page granularity, copies in flight).
+    For a recomputed unit it assumes its rerun's temporaries are no larger than those of the
+    pass's backward over the same unit, which reads the unit's tensors back.
     """
-    sizes: dict[str, int] = {}
-    for t in profile.tensors:
-        sizes[t.unit] = sizes.get(t.unit, 0) + t.nbytes
-    kept = set(kept)
-    bounds = [
-        int(r["peak_bytes"]) + sum(sizes.get(u, 0) for u in kept - set(r.get("kept") or ()))
-        for r in profile.passes
-        if r.get("peak_bytes")
-    ]
+    holds = held(profile, plan)
+    bounds = []
+    for r in profile.passes:
+        if r.get("peak_bytes"):
+            had = held(profile, pass_plan(profile, r))
+            bounds.append(int(r["peak_bytes"]) + sum(n for i, n in holds.items() if i not in had))
     return min(bounds, default=None)
 
 
@@ -903,23 +962,60 @@ def timing_group(profile: Profile, budget: int, timed: Iterable[str] = ()) -> li
     (:func:`measured_bound`): units not yet ``timed`` first (forward order), then the others
     if room is left (each keeps its fastest time over the passes). A unit that never fits is
     timed offloaded."""
-    from tensortier.planner.simulator import simulate
-
     names = [u.name for u in profile.units if u.name and profile.tensors_of(u.name)]
     timed = set(timed)
-
-    def fits(group: list[str]) -> bool:
-        run = {"kind": "group", "kept": group, "tier": profile.meta.get("profiled_tier")}
-        if simulate(profile, pass_plan(profile, run)).peak_bytes > budget:
-            return False
-        bound = measured_bound(profile, group)
-        return bound is None or bound <= budget
-
     group: list[str] = []
     for n in [n for n in names if n not in timed] + [n for n in names if n in timed]:
-        if fits(group + [n]):
+        if _pass_fits(profile, budget, group + [n]):
             group.append(n)
     return group
+
+
+def _pass_fits(profile: Profile, budget: int, kept: list[str], parts: dict | None = None) -> bool:
+    """Whether a pass keeping ``kept`` and ``parts`` is under ``budget`` both as the simulator
+    predicts it (its writes stalled: :func:`simulate_worst`) and as the measured passes bound
+    it."""
+    from tensortier.planner.simulator import simulate_worst
+
+    run = {"kind": "group", "kept": kept, "parts": parts or {}}
+    plan = pass_plan(profile, run)
+    if simulate_worst(profile, plan).peak_bytes > budget:
+        return False
+    bound = measured_bound(profile, plan)
+    return bound is None or bound <= budget
+
+
+def timing_parts(profile: Profile, budget: int, group: list[str]) -> dict[str, list[int]]:
+    """Tensors of the units outside ``group`` that a timing pass keeping ``group`` keeps too, in
+    the room ``budget`` leaves (both as the simulator predicts it and as the measured passes
+    bound it): the smallest first, alike tensors of every unit in turn, as plans keep them (the large ones are
+    those whose moves hide behind compute). Why: a layer too large to keep whole was never
+    kept in a timing pass, so the fit knew only passes that offloaded nearly everything and put
+    plans that keep most of each layer 0.03-0.12x the budget low; a pass that keeps part of
+    every layer is measured as the plans will run, and bounds them (:func:`measured_bound`)."""
+    from tensortier.planner.simulator import ordinals
+
+    ordinal = ordinals(profile)
+    whole = set(group)
+    rest = sorted(
+        (t for t in profile.tensors if t.unit and t.unit not in whole),
+        key=lambda t: (t.nbytes, ordinal[t.index], t.index),  # alike tensors: every unit's
+    )
+
+    def parts_of(k: int) -> dict[str, list[int]]:
+        parts: dict[str, list[int]] = {}
+        for t in rest[:k]:
+            parts.setdefault(t.unit, []).append(ordinal[t.index])
+        return {u: sorted(o) for u, o in parts.items()}
+
+    lo, hi = 0, len(rest)  # the most smallest tensors that fit: peaks grow with what is kept
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _pass_fits(profile, budget, list(group), parts_of(mid)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return parts_of(lo)
 
 
 def timing_groups(profile: Profile, budget: int, passes: int) -> list[list[str]]:

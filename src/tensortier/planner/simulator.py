@@ -32,7 +32,7 @@ iterations (parameters, optimizer state, the offloader's persistent staging buff
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from tensortier.planner.profile import CHANNELS, Profile, TensorProfile
@@ -639,3 +639,32 @@ def simulate(profile: Profile, plan: Plan) -> SimResult:
     forward_s = it.forward()
     it.backward()
     return it.result(forward_s)
+
+
+STALL = 1e-3  # the outbound channels' bandwidth, scaled, when writes stall (simulate_worst)
+_OUTBOUND = ("d2h", "h2disk", "h2remote")
+
+
+def simulate_worst(profile: Profile, plan: Plan) -> SimResult:
+    """:func:`simulate`, its peak raised to the one reached when the writes stall (a disk or a
+    link slowed down by another job, a copy thread starved of a core): each source then stays in
+    memory as long as the offloader's write throttle lets it (``Profile.inflight_bytes``),
+    instead of as long as the measured bandwidth takes. Step time and timeline stay those of the
+    measured bandwidths (whose peak the timeline shows). Without a throttle nothing bounds the
+    writes in flight, and the peak is :func:`simulate`'s.
+
+    Why: the memory of copies in flight depends on timing, which the load on the machine
+    changes from step to step. A plan's own configuration, measured twelve times in a row, peaked
+    at 0.60-0.64x its budget and once at 0.76x (issue 23), and this stalled case predicted the
+    step to step spread (0.09-0.13x). Planning for it makes the budget hold whatever the timing;
+    reads cannot raise the peak in the same way: their memory is taken when they are issued,
+    which the prefetch window bounds whatever the timing.
+    """
+    result = simulate(profile, plan)
+    if not profile.inflight_bytes:
+        return result
+    bw = profile.bandwidth
+    slow = replace(bw, **{c: getattr(bw, c) * STALL for c in _OUTBOUND})
+    stalled = simulate(replace(profile, bandwidth=slow), plan).peak_bytes
+    result.peak_bytes = max(result.peak_bytes, stalled)
+    return result
