@@ -1,0 +1,43 @@
+"""Keyword arguments renamed by the one vocabulary (README "Vocabulary"), still accepted for 0.1.
+
+Scripts written against the first names keep running: the old keyword is mapped to the new one
+with a ``DeprecationWarning`` that names the new one; passing both is a ``TypeError``. The old
+names go in 0.2. One decorator, so every public entry point renames the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+def renamed(**old_to_new: str) -> Callable[[F], F]:
+    """``@renamed(to="tier", disk_capacity="disk_budget")`` on a function or ``__init__``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            for old, new in old_to_new.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(
+                        f"{fn.__qualname__}() got both {old}= and {new}=: pass only {new}= "
+                        f"({old}= is its old name)"
+                    )
+                warnings.warn(
+                    f"{fn.__qualname__}(): {old}= is now {new}= (the old name goes in 0.2)",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        inner.__renamed__ = dict(old_to_new)  # type: ignore[attr-defined]
+        return inner  # type: ignore[return-value]
+
+    return wrap
