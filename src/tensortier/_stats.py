@@ -82,7 +82,7 @@ def _fields(obj: object) -> dict[str, Any]:
     raw = obj.stats  # type: ignore[attr-defined]
     if callable(raw):
         raw = raw()
-    if raw is None:  # e.g. a planned offload that has not run a pass yet
+    if raw is None:  # a planned offload still profiling (no plan runs yet): "kind" alone
         return {}
     if hasattr(raw, "as_dict"):
         raw = raw.as_dict()
