@@ -263,3 +263,26 @@ def test_remote_store_is_public_without_importing_ray():
     code = "import sys, tensortier as tt; tt.RemoteStore; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _make_and_list() -> None:
+    pool = tt.HostPool("1MiB", pin=False)
+    assert any(e["kind"] == "host_pool" for e in tt.stats().values())
+    pool.close()
+
+
+def test_a_forked_child_registers_while_a_parent_thread_held_the_registry():
+    """A fork while another thread of the parent is inside the registry (here: holding its
+    lock) must not leave the child's copy locked forever."""
+    import multiprocessing
+
+    from tensortier import _stats
+
+    with _stats._lock:
+        child = multiprocessing.get_context("fork").Process(target=_make_and_list)
+        child.start()
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import enum
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -31,6 +32,16 @@ _lock = threading.Lock()
 _live: dict[str, weakref.ref] = {}  # "<kind>:<n>" -> the client, in creation order
 _counters: dict[str, itertools.count] = {}
 _SCALARS = (bool, int, float, str, type(None))
+
+
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker, a rank) gets a fresh lock: another thread of the
+    parent may have held it at the fork, and would never release the child's copy."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def register(kind: str, obj: object) -> str:
