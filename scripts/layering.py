@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensortier/_memory.py",
             "tensortier/_modes.py",
             "tensortier/_ray.py",
+            "tensortier/_stats.py",
             "tensortier/errors.py",
             "tensortier/models/",  # reference models: torch only
         ),

@@ -1,5 +1,6 @@
 """tensortier: move PyTorch tensors across device, host RAM and NVMe so training breaks the memory wall."""
 
+from tensortier._stats import stats
 from tensortier._units import format_size, parse_size
 from tensortier._verbs import offload
 from tensortier.activations import (
@@ -23,9 +24,9 @@ from tensortier.errors import (
     TierFullError,
 )
 from tensortier.optim import OffloadedAdamW, stream_parameters
-from tensortier.tiers import DiskHandle, DiskStore, HostPool
+from tensortier.tiers import DiskStore, HostPool, RemoteStore  # RemoteStore imports Ray on use
 from tensortier.tiers.codecs import get_codec
-from tensortier.transfer import HostTensor, Transfer, TransferEngine
+from tensortier.transfer import TransferEngine
 
 __version__ = "0.1.0"
 
@@ -39,35 +40,45 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tensortier' has no attribute {name!r}")
 
 
+# The public surface, listed in the README ("Public API"); everything else is internal. Handles
+# and futures (``tensortier.transfer.HostTensor``/``Transfer``, ``tensortier.tiers.DiskHandle``)
+# are importable from their modules.
 __all__ = [
-    "offload_stats",
-    "offload_module",
-    "offload",
-    "SavedTensorInfo",
+    # activations: the verbs, the mechanism and what it reports
+    "Action",
     "OffloadStats",
     "Offloader",
-    "Action",
-    "BudgetError",
+    "SavedTensorInfo",
+    "offload",
+    "offload_module",
+    "offload_stats",
+    # every live client's counters
+    "stats",
+    # optimizer state and parameters off the device
+    "OffloadedAdamW",
+    "stream_parameters",
+    # checkpoints
     "Checkpointer",
+    # tiers and the mover between them
+    "DiskStore",
+    "HostPool",
+    "RemoteStore",
+    "TransferEngine",
+    "get_codec",
+    # sizes
+    "format_size",
+    "parse_size",
+    # errors
+    "BudgetError",
     "ClosedError",
     "ConfigError",
     "CorruptDataError",
-    "DiskHandle",
-    "DiskStore",
-    "HostPool",
-    "HostTensor",
     "NodeLostError",
-    "OffloadedAdamW",
     "PermissionDeniedError",
     "SpillDirError",
     "TensortierError",
     "TierFullError",
-    "Transfer",
-    "TransferEngine",
-    "format_size",
-    "get_codec",
-    "parse_size",
-    "stream_parameters",
-    "rl",
+    # subpackages, imported on first use
     "data",
+    "rl",
 ]

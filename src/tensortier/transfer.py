@@ -49,6 +49,7 @@ import torch
 from tensortier import _cuda
 from tensortier._device import normalize_device
 from tensortier._lifetime import Finalizer
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, parse_size
 from tensortier.errors import ClosedError, ConfigError
 from tensortier.tiers.base import Handle, Store, StoreBase, failed, gather
@@ -419,6 +420,7 @@ class TransferEngine:
             threads, thread_name_prefix="tt-copy", initializer=_mark_releasing
         )
         self._finalizer = Finalizer(self, _shutdown, self._completer, self._cpu)
+        register_stats("transfer_engine", self)  # tt.stats() lists it while it is open
 
     # ---------------------------------------------------------------- public API
     def to_host(

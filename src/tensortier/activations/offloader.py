@@ -50,6 +50,7 @@ from torch import nn
 from tensortier import _dist, _lifetime
 from tensortier._device import normalize_device
 from tensortier._memory import release_freed_memory
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
 from tensortier.tiers.base import failed, gather
@@ -348,6 +349,7 @@ class Offloader:
         self._traced = False  # set when torch.compile traced the pack hook (see _COMPILED_HOOKS)
         global _last_stats
         _last_stats = self.stats
+        register_stats("offloader", self)  # tt.stats() lists it while it is open
 
     def _attach_disk(self) -> None:
         if self._disk is None:

@@ -37,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tensortier import _cuda, _dist
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.checkpoint import _faults, _ranks, _replica
 from tensortier.checkpoint._format import (
@@ -384,6 +385,7 @@ class Checkpointer:
         self._last_saved: int | None = None
         self._stall = 0.0
         self._background_cpu = 0.0  # CPU seconds of the last checkpoint's background work
+        register_stats("checkpointer", self)  # tt.stats() lists it while it is open
 
     def _lock_directory(self) -> tuple[DirLock | None, bool]:
         """One writer per directory: the process (many ranks: rank 0, for the whole group) holds

@@ -25,6 +25,7 @@ from typing import Any
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from tensortier._lifetime import Finalizer
+from tensortier._stats import register as register_stats
 from tensortier.data._epochs import WHAT, EpochConfig, check_int
 from tensortier.data._order import Order
 from tensortier.data._pipeline import Batch, LoaderStats, stream
@@ -95,6 +96,7 @@ class EpochDataset(IterableDataset):
         self._pool_pid = 0
         self._pool_fin: Finalizer | None = None
         self._abandoned: deque = deque()  # futures of streams closed early (see _pipeline)
+        register_stats("loader", self)  # tt.stats() lists it while it is open
 
     # ------------------------------------------------------------------ shape of an epoch
     @property

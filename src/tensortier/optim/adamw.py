@@ -57,6 +57,7 @@ import torch
 
 from tensortier import _dist
 from tensortier._lifetime import Finalizer
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError
 from tensortier.optim._layout import TORCH_KEYS, Bucket, Layout
@@ -185,6 +186,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._ready = True
         for gi in range(len(self.param_groups)):
             self._add_group(gi)
+        register_stats("optimizer", self)  # tt.stats() lists it while it is open
 
     # ------------------------------------------------------------------ construction
     def _compose(self, overlap: bool) -> None:

@@ -50,6 +50,7 @@ from torch import nn
 from tensortier import _cuda
 from tensortier._device import cuda_available, normalize_device
 from tensortier._lifetime import Finalizer
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
 from tensortier.tiers.disk import DiskHandle, DiskStore
@@ -177,6 +178,7 @@ class ParameterStreamer:
         self._releasing_bytes = 0
         self._closed = False
         self._take_over()
+        register_stats("param_streamer", self)  # tt.stats() lists it while it is open
 
     def _open_tier(self, spill_dir: str | None) -> None:
         """The store, loader thread, staging and side stream; every parameter copied to its home

@@ -91,6 +91,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tensortier import _dist
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, format_size_up, parse_size
 from tensortier.planner.buckets import dimension_map, input_shapes, scale_profile
 from tensortier.planner.cache import cache_key, load_cached, model_signature, save_cached
@@ -314,6 +315,7 @@ class PlannedOffload:
         self._margin: float | None = None  # widened by re-plans (see margin)
         self._checked = 0  # measured_peaks already compared across the ranks
         self._agreed = False  # the ranks checked that they run the same settings
+        register_stats("planned_offload", self)  # tt.stats() lists it while it is open
 
     # the outermost module run in the forward is the model the plan's unit names refer to; the
     # first tensors a module of the forward is called with (the root's, or for a model called

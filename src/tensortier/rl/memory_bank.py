@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError
 from tensortier.rl._store import ItemStore, as_index_array, check_args, check_spill
@@ -60,6 +61,7 @@ class MemoryBank:
             tiers=tiers,
             remote=remote,
         )
+        register_stats("memory_bank", self)  # tt.stats() lists it while it is open
 
     @property
     def capacity(self) -> int:

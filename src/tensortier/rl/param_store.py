@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from tensortier._lifetime import OWNER_FILE, Finalizer, private_dir, remove_private_dir
+from tensortier._stats import register as register_stats
 from tensortier._units import align_up, format_size
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError, TierFullError
 from tensortier.tiers.disk import as_bytes
@@ -367,6 +368,7 @@ class ParamStore:
         self._finalizer = Finalizer(self, _shutdown, self._ctrl, self.path)
         self._reader = ParamReader(self.path)
         self.stats = {"published": 0, "bytes_published": 0, "freed": 0, "publish_seconds": 0.0}
+        register_stats("param_store", self)  # tt.stats() lists it while it is open
 
     @staticmethod
     def attach(path: str | os.PathLike) -> ParamReader:

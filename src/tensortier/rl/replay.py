@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from tensortier import _modes
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike
 from tensortier.errors import ClosedError, ConfigError, NodeLostError
 from tensortier.rl import _persist, _saved, _sequence
@@ -139,6 +140,7 @@ class ReplayBuffer:
         except BaseException:
             self._store.close()  # releases the durable directory's lock
             raise
+        register_stats("replay_buffer", self)  # tt.stats() lists it while it is open
 
     # ------------------------------------------------------------------ basics
     def __len__(self) -> int:

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, align_up, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
 from tensortier.tiers.base import StoreBase, running
@@ -322,6 +323,7 @@ class DiskStore(StoreBase):
         self._freed: collections.deque[tuple[int, int, int]] = collections.deque()
         self._slab_ids = itertools.count()
         self._staging = threading.local()
+        register_stats("disk_store", self)  # tt.stats() lists it while it is open
 
     # ---------------------------------------------------------------- allocation
     def _allocate(self, length: int) -> tuple[_Slab, int]:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from tensortier import _lifetime
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, is_int, parse_size
 from tensortier.errors import ClosedError, ConfigError, TierFullError
 
@@ -368,6 +369,7 @@ class HostPool:
         self._finalizer = _lifetime.Finalizer(
             self, _release_all, self._free, self._busy, self._returns
         )
+        register_stats("host_pool", self)  # tt.stats() lists it while it is open
 
     @property
     def stats(self) -> HostStats:

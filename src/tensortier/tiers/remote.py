@@ -52,6 +52,7 @@ import torch
 
 from tensortier._lifetime import Finalizer
 from tensortier._ray import end_actors, require_ray
+from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
 from tensortier.tiers.base import StoreBase, running
@@ -283,6 +284,7 @@ class RemoteStore(StoreBase):
             self._finalizer()
             raise
         self.stats = RemoteStats(nodes=len(chosen), capacity_bytes=budget * len(chosen))
+        register_stats("remote_store", self)  # tt.stats() lists it while it is open
 
     # ---------------------------------------------------------------- start
     @staticmethod
