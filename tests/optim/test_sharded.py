@@ -201,3 +201,177 @@ def test_shard_true_without_a_process_group_is_a_config_error():
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="shard=True"):
         OffloadedAdamW(_model().parameters(), shard=True)
+
+
+def _square_model():
+    torch.manual_seed(0)
+    # four 16 KiB weights: with bucket_size=16KiB one bucket each, every rank owns rows of each
+    return torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
+
+
+def _instrument(calls: dict, last_update: int) -> None:
+    """Count torch.distributed's all-gathers and all-reduces in ``calls``; the update with kernel
+    call number ``last_update`` (mod 4) of each step waits (at most 10 s) for an all-gather
+    issued during this step, and records in ``calls["overlapped"]`` whether one came."""
+    import threading
+
+    import tensortier.optim._update as upd
+
+    gathered = threading.Event()
+    calls.update(gathers=0, reduces=0, kernels=0, overlapped=[])
+
+    def wrap(name: str, counter: str, module=dist):
+        real = getattr(module, name)
+
+        def counted(*a, **k):
+            calls[counter] += 1
+            if counter == "gathers":
+                gathered.set()
+            return real(*a, **k)
+
+        setattr(module, name, counted)
+
+    for name in ("all_gather_into_tensor", "all_gather_single"):  # whichever torch has
+        if hasattr(dist, name):
+            wrap(name, "gathers")
+    wrap("all_reduce", "reduces")
+    real_kernel = upd.adamw_
+
+    def kernel(*a, **k):
+        n = calls["kernels"]
+        calls["kernels"] += 1
+        if n % 4 == 0:
+            gathered.clear()  # a new step: its first update
+        if n % 4 == last_update:  # the step's last update runs only once a gather was issued
+            calls["overlapped"].append(gathered.wait(timeout=10))
+        return real_kernel(*a, **k)
+
+    upd.adamw_ = kernel
+
+
+def _overlap(rank: int, world: int) -> dict:
+    g = torch.Generator().manual_seed(100 + rank)
+    data = [torch.randn(4, 64, generator=g) for _ in range(3)]
+    ref = _square_model()
+    rddp = DDP(ref)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for x in data:
+        rddp(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+    m = _square_model()
+    ddp = DDP(m)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, bucket_size="16KiB")
+    assert opt._sharded and len(opt._buckets) == 4
+    calls: dict = {}
+    _instrument(calls, last_update=3)
+    per_step = []
+    for x in data:
+        ddp(x).square().mean().backward()
+        before = dict(calls)
+        opt.step()
+        per_step.append(
+            [calls["gathers"] - before["gathers"], calls["reduces"] - before["reduces"]]
+        )
+        opt.zero_grad()
+    opt.close()
+    return {"equal": _equal(ref, m), "overlapped": calls["overlapped"], "per_step": per_step}
+
+
+def test_each_bucket_is_gathered_while_the_next_updates():
+    """Issue 27 #2: bucket 0's all-gather is issued before the last bucket's update ends (that
+    update waits for it: the step would hang 10 s and record False if gathers came after every
+    update), and the step's only other collective is the branch agreement (no failure
+    all-reduce); parameters stay bit-identical to DDP + fused AdamW."""
+    for r in distributed.run(_overlap, 2):
+        assert r["equal"] is True
+        assert r["overlapped"] == [True, True, True]
+        # per step: one all-gather per bucket, one all-reduce (sparse / GradScaler branch)
+        assert r["per_step"] == [[4, 1]] * 3, r["per_step"]
+
+
+def _fail_one_update(rank: int, world: int, states: str, tmp: str, fault: bool = True) -> dict:
+    """Rank 1 fails its part of step 2 (host: its second update; disk: its third state write);
+    returns what every rank raised and its parameters after every step."""
+    import tensortier.optim._update as upd
+    from tensortier.errors import TierFullError
+
+    g = torch.Generator().manual_seed(100 + rank)
+    m = _square_model()
+    ddp = DDP(m)
+    opt = OffloadedAdamW(
+        m.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        bucket_size="16KiB",
+        states=states,
+        spill_dir=tmp if states == "disk" else None,
+    )
+    real_kernel, calls = upd.adamw_, {"step": 0, "n": 0}
+
+    def failing() -> bool:  # the n-th call of step 2 on rank 1
+        calls["n"] += calls["step"] == 1
+        return fault and rank == 1 and calls["step"] == 1 and calls["n"] == 2 + (states == "disk")
+
+    def kernel(*a, **k):
+        if failing():
+            raise MemoryError("injected (test)")
+        return real_kernel(*a, **k)
+
+    if states == "host":
+        upd.adamw_ = kernel
+    else:
+        store, real_put = opt._states.store, opt._states.store.put
+
+        def put(*a, **k):
+            if failing():  # a write that fails after it was queued (write-behind)
+                from concurrent.futures import Future
+
+                f = Future()
+                f.set_exception(TierFullError("disk full (test)", tier="disk", requested=1))
+                return f
+            return real_put(*a, **k)
+
+        store.put = put
+    params, errors = [], []
+    for i in range(3):
+        calls["step"] = i
+        ddp(torch.randn(4, 64, generator=g)).square().mean().backward()
+        try:
+            opt.step()
+            errors.append(None)
+        except BaseException as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        opt.zero_grad()
+        params.append([p.detach().reshape(-1).tolist() for p in m.parameters()])
+    opt.close()
+    return {"params": params, "errors": errors}
+
+
+@pytest.mark.parametrize("states", ["host", "disk"])
+def test_a_failed_rank_fails_the_step_on_every_rank(states, tmp_path):
+    """The failure protocol with overlapped gathers: every rank raises at step 2 naming rank 1;
+    host states apply every piece that succeeded (rank 1's rows of the failed bucket keep their
+    value, everything else updated), disk states apply nothing; replicas stay identical."""
+    ok = distributed.run(_fail_one_update, 2, "host", "", False)[0]["params"][1]  # no fault
+    got = distributed.run(_fail_one_update, 2, states, str(tmp_path))
+    for rank, r in enumerate(got):
+        assert r["errors"][0] is None and r["errors"][2] is None, r["errors"]
+        if rank == 1:
+            assert r["errors"][1].startswith("MemoryError" if states == "host" else "TierFull")
+        else:
+            applied = "were applied" if states == "host" else "no rank applied it"
+            assert "rank 1 failed its part" in r["errors"][1] and applied in r["errors"][1]
+    assert got[0]["params"] == got[1]["params"]  # the replicas never diverge
+    p1, p2 = got[0]["params"][0], got[0]["params"][1]
+    if states == "disk":
+        assert p2 == p1  # nothing applied anywhere
+        return
+    # buckets hold the layers in reverse: bucket 1 is layer 2; rank 1 owns its rows 32..63
+    rows = 32 * 64
+    for layer in range(4):
+        if layer == 2:
+            assert p2[layer][rows:] == p1[layer][rows:]  # rank 1's failed piece: as before
+            assert p2[layer][:rows] == ok[layer][:rows]  # rank 0's piece: updated, bit for bit
+        else:
+            assert p2[layer] == ok[layer]

@@ -15,10 +15,10 @@ AVX-512, AVX2 and the default ATen build). Parameters that cannot be cut that wa
 row sizes, non-contiguous) are owned whole by the least-loaded rank. Frozen parameters are owned
 by nobody.
 
-Bringing updates back. After the step every bucket's updated values are exchanged with one
-``all_gather`` of a byte buffer (the same fixed layout on every rank: per rank a flag byte per
-piece, then each piece at a 64-byte offset, in the parameter's dtype), then copied into the
-parameters. Only pieces that were updated this step (flag set) are written, so a parameter
+Bringing updates back. Every bucket's updated values are exchanged with one asynchronous
+``all_gather`` of a byte buffer (the same fixed layout on every rank: per rank a failure byte and
+a flag byte per piece, then each piece at a 64-byte offset, in the parameter's dtype), then copied
+into the parameters. Only pieces that were updated this step (flag set) are written, so a parameter
 without a gradient keeps whatever it holds, as with ``torch.optim.AdamW``.
 
 This module never runs an update and never holds optimizer state.
@@ -26,6 +26,7 @@ This module never runs an update and never holds optimizer state.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -108,10 +109,11 @@ class GatherPlan:
         self._by_dtype: dict[torch.dtype, tuple[list[list[int]], int]] = {}
 
     def _layout(self, sizes: list[int]) -> tuple[list[list[int]], int]:
-        """Per rank: flag bytes, then each piece at a 64-byte offset; the common segment size."""
+        """Per rank: a failure byte and a flag byte per piece, then each piece at a 64-byte
+        offset; the common segment size."""
         offsets, seg = [], 0
         for mine in self.pieces:
-            off = align_up(len(mine), ALIGN)
+            off = align_up(len(mine) + 1, ALIGN)
             offs = []
             for pc in mine:
                 offs.append(off)
@@ -132,31 +134,59 @@ class GatherPlan:
         return self._for(dtype)[1]
 
 
-class Gatherer:
-    """Runs the per-bucket all-gathers of updated values through one bounded, reused buffer.
+class Gathering:
+    """One bucket's all-gather, issued (``Gatherer.start``) and not yet written out.
 
-    A bucket's segment is exchanged in rounds of at most ``max_bytes / world`` bytes per rank
-    (64-byte multiples), so the buffer is ``max_bytes`` whatever the size of the largest
-    parameter (a 50k x 4096 embedding would otherwise need its own 800 MB buffer); each round
-    writes the bytes it brought straight into their destinations.
+    ``failed``: after ``Gatherer.finish``, the lowest rank that set its failure byte, or None.
     """
 
-    def __init__(self, group, world: int, rank: int, max_bytes: int = 4 << 20):
+    def __init__(self, plan: GatherPlan, dest, dtype: torch.dtype | None, flag_bytes: int):
+        self.plan, self.dest, self.dtype = plan, dest, dtype
+        self.offsets = plan.offsets if dtype is None else plan.offsets_for(dtype)
+        self.flag_bytes = flag_bytes
+        self.targets: dict[tuple[int, int], torch.Tensor] = {}  # (rank, k) -> destination bytes
+        self.finish: list[tuple[int, Piece, torch.Tensor]] = []  # strided: written when complete
+        self.written: set[int] = set()
+        self.failed: int | None = None
+        self.rounds_left = 0
+
+
+@dataclass
+class _Round:
+    """One collective of a gathering: segment bytes ``[lo, lo + n)`` of every rank, in ``out``."""
+
+    g: Gathering
+    lo: int
+    n: int
+    buf: torch.Tensor  # the whole buffer (``out`` is its first ``n * world`` bytes)
+    work: object  # torch.distributed's Work handle (async_op=True)
+
+
+class Gatherer:
+    """Runs the per-bucket all-gathers of updated values through a few bounded, reused buffers.
+
+    A bucket's segment is exchanged in rounds of at most ``max_bytes / world`` bytes per rank
+    (64-byte multiples), so a buffer is ``max_bytes`` whatever the size of the largest parameter
+    (a 50k x 4096 embedding would otherwise need its own 800 MB buffer). Rounds are issued
+    asynchronously (``async_op=True``: gloo runs them on its own thread, NCCL on its stream), at
+    most ``depth`` in flight, and completed in issue order: a completed round's bytes are copied
+    straight into their destinations. ``start`` issues a bucket, ``finish`` completes it, so a
+    caller can update the next bucket while one is on the wire (``_zero.ShardedStep``).
+    """
+
+    def __init__(self, group, world: int, rank: int, max_bytes: int = 4 << 20, depth: int = 2):
         self.group, self.world, self.rank = group, world, rank
         self.max_bytes = max_bytes
-        self._bufs: dict[torch.device, torch.Tensor] = {}
+        self.depth = depth
+        self._free: list[torch.Tensor] = []  # buffers of the comm device not in flight
+        self._inflight: deque[_Round] = deque()
         self.bytes_sent = 0
         self.collectives = 0
 
-    def _buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        buf = self._bufs.get(device)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._bufs[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf
-
     @property
     def host_bytes(self) -> int:
-        return sum(b.numel() for d, b in self._bufs.items() if d.type == "cpu")
+        bufs = self._free + [r.buf for r in self._inflight]
+        return sum(b.numel() for b in bufs if b.device.type == "cpu")
 
     def gather(
         self,
@@ -165,61 +195,96 @@ class Gatherer:
         dest=None,
         dtype: torch.dtype | None = None,
     ) -> set[int]:
-        """Exchange this rank's updated pieces (``values``: position in ``plan.pieces[rank]`` ->
-        new flat values) and write every rank's updated pieces into the parameters; returns the
-        indices (in the bucket) of the parameters written. ``dest(index, piece)`` (a contiguous
-        flat tensor to fill) and ``dtype`` replace the parameters and their dtype as the
-        destination (state gathering). A collective: every rank calls it for every bucket, in the
-        same order, even with nothing to send.
+        """``start`` then ``finish``: the indices (in the bucket) of the parameters written."""
+        g = self.start(plan, values, dest=dest, dtype=dtype)
+        self.finish(g)
+        return g.written
+
+    def start(
+        self,
+        plan: GatherPlan,
+        values: dict[int, torch.Tensor],
+        *,
+        failed: bool = False,
+        dest=None,
+        dtype: torch.dtype | None = None,
+    ) -> Gathering:
+        """Issue the exchange of this rank's updated pieces (``values``: position in
+        ``plan.pieces[rank]`` -> new flat values, copied out before this returns) and of its
+        failure byte ``failed``. ``finish`` writes every rank's updated pieces into the parameters,
+        or into ``dest(index, piece)`` (a contiguous flat tensor to fill) in ``dtype`` (state
+        gathering). A collective: every rank starts every bucket, in the same order, even with
+        nothing to send.
         """
         device = _dist.comm_device(self.group)
         seg = plan.segment if dtype is None else plan.segment_for(dtype)
-        offsets = plan.offsets if dtype is None else plan.offsets_for(dtype)
-        flag_bytes = align_up(max(len(p) for p in plan.pieces), ALIGN)
+        flag_bytes = align_up(max(len(p) for p in plan.pieces) + 1, ALIGN)
         chunk = max(flag_bytes, self.max_bytes // self.world // ALIGN * ALIGN, ALIGN)
-        buf = self._buffer(device, min(seg, chunk) * self.world)
-        mine = plan.pieces[self.rank]
+        g = Gathering(plan, dest, dtype, flag_bytes)
         src: dict[int, torch.Tensor] = {}  # this rank's updated pieces as bytes
-        for k, pc in enumerate(mine):
+        for k, pc in enumerate(plan.pieces[self.rank]):
             v = values.get(k)
             if v is not None:
                 dt = dtype or plan.params[pc.index].dtype
                 src[k] = v.to(dt).contiguous().view(torch.uint8)
-        flags: list[list[int]] = []
-        targets: dict[tuple[int, int], torch.Tensor] = {}  # (rank, k) -> destination bytes
-        finish: list[tuple[int, Piece, torch.Tensor]] = []
-        written: set[int] = set()
         gather = getattr(torch.distributed, "all_gather_single", None)
         gather = gather or torch.distributed.all_gather_into_tensor
         for lo in range(0, seg, chunk):
-            hi = min(lo + chunk, seg)
-            n = hi - lo
+            n = min(lo + chunk, seg) - lo
+            buf = self._take(device, n * self.world)
             out = buf[: n * self.world]
             send = out[self.rank * n : (self.rank + 1) * n]
             if lo == 0:
                 send[:flag_bytes].zero_()
+                send[0] = int(failed)
                 for k in src:
-                    send[k] = 1
+                    send[1 + k] = 1
             for k, data in src.items():
-                _copy_range(send, lo, hi, offsets[self.rank][k], data, to_window=True)
-            gather(out, send, group=self.group)
+                _copy_range(send, lo, lo + n, g.offsets[self.rank][k], data, to_window=True)
+            work = gather(out, send, group=self.group, async_op=True)
+            self._inflight.append(_Round(g, lo, n, buf, work))
+            g.rounds_left += 1
             self.collectives += 1
             self.bytes_sent += n
-            if lo == 0:
-                flags = [
-                    out[r * n : r * n + len(plan.pieces[r])].tolist() for r in range(self.world)
-                ]
-                for r, pieces in enumerate(plan.pieces):
-                    for k, pc in enumerate(pieces):
-                        if flags[r][k]:
-                            targets[(r, k)] = self._target(plan, pc, dest, dtype, finish)
-                            written.add(pc.index)
-            for (r, k), t in targets.items():
-                window = out[r * n : (r + 1) * n]
-                _copy_range(window, lo, hi, offsets[r][k], t, to_window=False)
-        for i, pc, tmp in finish:  # non-contiguous parameters: written once complete
-            write_piece(plan.params[i], pc, tmp)
-        return written
+        return g
+
+    def finish(self, g: Gathering) -> None:
+        """Complete every round issued up to ``g``'s last (in issue order)."""
+        while g.rounds_left:
+            self._complete(self._inflight.popleft())
+
+    def _take(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """A buffer for a round: a free one, a new one, or the oldest round's once complete."""
+        while len(self._inflight) >= self.depth:
+            self._complete(self._inflight.popleft())
+        for i, buf in enumerate(self._free):
+            if buf.device == device and buf.numel() >= nbytes:
+                return self._free.pop(i)
+        if len(self._free) + len(self._inflight) >= self.depth:
+            self._free.pop(0)  # too small or on another device: replaced
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def _complete(self, r: _Round) -> None:
+        """Wait for round ``r`` and copy every updated piece's bytes in it to its destination."""
+        g, n = r.g, r.n
+        r.work.wait()  # at most the process group's timeout
+        out, plan = r.buf[: n * self.world], g.plan
+        if r.lo == 0:
+            heads = out.view(self.world, n)[:, : g.flag_bytes].tolist()
+            g.failed = next((q for q in range(self.world) if heads[q][0]), None)
+            for q, pieces in enumerate(plan.pieces):
+                for k, pc in enumerate(pieces):
+                    if heads[q][1 + k]:
+                        g.targets[(q, k)] = self._target(plan, pc, g.dest, g.dtype, g.finish)
+                        g.written.add(pc.index)
+        for (q, k), t in g.targets.items():
+            window = out[q * n : (q + 1) * n]
+            _copy_range(window, r.lo, r.lo + n, g.offsets[q][k], t, to_window=False)
+        self._free.append(r.buf)
+        g.rounds_left -= 1
+        if not g.rounds_left:
+            for i, pc, tmp in g.finish:  # non-contiguous parameters: written once complete
+                write_piece(plan.params[i], pc, tmp)
 
     @staticmethod
     def _target(plan, pc, dest, dtype, finish) -> torch.Tensor:

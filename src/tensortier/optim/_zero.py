@@ -5,9 +5,11 @@ builds, and the sharded step (PROTOCOL.md, "Sharded across ranks").
 ``process_group`` (each rank keeps masters and moments for its pieces of every bucket), and
 FSDP2 (DTensor parameters: FSDP already shards, each rank updates its local shards); it checks
 that every rank builds the same optimizer, and gives the CPU ``DeviceMesh`` of the state's
-DTensors. ``ShardedStep`` updates this rank's pieces from the gradients DDP reduced, agrees with
-the other ranks that every one succeeded, commits, and all-gathers the updated pieces into every
-replica. The partition and the all-gather's byte layout are ``_shard.py``'s.
+DTensors. ``ShardedStep`` updates this rank's pieces from the gradients DDP reduced and
+all-gathers the updated pieces into every replica: host states bucket by bucket while the next
+bucket updates (the last gather carries every rank's failure byte); disk states after the ranks
+agreed that every write succeeded and committed (all or nothing). The partition and the
+all-gather's byte layout are ``_shard.py``'s.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 from tensortier import _dist
 from tensortier.errors import ConfigError
 from tensortier.optim._dtensor import is_dtensor
-from tensortier.optim._shard import Gatherer
+from tensortier.optim._shard import Gatherer, Gathering
 from tensortier.optim._step import Done, Step
+from tensortier.optim._update import Job
 
 
 class Sharding:
@@ -104,36 +107,37 @@ class ShardedStep(Step):
         self.sharding = sharding
 
     def run(self, scale_t: torch.Tensor | None, scale: float | None) -> None:
-        """Update this rank's pieces, agree that every rank succeeded, commit, all-gather.
+        """Update this rank's pieces and all-gather them into every replica.
 
-        Disk states: all or nothing on every rank (a failed write on any rank aborts the step
-        everywhere, parameters untouched). Host states: as without sharding, what succeeded is
-        applied (a host update fails only on a bug or out of memory) and every rank raises.
+        Host states: each bucket is all-gathered as soon as it is updated, while the next one
+        updates; what succeeded is applied, as without sharding (a host update fails only on a
+        bug or out of memory), and the last bucket's gather carries every rank's failure byte, so
+        every rank raises naming the first failing one. Disk states: all or nothing on every rank
+        (a failed write on any rank aborts the step everywhere, parameters untouched): every rank
+        waits for its writes, the ranks agree (one all-reduce), commit, then all-gather.
         """
         t0 = time.perf_counter()
-        jobs, done, error = [], [], None
-        for b in self.layout.ordered():
-            try:
-                job = self.updater.submit_now(b, scale, None)
-            except BaseException as exc:  # e.g. out of memory: nothing more is launched
-                error = exc
-                break
-            if job is not None:
-                jobs.append(job)
-        error = self._collect(jobs, lambda *d: done.append(d), error)
-        if error is None and not self.host:
-            error = self.states.write_error()  # waits for this step's state writes
-        self.stats.step_wait_seconds += time.perf_counter() - t0
-        failed = _dist.first_true(error is not None, self.sharding.pg)
-        if failed is not None and not self.host:
-            self.states.abort()
-            self.speculator.reset_cycle()
-            raise error or peer_failed(failed, applied=False)
+        jobs, error = self._submit(scale)
+        if self.host:
+            done, error, failed = self._update_and_gather(jobs, error)
+            self.stats.step_wait_seconds += time.perf_counter() - t0  # updates and gathers
+        else:
+            done, failed = [], None
+            error = self._collect(jobs, lambda *d: done.append(d), error)
+            if error is None:
+                error = self.states.write_error()  # waits for this step's state writes
+            self.stats.step_wait_seconds += time.perf_counter() - t0
+            failed = _dist.first_true(error is not None, self.sharding.pg)
+            if failed is not None:
+                self.states.abort()
+                self.speculator.reset_cycle()
+                raise error or peer_failed(failed, applied=False)
         tw = time.perf_counter()
         try:
             self.states.commit()
             updated = self._advance(done)
-            self._gather_updates(done)
+            if not self.host:
+                self._gather_committed(done)
             for s in self.layout.slots():
                 if s.version != -1 or id(s) in updated:
                     s.version = s.local._version
@@ -147,16 +151,77 @@ class ShardedStep(Step):
         if failed is not None:
             raise error or peer_failed(failed, applied=True)
 
-    def _gather_updates(self, done: list[Done]) -> None:
-        """All-gather every bucket's updated pieces into the parameters (bucket-id order)."""
+    def _submit(self, scale: float | None) -> tuple[list[Job], BaseException | None]:
+        """Queue every bucket's update on the worker (FIFO), in the learned order."""
+        jobs = []
+        for b in self.layout.ordered():
+            try:
+                job = self.updater.submit_now(b, scale, None)
+            except BaseException as exc:  # e.g. out of memory: nothing more is launched
+                return jobs, exc
+            if job is not None:
+                jobs.append(job)
+        return jobs, None
+
+    def _update_and_gather(
+        self, jobs: list[Job], error: BaseException | None
+    ) -> tuple[list[Done], BaseException | None, int | None]:
+        """Host states: wait for the updates in turn; all-gather each bucket once it and every
+        bucket before it (id order: the same on every rank) is updated, while later ones update.
+
+        Returns the updates done, this rank's first error and the lowest failing rank (or None),
+        which every rank learns from the failure bytes of the last bucket's gather.
+        """
+        gatherer, buckets = self.sharding.gatherer, self.layout.buckets
+        pending = {b.id for b, _, _, _ in jobs}
+        values: dict[int, dict[int, torch.Tensor]] = {}
+        done: list[Done] = []
+        issued: list[Gathering] = []
+        nxt = 0
+        for job in [*jobs, None]:  # None: after the last update, issue what is left
+            if job is not None:
+                b, slots, fut, direct = job
+                exc = fut.exception()  # finite work (see PROTOCOL.md)
+                pending.discard(b.id)
+                if exc is not None:
+                    error = error or exc
+                else:
+                    done.append((b, slots, fut.result(), direct))
+                    master = self.states.latest(b.id).master
+                    values[b.id] = {s.index: master[s.offset : s.offset + s.numel] for s in slots}
+            while nxt < len(buckets) and nxt not in pending:
+                last = nxt == len(buckets) - 1  # issued after every update: the verdict
+                vals = values.pop(nxt, {})
+                issued.append(
+                    gatherer.start(buckets[nxt].plan, vals, failed=last and error is not None)
+                )
+                nxt += 1
+            while len(issued) > 1:  # unpack the older ones while the worker updates
+                gatherer.finish(issued.pop(0))
+        if not issued:  # no bucket at all: nothing carried the verdict
+            return done, error, _dist.first_true(error is not None, self.sharding.pg)
+        gatherer.finish(issued[-1])
+        return done, error, issued[-1].failed
+
+    def _gather_committed(self, done: list[Done]) -> None:
+        """Disk states, after the commit: all-gather every bucket's committed pieces (bucket-id
+        order), each bucket's gather in flight while the next bucket's masters are read."""
+        gatherer = self.sharding.gatherer
         by_id = {b.id: slots for b, slots, _, _ in done}
-        masters = self.states.masters(sorted(by_id))  # disk: streamed with read-ahead
-        for b in self.layout.buckets:
-            values = {}
-            if b.id in by_id:
-                i, master = next(masters)
-                assert i == b.id
-                for s in by_id[b.id]:
-                    values[s.index] = master[s.offset : s.offset + s.numel]
-            self.sharding.gatherer.gather(b.plan, values)
-        masters.close()
+        masters = self.states.masters(sorted(by_id))  # streamed with read-ahead
+        previous: Gathering | None = None
+        try:
+            for b in self.layout.buckets:
+                values = {}
+                if b.id in by_id:
+                    i, master = next(masters)
+                    assert i == b.id
+                    values = {s.index: master[s.offset : s.offset + s.numel] for s in by_id[i]}
+                g = gatherer.start(b.plan, values)  # copies the values out of the read buffer
+                if previous is not None:
+                    gatherer.finish(previous)
+                previous = g
+            if previous is not None:
+                gatherer.finish(previous)
+        finally:
+            masters.close()
