@@ -69,12 +69,16 @@ class Updater:
             not self.sharded and g.device.type == "cpu" and g.dtype == b.dtype and g.is_contiguous()
             for g in grads
         ]
-        seeds = [
-            s.tensor().reshape(-1).to("cpu")
-            if s.version == -1 or s.local._version != s.version
-            else None
-            for s in slots
-        ]
+        seeds = (
+            None
+            if b.in_place
+            else [  # in place: the parameter is the master
+                s.tensor().reshape(-1).to("cpu")
+                if s.version == -1 or s.local._version != s.version
+                else None
+                for s in slots
+            ]
+        )
         hyper = Hyper.of(self.groups[b.group])
         fut = self.worker.submit(self._update, b, slots, staged, scale, hyper, False, seeds, direct)
         self.stats.launched_in_step += 1
@@ -110,19 +114,10 @@ class Updater:
             pos = order.index(bucket.id) if bucket.id in order else -1
             if pos >= 0:
                 self.states.prefetch(order[pos + 1 : pos + self.prefetch_depth()])
-            ps, ms, vs, steps = [], [], [], []
-            for i, s in enumerate(slots):
-                sl = slice(s.offset, s.offset + s.numel)
-                mp = master[sl]
-                seed = seeds[i] if seeds is not None else None
-                if seed is not None and (
-                    s.version == -1 or not torch.equal(seed, mp.to(seed.dtype))
-                ):  # first step, or the user changed the parameter: the parameter wins
-                    mp.copy_(seed)
-                ps.append(mp)
-                ms.append(m[sl])
-                vs.append(v[sl])
-                steps.append(s.step.clone())
+            ps, back = self._masters(bucket, slots, master, seeds, shadow)
+            ms = [m[s.offset : s.offset + s.numel] for s in slots]
+            vs = [v[s.offset : s.offset + s.numel] for s in slots]
+            steps = [s.step.clone() for s in slots]
             tk = time.perf_counter()
             adamw_(
                 ps,
@@ -139,6 +134,8 @@ class Updater:
                 grad_scale=None if scale is None else torch.tensor(scale, dtype=torch.float32),
             )
             self.stats.kernel_seconds += time.perf_counter() - tk
+            for t, mp in back:  # a parameter that stopped being contiguous (``p.data = ...``)
+                t.copy_(mp.view(t.shape))
             saved = True  # save() owns the token from here on, also when it raises
             self.states.save(bucket.id, token, (master, m, v))
         finally:
@@ -146,6 +143,35 @@ class Updater:
                 self.states.discard(token)
             self.stats.update_seconds += time.perf_counter() - t0
         return steps
+
+    @staticmethod
+    def _masters(bucket: Bucket, slots: list[Slot], master, seeds, shadow: bool):
+        """The kernel's parameter tensors, and (parameter, copy) pairs to write back after it.
+
+        In place (``Bucket.in_place``): the parameters themselves, no copy (a shadow update copies
+        them into the spare's master vector: the committed state, the parameters, stays as is).
+        Else the master slices, seeded from ``seeds`` where the parameter changed.
+        """
+        ps, back = [], []
+        for i, s in enumerate(slots):
+            if bucket.in_place and not shadow:
+                t = s.tensor()
+                if t.is_contiguous():
+                    ps.append(t.view(-1))
+                else:
+                    ps.append(t.reshape(-1).clone())
+                    back.append((t, ps[-1]))
+                continue
+            mp = master[s.offset : s.offset + s.numel]
+            if bucket.in_place:
+                mp.copy_(s.tensor().reshape(-1))
+            seed = seeds[i] if seeds is not None else None
+            if seed is not None and (
+                s.version == -1 or not torch.equal(seed, mp.to(seed.dtype))
+            ):  # first step, or the user changed the parameter: the parameter wins
+                mp.copy_(seed)
+            ps.append(mp)
+        return ps, back
 
     def _kernel_grads(self, bucket, grads, scale, *, keep: bool, direct) -> list[torch.Tensor]:
         """Flat gradients in the master dtype for the kernel (worker thread).
