@@ -582,3 +582,26 @@ def test_change_through_param_data_counts_like_torch():
     for p, q in zip(m.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     opt.close()
+
+
+def test_loaded_master_param_of_an_fp32_cpu_parameter_is_ignored_like_torch():
+    """Issue 27: a state dict with ``master_param`` (from a bf16 run) loaded into an fp32 CPU
+    model, whose parameters are their own masters: the parameter wins, as in
+    ``torch.optim.AdamW(fused=True).load_state_dict`` (the master was used before, which matched
+    no torch optimizer)."""
+    low = _model(dtype=torch.bfloat16)
+    lopt = OffloadedAdamW(low.parameters(), lr=1e-2)
+    _train(low, lopt, _batches(2, dtype=torch.bfloat16))
+    sd = lopt.state_dict()
+    lopt.close()
+    assert "master_param" in sd["state"][0]
+    m, ref = _model(seed=5), _model(seed=5)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+    opt.load_state_dict(sd)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    topt.load_state_dict(sd)
+    _train(m, opt, _batches(2, seed=3))
+    _train(ref, topt, _batches(2, seed=3))
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    opt.close()
