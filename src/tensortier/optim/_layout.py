@@ -15,6 +15,7 @@ on its own and never writes a parameter.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -98,8 +99,9 @@ class Slot:
         if self.local is None:
             self.local = local(self.param)
 
-    @property
+    @functools.cached_property
     def whole(self) -> bool:
+        """The slot covers its parameter's local tensor (fixed at construction)."""
         return self.start == 0 and self.numel == self.local.numel()
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
