@@ -520,3 +520,88 @@ def test_synchronous_disk_full_keeps_the_ring_and_training_resumes_exactly(
     for p, q in zip(tt_m.parameters(), ref_m.parameters()):
         assert torch.equal(p, q)
     opt.close()
+
+
+def test_cpu_fp32_step_runs_in_place_on_the_parameters(monkeypatch):
+    """Issue 27: host states and CPU fp32 parameters, the parameters are the masters. The fused
+    kernel gets the parameters' and gradients' own storage, no tensor is copied during the step
+    (no master write-back, no gradient staging), and the state holds only the moments, as
+    ``torch.optim.AdamW(fused=True)`` does; results stay bit-identical to it."""
+    m, ref = _model(), _model()
+    opt = OffloadedAdamW(_groups(m), lr=1e-2, bucket_size="1KiB")
+    topt = torch.optim.AdamW(_groups(ref), lr=1e-2, fused=True)
+    batches = _batches(4)
+    kernel, copy = torch._fused_adamw_, torch.Tensor.copy_
+    seen: list[tuple[set, set]] = []
+    copied: list[int] = []
+
+    def counting_kernel(params, grads, *args, **kwargs):
+        seen.append(({p.data_ptr() for p in params}, {g.data_ptr() for g in grads}))
+        return kernel(params, grads, *args, **kwargs)
+
+    def counting_copy(self, src, *args, **kwargs):
+        copied.append(self.numel() * self.element_size())
+        return copy(self, src, *args, **kwargs)
+
+    for x in batches:
+        m(x).square().mean().backward()
+        params = {p.data_ptr() for p in m.parameters()}
+        grads = {p.grad.data_ptr() for p in m.parameters()}
+        seen.clear()
+        copied.clear()
+        with monkeypatch.context() as mp:
+            mp.setattr(torch, "_fused_adamw_", counting_kernel)
+            mp.setattr(torch.Tensor, "copy_", counting_copy)
+            opt.step()
+        assert set().union(*(s[0] for s in seen)) == params  # the parameters themselves
+        assert set().union(*(s[1] for s in seen)) == grads  # the gradients themselves
+        assert copied == []  # bytes copied per step: none
+        opt.zero_grad()
+    _train(ref, topt, batches)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    params = list(m.parameters())
+    n = sum(p.numel() for p in params)
+    assert 8 * n <= opt.stats.host_state_bytes <= 8 * n + 2 * 64 * len(params)  # moments only
+    opt.close()
+
+
+def test_change_through_param_data_counts_like_torch():
+    """Issue 27: a CPU fp32 parameter is its own master, so a change made through ``p.data``
+    (which bumps no version counter the optimizer could see) is trained on, as in torch."""
+    m, ref = _model(), _model()
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    batches = _batches(3)
+    _train(m, opt, batches[:2])
+    _train(ref, topt, batches[:2])
+    for model in (m, ref):
+        model[0].weight.data.mul_(0.5)
+    _train(m, opt, batches[2:])
+    _train(ref, topt, batches[2:])
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    opt.close()
+
+
+def test_loaded_master_param_of_an_fp32_cpu_parameter_is_ignored_like_torch():
+    """Issue 27: a state dict with ``master_param`` (from a bf16 run) loaded into an fp32 CPU
+    model, whose parameters are their own masters: the parameter wins, as in
+    ``torch.optim.AdamW(fused=True).load_state_dict`` (the master was used before, which matched
+    no torch optimizer)."""
+    low = _model(dtype=torch.bfloat16)
+    lopt = OffloadedAdamW(low.parameters(), lr=1e-2)
+    _train(low, lopt, _batches(2, dtype=torch.bfloat16))
+    sd = lopt.state_dict()
+    lopt.close()
+    assert "master_param" in sd["state"][0]
+    m, ref = _model(seed=5), _model(seed=5)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2)
+    opt.load_state_dict(sd)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    topt.load_state_dict(sd)
+    _train(m, opt, _batches(2, seed=3))
+    _train(ref, topt, _batches(2, seed=3))
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    opt.close()

@@ -261,7 +261,8 @@ def test_memory_price_of_speculation_is_reported():
         stats[overlap] = opt.stats
         opt.close()
     padding = 6 * 3 * 64  # at most 64 bytes of alignment per parameter and state vector
-    assert 12 * n <= stats[False].host_state_bytes <= 12 * n + padding
+    # fp32 CPU parameters are their own masters: only the moments (8 B/param) are held
+    assert 8 * n <= stats[False].host_state_bytes <= 8 * n + padding
     assert stats[False].host_grad_bytes == 0
     assert stats[True].host_state_bytes >= 24 * n  # a spare copy while speculating
     assert stats[True].host_grad_bytes >= 4 * n  # the gradient snapshots

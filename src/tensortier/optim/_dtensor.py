@@ -14,11 +14,16 @@ import torch
 
 
 def is_dtensor(t) -> bool:
+    if type(t) in _PLAIN:  # the common case, asked several times per parameter and step
+        return False
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed
         return False
     return isinstance(t, DTensor)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

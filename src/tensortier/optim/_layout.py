@@ -15,6 +15,7 @@ on its own and never writes a parameter.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -98,8 +99,9 @@ class Slot:
         if self.local is None:
             self.local = local(self.param)
 
-    @property
+    @functools.cached_property
     def whole(self) -> bool:
+        """The slot covers its parameter's local tensor (fixed at construction)."""
         return self.start == 0 and self.numel == self.local.numel()
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
@@ -125,6 +127,22 @@ class Bucket:
     numel: int
     trainable: int
     plan: GatherPlan | None = None  # sharded: every rank's pieces of this bucket's parameters
+    in_place: bool = False  # the parameters are the masters: updated in place, never copied back
+
+
+def _own_master(s: Slot, b: Bucket) -> bool:
+    """Whether the slot's parameter can be its own master: a whole, dense CPU tensor of the master
+    dtype (not a piece of a sharded parameter, not an FSDP2 shard), updated in place by the kernel
+    exactly as ``torch.optim.AdamW(fused=True)`` updates it."""
+    p = s.param
+    return (
+        s.local is p
+        and s.whole
+        and p.device.type == "cpu"
+        and p.dtype == b.dtype
+        and p.layout == torch.strided
+        and p.is_contiguous()
+    )
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -174,9 +192,14 @@ class Layout:
                 raise ConfigError("OffloadedAdamW does not support sparse parameters")
         for chunk in self._chunks(params):
             b = self._bucket(gi, chunk)
+            b.in_place = (
+                not self.sharded  # sharded: the all-gather reads this rank's masters
+                and states.params_as_masters
+                and all(_own_master(s, b) for s in b.slots)
+            )
             self.buckets.append(b)
             if b.numel:
-                states.add(b.id, b.numel, b.dtype)
+                states.add(b.id, b.numel, b.dtype, master=not b.in_place)
             for s in b.slots:
                 self.where[id(s.param)] = (s, b)
         self.order = [b.id for b in self.buckets]

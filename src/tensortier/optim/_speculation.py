@@ -265,4 +265,4 @@ class Speculator:
             return
         for i in self.layout.order:
             if self._tracks[i].pause == 0 and self.layout.buckets[i].trainable:
-                self._prepared.append(self.updater.worker.submit(self.states.prepare, i))
+                self._prepared.append(self.updater.submit(self.states.prepare, i))

@@ -249,6 +249,8 @@ class StateDicts:
                         sl = slice(s.offset, s.offset + s.numel)
                         m[sl].copy_(got[0])
                         v[sl].copy_(got[1])
+                        if b.in_place:  # the parameter is the master: a loaded one is ignored,
+                            continue  # as torch.optim.AdamW ignores it
                         src = got[2] if got[2] is not None else s.tensor()
                         master[sl].copy_(src.reshape(-1))
                 except BaseException:

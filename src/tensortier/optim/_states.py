@@ -76,25 +76,65 @@ def slot_layout(numels: list[int], element_size: int) -> tuple[list[int], int]:
 
 
 class _HostBuf:
-    """One copy of a bucket's state: the master (pinned for CUDA write-back) and the moments."""
+    """One copy of a bucket's state: the master (pinned for CUDA write-back) and the moments.
 
-    __slots__ = ("master", "exp_avg", "exp_avg_sq", "event", "nbytes", "gen", "copy_of")
+    ``master=False``: the parameters are the masters (``HostStates.add``); the master vector
+    stays empty until a shadow update needs one (``ensure_master``).
+    """
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool):
+    __slots__ = (
+        "master",
+        "exp_avg",
+        "exp_avg_sq",
+        "event",
+        "nbytes",
+        "gen",
+        "copy_of",
+        "_pin",
+        "_views",
+    )
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, master: bool = True):
         es = torch.empty((), dtype=dtype).element_size()
-        self.master = aligned_empty(numel * es, pin=pin, alignment=ALIGN).view(dtype)
+        self._pin = pin
+        self.master = torch.empty(0, dtype=dtype)
         mv = aligned_empty(2 * numel * es, alignment=ALIGN).view(dtype)
-        self.master.zero_()
         mv.zero_()
         self.exp_avg, self.exp_avg_sq = mv[:numel], mv[numel:]
         self.event = None  # CUDA event of the last device copy reading ``master``
-        self.nbytes = 3 * numel * es
+        self.nbytes = 2 * numel * es
         self.gen = 0  # bumped whenever the content is about to change in place
         self.copy_of: tuple | None = None  # (buffer, its gen) this one is an exact copy of
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        if master:
+            self.ensure_master()
+
+    def ensure_master(self) -> torch.Tensor:
+        """The master vector, allocated (zeroed) on first use."""
+        numel, dtype = self.exp_avg.numel(), self.exp_avg.dtype
+        if self.master.numel() != numel:
+            es = self.master.element_size()
+            self.master = aligned_empty(numel * es, pin=self._pin, alignment=ALIGN).view(dtype)
+            self.master.zero_()
+            self.nbytes += numel * es
+        return self.master
 
     @property
     def state(self) -> State:
         return self.master, self.exp_avg, self.exp_avg_sq
+
+    def moments(self, slots) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The slots' views of exp_avg and exp_avg_sq, made once (slicing costs ~1 us a view)."""
+        ms, vs = [], []
+        for s in slots:
+            key = (s.offset, s.numel)
+            views = self._views.get(key)
+            if views is None:
+                sl = slice(s.offset, s.offset + s.numel)
+                views = self._views[key] = (self.exp_avg[sl], self.exp_avg_sq[sl])
+            ms.append(views[0])
+            vs.append(views[1])
+        return ms, vs
 
     def ready_to_write(self) -> None:
         """Wait until no device copy reads this buffer any more (a CUDA event: cannot hang)."""
@@ -106,16 +146,22 @@ class _HostBuf:
 class HostStates:
     """Every bucket's state resident in host RAM; speculative updates go to a spare copy."""
 
+    # CPU parameters of the master dtype can be their own masters: updated in place, as
+    # torch.optim.AdamW does, with no master copy and no write-back (``add(master=False)``)
+    params_as_masters = True
+
     def __init__(self, pin: bool = False) -> None:
         self._pin = pin
-        self._meta: dict[int, tuple[int, torch.dtype]] = {}
+        self._meta: dict[int, tuple[int, torch.dtype, bool]] = {}
         self._committed: dict[int, _HostBuf] = {}
         self._spare: dict[int, _HostBuf] = {}
         self._pending: set[int] = set()
 
-    def add(self, bucket_id: int, numel: int, dtype: torch.dtype) -> None:
-        self._meta[bucket_id] = (numel, dtype)
-        self._committed[bucket_id] = _HostBuf(numel, dtype, self._pin)
+    def add(self, bucket_id: int, numel: int, dtype: torch.dtype, *, master: bool = True) -> None:
+        """``master=False``: the bucket's parameters are its masters; the committed state holds
+        only the moments, and a shadow update gets a master vector in the spare to copy them to."""
+        self._meta[bucket_id] = (numel, dtype, master)
+        self._committed[bucket_id] = _HostBuf(numel, dtype, self._pin, master)
 
     def has(self, bucket_id: int) -> bool:
         return True
@@ -129,6 +175,7 @@ class HostStates:
             return committed, committed.state, False
         spare = self.prepare(bucket_id)
         spare.copy_of = None  # about to be written
+        spare.ensure_master()  # parameters as masters: the update copies them in first
         return spare, spare.state, False
 
     def prepare(self, bucket_id: int) -> _HostBuf:
@@ -140,11 +187,13 @@ class HostStates:
         committed = self._committed[bucket_id]
         spare = self._spare.get(bucket_id)
         if spare is None:
-            spare = self._spare[bucket_id] = _HostBuf(*self._meta[bucket_id], self._pin)
+            numel, dtype, master = self._meta[bucket_id]
+            spare = self._spare[bucket_id] = _HostBuf(numel, dtype, self._pin, master)
         key = (committed, committed.gen)
         if spare.copy_of is None or spare.copy_of[0] is not committed or spare.copy_of[1] != key[1]:
             spare.ready_to_write()
-            for dst, src in zip(spare.state, committed.state):
+            first = 0 if self._meta[bucket_id][2] else 1  # parameters as masters: moments only
+            for dst, src in zip(spare.state[first:], committed.state[first:]):
                 dst.copy_(src)
             spare.copy_of = key
         return spare
@@ -232,6 +281,9 @@ class DiskStates:
     """Bucket states in a :class:`DiskStore` (or a ``RemoteStore``: same interface), streamed
     through ``depth`` host ring buffers. ``owns_store``: ``close`` closes the store."""
 
+    # masters are stored with the moments: parameters change only after ``commit`` (no partial step)
+    params_as_masters = False
+
     def __init__(
         self, store: DiskStore | RemoteStore, depth: int, pin: bool = False, owns_store: bool = True
     ):
@@ -249,7 +301,7 @@ class DiskStates:
         self._buffer_bytes = 0
         self._lock = threading.Lock()
 
-    def add(self, bucket_id: int, numel: int, dtype: torch.dtype) -> None:
+    def add(self, bucket_id: int, numel: int, dtype: torch.dtype, *, master: bool = True) -> None:
         layout = _Layout(numel, dtype)
         self._layouts[bucket_id] = layout
         if layout.total > self._buffer_bytes:  # (re)size the ring to the largest bucket

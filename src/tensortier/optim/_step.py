@@ -66,18 +66,20 @@ class Step:
         error: BaseException | None = None
         wb_seconds = 0.0
 
-        def finished(b, slots, steps, direct) -> None:
+        def finished(b, slots, steps, direct, kept: bool = False) -> None:
             nonlocal wb_seconds
             done.append((b, slots, steps, direct))
-            if self.host:  # host: write back now, overlapping later updates
+            if b.in_place and not kept:  # the kernel updated the parameters themselves
+                self._wrote(slots)
+            elif self.host:  # host: write back now, overlapping later updates
                 tw = time.perf_counter()
                 self._write_back(slots, self.states.latest(b.id))
                 wb_seconds += time.perf_counter() - tw
 
         for b in self.layout.ordered():
             kept, staged = self.speculator.resolve(b, scale)
-            if kept is not None:
-                finished(b, kept.slots, kept.future.result(), [False] * len(kept.slots))
+            if kept is not None:  # a shadow result: copied to the parameters
+                finished(b, kept.slots, kept.future.result(), [False] * len(kept.slots), True)
                 continue
             try:
                 job = self.updater.submit_now(b, scale, staged)
@@ -155,5 +157,10 @@ class Step:
         self.staging.write_back(
             [(s.tensor(), master[s.offset : s.offset + s.numel]) for s in slots], holder
         )
+        self._wrote(slots)
+
+    @staticmethod
+    def _wrote(slots: list[Slot]) -> None:
+        """The parameters hold the masters' values: later changes are the user's."""
         for s in slots:
             s.version = s.local._version

@@ -31,7 +31,9 @@ unscales, and a step with ``found_inf`` advances nothing (steps, states, paramet
 
 Memory. Host states: 12 B/param with fp32 masters, plus while speculating a spare copy of each
 bucket's state (another 12 B/param) and a snapshot of its gradients (grad dtype size per param);
-``overlap=False`` keeps 12 B/param. ``stats.host_state_bytes`` reports what is allocated.
+``overlap=False`` keeps 12 B/param. CPU parameters already of the master dtype (fp32 on a CPU-only
+run) are their own masters: 8 B/param of moments, updated in place with no copy, as
+``torch.optim.AdamW(fused=True)`` does. ``stats.host_state_bytes`` reports what is allocated.
 
 This module must never unpickle anything nor write a parameter outside ``step()``/``load_state_dict``.
 Threads and ordering are described in ``PROTOCOL.md``.
