@@ -14,6 +14,7 @@ AREAS = {  # area -> what it measures (its module's first docstring line says mo
     "tiers": "disk tier bandwidth against dd direct I/O (--remote: the remote tier against Ray)",
     "activations": "a GPT trained with each activation-memory strategy side by side",
     "planner": "a budget sweep: every policy's measured peak and step time",
+    "budget": "tt.offload(budget=) from its first step: each step's peak over the budget",
     "optimizer": "OffloadedAdamW against torch AdamW and DeepSpeed's CPU Adam",
     "replay": "prioritized replay against TorchRL and a deque, spill, Ray, params",
     "checkpoint": "training stall and persist speed of torch.save, DCP async_save, tensortier",

@@ -1,0 +1,22 @@
+"""benchmarks/budget.py: the summary counts a run over its budget (the real worker runs in
+tests/planner/test_runtime.py::test_every_step_from_the_first_is_under_the_budget)."""
+
+import json
+from argparse import Namespace
+
+import benchmarks.budget as budget
+
+
+def test_a_step_over_the_budget_is_counted_and_written(monkeypatch, tmp_path):
+    peaks = iter([[50, 90, 101], [40, 60, 80]])
+
+    def fake_spawn(args, model):
+        *prof, last = next(peaks)
+        row = {"budget_bytes": 100, "peak_bytes": last, "grads_match": True}
+        return {"budgets": [{"rows": [row], "profiling_peaks": prof}]}
+
+    monkeypatch.setattr(budget, "_spawn", fake_spawn)
+    out = tmp_path / "b.json"
+    budget.run(Namespace(runs=1, models="a,b", budget_frac=0.6, json=str(out)))
+    s = json.loads(out.read_text())["summary"]
+    assert s["runs"] == 2 and s["over_budget_runs"] == 1 and s["max_over_budget"] == 1.01
