@@ -119,7 +119,9 @@ def _build(variant: str, model, rank: int, world: int, args, device):
         return (
             ddp,
             opt,
-            lambda: opt.stats.host_state_bytes + (opt._gatherer.host_bytes if opt._gatherer else 0),
+            lambda: (
+                opt.stats().host_state_bytes + (opt._gatherer.host_bytes if opt._gatherer else 0)
+            ),
         )
     if variant.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -136,7 +138,7 @@ def _build(variant: str, model, rank: int, world: int, args, device):
             opt = OffloadedAdamW(
                 model.parameters(), lr=LR, weight_decay=WD, bucket_size=args["bucket_size"]
             )
-            return model, opt, lambda: opt.stats.host_state_bytes
+            return model, opt, lambda: opt.stats().host_state_bytes
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
         return model, opt, lambda: _state_bytes(opt)
     raise ValueError(variant)

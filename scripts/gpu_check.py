@@ -651,7 +651,7 @@ def phase_optimizer(args: argparse.Namespace) -> None:
         if name == "fused-adamw":
             return torch.optim.AdamW(model.parameters(), fused=CUDA, **lr)
         if name == "tt-offloaded-adamw":
-            return tt.OffloadedAdamW(model.parameters(), states="host", **lr)
+            return tt.OffloadedAdamW(model.parameters(), tier="host", **lr)
         if name == "torchao-cpu-offload":
             from torchao.optim import CPUOffloadOptimizer
 
@@ -705,7 +705,7 @@ def phase_optimizer(args: argparse.Namespace) -> None:
                     ref["bytes"], 1
                 )
             if hasattr(opt, "stats"):
-                st = opt.stats
+                st = opt.stats()
                 row["stats"] = st.as_dict() if hasattr(st, "as_dict") else str(st)
             return row
         finally:
