@@ -147,7 +147,7 @@ def test_an_unreadable_segment_is_a_typed_error_naming_it(tmp_path):
 
 # --------------------------------------------------------------------------- replay buffer
 def _buffer(spill: str) -> tt.rl.ReplayBuffer:
-    buf = tt.rl.ReplayBuffer(64, ram_budget="4KiB", spill_dir=spill, segment_size="8KiB")
+    buf = tt.rl.ReplayBuffer(64, host_budget="4KiB", spill_dir=spill, segment_size="8KiB")
     for i in range(40):  # most items spill to segments
         buf.add({"obs": torch.full((64,), float(i)), "a": i})
     return buf
