@@ -74,14 +74,14 @@ def as_nobody(fn) -> str:
 # --------------------------------------------------------------------------- catalog
 def test_a_catalog_is_private_by_default_every_file_alike(tmp_path):
     with umask(0o022):  # the usual umask made the manifest and index 0644 before
-        Catalog.build(tmp_path / "c", [b"a", b"b"], writers=2).close()
+        Catalog.build(tmp_path / "c", [b"a", b"b"], io_threads=2).close()
     assert modes(tmp_path / "c") == (0o700, {0o600})
 
 
 @pytest.mark.parametrize("mode,dmode", [(0o640, 0o750), (0o644, 0o755)])
 def test_a_shared_catalog_gets_its_mode_exactly_whatever_the_umask(tmp_path, mode, dmode):
     with umask(0o077):
-        cat = Catalog.build(tmp_path / "c", [b"a", b"b", b"c"], writers=2, mode=mode)
+        cat = Catalog.build(tmp_path / "c", [b"a", b"b", b"c"], io_threads=2, mode=mode)
     assert modes(tmp_path / "c") == (dmode, {mode})
     assert cat[:] == [b"a", b"b", b"c"]
 
