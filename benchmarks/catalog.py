@@ -234,7 +234,7 @@ def read_tt(root: str, args, order: str, recs: Records) -> dict:
         total += sum(got)
         n += len(got)
     seconds = time.perf_counter() - t0
-    stats = loader.stats.as_dict()
+    stats = loader.stats().as_dict()
     loader.close()
     cat.close()
     return {"seconds": seconds, "records": n, "bytes": total, "intact": ok, "stats": stats}

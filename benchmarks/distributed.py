@@ -289,10 +289,10 @@ def _checkpoint(rank, world, model, batches, args, device, rss0) -> dict:
         ddp(x, y).backward()
         opt.step()  # the Checkpointer's step pre-hook: waits for the snapshot (counted as stall)
         opt.zero_grad()
-        stalls.append(ck.stats.last_stall_seconds)
+        stalls.append(ck.stats().last_stall_seconds)
         ck.wait()
-        gbps.append(ck.stats.last_persist_gbps)
-        nbytes = ck.stats.last_persist_bytes
+        gbps.append(ck.stats().last_persist_gbps)
+        nbytes = ck.stats().last_persist_bytes
     ck.close()
     dcp_s = []
     for i in range(2):

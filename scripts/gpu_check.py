@@ -797,7 +797,7 @@ def phase_checkpoint(args: argparse.Namespace) -> None:
                                    for t in _tensors(model.state_dict(), opt.state_dict())),
             }  # fmt: skip
             if ck is not None:
-                row["checkpointer_stats"] = ck.stats.as_dict()
+                row["checkpointer_stats"] = ck.stats().as_dict()
                 ck.close()
                 fresh = hf_model(kind, layers, width, heads, seq, vocab)
                 with contextlib.closing(tt.Checkpointer(directory)) as reader:

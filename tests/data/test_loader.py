@@ -46,8 +46,8 @@ def test_batches_follow_the_epoch_order_and_hold_the_right_records(cat, shuffle)
     assert loader.epoch == 1 and loader.position == 0  # the next iteration is epoch 1
     second = indices(list(loader))
     assert not np.array_equal(second, order) or shuffle == "none"
-    assert loader.stats.max_inflight_bytes <= 64 << 10 or loader.stats.pieces == 1
-    assert loader.stats.records == 2 * N and loader.stats.bytes_read > 0
+    assert loader.stats().max_inflight_bytes <= 64 << 10 or loader.stats().pieces == 1
+    assert loader.stats().records == 2 * N and loader.stats().bytes_read > 0
 
 
 @pytest.mark.parametrize("shuffle", ["full", "block"])
@@ -162,7 +162,7 @@ def test_dataloader_workers_yield_the_in_process_stream(cat, context):
     assert [len(b) for b in got] == [len(b) for b in ref]
     assert np.array_equal(indices(got), indices(ref))
     check_records(got[:3])
-    assert loader.epoch == 1 and loader.stats.batches == len(ref)
+    assert loader.epoch == 1 and loader.stats().batches == len(ref)
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker")

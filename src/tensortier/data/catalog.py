@@ -140,7 +140,7 @@ class Catalog:
         self._files = Descriptors(self.directory, max_open)
         self._finalizers = [Finalizer(self, self._files.close)]
         self._direct: bool | None = None
-        self.stats = ReadStats()
+        self._stats = ReadStats()
 
     # ------------------------------------------------------------------ build / open
     @classmethod
@@ -246,6 +246,10 @@ class Catalog:
             os.close(fd)
 
     # ------------------------------------------------------------------ access
+    def stats(self) -> ReadStats:
+        """Counters of this catalog's random-access reads, live (they keep counting)."""
+        return self._stats
+
     def __len__(self) -> int:
         return self.manifest.records
 
@@ -261,7 +265,7 @@ class Catalog:
             i += n if i < 0 else 0
             seg, length, off, crc = self._index[i].item()
             blob = read_one(
-                self._fds(), i, (seg, length, off, crc), self.manifest.segments, self.stats
+                self._fds(), i, (seg, length, off, crc), self.manifest.segments, self._stats
             )
             return itemcodec.decode(blob, copy=False)
         if isinstance(key, (str, bytes, float, bool)) or key is None:
@@ -277,7 +281,7 @@ class Catalog:
         idx = as_indices(indices, len(self))
         rows = self._index[idx]
         blobs = read_blobs(
-            self._fds(), idx, rows, self.manifest.segments, gap=_GAP, stats=self.stats
+            self._fds(), idx, rows, self.manifest.segments, gap=_GAP, stats=self._stats
         )
         return [itemcodec.decode(b, copy=False) for b in blobs]
 

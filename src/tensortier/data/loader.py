@@ -76,9 +76,9 @@ class Loader:
     def catalog(self) -> Catalog:
         return self.dataset.catalog
 
-    @property
     def stats(self) -> LoaderStats:
-        return self.dataset.stats
+        """Counters of this loader's reads, live (they keep counting)."""
+        return self.dataset.stats()
 
     @property
     def records_per_epoch(self) -> int:
@@ -117,8 +117,8 @@ class Loader:
             for b in batches:
                 self.position = b.position
                 if self.num_workers:
-                    ds.stats.batches += 1
-                    ds.stats.records += len(b)
+                    ds._stats.batches += 1
+                    ds._stats.records += len(b)
                 yield b
             self.epoch, self.position = epoch + 1, 0
         finally:

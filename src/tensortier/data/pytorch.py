@@ -89,7 +89,7 @@ class EpochDataset(IterableDataset):
         self.spec = self.config.spec(n)
         self.rank: int = self.config.rank  # type: ignore[assignment]
         self.batch = self.config.batch
-        self.stats = LoaderStats()
+        self._stats = LoaderStats()
         self.set_epoch(self.config.epoch, start)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
@@ -101,6 +101,10 @@ class EpochDataset(IterableDataset):
     def records_per_epoch(self) -> int:
         k = self.spec.per_rank
         return k // self.batch * self.batch if self.config.drop_last else k
+
+    def stats(self) -> LoaderStats:
+        """Counters of this dataset's reads, live (they keep counting)."""
+        return self._stats
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (all DataLoader workers together)."""
@@ -150,7 +154,7 @@ class EpochDataset(IterableDataset):
             piece_bytes=max(1, min(PIECE_BYTES, budget // (2 * threads))),
             transform=self.config.transform,
             collate=self.config.collate,
-            stats=self.stats,
+            stats=self._stats,
             abandoned=self._abandoned,
             owner=self,  # a temporary dataset lives as long as its stream (its executor too)
         )
