@@ -46,7 +46,7 @@ def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
     base = _rss()
     buf = ReplayBuffer(
         n,
-        ram_budget=budget or (2 * n * (item_bytes + 200)),
+        host_budget=budget or (2 * n * (item_bytes + 200)),
         spill_dir=directory,
         sampler=Prioritized(alpha=ALPHA, beta=BETA),
         seed=0,
@@ -84,7 +84,7 @@ def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
     items = [{"obs": payload.copy(), "action": i % 4, "reward": float(i)} for i in range(n)]
     buf = ReplayBuffer(
         n,
-        ram_budget=budget or (2 * n * (item_bytes + 200)),
+        host_budget=budget or (2 * n * (item_bytes + 200)),
         sampler=Prioritized(alpha=ALPHA, beta=BETA),
         seed=0,
     )
@@ -114,7 +114,7 @@ def run_tensortier_ratelimited(n, item_bytes, batch, rounds, directory, budget=N
     payload = _payload(item_bytes)
     rl = RateLimit(spi, min_size_to_sample=batch, error_buffer=eb, timeout=120)
     buf = ReplayBuffer(
-        n, ram_budget=2 * n * (item_bytes + 200), sampler=Prioritized(), seed=0, rate_limit=rl
+        n, host_budget=2 * n * (item_bytes + 200), sampler=Prioritized(), seed=0, rate_limit=rl
     )
     lim = buf._limiter
     rng = np.random.default_rng(1)
@@ -302,7 +302,7 @@ def run_tensortier_spill(n, item_bytes, batch, rounds, directory, budget=None):
     base = _rss()
     buf = ReplayBuffer(
         n,
-        ram_budget=budget,
+        host_budget=budget,
         spill_dir=directory,
         sampler=Prioritized(alpha=ALPHA, beta=BETA),
         seed=0,
@@ -346,7 +346,7 @@ def run_latency(n, item_bytes, batch, rounds, directory, budget=None):
     """Prioritized sample latency of tensortier with n small items (index/sampler scaling)."""
     from tensortier.rl import Prioritized, ReplayBuffer
 
-    buf = ReplayBuffer(n, ram_budget="8GiB", sampler=Prioritized(alpha=ALPHA, beta=BETA), seed=0)
+    buf = ReplayBuffer(n, host_budget="8GiB", sampler=Prioritized(alpha=ALPHA, beta=BETA), seed=0)
     payload = _payload(item_bytes)
     step = 10_000
     for start in range(0, n, step):

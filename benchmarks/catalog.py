@@ -46,9 +46,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-size", default="1KB", help="smallest record")
     p.add_argument("--max-size", default="100KB", help="largest record")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--io-threads", type=int, default=16)
-    p.add_argument("--prefetch", default="512MiB")
-    p.add_argument("--writers", type=int, default=2)
+    p.add_argument("--io-threads", type=int, default=16, help="read threads (the epochs')")
+    p.add_argument("--prefetch-budget", default="512MiB", help="bytes read ahead")
+    p.add_argument(
+        "--build-io-threads", type=int, default=2, help="threads writing segments (the build's)"
+    )
     p.add_argument("--orders", default="full,block", help="read orders to measure")
     p.add_argument("--skip", default="", help="comma list of peers to skip: datasets,lmdb")
     p.add_argument("--index-records", type=int, default=10_000_000, help="records of the open test")
@@ -154,11 +156,11 @@ def dd_read_files(files: list[str]) -> float:
 
 
 # --------------------------------------------------------------------------- stores
-def build_tt(root: str, recs: Records, writers: int) -> dict:
+def build_tt(root: str, recs: Records, io_threads: int) -> dict:
     from tensortier.data import Catalog
 
     t0 = time.perf_counter()
-    cat = Catalog.build(root, recs, writers=writers)
+    cat = Catalog.build(root, recs, io_threads=io_threads)
     seconds = time.perf_counter() - t0
     cat.close()
     return {"seconds": seconds, "bytes": tree_bytes(root)}
@@ -220,7 +222,7 @@ def read_tt(root: str, args, order: str, recs: Records) -> dict:
         seed=0,
         shuffle=order,
         io_threads=args.io_threads,
-        prefetch=args.prefetch,
+        prefetch_budget=args.prefetch_budget,
     )
     sizes = recs.sizes
     total = n = 0
@@ -232,7 +234,7 @@ def read_tt(root: str, args, order: str, recs: Records) -> dict:
         total += sum(got)
         n += len(got)
     seconds = time.perf_counter() - t0
-    stats = loader.stats.as_dict()
+    stats = loader.stats().as_dict()
     loader.close()
     cat.close()
     return {"seconds": seconds, "records": n, "bytes": total, "intact": ok, "stats": stats}
@@ -332,7 +334,7 @@ def open_test(root: str, n: int, real: bool, runs_wanted: int = 3) -> dict:
         from tensortier.data import Catalog
 
         t0 = time.perf_counter()
-        Catalog.build(root, (i.to_bytes(8, "little") for i in range(n)), writers=2).close()
+        Catalog.build(root, (i.to_bytes(8, "little") for i in range(n)), io_threads=2).close()
         built = time.perf_counter() - t0
     else:
         _synthetic_index(root, n)
@@ -396,7 +398,7 @@ def job(spec: dict) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF)
     if kind == "build":
         if peer == "tensortier":
-            out = build_tt(root, recs, args.writers)
+            out = build_tt(root, recs, args.build_io_threads)
         elif peer == "datasets":
             out = build_hf(root, recs)
         else:

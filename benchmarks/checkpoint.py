@@ -218,7 +218,7 @@ class Tensortier(_Variant):
         self.ck.close()  # its wait shows in the loop time, not in a checkpoint's stall
         if self.current is not None:
             self.stalls.append(self.current)
-        hist = list(self.ck.stats.history)
+        hist = list(self.ck.stats().history)
         self.persists = [h["persist_s"] for h in hist]
         self.durables = [h["snapshot_s"] + h["persist_s"] for h in hist]
         self.nbytes = hist[-1]["bytes"] if hist else 0
@@ -232,7 +232,7 @@ def idle_persist_gbps(model, opt, directory: str) -> float:
             for step in range(2):  # the first save allocates and faults in the images
                 ck.save(step, model=model, optimizer=opt)
                 ck.wait()
-            return ck.stats.last_persist_gbps
+            return ck.stats().last_persist_gbps
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -386,10 +386,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     auto_row = {
         "variant": f"tensortier every=auto (max_overhead={args.max_overhead})",
         "steps": auto_steps,
-        "checkpoints": ck.stats.committed,
-        "interval": ck.stats.interval,
-        "steps_saved": [h["step"] for h in ck.stats.history],
-        "total_stall_s": ck.stats.stall_seconds,
+        "checkpoints": ck.stats().committed,
+        "interval": ck.stats().interval,
+        "steps_saved": [h["step"] for h in ck.stats().history],
+        "total_stall_s": ck.stats().stall_seconds,
         "peak_extra_rss": peak,
         "plain_loop_s": plain,
         "plain_loop_before_after_s": [plain_before, plain_after],

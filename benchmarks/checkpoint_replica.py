@@ -105,11 +105,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                         ck.restore()  # continue the run: the next step is newer
                     ck.save(r, model=model, optimizer=opt)
                     ck.wait()
-                    if ck.stats.last_replica_error:
-                        raise RuntimeError(f"replica push failed: {ck.stats.last_replica_error}")
-                    persist_s.append(ck.stats.last_persist_seconds)
-                    push_s.append(ck.stats.last_replica_seconds)
-                    nbytes = ck.stats.last_persist_bytes
+                    if ck.stats().last_replica_error:
+                        raise RuntimeError(f"replica push failed: {ck.stats().last_replica_error}")
+                    persist_s.append(ck.stats().last_persist_seconds)
+                    push_s.append(ck.stats().last_replica_seconds)
+                    nbytes = ck.stats().last_persist_bytes
                 got = {}
                 for source in ("disk", "replica") if r % 2 == 0 else ("replica", "disk"):
                     cached = drop_cache(ckdir) if source == "disk" else 0

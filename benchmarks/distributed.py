@@ -119,7 +119,9 @@ def _build(variant: str, model, rank: int, world: int, args, device):
         return (
             ddp,
             opt,
-            lambda: opt.stats.host_state_bytes + (opt._gatherer.host_bytes if opt._gatherer else 0),
+            lambda: (
+                opt.stats().host_state_bytes + (opt._gatherer.host_bytes if opt._gatherer else 0)
+            ),
         )
     if variant.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -136,7 +138,7 @@ def _build(variant: str, model, rank: int, world: int, args, device):
             opt = OffloadedAdamW(
                 model.parameters(), lr=LR, weight_decay=WD, bucket_size=args["bucket_size"]
             )
-            return model, opt, lambda: opt.stats.host_state_bytes
+            return model, opt, lambda: opt.stats().host_state_bytes
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
         return model, opt, lambda: _state_bytes(opt)
     raise ValueError(variant)
@@ -287,10 +289,10 @@ def _checkpoint(rank, world, model, batches, args, device, rss0) -> dict:
         ddp(x, y).backward()
         opt.step()  # the Checkpointer's step pre-hook: waits for the snapshot (counted as stall)
         opt.zero_grad()
-        stalls.append(ck.stats.last_stall_seconds)
+        stalls.append(ck.stats().last_stall_seconds)
         ck.wait()
-        gbps.append(ck.stats.last_persist_gbps)
-        nbytes = ck.stats.last_persist_bytes
+        gbps.append(ck.stats().last_persist_gbps)
+        nbytes = ck.stats().last_persist_bytes
     ck.close()
     dcp_s = []
     for i in range(2):

@@ -104,7 +104,7 @@ def _optimizer(variant: str, params, args):
         lr=LR,
         betas=BETAS,
         weight_decay=WD,
-        states="disk" if variant.startswith("tt-disk") else "host",
+        tier="disk" if variant.startswith("tt-disk") else "host",
         spill_dir=args.dir,
         bucket_size=args.bucket_size,
         overlap=True if variant.endswith("-overlap") else "auto",
@@ -150,7 +150,7 @@ def _child(args) -> dict:
     with _PeakRSS() as peak:
         for i, x in enumerate(data):
             if i == 1 and variant.startswith("tt-"):
-                kernel0 = opt.stats.kernel_seconds
+                kernel0 = opt.stats().kernel_seconds
             t0 = time.perf_counter()  # plain forward+backward right before, same load
             twin(x).square().mean().backward()
             plain.append(time.perf_counter() - t0)
@@ -178,7 +178,7 @@ def _child(args) -> dict:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     np.save(args.out, flat, allow_pickle=False)
     if variant.startswith("tt-"):
-        st = opt.stats
+        st = opt.stats()
         row["kernel_ms_in_backward"] = (st.kernel_seconds - kernel0) / len(steps) * 1e3
         row["launched_in_backward"] = st.launched_in_backward
         row["host_state_bytes"] = st.host_state_bytes
@@ -186,17 +186,19 @@ def _child(args) -> dict:
         alone, whole = [], []
         for x in data[:3]:
             model(x).square().mean().backward()
-            k0 = opt.stats.kernel_seconds
+            k0 = opt.stats().kernel_seconds
             t0 = time.perf_counter()
             opt.step()
             whole.append(time.perf_counter() - t0)
             opt.zero_grad()
-            alone.append(opt.stats.kernel_seconds - k0)
+            alone.append(opt.stats().kernel_seconds - k0)
         row["update_alone_ms"] = min(alone) * 1e3
         row["step_no_overlap_ms"] = min(whole) * 1e3  # kernel + state I/O + parameter write-back
         if variant == "tt-disk":
             ds = opt._states.store.stats
-            row["disk_bytes_per_step"] = (ds.bytes_written + ds.bytes_read) / (opt.stats.steps or 1)
+            row["disk_bytes_per_step"] = (ds.bytes_written + ds.bytes_read) / (
+                opt.stats().steps or 1
+            )
             row["direct_io"] = ds.direct_io
         opt.close()
     return row
@@ -234,12 +236,12 @@ def _interleaved_child(args) -> dict:
     kernel: dict[str, list[float]] = {v: [] for v in opts if v.startswith("tt-")}
     for _ in range(args.steps):
         for v, opt in opts.items():
-            k0 = opt.stats.kernel_seconds if v in kernel else 0.0
+            k0 = opt.stats().kernel_seconds if v in kernel else 0.0
             t0 = time.perf_counter()
             opt.step()
             times[v].append(time.perf_counter() - t0)
             if v in kernel:
-                kernel[v].append(opt.stats.kernel_seconds - k0)
+                kernel[v].append(opt.stats().kernel_seconds - k0)
     out = {v: {"step_ms": min(ts) * 1e3} for v, ts in times.items()}
     per_round = [
         {v: {"step_ms": ts[i] * 1e3} for v, ts in times.items()} for i in range(args.steps)

@@ -144,7 +144,9 @@ def _ray_section(directory: str, item_bytes: int, batch: int, seconds: float) ->
     )
     rows = []
     try:
-        local = ReplayBuffer(200_000, ram_budget="1GiB", spill_dir=directory, sampler=Prioritized())
+        local = ReplayBuffer(
+            200_000, host_budget="1GiB", spill_dir=directory, sampler=Prioritized()
+        )
         remote = serve(local, num_cpus=0.5)
 
         @ray.remote(num_cpus=0.25)

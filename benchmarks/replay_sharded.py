@@ -85,7 +85,7 @@ def sharded_section(
         ray.get([collect.remote(None, 0, 1, None) for _ in range(2)])  # workers up before timing
         for k in (1, 2):
             tmpl = ReplayBuffer(
-                200_000, ram_budget="1GiB", spill_dir=directory, sampler=Prioritized()
+                200_000, host_budget="1GiB", spill_dir=directory, sampler=Prioritized()
             )
             buf = serve(tmpl, shards=k)
             try:
@@ -120,7 +120,11 @@ def sharded_section(
         # rate-limited: 2 collectors, 1 learner, samples_per_insert 8 held over all shards
         limit = RateLimit(8, min_size_to_sample=1000, error_buffer=2048, timeout=60)
         tmpl = ReplayBuffer(
-            200_000, ram_budget="1GiB", spill_dir=directory, sampler=Prioritized(), rate_limit=limit
+            200_000,
+            host_budget="1GiB",
+            spill_dir=directory,
+            sampler=Prioritized(),
+            rate_limit=limit,
         )
         buf = serve(tmpl, shards=2)
         try:

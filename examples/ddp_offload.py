@@ -7,7 +7,7 @@ Run it the way you launch training:
 
 CPU: gloo; GPU: NCCL, one device per rank. Every rank:
 - keeps 1/N of the AdamW state (fp32 masters and moments) in host RAM or on NVMe
-  (``--states disk``); the updated parameters are all-gathered before the next forward;
+  (``--tier disk``); the updated parameters are all-gathered before the next forward;
 - checkpoints its own shards (``Checkpointer``: one global manifest, restore on any world size);
 - offloads saved activations to its own private spill directory (``tt.offload``).
 Stop it and run it again: it resumes from the newest checkpoint, on any number of ranks.
@@ -38,9 +38,7 @@ def train(args) -> None:
     torch.manual_seed(0)  # the same initial model on every rank (DDP also broadcasts it)
     model = GPT(cfg).to(device)
     ddp = DDP(model)
-    opt = tt.OffloadedAdamW(
-        model.parameters(), lr=3e-4, states=args.states, spill_dir=args.spill_dir
-    )
+    opt = tt.OffloadedAdamW(model.parameters(), lr=3e-4, tier=args.tier, spill_dir=args.spill_dir)
     ck = tt.Checkpointer(args.ckpt, keep=3, every=args.every)
     state = ck.restore(model=model, optimizer=opt)  # None on a fresh start
     start = state.step if state else 0
@@ -74,7 +72,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
-    p.add_argument("--states", choices=["host", "disk"], default="host")
+    p.add_argument("--tier", choices=["host", "disk"], default="host")
     p.add_argument("--ckpt", default=os.path.join(tempfile.gettempdir(), "tt-example-ckpt"))
     p.add_argument("--spill-dir", default=tempfile.gettempdir())
     p.add_argument("--nproc", type=int, default=0, help="spawn this many ranks (no torchrun)")

@@ -651,7 +651,7 @@ def phase_optimizer(args: argparse.Namespace) -> None:
         if name == "fused-adamw":
             return torch.optim.AdamW(model.parameters(), fused=CUDA, **lr)
         if name == "tt-offloaded-adamw":
-            return tt.OffloadedAdamW(model.parameters(), states="host", **lr)
+            return tt.OffloadedAdamW(model.parameters(), tier="host", **lr)
         if name == "torchao-cpu-offload":
             from torchao.optim import CPUOffloadOptimizer
 
@@ -705,7 +705,7 @@ def phase_optimizer(args: argparse.Namespace) -> None:
                     ref["bytes"], 1
                 )
             if hasattr(opt, "stats"):
-                st = opt.stats
+                st = opt.stats()
                 row["stats"] = st.as_dict() if hasattr(st, "as_dict") else str(st)
             return row
         finally:
@@ -797,7 +797,7 @@ def phase_checkpoint(args: argparse.Namespace) -> None:
                                    for t in _tensors(model.state_dict(), opt.state_dict())),
             }  # fmt: skip
             if ck is not None:
-                row["checkpointer_stats"] = ck.stats.as_dict()
+                row["checkpointer_stats"] = ck.stats().as_dict()
                 ck.close()
                 fresh = hf_model(kind, layers, width, heads, seq, vocab)
                 with contextlib.closing(tt.Checkpointer(directory)) as reader:

@@ -74,14 +74,14 @@ def as_nobody(fn) -> str:
 # --------------------------------------------------------------------------- catalog
 def test_a_catalog_is_private_by_default_every_file_alike(tmp_path):
     with umask(0o022):  # the usual umask made the manifest and index 0644 before
-        Catalog.build(tmp_path / "c", [b"a", b"b"], writers=2).close()
+        Catalog.build(tmp_path / "c", [b"a", b"b"], io_threads=2).close()
     assert modes(tmp_path / "c") == (0o700, {0o600})
 
 
 @pytest.mark.parametrize("mode,dmode", [(0o640, 0o750), (0o644, 0o755)])
 def test_a_shared_catalog_gets_its_mode_exactly_whatever_the_umask(tmp_path, mode, dmode):
     with umask(0o077):
-        cat = Catalog.build(tmp_path / "c", [b"a", b"b", b"c"], writers=2, mode=mode)
+        cat = Catalog.build(tmp_path / "c", [b"a", b"b", b"c"], io_threads=2, mode=mode)
     assert modes(tmp_path / "c") == (dmode, {mode})
     assert cat[:] == [b"a", b"b", b"c"]
 
@@ -147,7 +147,7 @@ def test_an_unreadable_segment_is_a_typed_error_naming_it(tmp_path):
 
 # --------------------------------------------------------------------------- replay buffer
 def _buffer(spill: str) -> tt.rl.ReplayBuffer:
-    buf = tt.rl.ReplayBuffer(64, ram_budget="4KiB", spill_dir=spill, segment_size="8KiB")
+    buf = tt.rl.ReplayBuffer(64, host_budget="4KiB", spill_dir=spill, segment_size="8KiB")
     for i in range(40):  # most items spill to segments
         buf.add({"obs": torch.full((64,), float(i)), "a": i})
     return buf

@@ -46,7 +46,7 @@ def test_bench_catalog_runs_every_peer_and_writes_ratios(tmp_path, monkeypatch):
 
 def test_a_job_runs_in_a_fresh_process(tmp_path):
     """The bench runs every build and read through ``--job`` in its own interpreter."""
-    spec = {"n": 50, "low": 100, "high": 2000, "args": {"writers": 2}}
+    spec = {"n": 50, "low": 100, "high": 2000, "args": {"build_io_threads": 2}}
     root = str(tmp_path / "tt")
     built = bench.run_job(kind="build", peer="tensortier", root=root, **spec)
     assert built["seconds"] > 0 and built["bytes"] > 0 and built["peak_rss"] > 0

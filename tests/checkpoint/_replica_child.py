@@ -33,7 +33,7 @@ def main(address: str, directory: str, steps: int) -> None:
         opt.step()
         ck.maybe_save(i, model=model, optimizer=opt, extra={"step": i})
     ck.wait()
-    stats = ck.stats
+    stats = ck.stats()
     print(
         json.dumps(
             {

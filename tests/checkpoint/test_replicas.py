@@ -67,7 +67,7 @@ def _restore(directory, replicas):
         p.data.add_(1.0)
     with Checkpointer(directory, keep=2, replicas=replicas, replica_timeout=10) as ck:
         state = ck.restore(model=model, optimizer=opt)
-        stats = ck.stats
+        stats = ck.stats()
     return state, stats, _state(model, opt)
 
 
@@ -132,7 +132,7 @@ def test_incomplete_replica_is_ignored(cluster, tmp_path, monkeypatch):
     real_point = _faults.point
 
     def point(name):  # the writer "dies" after sending the files, before the commit marker
-        if name == "replica-sent" and ck.stats.committed == 1:
+        if name == "replica-sent" and ck.stats().committed == 1:
             raise RuntimeError("killed before the replica's commit")
         real_point(name)
 
@@ -144,8 +144,8 @@ def test_incomplete_replica_is_ignored(cluster, tmp_path, monkeypatch):
             opt.step()
             ck.save(i, model=model, optimizer=opt)
             ck.wait()
-        assert ck.stats.replica_pushes == 1 and ck.stats.replica_push_failures == 1
-        assert "killed before" in ck.stats.last_replica_error
+        assert ck.stats().replica_pushes == 1 and ck.stats().replica_push_failures == 1
+        assert "killed before" in ck.stats().last_replica_error
     holders, _ = _replica._describe_all(ray, _replica.namespace(directory), 10)
     assert [(h["step"], h["complete"]) for h in holders] == [(1, False)]
     state, stats, got = _restore(directory, replicas=1)

@@ -57,10 +57,10 @@ def test_in_place_change_that_overtakes_the_copy_fails_the_checkpoint(tmp_path, 
         gated.set()
         with pytest.raises(ConfigError, match="before_optimizer_step"):
             ck.wait()
-        assert ck.stats.committed == 0
+        assert ck.stats().committed == 0
         ck.save(1, model=m)  # the Checkpointer stays usable
         ck.wait()
-        assert ck.stats.committed == 1
+        assert ck.stats().committed == 1
 
 
 def test_before_optimizer_step_orders_an_in_place_change(tmp_path, gated):

@@ -19,5 +19,5 @@ def main(path: str, n: int, fault: str | None) -> None:
     else:
         os.environ.pop(FAULT_ENV, None)
     Catalog.build(
-        path, (record(i) for i in range(n)), segment_size="64KiB", writers=2, batch_bytes="16KiB"
+        path, (record(i) for i in range(n)), segment_size="64KiB", io_threads=2, batch_bytes="16KiB"
     )

@@ -17,11 +17,11 @@ from tests.data._records import record, same
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
-    """100k records of mixed types and sizes (0 B to ~6 KB), three writers, small segments."""
+    """100k records of mixed types and sizes (0 B to ~6 KB), three writers, small segments (io_threads=3)."""
     path = tmp_path_factory.mktemp("mixed") / "cat"
     n = 100_000
     cat = Catalog.build(
-        path, (record(i) for i in range(n)), segment_size="8MiB", writers=3, batch_bytes="256KiB"
+        path, (record(i) for i in range(n)), segment_size="8MiB", io_threads=3, batch_bytes="256KiB"
     )
     yield cat, n
     cat.close()
@@ -77,7 +77,9 @@ def test_arrays_and_tensors_are_aligned_writable_views_of_one_read(mixed):
 def test_catalog_pickles_as_its_path_and_reopens(mixed):
     cat, _ = mixed
     clone = pickle.loads(pickle.dumps(cat))
-    assert clone.path == cat.path and len(clone) == len(cat) and same(clone[12], record(12))
+    assert (
+        clone.directory == cat.directory and len(clone) == len(cat) and same(clone[12], record(12))
+    )
     clone.close()
 
 
@@ -85,9 +87,11 @@ def test_lazy_subpackage_and_info(mixed):
     cat, n = mixed
     assert tt.data.Catalog is Catalog
     info = cat.info()
-    assert info["records"] == n and info["index_bytes"] == 20 * n and info["writers"] == 3
+    assert info["records"] == n and info["index_bytes"] == 20 * n and info["io_threads"] == 3
     assert info["file_bytes"] == sum(
-        os.path.getsize(os.path.join(cat.path, f)) for f in os.listdir(cat.path) if "seg-" in f
+        os.path.getsize(os.path.join(cat.directory, f))
+        for f in os.listdir(cat.directory)
+        if "seg-" in f
     )
 
 
@@ -101,11 +105,11 @@ def test_empty_catalog(tmp_path):
 
 def test_parallel_writers_give_the_same_records(tmp_path):
     recs = [record(i) for i in range(3000)]
-    one = Catalog.build(tmp_path / "one", recs, writers=1, batch_bytes="8KiB")
-    four = Catalog.build(tmp_path / "four", recs, writers=4, batch_bytes="8KiB")
+    one = Catalog.build(tmp_path / "one", recs, io_threads=1, batch_bytes="8KiB")
+    four = Catalog.build(tmp_path / "four", recs, io_threads=4, batch_bytes="8KiB")
     assert len(four.manifest.segments) == 4
     assert all(same(a, b) for a, b in zip(one[:], four[:]))
-    files = {f for f in os.listdir(four.path)}
+    files = {f for f in os.listdir(four.directory)}
     assert files == {"catalog.json", "index.bin"} | {f"seg-{w:08d}.ttr" for w in range(4)}
 
 
@@ -143,15 +147,15 @@ def test_an_exception_during_build_leaves_nothing_and_the_directory_is_reusable(
 
 def test_bad_build_arguments_are_config_errors(tmp_path):
     for kwargs, match in [
-        ({"writers": 0}, "writers=0"),
-        ({"writers": True}, "writers=True"),
+        ({"io_threads": 0}, "io_threads=0"),
+        ({"io_threads": True}, "io_threads=True"),
         ({"segment_size": "1XB"}, "segment_size"),
         ({"segment_size": "2TiB"}, "below 1TiB"),
         ({"batch_bytes": 0}, "batch_bytes"),
     ]:
         with pytest.raises(ConfigError, match=match):
             Catalog.build(tmp_path / "c", [b"x"], **kwargs)
-    with pytest.raises(ConfigError, match="path must be a directory path"):
+    with pytest.raises(ConfigError, match="directory must be a directory path"):
         Catalog.build(123, [b"x"])
     assert not (tmp_path / "c").exists()
 
@@ -221,7 +225,7 @@ def test_open_errors(tmp_path):
         Catalog.open(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="no catalog"):
         Catalog.open(tmp_path)
-    with pytest.raises(ConfigError, match="path must be"):
+    with pytest.raises(ConfigError, match="directory must be"):
         Catalog.open(3)
     with pytest.raises(ConfigError, match="direct="):
         Catalog.open(tmp_path, direct="yes")
@@ -314,7 +318,7 @@ def test_epochs_after_close_and_a_loader_running_across_close_raise_closed_error
 
     path = tmp_path / "c"
     cat = Catalog.build(path, [bytes([i % 256]) * 1000 for i in range(5000)])
-    running = iter(cat.epochs(batch=8, io_threads=1, prefetch="16KiB"))
+    running = iter(cat.epochs(batch=8, io_threads=1, prefetch_budget="16KiB"))
     first = next(running)
     assert len(first) == 8
     cat.close()
@@ -329,3 +333,17 @@ def test_epochs_after_close_and_a_loader_running_across_close_raise_closed_error
     gc.collect()
     quiesce()
     assert catalog_fds(path) == 0  # no descriptor outlives close
+
+
+def test_old_keywords_are_refused(tmp_path):
+    """One vocabulary (issue 26): directory, io_threads; no aliases."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'path'"):
+        Catalog.build(path=tmp_path / "c", records=[b"x"])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'writers'"):
+        Catalog.build(tmp_path / "c", [b"x"], writers=2)
+    assert not (tmp_path / "c").exists()
+    with Catalog.build(directory=tmp_path / "c", records=[b"x"], io_threads=1) as cat:
+        assert cat.directory == str(tmp_path / "c") and cat.info()["io_threads"] == 1
+    with pytest.raises(TypeError, match="unexpected keyword argument 'path'"):
+        Catalog.open(path=tmp_path / "c")
+    Catalog.open(directory=tmp_path / "c").close()

@@ -19,7 +19,7 @@ N = 2000
 @pytest.fixture
 def built(tmp_path):
     path = tmp_path / "cat"
-    Catalog.build(path, (record(i) for i in range(N)), writers=2, batch_bytes="32KiB").close()
+    Catalog.build(path, (record(i) for i in range(N)), io_threads=2, batch_bytes="32KiB").close()
     return path
 
 
@@ -135,7 +135,7 @@ def test_every_single_bit_flip_of_the_index_is_corrupt_data_or_the_right_record(
     struct.error from a huge offset or a length below the header) and never wrong data."""
     path = tmp_path / "cat"
     recs = [bytes([65 + i]) * (40 + 8 * i) for i in range(8)]
-    Catalog.build(path, recs, writers=2, batch_bytes="64").close()
+    Catalog.build(path, recs, io_threads=2, batch_bytes="64").close()
     index = path / "index.bin"
     clean = index.read_bytes()
     outcomes = set()

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tensortier.data import Batch, Catalog, CatalogDataset, EpochDataset, Loader
+import tensortier.data as tt_data
+from tensortier.data import Catalog, CatalogDataset, EpochBatch, EpochDataset, Loader
 from tensortier.data._order import Order
 from tensortier.errors import ConfigError
 from tests.data._records import record, same
@@ -17,7 +18,7 @@ N = 3000
 @pytest.fixture(scope="module")
 def cat(tmp_path_factory):
     path = tmp_path_factory.mktemp("loader") / "cat"
-    c = Catalog.build(path, (record(i) for i in range(N)), writers=2, batch_bytes="64KiB")
+    c = Catalog.build(path, (record(i) for i in range(N)), io_threads=2, batch_bytes="64KiB")
     yield c
     c.close()
 
@@ -35,7 +36,7 @@ def check_records(batches) -> None:
 
 @pytest.mark.parametrize("shuffle", ["full", "block", "none"])
 def test_batches_follow_the_epoch_order_and_hold_the_right_records(cat, shuffle):
-    loader = cat.epochs(batch=100, seed=3, shuffle=shuffle, prefetch="64KiB", io_threads=3)
+    loader = cat.epochs(batch=100, seed=3, shuffle=shuffle, prefetch_budget="64KiB", io_threads=3)
     batches = list(loader)
     assert [len(b) for b in batches] == [100] * 30 and len(loader) == 30
     order = Order(loader.dataset.spec, 0, 0).indices(0, N)
@@ -45,8 +46,8 @@ def test_batches_follow_the_epoch_order_and_hold_the_right_records(cat, shuffle)
     assert loader.epoch == 1 and loader.position == 0  # the next iteration is epoch 1
     second = indices(list(loader))
     assert not np.array_equal(second, order) or shuffle == "none"
-    assert loader.stats.max_inflight_bytes <= 64 << 10 or loader.stats.pieces == 1
-    assert loader.stats.records == 2 * N and loader.stats.bytes_read > 0
+    assert loader.stats().max_inflight_bytes <= 64 << 10 or loader.stats().pieces == 1
+    assert loader.stats().records == 2 * N and loader.stats().bytes_read > 0
 
 
 @pytest.mark.parametrize("shuffle", ["full", "block"])
@@ -138,7 +139,7 @@ def test_bad_loader_arguments_are_config_errors_naming_them(cat):
         ({"batch": 8, "shuffle": "random"}, "shuffle='random'"),
         ({"batch": 8, "even": "resample"}, "even='resample'"),
         ({"batch": 8, "rank": 2, "world_size": 2}, "rank=2"),
-        ({"batch": 8, "prefetch": "lots"}, "prefetch"),
+        ({"batch": 8, "prefetch_budget": "lots"}, "prefetch_budget"),
         ({"batch": 8, "io_threads": 0}, "io_threads=0"),
         ({"batch": 8, "num_workers": -1}, "num_workers=-1"),
         ({"batch": 8, "multiprocessing_context": "thread"}, "multiprocessing_context"),
@@ -146,7 +147,7 @@ def test_bad_loader_arguments_are_config_errors_naming_them(cat):
     ):
         with pytest.raises(ConfigError, match=match):
             cat.epochs(**kwargs)
-    tiny = Catalog.build(cat.path + "-tiny", [b"a", b"b"])
+    tiny = Catalog.build(cat.directory + "-tiny", [b"a", b"b"])
     with pytest.raises(ConfigError, match="even='pad'"):
         tiny.epochs(batch=1, rank=0, world_size=3, even="drop")
 
@@ -161,7 +162,7 @@ def test_dataloader_workers_yield_the_in_process_stream(cat, context):
     assert [len(b) for b in got] == [len(b) for b in ref]
     assert np.array_equal(indices(got), indices(ref))
     check_records(got[:3])
-    assert loader.epoch == 1 and loader.stats.batches == len(ref)
+    assert loader.epoch == 1 and loader.stats().batches == len(ref)
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker")
@@ -185,11 +186,11 @@ def test_epoch_dataset_in_a_plain_dataloader_shards_batches_across_workers(cat):
     ref = indices(list(ds.iterate(0, 0)))
     dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     got = list(dl)
-    assert all(isinstance(b, Batch) for b in got) and np.array_equal(indices(got), ref)
+    assert all(isinstance(b, EpochBatch) for b in got) and np.array_equal(indices(got), ref)
 
 
 def test_map_style_dataset_reads_batches_through_getitems(cat):
-    ds = CatalogDataset(cat.path, transform=lambda r: type(r).__name__)
+    ds = CatalogDataset(cat.directory, transform=lambda r: type(r).__name__)
     dl = DataLoader(ds, batch_size=7, num_workers=2, multiprocessing_context="fork",
                     collate_fn=list)  # fmt: skip
     names = [n for batch in dl for n in batch]
@@ -211,7 +212,7 @@ def test_a_loader_dropped_mid_epoch_is_collected_and_its_threads_end(cat):
     gc.collect()  # an earlier test's dropped pool may still be ending: not this loader's threads
     assert quiesce()
     before = readers()
-    loader = cat.epochs(batch=10, prefetch="32KiB", io_threads=3)
+    loader = cat.epochs(batch=10, prefetch_budget="32KiB", io_threads=3)
     it = iter(loader)
     next(it)
     assert readers() - before
@@ -258,7 +259,7 @@ def test_a_world_size_without_a_rank_outside_torch_distributed_is_refused(cat):
 
 
 def test_a_temporary_epoch_dataset_can_be_iterated(cat):
-    n = sum(len(b) for b in EpochDataset(cat.path, batch=100, io_threads=2))
+    n = sum(len(b) for b in EpochDataset(cat.directory, batch=100, io_threads=2))
     assert n == N
     got = [b.indices for b in EpochDataset(cat, batch=500, shuffle="none")]
     assert np.array_equal(np.concatenate(got), np.arange(N))
@@ -284,7 +285,7 @@ def test_abandoning_a_worker_loader_shuts_down_cleanly_without_tracebacks(cat):
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run(
-        [sys.executable, "-c", ABANDON, cat.path],
+        [sys.executable, "-c", ABANDON, cat.directory],
         capture_output=True,
         text=True,
         timeout=240,
@@ -292,3 +293,12 @@ def test_abandoning_a_worker_loader_shuts_down_cleanly_without_tracebacks(cat):
     )
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "AssertionError" not in out.stderr, out.stderr[-3000:]
+
+
+def test_old_names_are_gone(cat):
+    """One vocabulary (issue 26): ``prefetch_budget`` (bytes) and ``EpochBatch``; no aliases."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefetch'"):
+        cat.epochs(batch=8, prefetch="1MiB")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefetch'"):
+        EpochDataset(cat, batch=8, prefetch="1MiB")
+    assert not hasattr(tt_data, "Batch") and "EpochBatch" in tt_data.__all__

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tensortier._lifetime import quiesce
 from tensortier.errors import ClosedError, ConfigError, TierFullError
-from tensortier.optim import OffloadedAdamW
+from tensortier.optim import OffloadedAdamW, OptimizerStats
 
 
 def _model(seed=0, dtype=torch.float32):
@@ -55,19 +55,19 @@ def _rel_close(a, b, tol=1e-6):
         assert err <= tol * scale, (err, scale)
 
 
-STATES = ["host", "disk"]
+TIERS = ["host", "disk"]
 
 
-@pytest.mark.parametrize("states", STATES)
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_matches_torch_adamw_groups_sched_clip_accum(states, overlap, spill_dir):
+def test_matches_torch_adamw_groups_sched_clip_accum(tier, overlap, spill_dir):
     ref_m, tt_m = _model(), _model()
     ref = torch.optim.AdamW(_groups(ref_m), lr=1e-2, weight_decay=0.01)
     opt = OffloadedAdamW(
         _groups(tt_m),
         lr=1e-2,
         weight_decay=0.01,
-        states=states,
+        tier=tier,
         spill_dir=spill_dir,
         bucket_size="2KiB",
         overlap=overlap,
@@ -82,14 +82,14 @@ def test_matches_torch_adamw_groups_sched_clip_accum(states, overlap, spill_dir)
     opt.close()
 
 
-@pytest.mark.parametrize("states", STATES)
-def test_overlap_launches_in_backward_and_matches_fused_bitwise(states, spill_dir):
+@pytest.mark.parametrize("tier", TIERS)
+def test_overlap_launches_in_backward_and_matches_fused_bitwise(tier, spill_dir):
     ref_m, tt_m = _model(), _model()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
     opt = OffloadedAdamW(
         tt_m.parameters(),
         lr=1e-2,
-        states=states,
+        tier=tier,
         spill_dir=spill_dir,
         bucket_size="1KiB",
         overlap=True,
@@ -99,7 +99,7 @@ def test_overlap_launches_in_backward_and_matches_fused_bitwise(states, spill_di
     _train(tt_m, opt, data)
     for p, q in zip(tt_m.parameters(), ref_m.parameters()):
         assert torch.equal(p, q)
-    assert opt.stats.launched_in_backward > 0  # buckets were updated while backward ran
+    assert opt.stats().launched_in_backward > 0  # buckets were updated while backward ran
     opt.close()
 
 
@@ -127,23 +127,19 @@ def test_frozen_and_gradless_params_like_torch():
     opt.close()
 
 
-@pytest.mark.parametrize("states", STATES)
-def test_state_dict_roundtrip_resumes_exactly(states, spill_dir):
+@pytest.mark.parametrize("tier", TIERS)
+def test_state_dict_roundtrip_resumes_exactly(tier, spill_dir):
     a, b = _model(), _model()
     data = _batches(20)
-    opt_a = OffloadedAdamW(
-        a.parameters(), lr=1e-2, states=states, spill_dir=spill_dir, overlap=True
-    )
+    opt_a = OffloadedAdamW(a.parameters(), lr=1e-2, tier=tier, spill_dir=spill_dir, overlap=True)
     _train(a, opt_a, data)
-    opt_b = OffloadedAdamW(
-        b.parameters(), lr=1e-2, states=states, spill_dir=spill_dir, overlap=True
-    )
+    opt_b = OffloadedAdamW(b.parameters(), lr=1e-2, tier=tier, spill_dir=spill_dir, overlap=True)
     _train(b, opt_b, data[:10])
     sd = opt_b.state_dict()
     for entry in sd["state"].values():  # tensors and plain values only: safetensors + JSON
         assert all(torch.is_tensor(v) for v in entry.values())
     opt_b.close()  # disk states: the files are gone, the state survives in sd
-    opt_c = OffloadedAdamW(b.parameters(), lr=1.0, states=states, spill_dir=spill_dir, overlap=True)
+    opt_c = OffloadedAdamW(b.parameters(), lr=1.0, tier=tier, spill_dir=spill_dir, overlap=True)
     opt_c.load_state_dict(sd)
     assert opt_c.param_groups[0]["lr"] == 1e-2
     _train(b, opt_c, data[10:])
@@ -282,10 +278,10 @@ def test_disk_full_applies_nothing(spill_dir):
     opt = OffloadedAdamW(
         m.parameters(),
         lr=1e-2,
-        states="disk",
+        tier="disk",
         spill_dir=spill_dir,
         bucket_size="4KiB",  # one bucket; a slab holds exactly its 12 KiB state
-        disk_capacity=16 * 1024,
+        disk_budget=16 * 1024,
         overlap=True,
     )
     assert nbytes <= 4096 and len(opt._buckets) == 1
@@ -310,29 +306,51 @@ def test_disk_host_memory_is_bounded(spill_dir):
     m = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(16)])  # ~4 MiB of fp32
     opt = OffloadedAdamW(
         m.parameters(),
-        states="disk",
+        tier="disk",
         spill_dir=spill_dir,
         bucket_size="256KiB",
         pipeline_depth=3,
         overlap=True,
     )
     bound = 3 * 3 * (256 * 1024 + 4096)  # depth * (master + 2 moments) * bucket (+ page rounding)
-    assert opt.stats.host_state_bytes <= bound
+    assert opt.stats().host_state_bytes <= bound
     full = sum(p.numel() for p in m.parameters()) * 12
     assert bound < full / 4
     for x in torch.randn(3, 4, 256):
         m(x).sum().backward()
         opt.step()
         opt.zero_grad()
-    assert opt.stats.host_state_bytes <= bound  # the ring never grows
+    assert opt.stats().host_state_bytes <= bound  # the ring never grows
     assert opt._states.store.stats.used_bytes >= full  # the state is on disk
+    opt.close()
+
+
+@pytest.mark.parametrize("old", [{"states": "host"}, {"disk_capacity": "1MiB"}])
+def test_old_keywords_are_refused(old):
+    """One vocabulary (issue 26): ``tier=`` and ``disk_budget=``; the old names are not aliases."""
+    with pytest.raises(TypeError, match=next(iter(old))):
+        OffloadedAdamW(_model().parameters(), **old)
+
+
+def test_stats_is_a_method_and_reset_starts_afresh():
+    m = _model()
+    opt = OffloadedAdamW(m.parameters(), bucket_size="1KiB", overlap=False)
+    _train(m, opt, _batches(2))
+    st = opt.stats()
+    assert isinstance(st, OptimizerStats) and st.steps == 2 and st.buckets > 1
+    opt.reset_stats()
+    fresh = opt.stats()
+    assert fresh.steps == 0 and fresh.launched_in_step == 0 and fresh.buckets == st.buckets
+    assert fresh.host_state_bytes == st.host_state_bytes  # memory is refreshed, not zeroed
+    _train(m, opt, _batches(1))
+    assert opt.stats().steps == 1 and st.steps == 2  # counts go to the new counters only
     opt.close()
 
 
 def test_bad_config_and_closed():
     m = _model()
-    with pytest.raises(ConfigError, match="states"):
-        OffloadedAdamW(m.parameters(), states="gpu", overlap=True)
+    with pytest.raises(ConfigError, match="tier"):
+        OffloadedAdamW(m.parameters(), tier="gpu", overlap=True)
     with pytest.raises(ConfigError, match="bucket_size"):
         OffloadedAdamW(m.parameters(), bucket_size="lots", overlap=True)
     with pytest.raises(ConfigError, match="learning rate"):
@@ -385,8 +403,8 @@ def test_cuda_model_matches_torch_adamw():
     opt.close()
 
 
-@pytest.mark.parametrize("states", STATES)
-def test_late_gradient_after_bucket_launched_is_applied(states, spill_dir):
+@pytest.mark.parametrize("tier", TIERS)
+def test_late_gradient_after_bucket_launched_is_applied(tier, spill_dir):
     """A frozen param given a gradient by hand after backward: its bucket already ran; step() runs
     a second update for it, reading the first one's result (disk: the not yet committed copy)."""
 
@@ -397,9 +415,7 @@ def test_late_gradient_after_bucket_launched_is_applied(states, spill_dir):
 
     ref_m, tt_m = build(), build()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, fused=True)
-    opt = OffloadedAdamW(
-        tt_m.parameters(), lr=1e-2, states=states, spill_dir=spill_dir, overlap=True
-    )
+    opt = OffloadedAdamW(tt_m.parameters(), lr=1e-2, tier=tier, spill_dir=spill_dir, overlap=True)
     assert len(opt._buckets) == 1
     for i, x in enumerate(_batches(6)):
         for m, o in ((ref_m, ref), (tt_m, opt)):
@@ -409,7 +425,7 @@ def test_late_gradient_after_bucket_launched_is_applied(states, spill_dir):
             o.zero_grad()
     for p, q in zip(tt_m.parameters(), ref_m.parameters()):
         assert torch.equal(p, q)
-    assert opt.stats.launched_in_backward > 0
+    assert opt.stats().launched_in_backward > 0
     opt.close()
 
 
@@ -436,7 +452,7 @@ def test_dropped_on_its_own_worker_thread_still_cleans_up(spill_dir):
     try:
         m = _model()
         opt = OffloadedAdamW(
-            m.parameters(), lr=1e-2, states="disk", spill_dir=spill_dir, overlap=True
+            m.parameters(), lr=1e-2, tier="disk", spill_dir=spill_dir, overlap=True
         )
         _train(m, opt, _batches(1))
         worker = opt._worker
@@ -462,7 +478,7 @@ def test_overlap_auto_speculates_only_for_gpu_parameters():
     opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB")
     assert opt.overlap is False
     _train(m, opt, _batches(4))
-    assert opt.stats.speculated == 0 and opt.stats.launched_in_step > 0
+    assert opt.stats().speculated == 0 and opt.stats().launched_in_step > 0
     opt.close()
     with pytest.raises(ConfigError, match="overlap="):
         OffloadedAdamW(_model().parameters(), overlap="yes")
@@ -488,7 +504,7 @@ def test_synchronous_disk_full_keeps_the_ring_and_training_resumes_exactly(
     opt = OffloadedAdamW(
         tt_m.parameters(),
         lr=1e-2,
-        states="disk",
+        tier="disk",
         spill_dir=spill_dir,
         bucket_size="8KiB",
         pipeline_depth=2,
@@ -562,7 +578,7 @@ def test_cpu_fp32_step_runs_in_place_on_the_parameters(monkeypatch):
         assert torch.equal(p, q)
     params = list(m.parameters())
     n = sum(p.numel() for p in params)
-    assert 8 * n <= opt.stats.host_state_bytes <= 8 * n + 2 * 64 * len(params)  # moments only
+    assert 8 * n <= opt.stats().host_state_bytes <= 8 * n + 2 * 64 * len(params)  # moments only
     opt.close()
 
 

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int) -> dict:
                 _train(ddp, opt, rank, clip)
                 models.append(m)
                 if kind == "tt":
-                    report[f"speculated-{view}-{clip}"] = opt.stats.speculated
+                    report[f"speculated-{view}-{clip}"] = opt.stats().speculated
                     opt.close()
             report[f"equal-{view}-{clip}"] = all(
                 torch.equal(p, q) for p, q in zip(*(m.parameters() for m in models))

@@ -42,7 +42,7 @@ def compare(sizes, bucket, dtype=torch.float32, steps=3, overlap=True, wd=0.05):
     for k, e in rsd["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sd["state"][k][key], e[key])
-    speculated = opt.stats.speculated
+    speculated = opt.stats().speculated
     opt.close()
     return speculated
 

@@ -1,4 +1,4 @@
-"""OffloadedAdamW(states="remote"): state in other Ray nodes' memory (a local Cluster)."""
+"""OffloadedAdamW(tier="remote"): state in other Ray nodes' memory (a local Cluster)."""
 
 import threading
 
@@ -55,7 +55,7 @@ def test_remote_states_match_fused_torch_adamw_bitwise(store, overlap):
         tt_m.parameters(),
         lr=1e-2,
         weight_decay=0.05,
-        states="remote",
+        tier="remote",
         remote=store,
         bucket_size="1KiB",  # several buckets, streamed through the ring
         pipeline_depth=2,
@@ -78,15 +78,15 @@ def test_state_dict_round_trip_and_an_owned_store(cluster):
     a, b = _model(), _model()
     data = _batches(12)
     opts = {"capacity": "8MiB", "timeout": 30}
-    opt_a = OffloadedAdamW(a.parameters(), lr=1e-2, states="remote", remote=opts, overlap=False)
+    opt_a = OffloadedAdamW(a.parameters(), lr=1e-2, tier="remote", remote=opts, overlap=False)
     _train(a, opt_a, data)
-    opt_b = OffloadedAdamW(b.parameters(), lr=1e-2, states="remote", remote=opts, overlap=False)
+    opt_b = OffloadedAdamW(b.parameters(), lr=1e-2, tier="remote", remote=opts, overlap=False)
     _train(b, opt_b, data[:6])
     sd = opt_b.state_dict()
     owned = opt_b._states.store
     opt_b.close()
     assert owned.closed  # made by the optimizer from the dict: closed with it
-    opt_c = OffloadedAdamW(b.parameters(), lr=1.0, states="remote", remote=opts, overlap=False)
+    opt_c = OffloadedAdamW(b.parameters(), lr=1.0, tier="remote", remote=opts, overlap=False)
     opt_c.load_state_dict(sd)
     _train(b, opt_c, data[6:])
     for p, q in zip(a.parameters(), b.parameters()):
@@ -98,13 +98,13 @@ def test_state_dict_round_trip_and_an_owned_store(cluster):
 def test_bad_remote_arguments_are_typed(store):
     m = _model()
     with pytest.raises(ConfigError, match="remote="):
-        OffloadedAdamW(m.parameters(), states="remote")
+        OffloadedAdamW(m.parameters(), tier="remote")
     with pytest.raises(ConfigError, match="remote="):
-        OffloadedAdamW(m.parameters(), states="remote", remote="8MiB")
+        OffloadedAdamW(m.parameters(), tier="remote", remote="8MiB")
     closed = RemoteStore("1MiB", timeout=30)
     closed.close()
     with pytest.raises(ConfigError, match="closed"):
-        OffloadedAdamW(m.parameters(), states="remote", remote=closed)
+        OffloadedAdamW(m.parameters(), tier="remote", remote=closed)
 
 
 def test_node_loss_raises_node_lost_error_from_step_without_hanging(cluster):
@@ -114,7 +114,7 @@ def test_node_loss_raises_node_lost_error_from_step_without_hanging(cluster):
     opt = OffloadedAdamW(
         m.parameters(),
         lr=1e-2,
-        states="remote",
+        tier="remote",
         remote=s,
         bucket_size="512B",
         pipeline_depth=2,

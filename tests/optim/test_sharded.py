@@ -41,14 +41,14 @@ def _train(case: str, kind: str, rank: int, tmp: str):
     if kind == "torch":
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     else:
-        states = "disk" if case == "disk" else "host"
+        tier = "disk" if case == "disk" else "host"
         opt = OffloadedAdamW(
             m.parameters(),
             lr=1e-2,
             weight_decay=0.1,
             bucket_size="512B",
-            states=states,
-            spill_dir=tmp if states == "disk" else None,  # one root: private subdirectories
+            tier=tier,
+            spill_dir=tmp if tier == "disk" else None,  # one root: private subdirectories
         )
         assert opt._sharded
         if case == "rounds":  # all-gathers in many 64-byte rounds (pieces span several)
@@ -97,8 +97,8 @@ def _parity(rank: int, world: int, tmp: str, cases: list[str]) -> dict:
                 for i in rsd["state"]
                 for k in ("step", "exp_avg", "exp_avg_sq")
             )
-            report["bytes"] = opt.stats.host_state_bytes
-        report[f"skipped-{case}"] = [opt.stats.skipped_steps, opt.stats.steps]
+            report["bytes"] = opt.stats().host_state_bytes
+        report[f"skipped-{case}"] = [opt.stats().skipped_steps, opt.stats().steps]
         opt.close()
     return report
 

@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
         if kind == "tt":
             with Checkpointer(root, every=1000) as ck:
                 ck.save(9, model=m, optimizer=opt)
-            bytes_ = opt.stats.host_state_bytes
+            bytes_ = opt.stats().host_state_bytes
             opt.close()
     close = all(
         torch.allclose(p, q, atol=1e-5, rtol=1e-4)

@@ -28,7 +28,7 @@ def _data(n, seed=1):
 KINDS = ["torch", "tt", "tt-no-overlap"]
 
 
-def _opt(kind, model, states="host", spill_dir=None):
+def _opt(kind, model, tier="host", spill_dir=None):
     if kind == "torch":
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
     return OffloadedAdamW(
@@ -37,7 +37,7 @@ def _opt(kind, model, states="host", spill_dir=None):
         weight_decay=0.05,
         bucket_size="1KiB",  # 4 buckets
         overlap=kind == "tt",
-        states=states,
+        tier=tier,
         spill_dir=spill_dir,
     )
 
@@ -51,12 +51,12 @@ def _run(
     scaler=False,
     autocast=None,
     overflow_at=None,
-    states="host",
+    tier="host",
     spill_dir=None,
 ):
     """Train ``steps`` steps; returns the model, optimizer, per-step state dicts, last gradients."""
     m = _model()
-    opt = _opt(kind, m, states, spill_dir)
+    opt = _opt(kind, m, tier, spill_dir)
     sc = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
     data = iter(_data(64))
     history, grads = [], None
@@ -107,21 +107,21 @@ def _compare(**kw):
     runs = [_run(kind, **kw) for kind in KINDS]
     _check_all_equal(runs)
     tt = runs[1][1]
-    assert tt.stats.speculated > 0  # the overlapped path really ran
+    assert tt.stats().speculated > 0  # the overlapped path really ran
     for _, opt, _, _ in runs[1:]:
         opt.close()
     return runs
 
 
-@pytest.mark.parametrize("states", ["host", "disk"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clips every step / never clips
-def test_torch_clip_grad_norm_between_backward_and_step(max_norm, states, spill_dir):
+def test_torch_clip_grad_norm_between_backward_and_step(max_norm, tier, spill_dir):
     def clip(i, m, opt, sc):
         torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
 
-    runs = _compare(edit=clip, states=states, spill_dir=spill_dir)
+    runs = _compare(edit=clip, tier=tier, spill_dir=spill_dir)
     if max_norm > 1:  # a clip factor of 1.0 bumps versions but leaves the bits: kept
-        st = runs[1][1].stats
+        st = runs[1][1].stats()
         assert st.redone == 0 and st.validated == st.speculated
         assert st.compared_equal == st.validated
 
@@ -133,7 +133,7 @@ def test_clipping_every_step_backs_off_and_stays_exact():
     clip.after_speculation = True
     runs = [_run(kind, edit=clip, steps=16) for kind in KINDS]
     _check_all_equal(runs)
-    st = runs[1][1].stats
+    st = runs[1][1].stats()
     assert st.validated == 0 and st.redone == st.speculated > 0
     assert st.paused_bucket_steps > 0
     assert st.speculated <= 4 * 5  # 4 buckets, speculating at steps 2, 3, 5, 9, 17 at most
@@ -154,7 +154,7 @@ def test_gradscaler_overflow_step_is_skipped_and_training_continues_equal(dtype,
     for kind, (_, opt, history, _) in zip(KINDS, runs):
         _same_state(history[3], history[4])  # the overflow step left every state untouched
         if kind != "torch":
-            assert opt.stats.skipped_steps == 1 and opt.stats.steps == 9
+            assert opt.stats().skipped_steps == 1 and opt.stats().steps == 9
 
 
 def test_gradscaler_overflow_in_the_first_step():
@@ -191,10 +191,10 @@ def test_manual_edits_after_the_snapshot_are_detected(spill_dir):
 
     edits.after_speculation = True
     runs = [_run(kind, edit=edits) for kind in KINDS]
-    runs.append(_run("tt", edit=edits, states="disk", spill_dir=spill_dir))
+    runs.append(_run("tt", edit=edits, tier="disk", spill_dir=spill_dir))
     _check_all_equal(runs)
     for _, opt, _, _ in runs[1::2]:
-        st = opt.stats
+        st = opt.stats()
         assert st.unversioned_edits >= 2  # .data and .numpy() edits: caught by content
         assert st.compared_equal >= 1  # mul_(1.0): version bumped, speculation kept
         assert st.redone >= 5
@@ -205,7 +205,7 @@ def test_manual_edits_after_the_snapshot_are_detected(spill_dir):
 def test_accumulation_beyond_the_learned_count():
     """Step 1 teaches one backward pass per step; later steps use 2 and 3: no error, same bits."""
     runs = _compare(accum=lambda i: [1, 1, 2, 2, 3, 1, 1, 3, 1, 1][i])
-    assert runs[1][1].stats.redone > 0  # the speculations of step 3 (2 passes) were redone
+    assert runs[1][1].stats().redone > 0  # the speculations of step 3 (2 passes) were redone
 
 
 def test_zero_grad_without_step_discards_speculation():
@@ -217,7 +217,7 @@ def test_zero_grad_without_step_discards_speculation():
             m(extra).square().mean().backward()
 
     runs = _compare(edit=edit)
-    assert runs[1][1].stats.discarded >= 2
+    assert runs[1][1].stats().discarded >= 2
 
 
 def test_second_backward_marks_speculation_stale():
@@ -228,7 +228,7 @@ def test_second_backward_marks_speculation_stale():
     edit.after_speculation = True
 
     runs = _compare(edit=edit)
-    assert runs[1][1].stats.redone >= 4
+    assert runs[1][1].stats().redone >= 4
 
 
 def test_state_dict_between_backward_and_step_is_the_committed_state():
@@ -241,7 +241,7 @@ def test_state_dict_between_backward_and_step_is_the_committed_state():
         opt.zero_grad()
     before = opt.state_dict()
     m(x[2]).square().mean().backward()
-    assert opt.stats.speculated > 0
+    assert opt.stats().speculated > 0
     _same_state(opt.state_dict(), before)  # speculation never writes the committed state
     opt.step()
     assert not bits_equal(opt.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
@@ -258,7 +258,7 @@ def test_memory_price_of_speculation_is_reported():
             m(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        stats[overlap] = opt.stats
+        stats[overlap] = opt.stats()
         opt.close()
     padding = 6 * 3 * 64  # at most 64 bytes of alignment per parameter and state vector
     # fp32 CPU parameters are their own masters: only the moments (8 B/param) are held
@@ -300,9 +300,9 @@ def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap(max_norm):
     _rel_close(results["tt"][0], results["torch"][0], tol=1e-5)  # CUDA vs CPU fused kernel
     for p, q in zip(results["tt"][0].parameters(), results["tt-no-overlap"][0].parameters()):
         assert torch.equal(p, q)  # same CPU kernel, same gradients: speculation is exact
-    assert results["tt"][1].stats.skipped_steps == 1
+    assert results["tt"][1].stats().skipped_steps == 1
     if max_norm is None:  # the path that keeps a speculation under a scale really ran on CUDA
-        assert results["tt"][1].stats.validated > 0
+        assert results["tt"][1].stats().validated > 0
 
 
 @pytest.mark.gpu
@@ -340,9 +340,9 @@ def test_cuda_bf16_params_write_back_matches_no_overlap():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("states", ["host", "disk"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("clip", [None, 1e6])  # no clip / a clip factor of 1.0: bits unchanged
-def test_hyper_parameters_set_between_backward_and_step_are_used(clip, states, spill_dir):
+def test_hyper_parameters_set_between_backward_and_step_are_used(clip, tier, spill_dir):
     """llm.c / build-nanogpt set lr after backward (and clipping): a speculation made with the old
     lr, betas, eps or weight decay must be redone, never kept (review finding 1)."""
 
@@ -356,6 +356,6 @@ def test_hyper_parameters_set_between_backward_and_step_are_used(clip, states, s
             g["eps"] = 1e-8 if i % 4 else 1e-6
 
     schedule.after_speculation = True  # the worker surely read the old values
-    runs = _compare(edit=schedule, states=states, spill_dir=spill_dir)
-    st = runs[1][1].stats
+    runs = _compare(edit=schedule, tier=tier, spill_dir=spill_dir)
+    st = runs[1][1].stats()
     assert st.hyper_changed > 0 and st.validated < st.speculated

@@ -36,7 +36,7 @@ def test_outputs_and_grads_identical_to_resident(tier, spill_dir):
         y.square().sum().backward()
         for p, q in zip(m.parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad)
-    assert streamer.stats.prefetch_hits > 0
+    assert streamer.stats().prefetch_hits > 0
     streamer.close()
     for p, q in zip(m.parameters(), ref.parameters()):
         assert torch.equal(p, q)
@@ -90,7 +90,7 @@ def test_device_spelled_with_an_index_is_the_same_device():
             assert torch.equal(p.grad, q.grad)
         assert streamer.device == torch.device("cpu")
         # backward loaded the parameters again: autograd held tokens, not the installed values
-        assert streamer.stats.loads > len(streamer.units)
+        assert streamer.stats().loads > len(streamer.units)
     finally:
         streamer.close()
 

@@ -23,7 +23,7 @@ CHILD = textwrap.dedent(
     import sys
     import numpy as np
     from tensortier.rl import ReplayBuffer
-    buf = ReplayBuffer(100_000, ram_budget="64KiB", spill_dir=sys.argv[1], durable=True,
+    buf = ReplayBuffer(100_000, host_budget="64KiB", spill_dir=sys.argv[1], durable=True,
                        segment_size="256KiB")
     i = 0
     while True:
@@ -58,7 +58,7 @@ def test_sigkill_during_add_keeps_every_acknowledged_record(tmp_path):
     for line in rest.split("\n")[:-1]:  # the last piece may be a half-printed line
         i, k = map(int, line.split())
         acked[k] = i
-    buf = ReplayBuffer(100_000, ram_budget="64KiB", spill_dir=d, durable=True)
+    buf = ReplayBuffer(100_000, host_budget="64KiB", spill_dir=d, durable=True)
     assert len(buf) >= len(acked)
     for k, i in acked.items():
         got = buf[k]
@@ -104,17 +104,17 @@ def test_damaged_sealed_segment_is_reported(tmp_path):
         ReplayBuffer(1000, spill_dir=d, durable=True)
 
 
-def test_reopen_with_other_capacity_is_refused(tmp_path):
+def test_reopen_with_other_max_items_is_refused(tmp_path):
     buf = ReplayBuffer(10, spill_dir=tmp_path / "rb", durable=True)
     buf.add(item(0))
     buf.close()
-    with pytest.raises(ConfigError, match="capacity=10"):
+    with pytest.raises(ConfigError, match="max_items=10"):
         ReplayBuffer(20, spill_dir=tmp_path / "rb", durable=True)
 
 
 def test_durable_deletes_evictions_and_updates_survive_restart(tmp_path):
     d = tmp_path / "rb"
-    buf = ReplayBuffer(20, spill_dir=d, durable=True, segment_size="2KiB", ram_budget="1KiB")
+    buf = ReplayBuffer(20, spill_dir=d, durable=True, segment_size="2KiB", host_budget="1KiB")
     keys = [buf.add(item(i)) for i in range(50)]  # 30 evicted
     del buf[keys[40]]
     buf.update(keys[45], {"obs": np.arange(3), "i": 450})
@@ -281,7 +281,7 @@ FD_CHILD = textwrap.dedent(
     for durable in (True, False):
         d = os.path.join(sys.argv[1], "durable" if durable else "spill")
         os.mkdir(d)
-        buf = ReplayBuffer(100_000, ram_budget=0, spill_dir=d, segment_size="4KiB",
+        buf = ReplayBuffer(100_000, host_budget=0, spill_dir=d, segment_size="4KiB",
                            durable=durable)
         keys = [buf.add({"v": np.full(1000, i, np.int64)}) for i in range(300)]  # 300 files
         assert all(int(buf[k]["v"][0]) == i for i, k in enumerate(keys))

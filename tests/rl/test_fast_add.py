@@ -118,7 +118,7 @@ def test_extend_equals_repeated_add(spill_dir, sampler, chunk):
     """Same indices, items, priorities, tree and counters, with eviction and spilling."""
     rng = np.random.default_rng(0)
     items = [{"obs": rng.standard_normal(50).astype(np.float32), "i": i} for i in range(300)]
-    kw = dict(ram_budget="8KiB", spill_dir=spill_dir, sampler=sampler, seed=3)
+    kw = dict(host_budget="8KiB", spill_dir=spill_dir, sampler=sampler, seed=3)
     a, b = ReplayBuffer(128, **kw), ReplayBuffer(128, **kw)
     ka, kb = _fill(a, items, None), _fill(b, items, chunk)
     assert ka == kb
@@ -146,7 +146,7 @@ def test_extend_equals_repeated_add_after_durable_recovery(tmp_path):
     items = [{"obs": np.full(30, i, np.int32), "i": i} for i in range(90)]
     dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
     bufs = [
-        ReplayBuffer(64, durable=True, spill_dir=d, ram_budget="4KiB", sampler=Prioritized())
+        ReplayBuffer(64, durable=True, spill_dir=d, host_budget="4KiB", sampler=Prioritized())
         for d in dirs
     ]
     ka, kb = _fill(bufs[0], items, None), _fill(bufs[1], items, 16)

@@ -6,7 +6,7 @@ from tensortier.rl import MemoryBank
 
 
 def test_fifo_index_access_and_variable_sizes_on_ram_and_disk(spill_dir):
-    bank = MemoryBank(50, ram_budget="8KiB", spill_dir=spill_dir, segment_size="8KiB")
+    bank = MemoryBank(50, host_budget="8KiB", spill_dir=spill_dir, segment_size="8KiB")
     rng = np.random.default_rng(0)
     items = {}
     for i in range(80):
@@ -32,6 +32,6 @@ def test_fifo_index_access_and_variable_sizes_on_ram_and_disk(spill_dir):
     bank.close()
 
 
-def test_bad_capacity():
-    with pytest.raises(ConfigError):
+def test_bad_max_items():
+    with pytest.raises(ConfigError, match="MemoryBank: max_items must be an int >= 1"):
         MemoryBank(0)

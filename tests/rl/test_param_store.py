@@ -189,8 +189,8 @@ def test_use_after_close_and_bad_arguments_are_typed():
             ps.wait_for(1, timeout=bad)
     with pytest.raises(ConfigError, match="keep"):
         ParamStore(keep=True)
-    with pytest.raises(TypeError, match="shm_dir"):
-        ParamStore(shm_dir=3)
+    with pytest.raises(TypeError, match="spill_dir"):
+        ParamStore(spill_dir=3)
     with pytest.raises(TypeError, match="path"):
         ParamStore.attach(3)
     with pytest.raises(ConfigError, match="no ParamStore"):
@@ -204,7 +204,7 @@ def test_use_after_close_and_bad_arguments_are_typed():
 
 
 def test_full_shm_raises_tier_full_and_the_store_stays_usable(tmp_path, monkeypatch):
-    with ParamStore(shm_dir=tmp_path) as ps:
+    with ParamStore(spill_dir=tmp_path) as ps:
         ps.publish({"w": torch.ones(4)})
 
         def full(fd, offset, length):
@@ -214,7 +214,7 @@ def test_full_shm_raises_tier_full_and_the_store_stays_usable(tmp_path, monkeypa
         with pytest.raises(TierFullError, match="shm-size") as info:
             ps.publish({"w": torch.ones(1 << 20)})
         assert info.value.tier == "shm" and info.value.requested > 4 << 20
-        assert "shm_dir" in str(info.value) and "free" in str(info.value)
+        assert "spill_dir" in str(info.value) and "free" in str(info.value)
         assert ps.version == 1 and ps.versions() == [1]
         assert sorted(os.listdir(ps.path)) == [".tt-owner", "latest", "v-000000000001.ttp"]
         monkeypatch.undo()
@@ -226,7 +226,7 @@ _FULL_SHM_CHILD = r"""
 import os, sys, torch
 from tensortier.errors import TierFullError
 from tensortier.rl import ParamStore
-ps = ParamStore(shm_dir=sys.argv[1])
+ps = ParamStore(spill_dir=sys.argv[1])
 ps.publish({"w": torch.ones(4)})
 try:
     ps.publish({"w": torch.ones(8 << 20)})  # 32 MiB into a 16 MiB tmpfs
@@ -260,7 +260,7 @@ def test_publish_into_a_real_small_tmpfs_does_not_sigbus(tmp_path):
 _KILLED_PUBLISHER = r"""
 import os, signal, sys, torch
 from tensortier.rl import ParamStore
-ps = ParamStore(shm_dir=sys.argv[1])
+ps = ParamStore(spill_dir=sys.argv[1])
 ps.publish({"w": torch.full((1000,), 7.0)})
 print(ps.path, flush=True)
 sys.stdin.readline()  # the test attached and holds version 1
@@ -288,7 +288,7 @@ def test_sigkilled_publisher_is_detected_and_its_directory_reclaimed(tmp_path):
     assert os.path.isdir(path)
     # The next store made there reclaims the dead publisher's directory; the reader's shared
     # locks on version files do not keep it (the owner lock is a different file).
-    with ParamStore(shm_dir=tmp_path) as fresh:
+    with ParamStore(spill_dir=tmp_path) as fresh:
         assert not os.path.exists(path)
         assert os.listdir(tmp_path) == [os.path.basename(fresh.path)]
     assert (held["w"] == 7).all()  # the mapping outlives the files

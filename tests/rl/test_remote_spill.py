@@ -52,8 +52,8 @@ def test_spill_to_remote_then_disk_keeps_every_item_bit_exact(cluster, tmp_path)
         items = _items(60)
         buf = ReplayBuffer(
             64,
-            ram_budget="160KiB",
-            spill="remote",
+            host_budget="160KiB",
+            tier="remote",
             remote=pool,
             spill_dir=tmp_path,
             sampler=Prioritized(),
@@ -86,7 +86,7 @@ def test_spill_to_remote_then_disk_keeps_every_item_bit_exact(cluster, tmp_path)
 def test_save_fetches_remote_items(cluster, tmp_path):
     with RemoteStore("4MiB", timeout=30) as pool:
         items = _items(24)
-        buf = ReplayBuffer(32, ram_budget="64KiB", spill="remote", remote=pool)
+        buf = ReplayBuffer(32, host_budget="64KiB", tier="remote", remote=pool)
         keys = buf.extend(items).tolist()
         assert buf.stats["remote_items"] > 0
         buf.save(tmp_path / "s")
@@ -105,7 +105,7 @@ def test_node_loss_drops_its_items_counts_them_and_sampling_goes_on(cluster, tmp
     try:
         items = _items(48)
         buf = ReplayBuffer(
-            64, ram_budget="256KiB", spill="remote", remote=pool, spill_dir=tmp_path, seed=1
+            64, host_budget="256KiB", tier="remote", remote=pool, spill_dir=tmp_path, seed=1
         )
         keys = buf.extend(items[:24]).tolist() + buf.extend(items[24:]).tolist()
         remote = buf.stats["remote_items"]
@@ -134,7 +134,7 @@ def test_memory_bank_spills_to_the_pool_and_reports_a_lost_node(cluster, tmp_pat
     doomed = c.add_node(num_cpus=0, object_store_memory=_STORE)
     pool = RemoteStore("8MiB", nodes=[doomed.node_id], timeout=30)
     try:
-        bank = MemoryBank(40, ram_budget="64KiB", spill=["remote"], remote=pool)
+        bank = MemoryBank(40, host_budget="64KiB", tier=["remote"], remote=pool)
         items = _items(30)
         keys = bank.extend(items).tolist()
         assert bank.stats["remote_items"] > 0
@@ -151,7 +151,7 @@ def test_memory_bank_spills_to_the_pool_and_reports_a_lost_node(cluster, tmp_pat
 
 def test_remote_only_spill_with_a_full_pool_is_tier_full_and_loses_nothing(cluster):
     with RemoteStore("100KiB", timeout=30) as pool:
-        bank = MemoryBank(40, ram_budget="64KiB", spill=["remote"], remote=pool)
+        bank = MemoryBank(40, host_budget="64KiB", tier=["remote"], remote=pool)
         items = _items(30)
         keys = [bank.append(it) for it in items[:3]]
         with pytest.raises(TierFullError, match="remote"):
@@ -161,10 +161,10 @@ def test_remote_only_spill_with_a_full_pool_is_tier_full_and_loses_nothing(clust
         bank.close()
 
 
-def test_bad_spill_arguments_are_config_errors(tmp_path):
+def test_bad_tier_arguments_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="remote=tt.tiers.RemoteStore"):
-        ReplayBuffer(8, spill="remote")
-    with pytest.raises(ConfigError, match="spill must be"):
-        ReplayBuffer(8, spill=["disk", "remote"])
+        ReplayBuffer(8, tier="remote")
+    with pytest.raises(ConfigError, match="tier must be"):
+        ReplayBuffer(8, tier=["disk", "remote"])
     with pytest.raises(ConfigError, match="remote= is given"):
         MemoryBank(8, remote=object())

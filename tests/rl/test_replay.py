@@ -28,13 +28,13 @@ def item(i: int, size: int = 100) -> dict:
 
 def spilled(spill_dir: str, **kw) -> ReplayBuffer:
     """A buffer whose RAM holds only a handful of items, so most live on disk."""
-    kw.setdefault("ram_budget", "4KiB")
+    kw.setdefault("host_budget", "4KiB")
     kw.setdefault("segment_size", "16KiB")
-    return ReplayBuffer(kw.pop("capacity", 64), spill_dir=spill_dir, **kw)
+    return ReplayBuffer(kw.pop("max_items", 64), spill_dir=spill_dir, **kw)
 
 
 def test_fifo_eviction_order(spill_dir):
-    buf = spilled(spill_dir, capacity=10)
+    buf = spilled(spill_dir, max_items=10)
     keys = [buf.add(item(i)) for i in range(25)]
     assert len(buf) == 10
     assert [buf[k]["i"] for k in buf.indices()] == list(range(15, 25))
@@ -61,7 +61,7 @@ def test_indices_are_never_reused():
 
 @pytest.mark.parametrize("where", ["ram", "disk"])
 def test_get_update_delete_by_index(spill_dir, where):
-    buf = spilled(spill_dir, ram_budget="4KiB" if where == "disk" else "1MiB")
+    buf = spilled(spill_dir, host_budget="4KiB" if where == "disk" else "1MiB")
     keys = [buf.add(item(i)) for i in range(40)]
     k = keys[3]
     assert (buf._store.ram[k % 64] is None) == (where == "disk")
@@ -84,7 +84,7 @@ def test_get_update_delete_by_index(spill_dir, where):
 
 def test_variable_items_round_trip_exactly_through_disk(spill_dir):
     rng = np.random.default_rng(0)
-    buf = spilled(spill_dir, capacity=200)
+    buf = spilled(spill_dir, max_items=200)
     items = []
     for i in range(120):
         shape = tuple(rng.integers(0, 9, size=rng.integers(0, 4)))
@@ -105,7 +105,7 @@ def test_variable_items_round_trip_exactly_through_disk(spill_dir):
 
 
 def test_sample_reads_ram_and_disk_and_collates(spill_dir):
-    buf = spilled(spill_dir, capacity=100, seed=1)
+    buf = spilled(spill_dir, max_items=100, seed=1)
     keys = np.array([buf.add(item(i)) for i in range(100)])
     batch = buf.sample(64)
     assert batch.collated and batch.items["obs"].shape == (64, 100)
@@ -117,7 +117,7 @@ def test_sample_reads_ram_and_disk_and_collates(spill_dir):
 
 
 def test_compaction_gives_space_back(spill_dir):
-    buf = spilled(spill_dir, capacity=400)
+    buf = spilled(spill_dir, max_items=400)
     keys = [buf.add(item(i)) for i in range(400)]
     before = buf.stats["disk_file_bytes"]
     del buf[keys[:300:2]]
@@ -155,10 +155,10 @@ def test_max_uses_exact_with_batch_of_one():
 
 
 def test_bad_input_is_refused_and_changes_nothing():
-    with pytest.raises(ConfigError, match="capacity"):
+    with pytest.raises(ConfigError, match="max_items"):
         ReplayBuffer(0)
-    with pytest.raises(ConfigError, match="ram_budget"):
-        ReplayBuffer(4, ram_budget="lots")
+    with pytest.raises(ConfigError, match="host_budget"):
+        ReplayBuffer(4, host_budget="lots")
     buf = ReplayBuffer(8, sampler=Prioritized(), seed=0)
     keys = buf.extend(item(i) for i in range(4))
     before = buf.priorities(keys).copy()
@@ -200,7 +200,7 @@ def test_stale_priority_updates_are_skipped():
 
 
 def test_bad_spill_dir(tmp_path):
-    buf = ReplayBuffer(2, ram_budget="1KiB", spill_dir=tmp_path / "missing", sampler=Prioritized())
+    buf = ReplayBuffer(2, host_budget="1KiB", spill_dir=tmp_path / "missing", sampler=Prioritized())
     small = buf.add(item(0, size=10))  # fits in RAM: no spill directory needed yet
     with pytest.raises(SpillDirError, match="mkdir"):
         buf.add(item(1, size=1000))  # too big for RAM, and the spill directory is missing
@@ -223,13 +223,13 @@ def test_prefetch_delivers_batches():
 
 
 def test_save_load_restores_items_and_distribution(spill_dir, tmp_path):
-    buf = spilled(spill_dir, capacity=64, sampler=Prioritized(alpha=0.8), max_uses=100, seed=3)
+    buf = spilled(spill_dir, max_items=64, sampler=Prioritized(alpha=0.8), max_uses=100, seed=3)
     keys = np.array([buf.add(item(i)) for i in range(80)])[16:]
     buf.update_priorities(keys, np.arange(1, 65, dtype=float))
     buf.sample(8)
     buf.save(tmp_path / "saved")
     assert not any(f.endswith(".pkl") for f in os.listdir(tmp_path / "saved"))
-    new = ReplayBuffer.load(tmp_path / "saved", spill_dir=spill_dir, ram_budget="8KiB")
+    new = ReplayBuffer.load(tmp_path / "saved", spill_dir=spill_dir, host_budget="8KiB")
     assert len(new) == len(buf) == 64
     np.testing.assert_array_equal(new.indices(), buf.indices())
     np.testing.assert_allclose(new.priorities(keys), buf.priorities(keys))
@@ -246,7 +246,7 @@ def test_save_load_restores_items_and_distribution(spill_dir, tmp_path):
 @pytest.mark.slow
 def test_rss_stays_under_budget_while_storing_10x(spill_dir):
     budget = 64 << 20
-    buf = ReplayBuffer(100_000, ram_budget=budget, spill_dir=spill_dir, segment_size="32MiB")
+    buf = ReplayBuffer(100_000, host_budget=budget, spill_dir=spill_dir, segment_size="32MiB")
     payload = np.random.default_rng(0).integers(0, 255, 10_000, dtype=np.uint8)
     base = rss_bytes()
     peak = 0
@@ -315,7 +315,7 @@ def test_close_wakes_a_sampler_waiting_without_timeout(prefetch):
 
 
 def test_dropped_prefetching_buffer_is_collected_and_its_thread_ends(spill_dir):
-    buf = ReplayBuffer(100, prefetch=2, ram_budget="2KiB", spill_dir=spill_dir, seed=0)
+    buf = ReplayBuffer(100, prefetch=2, host_budget="2KiB", spill_dir=spill_dir, seed=0)
     buf.extend(item(i) for i in range(50))
     buf.sample(4)
     thread = buf._prefetcher.thread
@@ -347,9 +347,9 @@ def test_prefetch_hands_errors_to_the_caller():
     buf.close()
 
 
-@pytest.mark.parametrize("capacity", [10, 2])  # not full: an empty slot; full: infinite weights
-def test_all_zero_priorities_draw_live_items_uniformly_with_unit_weights(capacity):
-    buf = ReplayBuffer(capacity, sampler=Prioritized(), seed=0)
+@pytest.mark.parametrize("max_items", [10, 2])  # not full: an empty slot; full: infinite weights
+def test_all_zero_priorities_draw_live_items_uniformly_with_unit_weights(max_items):
+    buf = ReplayBuffer(max_items, sampler=Prioritized(), seed=0)
     keys = [buf.add(item(i)) for i in range(2)]
     buf.update_priorities(keys, [0.0, 0.0])
     batch = buf.sample(400)
@@ -381,7 +381,7 @@ def test_update_priorities_refuses_indices_add_never_returned():
 
 
 def test_index_minus_one_never_touches_the_empty_slots_of_a_buffer_not_full():
-    """-1 % capacity names an empty slot whose stored key is also -1: accepting it gave that
+    """-1 % max_items names an empty slot whose stored key is also -1: accepting it gave that
     slot a priority, and every later sample() drew it (FileNotFoundError)."""
     buf = ReplayBuffer(10, sampler=Prioritized(alpha=1.0), seed=0)
     keys = [buf.add(item(i)) for i in range(5)]
@@ -418,17 +418,17 @@ def test_update_priorities_knows_indices_after_a_reload(tmp_path):
 @pytest.mark.parametrize(
     "kwargs,name",
     [
-        ({"capacity": 10**12}, "capacity"),
-        ({"capacity": 10, "spill_dir": 123}, "spill_dir"),
-        ({"capacity": 10, "durable": "yes", "spill_dir": "/tmp"}, "durable"),
-        ({"capacity": 10, "fsync": 1}, "fsync"),
-        ({"capacity": 10, "durable": True}, "spill_dir"),
-        ({"capacity": 10, "seed": "x"}, "seed"),
-        ({"capacity": 10, "seed": -1}, "seed"),
-        ({"capacity": 10, "max_uses": True}, "max_uses"),
-        ({"capacity": 10, "prefetch": True}, "prefetch"),
-        ({"capacity": 10, "sampler": Prioritized}, "sampler"),
-        ({"capacity": 10, "segment_size": 0}, "segment_size"),
+        ({"max_items": 10**12}, "max_items"),
+        ({"max_items": 10, "spill_dir": 123}, "spill_dir"),
+        ({"max_items": 10, "durable": "yes", "spill_dir": "/tmp"}, "durable"),
+        ({"max_items": 10, "fsync": 1}, "fsync"),
+        ({"max_items": 10, "durable": True}, "spill_dir"),
+        ({"max_items": 10, "seed": "x"}, "seed"),
+        ({"max_items": 10, "seed": -1}, "seed"),
+        ({"max_items": 10, "max_uses": True}, "max_uses"),
+        ({"max_items": 10, "prefetch": True}, "prefetch"),
+        ({"max_items": 10, "sampler": Prioritized}, "sampler"),
+        ({"max_items": 10, "segment_size": 0}, "segment_size"),
     ],
 )
 def test_bad_arguments_are_config_errors_naming_them(kwargs, name):
@@ -436,11 +436,38 @@ def test_bad_arguments_are_config_errors_naming_them(kwargs, name):
         ReplayBuffer(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ReplayBuffer(capacity=8),
+        lambda: ReplayBuffer(8, ram_budget="1MiB"),
+        lambda: ReplayBuffer(8, spill="disk"),
+        lambda: MemoryBank(capacity=8),
+        lambda: MemoryBank(8, ram_budget="1MiB"),
+        lambda: MemoryBank(8, spill="disk"),
+        lambda: ReplayBuffer.load(dirname="x"),
+        lambda: ReplayBuffer.load("x", ram_budget="1MiB"),
+    ],
+)
+def test_old_keywords_are_refused(make):
+    """One vocabulary (issue 26): max_items, host_budget, tier, directory; no aliases."""
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        make()
+
+
+def test_max_items_property_and_repr():
+    with ReplayBuffer(8, host_budget="1MiB") as buf:
+        assert buf.max_items == 8 and not hasattr(buf, "capacity")
+        assert "max_items=8" in repr(buf) and "host_budget=1048576" in repr(buf)
+    with MemoryBank(8) as bank:
+        assert bank.max_items == 8
+
+
 def test_bad_memory_bank_arguments_are_config_errors_naming_them():
     for kwargs, name in [
-        ({"capacity": 10**12}, "capacity"),
-        ({"capacity": 10, "durable": True}, "spill_dir"),
-        ({"capacity": 10, "spill_dir": 1.5}, "spill_dir"),
+        ({"max_items": 10**12}, "max_items"),
+        ({"max_items": 10, "durable": True}, "spill_dir"),
+        ({"max_items": 10, "spill_dir": 1.5}, "spill_dir"),
     ]:
         with pytest.raises(ConfigError, match=name):
             MemoryBank(**kwargs)
@@ -482,7 +509,7 @@ def test_load_never_modifies_the_saved_copy(tmp_path, spill_dir):
     flip_last_byte(saved / "seg-00000000.ttr")  # the last record: a "torn tail" to a recovery
     before = tree_digest(saved)
     with pytest.raises(CorruptDataError, match="left unchanged"):
-        ReplayBuffer.load(saved, spill_dir=spill_dir, ram_budget=0)
+        ReplayBuffer.load(saved, spill_dir=spill_dir, host_budget=0)
     assert tree_digest(saved) == before  # and the spill_dir fixture checks nothing is left
 
 
@@ -574,7 +601,7 @@ def test_damaged_saved_state_is_corrupt_data_error(tmp_path, spill_dir, kind):
     _Evil.marker = str(tmp_path / "unpickled")
     _damage(kind, saved)
     with pytest.raises(CorruptDataError):
-        ReplayBuffer.load(saved, spill_dir=spill_dir, ram_budget=0)
+        ReplayBuffer.load(saved, spill_dir=spill_dir, host_budget=0)
     assert not os.path.exists(_Evil.marker)
 
 
@@ -587,7 +614,7 @@ def test_a_save_after_one_that_saw_the_first_spill_still_pins_the_files(
     reading."""
     from tensortier.tiers.segments import Segments
 
-    buf = ReplayBuffer(256, ram_budget="16KiB", spill_dir=spill_dir, segment_size="8KiB")
+    buf = ReplayBuffer(256, host_budget="16KiB", spill_dir=spill_dir, segment_size="8KiB")
     buf.extend([np.zeros(100, np.uint8)] * 4)  # in RAM: no segment files yet
     write = __import__("tensortier.rl._saved", fromlist=["write"]).write
 
@@ -622,7 +649,7 @@ def test_a_save_after_one_that_saw_the_first_spill_still_pins_the_files(
 
 
 def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch, spill_dir):
-    buf = spilled(spill_dir, capacity=50)
+    buf = spilled(spill_dir, max_items=50)
     buf.extend(item(i) for i in range(50))
 
     def disk_full(*a):
@@ -650,9 +677,9 @@ SIGKILLED = textwrap.dedent(
     import os, signal, sys
     import numpy as np
     from tensortier.rl import MemoryBank, ReplayBuffer
-    rb = ReplayBuffer(10, ram_budget=0, spill_dir=sys.argv[1])
+    rb = ReplayBuffer(10, host_budget=0, spill_dir=sys.argv[1])
     rb.add({"x": np.ones(100)})
-    mb = MemoryBank(10, ram_budget=0, spill_dir=sys.argv[1])
+    mb = MemoryBank(10, host_budget=0, spill_dir=sys.argv[1])
     mb.append({"x": np.ones(100)})
     print(sorted(os.listdir(sys.argv[1])), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -675,7 +702,7 @@ def test_spill_areas_of_a_killed_process_are_reclaimed_on_restart(spill_dir):
 
 
 def test_reclaiming_leaves_a_live_owners_spill_area_alone(spill_dir):
-    live = ReplayBuffer(10, ram_budget=0, spill_dir=spill_dir)
+    live = ReplayBuffer(10, host_budget=0, spill_dir=spill_dir)
     live.add(item(0))
     mine = os.listdir(spill_dir)
     assert len(mine) == 1

@@ -47,7 +47,7 @@ def test_sum_and_min_tree_match_brute_force(values, updates):
 
 def test_prioritized_draws_match_priorities_chi_square():
     n = 40
-    buf = ReplayBuffer(n, ram_budget="1MiB", sampler=Prioritized(alpha=0.7, beta=0.5), seed=123)
+    buf = ReplayBuffer(n, host_budget="1MiB", sampler=Prioritized(alpha=0.7, beta=0.5), seed=123)
     idx = buf.extend([np.int64(i) for i in range(n)])
     prios = np.linspace(0.05, 3.0, n) ** 1.5
     prios[7] = 0.0  # never drawn
@@ -69,7 +69,7 @@ def test_prioritized_draws_match_priorities_chi_square():
 
 def test_uniform_draws_are_uniform_chi_square():
     n = 30
-    buf = ReplayBuffer(n, ram_budget="1MiB", seed=5)
+    buf = ReplayBuffer(n, host_budget="1MiB", seed=5)
     idx = buf.extend([np.int64(i) for i in range(n)])
     del buf[int(idx[3])]
     draws = np.concatenate([buf.sample(200).indices for _ in range(150)])

@@ -42,7 +42,7 @@ def collector(buf, worker: int, n: int) -> list[int]:
 
 @pytest.mark.slow
 def test_buffer_actor_round_trip_with_collector_processes(ray_session, tmp_path):
-    local = ReplayBuffer(1000, sampler=Prioritized(), spill_dir=tmp_path, ram_budget="64KiB")
+    local = ReplayBuffer(1000, sampler=Prioritized(), spill_dir=tmp_path, host_budget="64KiB")
     first = local.add({"obs": np.full(256, -1000, np.float32), "w": -1, "i": 0})  # obs = w*1000+i
     remote = serve(local, num_cpus=0.5)
     assert len(remote) == 1 and remote[first]["w"] == -1  # carried over
@@ -184,7 +184,7 @@ def test_errors_raised_by_the_actor_reach_the_caller_typed(ray_session, tmp_path
     ReplayBuffer(10, durable=True, spill_dir=d).close()
     meta = d / "store.json"
     meta.write_text(meta.read_text().replace('"capacity": 10', '"capacity": 99'))
-    with pytest.raises(ConfigError, match="capacity=99"):  # raised by the actor's constructor
+    with pytest.raises(ConfigError, match="max_items=99"):  # raised by the actor's constructor
         serve(ReplayBuffer(10, durable=True, spill_dir=d))
 
 

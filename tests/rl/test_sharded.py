@@ -109,7 +109,7 @@ def test_sharded_per_frequencies_match_single_buffer_chi_square(per_pair):
     single_counts = np.zeros(_N)
     for _ in range(50):
         b = single.sample(2000)
-        np.add.at(single_counts, b.indices % single.capacity, 1)
+        np.add.at(single_counts, b.indices % single.max_items, 1)
     assert _chi2(single_counts, probs) < crit
 
 
@@ -119,7 +119,7 @@ def test_sharded_is_weights_equal_single_buffer_weights(per_pair):
     want = {}
     for _ in range(20):
         b = single.sample(256)
-        for k, w in zip((b.indices % single.capacity).tolist(), b.weights.tolist()):
+        for k, w in zip((b.indices % single.max_items).tolist(), b.weights.tolist()):
             want[k] = w
     got = {}
     for _ in range(20):
@@ -134,7 +134,7 @@ def test_sharded_is_weights_equal_single_buffer_weights(per_pair):
 
 
 def test_priority_updates_and_deletes_reach_the_owning_shard(cluster, spill_dir):
-    tmpl = ReplayBuffer(100, sampler=Prioritized(alpha=1.0), spill_dir=spill_dir, ram_budget=256)
+    tmpl = ReplayBuffer(100, sampler=Prioritized(alpha=1.0), spill_dir=spill_dir, host_budget=256)
     buf = serve(tmpl, shards=2, **_ON_WORKERS)  # items spill: the fixture checks nothing is left
     try:
         with pytest.raises(IndexError, match="empty"):
@@ -360,7 +360,7 @@ class _Evil:
 
 def test_durable_shard_restarted_reloads_every_acknowledged_item(cluster, tmp_path):
     d = tmp_path / "durable"
-    tmpl = ReplayBuffer(100, spill_dir=d, durable=True, ram_budget="4KiB", sampler=Prioritized())
+    tmpl = ReplayBuffer(100, spill_dir=d, durable=True, host_budget="4KiB", sampler=Prioritized())
     buf = serve(tmpl, shards=2, **_ON_WORKERS)
     try:
         acked = {}

@@ -17,7 +17,7 @@ def test_extend_equals_repeated_add_with_eviction_and_spill(spill_dir, chunk):
         {"obs": rng.standard_normal(int(rng.integers(1, 300))).astype(np.float32), "i": i}
         for i in range(200)
     ]
-    kw = dict(ram_budget="64KiB", spill_dir=spill_dir, sampler=Prioritized(alpha=0.7), seed=1)
+    kw = dict(host_budget="64KiB", spill_dir=spill_dir, sampler=Prioritized(alpha=0.7), seed=1)
     a, b = ReplayBuffer(96, **kw), ReplayBuffer(96, **kw)
     ka = [a.add(it) for it in items]
     kb = []
@@ -27,7 +27,7 @@ def test_extend_equals_repeated_add_with_eviction_and_spill(spill_dir, chunk):
     for buf in (a, b):
         st = buf.stats
         assert st["spilled_items"] > 0 and st["evicted_items"] == 200 - 96
-        assert st["ram_bytes"] <= buf.config.ram_budget
+        assert st["ram_bytes"] <= buf.config.host_budget
         got = buf[buf.indices()]
         assert [g["i"] for g in got] == list(range(104, 200))
         assert all(g["obs"].tobytes() == items[g["i"]]["obs"].tobytes() for g in got)
@@ -40,11 +40,11 @@ def test_durable_round_trip(tmp_path):
     parts) are joined and written through, and come back after a reopen."""
     d = str(tmp_path / "rb")
     items = [{"obs": np.arange(i, i + 64, dtype=np.int64), "r": float(i)} for i in range(40)]
-    buf = ReplayBuffer(32, durable=True, spill_dir=d, ram_budget="64KiB")
+    buf = ReplayBuffer(32, durable=True, spill_dir=d, host_budget="64KiB")
     keys = [buf.add(it) for it in items[:20]] + buf.extend(items[20:]).tolist()
     assert buf.stats["disk_items"] == 32
     buf.close()
-    back = ReplayBuffer(32, durable=True, spill_dir=d, ram_budget="64KiB")
+    back = ReplayBuffer(32, durable=True, spill_dir=d, host_budget="64KiB")
     assert back.indices().tolist() == keys[-32:]
     for it, got in zip(items[8:], back[keys[-32:]]):
         assert got["obs"].tobytes() == it["obs"].tobytes() and got["r"] == it["r"]
@@ -52,7 +52,7 @@ def test_durable_round_trip(tmp_path):
 
 
 def test_save_then_reuse_every_slot_keeps_the_saved_copy(tmp_path):
-    buf = ReplayBuffer(8, ram_budget="64KiB")
+    buf = ReplayBuffer(8, host_budget="64KiB")
     for i in range(8):
         buf.add({"x": np.full(50, i, np.int16)})
     buf.save(tmp_path / "s")
@@ -65,7 +65,7 @@ def test_save_then_reuse_every_slot_keeps_the_saved_copy(tmp_path):
 
 
 def test_memory_bank_items_round_trip_through_ram_and_spill(spill_dir):
-    bank = MemoryBank(30, ram_budget="16KiB", spill_dir=spill_dir)
+    bank = MemoryBank(30, host_budget="16KiB", spill_dir=spill_dir)
     items = [{"e": np.full(128, i, np.float32), "t": b"x" * i} for i in range(50)]
     keys = [bank.append(it) for it in items[:25]] + bank.extend(items[25:]).tolist()
     assert bank.stats["ram_items"] > 0 and bank.stats["spilled_items"] > 0
@@ -99,7 +99,7 @@ def test_items_of_any_shape_come_back_bit_exact(shapes, dtype, torch_field, batc
         if torch_field:
             item["t"] = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
         items.append(item)
-    buf = ReplayBuffer(len(items), ram_budget="256KiB")
+    buf = ReplayBuffer(len(items), host_budget="256KiB")
     keys = buf.extend(items).tolist() if batched else [buf.add(it) for it in items]
     assert buf.stats["ram_items"] == len(items)
     for it, got in zip(items, buf[keys]):

@@ -59,7 +59,7 @@ def test_checkpoint_images_pin_what_host_bytes_says(tmp_path):
         ck.wait()
         pinned = pinned_bytes() - base
         assert _host_allocs() == allocs, "PyTorch's caching host allocator was used"
-        need = ck.stats.host_bytes
+        need = ck.stats().host_bytes
         assert need <= pinned <= need + 4096 * len(ck._images)
     assert _settled() == base
 

@@ -354,7 +354,7 @@ class Checkpointer:
             else None
         )
         self._dirlock, self.direct = self._lock_directory()
-        self.stats = CheckpointStats(interval=cfg.every if isinstance(cfg.every, int) else None)
+        self._stats = CheckpointStats(interval=cfg.every if isinstance(cfg.every, int) else None)
         self._auto = (
             AutoInterval(cfg.max_overhead, warmup=cfg.warmup) if cfg.every == "auto" else None
         )
@@ -408,10 +408,14 @@ class Checkpointer:
         return lock, bool(self._group.from_rank0(error, direct))
 
     # ------------------------------------------------------------------ public API
+    def stats(self) -> CheckpointStats:
+        """Counters and timings of this checkpointer, live (they keep counting)."""
+        return self._stats
+
     @property
     def interval(self) -> int | None:
         """Steps between checkpoints: ``every``, or the adaptive choice once measured."""
-        return self.stats.interval
+        return self._stats.interval
 
     def checkpoints(self) -> list[str]:
         """Paths of the complete checkpoints, newest first (not yet verified)."""
@@ -438,16 +442,16 @@ class Checkpointer:
             if self._last_call is not None:
                 self._auto.observe(now - self._last_call, busy=busy)
             if busy and (self._persist is None or self._persist.done()):
-                floor = self.stats.last_stall_seconds + self._background_cpu
-                self.stats.last_cost_seconds = self._auto.finished(floor)
-                self.stats.interval = self._auto.interval
-                if self.stats.history:
-                    self.stats.history[-1]["cost_s"] = self.stats.last_cost_seconds
+                floor = self._stats.last_stall_seconds + self._background_cpu
+                self._stats.last_cost_seconds = self._auto.finished(floor)
+                self._stats.interval = self._auto.interval
+                if self._stats.history:
+                    self._stats.history[-1]["cost_s"] = self._stats.last_cost_seconds
                 log.info(
                     "checkpoint cost %.3fs at %.3fs/iteration: interval now %s steps",
-                    self.stats.last_cost_seconds,
+                    self._stats.last_cost_seconds,
                     self._auto.t_iter,
-                    self.stats.interval,
+                    self._stats.interval,
                 )
             self._last_call = now
             due = self._auto.due() and (self._persist is None or self._persist.done())
@@ -496,8 +500,8 @@ class Checkpointer:
         self._cuda_done = {}
         waited = time.monotonic() - t0
         self._stall += waited
-        self.stats.stall_seconds += waited
-        self.stats.last_stall_seconds += waited
+        self._stats.stall_seconds += waited
+        self._stats.last_stall_seconds += waited
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint in flight is durable; raise its error if it failed.
@@ -604,11 +608,11 @@ class Checkpointer:
         if not self.config.replicas:
             return replica.fallback
         if source == "replica":
-            self.stats.replica_restores += 1
+            self._stats.replica_restores += 1
             return None
         fallback = replica.fallback or "the newest checkpoint on disk was unusable"
-        self.stats.replica_fallbacks += 1
-        self.stats.last_fallback_reason = fallback
+        self._stats.replica_fallbacks += 1
+        self._stats.last_fallback_reason = fallback
         return fallback
 
     def _from_replica(self, body: dict, path: str) -> tuple[dict | None, str | None]:
@@ -667,7 +671,7 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (
             f"Checkpointer({self.root!r}, keep={self.config.keep}, every={self.config.every!r}, "
-            f"interval={self.stats.interval}, committed={self.stats.committed})"
+            f"interval={self._stats.interval}, committed={self._stats.committed})"
         )
 
     # ------------------------------------------------------------------ internals
@@ -690,9 +694,9 @@ class Checkpointer:
     ) -> None:
         """Snapshot ``step`` and queue its persist: the phases of PROTOCOL.md, in order."""
         self._stall = 0.0
-        self.stats.last_stall_seconds = 0.0
+        self._stats.last_stall_seconds = 0.0
         if self._persist is not None and not self._persist.done():
-            self.stats.waited_for_persist += 1
+            self._stats.waited_for_persist += 1
             log.info("checkpoint of step %d waits for the previous persist", step)
         self.wait()
         given = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
@@ -735,11 +739,11 @@ class Checkpointer:
         self._persist = self._worker.submit(self._persist_job, save)
         self._persist_step = step
         self._last_saved = step
-        self.stats.saves += 1
+        self._stats.saves += 1
         blocked = time.monotonic() - entered
         self._stall += blocked
-        self.stats.stall_seconds += blocked
-        self.stats.last_stall_seconds += blocked
+        self._stats.stall_seconds += blocked
+        self._stats.last_stall_seconds += blocked
         nbytes = sum(s.file_bytes for s in save.shards)
         log.debug(
             "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
@@ -790,18 +794,18 @@ class Checkpointer:
             copied, path, written, done = self._persist_one(save)
         cpu = save.clock.seconds + time.thread_time() - t0
         self._background_cpu = cpu if not save.cuda_done else 0.0
-        self.stats.committed += 1
-        self.stats.last_committed_step = save.step
-        self.stats.last_snapshot_seconds = copied - save.copy_started
-        self.stats.last_persist_seconds = done - copied
-        self.stats.last_persist_bytes = written
-        self.stats.history.append(
+        self._stats.committed += 1
+        self._stats.last_committed_step = save.step
+        self._stats.last_snapshot_seconds = copied - save.copy_started
+        self._stats.last_persist_seconds = done - copied
+        self._stats.last_persist_bytes = written
+        self._stats.history.append(
             {
                 "step": save.step,
                 "bytes": written,
                 "snapshot_s": copied - save.copy_started,
                 "persist_s": done - copied,
-                "stall_s": self.stats.last_stall_seconds,
+                "stall_s": self._stats.last_stall_seconds,
                 "background_cpu_s": cpu,
             }
         )
@@ -843,14 +847,14 @@ class Checkpointer:
         try:
             nodes = self._replicas.push(step, manifest_bytes(body), shards, images)
         except Exception as exc:
-            self.stats.replica_push_failures += 1
-            self.stats.last_replica_error = f"step {step}: {exc!r}"
-            self.stats.replica_nodes = []
+            self._stats.replica_push_failures += 1
+            self._stats.last_replica_error = f"step {step}: {exc!r}"
+            self._stats.replica_nodes = []
             log.warning("in-memory replica of checkpoint step %d failed: %r", step, exc)
             return
-        self.stats.replica_pushes += 1
-        self.stats.replica_nodes = nodes
-        self.stats.last_replica_seconds = time.monotonic() - t0
+        self._stats.replica_pushes += 1
+        self._stats.replica_nodes = nodes
+        self._stats.last_replica_seconds = time.monotonic() - t0
 
     def _wait_snapshot(self, snapshot: Future, cuda_done: dict, step: int) -> float:
         """Persist thread: wait for the snapshot copies; refuse a torn one. Returns their end."""
@@ -965,7 +969,7 @@ class Checkpointer:
                 start = shard.data_start + e.offset
                 self._slots[e.name] = block[start : start + e.nbytes]
         self._shards, self._signature = shards, signature
-        self.stats.host_bytes = need
+        self._stats.host_bytes = need
 
     def _release_images(self) -> None:
         self._images, self._slots, self._signature = [], {}, None

@@ -1,10 +1,10 @@
 """Building a catalog: records streamed into segment files by parallel writers, index, manifest.
 
 Pipeline. The calling thread encodes records (``tiers.itemcodec``, 8-byte aligned, never pickle)
-into batches of about ``batch_bytes``; batch ``b`` goes to writer ``b % writers``, a one-thread
-executor that owns its own segment files (``Segments(first=w, step=writers)``), computes the CRCs
+into batches of about ``batch_bytes``; batch ``b`` goes to writer ``b % io_threads``, a one-thread
+executor that owns its own segment files (``Segments(first=w, step=io_threads)``), computes the CRCs
 and writes the batch with one gathered ``pwritev`` (both release the GIL). Index rows come back in
-batch order and are appended to ``index.bin``. At most ``2 * writers`` batches are in flight, so
+batch order and are appended to ``index.bin``. At most ``2 * io_threads`` batches are in flight, so
 memory stays bounded whatever the record count: 10M records stream through.
 
 Atomicity (``PROTOCOL.md``). The builder holds ``.tt-build.lock`` for the whole build. Segments and
@@ -67,28 +67,29 @@ class BuildArgs:
 
     root: str  # absolute
     segment_size: int
-    writers: int
+    io_threads: int
     batch_bytes: int
     mode: int
 
 
-def check_args(path, segment_size, writers, batch_bytes, mode) -> BuildArgs:
-    if not isinstance(path, (str, os.PathLike)):
+def check_args(directory, segment_size, io_threads, batch_bytes, mode) -> BuildArgs:
+    if not isinstance(directory, (str, os.PathLike)):
         raise ConfigError(
-            f"Catalog.build: path must be a directory path (str or os.PathLike), got "
-            f"{type(path).__name__} {path!r}"
+            f"Catalog.build: directory must be a directory path (str or os.PathLike), got "
+            f"{type(directory).__name__} {directory!r}"
         )
     seg = parse_size(segment_size, name="Catalog.build: segment_size", allow_zero=False)
     if seg >= 1 << 40:
         raise ConfigError(f"Catalog.build: segment_size={segment_size!r} must be below 1TiB")
-    if isinstance(writers, bool) or not isinstance(writers, int) or not 1 <= writers <= MAX_WRITERS:
+    n = io_threads
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WRITERS:
         raise ConfigError(
-            f"Catalog.build: writers={writers!r} must be an int from 1 to {MAX_WRITERS} (threads "
+            f"Catalog.build: io_threads={io_threads!r} must be an int from 1 to {MAX_WRITERS} (threads "
             f"writing segment files at once; 2-4 keep one disk busy)"
         )
     batch = parse_size(batch_bytes, name="Catalog.build: batch_bytes", allow_zero=False)
     _modes.check_mode(mode, "Catalog.build")
-    return BuildArgs(os.path.abspath(os.fspath(path)), seg, writers, batch, mode)
+    return BuildArgs(os.path.abspath(os.fspath(directory)), seg, io_threads, batch, mode)
 
 
 def _prepare(root: str) -> tuple[DirLock, bool]:
@@ -225,7 +226,7 @@ def _write_batch(segs: Segments, first: int, blobs: list[bytes], crcs: list[int]
 
 class _Writers:
     """The writer threads of one build: writer ``w`` owns its segment files and takes every
-    ``writers``-th batch; results come back in batch order (see the module doc)."""
+    ``io_threads``-th batch; results come back in batch order (see the module doc)."""
 
     def __init__(self, args: BuildArgs):
         self.pools: list[ThreadPoolExecutor] = []
@@ -233,14 +234,14 @@ class _Writers:
         self.pending: collections.deque[tuple[int, Future]] = collections.deque()
         self.batches = 0
         try:
-            for w in range(args.writers):
+            for w in range(args.io_threads):
                 self.pools.append(ThreadPoolExecutor(1, thread_name_prefix=f"tt-catalog-w{w}"))
                 self.segs.append(
                     Segments(
                         args.root,
                         segment_size=args.segment_size,
                         first=w,
-                        step=args.writers,
+                        step=args.io_threads,
                         arg="path",
                         direct=True,
                         checksum="crc32c",
@@ -305,7 +306,7 @@ def _encode_all(
     records: Iterable, writers: _Writers, index: _Index, batch_bytes: int
 ) -> tuple[int, int]:
     """Encode ``records`` into batches of about ``batch_bytes`` for the writers (at most
-    ``2 * writers`` in flight); (records, payload bytes)."""
+    ``2 * io_threads`` in flight); (records, payload bytes)."""
     batch: list[bytes] = []
     sums: list[int] = []
     size = count = payload = 0
@@ -348,7 +349,7 @@ def _write(args: BuildArgs, records: Iterable, writers: _Writers, point: _Faults
         payload_bytes=payload,
         segments=sizes,
         index_crc=index.crc,
-        writers=args.writers,
+        writers=args.io_threads,  # the manifest's key (format compatibility)
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     _modes.set_dir(args.root, args.mode)  # the one rule: every file `mode`, the directory to match

@@ -34,7 +34,7 @@ class EpochConfig:
     records per block, default about 1 MiB of records; ``window`` blocks shuffled together) or
     "none" (True and False mean "full" and "none"); ``even`` "pad" or "drop" (equal counts per
     rank, never resampled: ``_order.py``); ``drop_last`` drops the final partial batch;
-    ``prefetch`` bytes read ahead; ``io_threads``; ``transform(record)`` and ``collate(list)`` run
+    ``prefetch_budget`` bytes read ahead; ``io_threads`` (read threads); ``transform(record)`` and ``collate(list)`` run
     where records are read (I/O threads or workers); ``epoch`` where iteration starts.
     """
 
@@ -47,7 +47,7 @@ class EpochConfig:
     window: int = 8
     even: str = "pad"
     drop_last: bool = False
-    prefetch: SizeLike = "512MiB"
+    prefetch_budget: SizeLike = "512MiB"
     io_threads: int = 16
     transform: Callable | None = None
     collate: Callable | None = None
@@ -67,7 +67,7 @@ class EpochConfig:
 
     def checked(self, records: int, payload_bytes: int) -> EpochConfig:
         """This config validated for a catalog of ``records`` records (``payload_bytes`` in all),
-        with rank, world size, shuffle, block and prefetch (bytes) resolved."""
+        with rank, world size, shuffle, block and prefetch_budget (bytes) resolved."""
         check_int("batch", self.batch, 1, "pass the records per batch, e.g. batch=256")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"{WHAT}: seed={self.seed!r} must be an int")
@@ -91,13 +91,20 @@ class EpochConfig:
         self._check_even(records, world_size)
         if not isinstance(self.drop_last, bool):
             raise ConfigError(f"{WHAT}: drop_last={self.drop_last!r} must be True or False")
-        prefetch = parse_size(self.prefetch, name=f"{WHAT}: prefetch", allow_zero=False)
+        prefetch_budget = parse_size(
+            self.prefetch_budget, name=f"{WHAT}: prefetch_budget", allow_zero=False
+        )
         check_int("io_threads", self.io_threads, 1, "4-16 keep an NVMe busy")
         for name, fn in (("transform", self.transform), ("collate", self.collate)):
             if fn is not None and not callable(fn):
                 raise ConfigError(f"{WHAT}: {name}={fn!r} must be callable or None")
         return dataclasses.replace(
-            self, rank=rank, world_size=world_size, shuffle=shuffle, block=block, prefetch=prefetch
+            self,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            block=block,
+            prefetch_budget=prefetch_budget,
         )
 
     def _check_even(self, records: int, world_size: int) -> None:

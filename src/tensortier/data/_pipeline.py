@@ -5,7 +5,7 @@ Pieces are cut from it: in ``block`` mode at window boundaries (a window is a fe
 reads), otherwise every ~``piece_bytes``; never across a range. Each piece runs on an I/O thread:
 sort and coalesce its records, read, check every record, decode into views of the read buffer,
 apply ``transform``. The consumer submits pieces in order while the bytes in flight stay within
-``prefetch`` (always at least one piece), takes results in order, and cuts them into batches.
+``prefetch_budget`` bytes (always at least one piece), takes results in order, and cuts them into batches.
 
 Waits. The consumer waits only on futures of its own executor; a piece always settles them (its
 errors travel in the future) and ``close`` cancels queued ones (the consumer then raises
@@ -35,7 +35,7 @@ GAP = 64 << 10  # coalesce records of a piece closer than this
 
 
 @dataclass
-class Batch:
+class EpochBatch:
     """One batch of a rank's epoch.
 
     ``data``: the records (after ``transform``) as a list, or what ``collate`` made of that list;
@@ -62,7 +62,9 @@ class LoaderStats:
     reads: int = 0  # preadv calls
     bytes_read: int = 0  # from disk, alignment included
     wait_seconds: float = 0.0  # the consumer waited for a piece not read yet
-    max_inflight_bytes: int = 0  # most record bytes submitted and not yet taken (<= prefetch,
+    max_inflight_bytes: int = (
+        0  # most record bytes submitted and not yet taken (<= prefetch_budget,
+    )
     # unless one piece alone is larger)
 
     def as_dict(self) -> dict:
@@ -132,12 +134,14 @@ def _read_piece(catalog, piece: _Piece, direct: bool, transform) -> tuple[list, 
 
 
 class _ReadAhead:
-    """Pieces submitted in order while the bytes in flight stay within ``prefetch`` (always at
+    """Pieces submitted in order while the bytes in flight stay within ``prefetch_budget`` (always at
     least one piece), and their results taken in order."""
 
-    def __init__(self, catalog, plan: Iterator[_Piece], executor, prefetch, transform, stats):
+    def __init__(
+        self, catalog, plan: Iterator[_Piece], executor, prefetch_budget, transform, stats
+    ):
         self.catalog, self.plan, self.executor = catalog, plan, executor
-        self.prefetch, self.transform, self.stats = prefetch, transform, stats
+        self.prefetch_budget, self.transform, self.stats = prefetch_budget, transform, stats
         self.direct = catalog.direct_io()
         self.upcoming = next(plan, None)
         self.inflight: deque[tuple[_Piece, Future]] = deque()
@@ -146,10 +150,10 @@ class _ReadAhead:
     def _fill(self) -> None:
         stats, up = self.stats, self.upcoming
         while up is not None and (
-            not self.inflight or self.inflight_bytes + up.nbytes <= self.prefetch
+            not self.inflight or self.inflight_bytes + up.nbytes <= self.prefetch_budget
         ):
             if self.catalog._index is None:
-                raise ClosedError(f"Catalog {self.catalog.path!r} was closed while reading")
+                raise ClosedError(f"Catalog {self.catalog.directory!r} was closed while reading")
             try:
                 args = (self.catalog, up, self.direct, self.transform)
                 fut = self.executor.submit(_read_piece, *args)
@@ -200,7 +204,7 @@ class _Batches:
         self.indices.append(piece.indices)
         self.held += len(records)
 
-    def emit(self, n: int) -> Batch:
+    def emit(self, n: int) -> EpochBatch:
         data, self.records = self.records[:n], self.records[n:]
         pos = np.concatenate(self.positions)
         idx = np.concatenate(self.indices)
@@ -210,7 +214,7 @@ class _Batches:
         self.stats.batches += 1
         self.stats.records += n
         out = self.collate(data) if self.collate is not None else data
-        return Batch(out, idx[:n], self.epoch, int(pos[n - 1]) + 1)
+        return EpochBatch(out, idx[:n], self.epoch, int(pos[n - 1]) + 1)
 
 
 def stream(
@@ -220,21 +224,21 @@ def stream(
     *,
     batch: int,
     executor: ThreadPoolExecutor,
-    prefetch: int,
+    prefetch_budget: int,
     piece_bytes: int,
     transform: Callable | None,
     collate: Callable | None,
     stats: LoaderStats,
     abandoned: deque,
     owner: object = None,
-) -> Iterator[Batch]:
+) -> Iterator[EpochBatch]:
     """Batches of the records at ``ranges`` of ``order``, read ahead (see the module docstring).
 
     ``owner`` (the dataset whose ``executor`` this is) is kept alive by the stream's frame: a
     dataset made only to iterate it must not shut its executor down under the stream.
     """
-    plan = _pieces(catalog._index, order, ranges, piece_bytes, prefetch)
-    ahead = _ReadAhead(catalog, plan, executor, prefetch, transform, stats)
+    plan = _pieces(catalog._index, order, ranges, piece_bytes, prefetch_budget)
+    ahead = _ReadAhead(catalog, plan, executor, prefetch_budget, transform, stats)
     out = _Batches(order.epoch, collate, stats)
     try:
         while (done := ahead.next()) is not None:

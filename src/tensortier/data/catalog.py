@@ -91,30 +91,30 @@ class Catalog:
     ``direct``: the epoch loader reads with ``O_DIRECT`` (no page-cache pollution, no extra copy)
     when None and the filesystem allows it, always with True (error if it cannot), never with
     False. Random access (``cat[i]``, :meth:`read`) is buffered, so repeated reads hit the cache.
-    Picklable (the path travels, the catalog reopens); safe in forked and spawned workers.
+    Picklable (the directory travels, the catalog reopens); safe in forked and spawned workers.
     """
 
-    def __init__(self, path: str | os.PathLike, *, direct: bool | None = None, max_open=None):
-        if not isinstance(path, (str, os.PathLike)):
+    def __init__(self, directory: str | os.PathLike, *, direct: bool | None = None, max_open=None):
+        if not isinstance(directory, (str, os.PathLike)):
             raise ConfigError(
-                f"Catalog.open: path must be a directory path (str or os.PathLike), got "
-                f"{type(path).__name__} {path!r}"
+                f"Catalog.open: directory must be a directory path (str or os.PathLike), got "
+                f"{type(directory).__name__} {directory!r}"
             )
         if direct is not None and not isinstance(direct, bool):
             raise ConfigError(
                 f"Catalog.open: direct={direct!r}; pass True (O_DIRECT reads), False (page "
                 f"cache) or None (O_DIRECT where the filesystem supports it)"
             )
-        self.path = os.path.abspath(os.fspath(path))
+        self.directory = os.path.abspath(os.fspath(directory))
         self._direct_arg = direct
         self._max_open = max_open
         try:
-            self.manifest: Manifest = _format.read_manifest(self.path)
+            self.manifest: Manifest = _format.read_manifest(self.directory)
         except FileNotFoundError:
-            _format.refuse_incomplete(self.path)  # raises why, unless it just completed
-            self.manifest = _format.read_manifest(self.path)
+            _format.refuse_incomplete(self.directory)  # raises why, unless it just completed
+            self.manifest = _format.read_manifest(self.directory)
         n = self.manifest.records
-        index_path = os.path.join(self.path, _format.INDEX)
+        index_path = os.path.join(self.directory, _format.INDEX)
         try:
             size = os.stat(index_path).st_size
         except FileNotFoundError as exc:
@@ -137,36 +137,36 @@ class Catalog:
         except PermissionError as exc:
             raise _modes.denied(index_path, exc, "Catalog.open") from exc
         self._check_readable()
-        self._files = Descriptors(self.path, max_open)
+        self._files = Descriptors(self.directory, max_open)
         self._finalizers = [Finalizer(self, self._files.close)]
         self._direct: bool | None = None
-        self.stats = ReadStats()
+        self._stats = ReadStats()
 
     # ------------------------------------------------------------------ build / open
     @classmethod
     def build(
         cls,
-        path: str | os.PathLike,
+        directory: str | os.PathLike,
         records: Iterable,
         *,
         segment_size: SizeLike = "1GiB",
-        writers: int = 2,
+        io_threads: int = 2,
         batch_bytes: SizeLike = "8MiB",
         progress: bool = False,
         direct: bool | None = None,
         mode: int = 0o600,
     ) -> Catalog:
-        """Stream ``records`` into a new catalog at ``path`` and open it.
+        """Stream ``records`` into a new catalog in ``directory`` and open it.
 
         ``records``: an iterable of records, a Hugging Face ``datasets.Dataset`` /
         ``IterableDataset`` or a ``pyarrow.Table`` / ``RecordBatch`` (one dict per row, read a
         column at a time from Arrow: ``_sources.py``). A record is bytes, str, a numpy array, a
         torch tensor, a Python number, a list of numbers (stored as a numpy array), or a dict of
         those keyed by str (``TypeError`` naming the record otherwise; nothing is pickled).
-        Records go to ``segment_size`` files written by ``writers`` threads at once, ``batch_bytes``
-        per write; only a few batches are in memory at a time.
+        Records go to ``segment_size`` files written by ``io_threads`` threads at once,
+        ``batch_bytes`` per write; only a few batches are in memory at a time.
 
-        ``path`` is made exclusively, or must be an existing directory of this user's, not
+        ``directory`` is made exclusively, or must be an existing directory of this user's, not
         writable by everyone, that is empty or holds a dead build's leftovers (refused otherwise:
         a directory someone else made under /tmp is not ours). ``mode``: every file of the
         catalog gets it, 0o600 (private, the default), 0o640 (the group may read) or 0o644
@@ -174,28 +174,32 @@ class Catalog:
         exception leaves nothing that opens as a catalog (an exception removes what was
         written). Statistics: ``catalog.build_stats``.
         """
-        args = _build.check_args(path, segment_size, writers, batch_bytes, mode)
+        args = _build.check_args(directory, segment_size, io_threads, batch_bytes, mode)
         stats = _build.build(args, records, progress=progress)
-        cat = cls(path, direct=direct)
+        cat = cls(directory, direct=direct)
         cat.build_stats = stats
         return cat
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike, *, direct: bool | None = None, max_open: int | None = None
+        cls,
+        directory: str | os.PathLike,
+        *,
+        direct: bool | None = None,
+        max_open: int | None = None,
     ) -> Catalog:
-        """Open the catalog at ``path``: O(1) time and memory in the number of records.
+        """Open the catalog in ``directory``: O(1) time and memory in the number of records.
 
         A build still running is refused (``ConfigError`` naming its pid); a build that died is
         ``CorruptDataError``; no catalog at all is ``FileNotFoundError``.
         """
-        return cls(path, direct=direct, max_open=max_open)
+        return cls(directory, direct=direct, max_open=max_open)
 
     def _check_readable(self) -> None:
         """Refuse at open a catalog whose segment files this process may not read (one
         ``access`` per segment file), instead of failing at every read."""
         for seg in self.manifest.segments:
-            path = _format.segment_path(self.path, seg)
+            path = _format.segment_path(self.directory, seg)
             if not os.access(path, os.R_OK) and os.path.exists(path):  # missing: CorruptDataError
                 raise _modes.denied(path, None, "Catalog.open")
 
@@ -203,13 +207,13 @@ class Catalog:
     def _fds(self) -> Descriptors:
         files = self._files
         if files.pid != os.getpid():  # a forked worker: its own table, never the parent's lock
-            files = self._files = Descriptors(self.path, self._max_open)
+            files = self._files = Descriptors(self.directory, self._max_open)
             self._finalizers.append(Finalizer(self, files.close))
         return files
 
     def _check_open(self) -> None:
         if self._index is None:
-            raise ClosedError(f"Catalog {self.path!r} is closed")
+            raise ClosedError(f"Catalog {self.directory!r} is closed")
 
     def direct_io(self) -> bool:
         """Does the epoch loader read with O_DIRECT here (see ``direct``)?"""
@@ -217,7 +221,7 @@ class Catalog:
             ok = self._probe_direct()
             if self._direct_arg and not ok:
                 raise ConfigError(
-                    f"direct=True but the filesystem of {self.path!r} refuses O_DIRECT reads; "
+                    f"direct=True but the filesystem of {self.directory!r} refuses O_DIRECT reads; "
                     f"pass direct=None to fall back to buffered reads"
                 )
             self._direct = ok if self._direct_arg is None else self._direct_arg
@@ -228,7 +232,7 @@ class Catalog:
             return False
         seg = min(self.manifest.segments)
         try:
-            fd = os.open(_format.segment_path(self.path, seg), os.O_RDONLY | os.O_DIRECT)
+            fd = os.open(_format.segment_path(self.directory, seg), os.O_RDONLY | os.O_DIRECT)
         except OSError:
             return False
         try:
@@ -242,6 +246,10 @@ class Catalog:
             os.close(fd)
 
     # ------------------------------------------------------------------ access
+    def stats(self) -> ReadStats:
+        """Counters of this catalog's random-access reads, live (they keep counting)."""
+        return self._stats
+
     def __len__(self) -> int:
         return self.manifest.records
 
@@ -257,7 +265,7 @@ class Catalog:
             i += n if i < 0 else 0
             seg, length, off, crc = self._index[i].item()
             blob = read_one(
-                self._fds(), i, (seg, length, off, crc), self.manifest.segments, self.stats
+                self._fds(), i, (seg, length, off, crc), self.manifest.segments, self._stats
             )
             return itemcodec.decode(blob, copy=False)
         if isinstance(key, (str, bytes, float, bool)) or key is None:
@@ -273,7 +281,7 @@ class Catalog:
         idx = as_indices(indices, len(self))
         rows = self._index[idx]
         blobs = read_blobs(
-            self._fds(), idx, rows, self.manifest.segments, gap=_GAP, stats=self.stats
+            self._fds(), idx, rows, self.manifest.segments, gap=_GAP, stats=self._stats
         )
         return [itemcodec.decode(b, copy=False) for b in blobs]
 
@@ -292,13 +300,13 @@ class Catalog:
     def info(self) -> dict:
         m = self.manifest
         return {
-            "path": self.path,
+            "directory": self.directory,
             "records": m.records,
             "payload_bytes": m.payload_bytes,
             "file_bytes": m.file_bytes,
             "index_bytes": m.records * INDEX_DTYPE.itemsize,
             "segments": len(m.segments),
-            "writers": m.writers,
+            "io_threads": m.writers,  # the build's (the manifest's "writers")
             "created": m.created,
             "mean_record_bytes": m.payload_bytes / m.records if m.records else 0.0,
         }
@@ -315,7 +323,7 @@ class Catalog:
         report = VerifyReport()
         m = self.manifest
         for seg, size in sorted(m.segments.items()):
-            path = _format.segment_path(self.path, seg)
+            path = _format.segment_path(self.directory, seg)
             try:
                 actual = os.stat(path).st_size
             except FileNotFoundError:
@@ -324,12 +332,12 @@ class Catalog:
             if actual != size:
                 report.problems.append(f"{path} has {actual} bytes, the manifest says {size}")
         crc = 0
-        with open(os.path.join(self.path, _format.INDEX), "rb") as f:
+        with open(os.path.join(self.directory, _format.INDEX), "rb") as f:
             while chunk := f.read(16 << 20):
                 crc = crc32c.crc32c(chunk, crc)
         if crc != m.index_crc:
             report.problems.append(
-                f"{os.path.join(self.path, _format.INDEX)} does not match the checksum in the "
+                f"{os.path.join(self.directory, _format.INDEX)} does not match the checksum in the "
                 f"manifest (the index was modified or damaged)"
             )
         bar = None
@@ -378,13 +386,13 @@ class Catalog:
         self.close()
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "direct": self._direct_arg, "max_open": self._max_open}
+        return {"directory": self.directory, "direct": self._direct_arg, "max_open": self._max_open}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"], direct=state["direct"], max_open=state["max_open"])
+        self.__init__(state["directory"], direct=state["direct"], max_open=state["max_open"])
 
     def __repr__(self) -> str:
         return (
-            f"Catalog({self.path!r}, records={len(self)}, "
+            f"Catalog({self.directory!r}, records={len(self)}, "
             f"size={format_size(self.manifest.file_bytes)})"
         )

@@ -26,7 +26,7 @@ MODES = {"600": 0o600, "640": 0o640, "644": 0o644}
 def add_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="catalog_command", required=True)
     build = sub.add_parser("build", help="build a catalog from text, JSON lines, Parquet or files")
-    build.add_argument("path", help="new (or empty) directory of the catalog")
+    build.add_argument("directory", help="new (or empty) directory of the catalog")
     src = build.add_mutually_exclusive_group(required=True)
     src.add_argument("--lines", help="UTF-8 text file whose lines are the records ('-': stdin)")
     src.add_argument("--jsonl", help="JSON-lines file, one record per line ('-': stdin)")
@@ -34,7 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--npy", help="folder of .npy files (a record each) or one .npy (per row)")
     src.add_argument("--files", nargs="+", help="glob patterns ('**' recurses); one record each")
     build.add_argument("--segment-size", default="1GiB", help="bytes per segment file")
-    build.add_argument("--writers", type=int, default=2, help="threads writing segments at once")
+    build.add_argument("--io-threads", type=int, default=2, help="threads writing segments at once")
     build.add_argument(
         "--mode",
         choices=sorted(MODES),
@@ -43,10 +43,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     info = sub.add_parser("info", help="records, sizes and files of a catalog")
-    info.add_argument("path")
+    info.add_argument("directory")
     info.add_argument("--json", action="store_true", help="print JSON")
     verify = sub.add_parser("verify", help="read every record and check every checksum")
-    verify.add_argument("path")
+    verify.add_argument("directory")
     verify.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -73,16 +73,16 @@ def _build(args: argparse.Namespace) -> int:
     if count is not None and not hasattr(records, "__len__"):
         records = _Sized(records, count)  # for the progress bar
     cat = Catalog.build(
-        args.path,
+        args.directory,
         records,
         segment_size=args.segment_size,
-        writers=args.writers,
+        io_threads=args.io_threads,
         progress=not args.quiet,
         mode=MODES[args.mode],
     )
     s = cat.build_stats
     print(
-        f"built {args.path}: {s['records']} records, {format_size(s['file_bytes'])} in "
+        f"built {args.directory}: {s['records']} records, {format_size(s['file_bytes'])} in "
         f"{s['segments']} segments, {s['seconds']:.2f} s ({s['bytes_per_s'] / 1e9:.3f} GB/s)"
     )
     return 0
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.catalog_command == "build":
             return _build(args)
-        cat = Catalog.open(args.path)
+        cat = Catalog.open(args.directory)
         if args.catalog_command == "info":
             info = cat.info()
             if args.json:

@@ -1,15 +1,15 @@
 """``Loader``: epochs of a catalog in a seeded, rank-split order, read ahead, resumable exactly.
 
-Iterating yields :class:`Batch` es of the current epoch from the current position; when an epoch
-is exhausted the loader moves to the next one (a new order from the same seed). ``state_dict()``
-is ``(epoch, position)`` plus what decides the order; ``load_state_dict`` resumes with exactly
+Iterating yields batches (:class:`EpochBatch`) of the current epoch from the current position;
+when an epoch is exhausted the loader moves to the next one (a new order from the same seed).
+``state_dict()`` is ``(epoch, position)`` plus what decides the order; ``load_state_dict`` resumes with exactly
 the remaining sequence, with any ``num_workers`` (the position counts records of the rank's
 stream, which every worker count yields in the same order: ``pytorch.py``).
 
 ``num_workers=0`` reads ahead on I/O threads of this process; ``num_workers=n`` runs a
 ``torch.utils.data.DataLoader`` of ``n`` processes (``multiprocessing_context`` "fork", "spawn" or
-"forkserver"), each reading ahead its share of the batches (``prefetch`` and ``io_threads`` are
-divided among them; the DataLoader itself queues ``2 * n`` batches more).
+"forkserver"), each reading ahead its share of the batches (``prefetch_budget`` and
+``io_threads`` are divided among them; the DataLoader itself queues ``2 * n`` batches more).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tensortier.data._epochs import EpochConfig
-from tensortier.data._pipeline import Batch, LoaderStats
+from tensortier.data._pipeline import EpochBatch, LoaderStats
 from tensortier.data.catalog import Catalog, register_loader
 from tensortier.data.pytorch import EpochDataset
 from tensortier.errors import ConfigError
@@ -29,7 +29,7 @@ STATE_FORMAT = "tensortier-catalog-loader"
 STATE_VERSION = 1
 
 
-def _identity(batch: Batch) -> Batch:
+def _identity(batch: EpochBatch) -> EpochBatch:
     return batch
 
 
@@ -38,7 +38,7 @@ class Loader:
 
     Arguments: the fields of :class:`~tensortier.data.EpochConfig` as keywords (``batch``
     records per batch, required; ``seed``; ``rank``/``world_size``; ``shuffle``, ``block``,
-    ``window``; ``even``; ``drop_last``; ``prefetch`` bytes read ahead; ``io_threads``;
+    ``window``; ``even``; ``drop_last``; ``prefetch_budget`` bytes read ahead; ``io_threads`` (read threads);
     ``transform``/``collate``; ``epoch``), or one ``config``; ``num_workers`` and
     ``multiprocessing_context`` as a DataLoader's.
     """
@@ -76,9 +76,9 @@ class Loader:
     def catalog(self) -> Catalog:
         return self.dataset.catalog
 
-    @property
     def stats(self) -> LoaderStats:
-        return self.dataset.stats
+        """Counters of this loader's reads, live (they keep counting)."""
+        return self.dataset.stats()
 
     @property
     def records_per_epoch(self) -> int:
@@ -89,13 +89,13 @@ class Loader:
         return len(self.dataset)
 
     # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[EpochBatch]:
         self._stop()
         gen = self._run(self.epoch, self.position)
         self._active = weakref.ref(gen)
         return gen
 
-    def _run(self, epoch: int, start: int) -> Iterator[Batch]:
+    def _run(self, epoch: int, start: int) -> Iterator[EpochBatch]:
         ds = self.dataset
         pid = os.getpid()
         if self.num_workers == 0:
@@ -117,8 +117,8 @@ class Loader:
             for b in batches:
                 self.position = b.position
                 if self.num_workers:
-                    ds.stats.batches += 1
-                    ds.stats.records += len(b)
+                    ds._stats.batches += 1
+                    ds._stats.records += len(b)
                 yield b
             self.epoch, self.position = epoch + 1, 0
         finally:
@@ -217,7 +217,7 @@ class Loader:
     def __repr__(self) -> str:
         spec = self.dataset.spec
         return (
-            f"Loader({self.catalog.path!r}, batch={self.dataset.batch}, shuffle={spec.shuffle!r}, "
+            f"Loader({self.catalog.directory!r}, batch={self.dataset.batch}, shuffle={spec.shuffle!r}, "
             f"rank={self.dataset.rank}/{spec.world_size}, epoch={self.epoch}, "
             f"position={self.position}/{self.records_per_epoch})"
         )

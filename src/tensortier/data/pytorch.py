@@ -3,7 +3,7 @@
 ``CatalogDataset``: ``ds[i]`` is ``cat[i]``; a DataLoader with a batch sampler fetches each batch
 through ``__getitems__`` (one sorted, coalesced read). Any sampler works (``DistributedSampler``).
 
-``EpochDataset``: yields whole :class:`Batch` es of one rank's epoch (use it with
+``EpochDataset``: yields whole batches (:class:`EpochBatch`) of one rank's epoch (use it with
 ``DataLoader(ds, batch_size=None, num_workers=n)``, as :class:`Loader` does). Worker ``w`` of ``n``
 takes batches ``w, w + n, w + 2n, ...`` of the rank's stream and reads them ahead on its own I/O
 threads; the DataLoader takes one batch from each worker in turn, so what it yields is the rank's
@@ -28,7 +28,7 @@ from tensortier._lifetime import Finalizer
 from tensortier._stats import register as register_stats
 from tensortier.data._epochs import WHAT, EpochConfig, check_int
 from tensortier.data._order import Order
-from tensortier.data._pipeline import Batch, LoaderStats, stream
+from tensortier.data._pipeline import EpochBatch, LoaderStats, stream
 from tensortier.data.catalog import Catalog
 from tensortier.errors import ConfigError
 
@@ -90,7 +90,7 @@ class EpochDataset(IterableDataset):
         self.spec = self.config.spec(n)
         self.rank: int = self.config.rank  # type: ignore[assignment]
         self.batch = self.config.batch
-        self.stats = LoaderStats()
+        self._stats = LoaderStats()
         self.set_epoch(self.config.epoch, start)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
@@ -103,6 +103,10 @@ class EpochDataset(IterableDataset):
     def records_per_epoch(self) -> int:
         k = self.spec.per_rank
         return k // self.batch * self.batch if self.config.drop_last else k
+
+    def stats(self) -> LoaderStats:
+        """Counters of this dataset's reads, live (they keep counting)."""
+        return self._stats
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (all DataLoader workers together)."""
@@ -126,7 +130,9 @@ class EpochDataset(IterableDataset):
             self._pool_fin = Finalizer(self, _shutdown, self._pool)  # joins: never inside GC
         return self._pool
 
-    def iterate(self, epoch: int, start: int, worker: int = 0, workers: int = 1) -> Iterator[Batch]:
+    def iterate(
+        self, epoch: int, start: int, worker: int = 0, workers: int = 1
+    ) -> Iterator[EpochBatch]:
         """Batches of ``epoch`` from position ``start``: those of ``worker`` out of ``workers``."""
         end = self.records_per_epoch
         b = self.batch
@@ -138,24 +144,24 @@ class EpochDataset(IterableDataset):
         self.catalog._check_open()
         order = Order(self.spec, epoch, self.rank)
         threads = max(1, self.config.io_threads // workers)
-        prefetch = max(1, self.config.prefetch // workers)  # type: ignore[operator]
+        budget = max(1, self.config.prefetch_budget // workers)  # type: ignore[operator]
         return stream(
             self.catalog,
             order,
             ranges,
             batch=b,
             executor=self._executor(threads),
-            prefetch=prefetch,
+            prefetch_budget=budget,
             # every thread gets work within the budget; large reads where the budget allows
-            piece_bytes=max(1, min(PIECE_BYTES, prefetch // (2 * threads))),
+            piece_bytes=max(1, min(PIECE_BYTES, budget // (2 * threads))),
             transform=self.config.transform,
             collate=self.config.collate,
-            stats=self.stats,
+            stats=self._stats,
             abandoned=self._abandoned,
             owner=self,  # a temporary dataset lives as long as its stream (its executor too)
         )
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[EpochBatch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return self.iterate(self.epoch, self.start, worker, workers)

@@ -1,10 +1,10 @@
 """Model-state offload: AdamW state and master weights on host RAM or NVMe, parameter streaming."""
 
-from tensortier.optim.adamw import OffloadedAdamW, OffloadStats, StateTier
+from tensortier.optim.adamw import OffloadedAdamW, OptimizerStats, StateTier
 from tensortier.optim.streaming import ParameterStreamer, ParamTier, stream_parameters
 
 __all__ = [
-    "OffloadStats",
+    "OptimizerStats",
     "OffloadedAdamW",
     "ParamTier",
     "ParameterStreamer",

@@ -21,7 +21,7 @@ import torch
 from tensortier.optim._layout import Bucket, Hyper, Layout, Slot
 from tensortier.optim._staging import Staged, Staging
 from tensortier.optim._states import HostStates
-from tensortier.optim._stats import OffloadStats
+from tensortier.optim._stats import OptimizerStats
 from tensortier.optim._update import Updater
 
 log = logging.getLogger("tensortier.optim.adamw")
@@ -73,7 +73,7 @@ class Speculator:
         states,
         staging: Staging,
         updater: Updater,
-        stats: OffloadStats,
+        stats: OptimizerStats,
         groups: list[dict],
         *,
         overlap: bool,

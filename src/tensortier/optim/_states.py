@@ -31,7 +31,7 @@ each, so the optimizer's host memory is ``depth * 3 * bucket_bytes`` whatever th
 Reads run ahead (``prefetch``) and writes behind (a buffer returns to the ring when its write
 completes), both through the disk store's futures.
 
-Remote memory (``states="remote"``). :class:`DiskStates` streams from any store with the disk
+Remote memory (``tier="remote"``). :class:`DiskStates` streams from any store with the disk
 tier's interface (``put``/``get(into=)``/``free``, futures, handles): a
 :class:`~tensortier.tiers.remote.RemoteStore` holds the extents in other nodes' RAM under the same
 protocol. A lost memory node fails the reads of its buckets with ``NodeLostError`` (raised by

@@ -1,4 +1,4 @@
-"""``OffloadStats``: the counters ``OffloadedAdamW`` exposes as ``opt.stats``.
+"""``OptimizerStats``: the counters ``OffloadedAdamW`` returns from ``opt.stats()``.
 
 Every part of the optimizer counts into the same object (the coordinator hands it to each); this
 module owns only the counters' names and meaning.
@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 
 @dataclass
-class OffloadStats:
+class OptimizerStats:
     """Counters a user can print to see where a step's time went and how speculation fares."""
 
     steps: int = 0  # steps applied
@@ -37,7 +37,7 @@ class OffloadStats:
         return asdict(self)
 
 
-def record_memory(stats: OffloadStats, states, staging) -> None:
+def record_memory(stats: OptimizerStats, states, staging) -> None:
     """Refresh the memory counters from the state store and the gradient staging buffers."""
     stats.host_state_bytes = states.host_bytes
     stats.host_grad_bytes = staging.host_bytes

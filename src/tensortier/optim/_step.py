@@ -20,7 +20,7 @@ import torch
 from tensortier.optim._layout import Bucket, Layout, Slot
 from tensortier.optim._speculation import Speculator
 from tensortier.optim._staging import Staging
-from tensortier.optim._stats import OffloadStats, record_memory
+from tensortier.optim._stats import OptimizerStats, record_memory
 from tensortier.optim._update import Job, Updater
 
 # (bucket, slots updated, their new step counters, per slot: .grad was unscaled in place)
@@ -37,7 +37,7 @@ class Step:
         staging: Staging,
         updater: Updater,
         speculator: Speculator,
-        stats: OffloadStats,
+        stats: OptimizerStats,
         groups: list[dict],
         *,
         host: bool,

@@ -28,24 +28,24 @@ class StateTier(str, Enum):
     REMOTE = "remote"  # other nodes' RAM (tiers.remote.RemoteStore), streamed like "disk"
 
 
-def parse_tier(states: StateTier | str) -> StateTier:
+def parse_tier(tier: StateTier | str) -> StateTier:
     try:
-        return StateTier(states)
+        return StateTier(tier)
     except ValueError:
         raise ConfigError(
-            f"states={states!r} is not a state tier; pass one of {[t.value for t in StateTier]}"
+            f"tier={tier!r} is not a state tier; pass one of {[t.value for t in StateTier]}"
         ) from None
 
 
-def states_placement(tier: StateTier, spill_dir, disk_capacity, remote) -> Placement:
+def states_placement(tier: StateTier, spill_dir, disk_budget, remote) -> Placement:
     """The state's placement, checked before anything is built (``remote=`` by the one rule of
     ``tiers/placement.py``)."""
     return Placement(
         (tier.value,),
         directory=spill_dir,
-        disk_capacity=disk_capacity,
+        disk_capacity=disk_budget,  # Placement's field (tiers/ renames it separately)
         remote=remote,
-        where=f"OffloadedAdamW(states={tier.value!r})",
+        where=f"OffloadedAdamW(tier={tier.value!r})",
     )
 
 

@@ -20,7 +20,7 @@ from tensortier._units import align_up
 from tensortier.optim._kernel import adamw_
 from tensortier.optim._layout import Bucket, Hyper, Layout, Slot
 from tensortier.optim._staging import Staged, Staging
-from tensortier.optim._stats import OffloadStats
+from tensortier.optim._stats import OptimizerStats
 
 # (bucket, slots updated, the update's future, per slot: the kernel unscaled .grad in place)
 Job = tuple[Bucket, list[Slot], Future, list[bool]]
@@ -39,7 +39,7 @@ class Updater:
         layout: Layout,
         states,
         staging: Staging,
-        stats: OffloadStats,
+        stats: OptimizerStats,
         groups: list[dict],
         *,
         sharded: bool,

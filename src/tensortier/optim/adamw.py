@@ -20,7 +20,7 @@ happens to ``.grad`` (``clip_grad_norm_``, ``GradScaler.unscale_``, manual edits
 more backward passes). The comparison is by content, not by version counters, because measured on
 torch 2.13 ``GradScaler.unscale_``, ``p.grad.data.mul_`` and writes through ``p.grad.numpy()``
 change gradients without bumping ``_version``; version counters are recorded only to count edits
-(``OffloadStats.compared_equal``: edited but bit-identical, e.g. a clip factor of 1.0).
+(``OptimizerStats.compared_equal``: edited but bit-identical, e.g. a clip factor of 1.0).
 Under ``torch.distributed`` with more than one rank nothing is speculated (the hooks fire before
 DDP's all-reduce); the update runs in ``step()``. A bucket whose speculation keeps failing (e.g.
 clipping that clips every step) stops speculating for 1, 2, 4, ... up to 64 steps.
@@ -67,7 +67,7 @@ from tensortier.optim._speculation import Speculator
 from tensortier.optim._staging import Staging
 from tensortier.optim._state_dict import StateDicts
 from tensortier.optim._states import DiskStates
-from tensortier.optim._stats import OffloadStats, record_memory
+from tensortier.optim._stats import OptimizerStats, record_memory
 from tensortier.optim._step import Step
 from tensortier.optim._tiers import StateTier, open_states, parse_tier, states_placement
 from tensortier.optim._update import Updater
@@ -105,13 +105,13 @@ def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay
 class OffloadedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with fp32 master weights and moments off the device.
 
-    >>> opt = OffloadedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, states="disk",
+    >>> opt = OffloadedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, tier="disk",
     ...                      spill_dir="/mnt/nvme/tt")
     >>> loss.backward(); opt.step(); opt.zero_grad()
 
     Bit-identical to ``torch.optim.AdamW(fused=True)`` (same kernel, per parameter), including
     under ``GradScaler`` and whatever the loop does to ``.grad`` between backward and step.
-    ``states``: ``"host"`` keeps state in RAM (12 bytes per parameter; while ``overlap``
+    ``tier``: ``"host"`` keeps state in RAM (12 bytes per parameter; while ``overlap``
     speculates, a second copy of the state and a gradient snapshot are added, see the module
     docstring); ``"disk"`` keeps it in a :class:`DiskStore` under ``spill_dir`` and streams it
     through ``pipeline_depth`` host buffers of one bucket each, so host memory stays
@@ -146,9 +146,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         maximize: bool = False,
-        states: StateTier | str = StateTier.HOST,
+        tier: StateTier | str = StateTier.HOST,
         spill_dir: str | None = None,
-        disk_capacity: SizeLike | None = None,
+        disk_budget: SizeLike | None = None,
         remote: RemoteStore | dict | None = None,
         master_weights: bool = True,
         bucket_size: SizeLike = "16MiB",
@@ -159,8 +159,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         shard: bool | None = None,
     ):
         _check_hyper(lr, betas, eps, weight_decay)
-        self.tier = parse_tier(states)
-        placement = states_placement(self.tier, spill_dir, disk_capacity, remote)
+        self.tier = parse_tier(tier)
+        placement = states_placement(self.tier, spill_dir, disk_budget, remote)
         self._bucket_bytes = parse_size(bucket_size, name="bucket_size", allow_zero=False)
         self.master_weights = master_weights
         if overlap not in (True, False, "auto"):
@@ -194,7 +194,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _compose(self, overlap: bool) -> None:
         """Make the parts (they share the layout, the states, the staging and the stats)."""
         sh, groups = self._sharding, self.param_groups
-        self._stats = OffloadStats()
+        self._stats = OptimizerStats()
         self._layout = Layout(self._bucket_bytes, self.master_weights, world=sh.world, rank=sh.rank)
         self._updater = Updater(
             self._layout, self._states, self._staging, self._stats, groups, sharded=sh.sharded
@@ -224,7 +224,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _agree(self, groups: list[dict], what: str) -> None:
         """Every rank must build the same buckets: same parameters, groups and settings."""
         settings = {
-            "states": self.tier.value,
+            "tier": self.tier.value,
             "bucket_size": self._bucket_bytes,
             "master_weights": self.master_weights,
         }
@@ -251,20 +251,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         functools.partial(_grad_hook, weakref.ref(self))
                     )
                 )
-        self.stats.buckets = len(self._buckets)
-        record_memory(self.stats, self._states, self._staging)
+        self._stats.buckets = len(self._buckets)
+        record_memory(self._stats, self._states, self._staging)
 
     # ------------------------------------------------------------------ the parts, by name
-    @property
-    def stats(self) -> OffloadStats:
-        """Counters of this optimizer (assign a fresh ``OffloadStats()`` to reset them)."""
+    def stats(self) -> OptimizerStats:
+        """Counters of this optimizer, live: they keep counting (:meth:`reset_stats` restarts)."""
         return self._stats
 
-    @stats.setter
-    def stats(self, value: OffloadStats) -> None:
-        self._stats = value
+    def reset_stats(self) -> None:
+        """Start the counters afresh (the memory counters are refreshed, not zeroed)."""
+        self._stats = OptimizerStats(buckets=len(self._buckets))
         for part in (self._updater, self._spec, self._stepper):
-            part.stats = value
+            part.stats = self._stats
+        record_memory(self._stats, self._states, self._staging)
 
     @property
     def overlap(self) -> bool:
@@ -427,6 +427,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"OffloadedAdamW(states={self.tier.value}, buckets={len(self._buckets)}, "
+            f"OffloadedAdamW(tier={self.tier.value}, buckets={len(self._buckets)}, "
             f"host_state={format_size(self._states.host_bytes)}, groups={len(self.param_groups)})"
         )

@@ -70,6 +70,8 @@ class ParamTier(str, Enum):
 
 @dataclass
 class StreamStats:
+    """What :meth:`ParameterStreamer.stats` counts."""
+
     loads: int = 0  # unit loads (forward and backward)
     prefetch_hits: int = 0  # loads served by a prefetch already in flight
     bytes_loaded: int = 0
@@ -164,7 +166,7 @@ class ParameterStreamer:
         self.device = _target_device(device, slots[0].param)
         self.budget = _check_budget(budget, max(u.nbytes for u in self.units))
         self._cuda = self.device.type == "cuda"
-        self.stats = StreamStats()
+        self._stats = StreamStats()
         self._open_tier(spill_dir)
         self._pending: dict[int, _Load] = {}
         self._installed: dict[int, tuple[int, int]] = {}  # storage ptr -> (unit, slot position)
@@ -302,20 +304,20 @@ class ParameterStreamer:
         if self._live_bytes + u.nbytes > self.budget or not self._make_room(u.nbytes, wait=False):
             return
         self._live_bytes += u.nbytes
-        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._live_bytes)
+        self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self._live_bytes)
         self._pending[index] = self._start(u)
 
     def _load(self, u: _Unit) -> _Load:
         load = self._pending.pop(u.index, None)
         if load is not None:
-            self.stats.prefetch_hits += 1
+            self._stats.prefetch_hits += 1
             self._live_bytes -= u.nbytes
         else:
             self._make_room(u.nbytes, wait=True)
             load = self._start(u)
         self._ready(load)
-        self.stats.loads += 1
-        self.stats.bytes_loaded += u.nbytes
+        self._stats.loads += 1
+        self._stats.bytes_loaded += u.nbytes
         return load
 
     # ------------------------------------------------------------ hooks
@@ -328,7 +330,7 @@ class ParameterStreamer:
                     self._installed[t.untyped_storage().data_ptr()] = (u.index, pos)
                 s.installs += 1
             self._live_bytes += u.nbytes
-            self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._live_bytes)
+            self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self._live_bytes)
             self._prefetch(u.index + 1)
 
         return pre
@@ -400,6 +402,10 @@ class ParameterStreamer:
                 if s.installs == 0:
                     s.param.data = t
                 s.installs += 1
+
+    def stats(self) -> StreamStats:
+        """Counters of this streamer, live (they keep counting)."""
+        return self._stats
 
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:

@@ -155,8 +155,8 @@ class BufferActor:
     def stats(self) -> dict:
         return self.obj.stats
 
-    def save(self, dirname: str) -> None:
-        self.obj.save(dirname)
+    def save(self, directory: str) -> None:
+        self.obj.save(directory)
 
     def close(self) -> None:
         self.obj.close()

@@ -17,7 +17,7 @@ import numpy as np
 
 from tensortier._units import parse_size
 from tensortier.errors import ConfigError
-from tensortier.rl._store import check_args, check_spill
+from tensortier.rl._store import check_args, check_tier
 from tensortier.rl.rate_limiter import RateLimit
 from tensortier.rl.sampler import Prioritized, Uniform
 
@@ -47,8 +47,8 @@ class Batch:
 
 @dataclass
 class ReplayConfig:
-    capacity: int
-    ram_budget: int
+    max_items: int
+    host_budget: int
     spill_dir: str | None
     sampler: Uniform | Prioritized
     max_uses: int | None
@@ -59,9 +59,10 @@ class ReplayConfig:
     segment_size: int
 
     def to_dict(self) -> dict:
+        # the keys saved with a buffer (ReplayBuffer.save's meta.json): kept as first written
         return {
-            "capacity": self.capacity,
-            "ram_budget": self.ram_budget,
+            "capacity": self.max_items,
+            "ram_budget": self.host_budget,
             "sampler": self.sampler.to_dict(),
             "max_uses": self.max_uses,
             "segment_size": self.segment_size,
@@ -69,9 +70,9 @@ class ReplayConfig:
 
 
 def check_replay_args(
-    capacity: Any,
+    max_items: Any,
     *,
-    ram_budget: Any,
+    host_budget: Any,
     spill_dir: Any,
     sampler: Any,
     max_uses: Any,
@@ -81,21 +82,21 @@ def check_replay_args(
     seed: Any,
     segment_size: Any,
     rate_limit: Any,
-    spill: Any,
+    tier: Any,
     remote: Any,
 ) -> tuple[ReplayConfig, tuple[str, ...]]:
     """``ReplayBuffer``'s arguments as a :class:`ReplayConfig` and the spill tiers, or the
     ConfigError naming the first bad one (see ``ReplayBuffer.__init__``)."""
-    capacity = check_args(
+    max_items = check_args(
         "ReplayBuffer",
-        capacity,
+        max_items,
         spill_dir=spill_dir,
         durable=durable,
         fsync=fsync,
         extra_slot_bytes=SLOT_BYTES,
     )
     durable, fsync = bool(durable), bool(fsync)
-    tiers = check_spill("ReplayBuffer", spill, remote, durable)
+    tiers = check_tier("ReplayBuffer", tier, remote, durable)
     if max_uses is not None and (
         isinstance(max_uses, bool) or not isinstance(max_uses, (int, np.integer)) or max_uses < 1
     ):
@@ -120,8 +121,8 @@ def check_replay_args(
             f"sampler must be tt.rl.Uniform() or tt.rl.Prioritized(...), got {sampler!r}"
         )
     config = ReplayConfig(
-        capacity=capacity,
-        ram_budget=parse_size(ram_budget, name="ram_budget"),
+        max_items=max_items,
+        host_budget=parse_size(host_budget, name="host_budget"),
         spill_dir=None if spill_dir is None else os.fspath(spill_dir),
         sampler=sampler,
         max_uses=None if max_uses is None else int(max_uses),

@@ -47,10 +47,10 @@ class SaveJob:
     pinned: Pinned
 
 
-def check_dirname(dirname: Any, what: str) -> str:
-    if not isinstance(dirname, (str, os.PathLike)):
-        raise ConfigError(f"{what}: dirname must be a path, got {type(dirname).__name__}")
-    return os.fspath(dirname)
+def check_directory(directory: Any, what: str) -> str:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ConfigError(f"{what}: directory must be a path, got {type(directory).__name__}")
+    return os.fspath(directory)
 
 
 def prepare_dir(dirname: str, mode: int) -> bool:
@@ -122,7 +122,7 @@ class Persistence:
     # ------------------------------------------------------------------ recording
     def _state(self, keys: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
         """(arrays, meta) of the items ``keys`` (oldest first) and of the sampler."""
-        slots = keys % self.config.capacity
+        slots = keys % self.config.max_items
         arrays = {
             "keys": keys,
             "leaves": np.asarray(self.sampler.leaves(slots), np.float64),
@@ -157,7 +157,7 @@ class Persistence:
         keys = arrays["keys"]
         _load_items(self.store, dirname, keys)
         self.store.finish_restore(meta["seq"])
-        slots = keys % self.config.capacity
+        slots = keys % self.config.max_items
         self.sampler.add(slots, arrays["leaves"])
         self.meta.load(slots, arrays, meta.get("policy_version", -1))
         self._load_sampler_state(meta, dirname, LOAD_FIX)
@@ -166,7 +166,7 @@ class Persistence:
         """Sampler entries for the items the store recovered from its segments: the priorities
         and use counts of the last checkpoint, the max priority for items added after it."""
         keys = self.store.recovered
-        slots = keys % self.config.capacity
+        slots = keys % self.config.max_items
         root = self.store.root
         assert root is not None
         state, meta_file = _saved.STATE, _saved.META

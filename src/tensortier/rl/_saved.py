@@ -2,7 +2,7 @@
 
 Reading trusts nothing: the npz is opened with ``allow_pickle=False`` (an object array is refused,
 never unpickled), and every field of both files is checked (types, shapes, ranges, keys that fit
-the capacity and the add count) before a buffer is built, so damage surfaces as one
+the capacity (``max_items``) and the add count) before a buffer is built, so damage surfaces as one
 :class:`~tensortier.errors.CorruptDataError` naming the file, never as a parser's exception or a
 half-restored buffer. Nothing here writes to the directory it reads.
 """
@@ -135,7 +135,7 @@ def _check_arrays(arrays: dict[str, np.ndarray], meta: dict) -> None:
                 f"{name}: expected {len(keys)} ints >= -1, got {arr.dtype} {arr.shape}"
             )
     if len(keys) > cap:
-        raise ValueError(f"{len(keys)} items saved in a buffer of capacity {cap}")
+        raise ValueError(f"{len(keys)} items saved in a buffer of max_items={cap}")
     if len(keys):
         if keys[0] < 0 or (np.diff(keys) <= 0).any() or keys[-1] // cap >= seq:
             raise ValueError("keys must be increasing, >= 0 and issued before the save")

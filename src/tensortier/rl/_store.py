@@ -1,18 +1,18 @@
 """The storage under ReplayBuffer and MemoryBank: keyed item blobs in RAM up to a budget, then on disk.
 
-Keys. An item's key is ``seq * capacity + slot``: ``seq`` counts adds, so keys grow in insertion
-order (FIFO order is key order) and are never reused, and ``slot = key % capacity`` finds the
+Keys. An item's key is ``seq * max_items + slot``: ``seq`` counts adds, so keys grow in insertion
+order (FIFO order is key order) and are never reused, and ``slot = key % max_items`` finds the
 item's row in the index arrays without a dict. A key whose slot now holds another key is stale.
 
 Index (per slot, numpy): key, disk location (segment, offset, length), a list entry for the RAM
-copy, the free-slot stack, the slot each of the last ``capacity`` adds used (to tell an index
+copy, the free-slot stack, the slot each of the last ``max_items`` adds used (to tell an index
 never issued from a stale one); RAM order and FIFO order are numpy rings of keys (removed keys are
-skipped lazily, the FIFO ring is compacted past 2x capacity). With the replay buffer's use counts
-and sum/min trees that is about 110 bytes per slot of capacity (~105 MiB for 1M slots), the
-"small overhead per item" outside the RAM budget; :func:`check_args` refuses a capacity whose
+skipped lazily, the FIFO ring is compacted past 2x max_items). With the replay buffer's use counts
+and sum/min trees that is about 110 bytes per slot (~105 MiB for 1M slots), the
+"small overhead per item" outside the RAM budget; :func:`check_args` refuses a ``max_items`` whose
 index does not fit in the memory available.
 
-Tiering. Item bytes in RAM stay under ``ram_budget``: an item added as encoded parts (see
+Tiering. Item bytes in RAM stay under ``host_budget``: an item added as encoded parts (see
 ``itemcodec.encode_parts``) is joined once into a ``bytes`` object; an item added as ``bytes`` is
 kept as that object; each counts as its length + 33 bytes of object header. An add that would exceed it first moves the oldest RAM items to the active segment
 in one batched write (non-durable) or just drops their RAM copies (durable buffers write every
@@ -55,7 +55,7 @@ from tensortier.tiers.segments import TOMBSTONE, Segments
 _OBJ = 33  # sys.getsizeof(b"") : per-bytes-object header counted against the RAM budget
 _META = "store.json"
 _FORMAT_VERSION = 2  # 2: records checksum their header too (see tiers/segments.py); 1 is still read
-# index bytes per slot of capacity, allocated up front: key 8, location 16, RAM reference 8, free
+# index bytes per slot (of max_items), allocated up front: key 8, location 16, RAM reference 8, free
 # stack 8, issued ring 8, FIFO ring up to 4 keys amortised (32)
 SLOT_BYTES = 80
 _NONE = np.empty(0, np.int64)
@@ -95,38 +95,37 @@ def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
 _TIERS = {("disk",), ("remote",), ("remote", "disk")}
 
 
-def check_spill(what: str, spill: Any, remote: Any, durable: bool) -> tuple[str, ...]:
-    """``spill`` ("disk", "remote" or a list of those, in order) as a tuple of tiers."""
-    tiers = (
-        ("remote", "disk") if spill == "remote" else (spill,) if isinstance(spill, str) else spill
-    )
+def check_tier(what: str, tier: Any, remote: Any, durable: bool) -> tuple[str, ...]:
+    """``tier`` (where items past ``host_budget`` go: "disk", "remote" or a list of those, in
+    order) as a tuple of tiers."""
+    tiers = ("remote", "disk") if tier == "remote" else (tier,) if isinstance(tier, str) else tier
     try:
         tiers = tuple(tiers)
     except TypeError:
-        tiers = (spill,)
+        tiers = (tier,)
     if tiers not in _TIERS:
         raise ConfigError(
-            f"{what}: spill must be 'disk', 'remote' (RAM -> remote pool -> disk) or a list of "
-            f"tiers in order: ['remote', 'disk'] or ['remote'], got {spill!r}"
+            f"{what}: tier must be 'disk', 'remote' (RAM -> remote pool -> disk) or a list of "
+            f"tiers in order: ['remote', 'disk'] or ['remote'], got {tier!r}"
         )
     if "remote" in tiers:  # the pool items evicted from RAM go to: the caller's, left open
-        check_remote(remote, where=f"{what}: spill={spill!r}", needed=True, args=False)
+        check_remote(remote, where=f"{what}: tier={tier!r}", needed=True, args=False)
         if durable:
             raise ConfigError(
                 f"{what}: durable=True writes every item to spill_dir when it is added, so RAM "
-                f"evictions never spill; use spill='disk' (the default) with durable=True"
+                f"evictions never spill; use tier='disk' (the default) with durable=True"
             )
     elif remote is not None:
         raise ConfigError(
-            f"{what}: remote= is given but spill={spill!r} does not use it; pass "
-            f"spill=['remote', 'disk']"
+            f"{what}: remote= is given but tier={tier!r} does not use it; pass "
+            f"tier=['remote', 'disk']"
         )
     return tiers
 
 
 def check_args(
     what: str,
-    capacity: Any,
+    max_items: Any,
     *,
     spill_dir: Any,
     durable: Any,
@@ -135,20 +134,20 @@ def check_args(
 ) -> int:
     """Validate the arguments every item store takes, before anything is allocated.
 
-    Returns ``capacity`` as an int. The index is allocated up front (about ``SLOT_BYTES +
-    extra_slot_bytes`` per slot), so a capacity whose index cannot fit in the memory available now
+    Returns ``max_items`` as an int. The index is allocated up front (about ``SLOT_BYTES +
+    extra_slot_bytes`` per slot), so a ``max_items`` whose index cannot fit in the memory available now
     is refused here instead of failing (or swapping) inside numpy.
     """
-    msg = f"{what}: capacity must be an int >= 1 (the most items it holds), got {capacity!r}"
-    check_int(capacity, msg, minimum=1, numpy=True)
+    msg = f"{what}: max_items must be an int >= 1 (the most items it holds), got {max_items!r}"
+    check_int(max_items, msg, minimum=1, numpy=True)
     per_slot = SLOT_BYTES + extra_slot_bytes
-    need = int(capacity) * per_slot
+    need = int(max_items) * per_slot
     available = psutil.virtual_memory().available
     if need > available:
         raise ConfigError(
-            f"{what}: capacity={int(capacity)} needs about {format_size(need)} of index in RAM "
+            f"{what}: max_items={int(max_items)} needs about {format_size(need)} of index in RAM "
             f"({per_slot} bytes per slot, allocated up front), but only {format_size(available)} "
-            f"is available; lower capacity (items beyond ram_budget live on disk, their index "
+            f"is available; lower max_items (items beyond host_budget live on disk, their index "
             f"does not)"
         )
     if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
@@ -163,7 +162,7 @@ def check_args(
         raise ConfigError(
             f"{what}: durable=True needs spill_dir, the directory whose segments survive a restart"
         )
-    return int(capacity)
+    return int(max_items)
 
 
 class KeyQueue:
@@ -214,7 +213,7 @@ class StoreStats:
     spilled_items: int = 0
     evicted_items: int = 0
     disk_reads: int = 0
-    remote_items: int = 0  # items held in the remote pool (spill=["remote", ...])
+    remote_items: int = 0  # items held in the remote pool (tier=["remote", ...])
     remote_reads: int = 0
     lost_items: int = 0  # remote items dropped because their memory node was lost
     spill_bytes: int = 0  # bytes of items written out of RAM (spills and items too big for it)
@@ -277,7 +276,7 @@ class Pinned:
 
 
 class ItemStore:
-    """Keyed item blobs in RAM up to ``ram_budget``, then in segment files (see the module doc).
+    """Keyed item blobs in RAM up to ``host_budget``, then in segment files (see the module doc).
 
     ``what`` names the owner in messages ("ReplayBuffer", "MemoryBank"). Files are removed (a
     private spill directory) or released (a durable directory's lock) by :meth:`close`, or by the
@@ -286,8 +285,8 @@ class ItemStore:
 
     def __init__(
         self,
-        capacity: int,
-        ram_budget: int,
+        max_items: int,
+        host_budget: int,
         spill_dir: str | os.PathLike | None,
         *,
         durable: bool = False,
@@ -298,21 +297,21 @@ class ItemStore:
         tiers: tuple[str, ...] = ("disk",),
         remote: Any = None,
     ):
-        self.cap = capacity
-        self.budget = ram_budget
+        self.cap = max_items
+        self.budget = host_budget
         self.durable = durable
         self.what = what
-        self.keys = np.full(capacity, -1, np.int64)
-        self.seg = np.full(capacity, -1, np.int32)
-        self.off = np.zeros(capacity, np.int64)
-        self.len = np.zeros(capacity, np.int32)
-        self.ram: list[Any] = [None] * capacity  # RAM copy per slot: a bytes object
-        self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # stack of free slots
-        self.nfree = capacity
+        self.keys = np.full(max_items, -1, np.int64)
+        self.seg = np.full(max_items, -1, np.int32)
+        self.off = np.zeros(max_items, np.int64)
+        self.len = np.zeros(max_items, np.int32)
+        self.ram: list[Any] = [None] * max_items  # RAM copy per slot: a bytes object
+        self.free = np.arange(max_items - 1, -1, -1, dtype=np.int64)  # stack of free slots
+        self.nfree = max_items
         self.seq = 0
-        # slot used by each of the last `capacity` adds (by seq % capacity; -1: not known), so an
+        # slot used by each of the last `max_items` adds (by seq % max_items; -1: not known), so an
         # index that add() never returned is told apart from one that went stale
-        self.issued_slot = np.full(capacity, -1, np.int64)
+        self.issued_slot = np.full(max_items, -1, np.int64)
         self.fifo = KeyQueue()
         self.ram_order = KeyQueue()
         self.stats = StoreStats()
@@ -389,10 +388,10 @@ class ItemStore:
                     raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
             except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
                 raise CorruptDataError(
-                    f"{path} is damaged ({exc}); it records the capacity of the durable buffer "
+                    f"{path} is damaged ({exc}); it records the max_items of the durable buffer "
                     f"in {root!r}: restore it, or rewrite it as "
                     f'{{"format": "tensortier-rl-segments", "version": {_FORMAT_VERSION}, '
-                    f'"capacity": <the capacity>}}',
+                    f'"capacity": <its max_items>}}',
                     path=path,
                 ) from exc
             version = meta.get("version")
@@ -409,8 +408,8 @@ class ItemStore:
                 )
             if meta.get("capacity") != self.cap:
                 raise ConfigError(
-                    f"durable buffer in {root!r} was created with capacity={meta.get('capacity')}, "
-                    f"got capacity={self.cap}; reopen it with the same capacity"
+                    f"durable buffer in {root!r} was created with max_items={meta.get('capacity')}, "
+                    f"got max_items={self.cap}; reopen it with the same max_items"
                 )
             if version == _FORMAT_VERSION:
                 return
@@ -421,7 +420,7 @@ class ItemStore:
         meta = {
             "format": "tensortier-rl-segments",
             "version": _FORMAT_VERSION,
-            "capacity": self.cap,
+            "capacity": self.cap,  # the on-disk key (format compatibility): max_items
         }
         try:
             with open(tmp, "w") as f:
@@ -495,7 +494,7 @@ class ItemStore:
     def issued(self, keys: np.ndarray) -> np.ndarray:
         """False where a key was certainly never handed out by this store.
 
-        Exact for keys of the last ``capacity`` adds (the store remembers which slot each used);
+        Exact for keys of the last ``max_items`` adds (the store remembers which slot each used);
         an older key that is no longer live cannot be told from a stale one and counts as issued.
         """
         keys = np.asarray(keys, np.int64)
@@ -506,7 +505,7 @@ class ItemStore:
         return ok & ~(recent & (known >= 0) & (known != keys % self.cap))
 
     def _note_issued(self, keys: np.ndarray) -> None:
-        """Remember the slots of ``keys`` among the last ``capacity`` adds (after a reload)."""
+        """Remember the slots of ``keys`` among the last ``max_items`` adds (after a reload)."""
         seqs = keys // self.cap
         recent = seqs >= self.seq - self.cap
         self.issued_slot[seqs[recent] % self.cap] = keys[recent] % self.cap
@@ -619,7 +618,7 @@ class ItemStore:
         """
         n = len(blobs)
         if n > self.cap:
-            raise ConfigError(f"cannot add {n} items at once to a store of capacity {self.cap}")
+            raise ConfigError(f"cannot add {n} items at once to a store of max_items={self.cap}")
         if n == 1 and self.nfree and not self.durable:
             key = self.add_one(blobs[0])
             return np.array([key], np.int64), _NONE
@@ -808,8 +807,8 @@ class ItemStore:
                 self.stats.spilled_items -= placed
                 raise TierFullError(
                     f"{self.what}: the remote pool has no room for {len(rest)} items evicted "
-                    f"from RAM (spill=['remote'] has no disk tier after it); raise the pool's "
-                    f"capacity or pass spill=['remote', 'disk']",
+                    f"from RAM (tier=['remote'] has no disk tier after it); give the pool more "
+                    f"room or pass tier=['remote', 'disk']",
                     tier="remote",
                     requested=sum(len(blobs[i]) for i in rest),
                 )

@@ -1,7 +1,7 @@
 """MemoryBank: a FIFO of variable-size items with fast index access, on the replay buffer's storage.
 
 Same storage as :class:`~tensortier.rl.ReplayBuffer` (RAM up to a budget, then segment files,
-FIFO eviction at capacity, never-reused indices) without a sampler: what an agent's episodic
+FIFO eviction past ``max_items``, never-reused indices) without a sampler: what an agent's episodic
 memory or a retrieval store needs. ``get_many`` reads disk-resident items in one sorted pass.
 """
 
@@ -17,41 +17,41 @@ import numpy as np
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError
-from tensortier.rl._store import ItemStore, as_index_array, check_args, check_spill
+from tensortier.rl._store import ItemStore, as_index_array, check_args, check_tier
 from tensortier.tiers import itemcodec as _codec
 
 
 class MemoryBank:
     """``bank.append(item) -> index``; ``bank[index]``; ``bank[index] = item``; ``del bank[index]``.
 
-    >>> bank = tt.rl.MemoryBank(100_000, ram_budget="2GiB", spill_dir="/data/mb")
+    >>> bank = tt.rl.MemoryBank(100_000, host_budget="2GiB", spill_dir="/data/mb")
     >>> i = bank.append({"embedding": e, "text": b"..."})
     """
 
     def __init__(
         self,
-        capacity: int,
+        max_items: int,
         *,
-        ram_budget: SizeLike = "1GiB",
+        host_budget: SizeLike = "1GiB",
         spill_dir: str | os.PathLike | None = None,
         durable: bool = False,
         fsync: bool = False,
         segment_size: SizeLike = "64MiB",
-        spill: str | Sequence[str] = "disk",
+        tier: str | Sequence[str] = "disk",
         remote: Any = None,
     ):
-        """``spill`` and ``remote``: as :class:`~tensortier.rl.ReplayBuffer`'s (RAM -> remote
+        """``max_items``, ``tier`` and ``remote``: as :class:`~tensortier.rl.ReplayBuffer`'s (RAM -> remote
         pool -> disk); reading an item lost with its memory node raises NodeLostError."""
-        capacity = check_args(
-            "MemoryBank", capacity, spill_dir=spill_dir, durable=durable, fsync=fsync
+        max_items = check_args(
+            "MemoryBank", max_items, spill_dir=spill_dir, durable=durable, fsync=fsync
         )
         durable, fsync = bool(durable), bool(fsync)
-        tiers = check_spill("MemoryBank", spill, remote, durable)
+        tiers = check_tier("MemoryBank", tier, remote, durable)
         self._lock = threading.RLock()
         self._closed = False
         self._store = ItemStore(
-            capacity,
-            parse_size(ram_budget, name="ram_budget"),
+            max_items,
+            parse_size(host_budget, name="host_budget"),
             spill_dir,
             durable=durable,
             fsync=fsync,
@@ -64,7 +64,8 @@ class MemoryBank:
         register_stats("memory_bank", self)  # tt.stats() lists it while it is open
 
     @property
-    def capacity(self) -> int:
+    def max_items(self) -> int:
+        """The most items held (the oldest is evicted past it)."""
         return self._store.cap
 
     @property
@@ -83,7 +84,7 @@ class MemoryBank:
         return self._store.live_slots(keys, "append()")
 
     def append(self, item: Any) -> int:
-        """Store ``item`` at the end (evicting the oldest at capacity); returns its index."""
+        """Store ``item`` at the end (evicting the oldest past ``max_items``); returns its index."""
         return int(self.extend([item])[0])
 
     def extend(self, items: Iterable[Any]) -> np.ndarray:

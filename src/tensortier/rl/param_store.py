@@ -335,20 +335,20 @@ class ParamStore:
     >>> latest = params.get(min_version=v)              # same process
     >>> reader = tt.rl.ParamStore.attach(params.path)   # another process on this machine
 
-    Versions live in ``shm_dir`` (``/dev/shm`` by default, i.e. RAM): it needs room for ``keep + 1``
+    Versions live in ``spill_dir`` (``/dev/shm`` by default, i.e. RAM): it needs room for ``keep + 1``
     versions while publishing. A full one raises :class:`TierFullError` and the store stays usable.
     """
 
-    def __init__(self, *, keep: int = 2, shm_dir: str | os.PathLike | None = None):
+    def __init__(self, *, keep: int = 2, spill_dir: str | os.PathLike | None = None):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1 (versions kept for readers), got {keep!r}")
-        if shm_dir is not None and not isinstance(shm_dir, (str, os.PathLike)):
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
             raise TypeError(
-                f"shm_dir must be a directory path (str or os.PathLike), got {shm_dir!r}; "
+                f"spill_dir must be a directory path (str or os.PathLike), got {spill_dir!r}; "
                 f"pass None for /dev/shm"
             )
         self.keep = keep
-        base = shm_dir if shm_dir is not None else _shm_base()
+        base = spill_dir if spill_dir is not None else _shm_base()
         self.path = private_dir(base, "tt-params")
         try:
             ctrl = os.path.join(self.path, "latest")
@@ -458,7 +458,7 @@ class ParamStore:
             f"version is written before the oldest is freed). Give the machine or container more "
             f"shared memory (docker run --shm-size=..., at least "
             f"{format_size((self.keep + 1) * nbytes)} here; Kubernetes: an emptyDir with "
-            f"medium: Memory) or pass ParamStore(shm_dir=...) a directory with room",
+            f"medium: Memory) or pass ParamStore(spill_dir=...) a directory with room",
             tier="shm",
             requested=nbytes,
             in_use=size - free,

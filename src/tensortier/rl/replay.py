@@ -1,11 +1,11 @@
 """ReplayBuffer: a FIFO of variable items, sampled uniformly or by priority, RAM then disk.
 
 Indices. ``add`` returns an int index that stays valid until the item is deleted, evicted (FIFO at
-capacity) or used up (``max_uses``); indices are never reused, so a stale one is refused rather than
+``max_items``) or used up (``max_uses``); indices are never reused, so a stale one is refused rather than
 silently pointing at a newer item. ``update_priorities`` skips indices that went stale between
 ``sample`` and the update (counted in ``stats["stale_updates"]``), which is the normal case for a
 learner racing collectors; an index that add() never returned is a KeyError (exactly for the last
-``capacity`` adds, see ``ItemStore.issued``).
+``max_items`` adds, see ``ItemStore.issued``).
 
 Concurrency. One lock guards the buffer; every public method is thread-safe. ``prefetch=k`` draws
 up to ``k`` batches ahead on a background thread (``_prefetch.py``): those batches were drawn from
@@ -60,9 +60,9 @@ __all__ = ["Batch", "ReplayBuffer", "ReplayConfig"]
 
 
 class ReplayBuffer:
-    """Prioritized or uniform replay over items held in RAM up to ``ram_budget``, then on disk.
+    """Prioritized or uniform replay over items held in RAM up to ``host_budget``, then on disk.
 
-    >>> buf = tt.rl.ReplayBuffer(100_000, ram_budget="4GiB", spill_dir="/data/rb",
+    >>> buf = tt.rl.ReplayBuffer(100_000, host_budget="4GiB", spill_dir="/data/rb",
     ...                          sampler=tt.rl.Prioritized(alpha=0.6, beta=0.4))
     >>> i = buf.add({"obs": obs, "action": a, "reward": r})
     >>> batch = buf.sample(256)
@@ -71,9 +71,9 @@ class ReplayBuffer:
 
     def __init__(
         self,
-        capacity: int,
+        max_items: int,
         *,
-        ram_budget: SizeLike = "1GiB",
+        host_budget: SizeLike = "1GiB",
         spill_dir: str | os.PathLike | None = None,
         sampler: Uniform | Prioritized | None = None,
         max_uses: int | None = None,
@@ -83,19 +83,20 @@ class ReplayBuffer:
         seed: int | None = None,
         segment_size: SizeLike = "64MiB",
         rate_limit: RateLimit | None = None,
-        spill: str | Sequence[str] = "disk",
+        tier: str | Sequence[str] = "disk",
         remote: Any = None,
     ):
-        """``spill``: where items evicted from RAM go: ``"disk"`` (segments in ``spill_dir``),
-        ``"remote"`` (the ``remote`` RemoteStore pool, then disk when the pool is full; same as
+        """``max_items``: the most items held (the oldest is evicted past it). ``tier``: where
+        items evicted from RAM (past ``host_budget`` bytes) go: ``"disk"`` (segments in
+        ``spill_dir``), ``"remote"`` (the ``remote`` RemoteStore pool, then disk when the pool is full; same as
         ``["remote", "disk"]``) or ``["remote"]`` (pool only: a full pool is TierFullError).
         Items on a memory node that is lost are dropped and counted in ``stats["lost_items"]``;
         sampling goes on over the rest. The pool is the caller's: ``close()`` frees this
         buffer's objects in it and leaves it open."""
         # every argument is checked before anything is allocated or created
         self.config, tiers = check_replay_args(
-            capacity,
-            ram_budget=ram_budget,
+            max_items,
+            host_budget=host_budget,
             spill_dir=spill_dir,
             sampler=sampler,
             max_uses=max_uses,
@@ -105,7 +106,7 @@ class ReplayBuffer:
             seed=seed,
             segment_size=segment_size,
             rate_limit=rate_limit,
-            spill=spill,
+            tier=tier,
             remote=remote,
         )
         c = self.config
@@ -115,8 +116,8 @@ class ReplayBuffer:
         self._prefetcher: Prefetcher | None = None
         self._stale_updates = 0
         self._store = ItemStore(
-            c.capacity,
-            c.ram_budget,
+            c.max_items,
+            c.host_budget,
             c.spill_dir,
             durable=c.durable,
             fsync=c.fsync,
@@ -127,10 +128,10 @@ class ReplayBuffer:
             remote=remote,
         )
         try:
-            self._sampler = make_state(c.capacity, c.sampler)
+            self._sampler = make_state(c.max_items, c.sampler)
             self._store.on_drop = self._sampler.remove  # items lost with a memory node
             self._rng = np.random.default_rng(c.seed)
-            self._meta = SlotMeta(c.capacity)
+            self._meta = SlotMeta(c.max_items)
             self._persist = _persist.Persistence(c, self._store, self._sampler, self._meta)
             if c.durable:
                 self._persist.restore_durable()
@@ -147,8 +148,9 @@ class ReplayBuffer:
         return len(self._store)
 
     @property
-    def capacity(self) -> int:
-        return self.config.capacity
+    def max_items(self) -> int:
+        """The most items held (the oldest is evicted past it)."""
+        return self.config.max_items
 
     @property
     def beta(self) -> float:
@@ -179,7 +181,7 @@ class ReplayBuffer:
         return self._store.live_slots(indices)
 
     def _live_slots(self) -> np.ndarray:
-        """Every live slot (O(capacity): only the all-priorities-zero fallback needs it)."""
+        """Every live slot (O(max_items): only the all-priorities-zero fallback needs it)."""
         return np.flatnonzero(self._store.keys >= 0)
 
     def _limit(self, op: str, n: int, timeout: float | None) -> None:
@@ -254,16 +256,16 @@ class ReplayBuffer:
             timeout = lim.cfg.timeout
         with self._cond:
             self._check()
-            if len(blobs) > self.capacity:
+            if len(blobs) > self.max_items:
                 raise ConfigError(
-                    f"extend got {len(blobs)} items, more than capacity {self.capacity}; add them "
-                    f"in chunks of at most {self.capacity}"
+                    f"extend got {len(blobs)} items, more than max_items={self.max_items}; add "
+                    f"them in chunks of at most {self.max_items}"
                 )
             if lim is not None:
                 self._limit("insert", len(blobs), timeout)
                 lim.inserted(len(blobs))
             keys, _ = self._store.add(blobs, on_evict=self._sampler.remove)
-            slots = keys % self.capacity
+            slots = keys % self.max_items
             self._meta.added(slots, meta)
             self._sampler.add(slots)
             self._cond.notify_all()  # samplers waiting for items (cheap when nobody waits)
@@ -553,7 +555,7 @@ class ReplayBuffer:
         most 1e290 so that their sum stays finite (ConfigError naming the limit). Indices that went
         stale since they were sampled are skipped and counted in ``stats["stale_updates"]``; an
         index that add() never returned raises KeyError and nothing is changed. (The buffer
-        remembers which index each of its last ``capacity`` adds returned; an older index that is
+        remembers which index each of its last ``max_items`` adds returned; an older index that is
         no longer stored cannot be told from a stale one and is skipped.)
         """
         keys = as_index_array(indices)
@@ -568,7 +570,7 @@ class ReplayBuffer:
         self._sampler.check(hi)  # a weight sum that overflows would sample wrongly
         with self._lock:
             self._check()
-            slots = keys % self.capacity
+            slots = keys % self.max_items
             live = (keys >= 0) & (self._store.keys[slots] == keys)  # an empty slot's key is -1
             if not live.all():  # slow path: stale (skipped) or never issued (refused)
                 issued = self._store.issued(keys)
@@ -595,24 +597,24 @@ class ReplayBuffer:
             return self._store.order()
 
     # ------------------------------------------------------------------ persistence
-    def save(self, dirname: str | os.PathLike, *, mode: int = 0o600) -> None:
-        """Write items, priorities and sampler state to ``dirname`` (created; must be empty).
+    def save(self, directory: str | os.PathLike, *, mode: int = 0o600) -> None:
+        """Write items, priorities and sampler state to ``directory`` (created; must be empty).
 
         ``mode``: every file gets it, 0o600 (private, the default), 0o640 or 0o644 (the group
         or everyone may read); the directory gets 0o700, 0o750 or 0o755 (``_modes.py``). A
-        failed save removes what it wrote (and ``dirname`` if it made it). The lock is held only
+        failed save removes what it wrote (and ``directory`` if it made it). The lock is held only
         while the index is copied: adds and samples go on while the bytes are (``_persist.py``).
         """
-        dirname = _persist.check_dirname(dirname, "save")
+        directory = _persist.check_directory(directory, "save")
         _modes.check_mode(mode, "ReplayBuffer.save")
         with self._lock:
             self._check()
-        made = _persist.prepare_dir(dirname, mode)
+        made = _persist.prepare_dir(directory, mode)
         with self._lock:  # a short pause: copy the index, pin the items
             self._check()
             job = self._persist.begin_save()
         try:
-            _persist.write_copy(dirname, job, self.config.segment_size, mode, made)
+            _persist.write_copy(directory, job, self.config.segment_size, mode, made)
         finally:
             with self._lock:
                 self._store.unpin(job.pinned)
@@ -620,25 +622,25 @@ class ReplayBuffer:
     @classmethod
     def load(
         cls,
-        dirname: str | os.PathLike,
+        directory: str | os.PathLike,
         *,
-        ram_budget: SizeLike | None = None,
+        host_budget: SizeLike | None = None,
         spill_dir: str | os.PathLike | None = None,
         prefetch: int = 0,
         seed: int | None = None,
         rate_limit: RateLimit | None = None,
     ) -> ReplayBuffer:
-        """A new buffer with the items, indices, priorities and use counts saved in ``dirname``.
+        """A new buffer with the items, indices, priorities and use counts saved in ``directory``.
 
-        Only reads ``dirname`` (a read-only copy works, and a damaged one is never changed);
+        Only reads ``directory`` (a read-only copy works, and a damaged one is never changed);
         damage raises CorruptDataError naming the file, before or instead of a partial buffer.
         """
-        dirname = _persist.check_dirname(dirname, "load")
-        meta, sampler, arrays = _saved.read(dirname, fix=_persist.LOAD_FIX)
+        directory = _persist.check_directory(directory, "load")
+        meta, sampler, arrays = _saved.read(directory, fix=_persist.LOAD_FIX)
         cfg = meta["config"]
         buf = cls(
-            cfg["capacity"],
-            ram_budget=cfg["ram_budget"] if ram_budget is None else ram_budget,
+            cfg["capacity"],  # the saved keys (format compatibility): max_items, host_budget
+            host_budget=cfg["ram_budget"] if host_budget is None else host_budget,
             spill_dir=spill_dir,
             sampler=sampler,
             max_uses=cfg["max_uses"],
@@ -648,7 +650,7 @@ class ReplayBuffer:
             rate_limit=rate_limit,
         )
         try:
-            buf._persist.restore_saved(dirname, arrays, meta)
+            buf._persist.restore_saved(directory, arrays, meta)
             if rate_limit is not None:  # counters start balanced for the items loaded
                 buf._limiter = RateLimiter.balanced(rate_limit, len(buf))
         except BaseException:
@@ -694,6 +696,6 @@ class ReplayBuffer:
 
     def __repr__(self) -> str:
         return (
-            f"ReplayBuffer(len={len(self)}, capacity={self.capacity}, "
-            f"sampler={self.config.sampler}, ram_budget={self.config.ram_budget})"
+            f"ReplayBuffer(len={len(self)}, max_items={self.max_items}, "
+            f"sampler={self.config.sampler}, host_budget={self.config.host_budget})"
         )

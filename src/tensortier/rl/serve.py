@@ -175,8 +175,8 @@ class RemoteReplayBuffer:
     def stats(self) -> dict:
         return self._do("stats")
 
-    def save(self, dirname: str) -> None:
-        self._do("save", os.fspath(dirname))
+    def save(self, directory: str) -> None:
+        self._do("save", os.fspath(directory))
 
     def close(self) -> None:
         """Close the store (deleting its spill files) and end the actor. Idempotent."""
@@ -336,16 +336,16 @@ def _actor_args(
     if isinstance(obj, MemoryBank):
         s = obj._store
         kwargs = {
-            "capacity": s.cap,
-            "ram_budget": s.budget,
+            "max_items": s.cap,
+            "host_budget": s.budget,
             "spill_dir": s.spill_dir,
             "segment_size": s.segment_size,
         }
         return ("bank", kwargs, None), None
     c = obj.config
     kwargs = {
-        "capacity": c.capacity,
-        "ram_budget": c.ram_budget,
+        "max_items": c.max_items,
+        "host_budget": c.host_budget,
         "spill_dir": c.spill_dir,
         "sampler": c.sampler,
         "max_uses": c.max_uses,
@@ -366,5 +366,5 @@ def _actor_args(
     except BaseException:
         remove_private_dir(copy_dir)
         raise
-    small = {"ram_budget": c.ram_budget, "spill_dir": c.spill_dir, "seed": c.seed}
+    small = {"host_budget": c.host_budget, "spill_dir": c.spill_dir, "seed": c.seed}
     return ("replay", {**small, "rate_limit": limit}, saved), copy_dir

@@ -1,7 +1,7 @@
 """Sharded replay on Ray: K buffer actors, exact PER over their union, one rate limiter for all.
 
-Layout. ``serve(buf, shards=K)`` starts K shard actors, each a ReplayBuffer with ``capacity/K``
-slots, ``ram_budget/K`` of RAM and its own spill directory on its node (durable shards:
+Layout. ``serve(buf, shards=K)`` starts K shard actors, each a ReplayBuffer with ``max_items/K``
+slots, ``host_budget/K`` of RAM and its own spill directory on its node (durable shards:
 ``spill_dir/shard-i``). Ray places them (``scheduling_strategy="SPREAD"`` over nodes unless given).
 The handle, :class:`ShardedReplayBuffer`, is picklable: collectors write each ``add``/``extend``
 call whole to one shard, one on their own node first, else round-robin over the live shards.
@@ -893,10 +893,10 @@ def _check_sharded_args(obj: object, shards: Any, num_cpus: object, name: object
 
 
 def _shard_kwargs(c: ReplayConfig, k: int) -> list[dict]:
-    """Each shard's ReplayBuffer arguments: 1/k of the capacity and RAM budget (rounded up), a
+    """Each shard's ReplayBuffer arguments: 1/k of ``max_items`` and ``host_budget`` (rounded up), a
     seed of its own, a durable shard's own directory ``spill_dir/shard-i``."""
-    per_cap = -(-c.capacity // k)
-    per_ram = -(-c.ram_budget // k)
+    per_cap = -(-c.max_items // k)
+    per_ram = -(-c.host_budget // k)
     out = []
     for i in range(k):
         spill = c.spill_dir
@@ -905,8 +905,8 @@ def _shard_kwargs(c: ReplayConfig, k: int) -> list[dict]:
             spill = os.path.join(spill, f"shard-{i}")
         out.append(
             {
-                "capacity": per_cap,
-                "ram_budget": per_ram,
+                "max_items": per_cap,
+                "host_budget": per_ram,
                 "spill_dir": spill,
                 "sampler": c.sampler,
                 "max_uses": c.max_uses,
