@@ -43,7 +43,7 @@ def states_placement(tier: StateTier, spill_dir, disk_capacity, remote) -> Place
     return Placement(
         (tier.value,),
         directory=spill_dir,
-        disk_capacity=disk_capacity,
+        disk_budget=disk_capacity,
         remote=remote,
         where=f"OffloadedAdamW(states={tier.value!r})",
     )
