@@ -271,7 +271,7 @@ def test_prefetch_reads_ahead_within_the_window(store):
     data = [torch.full((1 << 16,), float(i)) for i in range(6)]  # 256 KiB each
     hs = [store.write(t) for t in data]
     gets = store.stats.gets
-    store.prefetch(hs, window=2 * hs[0].nbytes)
+    store.prefetch(hs, prefetch_budget=2 * hs[0].nbytes)
     assert len(store._prefetch.ahead) == 2  # bounded in bytes
     assert store.stats.prefetched == 2
     for i, (h, t) in enumerate(zip(hs, data)):
@@ -284,14 +284,14 @@ def test_prefetch_reads_ahead_within_the_window(store):
     assert store.stats.prefetch_hits == 6 and store.stats.prefetched == 6
     assert store.stats.gets - gets == 6  # each tensor read once
     # a new order replaces the old one; free drops a read-ahead copy
-    store.prefetch(hs[:3], window="1GiB")
+    store.prefetch(hs[:3], prefetch_budget="1GiB")
     assert set(store._prefetch.ahead) == {h.id for h in hs[:3]}
     store.free(hs[0])
     assert hs[0].id not in store._prefetch.ahead
     with pytest.raises(KeyError):
         store.prefetch(hs[:1])
-    with pytest.raises(ConfigError, match="window"):
-        store.prefetch(hs[1:], window=0)
+    with pytest.raises(ConfigError, match="prefetch_budget"):
+        store.prefetch(hs[1:], prefetch_budget=0)
     for h in hs[1:]:
         store.free(h)
     assert not store._prefetch.ahead and store.stats.used_bytes == 0

@@ -719,19 +719,21 @@ class RemoteStore(StoreBase):
             self.stats.bytes_read += nbytes
             self.stats.read_seconds += time.perf_counter() - t0
 
-    def prefetch(self, handles: Sequence[RemoteHandle], *, window: SizeLike = "256MiB") -> None:
+    def prefetch(
+        self, handles: Sequence[RemoteHandle], *, prefetch_budget: SizeLike = "256MiB"
+    ) -> None:
         """Read ``handles`` ahead, in this order, before :meth:`get` asks for them (Leap's
-        prefetch along a known order): reads start at once for up to ``window`` bytes, and each
-        ``get`` of a prefetched handle (served from its copy) starts the next ones. At most
-        ``window`` bytes are read ahead and not yet taken (at least one tensor). A new call
-        replaces the order and drops read-ahead copies of handles not in it; ``free`` drops a
-        handle's copy. Never blocks on a transfer."""
+        prefetch along a known order): reads start at once for up to ``prefetch_budget`` bytes,
+        and each ``get`` of a prefetched handle (served from its copy) starts the next ones. At
+        most ``prefetch_budget`` bytes are read ahead and not yet taken (at least one tensor). A
+        new call replaces the order and drops read-ahead copies of handles not in it; ``free``
+        drops a handle's copy. Never blocks on a transfer."""
         if isinstance(handles, RemoteHandle) or not isinstance(handles, (list, tuple)):
             raise TypeError(
                 f"RemoteStore.prefetch(handles): expected a list or tuple of RemoteHandles, got "
                 f"{type(handles).__name__}"
             )
-        limit = parse_size(window, name="prefetch window", allow_zero=False)
+        limit = parse_size(prefetch_budget, name="prefetch_budget", allow_zero=False)
         for i, h in enumerate(handles):
             _check_handle(h, f"prefetch(handles[{i}])")
         with self._lock:
