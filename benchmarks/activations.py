@@ -49,8 +49,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--spill-dir", default=tempfile.gettempdir())
-    p.add_argument("--prefetch", default="128MiB", help="tensortier prefetch window")
-    p.add_argument("--max-inflight", default="128MiB", help="tensortier bytes in flight to a tier")
+    p.add_argument("--prefetch-budget", default="128MiB", help="tensortier bytes read ahead")
+    p.add_argument(
+        "--inflight-budget", default="128MiB", help="tensortier bytes in flight to a tier"
+    )
     p.add_argument(
         "--malloc-release",
         action="store_true",
@@ -118,8 +120,8 @@ def _worker(args: argparse.Namespace) -> dict:
         offloader = tt.Offloader(
             variant[3:],
             spill_dir=args.spill_dir,
-            prefetch=args.prefetch,
-            max_inflight=args.max_inflight,
+            prefetch_budget=args.prefetch_budget,
+            inflight_budget=args.inflight_budget,
             min_bytes="256KiB",
             host_budget="16GiB" if cuda else "64GiB",
         )
@@ -294,7 +296,7 @@ def _spawn(args: argparse.Namespace, variant: str, env: dict) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.activations", "--worker", variant]
     for flag in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps", "spill_dir"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    cmd += ["--prefetch", args.prefetch, "--max-inflight", args.max_inflight]
+    cmd += ["--prefetch-budget", args.prefetch_budget, "--inflight-budget", args.inflight_budget]
     if args.quick:
         cmd.append("--quick")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

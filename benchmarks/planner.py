@@ -188,7 +188,7 @@ def _worker(args) -> dict:
         opts = Options(seed=0, plan_seconds=args.plan_seconds, tiers=("disk",))
         config = PlanConfig(
             budget=budget,
-            to="disk",
+            tier="disk",
             spill_dir=args.spill_dir,
             timing_iters=args.timing_iters,
             options=opts,
@@ -243,10 +243,10 @@ def _worker(args) -> dict:
                     "disk",
                     spill_dir=args.spill_dir,
                     decide=make_decide(profile, plan),
-                    prefetch=config.prefetch,
-                    max_inflight=config.max_inflight,
+                    prefetch_budget=config.prefetch_budget,
+                    inflight_budget=config.inflight_budget,
                     host_budget=planned._pool_budget(),
-                    disk_io_threads=planned._io_threads(),
+                    io_threads=planned._io_threads(),
                 )
             sets = selective_sets(profile, plan)
             recompute = plan.recomputed()

@@ -205,7 +205,7 @@ def _prefetch(store: RemoteStore, data: torch.Tensor, repeat: int) -> tuple[list
         hs = [store.write(p) for p in parts]  # fresh: no copy cached on this node yet
         t0 = time.perf_counter()
         if prefetch:
-            store.prefetch(hs, window=data.numel() // 4)
+            store.prefetch(hs, prefetch_budget=data.numel() // 4)
         backs = []
         for h in hs:
             backs.append(store.read(h))

@@ -511,7 +511,7 @@ def _variant_contexts(name: str, model, plain_added: int, args, spill_dir: str):
         frac = float(name.split("-")[1])
         off = tt.offload(
             budget=max(1, int(frac * plain_added)),
-            to="host",
+            tier="host",
             host_budget=host_budget,
             options=Options(plan_seconds=args.plan_seconds),
         )

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WAYS = ("plain", "torch.utils.checkpoint", 'tt.offload(to="host")', 'tt.offload(to="disk")')
+WAYS = ("plain", "torch.utils.checkpoint", 'tt.offload(tier="host")', 'tt.offload(tier="disk")')
 
 
 def _make_demo_command() -> list[str]:

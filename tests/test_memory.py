@@ -43,8 +43,8 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     model = GPT(cfg)
     x, y = random_batch(cfg, 16)
-    off = tt.Offloader("disk", spill_dir=sys.argv[1], min_bytes="256KiB", prefetch="16MiB",
-                       max_inflight="16MiB") if sys.argv[2] == "disk" else None
+    off = tt.Offloader("disk", spill_dir=sys.argv[1], min_bytes="256KiB", prefetch_budget="16MiB",
+                       inflight_budget="16MiB") if sys.argv[2] == "disk" else None
     base = rss_bytes()
     peaks = []
     for _ in range(4):

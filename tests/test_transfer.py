@@ -19,7 +19,7 @@ from tests.conftest import ALL_DTYPES, bit_equal, make_tensor
 def engine(spill_dir):
     with (
         DiskStore(spill_dir, slab_size="4MiB") as disk,
-        TransferEngine(host=HostPool("64MiB", pin=None), disk=disk, max_inflight="8MiB") as e,
+        TransferEngine(host=HostPool("64MiB", pin=None), disk=disk, inflight_budget="8MiB") as e,
     ):
         yield e
 
@@ -196,11 +196,11 @@ def test_stale_handle_raises_and_gives_its_bytes_back(engine):
 
 def test_full_disk_at_submit_raises_and_gives_its_bytes_back(spill_dir):
     with (
-        DiskStore(spill_dir, slab_size="1MiB", capacity="1MiB") as disk,
-        TransferEngine(host=HostPool("16MiB", pin=False), disk=disk, max_inflight="4MiB") as e,
+        DiskStore(spill_dir, slab_size="1MiB", budget="1MiB") as disk,
+        TransferEngine(host=HostPool("16MiB", pin=False), disk=disk, inflight_budget="4MiB") as e,
     ):
         keep = e.to_store(torch.zeros(200_000), "disk").result()  # 800 KB of the 1 MiB
-        for _ in range(8):  # more than max_inflight in total: a leak would block the next call
+        for _ in range(8):  # more than inflight_budget in total: a leak would block the next call
             with pytest.raises(TierFullError):
                 e.to_store(torch.zeros(200_000), "disk").result()
             host = e.to_host(torch.zeros(200_000)).result()
@@ -215,7 +215,7 @@ def test_full_disk_at_submit_raises_and_gives_its_bytes_back(spill_dir):
 def test_full_host_pool_raises_and_gives_its_bytes_back(spill_dir):
     with (
         DiskStore(spill_dir, slab_size="4MiB") as disk,
-        TransferEngine(host=HostPool("1MiB", pin=False), disk=disk, max_inflight="1MiB") as e,
+        TransferEngine(host=HostPool("1MiB", pin=False), disk=disk, inflight_budget="1MiB") as e,
     ):
         held = e.to_host(torch.zeros(200_000)).result()
         h = e.to_store(torch.zeros(200_000), "disk").result()
@@ -249,7 +249,7 @@ def test_failed_read_gives_its_bytes_and_block_back(engine, monkeypatch):
 def test_callbacks_on_transfer_threads_never_wait_for_bytes():
     """REVIEW #13: a thread that gives bytes back (copy workers, completion thread, disk I/O
     callbacks) must never block in the throttle, or it can wait for bytes only it would release."""
-    with TransferEngine(host=HostPool("16MiB", pin=False), max_inflight="1MiB") as e:
+    with TransferEngine(host=HostPool("16MiB", pin=False), inflight_budget="1MiB") as e:
         held = e._throttle.acquire(1 << 20)  # the bound is full
         try:
             chained = e._cpu.submit(lambda: e.to_host(torch.zeros(1 << 18)).result(timeout=10))
@@ -445,7 +445,7 @@ def _gate(engine):
 def test_block_freed_while_its_copy_to_the_device_is_queued_is_not_rewritten(spill_dir):
     """to_device(h) then h.free(): the copy still reads the block. The pool must not lend it again
     (CachingHostAllocator's rule) until the copy has run; the copy must see the original bytes."""
-    with TransferEngine(host=HostPool("64MiB", pin=False), threads=1) as engine:
+    with TransferEngine(host=HostPool("64MiB", pin=False), io_threads=1) as engine:
         x = torch.randn(1 << 18)
         h = engine.to_host(x).result()
         ptr = h.block.buffer.data_ptr()
@@ -461,7 +461,7 @@ def test_block_freed_while_its_copy_to_the_device_is_queued_is_not_rewritten(spi
 
 
 def test_full_pool_waits_for_the_copy_that_still_reads_a_freed_block(spill_dir):
-    with TransferEngine(host=HostPool("1MiB", pin=False), threads=1) as engine:
+    with TransferEngine(host=HostPool("1MiB", pin=False), io_threads=1) as engine:
         x = torch.randn(1 << 18)  # exactly the budget
         h = engine.to_host(x).result()
         gate = _gate(engine)

@@ -7,18 +7,21 @@ from __future__ import annotations
 from typing import Any
 
 
-def offload(to: str = "disk", *, budget: Any = None, **kwargs: Any):
+def offload(tier: str | None = None, *, budget: Any = None, **kwargs: Any):
     """Offload saved activations inside a ``with`` block.
 
     Without ``budget``: a :class:`tensortier.Offloader` with these settings (cached per settings,
-    see :func:`tensortier.activations.offload`). With ``budget="6GiB"``: the planner profiles,
-    chooses keep / swap / recompute under that budget and runs the plan
-    (:func:`tensortier.planner.runtime.planned_offload`; ``plan_cache=DIR`` reuses plans).
+    see :func:`tensortier.activations.offload`); ``tier`` defaults to ``"host"``. With
+    ``budget="6GiB"``: the planner profiles, chooses keep / swap / recompute under that budget and
+    runs the plan (:func:`tensortier.planner.runtime.planned_offload`; ``plan_cache=DIR`` reuses
+    plans); ``tier`` defaults to ``"auto"``: host then disk on a GPU, and the disk tier alone on a
+    CPU-only machine, where host RAM is the device memory (a host copy frees nothing), so the
+    plan still keeps the budget.
     """
     if budget is not None:
         from tensortier.planner.runtime import planned_offload
 
-        return planned_offload(budget, to=to, **kwargs)
+        return planned_offload(budget, tier=tier or "auto", **kwargs)
     from tensortier.activations.offloader import offload as offload_mechanism
 
-    return offload_mechanism(to, **kwargs)
+    return offload_mechanism(tier or "host", **kwargs)

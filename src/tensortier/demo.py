@@ -1,11 +1,11 @@
 """`tensortier demo`: train a small GPT four ways and compare peak memory, step time and gradients.
 
 The ways: ``plain`` keeps every activation; ``checkpoint`` recomputes each block in backward
-(``torch.utils.checkpoint``); ``tt.offload(to="host")`` and ``tt.offload(to="disk")`` move saved
+(``torch.utils.checkpoint``); ``tt.offload(tier="host")`` and ``tt.offload(tier="disk")`` move saved
 activations to pinned host RAM or to spill files and prefetch them for backward. Each way runs in
 a fresh Python process (``python -m tensortier.demo --worker WAY``), so its peak memory is its
 own. The peak of a step is what the step adds to the memory in use before the first step (CUDA:
-allocated device memory; CPU-only: RSS, where host RAM *is* the device memory, so ``to="host"``
+allocated device memory; CPU-only: RSS, where host RAM *is* the device memory, so ``tier="host"``
 cannot lower it there). Gradients of the first step are compared bit for bit with ``plain``'s.
 
 Self-contained on purpose: only the public ``tt.offload`` verb, the package's GPT and
@@ -34,8 +34,8 @@ from tensortier._units import format_size
 WAYS = {  # worker name -> what the table calls it
     "plain": "plain",
     "checkpoint": "torch.utils.checkpoint",
-    "tt-host": 'tt.offload(to="host")',
-    "tt-disk": 'tt.offload(to="disk")',
+    "tt-host": 'tt.offload(tier="host")',
+    "tt-disk": 'tt.offload(tier="disk")',
 }
 QUICK = dict(layers=2, d_model=128, heads=4, seq=64, batch=4, steps=2)  # seconds per way
 MIN_BYTES = "64KiB"  # smaller saved tensors stay where they are
@@ -48,7 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
-    p.add_argument("--spill-dir", default=tempfile.gettempdir(), help="where to='disk' spills")
+    p.add_argument("--spill-dir", default=tempfile.gettempdir(), help="where tier='disk' spills")
     p.add_argument("--quick", action="store_true", help="a tiny GPT (seconds per way)")
     p.add_argument("--worker", choices=sorted(WAYS), default=None, help=argparse.SUPPRESS)
 
@@ -119,9 +119,9 @@ def _context(way: str, spill_dir: str) -> AbstractContextManager:
     import tensortier as tt
 
     if way == "tt-host":
-        return tt.offload(to="host", min_bytes=MIN_BYTES)
+        return tt.offload(tier="host", min_bytes=MIN_BYTES)
     if way == "tt-disk":
-        return tt.offload(to="disk", spill_dir=spill_dir, min_bytes=MIN_BYTES)
+        return tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=MIN_BYTES)
     return nullcontext()
 
 

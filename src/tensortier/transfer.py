@@ -388,7 +388,8 @@ class TransferEngine:
     ``device`` is the default target of ``to_device``/``from_store(to="device")``; each call may
     name another with ``device=``. Copies of a tensor on ``cuda:k`` run on ``cuda:k``'s streams.
     ``host=None`` makes a pool of :func:`~tensortier.tiers.host.default_budget` bytes that the
-    engine owns and closes.
+    engine owns and closes. ``inflight_budget`` bounds the bytes in transfers not yet finished
+    (their sources are still held); ``io_threads`` is the number of host copy/codec threads.
     """
 
     def __init__(
@@ -397,14 +398,16 @@ class TransferEngine:
         host: HostPool | None = None,
         disk: DiskStore | None = None,
         remote: RemoteStore | None = None,
-        max_inflight: SizeLike = "512MiB",
+        inflight_budget: SizeLike = "512MiB",
         device: torch.device | str | None = None,
-        threads: int = 2,
+        io_threads: int = 2,
     ):
-        threads = check_int(
-            threads, f"threads must be an int >= 1, got {threads!r}; the default is 2", minimum=1
+        io_threads = check_int(
+            io_threads,
+            f"io_threads must be an int >= 1, got {io_threads!r}; the default is 2",
+            minimum=1,
         )
-        limit = parse_size(max_inflight, name="max_inflight", allow_zero=False)
+        limit = parse_size(inflight_budget, name="inflight_budget", allow_zero=False)
         self.device = normalize_device(device)
         self._owns_host = host is None
         self.host = host if host is not None else HostPool(default_budget())
@@ -417,7 +420,7 @@ class TransferEngine:
         self._sides: dict[torch.device, _Side] = {}
         self._completer = _Completer()
         self._cpu = ThreadPoolExecutor(
-            threads, thread_name_prefix="tt-copy", initializer=_mark_releasing
+            io_threads, thread_name_prefix="tt-copy", initializer=_mark_releasing
         )
         self._finalizer = Finalizer(self, _shutdown, self._completer, self._cpu)
         register_stats("transfer_engine", self)  # tt.stats() lists it while it is open
@@ -655,7 +658,7 @@ class TransferEngine:
     def _need_remote(self) -> RemoteStore:
         if self.remote is None:
             raise ValueError(
-                "this TransferEngine has no remote tier; pass remote=RemoteStore(capacity) "
+                "this TransferEngine has no remote tier; pass remote=RemoteStore(budget) "
                 "(after ray.init)"
             )
         return self.remote

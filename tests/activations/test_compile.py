@@ -71,9 +71,9 @@ def test_dynamo_traces_through_the_offloader_hooks_without_graph_breaks():
 def test_offload_module_inside_a_compiled_model_fails_with_a_clear_error(compiled_reference):
     model = mlp()
     with pytest.raises(ConfigError, match="torch.compile'd module"):
-        tt.offload_module(torch.compile(model[0]), to="host")
+        tt.offload_module(torch.compile(model[0]), tier="host")
     torch._dynamo.reset()  # dynamo does not guard on hooks: code compiled without them ignores them
-    handle = tt.offload_module(nn.ModuleList([model[0], model[2]]), to="host", min_bytes=0)
+    handle = tt.offload_module(nn.ModuleList([model[0], model[2]]), tier="host", min_bytes=0)
     compiled = torch.compile(model)
     try:
         # dynamo compiles the hooks away inside the compiled graph: never offload nothing silently

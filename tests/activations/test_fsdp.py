@@ -59,8 +59,8 @@ def _run(rank: int, world: int, to: str, ckpt: bool, spill: str) -> dict:
     plain, offl, local = (_model(ckpt) for _ in range(3))
     plain, offl = _fsdp(plain, world), _fsdp(offl, world)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, offl, local)]
-    off = tt.offload(to=to, spill_dir=spill, min_bytes=0)
-    off_local = tt.offload(to=to, spill_dir=spill, min_bytes=0)
+    off = tt.offload(tier=to, spill_dir=spill, min_bytes=0)
+    off_local = tt.offload(tier=to, spill_dir=spill, min_bytes=0)
     g = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         x = torch.randn(16, 32, generator=g)

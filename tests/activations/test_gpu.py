@@ -57,7 +57,9 @@ def test_cuda_offload_module_frees_device_memory_before_backward():
     ref = _grads(model)
     model.zero_grad(set_to_none=True)
     del loss
-    handle = tt.offload_module(model.transformer.h, to="host", min_bytes=0, prefetch="1MiB")
+    handle = tt.offload_module(
+        model.transformer.h, tier="host", min_bytes=0, prefetch_budget="1MiB"
+    )
     off = handle.offloader
     try:
         for _ in range(2):  # the second forward ends at the learned last block
@@ -238,7 +240,7 @@ def test_cuda_inplace_change_while_the_copy_is_in_flight_raises(spill_dir, tier)
 
 
 def test_cuda_mixed_tiers_never_rewrite_a_block_under_its_queued_copy(spill_dir):
-    """review-12-18 #3: when host and disk records mix (the planner's plans, to="auto"), the disk
+    """review-12-18 #3: when host and disk records mix (the planner's plans, tier="auto"), the disk
     reads of backward land in pool blocks; a host record's block, freed while its H2D still waits
     behind the consumer stream, must not be one of them (the gradients would silently read the
     disk record's bytes)."""
@@ -251,7 +253,7 @@ def test_cuda_mixed_tiers_never_rewrite_a_block_under_its_queued_copy(spill_dir)
         "auto",
         spill_dir=spill_dir,
         min_bytes=0,
-        prefetch="32MiB",
+        prefetch_budget="32MiB",
         decide=lambda info: "host" if info.index % 2 else "disk",  # as a plan mixes them
     )
     for _ in range(3):

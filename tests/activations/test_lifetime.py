@@ -38,7 +38,7 @@ def test_switching_offload_settings_every_step_releases_everything(spill_dir):
     threads, fds = threading.active_count(), open_fds()
     engines, pools = [], []
     for i in range(20):  # the settings change at every step
-        off = tt.offload(to="disk", spill_dir=spill_dir, min_bytes=i % 2)
+        off = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=i % 2)
         engines.append(off._engine)
         pools.append(off._host)
         _step(model, off)
@@ -64,9 +64,9 @@ def test_switching_settings_inside_one_step_keeps_the_first_alive_until_backward
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     O._CACHE.clear()
-    with tt.offload(to="host", min_bytes=0) as first:
+    with tt.offload(tier="host", min_bytes=0) as first:
         h = model[:2](x)
-    with tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0) as second:
+    with tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0) as second:
         loss = model[2:](h).square().mean()
     assert not first._engine._closed and first is not second
     loss.backward()
@@ -91,14 +91,14 @@ def test_dropped_offloader_is_closed_by_the_reaper(spill_dir):
 def test_offload_handle_remove_closes_its_offloader(spill_dir):
     model = mlp()
     x = torch.randn(16, 64)
-    handle = tt.offload_module(model[0], to="disk", spill_dir=spill_dir, min_bytes=0)
+    handle = tt.offload_module(model[0], tier="disk", spill_dir=spill_dir, min_bytes=0)
     model(x).sum().backward()
     engine = handle.offloader._engine
     handle.remove()  # idle: closed at once
     assert engine._closed and os.listdir(spill_dir) == []
 
     # removed between forward and backward: backward still works, the offloader closes after
-    handle = tt.offload_module(model[0], to="disk", spill_dir=spill_dir, min_bytes=0)
+    handle = tt.offload_module(model[0], tier="disk", spill_dir=spill_dir, min_bytes=0)
     loss = model(x).sum()
     engine = handle.offloader._engine
     handle.remove()

@@ -293,7 +293,7 @@ def test_twenty_iterations_no_growth_of_memory(spill_dir):
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
     x = torch.randn(1024, 512)
     off = tt.Offloader(
-        "disk", spill_dir=spill_dir, min_bytes=0, prefetch="8MiB", max_inflight="8MiB"
+        "disk", spill_dir=spill_dir, min_bytes=0, prefetch_budget="8MiB", inflight_budget="8MiB"
     )
     rss, lent = [], []
     for _ in range(20):
@@ -327,7 +327,7 @@ def test_prefetch_order_falls_back_when_graph_changes(spill_dir):
 
 def test_prefetch_reads_ahead_of_backward(spill_dir):
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(12)])
-    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0, prefetch="1MiB")
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0, prefetch_budget="1MiB")
     for _ in range(2):
         with off:
             loss = model(torch.randn(256, 256)).sum()
@@ -402,7 +402,7 @@ def test_auto_spills_to_disk_when_host_budget_is_used(spill_dir):
 
 
 def test_bad_settings_are_refused(spill_dir):
-    with pytest.raises(ConfigError, match="to must be one of"):
+    with pytest.raises(ConfigError, match="tier must be one of"):
         tt.Offloader("gpu")
     with pytest.raises(ConfigError):
         tt.Offloader("disk", spill_dir=spill_dir, min_bytes="1 meg")
@@ -412,13 +412,50 @@ def test_bad_settings_are_refused(spill_dir):
         tt.Offloader("disk", spill_dir=os.path.join(spill_dir, "missing"))
 
 
+def test_the_default_tier_is_host_for_every_verb(spill_dir):
+    """Issue 26 #4: ``offload``, ``offload_module`` and ``Offloader`` share one default tier
+    (``offload`` and ``Offloader`` defaulted to disk, ``offload_module`` to host)."""
+    model = mlp()
+    with tt.offload(min_bytes=0) as off:
+        loss = model(torch.randn(8, 64)).sum()
+    loss.backward()
+    assert off.tier == "host" and off.stats.bytes_offloaded["disk"] == 0
+    assert off.stats.bytes_offloaded["host"] > 0
+    off.close()
+    handle = tt.offload_module(model, min_bytes=0)
+    assert handle.offloader.tier == "host"
+    handle.remove()
+    with tt.Offloader() as mine:
+        assert mine.tier == "host"
+    mine.close()
+    assert os.listdir(spill_dir) == []  # the host tier made no spill directory
+
+
+@pytest.mark.parametrize(
+    "old",
+    [
+        {"to": "disk"},
+        {"prefetch": "1MiB"},
+        {"max_inflight": "1MiB"},
+        {"disk_capacity": "1MiB"},
+        {"disk_io_threads": 1},
+    ],
+    ids=lambda old: next(iter(old)),
+)
+def test_the_old_keyword_names_are_refused(old):
+    """Issue 26 #4, version 0.1: renamed without aliases; an old name is Python's TypeError."""
+    for make in (tt.Offloader, tt.offload, lambda **kw: tt.offload_module(mlp(), **kw)):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
+            make(**old)
+
+
 def test_offload_function_reuses_the_offloader_and_reports_stats(spill_dir):
     model = mlp()
     for _ in range(2):
-        with tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0) as off:
+        with tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0) as off:
             loss = model(torch.randn(8, 64)).sum()
         loss.backward()
-    assert tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0) is off
+    assert tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0) is off
     stats = tt.offload_stats()
     assert stats["passes"] == 2 and stats["bytes_offloaded"]["disk"] > 0
     off.close()
@@ -429,7 +466,7 @@ def test_offload_module_only_offloads_inside_the_module(spill_dir):
     model = gpt()
     x, y = random_batch(model.cfg, 2)
     _, ref = _step(model, (x, y))
-    handle = tt.offload_module(model.transformer.h, to="disk", spill_dir=spill_dir, min_bytes=0)
+    handle = tt.offload_module(model.transformer.h, tier="disk", spill_dir=spill_dir, min_bytes=0)
     _, grads = _step(model, (x, y))
     assert all(torch.equal(a, b) for a, b in zip(ref, grads))
     off = handle.offloader

@@ -70,7 +70,7 @@ def test_window_is_empty_after_backward_when_the_tail_was_still_in_flight(monkey
     _spy_consumed(monkeypatch)
     model = gpt(4)
     x, y = random_batch(model.cfg, 4)
-    off = tt.Offloader("host", min_bytes=0, prefetch=600_000, host_budget="1GiB")
+    off = tt.Offloader("host", min_bytes=0, prefetch_budget=600_000, host_budget="1GiB")
     late = LateWrites(off._engine)
     model.transformer.h[-1].register_forward_pre_hook(lambda m, a: setattr(late, "late", True))
     try:
@@ -83,7 +83,7 @@ def test_window_is_empty_after_backward_when_the_tail_was_still_in_flight(monkey
             late.late = False
             assert late.held  # the tail's writes are in flight at the end of forward
             kept = sum(r.nbytes for r in _records(p) if r.keep_source)
-            assert 0 < kept <= off.prefetch
+            assert 0 < kept <= off.prefetch_budget
             late.release()  # the copies finish before backward starts, as on a GPU
             loss.backward()
             s = off.stats
@@ -107,7 +107,7 @@ def test_offload_module_is_one_pass_and_fetches_only_the_tail_before_backward(mo
     ref_model(x, y).backward()
     ref = [p.grad.clone() for p in ref_model.parameters()]
     handle = tt.offload_module(
-        model.transformer.h, to="host", min_bytes=0, prefetch="1MiB", host_budget="1GiB"
+        model.transformer.h, tier="host", min_bytes=0, prefetch_budget="1MiB", host_budget="1GiB"
     )
     off = handle.offloader
     try:
@@ -123,7 +123,7 @@ def test_offload_module_is_one_pass_and_fetches_only_the_tail_before_backward(mo
             fetched = sum(r.nbytes for r in records if r.fetched is not None)
             # nothing outside the tail window is back on the device before backward (before the
             # fix: 100%, each block's exit prefetched it straight back)
-            assert fetched <= off.prefetch, (it, fetched)
+            assert fetched <= off.prefetch_budget, (it, fetched)
             if it > 0:  # from the second forward on, the learned last block starts the tail
                 assert p.forward_ended
             loss.backward()
@@ -141,7 +141,7 @@ def test_offload_module_is_one_pass_and_fetches_only_the_tail_before_backward(mo
 def test_offload_module_learns_a_forward_with_more_blocks():
     """A forward that runs the hooked blocks more often than the last one still ends once."""
     blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
-    handle = tt.offload_module(blocks, to="host", min_bytes=0, prefetch="64KiB")
+    handle = tt.offload_module(blocks, tier="host", min_bytes=0, prefetch_budget="64KiB")
     off = handle.offloader
     x = torch.randn(128, 64)
     try:
@@ -169,7 +169,7 @@ def test_partial_backward_releases_the_window_and_a_second_backward_reads_again(
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(6)])
     x = torch.randn(64, 128)
-    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0, prefetch="128KiB")
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0, prefetch_budget="128KiB")
     try:
         with off:
             mid = model[:3](x)

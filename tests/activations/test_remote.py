@@ -1,4 +1,4 @@
-"""Activation offload to remote memory (to="remote") on a local Ray cluster (one per module)."""
+"""Activation offload to remote memory (tier="remote") on a local Ray cluster (one per module)."""
 
 import gc
 import threading
@@ -74,7 +74,7 @@ def test_gradients_bit_identical_to_no_offload(store, name):
 def test_owned_store_from_a_dict_and_bad_arguments(cluster):
     model, inputs = mlp(), _inputs("mlp")
     ref_loss, ref = _step(model, inputs)
-    off = tt.Offloader("remote", remote={"capacity": "16MiB", "timeout": 30}, min_bytes=0)
+    off = tt.Offloader("remote", remote={"budget": "16MiB", "timeout": 30}, min_bytes=0)
     loss, grads = _offloaded_step(model, inputs, off)
     assert torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(ref, grads))
     owned = off._engine.remote
@@ -85,13 +85,13 @@ def test_owned_store_from_a_dict_and_bad_arguments(cluster):
     with pytest.raises(ConfigError, match="remote="):
         tt.Offloader("remote", remote="16MiB")
     with pytest.raises(ConfigError, match="codec"):
-        tt.Offloader("remote", remote={"capacity": "1MiB"}, codec=ZstdCodec())
+        tt.Offloader("remote", remote={"budget": "1MiB"}, codec=ZstdCodec())
 
 
 def test_node_loss_fails_backward_with_node_lost_error(cluster):
     doomed = cluster.cluster.add_node(num_cpus=0, object_store_memory=STORE)
     s = RemoteStore("32MiB", nodes=[doomed.node_id], timeout=30)
-    off = tt.Offloader("remote", remote=s, min_bytes=0, prefetch=0)
+    off = tt.Offloader("remote", remote=s, min_bytes=0, prefetch_budget=0)
     try:
         model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU())
         x = torch.randn(64, 64)

@@ -14,8 +14,8 @@ strides, and behave as plain autograd otherwise). PyTorch is BSD-3-Clause licens
 Copyright (c) Meta Platforms, Inc. and affiliates and the PyTorch contributors; the test ideas
 are theirs.
 
-Every test that takes the ``offload`` fixture runs once with ``to="host"`` and once with
-``to="disk"``; ``min_bytes=0`` so that even these tiny tensors move.
+Every test that takes the ``offload`` fixture runs once with ``tier="host"`` and once with
+``tier="disk"``; ``min_bytes=0`` so that even these tiny tensors move.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from tests.conftest import bit_equal
 
 @pytest.fixture(params=["host", "disk"])
 def offload(request, spill_dir):
-    """``offload()`` is the context a user writes: ``tt.offload(to=..., min_bytes=0)``; every
+    """``offload()`` is the context a user writes: ``tt.offload(tier=..., min_bytes=0)``; every
     offloader a test made is closed after it (``spill_dir`` then checks nothing is left)."""
     made = []
 
     def make(**kw):
-        off = tt.offload(to=request.param, spill_dir=spill_dir, min_bytes=0, **kw)
+        off = tt.offload(tier=request.param, spill_dir=spill_dir, min_bytes=0, **kw)
         made.append(off)
         return off
 
@@ -756,7 +756,7 @@ def test_cuda_saved_tensors_leave_the_device_during_forward():
     torch.cuda.synchronize()
     without_grad = torch.cuda.memory_allocated()
     del y
-    off = tt.Offloader("host", min_bytes=0, prefetch=0)
+    off = tt.Offloader("host", min_bytes=0, prefetch_budget=0)
     try:
         with off:
             y = f(x)

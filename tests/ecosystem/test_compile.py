@@ -50,7 +50,7 @@ def test_compiled_hf_gpt2_under_offload_aot_eager(to, spill_dir):
     ref_c = torch.compile(ref, backend="aot_eager")
     got_c = torch.compile(got, backend="aot_eager")
     want_losses = train(ref_c, "gpt2", steps=3, opt=torch.optim.AdamW(ref.parameters(), lr=1e-2))
-    opts = dict(to=to, spill_dir=spill_dir, min_bytes=0)
+    opts = dict(tier=to, spill_dir=spill_dir, min_bytes=0)
     off = tt.offload(**opts)
     losses: list[float] = []
     try:

@@ -116,7 +116,7 @@ def test_cuda_offload_module_frees_block_activations_until_backward():
     del loss
     model.zero_grad(set_to_none=True)
 
-    handle = tt.offload_module(model.transformer.h, to="host")
+    handle = tt.offload_module(model.transformer.h, tier="host")
     off = handle.offloader  # after remove() the handle holds it only weakly: it may be collected
     try:
         torch.cuda.synchronize()
@@ -175,7 +175,7 @@ def test_cuda_compiled_gpt2_under_offload():
     torch.cuda.synchronize()
     plain = torch.cuda.memory_allocated() - m0
     loss.backward()
-    off = tt.Offloader("host", prefetch="1MiB")
+    off = tt.Offloader("host", prefetch_budget="1MiB")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*global hooks on modules.*")

@@ -32,10 +32,13 @@ def test_offload_trains_bit_identical(kind, to, spill_dir):
     ref = build(kind, dropout=0.1)  # dropout on: offloading must not draw from the RNG
     got = twin(ref)
     want_losses = train(ref, kind, steps=STEPS)
-    off = tt.offload(to=to, spill_dir=spill_dir, min_bytes=0)
+    off = tt.offload(tier=to, spill_dir=spill_dir, min_bytes=0)
     try:
         losses = train(
-            got, kind, steps=STEPS, ctx=lambda: tt.offload(to=to, spill_dir=spill_dir, min_bytes=0)
+            got,
+            kind,
+            steps=STEPS,
+            ctx=lambda: tt.offload(tier=to, spill_dir=spill_dir, min_bytes=0),
         )
         assert off.stats.bytes_offloaded[to] > 0 and off.stats.passes == STEPS
     finally:
@@ -49,7 +52,7 @@ def test_offload_module_on_the_block_list_trains_bit_identical(kind):
     ref = build(kind, dropout=0.1)
     got = twin(ref)
     train(ref, kind, steps=STEPS)
-    handle = tt.offload_module(blocks(got), to="host", min_bytes=0)
+    handle = tt.offload_module(blocks(got), tier="host", min_bytes=0)
     off = handle.offloader  # after remove() the handle holds it only weakly: it may be collected
     try:
         train(got, kind, steps=STEPS)
@@ -66,7 +69,7 @@ def test_offload_module_runs_one_pass_per_forward(kind):
     block's exit closed a pass and fetched that block's activations straight back, so nothing
     was saved; the GPU check of the memory itself is in ``test_gpu.py``)."""
     model = build(kind)
-    handle = tt.offload_module(blocks(model), to="host", min_bytes=0)
+    handle = tt.offload_module(blocks(model), tier="host", min_bytes=0)
     off = handle.offloader  # kept: after remove() the handle holds it only weakly
     try:
         for step in range(2):
@@ -89,7 +92,7 @@ def test_planner_budget_trains_bit_identical_with_dropout(kind, spill_dir):
     ref = build(kind, dropout=0.1)
     got = twin(ref)
     want_losses = train(ref, kind, steps=steps)
-    opts = dict(budget="64MiB", spill_dir=spill_dir, to="disk")
+    opts = dict(budget="64MiB", spill_dir=spill_dir, tier="disk")
     off = tt.offload(**opts)
     try:
         losses = train(got, kind, steps=steps, ctx=lambda: tt.offload(**opts))
@@ -105,7 +108,7 @@ def test_planner_sees_each_block_of_a_nested_hf_model(kind, spill_dir):
     """HF models keep their blocks in nested lists (``transformer.h``, ``model.layers``,
     ``bert.encoder.layer``): the plan must be per block, not backbone + head (issue 12 #7)."""
     model = build(kind)
-    opts = dict(budget="64MiB", spill_dir=spill_dir, to="disk")
+    opts = dict(budget="64MiB", spill_dir=spill_dir, tier="disk")
     off = tt.offload(**opts)
     try:
         train(model, kind, steps=5, ctx=lambda: tt.offload(**opts))
@@ -122,14 +125,14 @@ def test_gradient_accumulation_under_offload(kind, spill_dir):
     ref = build(kind, dropout=0.1)
     got = twin(ref)
     train(ref, kind, steps=2, accum=3)
-    off = tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0)
+    off = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0)
     try:
         train(
             got,
             kind,
             steps=2,
             accum=3,
-            ctx=lambda: tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0),
+            ctx=lambda: tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0),
         )
     finally:
         off.close()
@@ -141,9 +144,9 @@ def test_tied_gpt2_weights_stay_tied_and_identical_under_offload(spill_dir):
     got = twin(ref)
     assert got.lm_head.weight is got.transformer.wte.weight  # GPT-2 ties its output embedding
     train(ref, "gpt2", steps=STEPS)
-    off = tt.offload(to="host", min_bytes=0)
+    off = tt.offload(tier="host", min_bytes=0)
     try:
-        train(got, "gpt2", steps=STEPS, ctx=lambda: tt.offload(to="host", min_bytes=0))
+        train(got, "gpt2", steps=STEPS, ctx=lambda: tt.offload(tier="host", min_bytes=0))
     finally:
         off.close()
     assert got.lm_head.weight is got.transformer.wte.weight
@@ -165,13 +168,13 @@ def test_torch_checkpoint_blocks_inside_offload(kind, spill_dir):
     ref = wrap(build(kind, dropout=0.1))
     got = wrap(build(kind, dropout=0.1))
     train(ref, kind, steps=STEPS)
-    off = tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0)
+    off = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0)
     try:
         train(
             got,
             kind,
             steps=STEPS,
-            ctx=lambda: tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0),
+            ctx=lambda: tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0),
         )
     finally:
         off.close()
@@ -185,13 +188,13 @@ def test_hf_gradient_checkpointing_under_offload(kind, spill_dir):
     for m in (ref, got):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     train(ref, kind, steps=STEPS)
-    off = tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0)
+    off = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0)
     try:
         train(
             got,
             kind,
             steps=STEPS,
-            ctx=lambda: tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0),
+            ctx=lambda: tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0),
         )
         assert off.stats.bytes_offloaded["disk"] > 0
     finally:

@@ -79,7 +79,7 @@ def test_offloaded_adamw_under_activation_offload(spill_dir):
     ref = build("gpt2", dropout=0.1)
     got = twin(ref)
     train(ref, "gpt2", steps=3, opt=fused(ref.parameters()))
-    off = tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0)
+    off = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0)
     try:
         with offloaded(got.parameters()) as opt:
             train(
@@ -87,7 +87,7 @@ def test_offloaded_adamw_under_activation_offload(spill_dir):
                 "gpt2",
                 steps=3,
                 opt=opt,
-                ctx=lambda: tt.offload(to="disk", spill_dir=spill_dir, min_bytes=0),
+                ctx=lambda: tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0),
             )
     finally:
         off.close()

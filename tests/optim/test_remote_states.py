@@ -77,7 +77,7 @@ def test_remote_states_match_fused_torch_adamw_bitwise(store, overlap):
 def test_state_dict_round_trip_and_an_owned_store(cluster):
     a, b = _model(), _model()
     data = _batches(12)
-    opts = {"capacity": "8MiB", "timeout": 30}
+    opts = {"budget": "8MiB", "timeout": 30}
     opt_a = OffloadedAdamW(a.parameters(), lr=1e-2, tier="remote", remote=opts, overlap=False)
     _train(a, opt_a, data)
     opt_b = OffloadedAdamW(b.parameters(), lr=1e-2, tier="remote", remote=opts, overlap=False)

@@ -118,10 +118,10 @@ def test_a_plan_made_without_a_pool_is_not_reused_with_one(tmp_path):
 
 
 def test_to_remote_without_a_pool_is_a_config_error_naming_the_fix():
-    with pytest.raises(ConfigError, match=r"to='remote'.*remote=RemoteStore"):
-        planned_offload("64MiB", to="remote")
+    with pytest.raises(ConfigError, match=r"tier='remote'.*remote=RemoteStore"):
+        planned_offload("64MiB", tier="remote")
     with pytest.raises(ConfigError, match=r"remote=.*RemoteStore"):
-        planned_offload("64MiB", remote={"capacity": "8MiB"})
+        planned_offload("64MiB", remote={"budget": "8MiB"})
 
 
 def test_bandwidth_defaults_keep_old_constructors_working():

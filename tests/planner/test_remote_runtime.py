@@ -84,7 +84,7 @@ def test_to_remote_sends_the_plans_swaps_to_the_pool(pool, tmp_path):
     plain = _train()
     off = tt.offload(
         budget="256MiB",
-        to="remote",
+        tier="remote",
         remote=pool,
         policy="swap_all",
         spill_dir=str(tmp_path),

@@ -232,7 +232,7 @@ def test_dropout_training_is_bit_identical_through_profiling_and_plan(spill_dir,
 
 def test_host_tier_profiles_through_host_not_disk(spill_dir):
     m, x = _mlp(width=256, depth=3), torch.randn(128, 256)
-    off = planned_offload("256MiB", to="host", spill_dir=spill_dir, options=FAST)
+    off = planned_offload("256MiB", tier="host", spill_dir=spill_dir, options=FAST)
     try:
         for _ in range(5):
             m.zero_grad(set_to_none=True)
@@ -276,6 +276,27 @@ def test_cuda_dropout_training_is_bit_identical_through_profiling_and_plan(tmp_p
     finally:
         off.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only rule")
+def test_a_budget_without_a_tier_plans_with_the_disk_on_a_cpu_only_machine(spill_dir):
+    """Issue 26 #4: the offloader's default tier is host, but host copies of CPU tensors free
+    nothing; ``tt.offload(budget=...)`` without ``tier=`` plans over host then disk ("auto"),
+    which on a CPU-only machine is the disk tier alone, profiled through disk."""
+    import tensortier as tt
+
+    m, x = _mlp(width=256, depth=3), torch.randn(128, 256)
+    off = tt.offload(budget="256MiB", spill_dir=spill_dir, options=FAST)
+    try:
+        assert off.config.tier == "auto" and off.config.options.tiers == ("disk",)
+        with off:
+            loss = m(x).sum()
+        loss.backward()
+        warm = off._warm
+        assert warm.tier == "disk" and warm.stats.bytes_offloaded["disk"] > 0
+        assert warm.stats.bytes_offloaded["host"] == 0
+    finally:
+        off.close()
 
 
 def test_budget_holds_a_training_loop_that_steps_adamw(tmp_path):

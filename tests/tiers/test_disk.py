@@ -107,14 +107,14 @@ def test_free_list_reuse_no_file_growth_over_1000_cycles(spill_dir):
         assert slab.free_list == [(0, slab.size)]  # every extent merged back
 
 
-def test_capacity_exhaustion_is_typed_and_store_stays_usable(spill_dir):
-    with DiskStore(spill_dir, capacity="2MiB", slab_size="1MiB") as s:
+def test_budget_exhaustion_is_typed_and_store_stays_usable(spill_dir):
+    with DiskStore(spill_dir, budget="2MiB", slab_size="1MiB") as s:
         a = s.write(torch.zeros(200_000))  # 800 KB
         b = s.write(torch.zeros(200_000))
         with pytest.raises(TierFullError) as err:
             s.put(torch.zeros(200_000))  # raised by put itself, at the write that hit it
         assert err.value.tier == "disk" and err.value.limit == 2 << 20
-        assert "raise capacity" in str(err.value)
+        assert "raise the budget" in str(err.value)
         assert len(s) == 2 and torch.equal(s.read(a), torch.zeros(200_000))
         s.free(b)
         c = s.write(torch.ones(200_000))
@@ -235,9 +235,9 @@ def test_free_twice_and_foreign_handles(spill_dir):
 
 def test_bad_arguments(spill_dir):
     with pytest.raises(ConfigError):
-        DiskStore(spill_dir, capacity="lots")
+        DiskStore(spill_dir, budget="lots")
     with pytest.raises(ConfigError, match="negative"):
-        DiskStore(spill_dir, capacity=-1)
+        DiskStore(spill_dir, budget=-1)
     with pytest.raises(ValueError, match="io_threads"):
         DiskStore(spill_dir, io_threads=0)
     with DiskStore(spill_dir) as s, pytest.raises(TypeError, match="to_dense"):
@@ -251,11 +251,11 @@ def test_bad_io_threads_is_a_config_error_naming_it_and_the_fix(spill_dir, value
     assert os.listdir(spill_dir) == []  # refused before any directory was made
 
 
-def test_bad_direct_and_tiny_capacity_are_config_errors(spill_dir):
+def test_bad_direct_and_tiny_budget_are_config_errors(spill_dir):
     with pytest.raises(ConfigError, match="direct='yes'.*True.*False.*None"):
         DiskStore(spill_dir, direct="yes")
-    with pytest.raises(ConfigError, match="capacity=100.*at least 4KiB"):
-        DiskStore(spill_dir, capacity=100)
+    with pytest.raises(ConfigError, match="budget=100.*at least 4KiB"):
+        DiskStore(spill_dir, budget=100)
 
 
 def test_wrong_operands_are_type_errors_naming_the_argument(spill_dir):
@@ -319,22 +319,22 @@ def test_close_fails_queued_io_instead_of_leaving_futures_unresolved(spill_dir, 
     assert not os.path.exists(s.root)
 
 
-# --------------------------------------------------------------------------- capacity vs slabs
-def test_capacity_below_the_slab_size_still_stores_tensors(spill_dir):
-    with DiskStore(spill_dir, capacity="8MiB") as s:  # default slab_size is 256MiB
+# --------------------------------------------------------------------------- budget vs slabs
+def test_budget_below_the_slab_size_still_stores_tensors(spill_dir):
+    with DiskStore(spill_dir, budget="8MiB") as s:  # default slab_size is 256MiB
         assert s.slab_size == 8 << 20
         x = torch.arange(10.0)
         assert torch.equal(s.read(s.write(x)), x)
-        big = torch.ones(7 << 18)  # 7 MiB: fits the capacity
+        big = torch.ones(7 << 18)  # 7 MiB: fits the budget
         assert torch.equal(s.read(s.write(big)), big)
         assert s.stats.file_bytes <= 8 << 20
-        with pytest.raises(TierFullError, match="raise capacity"):
+        with pytest.raises(TierFullError, match="raise the budget"):
             s.put(torch.ones(2 << 18))  # 2 MiB more does not fit in 8 MiB
         assert len(s) == 2
 
 
-def test_last_slab_is_cut_to_the_capacity_left(spill_dir):
-    with DiskStore(spill_dir, capacity="3MiB", slab_size="2MiB") as s:
+def test_last_slab_is_cut_to_the_budget_left(spill_dir):
+    with DiskStore(spill_dir, budget="3MiB", slab_size="2MiB") as s:
         a = s.write(torch.ones(1 << 19))  # 2 MiB: the first slab
         b = s.write(torch.ones(1 << 18))  # 1 MiB: a 2 MiB slab would exceed 3 MiB; a 1 MiB one fits
         assert s.stats.file_bytes == 3 << 20
@@ -343,8 +343,8 @@ def test_last_slab_is_cut_to_the_capacity_left(spill_dir):
         )
 
 
-def test_offload_with_a_small_disk_capacity_works(spill_dir):
-    """What ``tt.offload(to="disk", disk_capacity="64MiB")`` builds (issue 18 #15)."""
+def test_offload_with_a_small_disk_budget_works(spill_dir):
+    """What ``tt.offload(tier="disk", disk_budget="64MiB")`` builds (issue 18 #15)."""
     import tensortier as tt
 
     torch.manual_seed(0)
@@ -353,11 +353,11 @@ def test_offload_with_a_small_disk_capacity_works(spill_dir):
     m(x).sum().backward()
     expected = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
-    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes="256KiB", disk_capacity="64MiB")
+    off = tt.Offloader("disk", spill_dir=spill_dir, min_bytes="256KiB", disk_budget="64MiB")
     try:
         with off:
             loss = m(x).sum()
-        loss.backward()  # before the fix: TierFullError (a 256 MiB slab in a 64 MiB capacity)
+        loss.backward()  # before the fix: TierFullError (a 256 MiB slab in a 64 MiB budget)
         assert off.stats.bytes_offloaded["disk"] > 0
     finally:
         off.close()

@@ -17,40 +17,40 @@ from tensortier.tiers.placement import Placement, check_remote
 BAD = [None, "8GiB", {"timeout": 30}, object()]
 
 
-@pytest.mark.parametrize("remote", BAD, ids=["none", "size", "no-capacity", "object"])
+@pytest.mark.parametrize("remote", BAD, ids=["none", "size", "no-budget", "object"])
 def test_every_client_refuses_a_bad_pool_with_the_same_sentence(remote):
     torch = pytest.importorskip("torch")
     params = [torch.nn.Parameter(torch.zeros(4))]
     calls = {
-        "Offloader(to='remote')": lambda: tt.Offloader("remote", remote=remote),
-        "OffloadedAdamW(states='remote')": lambda: OffloadedAdamW(
-            params, states="remote", remote=remote
+        "Offloader(tier='remote')": lambda: tt.Offloader("remote", remote=remote),
+        "OffloadedAdamW(tier='remote')": lambda: OffloadedAdamW(
+            params, tier="remote", remote=remote
         ),
-        "ReplayBuffer: spill='remote'": lambda: ReplayBuffer(8, spill="remote", remote=remote),
-        "MemoryBank: spill=['remote']": lambda: MemoryBank(8, spill=["remote"], remote=remote),
+        "ReplayBuffer: tier='remote'": lambda: ReplayBuffer(8, tier="remote", remote=remote),
+        "MemoryBank: tier=['remote']": lambda: MemoryBank(8, tier=["remote"], remote=remote),
     }
     for where, call in calls.items():
         with pytest.raises(ConfigError) as info:
             call()
         text = str(info.value)
-        assert text.startswith(f"{where} needs remote=tt.tiers.RemoteStore(capacity)"), text
-        assert f"got remote={remote!r}" in text and "remote=RemoteStore(capacity='8GiB')" in text
+        assert text.startswith(f"{where} needs remote=tt.tiers.RemoteStore(budget)"), text
+        assert f"got remote={remote!r}" in text and "remote=RemoteStore(budget='8GiB')" in text
 
 
 def test_a_dict_of_arguments_is_taken_only_where_the_client_makes_the_pool():
-    args = {"capacity": "8MiB"}
-    check_remote(args, where="Offloader(to='remote')", needed=True)  # made and closed there
+    args = {"budget": "8MiB"}
+    check_remote(args, where="Offloader(tier='remote')", needed=True)  # made and closed there
     with pytest.raises(ConfigError, match="or a dict") as info:
         check_remote("8MiB", where="x", needed=True)
-    assert "remote={'capacity': '8GiB'}" in str(info.value)
-    with pytest.raises(ConfigError, match=r"remote=\{'capacity'") as info:
-        check_remote(args, where="ReplayBuffer: spill='remote'", needed=True, args=False)
+    assert "remote={'budget': '8GiB'}" in str(info.value)
+    with pytest.raises(ConfigError, match=r"remote=\{'budget'") as info:
+        check_remote(args, where="ReplayBuffer: tier='remote'", needed=True, args=False)
     assert "a dict" not in str(info.value)  # this client takes an open store only
     check_remote(None, where="x", needed=False)
 
 
 def test_placement_checks_tiers_and_sizes_once(tmp_path):
-    p = Placement(["host", "disk"], directory=tmp_path, host_budget="1MiB", disk_capacity="8MiB")
+    p = Placement(["host", "disk"], directory=tmp_path, host_budget="1MiB", disk_budget="8MiB")
     assert p.tiers == ("host", "disk") and p.host_budget == 1 << 20
     assert Placement("disk").tiers == ("disk",)
     for tiers in ((), ("host", "host"), ("nvme",), ("disk", "gpu")):
@@ -58,17 +58,17 @@ def test_placement_checks_tiers_and_sizes_once(tmp_path):
             Placement(tiers, where="me")
     with pytest.raises(ConfigError, match="host_budget"):
         Placement(("host",), host_budget="lots")
-    with pytest.raises(ConfigError, match="disk capacity"):
-        Placement(("disk",), disk_capacity=0)
+    with pytest.raises(ConfigError, match="disk_budget"):
+        Placement(("disk",), disk_budget=0)
     with pytest.raises(ConfigError, match="remote="):
         Placement(("disk", "remote"))  # the remote tier needs its pool
 
 
 def test_open_disk_makes_a_private_store_under_the_directory(tmp_path):
-    p = Placement(("disk",), directory=tmp_path, disk_capacity="1MiB")
+    p = Placement(("disk",), directory=tmp_path, disk_budget="1MiB")
     store = p.open_disk(owner="tt-test", io_threads=1)
     try:
-        assert isinstance(store, DiskStore) and store.capacity == 1 << 20
+        assert isinstance(store, DiskStore) and store.budget == 1 << 20
         assert os.path.dirname(store.root) == str(tmp_path)
     finally:
         store.close()

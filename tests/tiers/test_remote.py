@@ -101,11 +101,11 @@ def test_payloads_are_raw_bytes_not_pickles(store):
 
 
 def test_full_pool_raises_and_store_stays_usable(store):
-    per_node = store.stats.capacity_bytes // 2
+    per_node = store.stats.budget_bytes // 2
     big = torch.zeros(per_node // 4 * 3, dtype=torch.uint8)  # 3/4 of one node: one per node
     a, b = store.write(big), store.write(big)
     assert a.node != b.node
-    with pytest.raises(TierFullError, match="remote tier capacity exceeded") as err:
+    with pytest.raises(TierFullError, match="remote tier budget exceeded") as err:
         store.put(big)
     assert err.value.tier == "remote" and err.value.requested == big.numel()
     assert store.stats.used_bytes == 2 * big.numel()
@@ -252,10 +252,10 @@ def test_put_many_sends_one_object_and_frees_it_with_its_last_handle(store):
 
 
 def test_put_many_full_pool_and_bad_arguments(store):
-    per_node = store.stats.capacity_bytes // 2
+    per_node = store.stats.budget_bytes // 2
     used = store.stats.used_bytes
     half = torch.zeros(per_node // 2 + 1, dtype=torch.uint8)
-    with pytest.raises(TierFullError, match="remote tier capacity exceeded"):
+    with pytest.raises(TierFullError, match="remote tier budget exceeded"):
         store.put_many([half, half])  # the batch goes whole to one node
     assert store.stats.used_bytes == used and len(store) == 0
     with pytest.raises(TypeError, match="put_many"):
@@ -271,7 +271,7 @@ def test_prefetch_reads_ahead_within_the_window(store):
     data = [torch.full((1 << 16,), float(i)) for i in range(6)]  # 256 KiB each
     hs = [store.write(t) for t in data]
     gets = store.stats.gets
-    store.prefetch(hs, window=2 * hs[0].nbytes)
+    store.prefetch(hs, prefetch_budget=2 * hs[0].nbytes)
     assert len(store._prefetch.ahead) == 2  # bounded in bytes
     assert store.stats.prefetched == 2
     for i, (h, t) in enumerate(zip(hs, data)):
@@ -284,14 +284,14 @@ def test_prefetch_reads_ahead_within_the_window(store):
     assert store.stats.prefetch_hits == 6 and store.stats.prefetched == 6
     assert store.stats.gets - gets == 6  # each tensor read once
     # a new order replaces the old one; free drops a read-ahead copy
-    store.prefetch(hs[:3], window="1GiB")
+    store.prefetch(hs[:3], prefetch_budget="1GiB")
     assert set(store._prefetch.ahead) == {h.id for h in hs[:3]}
     store.free(hs[0])
     assert hs[0].id not in store._prefetch.ahead
     with pytest.raises(KeyError):
         store.prefetch(hs[:1])
-    with pytest.raises(ConfigError, match="window"):
-        store.prefetch(hs[1:], window=0)
+    with pytest.raises(ConfigError, match="prefetch_budget"):
+        store.prefetch(hs[1:], prefetch_budget=0)
     for h in hs[1:]:
         store.free(h)
     assert not store._prefetch.ahead and store.stats.used_bytes == 0
@@ -333,7 +333,7 @@ def test_engine_to_remote_and_back_is_bit_identical(store, engine):
 
 
 def test_engine_remote_errors_are_typed(store, engine):
-    big = torch.zeros(store.stats.capacity_bytes, dtype=torch.uint8)
+    big = torch.zeros(store.stats.budget_bytes, dtype=torch.uint8)
     with pytest.raises(TierFullError, match="remote"):
         engine.to_store(big, "remote")
     engine.synchronize(timeout=5)  # the throttle got its bytes back
@@ -375,7 +375,7 @@ def test_a_store_left_open_at_exit_does_not_reconnect_to_ray(cluster):
         "import tensortier as tt\n"  # before ray: Ray's exit hook then runs first
         "import ray, torch\n"
         "ray.init(address='auto')\n"
-        "pool = tt.tiers.RemoteStore(capacity='64MiB')\n"
+        "pool = tt.tiers.RemoteStore(budget='64MiB')\n"
         "h = pool.put(torch.arange(100_000)).result()\n"
     )
     env = dict(os.environ, RAY_ADDRESS=c.address, RAY_TMPDIR=tmp)

@@ -17,7 +17,7 @@ pack order when the graph changed), is read back ahead of need. At the end of fo
 the head of that order whose write is still in flight keep their source, so the first tensors
 backward needs are never read back. Every backward ends with a callback that empties the window.
 
-Remote memory (``to="remote"``): the storages go to a :class:`~tensortier.tiers.remote.RemoteStore`
+Remote memory (``tier="remote"``): the storages go to a :class:`~tensortier.tiers.remote.RemoteStore`
 (other Ray nodes' RAM) through ``TransferEngine.to_store`` and come back, prefetched the same way,
 through ``from_store``; codecs do not apply to it. The planner (``tt.offload(budget=...,
 remote=pool)``) sends a unit there with ``Action("remote")`` where its simulator, given the pool's
@@ -62,7 +62,7 @@ from tensortier.tiers.remote import RemoteHandle, RemoteStore
 from tensortier.transfer import Encoded, HostTensor, TransferEngine
 
 TIERS = ("host", "disk", "remote", "auto")
-# the tiers each ``to=`` may place bytes on, in spill order
+# the tiers each ``tier=`` may place bytes on, in spill order
 _PLACEMENT = {"host": ("host",), "disk": ("disk",), "remote": ("remote",), "auto": ("host", "disk")}
 
 
@@ -263,75 +263,76 @@ def _close_resources(resources: list) -> None:
 class Offloader:
     """Offloads saved activations while active. Reusable: enter it once per forward pass.
 
-    ``to``: ``"host"`` (pinned RAM; the mode for GPUs), ``"disk"`` (NVMe; the mode that saves memory
-    on a CPU-only machine, where device memory *is* RAM) or ``"auto"`` (host up to ``host_budget``,
-    then disk). Tensors smaller than ``min_bytes`` stay put, and so do CPU tensors saved in a CUDA
-    run (they hold no device memory). ``prefetch`` bounds the bytes read back ahead of backward.
-    ``decide`` (the planner's hook) overrides ``min_bytes``/``to`` per tensor. ``record=True`` keeps
+    ``tier``: ``"host"`` (pinned RAM; the default, the mode for GPUs), ``"disk"`` (NVMe; the mode
+    that saves memory on a CPU-only machine, where device memory *is* RAM) or ``"auto"`` (host up
+    to ``host_budget``, then disk). Tensors smaller than ``min_bytes`` stay put, and so do CPU
+    tensors saved in a CUDA run (they hold no device memory). ``prefetch_budget`` bounds the bytes
+    read back ahead of backward, ``inflight_budget`` the bytes being written (their sources still
+    in memory); ``disk_budget`` the bytes the disk tier may preallocate, ``io_threads`` its I/O
+    threads. ``decide`` (the planner's hook) overrides ``min_bytes``/``tier`` per tensor. ``record=True`` keeps
     per-tensor timings in ``records`` for profiling. ``offload_weight_casts=True`` also moves
     autocast's low-precision weight casts, which by default stay on the device: the autocast cache
     holds them until autocast exits, so moving them frees nothing before backward and costs their
     size over the bus both ways (it only lowers memory during backward).
-    ``to="remote"``: other Ray nodes' RAM; ``remote`` is a
+    ``tier="remote"``: other Ray nodes' RAM; ``remote`` is a
     :class:`~tensortier.tiers.remote.RemoteStore` (the caller's, left open) or a dict of its
-    arguments (``{"capacity": "8GiB"}``, made and closed by the offloader). A lost memory node
+    arguments (``{"budget": "8GiB"}``, made and closed by the offloader). A lost memory node
     makes backward raise ``NodeLostError`` naming it. No codec.
     """
 
     def __init__(
         self,
-        to: str = "disk",
+        tier: str = "host",
         *,
         spill_dir: str | None = None,
         min_bytes: SizeLike = "1MiB",
         host_budget: SizeLike = "8GiB",
-        prefetch: SizeLike = "256MiB",
-        max_inflight: SizeLike = "256MiB",
-        disk_capacity: SizeLike | None = None,
-        disk_io_threads: int = 4,
+        prefetch_budget: SizeLike = "256MiB",
+        inflight_budget: SizeLike = "256MiB",
+        disk_budget: SizeLike | None = None,
+        io_threads: int = 4,
         decide: Callable[[SavedTensorInfo], Action | str] | None = None,
         codec: Codec | None = None,
         record: bool = False,
         offload_weight_casts: bool = False,
         remote: RemoteStore | dict | None = None,
     ):
-        if to not in TIERS:
-            raise ConfigError(f"to must be one of {TIERS}, got {to!r}")
-        if to == "remote" and codec is not None:
+        if tier not in TIERS:
+            raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
+        if tier == "remote" and codec is not None:
             raise ConfigError(
-                f"to='remote' with codec={getattr(codec, 'name', codec)!r}: codecs apply to the "
+                f"tier='remote' with codec={getattr(codec, 'name', codec)!r}: codecs apply to the "
                 f"host and disk tiers only; pass codec=None"
             )
         # tiers, spill directory, budgets and remote pool: checked here, once
         self.placement = Placement(
-            _PLACEMENT[to],
+            _PLACEMENT[tier],
             directory=spill_dir,
             host_budget=host_budget,
-            disk_capacity=disk_capacity,
+            disk_budget=disk_budget,
             remote=remote,
-            where=f"Offloader(to={to!r})",
+            where=f"Offloader(tier={tier!r})",
         )
-        self.to = to
+        self.tier = tier
         self.min_bytes = parse_size(min_bytes, name="min_bytes")
         self.host_budget = self.placement.host_budget
-        self.prefetch = parse_size(prefetch, name="prefetch")
+        self.prefetch_budget = parse_size(prefetch_budget, name="prefetch_budget")
         self.decide, self.codec, self.record = decide, codec, record
         self.offload_weight_casts = offload_weight_casts
         self.spill_dir = spill_dir
         # each disk I/O thread keeps a 4 MiB aligned staging buffer: fewer threads, less memory
-        self._disk_io_threads = disk_io_threads
-        self._max_inflight = max_inflight
+        self._io_threads = io_threads
         self._host = HostPool(self.host_budget)
         self._disk: DiskStore | None = None
-        self._engine = TransferEngine(host=self._host, disk=None, max_inflight=max_inflight)
+        self._engine = TransferEngine(host=self._host, disk=None, inflight_budget=inflight_budget)
         # what close() (or the reaper, once this offloader is collected) releases, in this order
         self._resources: list = [self._engine, self._host]
         self._finalizer = _lifetime.Finalizer(self, _close_resources, self._resources)
         self.device = normalize_device(self._engine.device)
         try:
-            if to in ("disk", "auto"):
+            if tier in ("disk", "auto"):
                 self._attach_disk()
-            if remote is not None:  # to="remote" without one: refused by the Placement
+            if remote is not None:  # tier="remote" without one: refused by the Placement
                 self._attach_remote()
         except BaseException:
             self._finalizer()
@@ -357,7 +358,7 @@ class Offloader:
                 # RAM is the device memory: activations written to disk must leave the RSS, which
                 # glibc's adaptive heap never lets them do (see tensortier._memory)
                 release_freed_memory()
-            owner, threads = _dist.owner("tt-act"), self._disk_io_threads
+            owner, threads = _dist.owner("tt-act"), self._io_threads
             self._disk = self.placement.open_disk(owner=owner, io_threads=threads)
             self._engine.disk = self._disk
             self._resources.append(self._disk)
@@ -591,7 +592,7 @@ class Offloader:
             record.location.extend(put(engine, p) for p in payloads)
         else:
             loc = put(engine, data.view(record.dtype), codec=codec)
-            if record.tier == "host" and self.to == "auto":  # the payloads' size is known only
+            if record.tier == "host" and self.tier == "auto":  # the payloads' size is known only
                 loc = _spill_if_full(engine, loc, data.view(record.dtype), codec, self)  # later
             record.location.append(loc)
         with self._lock:
@@ -765,7 +766,7 @@ def _to_host(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
 
 def _to_disk(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
     """``engine.to_store(t, "disk")``; a device tensor that the host pool cannot stage
-    (``to="auto"`` with the pool full of host records) is copied to pageable memory first, on the
+    (``tier="auto"`` with the pool full of host records) is copied to pageable memory first, on the
     current stream: slower (the forward waits for it), never a failed forward."""
     try:
         return engine.to_store(t, "disk", **codec)
@@ -776,7 +777,7 @@ def _to_disk(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:
 
 
 def _spill_if_full(engine: TransferEngine, first: Future, src, codec, off: Offloader) -> Future:
-    """``to="auto"``: encoded payloads that do not fit the host pool (their size is known only
+    """``tier="auto"``: encoded payloads that do not fit the host pool (their size is known only
     once encoded, on a copy worker) go to disk instead; the future of wherever they end up."""
     out: Future = Future()
     box = [src]  # the source, until the payloads are stored somewhere
@@ -967,13 +968,13 @@ class _Pass:
             return t
         tier = action.tier
         if tier == "host" and size_class(nbytes) > off.host_budget:
-            if off.to == "auto":
+            if off.tier == "auto":
                 tier = "disk"
             else:
                 raise BudgetError(
                     f"host_budget={format_size(off.host_budget)} cannot hold even one saved tensor "
                     f"of {format_size(nbytes)} (shape {tuple(t.shape)}); raise host_budget or use "
-                    f"to='auto' or to='disk'",
+                    f"tier='auto' or tier='disk'",
                     budget=off.host_budget,
                     minimum=size_class(nbytes),
                 )
@@ -987,7 +988,7 @@ class _Pass:
         try:
             pack_s = self._start(record, data)
         except TierFullError:
-            if off.to != "auto" or record.tier != "host":
+            if off.tier != "auto" or record.tier != "host":
                 raise
             record.tier = "disk"  # host budget used up: spill the rest to disk
             record.location.clear()
@@ -1038,7 +1039,7 @@ class _Pass:
         if off.decide is None:
             if nbytes < off.min_bytes:
                 return _KEEP
-            tier = "host" if off.to in ("host", "auto") else off.to
+            tier = "host" if off.tier in ("host", "auto") else off.tier
             return Action(tier, off.codec)
         node = t.grad_fn.name() if t.grad_fn is not None else ""
         info = SavedTensorInfo(
@@ -1066,7 +1067,7 @@ class _Pass:
                 off.stats.order_reused += 1
             else:
                 self.expected = list(reversed(range(n)))
-            budget = off.prefetch
+            budget = off.prefetch_budget
             for i in self.expected:  # the first records backward needs: keep them if in flight
                 record = self.order[i]()
                 if record is None or record.nbytes > budget:
@@ -1146,7 +1147,7 @@ class _Pass:
                     return
                 record = self.order[self.expected[self.cursor]]()
                 wanted = record is not None and record.fetched is None and not record.used
-                if wanted and self.window > 0 and self.window + record.nbytes > off.prefetch:
+                if wanted and self.window > 0 and self.window + record.nbytes > off.prefetch_budget:
                     return
                 self.cursor += 1
                 if not wanted:
@@ -1158,7 +1159,7 @@ class _Pass:
                 off._start_reads(record, fut)
 
 
-def offload(to: str = "disk", **kwargs) -> Offloader:
+def offload(tier: str = "host", **kwargs) -> Offloader:
     """Offload saved activations inside a ``with`` block; see :class:`Offloader` for the options.
 
     Calls with the same settings reuse one offloader (its spill files, host pool and learned
@@ -1171,12 +1172,12 @@ def offload(to: str = "disk", **kwargs) -> Offloader:
         raise ConfigError(
             f"budget={budget!r}: a memory budget is planned by tensortier.offload "
             "(tt.offload(budget=..., spill_dir=...)); tensortier.activations.offload takes the "
-            "offloader's own settings (to=, min_bytes=, prefetch=, ...)"
+            "offloader's own settings (tier=, min_bytes=, prefetch_budget=, ...)"
         )
-    key = (to, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+    key = (tier, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     cached = _CACHE.get(key)
     if cached is None or cached._hooks is not None or cached.closed:
-        cached = Offloader(to, **kwargs)
+        cached = Offloader(tier, **kwargs)
         old = list(_CACHE.values())
         _CACHE.clear()  # one cached configuration: switching settings releases the old one
         _CACHE[key] = cached
@@ -1186,7 +1187,7 @@ def offload(to: str = "disk", **kwargs) -> Offloader:
 
 
 def _hashable(v: Any) -> Any:
-    if isinstance(v, dict):  # e.g. remote={"capacity": ...}: same settings, same offloader
+    if isinstance(v, dict):  # e.g. remote={"budget": ...}: same settings, same offloader
         return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
     try:
         hash(v)
@@ -1244,10 +1245,10 @@ class OffloadHandle:
             off._release_if_idle()
 
 
-def offload_module(module: nn.Module, to: str = "host", **kwargs) -> OffloadHandle:
+def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHandle:
     """Offload the activations saved inside ``module``'s forward only (each child of a ModuleList).
 
-    >>> tt.offload_module(model.transformer.h, to="host")
+    >>> tt.offload_module(model.transformer.h, tier="host")
 
     Not for ``torch.compile``: dynamo compiles the hooks away (ConfigError when tensortier sees
     it), and does not guard on hooks added after compiling (they never fire). Call a compiled
@@ -1264,7 +1265,7 @@ def offload_module(module: nn.Module, to: str = "host", **kwargs) -> OffloadHand
                 "compiled graphs are compiled away; call the compiled model inside "
                 "`with tt.offload(...)` instead"
             )
-    off = given or Offloader(to, **kwargs)
+    off = given or Offloader(tier, **kwargs)
     blocks = _Blocks(off)
     # a compiled model runs these eagerly, at a graph break around each hooked block
     enter, leave = torch.compiler.disable(blocks.enter), torch.compiler.disable(blocks.leave)

@@ -43,7 +43,7 @@ def states_placement(tier: StateTier, spill_dir, disk_budget, remote) -> Placeme
     return Placement(
         (tier.value,),
         directory=spill_dir,
-        disk_capacity=disk_budget,  # Placement's field (tiers/ renames it separately)
+        disk_budget=disk_budget,
         remote=remote,
         where=f"OffloadedAdamW(tier={tier.value!r})",
     )

@@ -117,7 +117,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     through ``pipeline_depth`` host buffers of one bucket each, so host memory stays
     ``pipeline_depth * 3 * bucket_size``; ``"remote"`` streams it the same way from other Ray
     nodes' memory: ``remote`` is a :class:`~tensortier.tiers.remote.RemoteStore` (the caller's,
-    left open by :meth:`close`) or a dict of its arguments (``{"capacity": "8GiB"}``; the
+    left open by :meth:`close`) or a dict of its arguments (``{"budget": "8GiB"}``; the
     optimizer makes the store and closes it). A lost memory node makes ``step()`` raise
     ``NodeLostError`` naming it (nothing applied; the state on that node is gone: restore from a
     checkpoint).

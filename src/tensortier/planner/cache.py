@@ -51,7 +51,7 @@ def cache_key(config: PlanConfig, device: torch.device, signature: str, shapes: 
         "inputs": [[[bucket(d) for d in shape], dtype] for shape, dtype in shapes],
         "budget": config.budget,
         "policy": config.policy,
-        "to": config.to,
+        "tier": config.tier,
         "remote": config.remote is not None,  # a plan made with a pool needs one, and vice versa
         "device": str(device.type),
         "world": _dist.world(),  # per-rank inputs and FSDP shards depend on it

@@ -17,12 +17,12 @@ from tensortier.planner.profile import Bandwidth
 class PlanConfig:
     budget: int
     policy: str = "auto"
-    to: str = "auto"  # the tiers the plan may use: "host", "disk", "remote" or "auto" (all)
+    tier: str = "auto"  # the tiers the plan may use: "host", "disk", "remote" or "auto" (all)
     spill_dir: str | None = None
     warmup: int = 1
     timing_iters: int = 2  # timing passes after the probe, each under the budget
-    prefetch: int | None = None  # None: default_prefetch(budget)
-    max_inflight: int | None = None  # None: default_inflight(budget)
+    prefetch_budget: int | None = None  # None: default_prefetch(budget)
+    inflight_budget: int | None = None  # None: default_inflight(budget)
     host_budget: int = 8 << 30
     options: Options | None = None
     bandwidth: Bandwidth | None = None

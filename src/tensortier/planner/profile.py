@@ -320,9 +320,9 @@ def measure_remote_bandwidth(
     :func:`measure_bandwidth` measures the disk: ``nbytes`` in ``chunk``-sized tensors, at most
     ``resident`` bytes of them alive at once (the same chunks travel in rounds), one untimed
     round first (the memory nodes' first objects, Ray's connections). At most half the store's
-    free capacity is used, so the probe never fills a pool the training needs."""
+    free budget is used, so the probe never fills a pool the training needs."""
     total = parse_size(nbytes, name="nbytes", allow_zero=False)
-    free = max(1 << 20, (store.stats.capacity_bytes - store.stats.used_bytes) // 2)
+    free = max(1 << 20, (store.stats.budget_bytes - store.stats.used_bytes) // 2)
     size = min(total, free, parse_size(chunk, name="chunk", allow_zero=False))
     n = max(1, total // size)
     keep = n * size if resident is None else parse_size(resident, name="resident")

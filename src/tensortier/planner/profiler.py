@@ -279,7 +279,7 @@ class Profiler:
         bandwidth: Bandwidth | None = None,
         codecs: dict[str, CodecSpeed] | None = None,
         allow_lossy: bool = False,
-        prefetch: int = 256 << 20,
+        prefetch_budget: int = 256 << 20,
         host_budget: int = 8 << 30,
         device: torch.device | None = None,
         offloader=None,
@@ -296,7 +296,7 @@ class Profiler:
         self.codecs = codecs
         self.probe_bytes = probe_bytes
         names = LOSSLESS_CODECS + (LOSSY_CODECS if allow_lossy else ())
-        self.prefetch, self.host_budget = prefetch, host_budget
+        self.prefetch_budget, self.host_budget = prefetch_budget, host_budget
         self.root: nn.Module | None = None
         self.units: dict[int, str] = {}  # id(module) -> unit name
         self.inputs: dict[str, int] = {}
@@ -459,7 +459,7 @@ class Profiler:
                 spill_dir=self.spill_dir,
                 decide=decide,
                 record=True,
-                prefetch=self.prefetch,
+                prefetch_budget=self.prefetch_budget,
                 host_budget=self.host_budget,
             )
         else:
@@ -598,7 +598,7 @@ class Profiler:
             unified=self.device.type != "cuda",
             other_fwd_s=min(r["other_fwd"] for _, r in by_pass),
             other_bwd_s=min(r["other_bwd"] for _, r in by_pass),
-            prefetch_bytes=self.prefetch,
+            prefetch_bytes=self.prefetch_budget,
             inflight_bytes=_inflight_limit(self.offloader),
             offload_overhead_bytes=offload_overhead if self.device.type != "cuda" else 0,
             host_budget=self.host_budget if self.device.type == "cuda" else None,

@@ -104,7 +104,7 @@ def agree_settings(cfg: PlanConfig) -> None:
     _dist.agree(
         {
             "budget": cfg.budget,
-            "to": cfg.to,
+            "tier": cfg.tier,
             "policy": cfg.policy,
             "host_budget": cfg.host_budget,
             "plan_cache": cfg.plan_cache is not None,

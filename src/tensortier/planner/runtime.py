@@ -248,14 +248,14 @@ class Recompute:
         self._wrapped = []
 
 
-def profiled_tier(to: str, device: torch.device) -> str:
+def profiled_tier(tier: str, device: torch.device) -> str:
     """The tier the warm-up and profiling iterations offload to: the one the user asked for;
     for ``"auto"``, host on CUDA (the fast tier a plan fills first) and disk on a CPU-only
     machine (where host RAM *is* the device memory, so only disk keeps profiling in budget).
     ``"remote"`` profiles as ``"auto"`` does: the remote channels are measured by the probe and
     the simulator, calibrated on local passes, models them."""
-    if to in ("host", "disk"):
-        return to
+    if tier in ("host", "disk"):
+        return tier
     return "host" if device.type == "cuda" else "disk"
 
 
@@ -273,10 +273,10 @@ class PlannedOffload:
     """A budget-driven offloader; see the module docstring."""
 
     def __init__(self, config: PlanConfig):
-        if config.prefetch is None:
-            config.prefetch = default_prefetch(config.budget)
-        if config.max_inflight is None:
-            config.max_inflight = default_inflight(config.budget)
+        if config.prefetch_budget is None:
+            config.prefetch_budget = default_prefetch(config.budget)
+        if config.inflight_budget is None:
+            config.inflight_budget = default_inflight(config.budget)
         self.config = config
         preload()  # PyTorch's one-time imports for dispatch modes: not in a budgeted iteration
         self._rss0: int | None = None
@@ -401,13 +401,13 @@ class PlannedOffload:
             tier = self._tier()
             self._warm = Offloader(
                 # "auto": a host tier that is full spills to disk instead of failing
-                "disk" if tier == "disk" else ("host" if cfg.to == "host" else "auto"),
+                "disk" if tier == "disk" else ("host" if cfg.tier == "host" else "auto"),
                 spill_dir=cfg.spill_dir,
                 decide=lambda info: tier,
-                prefetch=cfg.prefetch,
-                max_inflight=cfg.max_inflight,
+                prefetch_budget=cfg.prefetch_budget,
+                inflight_budget=cfg.inflight_budget,
                 host_budget=self._pool_budget(),
-                disk_io_threads=self._io_threads(),
+                io_threads=self._io_threads(),
                 remote=cfg.remote,
             )
         if self.iteration == 0 and not self.cached:  # every saved tensor offloaded: metered
@@ -425,7 +425,7 @@ class PlannedOffload:
                 spill_dir=cfg.spill_dir,
                 bandwidth=cfg.bandwidth,
                 allow_lossy=bool(cfg.options and cfg.options.allow_lossy),
-                prefetch=cfg.prefetch,
+                prefetch_budget=cfg.prefetch_budget,
                 host_budget=cfg.host_budget,
                 probe_bytes=max(1 << 20, min(64 << 20, cfg.budget // 12)),
                 remote=cfg.remote,
@@ -546,9 +546,9 @@ class PlannedOffload:
         from tensortier._device import default_device
 
         cfg = self.config
-        if default_device().type == "cuda" or cfg.to == "host":
+        if default_device().type == "cuda" or cfg.tier == "host":
             return cfg.host_budget
-        return min(cfg.host_budget, cfg.prefetch, max(1 << 20, cfg.budget // 16))
+        return min(cfg.host_budget, cfg.prefetch_budget, max(1 << 20, cfg.budget // 16))
 
     def _io_threads(self) -> int:
         """Disk I/O threads: each holds a 4 MiB aligned staging buffer, resident, so in the
@@ -580,7 +580,7 @@ class PlannedOffload:
     def _tier(self) -> str:
         from tensortier._device import default_device
 
-        return profiled_tier(self.config.to, default_device())
+        return profiled_tier(self.config.tier, default_device())
 
     def _timing_group(self) -> tuple[list[str], dict[str, list[int]]]:
         """The units the next timing pass keeps, and the tensors it keeps of the other units
@@ -809,18 +809,18 @@ class PlannedOffload:
             # same spill files and buffers; the plan decides from now on
             self.offloader, self._warm = self._warm, None
             self.offloader.record, self.offloader.records = False, []
-            if cfg.to != "host":  # host-only plans never go to disk
-                self.offloader.to = "auto"  # host tier full: spill to disk
+            if cfg.tier != "host":  # host-only plans never go to disk
+                self.offloader.tier = "auto"  # host tier full: spill to disk
                 self.offloader._attach_disk()
         elif self.offloader is None:
             self.offloader = Offloader(
-                "host" if cfg.to == "host" else "auto",
+                "host" if cfg.tier == "host" else "auto",
                 spill_dir=cfg.spill_dir,
                 decide=decide,
-                prefetch=cfg.prefetch,
-                max_inflight=cfg.max_inflight,
+                prefetch_budget=cfg.prefetch_budget,
+                inflight_budget=cfg.inflight_budget,
                 host_budget=self._pool_budget(),
-                disk_io_threads=self._io_threads(),
+                io_threads=self._io_threads(),
                 remote=cfg.remote,
             )
         self.offloader.decide = decide
@@ -1001,24 +1001,24 @@ def bounded_choice(
     return Choice(plan, best.result, choice.plan_s, considered=choice.considered)
 
 
-def _tier_options(to: str, remote, opts: Options) -> Options:
-    """The options with the tiers ``to`` and ``remote`` allow (ConfigError for a tier that does
+def _tier_options(tier: str, remote, opts: Options) -> Options:
+    """The options with the tiers ``tier`` and ``remote`` allow (ConfigError for a tier that does
     not exist or a remote pool that is missing or closed)."""
     from tensortier.errors import ConfigError
     from tensortier.tiers.placement import check_remote
 
-    if to not in ("host", "disk", "remote", "auto"):
-        raise ConfigError(f"to must be 'host', 'disk', 'remote' or 'auto', got {to!r}")
+    if tier not in ("host", "disk", "remote", "auto"):
+        raise ConfigError(f"tier must be 'host', 'disk', 'remote' or 'auto', got {tier!r}")
     # the planner measures the caller's pool and leaves it open: an open store, not arguments
     check_remote(
-        remote, where="tt.offload(budget=..., to='remote')", needed=to == "remote", args=False
+        remote, where="tt.offload(budget=..., tier='remote')", needed=tier == "remote", args=False
     )
-    if to == "host":
+    if tier == "host":
         opts = replace(opts, tiers=("host",))
     elif not torch.cuda.is_available():
         # CPU: host RAM is the device memory and the host pool only caches read buffers
         opts = replace(opts, tiers=("disk",))
-    if to == "remote":
+    if tier == "remote":
         opts = replace(opts, tiers=("remote",))
     elif remote is not None and "remote" not in opts.tiers:
         opts = replace(opts, tiers=(*opts.tiers, "remote"))
@@ -1028,13 +1028,13 @@ def _tier_options(to: str, remote, opts: Options) -> Options:
 def planned_offload(
     budget: SizeLike,
     *,
-    to: str = "auto",
+    tier: str = "auto",
     spill_dir: str | None = None,
     policy: str = "auto",
     warmup: int = 1,
     timing_iters: int = 2,
-    prefetch: SizeLike | None = None,
-    max_inflight: SizeLike | None = None,
+    prefetch_budget: SizeLike | None = None,
+    inflight_budget: SizeLike | None = None,
     host_budget: SizeLike = "8GiB",
     options: Options | None = None,
     report: str | None = None,
@@ -1050,27 +1050,34 @@ def planned_offload(
     first step's backward (it peaked over the budget with everything offloaded) or at the first
     plan (no plan fits); later an over-budget step re-plans and warns.
 
-    ``to="host"`` restricts the plan to the host tier; ``"disk"`` or ``"auto"`` let it use host
-    and disk (on a CPU-only machine, host only pays with a codec). ``remote=RemoteStore(...)``
+    ``tier="auto"`` (the default) or ``"disk"`` let the plan use host and disk; on a CPU-only
+    machine that is the disk tier alone (host RAM *is* the device memory there, so a host copy of
+    a saved tensor frees nothing), profiled through disk, and the budget holds as on a GPU.
+    ``tier="host"`` restricts the plan to the host tier (on a CPU-only machine only its codecs
+    and recompute save memory). ``prefetch_budget``/``inflight_budget``: the offloader's bytes
+    read ahead and in flight (``None``: from the budget, :func:`default_prefetch`,
+    :func:`default_inflight`). ``remote=RemoteStore(...)``
     (the caller's, left open) adds other machines' RAM: its channels are measured with the other
     tiers' and a block goes there only where the simulator says that is faster under the budget
-    (where the transfer hides); ``to="remote"`` restricts swaps to it. ``plan_cache`` is a directory
+    (where the transfer hides); ``tier="remote"`` restricts swaps to it. ``plan_cache`` is a directory
     where profiles and plans are kept as JSON, so a restarted job skips profiling. ``min_bytes``
     is ignored: the planner decides per tensor. Calls with the same settings return the same
     object, so a training loop can write ``with tt.offload(budget=...):`` every step.
     """
-    opts = _tier_options(to, remote, options or Options())
+    opts = _tier_options(tier, remote, options or Options())
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
         policy=policy,
-        to=to,
+        tier=tier,
         spill_dir=spill_dir,
         warmup=warmup,
         timing_iters=timing_iters,
-        prefetch=None if prefetch is None else parse_size(prefetch, name="prefetch"),
-        max_inflight=None
-        if max_inflight is None
-        else parse_size(max_inflight, name="max_inflight", allow_zero=False),
+        prefetch_budget=None
+        if prefetch_budget is None
+        else parse_size(prefetch_budget, name="prefetch_budget"),
+        inflight_budget=None
+        if inflight_budget is None
+        else parse_size(inflight_budget, name="inflight_budget", allow_zero=False),
         host_budget=parse_size(host_budget, name="host_budget", allow_zero=False),
         options=opts,
         report=report,

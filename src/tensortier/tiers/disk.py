@@ -12,10 +12,10 @@ the page cache and the memory it frees stays free; otherwise writes are flushed 
 ``sync_file_range`` and dropped with ``posix_fadvise(DONTNEED)``. O_DIRECT needs aligned memory:
 chunks whose memory is not page-aligned go through a per-thread aligned staging buffer.
 
-Capacity. ``capacity`` bounds the bytes preallocated in slabs; no slab is ever larger than the
-capacity left, so any capacity of at least one page can hold tensors up to its size.
+Budget. ``budget`` bounds the bytes preallocated in slabs; no slab is ever larger than the
+budget left, so any budget of at least one page can hold tensors up to its size.
 
-Failure. A capacity overrun raises :class:`TierFullError` from ``put`` itself; a full disk during
+Failure. A budget overrun raises :class:`TierFullError` from ``put`` itself; a full disk during
 the write raises it from the returned future. Either way the extent is returned to the free list
 and the store stays usable. ``close()``, garbage collection and leaving the ``with`` block remove
 every file. Nothing is ever unpickled: handles live in memory only.
@@ -253,11 +253,12 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class DiskStore(StoreBase):
     """A tensor store on local disk (ideally NVMe) with async, thread-pooled I/O.
 
-    >>> with DiskStore("/mnt/nvme/tt", capacity="64GiB") as store:
+    >>> with DiskStore("/mnt/nvme/tt", budget="64GiB") as store:
     ...     h = store.put(x).result()      # Future[DiskHandle]
     ...     y = store.get(h).result()      # bit-identical to x
     ...     store.free(h)
 
+    ``budget``: the bytes its files may take (``None``: no limit); ``io_threads``: its I/O threads.
     ``direct=None`` uses O_DIRECT if the filesystem supports it; ``False`` forces buffered I/O.
     ``slab_size`` is the preallocation unit; larger tensors get a slab of their own size.
     Implements :class:`~tensortier.tiers.base.Store` (``put_many``/``get_many``: one put or get
@@ -271,25 +272,23 @@ class DiskStore(StoreBase):
         self,
         spill_dir: str | os.PathLike | None = None,
         *,
-        capacity: SizeLike | None = None,
+        budget: SizeLike | None = None,
         slab_size: SizeLike = "256MiB",
         io_threads: int = 4,
         direct: bool | None = None,
         owner: str = "tensortier",
     ):
-        self.capacity = (
-            None
-            if capacity is None
-            else parse_size(capacity, name="disk capacity", allow_zero=False)
+        self.budget = (
+            None if budget is None else parse_size(budget, name="disk budget", allow_zero=False)
         )
-        if self.capacity is not None and self.capacity < PAGE:
+        if self.budget is not None and self.budget < PAGE:
             raise ConfigError(
-                f"disk capacity={capacity!r} is below one {PAGE}-byte page, so no tensor could be "
-                f"stored; pass a capacity of at least {format_size(PAGE)}, or None for no limit"
+                f"disk budget={budget!r} is below one {PAGE}-byte page, so no tensor could be "
+                f"stored; pass a budget of at least {format_size(PAGE)}, or None for no limit"
             )
         slab = align_up(parse_size(slab_size, name="slab_size", allow_zero=False), PAGE)
-        # A slab larger than the capacity could never be made: cap it (puts then work up to capacity).
-        self.slab_size = slab if self.capacity is None else min(slab, _page_floor(self.capacity))
+        # A slab larger than the budget could never be made: cap it (puts then work up to budget).
+        self.slab_size = slab if self.budget is None else min(slab, _page_floor(self.budget))
         io_threads = check_int(
             io_threads,
             f"io_threads={io_threads!r} ({type(io_threads).__name__}): pass the number of I/O "
@@ -335,19 +334,19 @@ class DiskStore(StoreBase):
                 if off is not None:
                     return slab, off
             size = self._new_slab_size(length)
-            if size < max(self.slab_size, length):  # capacity is short: drop empty slabs first
+            if size < max(self.slab_size, length):  # budget is short: drop empty slabs first
                 self._trim_locked()
                 size = self._new_slab_size(length)
             if size < length:
                 raise TierFullError(
-                    f"disk tier capacity exceeded: a {format_size(length)} tensor needs a new "
+                    f"disk tier budget exceeded: a {format_size(length)} tensor needs a new "
                     f"file but {format_size(self.stats.file_bytes)} of "
-                    f"{format_size(self.capacity)} are allocated ({format_size(self.stats.used_bytes)} "
-                    f"live). Free tensors or raise capacity.",
+                    f"{format_size(self.budget)} are allocated ({format_size(self.stats.used_bytes)} "
+                    f"live). Free tensors or raise the budget.",
                     tier="disk",
                     requested=length,
                     in_use=self.stats.used_bytes,
-                    limit=self.capacity,
+                    limit=self.budget,
                 )
             index = next(self._slab_ids)
             path = os.path.join(self.root, f"slab-{index:05d}.bin")
@@ -361,7 +360,7 @@ class DiskStore(StoreBase):
                         tier="disk",
                         requested=length,
                         in_use=self.stats.used_bytes,
-                        limit=self.capacity,
+                        limit=self.budget,
                     ) from exc
                 raise
             self._files.slabs[index] = slab
@@ -371,11 +370,11 @@ class DiskStore(StoreBase):
             return slab, off
 
     def _new_slab_size(self, length: int) -> int:
-        """Size of the next slab: ``slab_size`` (or ``length`` if larger), cut to the capacity left."""
+        """Size of the next slab: ``slab_size`` (or ``length`` if larger), cut to the budget left."""
         size = max(self.slab_size, length)
-        if self.capacity is None:
+        if self.budget is None:
             return size
-        return min(size, _page_floor(self.capacity - self.stats.file_bytes))
+        return min(size, _page_floor(self.budget - self.stats.file_bytes))
 
     def _trim_locked(self) -> None:
         for index, slab in list(self._files.slabs.items()):
@@ -412,7 +411,7 @@ class DiskStore(StoreBase):
         """Start writing ``tensor`` (CPU, any dtype/shape/strides); returns a future of its handle.
 
         Do not modify ``tensor`` in place until the future is done. Raises :class:`TierFullError`
-        at once when capacity is exceeded; a full disk fails the future with the same error.
+        at once when the budget is exceeded; a full disk fails the future with the same error.
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
@@ -638,7 +637,7 @@ class DiskStore(StoreBase):
                 tier="disk",
                 requested=length,
                 in_use=self.stats.used_bytes,
-                limit=self.capacity,
+                limit=self.budget,
             )
             full.__cause__ = error
             return full

@@ -6,10 +6,10 @@ and raises :class:`~tensortier.errors.ConfigError` naming the value and the fix;
 ``open_remote`` then make the stores. :func:`check_remote` is the one rule for ``remote=`` that
 every client follows (the activation offloader, the optimizer, the replay buffer and memory bank,
 and the planner): an open :class:`~tensortier.tiers.remote.RemoteStore` (the caller's, left open),
-or, where the client makes and closes the pool itself, a dict of its arguments with a capacity.
+or, where the client makes and closes the pool itself, a dict of its arguments with a budget.
 
-Each client keeps its own words for the tier choice (``to=``, ``states=``, ``spill=``) and maps
-them to tiers here; this module never moves a byte.
+Each client maps its tier choice (``tier=``: one tier, or ordered tiers) to tiers here; this
+module never moves a byte.
 """
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ TIERS = ("host", "disk", "remote")
 
 def check_remote(remote: Any, *, where: str, needed: bool, args: bool = True) -> None:
     """The one rule for ``remote=``: ``None`` (unless ``needed``), an open RemoteStore, or (with
-    ``args``) a dict of RemoteStore's arguments with a ``capacity``. ``where`` names the client
-    and setting in the message (``"Offloader(to='remote')"``)."""
+    ``args``) a dict of RemoteStore's arguments with a ``budget``. ``where`` names the client
+    and setting in the message (``"Offloader(tier='remote')"``)."""
     if remote is None and not needed:
         return
     if isinstance(remote, RemoteStore):
         if remote.closed:
             raise ConfigError("remote=RemoteStore(...) is closed; pass an open store")
         return
-    if args and isinstance(remote, dict) and "capacity" in remote:
+    if args and isinstance(remote, dict) and "budget" in remote:
         return
-    or_dict = ", or a dict of its arguments with a capacity" if args else ""
-    eg_dict = " or remote={'capacity': '8GiB'}" if args else ""
+    or_dict = ", or a dict of its arguments with a budget" if args else ""
+    eg_dict = " or remote={'budget': '8GiB'}" if args else ""
     raise ConfigError(
-        f"{where} needs remote=tt.tiers.RemoteStore(capacity) (after ray.init){or_dict}; got "
-        f"remote={remote!r}. E.g. remote=RemoteStore(capacity='8GiB'){eg_dict}"
+        f"{where} needs remote=tt.tiers.RemoteStore(budget) (after ray.init){or_dict}; got "
+        f"remote={remote!r}. E.g. remote=RemoteStore(budget='8GiB'){eg_dict}"
     )
 
 
@@ -52,7 +52,7 @@ class Placement:
 
     ``tiers``: distinct names from :data:`TIERS`, in the order bytes spill through them.
     ``directory``: where the disk tier makes its private directory (``None``: the system's
-    temporary directory). ``host_budget``: bytes of RAM (parsed here). ``disk_capacity``: bytes
+    temporary directory). ``host_budget``: bytes of RAM (parsed here). ``disk_budget``: bytes
     the disk tier may preallocate (checked here, passed to the store as given, so its messages
     quote the user's value). ``remote``: see :func:`check_remote`; ``remote_args=False`` for
     clients that only take an open store. ``where`` names the client in messages.
@@ -61,7 +61,7 @@ class Placement:
     tiers: tuple[str, ...]
     directory: str | os.PathLike | None = None
     host_budget: SizeLike | None = None
-    disk_capacity: SizeLike | None = None
+    disk_budget: SizeLike | None = None
     remote: Any = field(default=None, repr=False, compare=False)  # a store's repr has stats
     where: str = "tensortier"
     remote_args: bool = True
@@ -77,14 +77,14 @@ class Placement:
         if self.host_budget is not None:
             budget = parse_size(self.host_budget, name="host_budget", allow_zero=False)
             object.__setattr__(self, "host_budget", budget)
-        if self.disk_capacity is not None:
-            parse_size(self.disk_capacity, name="disk capacity", allow_zero=False)
+        if self.disk_budget is not None:
+            parse_size(self.disk_budget, name="disk_budget", allow_zero=False)
         check_remote(self.remote, where=self.where, needed="remote" in tiers, args=self.remote_args)
 
     def open_disk(self, *, owner: str, **options: Any) -> DiskStore:
         """The disk tier's store under ``directory`` (``options``: DiskStore's, e.g.
         ``io_threads``); the caller closes it."""
-        return DiskStore(self.directory, capacity=self.disk_capacity, owner=owner, **options)
+        return DiskStore(self.directory, budget=self.disk_budget, owner=owner, **options)
 
     def open_remote(self, **defaults: Any) -> tuple[RemoteStore, bool]:
         """The remote pool and whether it was made here (then the caller closes it): the

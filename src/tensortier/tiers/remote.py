@@ -2,7 +2,7 @@
 
 Layout. A store starts one *memory-node* actor on each chosen Ray node (by default every node but
 the caller's), pinned there with node-affinity scheduling so the pool is spread over the nodes, and
-gives each node an equal share of ``capacity``. A tensor goes whole to the live node with the most
+gives each node an equal share of ``budget``. A tensor goes whole to the live node with the most
 free budget; the store keeps the byte accounting on the caller's side, so a put that cannot fit is
 refused with :class:`TierFullError` before any byte moves.
 
@@ -95,7 +95,7 @@ class RemoteStats:
     nodes: int = 0  # memory nodes started
     lost_nodes: int = 0
     lost_tensors: int = 0  # live tensors that were on a node when it was found lost
-    capacity_bytes: int = 0  # budgets of the nodes still alive
+    budget_bytes: int = 0  # budgets of the nodes still alive
     used_bytes: int = 0
     peak_used_bytes: int = 0
     live_tensors: int = 0
@@ -226,13 +226,13 @@ def _check_seconds(value: object, name: str) -> float:
 class RemoteStore(StoreBase):
     """A tensor store in the RAM of other Ray nodes, with the :class:`DiskStore` interface.
 
-    >>> with RemoteStore(capacity="8GiB") as store:   # ray.init(address=...) first
+    >>> with RemoteStore(budget="8GiB") as store:    # ray.init(address=...) first
     ...     h = store.put(x).result()      # Future[RemoteHandle]
     ...     y = store.get(h).result()      # bit-identical to x
     ...     store.free(h)
 
     ``nodes``: Ray node ids to hold memory on; ``None`` takes every alive node but this process's
-    own (this node's if it is the only one). Each gets ``capacity / len(nodes)``, which must fit in
+    own (this node's if it is the only one). Each gets ``budget / len(nodes)``, which must fit in
     that node's object store (beyond it Ray would spill to disk). ``timeout`` bounds every remote
     call; ``start_timeout`` bounds the actors' start. Implements
     :class:`~tensortier.tiers.base.Store`.
@@ -243,7 +243,7 @@ class RemoteStore(StoreBase):
 
     def __init__(
         self,
-        capacity: SizeLike,
+        budget: SizeLike,
         *,
         nodes: list[str] | None = None,
         timeout: float = _TIMEOUT,
@@ -251,7 +251,7 @@ class RemoteStore(StoreBase):
         io_threads: int = 4,
     ):
         ray = require_ray("RemoteStore")
-        self.capacity = parse_size(capacity, name="remote capacity", allow_zero=False)
+        self.budget = parse_size(budget, name="remote budget", allow_zero=False)
         self.timeout = _check_seconds(timeout, "timeout")
         start_timeout = _check_seconds(start_timeout, "start_timeout")
         io_threads = check_int(
@@ -263,11 +263,11 @@ class RemoteStore(StoreBase):
         if not ray.is_initialized():
             ray.init()  # what the first .remote() would do; placement needs the cluster
         chosen = self._choose_nodes(ray, nodes)
-        budget = self.capacity // len(chosen)
-        if budget < 1:
+        per_node = self.budget // len(chosen)
+        if per_node < 1:
             raise ConfigError(
-                f"remote capacity={capacity!r} is less than one byte per memory node "
-                f"({len(chosen)} nodes); pass a larger capacity"
+                f"remote budget={budget!r} is less than one byte per memory node "
+                f"({len(chosen)} nodes); pass a larger budget"
             )
         self._pool = _Pool()
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tt-remote")
@@ -279,11 +279,11 @@ class RemoteStore(StoreBase):
         self._freed: collections.deque[tuple[str, int, int]] = collections.deque()
         self._prefetch = _Prefetch()
         try:
-            self._start(ray, chosen, budget, io_threads, start_timeout)
+            self._start(ray, chosen, per_node, io_threads, start_timeout)
         except BaseException:
             self._finalizer()
             raise
-        self.stats = RemoteStats(nodes=len(chosen), capacity_bytes=budget * len(chosen))
+        self.stats = RemoteStats(nodes=len(chosen), budget_bytes=per_node * len(chosen))
         register_stats("remote_store", self)  # tt.stats() lists it while it is open
 
     # ---------------------------------------------------------------- start
@@ -317,10 +317,10 @@ class RemoteStore(StoreBase):
         for node_id, store_bytes in chosen:
             if budget > store_bytes:
                 raise ConfigError(
-                    f"remote capacity={format_size(self.capacity)} gives each of {len(chosen)} "
+                    f"remote budget={format_size(self.budget)} gives each of {len(chosen)} "
                     f"memory nodes {format_size(budget)}, more than node {node_id}'s object store "
                     f"({format_size(store_bytes)}); Ray would spill the rest to disk. Pass a "
-                    f"capacity of at most {format_size(int(store_bytes) * len(chosen))} or add nodes"
+                    f"budget of at most {format_size(int(store_bytes) * len(chosen))} or add nodes"
                 )
         cls = ray.remote(_MemoryNode)
         for node_id, _ in chosen:
@@ -365,15 +365,15 @@ class RemoteStore(StoreBase):
             if best is None or best.free < nbytes:
                 most = 0 if best is None else best.free
                 raise TierFullError(
-                    f"remote tier capacity exceeded: a {format_size(nbytes)} tensor needs room on "
+                    f"remote tier budget exceeded: a {format_size(nbytes)} tensor needs room on "
                     f"one memory node, but the most free on any of the {len(nodes)} usable nodes "
                     f"is {format_size(most)} ({format_size(self.stats.used_bytes)} of "
-                    f"{format_size(self.stats.capacity_bytes)} used). Free tensors, raise "
-                    f"capacity, or add nodes.",
+                    f"{format_size(self.stats.budget_bytes)} used). Free tensors, raise "
+                    f"the budget, or add nodes.",
                     tier="remote",
                     requested=nbytes,
                     in_use=self.stats.used_bytes,
-                    limit=self.stats.capacity_bytes,
+                    limit=self.stats.budget_bytes,
                 )
             best.used += nbytes
             return best
@@ -397,7 +397,7 @@ class RemoteStore(StoreBase):
             on_node = [h for h in self._live.values() if h.node == node.node_id]
             self.stats.lost_nodes += 1
             self.stats.lost_tensors += len(on_node)
-            self.stats.capacity_bytes -= node.budget
+            self.stats.budget_bytes -= node.budget
             # only registered bytes: a put in flight to this node (reserved, not yet counted)
             # retries elsewhere and is counted there
             self.stats.used_bytes -= node.held
@@ -721,19 +721,21 @@ class RemoteStore(StoreBase):
             self.stats.bytes_read += nbytes
             self.stats.read_seconds += time.perf_counter() - t0
 
-    def prefetch(self, handles: Sequence[RemoteHandle], *, window: SizeLike = "256MiB") -> None:
+    def prefetch(
+        self, handles: Sequence[RemoteHandle], *, prefetch_budget: SizeLike = "256MiB"
+    ) -> None:
         """Read ``handles`` ahead, in this order, before :meth:`get` asks for them (Leap's
-        prefetch along a known order): reads start at once for up to ``window`` bytes, and each
-        ``get`` of a prefetched handle (served from its copy) starts the next ones. At most
-        ``window`` bytes are read ahead and not yet taken (at least one tensor). A new call
-        replaces the order and drops read-ahead copies of handles not in it; ``free`` drops a
-        handle's copy. Never blocks on a transfer."""
+        prefetch along a known order): reads start at once for up to ``prefetch_budget`` bytes,
+        and each ``get`` of a prefetched handle (served from its copy) starts the next ones. At
+        most ``prefetch_budget`` bytes are read ahead and not yet taken (at least one tensor). A
+        new call replaces the order and drops read-ahead copies of handles not in it; ``free``
+        drops a handle's copy. Never blocks on a transfer."""
         if isinstance(handles, RemoteHandle) or not isinstance(handles, (list, tuple)):
             raise TypeError(
                 f"RemoteStore.prefetch(handles): expected a list or tuple of RemoteHandles, got "
                 f"{type(handles).__name__}"
             )
-        limit = parse_size(window, name="prefetch window", allow_zero=False)
+        limit = parse_size(prefetch_budget, name="prefetch_budget", allow_zero=False)
         for i, h in enumerate(handles):
             _check_handle(h, f"prefetch(handles[{i}])")
         with self._lock:
@@ -814,7 +816,7 @@ class RemoteStore(StoreBase):
         return (
             f"RemoteStore(nodes={len(self.nodes)}, live={len(self._live)}, "
             f"used={format_size(self.stats.used_bytes)} of "
-            f"{format_size(self.stats.capacity_bytes)})"
+            f"{format_size(self.stats.budget_bytes)})"
         )
 
     # ---------------------------------------------------------------- internals
