@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensortier/_modes.py",
             "tensortier/_ray.py",
             "tensortier/_stats.py",
+            "tensortier/_renamed.py",
             "tensortier/errors.py",
             "tensortier/models/",  # reference models: torch only
         ),

@@ -49,6 +49,7 @@ import torch
 from tensortier import _cuda
 from tensortier._device import normalize_device
 from tensortier._lifetime import Finalizer
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, parse_size
 from tensortier.errors import ClosedError, ConfigError
@@ -392,6 +393,7 @@ class TransferEngine:
     (their sources are still held); ``io_threads`` is the number of host copy/codec threads.
     """
 
+    @renamed(max_inflight="inflight_budget", threads="io_threads")
     def __init__(
         self,
         *,

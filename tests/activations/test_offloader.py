@@ -442,11 +442,25 @@ def test_the_default_tier_is_host_for_every_verb(spill_dir):
     ],
     ids=lambda old: next(iter(old)),
 )
-def test_the_old_keyword_names_are_refused(old):
-    """Issue 26 #4, version 0.1: renamed without aliases; an old name is Python's TypeError."""
+def test_the_old_keyword_names_still_work_with_a_warning_naming_the_new_one(old, spill_dir):
+    """Issue 26 #4: renamed; for 0.1 the old name maps to the new one with a DeprecationWarning
+    (scripts written against the first names, the review reproducers among them, keep running)."""
+    (name,) = old
+    new = {
+        "to": "tier",
+        "prefetch": "prefetch_budget",
+        "max_inflight": "inflight_budget",
+        "disk_capacity": "disk_budget",
+        "disk_io_threads": "io_threads",
+    }[name]
     for make in (tt.Offloader, tt.offload, lambda **kw: tt.offload_module(mlp(), **kw)):
-        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
-            make(**old)
+        with pytest.warns(DeprecationWarning, match=f"{name}= is now {new}="):
+            made = make(spill_dir=spill_dir, **old)
+        off = getattr(made, "offloader", made)
+        close = getattr(made, "remove", None) or off.close
+        close()
+        with pytest.raises(TypeError, match=f"both {name}= and {new}="):
+            make(spill_dir=spill_dir, **old, **{new: old[name]})
 
 
 def test_offload_function_reuses_the_offloader_and_reports_stats(spill_dir):

@@ -335,15 +335,18 @@ def test_epochs_after_close_and_a_loader_running_across_close_raise_closed_error
     assert catalog_fds(path) == 0  # no descriptor outlives close
 
 
-def test_old_keywords_are_refused(tmp_path):
-    """One vocabulary (issue 26): directory, io_threads; no aliases."""
-    with pytest.raises(TypeError, match="unexpected keyword argument 'path'"):
-        Catalog.build(path=tmp_path / "c", records=[b"x"])
-    with pytest.raises(TypeError, match="unexpected keyword argument 'writers'"):
-        Catalog.build(tmp_path / "c", [b"x"], writers=2)
-    assert not (tmp_path / "c").exists()
+def test_old_keywords_still_work_with_a_warning(tmp_path):
+    """One vocabulary (issue 26): directory, io_threads; the old names map to them with a
+    DeprecationWarning for 0.1."""
+    with (
+        pytest.warns(DeprecationWarning, match="path= is now directory="),
+        Catalog.build(path=tmp_path / "a", records=[b"x"]) as cat,
+    ):
+        assert cat.directory == str(tmp_path / "a")
+    with pytest.warns(DeprecationWarning, match="writers= is now io_threads="):
+        Catalog.build(tmp_path / "b", [b"x"], writers=2).close()
     with Catalog.build(directory=tmp_path / "c", records=[b"x"], io_threads=1) as cat:
         assert cat.directory == str(tmp_path / "c") and cat.info()["io_threads"] == 1
-    with pytest.raises(TypeError, match="unexpected keyword argument 'path'"):
-        Catalog.open(path=tmp_path / "c")
+    with pytest.warns(DeprecationWarning, match="path= is now directory="):
+        Catalog.open(path=tmp_path / "c").close()
     Catalog.open(directory=tmp_path / "c").close()

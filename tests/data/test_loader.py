@@ -295,10 +295,12 @@ def test_abandoning_a_worker_loader_shuts_down_cleanly_without_tracebacks(cat):
     assert "Traceback" not in out.stderr and "AssertionError" not in out.stderr, out.stderr[-3000:]
 
 
-def test_old_names_are_gone(cat):
-    """One vocabulary (issue 26): ``prefetch_budget`` (bytes) and ``EpochBatch``; no aliases."""
-    with pytest.raises(TypeError, match="unexpected keyword argument 'prefetch'"):
-        cat.epochs(batch=8, prefetch="1MiB")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'prefetch'"):
+def test_old_names_warn_or_are_gone(cat):
+    """One vocabulary (issue 26): ``prefetch_budget`` (bytes), mapped from ``prefetch=`` with a
+    DeprecationWarning for 0.1; the class ``Batch`` is ``EpochBatch``."""
+    with pytest.warns(DeprecationWarning, match="prefetch= is now prefetch_budget="):
+        batches = list(cat.epochs(batch=8, prefetch="1MiB"))
+    assert batches
+    with pytest.warns(DeprecationWarning, match="prefetch= is now prefetch_budget="):
         EpochDataset(cat, batch=8, prefetch="1MiB")
     assert not hasattr(tt_data, "Batch") and "EpochBatch" in tt_data.__all__

@@ -326,10 +326,14 @@ def test_disk_host_memory_is_bounded(spill_dir):
 
 
 @pytest.mark.parametrize("old", [{"states": "host"}, {"disk_capacity": "1MiB"}])
-def test_old_keywords_are_refused(old):
-    """One vocabulary (issue 26): ``tier=`` and ``disk_budget=``; the old names are not aliases."""
-    with pytest.raises(TypeError, match=next(iter(old))):
-        OffloadedAdamW(_model().parameters(), **old)
+def test_old_keywords_still_work_with_a_warning(old, tmp_path):
+    """One vocabulary (issue 26): ``tier=`` and ``disk_budget=``; the old names map to them with
+    a DeprecationWarning for 0.1."""
+    (name,) = old
+    new = {"states": "tier", "disk_capacity": "disk_budget"}[name]
+    with pytest.warns(DeprecationWarning, match=f"{name}= is now {new}="):
+        opt = OffloadedAdamW(_model().parameters(), spill_dir=str(tmp_path), **old)
+    opt.close()
 
 
 def test_stats_is_a_method_and_reset_starts_afresh():

@@ -437,22 +437,35 @@ def test_bad_arguments_are_config_errors_naming_them(kwargs, name):
 
 
 @pytest.mark.parametrize(
-    "make",
+    "make, name",
     [
-        lambda: ReplayBuffer(capacity=8),
-        lambda: ReplayBuffer(8, ram_budget="1MiB"),
-        lambda: ReplayBuffer(8, spill="disk"),
-        lambda: MemoryBank(capacity=8),
-        lambda: MemoryBank(8, ram_budget="1MiB"),
-        lambda: MemoryBank(8, spill="disk"),
-        lambda: ReplayBuffer.load(dirname="x"),
-        lambda: ReplayBuffer.load("x", ram_budget="1MiB"),
+        (lambda d: ReplayBuffer(capacity=8), "capacity= is now max_items="),
+        (lambda d: ReplayBuffer(8, ram_budget="1MiB"), "ram_budget= is now host_budget="),
+        (lambda d: ReplayBuffer(8, spill="disk", spill_dir=d), "spill= is now tier="),
+        (lambda d: MemoryBank(capacity=8), "capacity= is now max_items="),
+        (lambda d: MemoryBank(8, ram_budget="1MiB"), "ram_budget= is now host_budget="),
+        (lambda d: MemoryBank(8, spill="disk", spill_dir=d), "spill= is now tier="),
     ],
 )
-def test_old_keywords_are_refused(make):
-    """One vocabulary (issue 26): max_items, host_budget, tier, directory; no aliases."""
-    with pytest.raises(TypeError, match="unexpected keyword argument"):
-        make()
+def test_old_keywords_still_work_with_a_warning(make, name, tmp_path):
+    """One vocabulary (issue 26): max_items, host_budget, tier, directory; the old names map to
+    them with a DeprecationWarning for 0.1 (the review reproducers use them)."""
+    with pytest.warns(DeprecationWarning, match=name):
+        obj = make(str(tmp_path))
+    assert obj.max_items == 8
+    obj.close()
+
+
+def test_save_and_load_take_the_old_directory_keyword_with_a_warning(tmp_path):
+    with ReplayBuffer(8) as buf:
+        buf.add(item(0))
+        with pytest.warns(DeprecationWarning, match="dirname= is now directory="):
+            buf.save(dirname=tmp_path / "s")
+    with (
+        pytest.warns(DeprecationWarning, match="ram_budget= is now host_budget="),
+        ReplayBuffer.load(tmp_path / "s", ram_budget="1MiB") as back,
+    ):
+        assert len(back) == 1
 
 
 def test_max_items_property_and_repr():

@@ -24,6 +24,7 @@ import numpy as np
 
 from tensortier import _modes
 from tensortier._lifetime import Finalizer
+from tensortier._renamed import renamed
 from tensortier._units import SizeLike, format_size, is_int
 from tensortier.data import _build, _format
 from tensortier.data._files import Descriptors, ReadStats, read_blobs, read_one
@@ -94,6 +95,7 @@ class Catalog:
     Picklable (the directory travels, the catalog reopens); safe in forked and spawned workers.
     """
 
+    @renamed(path="directory")
     def __init__(self, directory: str | os.PathLike, *, direct: bool | None = None, max_open=None):
         if not isinstance(directory, (str, os.PathLike)):
             raise ConfigError(
@@ -144,6 +146,7 @@ class Catalog:
 
     # ------------------------------------------------------------------ build / open
     @classmethod
+    @renamed(path="directory", writers="io_threads")
     def build(
         cls,
         directory: str | os.PathLike,
@@ -181,6 +184,7 @@ class Catalog:
         return cat
 
     @classmethod
+    @renamed(path="directory")
     def open(
         cls,
         directory: str | os.PathLike,
@@ -290,6 +294,7 @@ class Catalog:
         for a in range(0, len(self), step):
             yield from self.read(np.arange(a, min(len(self), a + step)))
 
+    @renamed(prefetch="prefetch_budget")
     def epochs(self, batch: int, **kwargs: Any) -> Any:
         """A :class:`~tensortier.data.Loader` over this catalog (see its arguments)."""
         self._check_open()

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from tensortier._renamed import renamed
 from tensortier.data._epochs import EpochConfig
 from tensortier.data._pipeline import EpochBatch, LoaderStats
 from tensortier.data.catalog import Catalog, register_loader
@@ -43,6 +44,7 @@ class Loader:
     ``multiprocessing_context`` as a DataLoader's.
     """
 
+    @renamed(prefetch="prefetch_budget")
     def __init__(
         self,
         catalog: Catalog | str | os.PathLike,

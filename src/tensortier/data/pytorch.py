@@ -25,6 +25,7 @@ from typing import Any
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from tensortier._lifetime import Finalizer
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier.data._epochs import WHAT, EpochConfig, check_int
 from tensortier.data._order import Order
@@ -72,6 +73,7 @@ class EpochDataset(IterableDataset):
     rank's epoch already consumed) says where iteration begins (:meth:`set_epoch`).
     """
 
+    @renamed(prefetch="prefetch_budget")
     def __init__(
         self,
         catalog: Catalog | str | os.PathLike,

@@ -59,6 +59,7 @@ import torch
 
 from tensortier import _dist
 from tensortier._lifetime import Finalizer
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError
@@ -137,6 +138,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     reduce-scatter, and :meth:`state_dict` / :meth:`full_state_dict` for checkpoints.
     """
 
+    @renamed(states="tier", disk_capacity="disk_budget")
     def __init__(
         self,
         params: Iterable,

@@ -91,6 +91,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tensortier import _dist
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, format_size_up, parse_size
 from tensortier.planner.buckets import dimension_map, input_shapes, scale_profile
@@ -1025,6 +1026,7 @@ def _tier_options(tier: str, remote, opts: Options) -> Options:
     return opts
 
 
+@renamed(to="tier", prefetch="prefetch_budget", max_inflight="inflight_budget")
 def planned_offload(
     budget: SizeLike,
     *,

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError
@@ -28,6 +29,7 @@ class MemoryBank:
     >>> i = bank.append({"embedding": e, "text": b"..."})
     """
 
+    @renamed(capacity="max_items", ram_budget="host_budget", spill="tier")
     def __init__(
         self,
         max_items: int,

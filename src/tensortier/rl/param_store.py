@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from tensortier._lifetime import OWNER_FILE, Finalizer, private_dir, remove_private_dir
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import align_up, format_size
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError, TierFullError
@@ -339,6 +340,7 @@ class ParamStore:
     versions while publishing. A full one raises :class:`TierFullError` and the store stays usable.
     """
 
+    @renamed(shm_dir="spill_dir")
     def __init__(self, *, keep: int = 2, spill_dir: str | os.PathLike | None = None):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be an int >= 1 (versions kept for readers), got {keep!r}")

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from tensortier import _modes
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike
 from tensortier.errors import ClosedError, ConfigError, NodeLostError
@@ -69,6 +70,7 @@ class ReplayBuffer:
     >>> buf.update_priorities(batch.indices, td_error.abs())
     """
 
+    @renamed(capacity="max_items", ram_budget="host_budget", spill="tier")
     def __init__(
         self,
         max_items: int,
@@ -597,6 +599,7 @@ class ReplayBuffer:
             return self._store.order()
 
     # ------------------------------------------------------------------ persistence
+    @renamed(dirname="directory")
     def save(self, directory: str | os.PathLike, *, mode: int = 0o600) -> None:
         """Write items, priorities and sampler state to ``directory`` (created; must be empty).
 
@@ -620,6 +623,7 @@ class ReplayBuffer:
                 self._store.unpin(job.pinned)
 
     @classmethod
+    @renamed(dirname="directory", ram_budget="host_budget")
     def load(
         cls,
         directory: str | os.PathLike,

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, align_up, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
@@ -268,6 +269,7 @@ class DiskStore(StoreBase):
     tier = "disk"
     _handle_type = DiskHandle
 
+    @renamed(capacity="budget")
     def __init__(
         self,
         spill_dir: str | os.PathLike | None = None,

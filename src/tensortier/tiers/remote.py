@@ -52,6 +52,7 @@ import torch
 
 from tensortier._lifetime import Finalizer
 from tensortier._ray import end_actors, require_ray
+from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
@@ -241,6 +242,7 @@ class RemoteStore(StoreBase):
     tier = "remote"
     _handle_type = RemoteHandle
 
+    @renamed(capacity="budget")
     def __init__(
         self,
         budget: SizeLike,
@@ -721,6 +723,7 @@ class RemoteStore(StoreBase):
             self.stats.bytes_read += nbytes
             self.stats.read_seconds += time.perf_counter() - t0
 
+    @renamed(window="prefetch_budget")
     def prefetch(
         self, handles: Sequence[RemoteHandle], *, prefetch_budget: SizeLike = "256MiB"
     ) -> None:
