@@ -8,8 +8,10 @@ that every rank builds the same optimizer, and gives the CPU ``DeviceMesh`` of t
 DTensors. ``ShardedStep`` updates this rank's pieces from the gradients DDP reduced and
 all-gathers the updated pieces into every replica: host states bucket by bucket while the next
 bucket updates (the last gather carries every rank's failure byte); disk states after the ranks
-agreed that every write succeeded and committed (all or nothing). The partition and the
-all-gather's byte layout are ``_shard.py``'s.
+agreed that every write succeeded and committed (all or nothing). ``defer_gather=True`` (host
+states): the gathers run after ``step()`` returns on ``_shard.GatherThread``, and
+``DeferredWrites`` makes every reader that can be intercepted wait for them. The partition and
+the all-gather's byte layout are ``_shard.py``'s.
 """
 
 from __future__ import annotations
