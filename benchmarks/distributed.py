@@ -6,6 +6,8 @@ time (fresh processes, so memory figures are each variant's own):
 
 - ``ddp-torch-fused``: DDP + ``torch.optim.AdamW(fused=True)`` (every rank a full state).
 - ``ddp-tt``: DDP + sharded ``OffloadedAdamW`` (1/N of the state per rank, all-gather per step).
+- ``ddp-tt-defer``: ``ddp-tt`` with ``defer_gather=True``: ``opt.step()`` returns once the updates
+  are done, the all-gathers overlap the next forward (its iteration time is the honest figure).
 - ``ddp-tt-unsharded``: DDP + ``OffloadedAdamW(shard=False)``: the memory baseline of the target.
 - ``fsdp2-cpuoffload``: FSDP2 ``fully_shard`` with ``CPUOffloadPolicy`` + ``torch.optim.AdamW``.
 - ``fsdp2-tt``: FSDP2 ``fully_shard`` + ``OffloadedAdamW`` (local shards, DTensor state).
@@ -43,6 +45,7 @@ from tensortier._units import print_table
 VARIANTS = [
     "ddp-torch-fused",
     "ddp-tt",
+    "ddp-tt-defer",
     "ddp-tt-unsharded",
     "fsdp2-cpuoffload",
     "fsdp2-tt",
@@ -114,13 +117,16 @@ def _build(variant: str, model, rank: int, world: int, args, device):
             lr=LR,
             weight_decay=WD,
             bucket_size=args["bucket_size"],
-            shard=None if variant == "ddp-tt" else False,
+            shard=False if variant == "ddp-tt-unsharded" else None,
+            defer_gather=variant == "ddp-tt-defer",
         )
         return (
             ddp,
             opt,
             lambda: (
-                opt.stats().host_state_bytes + (opt._gatherer.host_bytes if opt._gatherer else 0)
+                opt.stats().host_state_bytes
+                + (opt._gatherer.host_bytes if opt._gatherer else 0)
+                + (opt._deferred.thread.gatherer.host_bytes if opt._deferred else 0)
             ),
         )
     if variant.startswith("fsdp2"):
@@ -392,6 +398,11 @@ def run(args) -> list[dict]:
         if peer in variants and "ddp-tt" in variants
         for m in ("iter_ms", "step_ms")
     }
+    if "ddp-tt-defer" in variants and "ddp-torch-fused" in variants:
+        for m in ("iter_ms", "step_ms"):
+            ratios[f"defer_{m}_vs_ddp-torch-fused"] = harness.round_ratios(
+                per_round, "ddp-tt-defer", "ddp-torch-fused", m
+            )
     measurement = session.report(timed, ratios)
     cols = [
         "variant",
@@ -470,6 +481,11 @@ def _summary(rows: list[dict]) -> dict:
         if "ddp-tt" in by and peer in by:
             out[f"iter_vs_{peer}"] = worst("ddp-tt", "iter_ms") / worst(peer, "iter_ms")
             out[f"step_vs_{peer}"] = worst("ddp-tt", "step_ms") / worst(peer, "step_ms")
+    if "ddp-tt-defer" in by and "ddp-torch-fused" in by:
+        for m in ("iter", "step"):
+            out[f"defer_{m}_vs_ddp-torch-fused"] = worst("ddp-tt-defer", f"{m}_ms") / worst(
+                "ddp-torch-fused", f"{m}_ms"
+            )
     if "checkpoint" in by:
         out["stall_vs_dcp_save"] = worst("checkpoint", "stall_vs_dcp_save")
         out["persist_vs_dd"] = worst("checkpoint", "persist_vs_dd", min)

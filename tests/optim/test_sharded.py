@@ -291,7 +291,10 @@ def test_each_bucket_is_gathered_while_the_next_updates():
 
 def _fail_one_update(rank: int, world: int, states: str, tmp: str, fault: bool = True) -> dict:
     """Rank 1 fails its part of step 2 (host: its second update; disk: its third state write);
-    returns what every rank raised and its parameters after every step."""
+    returns what every rank raised and its parameters after every step. ``host-defer``: host
+    states with ``defer_gather=True`` (parameters read after ``synchronize()``)."""
+    defer = states == "host-defer"
+    states = "host" if defer else states
     import tensortier.optim._update as upd
     from tensortier.errors import TierFullError
 
@@ -305,6 +308,7 @@ def _fail_one_update(rank: int, world: int, states: str, tmp: str, fault: bool =
         bucket_size="16KiB",
         states=states,
         spill_dir=tmp if states == "disk" else None,
+        defer_gather=defer,
     )
     real_kernel, calls = upd.adamw_, {"step": 0, "n": 0}
 
@@ -342,12 +346,13 @@ def _fail_one_update(rank: int, world: int, states: str, tmp: str, fault: bool =
         except BaseException as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
         opt.zero_grad()
+        opt.synchronize()  # defer_gather: the parameters are read directly
         params.append([p.detach().reshape(-1).tolist() for p in m.parameters()])
     opt.close()
     return {"params": params, "errors": errors}
 
 
-@pytest.mark.parametrize("states", ["host", "disk"])
+@pytest.mark.parametrize("states", ["host", "disk", "host-defer"])
 def test_a_failed_rank_fails_the_step_on_every_rank(states, tmp_path):
     """The failure protocol with overlapped gathers: every rank raises at step 2 naming rank 1;
     host states apply every piece that succeeded (rank 1's rows of the failed bucket keep their
@@ -357,19 +362,20 @@ def test_a_failed_rank_fails_the_step_on_every_rank(states, tmp_path):
     for rank, r in enumerate(got):
         assert r["errors"][0] is None and r["errors"][2] is None, r["errors"]
         if rank == 1:
-            assert r["errors"][1].startswith("MemoryError" if states == "host" else "TierFull")
+            assert r["errors"][1].startswith("TierFull" if states == "disk" else "MemoryError")
         else:
-            applied = "were applied" if states == "host" else "no rank applied it"
+            applied = "no rank applied it" if states == "disk" else "were applied"
             assert "rank 1 failed its part" in r["errors"][1] and applied in r["errors"][1]
     assert got[0]["params"] == got[1]["params"]  # the replicas never diverge
     p1, p2 = got[0]["params"][0], got[0]["params"][1]
     if states == "disk":
         assert p2 == p1  # nothing applied anywhere
         return
-    # buckets hold the layers in reverse: bucket 1 is layer 2; rank 1 owns its rows 32..63
-    rows = 32 * 64
+    # buckets hold the layers in reverse; rank 1's second update is bucket 1 (layer 2), deferred
+    # bucket 2 (layer 1: updated highest id first); rank 1 owns the rows 32..63 of each
+    failed, rows = (1 if states == "host-defer" else 2), 32 * 64
     for layer in range(4):
-        if layer == 2:
+        if layer == failed:
             assert p2[layer][rows:] == p1[layer][rows:]  # rank 1's failed piece: as before
             assert p2[layer][:rows] == ok[layer][:rows]  # rank 0's piece: updated, bit for bit
         else:

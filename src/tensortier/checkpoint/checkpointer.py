@@ -241,6 +241,9 @@ class _Captured:
 
     def tree(self, model, optimizer, scheduler, extra, rng: bool) -> dict:
         """The state tree (tensors replaced by their names), in the manifest's order."""
+        sync = getattr(optimizer, "synchronize", None)
+        if callable(sync):  # OffloadedAdamW(defer_gather=True): the last step's gathers written
+            sync()
         return {
             "model": encode(model.state_dict(), "model", self._adder(False, True))
             if model is not None

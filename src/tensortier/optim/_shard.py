@@ -26,6 +26,8 @@ This module never runs an update and never holds optimizer state.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -309,3 +311,88 @@ def _copy_range(window, lo, hi, offset, data, *, to_window: bool) -> None:
         window[a - lo : b - lo].copy_(data[a - offset : b - offset])
     else:
         data[a - offset : b - offset].copy_(window[a - lo : b - lo])
+
+
+class GatherThread:
+    """Deferred all-gathers (``defer_gather=True``): ``step()`` hands each updated bucket here and
+    returns; a thread runs the gathers over a process group of its own and writes the parameters.
+
+    Why a group of its own: a process group runs its collectives in issue order, so the step's
+    failure all-reduce (and the user's own collectives, DDP's included) on the training group
+    would queue behind the gathers; and gathers issued from a thread could interleave with those
+    differently on each rank. On their own group only this thread issues, in hand-over order
+    (the same on every rank). Items are numbered; ``wait(n)`` returns once item ``n`` and every
+    earlier one are written. A failed gather is kept and raised by every later wait (parameters
+    may be partly written: the run cannot go on).
+    """
+
+    def __init__(self, group, world: int, rank: int):
+        self.gatherer = Gatherer(group, world, rank)
+        self.group = group
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._issued = 0  # items handed over (numbered 1, 2, ...)
+        self._done = 0  # items written
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tt-adamw-gather", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> bool:
+        return self._done < self._issued
+
+    def submit(self, plan: GatherPlan, values: dict[int, torch.Tensor]) -> int:
+        """Queue one bucket's gather (``values`` must stay unchanged until it is waited for);
+        returns its number."""
+        self._issued += 1
+        self._queue.put((self._issued, plan, values))
+        return self._issued
+
+    def wait(self, n: int | None = None) -> None:
+        """Until item ``n`` (default: the last handed over) is written; raises a failed gather's
+        error. Bounded: each gather waits at most the process group's timeout."""
+        n = self._issued if n is None else n
+        with self._cond:
+            while self._done < n and self._error is None:
+                self._cond.wait()
+        if self._error is not None:
+            raise RuntimeError(
+                "OffloadedAdamW: a deferred parameter all-gather failed; parameters may be "
+                "partly updated: restore from a checkpoint"
+            ) from self._error
+
+    def close(self) -> None:
+        """Write what is pending, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        inflight: deque[tuple[int, Gathering]] = deque()
+        while True:
+            try:  # block only when nothing is on the wire
+                item = self._queue.get(block=not inflight)
+            except queue.Empty:
+                item = ()
+            try:
+                if item:
+                    n, plan, values = item
+                    if self._error is None:
+                        inflight.append((n, self.gatherer.start(plan, values)))
+                while inflight and (not item or len(inflight) > 1):
+                    n, g = inflight.popleft()  # the oldest: written while the next is on the wire
+                    self.gatherer.finish(g)
+                    self._mark(n)
+            except BaseException as exc:  # every later wait raises it
+                inflight.clear()
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+            if item is None:
+                return
+            if item and self._error is not None:
+                self._mark(item[0])
+
+    def _mark(self, n: int) -> None:
+        with self._cond:
+            self._done = max(self._done, n)
+            self._cond.notify_all()

@@ -8,20 +8,24 @@ that every rank builds the same optimizer, and gives the CPU ``DeviceMesh`` of t
 DTensors. ``ShardedStep`` updates this rank's pieces from the gradients DDP reduced and
 all-gathers the updated pieces into every replica: host states bucket by bucket while the next
 bucket updates (the last gather carries every rank's failure byte); disk states after the ranks
-agreed that every write succeeded and committed (all or nothing). The partition and the
-all-gather's byte layout are ``_shard.py``'s.
+agreed that every write succeeded and committed (all or nothing). ``defer_gather=True`` (host
+states): the gathers run after ``step()`` returns on ``_shard.GatherThread``, and
+``DeferredWrites`` makes every reader that can be intercepted wait for them. The partition and
+the all-gather's byte layout are ``_shard.py``'s.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 
 import torch
 
 from tensortier import _dist
 from tensortier.errors import ConfigError
 from tensortier.optim._dtensor import is_dtensor
-from tensortier.optim._shard import Gatherer, Gathering
+from tensortier.optim._shard import Gatherer, Gathering, GatherPlan, GatherThread
 from tensortier.optim._step import Done, Step
 from tensortier.optim._update import Job
 
@@ -99,12 +103,109 @@ def peer_failed(rank: int, applied: bool) -> RuntimeError:
     )
 
 
+def _own_group(pg):
+    """A new process group of ``pg``'s ranks and backend (only ``pg``'s ranks take part)."""
+    dist = torch.distributed
+    group = pg if pg is not None else dist.group.WORLD
+    return dist.new_group(
+        ranks=dist.get_process_group_ranks(group),
+        backend=dist.get_backend(group),
+        use_local_synchronization=True,
+    )
+
+
+def _before_forward(ref: weakref.ref, module: torch.nn.Module, args) -> None:
+    deferred = ref()
+    if deferred is not None:
+        deferred.before_use(module)
+
+
+def _before_state_dict(ref: weakref.ref, module: torch.nn.Module, *args) -> None:
+    deferred = ref()
+    if deferred is not None:
+        deferred.synchronize()
+
+
+class DeferredWrites:
+    """``defer_gather=True``: the step's all-gathers run after ``step()`` returned
+    (``GatherThread``), and each parameter is written before anything reads it.
+
+    Who waits. A global forward pre-hook (``register_module_forward_pre_hook``: the optimizer
+    gets parameters, not modules) waits, before a module runs, for the gathers of the parameters
+    the module holds itself (not its children's: the root module would wait for everything); a
+    ``state_dict`` pre-hook on every module holding one of them (registered the first time a
+    forward reaches the module's root) waits for all, so ``model.state_dict()`` is current; the
+    optimizer waits in ``step()``, ``state_dict()``, ``load_state_dict()``, ``close()`` and
+    ``synchronize()`` (the Checkpointer calls it). Not covered: reading a parameter directly, or
+    through a module whose forward is not called (see the ``defer_gather`` docstring).
+    """
+
+    def __init__(self, sharding: Sharding):
+        self.thread = GatherThread(_own_group(sharding.pg), sharding.world, sharding.rank)
+        self._item: dict[int, int] = {}  # id(parameter) -> number of the gather that writes it
+        self._params: set[int] = set()  # every parameter of the optimizer (by id)
+        self._seen: weakref.WeakSet = weakref.WeakSet()  # modules already walked
+        self._hooked: weakref.WeakSet = weakref.WeakSet()  # modules with a state-dict pre-hook
+        self.hooks: list = [
+            torch.nn.modules.module.register_module_forward_pre_hook(
+                functools.partial(_before_forward, weakref.ref(self))
+            )
+        ]
+
+    def add_params(self, params) -> None:
+        """Parameters to watch for (a new param group: every module is walked again)."""
+        self._params.update(id(p) for p in params)
+        self._seen = weakref.WeakSet()
+
+    def hand_over(self, plan: GatherPlan, values: dict[int, torch.Tensor]) -> None:
+        """Queue one bucket's gather (``values`` unchanged until it is written)."""
+        n = self.thread.submit(plan, values)
+        for p in plan.params:
+            self._item[id(p)] = n
+
+    def before_use(self, module: torch.nn.Module) -> None:
+        """A module is about to run: wait for its own parameters' gathers."""
+        if module not in self._seen and self._params:
+            self._watch(module)
+        if not self._item:
+            return
+        last = max((self._item.get(id(p), 0) for p in module._parameters.values()), default=0)
+        if last:
+            self.thread.wait(last)
+            if not self.thread.pending:
+                self._item.clear()
+
+    def _watch(self, root: torch.nn.Module) -> None:
+        """State-dict pre-hooks on the modules under ``root`` that hold one of the parameters."""
+        for m in root.modules():
+            if m in self._seen:
+                continue
+            self._seen.add(m)
+            if m not in self._hooked and any(id(p) in self._params for p in m._parameters.values()):
+                self._hooked.add(m)
+                hook = functools.partial(_before_state_dict, weakref.ref(self))
+                self.hooks.append(m.register_state_dict_pre_hook(hook))
+
+    def synchronize(self) -> None:
+        """Every handed-over gather written (raises a failed gather's error)."""
+        if self._item or self.thread.pending:
+            self.thread.wait()
+            self._item.clear()
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.thread.close()
+
+
 class ShardedStep(Step):
     """``step()`` when the state is sharded: never speculated, every rank in lockstep."""
 
-    def __init__(self, *args, sharding: Sharding, **kwargs):
+    def __init__(self, *args, sharding: Sharding, deferred: DeferredWrites | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.sharding = sharding
+        self.deferred = deferred  # defer_gather=True: the gathers run after step() returns
 
     def run(self, scale_t: torch.Tensor | None, scale: float | None) -> None:
         """Update this rank's pieces and all-gather them into every replica.
@@ -118,7 +219,13 @@ class ShardedStep(Step):
         """
         t0 = time.perf_counter()
         jobs, error = self._submit(scale)
-        if self.host:
+        if self.deferred is not None:  # host states; the gathers go on after step() returns
+            done, error = self._update_and_hand_over(jobs, error)
+            failed = _dist.first_true(error is not None, self.sharding.pg)
+            if failed is not None:  # the error is raised with what succeeded written
+                self.deferred.synchronize()
+            self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, hand-over
+        elif self.host:
             done, error, failed = self._update_and_gather(jobs, error)
             self.stats.step_wait_seconds += time.perf_counter() - t0  # updates and gathers
         else:
@@ -154,7 +261,9 @@ class ShardedStep(Step):
     def _submit(self, scale: float | None) -> tuple[list[Job], BaseException | None]:
         """Queue every bucket's update on the worker (FIFO), in the learned order."""
         jobs = []
-        for b in self.layout.ordered():
+        # deferred: highest id first, the order forward reads them (buckets are built in reverse)
+        order = self.layout.buckets[::-1] if self.deferred is not None else self.layout.ordered()
+        for b in order:
             try:
                 job = self.updater.submit_now(b, scale, None)
             except BaseException as exc:  # e.g. out of memory: nothing more is launched
@@ -202,6 +311,34 @@ class ShardedStep(Step):
             return done, error, _dist.first_true(error is not None, self.sharding.pg)
         gatherer.finish(issued[-1])
         return done, error, issued[-1].failed
+
+    def _update_and_hand_over(
+        self, jobs: list[Job], error: BaseException | None
+    ) -> tuple[list[Done], BaseException | None]:
+        """``defer_gather``: wait for the updates in turn (highest bucket id first) and hand each
+        bucket to the gather thread once it and every bucket of higher id is updated (the same
+        order on every rank: the forward's). Returns the updates done and this rank's first error.
+        """
+        buckets = self.layout.buckets
+        pending = {b.id for b, _, _, _ in jobs}
+        values: dict[int, dict[int, torch.Tensor]] = {}
+        done: list[Done] = []
+        nxt = len(buckets) - 1
+        for job in [*jobs, None]:  # None: after the last update, hand over what is left
+            if job is not None:
+                b, slots, fut, direct = job
+                exc = fut.exception()  # finite work (see PROTOCOL.md)
+                pending.discard(b.id)
+                if exc is not None:
+                    error = error or exc
+                else:
+                    done.append((b, slots, fut.result(), direct))
+                    master = self.states.latest(b.id).master
+                    values[b.id] = {s.index: master[s.offset : s.offset + s.numel] for s in slots}
+            while nxt >= 0 and nxt not in pending:
+                self.deferred.hand_over(buckets[nxt].plan, values.pop(nxt, {}))
+                nxt -= 1
+        return done, error
 
     def _gather_committed(self, done: list[Done]) -> None:
         """Disk states, after the commit: all-gather every bucket's committed pieces (bucket-id

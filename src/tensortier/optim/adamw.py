@@ -72,7 +72,7 @@ from tensortier.optim._stats import OptimizerStats, record_memory
 from tensortier.optim._step import Step
 from tensortier.optim._tiers import StateTier, open_states, parse_tier, states_placement
 from tensortier.optim._update import Updater
-from tensortier.optim._zero import ShardedStep, Sharding
+from tensortier.optim._zero import DeferredWrites, ShardedStep, Sharding
 
 if TYPE_CHECKING:  # Ray is imported only when a RemoteStore is made
     from tensortier.tiers.remote import RemoteStore
@@ -84,10 +84,12 @@ def _grad_hook(ref: weakref.ref, param: torch.Tensor) -> None:
         opt._on_grad(param)
 
 
-def _shutdown(worker, states, hooks: list) -> None:
+def _shutdown(worker, states, hooks: list, deferred) -> None:
     for h in hooks:
         h.remove()
     hooks.clear()
+    if deferred is not None:  # writes what is pending, removes its module hooks
+        deferred.close()
     worker.shutdown(wait=True, cancel_futures=True)  # jobs are finite CPU work (see PROTOCOL.md)
     states.close()
 
@@ -134,6 +136,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ``shard=False`` to keep a full copy per rank): each rank keeps masters and moments for its
     part of every bucket (1/N of the host bytes), updates it from the gradients DDP has reduced,
     and the updated parameters are all-gathered into every replica before ``step()`` returns.
+    ``defer_gather=True`` (host states, gloo): ``step()`` returns once this rank's updates are
+    done and their all-gathers are handed to a thread (own process group), in the order forward
+    reads the buckets, so the gathers overlap the next forward instead of ending the step; every
+    rank still raises in ``step()`` naming a failing rank (one small all-reduce). A parameter is
+    written before a module holding it runs forward (global forward pre-hook), before
+    ``model.state_dict()``, and at the next ``step()``, ``state_dict()``, ``load_state_dict()``,
+    ``close()``, a Checkpointer save and :meth:`synchronize`. Off by default because some reads
+    cannot be intercepted: reading parameters directly after ``step()`` (``p.norm()`` logging,
+    ``torch.optim.swa_utils.AveragedModel.update_parameters``, ``p.data``), and parameters a
+    parent's forward uses without calling the module that holds them (``nn.MultiheadAttention``'s
+    ``out_proj``, functional calls): call :meth:`synchronize` first.
     See ``PROTOCOL.md`` ("Sharded across ranks") for why DDP's all-reduce and not a
     reduce-scatter, and :meth:`state_dict` / :meth:`full_state_dict` for checkpoints.
     """
@@ -159,6 +172,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         io_threads: int = 4,
         process_group=None,
         shard: bool | None = None,
+        defer_gather: bool = False,
     ):
         _check_hyper(lr, betas, eps, weight_decay)
         self.tier = parse_tier(tier)
@@ -174,8 +188,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         super().__init__(params, {**defaults, **TORCH_KEYS})
         self._step_supports_amp_scaling = True  # GradScaler: grad_scale / found_inf, as fused AdamW
         self._sharding = Sharding(list(self._all_params()), process_group, shard)
+        self._defer_gather = bool(defer_gather)
         if self._sharding.agreeing:  # every rank must build the same optimizer
             self._agree(self.param_groups, "OffloadedAdamW")
+        self._deferred = self._defer(self._defer_gather)  # before anything is opened
         devices = {p.device for g in self.param_groups for p in g["params"]}
         pin = any(d.type == "cuda" for d in devices)
         self._states = open_states(
@@ -214,14 +230,34 @@ class OffloadedAdamW(torch.optim.Optimizer):
         parts = (self._layout, self._states, self._staging, self._updater, self._spec)
         host = self.tier is StateTier.HOST
         if sh.sharded:
-            self._stepper: Step = ShardedStep(*parts, self._stats, groups, host=host, sharding=sh)
+            self._stepper: Step = ShardedStep(
+                *parts, self._stats, groups, host=host, sharding=sh, deferred=self._deferred
+            )
         else:
             self._stepper = Step(*parts, self._stats, groups, host=host)
         self._dicts = StateDicts(self._layout, self._states, sh, groups)
         self._hooks: list = []
         self._finalizer = Finalizer(
-            self, _shutdown, self._updater.worker, self._states, self._hooks
+            self, _shutdown, self._updater.worker, self._states, self._hooks, self._deferred
         )
+
+    def _defer(self, defer_gather: bool) -> DeferredWrites | None:
+        """``defer_gather=True``: sharded host states over a CPU (gloo) group only."""
+        if not defer_gather:
+            return None
+        sh = self._sharding
+        if not sh.sharded or self.tier is not StateTier.HOST:
+            raise ConfigError(
+                f"defer_gather=True needs sharded host states (states='host', torch.distributed "
+                f"with more than one rank); got states={self.tier.value!r}, sharded={sh.sharded}: "
+                f"pass defer_gather=False"
+            )
+        if _dist.comm_device(sh.pg).type != "cpu":
+            raise ConfigError(
+                "defer_gather=True needs a process group whose collectives take CPU tensors "
+                "(gloo); this one is NCCL: pass defer_gather=False"
+            )
+        return DeferredWrites(sh)
 
     def _agree(self, groups: list[dict], what: str) -> None:
         """Every rank must build the same buckets: same parameters, groups and settings."""
@@ -229,6 +265,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "tier": self.tier.value,
             "bucket_size": self._bucket_bytes,
             "master_weights": self.master_weights,
+            "defer_gather": self._defer_gather,
         }
         self._sharding.agree(settings, groups, what)
 
@@ -246,6 +283,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Lay out param group ``gi``; hook its parameters (sharded: nothing to speculate)."""
         group = self.param_groups[gi]
         self._layout.add_group(gi, group, self._states)
+        if self._deferred is not None:
+            self._deferred.add_params(group["params"])
         for p in group["params"] if not self._sharding.sharded else ():
             if p.requires_grad:
                 self._hooks.append(
@@ -327,6 +366,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        self.synchronize()  # the last step's gathers read the masters this one updates
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self._all_params())
         scale_t, scale, skip = self._scaler_inputs()
         if self._sharding.local_form:  # every rank takes the same branch (collectives follow;
@@ -344,6 +384,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         finally:  # the compute streams wait for whatever write-back was issued
             self._staging.finish_write_back()
         return loss
+
+    def synchronize(self) -> None:
+        """Wait until every parameter holds the last ``step()``'s values (``defer_gather=True``:
+        the all-gathers run after ``step()`` returns; otherwise they are already written). Call it
+        before reading parameters directly rather than through a module's forward or
+        ``state_dict()``. Raises if a deferred gather failed (parameters may be partly written)."""
+        if self._deferred is not None and self._finalizer.alive:
+            self._deferred.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop speculation that no step() consumed, then clear gradients as torch does."""
@@ -379,6 +427,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective).
         """
         self._check_open()
+        self.synchronize()  # the step is over when its state is read
         self._spec.wait()
         return self._dicts.local()
 
@@ -393,6 +442,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not self._sharding.local_form:
             return self.state_dict()
         self._check_open()
+        self.synchronize()
         self._spec.wait()
         if self._sharding.fsdp:
             return self._dicts.full_fsdp()
@@ -408,6 +458,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         no communication. Entries with ``step`` 0 are fresh state.
         """
         self._check_open()
+        self.synchronize()  # pending gathers read the masters that are about to be replaced
         loaded = self._dicts.parse(state_dict)  # every check, before anything changes
         self._spec.discard()
         self._spec.drop_prepared()  # they read the committed state that is about to be replaced
