@@ -38,6 +38,7 @@ PUBLIC = {
     "stats",
     # optimizer state and parameters
     "OffloadedAdamW",
+    "OptimizerStats",
     "stream_parameters",
     # checkpoints
     "Checkpointer",

@@ -23,7 +23,7 @@ from tensortier.errors import (
     TensortierError,
     TierFullError,
 )
-from tensortier.optim import OffloadedAdamW, stream_parameters
+from tensortier.optim import OffloadedAdamW, OptimizerStats, stream_parameters
 from tensortier.tiers import DiskStore, HostPool, RemoteStore  # RemoteStore imports Ray on use
 from tensortier.tiers.codecs import get_codec
 from tensortier.transfer import TransferEngine
@@ -56,6 +56,7 @@ __all__ = [
     "stats",
     # optimizer state and parameters off the device
     "OffloadedAdamW",
+    "OptimizerStats",
     "stream_parameters",
     # checkpoints
     "Checkpointer",

@@ -373,9 +373,11 @@ class ParamStore:
         register_stats("param_store", self)  # tt.stats() lists it while it is open
 
     @staticmethod
-    def attach(path: str | os.PathLike) -> ParamReader:
-        """A reader for the store at ``path`` (``ParamStore.path``), from any process on this machine."""
-        return ParamReader(path)
+    @renamed(path="directory")
+    def attach(directory: str | os.PathLike) -> ParamReader:
+        """A reader for the store in ``directory`` (``ParamStore.path``), from any process on
+        this machine."""
+        return ParamReader(directory)
 
     @property
     def version(self) -> int:
