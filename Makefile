@@ -48,14 +48,15 @@ lint: $(VENV)/.installed-dev
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks tiers --json benchmarks/results/tiers-cpu.json
 
-# the peers the benchmarks compare against (benchmarks/README.md): RLlib (extra bench-rl) here with
+# the peers the benchmarks compare against (benchmarks/README.md): RLlib (extra bench-rl) and
+# DeepSpeed's CPU Adam (extra bench-optimizer, DS_BUILD_OPS=0: its op JIT-builds) here with
 # torch held at its pin (a constraint on the installed version), TorchRL in its own venv with the
 # torch its C++ segment tree was built against
 bench-peers: $(VENV)/.installed-bench $(TORCHRL_VENV)/.installed
 
 $(VENV)/.installed-bench: $(VENV)/.installed-dev pyproject.toml
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
-	$(PIP) install -q -c $(VENV)/torch-pin.txt -e ".[dev,bench-rl]"
+	DS_BUILD_OPS=0 $(PIP) install -q -c $(VENV)/torch-pin.txt -e ".[dev,bench-rl,bench-optimizer]"
 	touch $@
 
 $(TORCHRL_VENV)/.installed: benchmarks/requirements-torchrl.txt
