@@ -245,6 +245,15 @@ class _Plan:
 _plans: dict[tuple, _Plan] = {}
 
 
+def encode_aligned_parts(item: Any, align: int) -> list:
+    """:func:`encode` ``(item, align=align)`` (``align > 1``) as the buffers whose concatenation is
+    the blob: header pieces, padding and the fields' payloads, not joined. Payloads of arrays and
+    tensors are views of the caller's memory (``bytes`` parts are immutable)."""
+    if align <= 1:
+        raise ValueError(f"encode_aligned_parts needs align > 1, got {align!r}")
+    return _encode_general(item, align, as_parts=True)
+
+
 def encode_parts(item: Any) -> list:
     """:func:`encode` as a list of byte buffers (format ``B``) whose concatenation is the blob.
 
@@ -268,8 +277,9 @@ def encode_parts(item: Any) -> list:
     return [encode(item)]
 
 
-def _encode_general(item: Any, align: int = 1) -> bytes:
-    """:func:`encode` without plans: dispatch on every field's type, header from the cache."""
+def _encode_general(item: Any, align: int = 1, as_parts: bool = False) -> Any:
+    """:func:`encode` without plans: dispatch on every field's type, header from the cache.
+    ``as_parts`` (``align > 1`` only): the blob's pieces, not joined."""
     if align < 1 or align > 4096 or align & (align - 1):
         raise ValueError(f"align must be a power of two from 1 to 4096, got {align!r}")
     if isinstance(item, Mapping):
@@ -290,7 +300,8 @@ def _encode_general(item: Any, align: int = 1) -> bytes:
         descs.append((name, desc[0], desc[1], tuple(desc[2]), n))
         payloads.append(payload)
     if align > 1:
-        return _encode_v2(single, descs, payloads, align)
+        parts = _encode_v2(single, descs, payloads, align)
+        return parts if as_parts else b"".join(parts)
     key = (single, tuple(descs), align)
     cached = _encode_cache.get(key)
     if cached is None:
@@ -315,7 +326,7 @@ def _encode_general(item: Any, align: int = 1) -> bytes:
     return b"".join([head, *(x for pair in zip(payloads, gaps) for x in pair)])
 
 
-def _encode_v2(single: bool, descs: list, payloads: list, align: int) -> bytes:
+def _encode_v2(single: bool, descs: list, payloads: list, align: int) -> list:
     schema = (
         single,
         tuple((name, kind, dtype, len(shape)) for name, kind, dtype, shape, _ in descs),
@@ -346,7 +357,7 @@ def _encode_v2(single: bool, descs: list, payloads: list, align: int) -> bytes:
         if offset > end:
             parts.append(bytes(offset - end))
     parts[1] = numbers.pack(*values)
-    return b"".join(parts)
+    return parts
 
 
 _encode_cache: dict[tuple, tuple[bytes, list[bytes] | None]] = {}
