@@ -421,13 +421,15 @@ def read_one(
 ) -> np.ndarray:
     """The blob of one record (``row`` = its index row as a tuple): one ``pread``, no planning."""
     seg, length, off, crc = row
-    path, problem = row_problem(files.root, row, sizes)
-    if problem:
+    limit = sizes.get(seg)
+    if limit is None or length < REC.size or off + length > limit:
+        path, problem = row_problem(files.root, row, sizes)
         raise CorruptDataError(f"record {index} in {path}: {problem}", path=path)
     buf = np.empty(length, np.uint8)  # numpy memory is 16-aligned: the fields' 8 are kept
     try:
         fd = files.acquire(seg, False)
     except FileNotFoundError as exc:
+        path = segment_path(files.root, seg)
         raise CorruptDataError(
             f"record {index} in {path}: the segment file is missing", path=path
         ) from exc
@@ -440,12 +442,14 @@ def read_one(
         stats.bytes_read += got
         stats.records += 1
     if got < length:
+        path = segment_path(files.root, seg)
         raise CorruptDataError(
             f"record {index} in {path}: the file ends at byte {off + got} but the record spans "
             f"bytes {off}..{off + length} (the file was truncated)",
             path=path,
         )
     if not item_ok(memoryview(buf), 0, length, index, crc):
+        path = segment_path(files.root, seg)
         raise CorruptDataError(
             f"record {index} in {path}: the record at offset {off} failed its check (header, "
             f"length or CRC): the file was modified or damaged",
