@@ -50,7 +50,7 @@ from torch import nn
 from tensortier import _dist, _lifetime
 from tensortier._device import normalize_device
 from tensortier._memory import release_freed_memory
-from tensortier._renamed import renamed
+from tensortier._renamed import OFFLOAD_RENAMES, renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
@@ -281,13 +281,7 @@ class Offloader:
     makes backward raise ``NodeLostError`` naming it. No codec.
     """
 
-    @renamed(
-        to="tier",
-        disk_capacity="disk_budget",
-        max_inflight="inflight_budget",
-        prefetch="prefetch_budget",
-        disk_io_threads="io_threads",
-    )
+    @renamed(**OFFLOAD_RENAMES)
     def __init__(
         self,
         tier: str = "host",
@@ -1167,13 +1161,7 @@ class _Pass:
                 off._start_reads(record, fut)
 
 
-@renamed(
-    to="tier",
-    disk_capacity="disk_budget",
-    max_inflight="inflight_budget",
-    prefetch="prefetch_budget",
-    disk_io_threads="io_threads",
-)
+@renamed(**OFFLOAD_RENAMES)
 def offload(tier: str = "host", **kwargs) -> Offloader:
     """Offload saved activations inside a ``with`` block; see :class:`Offloader` for the options.
 
@@ -1260,13 +1248,7 @@ class OffloadHandle:
             off._release_if_idle()
 
 
-@renamed(
-    to="tier",
-    disk_capacity="disk_budget",
-    max_inflight="inflight_budget",
-    prefetch="prefetch_budget",
-    disk_io_threads="io_threads",
-)
+@renamed(**OFFLOAD_RENAMES)
 def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHandle:
     """Offload the activations saved inside ``module``'s forward only (each child of a ModuleList).
 
