@@ -126,15 +126,17 @@ def check_replay_args(
             f"sampler must be tt.rl.Uniform() or tt.rl.Prioritized(...), got {sampler!r}"
         )
     config = ReplayConfig(
+        # what is stored and how it is drawn
         max_items=max_items,
-        host_budget=parse_size(host_budget, name="host_budget"),
-        spill_dir=None if spill_dir is None else os.fspath(spill_dir),
         sampler=sampler,
         max_uses=max_uses,
-        durable=durable,
-        fsync=fsync,
         prefetch=prefetch,
         seed=seed,
+        # where it is stored
+        host_budget=parse_size(host_budget, name="host_budget"),
+        spill_dir=None if spill_dir is None else os.fspath(spill_dir),
+        durable=durable,
+        fsync=fsync,
         segment_size=parse_size(segment_size, name="segment_size", allow_zero=False),
     )
     return config, tiers
