@@ -7,21 +7,9 @@ from hypothesis import strategies as st
 from tensortier.errors import CorruptDataError
 from tensortier.tiers import itemcodec as _codec
 from tests.conftest import ALL_DTYPES, bit_equal, make_tensor
+from tests.conftest import same_item as same
 
 NP_DTYPES = ["<f4", "<f8", "<f2", "|u1", "|i1", "<i2", "<i4", "<i8", "|b1", "<c8", "<u4", ">f4"]
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and bit_equal(a, b)
-    if isinstance(a, np.ndarray):
-        return (
-            isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and a.tobytes() == b.tobytes()
-        )
-    return type(a) is type(b) and a == b
 
 
 @settings(max_examples=60, deadline=None)
