@@ -1,6 +1,8 @@
 import gc
 import os
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -110,3 +112,40 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     from tensortier.tiers.disk import as_bytes
 
     return torch.equal(as_bytes(a.cpu()), as_bytes(b.cpu()))
+
+
+def in_thread(fn, limit: float = 30.0):
+    """Run ``fn`` in a thread; returns what it returned or raised (a hang fails, not blocks, the
+    test)."""
+    out = {}
+
+    def go():
+        try:
+            out["r"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            out["r"] = exc
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"still running after {limit}s"
+    return out["r"]
+
+
+def same_item(a, b) -> bool:
+    """Items equal to the bit: dicts field by field, tensors and arrays by dtype, shape and bytes,
+    anything else by type and ``==``."""
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_item(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and bit_equal(a, b)
+    if isinstance(a, np.ndarray):
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.tobytes() == b.tobytes()
+        )
+    return type(a) is type(b) and a == b

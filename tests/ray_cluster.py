@@ -195,3 +195,21 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def remote_store_fixture(budget: str):
+    """A module-scoped ``store`` fixture: a ``RemoteStore`` of ``budget`` on the module's
+    ``cluster`` fixture, closed after the module's tests (``store = remote_store_fixture(...)``)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def store(cluster):
+        from tensortier.tiers.remote import RemoteStore
+
+        s = RemoteStore(budget, timeout=30)
+        try:
+            yield s
+        finally:
+            s.close()
+
+    return store

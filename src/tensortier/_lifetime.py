@@ -251,6 +251,22 @@ def remove_private_dir(path: str) -> None:
             os.close(fd)
 
 
+def lock_if_free(path: str, flags: int) -> int | None:
+    """``path`` opened with ``flags`` and locked exclusively, or None while another descriptor
+    (this process's or another's) holds its lock: the caller leaves a held file alone. An error
+    opening or locking it propagates, with nothing left open."""
+    fd = os.open(path, flags)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def reclaim_stale(base: str | os.PathLike) -> list[str]:
     """Remove private directories under ``base`` whose owner process is gone; returns their paths.
 
@@ -266,13 +282,10 @@ def reclaim_stale(base: str | os.PathLike) -> list[str]:
         if not _PRIVATE.match(entry.name) or entry.path in _owned:
             continue
         try:
-            fd = os.open(os.path.join(entry.path, OWNER_FILE), os.O_RDWR | os.O_CLOEXEC)
+            fd = lock_if_free(os.path.join(entry.path, OWNER_FILE), os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        if fd is None:
             continue  # a live owner (possibly another process) holds it
         try:
             shutil.rmtree(entry.path, ignore_errors=True)

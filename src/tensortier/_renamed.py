@@ -14,6 +14,16 @@ from typing import TypeVar
 
 F = TypeVar("F", bound=Callable)
 
+# The offload verbs' old names (``tt.offload``, ``Offloader``, ``offload``, ``offload_module``):
+# one table, so the four entry points accept exactly the same ones.
+OFFLOAD_RENAMES = {
+    "to": "tier",
+    "disk_capacity": "disk_budget",
+    "max_inflight": "inflight_budget",
+    "prefetch": "prefetch_budget",
+    "disk_io_threads": "io_threads",
+}
+
 
 def renamed(**old_to_new: str) -> Callable[[F], F]:
     """``@renamed(to="tier", disk_capacity="disk_budget")`` on a function or ``__init__``."""

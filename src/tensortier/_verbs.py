@@ -6,16 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensortier._renamed import renamed
+from tensortier._renamed import OFFLOAD_RENAMES, renamed
 
 
-@renamed(
-    to="tier",
-    disk_capacity="disk_budget",
-    max_inflight="inflight_budget",
-    prefetch="prefetch_budget",
-    disk_io_threads="io_threads",
-)
+@renamed(**OFFLOAD_RENAMES)
 def offload(tier: str | None = None, *, budget: Any = None, **kwargs: Any):
     """Offload saved activations inside a ``with`` block.
 

@@ -15,7 +15,7 @@ from tensortier.errors import ConfigError, NodeLostError  # noqa: E402
 from tensortier.tiers.codecs import ZstdCodec  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
 from tests.activations.test_offloader import _inputs, _step, cnn, gpt, mlp  # noqa: E402
-from tests.ray_cluster import STORE  # noqa: E402
+from tests.ray_cluster import STORE, remote_store_fixture  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +24,7 @@ def cluster(ray_nodes):
         yield lc
 
 
-@pytest.fixture(scope="module")
-def store(cluster):
-    s = RemoteStore("128MiB", timeout=30)
-    try:
-        yield s
-    finally:
-        s.close()
+store = remote_store_fixture("128MiB")
 
 
 def _offloaded_step(model, inputs, off):

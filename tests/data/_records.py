@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests.conftest import same_item as same  # noqa: F401 - the catalog tests import it here
+
 KINDS = 7
 
 
@@ -31,25 +33,3 @@ def record(i: int):
     if k == 5:
         return {"t": torch.full((2, n % 9), float(i), dtype=torch.bfloat16), "ok": bool(i % 2)}
     return float(i) / 3
-
-
-def same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return (
-            isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(
-                a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b
-            )
-        )
-    if isinstance(a, np.ndarray):
-        return (
-            isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and a.tobytes() == b.tobytes()
-        )
-    return type(a) is type(b) and a == b

@@ -304,3 +304,47 @@ def test_old_names_warn_or_are_gone(cat):
     with pytest.warns(DeprecationWarning, match="prefetch= is now prefetch_budget="):
         EpochDataset(cat, batch=8, prefetch="1MiB")
     assert not hasattr(tt_data, "Batch") and "EpochBatch" in tt_data.__all__
+
+
+def test_a_piece_is_read_and_checked_without_python_work_per_record(tmp_path, monkeypatch):
+    """One ``preadv`` per coalesced run, one descriptor per segment and piece, every header
+    checked over the whole piece at once and parsed once per schema (issue 27 #3): the per-record
+    ``item_ok`` and header parse of the old reader are never called."""
+    import os
+
+    from tensortier.data import _files
+    from tensortier.tiers import itemcodec
+
+    n = 4000
+    path = tmp_path / "cat"
+    recs = [np.random.default_rng(i).bytes(100 + i % 50) for i in range(n)]
+    Catalog.build(path, recs, io_threads=2, batch_bytes="64KiB").close()
+    cat = Catalog.open(path, direct=False)
+    cat.direct_io()  # its probe reads once
+    calls = {"preadv": 0, "item_ok": 0, "header": 0, "acquire": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(os, "preadv", counted("preadv", os.preadv))
+    monkeypatch.setattr(_files, "item_ok", counted("item_ok", _files.item_ok))
+    monkeypatch.setattr(itemcodec, "_header", counted("header", itemcodec._header))
+    monkeypatch.setattr(
+        _files.Descriptors, "acquire", counted("acquire", _files.Descriptors.acquire)
+    )
+    loader = cat.epochs(batch=500, seed=1, shuffle="full", prefetch_budget="64KiB", io_threads=2)
+    got = {}
+    for b in loader:
+        got.update(zip(b.indices.tolist(), b.data))
+    stats = loader.stats()
+    loader.close()
+    cat.close()
+    assert len(got) == n and all(got[i] == recs[i] for i in range(n))
+    assert calls["preadv"] == stats.reads  # one per coalesced run
+    assert calls["acquire"] <= stats.pieces * 2
+    assert calls["item_ok"] == 0
+    assert calls["header"] == stats.pieces  # one schema (bytes): parsed once per piece

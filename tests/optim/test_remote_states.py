@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 from tensortier.errors import ConfigError, NodeLostError  # noqa: E402
 from tensortier.optim import OffloadedAdamW  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
-from tests.ray_cluster import STORE  # noqa: E402
+from tests.ray_cluster import STORE, remote_store_fixture  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +19,7 @@ def cluster(ray_nodes):
         yield lc
 
 
-@pytest.fixture(scope="module")
-def store(cluster):
-    s = RemoteStore("16MiB", timeout=30)
-    try:
-        yield s
-    finally:
-        s.close()
+store = remote_store_fixture("16MiB")
 
 
 def _model(seed=0):

@@ -299,13 +299,8 @@ def test_a_budget_without_a_tier_plans_with_the_disk_on_a_cpu_only_machine(spill
         off.close()
 
 
-def test_budget_holds_a_training_loop_that_steps_adamw(tmp_path):
-    """What users run: ``tt.offload(budget=...)`` around the forward of a GPT, then backward and
-    ``torch.optim.AdamW.step()`` (whose states appear at the first step, after the warm-up). The
-    optimizer's memory is not the offloader's: the planner must still find a plan at half the
-    plain peak, and train bit-identically to the same loop without offload. (A planner that
-    counted all memory gained since the warm-up as its own buffers raised BudgetError here.)"""
-    import tensortier as tt
+def _twin_gpts():
+    """A batch and two identical GPTs (seed 0): one trained plainly, one under the offload."""
     from tensortier.models.gpt import GPT, GPTConfig, random_batch
 
     cfg = GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=256, vocab_size=512)
@@ -314,7 +309,18 @@ def test_budget_holds_a_training_loop_that_steps_adamw(tmp_path):
     for _ in range(2):
         torch.manual_seed(0)
         models.append(GPT(cfg))
-    ref, m = models
+    return x, y, *models
+
+
+def test_budget_holds_a_training_loop_that_steps_adamw(tmp_path):
+    """What users run: ``tt.offload(budget=...)`` around the forward of a GPT, then backward and
+    ``torch.optim.AdamW.step()`` (whose states appear at the first step, after the warm-up). The
+    optimizer's memory is not the offloader's: the planner must still find a plan at half the
+    plain peak, and train bit-identically to the same loop without offload. (A planner that
+    counted all memory gained since the warm-up as its own buffers raised BudgetError here.)"""
+    import tensortier as tt
+
+    x, y, ref, m = _twin_gpts()
     opts = [torch.optim.AdamW(mod.parameters(), lr=1e-3) for mod in (ref, m)]
     off = tt.offload(budget="52MiB", spill_dir=str(tmp_path), options=FAST)
     try:
@@ -400,15 +406,8 @@ def test_memory_the_user_allocates_mid_training_is_not_the_offloaders(tmp_path):
     tt.offload's forward/backward, so it is not counted as offloader buffers. A planner that
     charged it all to itself found no plan (BudgetError). Training stays bit-identical."""
     import tensortier as tt
-    from tensortier.models.gpt import GPT, GPTConfig, random_batch
 
-    cfg = GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=256, vocab_size=512)
-    x, y = random_batch(cfg, 4, 256)
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(GPT(cfg))
-    ref, m = models
+    x, y, ref, m = _twin_gpts()
     opts = [torch.optim.SGD(mod.parameters(), lr=1e-2) for mod in (ref, m)]
     off = tt.offload(budget="52MiB", spill_dir=str(tmp_path), options=FAST)
     kept = []

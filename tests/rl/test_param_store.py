@@ -14,7 +14,7 @@ from tensortier._lifetime import quiesce
 from tensortier.errors import ClosedError, ConfigError, TierFullError
 from tensortier.rl import ParamStore
 from tensortier.rl.param_store import ParamReader
-from tests.conftest import bit_equal
+from tests.conftest import bit_equal, in_thread
 
 
 def _reader(path: str, seconds: float, out) -> None:
@@ -113,21 +113,6 @@ def test_readers_in_other_processes_never_see_a_torn_version():
 
 
 # ---------------------------------------------------------------------- faults (issue 18)
-def _in_thread(fn, limit: float = 30.0):
-    """Run ``fn`` in a thread; returns what it returned or raised (a hang fails, not blocks, the test)."""
-    out = {}
-
-    def go():
-        try:
-            out["r"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            out["r"] = exc
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(limit)
-    assert not t.is_alive(), f"still running after {limit}s"
-    return out["r"]
 
 
 def test_get_before_first_publish_honours_timeout_and_sleeps(monkeypatch):
@@ -139,7 +124,7 @@ def test_get_before_first_publish_honours_timeout_and_sleeps(monkeypatch):
     with ParamStore() as ps:
         for call in (lambda: ps.get(min_version=0, timeout=0.3), lambda: ps.get(timeout=0.3)):
             polls.clear()
-            assert isinstance(_in_thread(call), TimeoutError)
+            assert isinstance(in_thread(call), TimeoutError)
             # back-off polling: ~40 reads in 0.3 s; a busy spin makes hundreds of thousands
             assert len(polls) < 1000, len(polls)
 
@@ -150,13 +135,13 @@ def test_reader_of_a_closed_store_gets_closed_error():
     reader = ParamStore.attach(pub.path)
     held = reader.get()
     out: list = []
-    waiting = threading.Thread(target=lambda: out.append(_in_thread(lambda: reader.wait_for(2))))
+    waiting = threading.Thread(target=lambda: out.append(in_thread(lambda: reader.wait_for(2))))
     waiting.start()
     pub.close()  # wakes the waiting reader
     waiting.join(30)
     assert isinstance(out[0], ClosedError), out
     for call in (reader.get, lambda: reader.get(timeout=1.0), lambda: reader.wait_for(1)):
-        assert isinstance(_in_thread(call), ClosedError)
+        assert isinstance(in_thread(call), ClosedError)
     assert (held["w"] == 1).all()  # mapped pages outlive the store
     reader.close()
     with pytest.raises(ClosedError):
@@ -171,7 +156,7 @@ def test_store_dropped_without_close_is_closed_for_readers():
     gc.collect()
     assert quiesce()  # the reaper ran the cleanup (a finalizer never deletes files itself)
     assert not os.path.exists(path)
-    assert isinstance(_in_thread(lambda: reader.get(min_version=2, timeout=5)), ClosedError)
+    assert isinstance(in_thread(lambda: reader.get(min_version=2, timeout=5)), ClosedError)
 
 
 def test_use_after_close_and_bad_arguments_are_typed():
@@ -284,7 +269,7 @@ def test_sigkilled_publisher_is_detected_and_its_directory_reclaimed(tmp_path):
         assert child.wait(60) == -signal.SIGKILL
     finally:
         child.kill()
-    assert isinstance(_in_thread(lambda: reader.wait_for(2)), ClosedError)
+    assert isinstance(in_thread(lambda: reader.wait_for(2)), ClosedError)
     assert os.path.isdir(path)
     # The next store made there reclaims the dead publisher's directory; the reader's shared
     # locks on version files do not keep it (the owner lock is a different file).
@@ -292,4 +277,4 @@ def test_sigkilled_publisher_is_detected_and_its_directory_reclaimed(tmp_path):
         assert not os.path.exists(path)
         assert os.listdir(tmp_path) == [os.path.basename(fresh.path)]
     assert (held["w"] == 7).all()  # the mapping outlives the files
-    assert isinstance(_in_thread(lambda: reader.get(timeout=5)), ClosedError)
+    assert isinstance(in_thread(lambda: reader.get(timeout=5)), ClosedError)

@@ -13,6 +13,7 @@ from tensortier.errors import ClosedError, ConfigError, RateLimitTimeout  # noqa
 from tensortier.rl import ParamStore, Prioritized, RateLimit, ReplayBuffer, serve  # noqa: E402
 from tensortier.rl._actors import call as _call  # noqa: E402
 from tensortier.rl.serve import _PARAM_THREADS  # noqa: E402
+from tests.conftest import in_thread  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -93,20 +94,8 @@ def test_serve_refuses_other_objects():
 
 # ---------------------------------------------------------------------- faults (issues 12, 18)
 def _in_thread(fn, limit: float = 60.0):
-    """Run ``fn`` in a thread; returns what it returned or raised (a hang fails, not blocks, the test)."""
-    out = {}
-
-    def go():
-        try:
-            out["r"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            out["r"] = exc
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(limit)
-    assert not t.is_alive(), f"still running after {limit}s"
-    return out["r"]
+    """:func:`in_thread` with a longer limit: a served actor starts in a new process."""
+    return in_thread(fn, limit)
 
 
 def _copies(spill_dir) -> list[str]:

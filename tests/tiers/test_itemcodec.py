@@ -7,21 +7,9 @@ from hypothesis import strategies as st
 from tensortier.errors import CorruptDataError
 from tensortier.tiers import itemcodec as _codec
 from tests.conftest import ALL_DTYPES, bit_equal, make_tensor
+from tests.conftest import same_item as same
 
 NP_DTYPES = ["<f4", "<f8", "<f2", "|u1", "|i1", "<i2", "<i4", "<i8", "|b1", "<c8", "<u4", ">f4"]
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and bit_equal(a, b)
-    if isinstance(a, np.ndarray):
-        return (
-            isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and a.tobytes() == b.tobytes()
-        )
-    return type(a) is type(b) and a == b
 
 
 @settings(max_examples=60, deadline=None)
@@ -185,3 +173,66 @@ def test_decode_batch_of_gathered_rows_equals_decode_of_blobs():
     ]
     rows, collated = itemcodec.decode_batch(itemcodec.gather(odd, len(odd[0])))
     assert not collated and rows[0]["x"].tolist() == [0, 0] and rows[1]["y"].tolist() == [1, 1]
+
+
+def _packed(blobs: list[bytes], shift: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blobs back to back (8-aligned each, plus ``shift``) in one writable buffer."""
+    starts, at = [], 0
+    for b in blobs:
+        starts.append(at + shift)
+        at += -(-(len(b) + shift) // 8) * 8
+    raw = np.zeros(at + 16, np.uint8)
+    buf = raw[(-raw.ctypes.data) % 8 :]
+    for s, b in zip(starts, blobs):
+        buf[s : s + len(b)] = np.frombuffer(b, np.uint8)
+    return buf, np.array(starts), np.array([len(b) for b in blobs])
+
+
+def _mixed_items(rng) -> list:
+    items = []
+    for i in range(60):
+        k = i % 6
+        if k == 0:
+            items.append(rng.bytes(int(rng.integers(0, 300))))
+        elif k == 1:
+            items.append({"x": rng.standard_normal(int(rng.integers(0, 9))), "y": i, "t": "é" * i})
+        elif k == 2:
+            items.append(torch.arange(i, dtype=torch.bfloat16).reshape(-1, 1))
+        elif k == 3:
+            items.append({f"f{i % 11}": np.arange(i % 4, dtype="<i2"), "b": b"z" * i})
+        elif k == 4:
+            items.append(float(i) / 3)
+        else:
+            items.append({"e": np.empty((0, 3), "<f4"), "pt": torch.empty(0)})
+    return items
+
+
+@pytest.mark.parametrize("align,shift", [(8, 0), (8, 4), (1, 0), (1, 3)])
+def test_decode_spans_equals_decode_of_each_blob(align, shift):
+    """Many schemas (more than one call batches), views and copies, v1 and v2 headers."""
+    items = _mixed_items(np.random.default_rng(align + shift))
+    blobs = [_codec.encode(it, align=align) for it in items]
+    buf, starts, lens = _packed(blobs, shift)
+    got = _codec.decode_spans(buf, starts, lens)
+    for s, n, g in zip(starts, lens, got):
+        want = _codec.decode(buf[s : s + n], copy=False)
+        if isinstance(want, dict):
+            assert list(g) == list(want) and all(same(g[k], want[k]) for k in want)
+        else:
+            assert same(g, want)
+        arrays = g.values() if isinstance(g, dict) else [g]
+        for a, b in zip(arrays, want.values() if isinstance(want, dict) else [want]):
+            if isinstance(a, np.ndarray) and a.size:  # views exactly where decode makes views
+                assert np.shares_memory(a, buf) == np.shares_memory(b, buf)
+
+
+def test_decode_spans_refuses_a_damaged_blob_as_decode_does():
+    blobs = [_codec.encode({"a": np.arange(4.0), "s": "x"}, align=8) for _ in range(5)]
+    buf, starts, lens = _packed(blobs)
+    hdr = int(np.frombuffer(blobs[3][:4], "<u4")[0])
+    at = int(starts[3]) + 4 + hdr - 8  # the last number of the header: the size of field "s"
+    buf[at] = 200
+    with pytest.raises(CorruptDataError):
+        _codec.decode(buf[starts[3] : starts[3] + lens[3]], copy=False)
+    with pytest.raises(CorruptDataError):
+        _codec.decode_spans(buf, starts, lens)

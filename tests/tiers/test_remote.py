@@ -13,6 +13,7 @@ from tensortier.tiers.host import HostPool  # noqa: E402
 from tensortier.tiers.remote import MIN_OBJECT, RemoteHandle, RemoteStore  # noqa: E402
 from tensortier.transfer import HostTensor, Transfer, TransferEngine  # noqa: E402
 from tests.ray_cluster import STORE as _STORE  # noqa: E402
+from tests.ray_cluster import remote_store_fixture  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +22,7 @@ def cluster(ray_nodes):
         yield lc.cluster, lc.workers, lc.tmp
 
 
-@pytest.fixture(scope="module")
-def store(cluster):
-    s = RemoteStore("64MiB", timeout=30)
-    try:
-        yield s
-    finally:
-        s.close()
+store = remote_store_fixture("64MiB")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -207,3 +207,22 @@ def test_format_3_records_use_crc32c_and_are_read_and_checked_like_format_2(tmp_
     with pytest.raises(CorruptDataError):
         list(reader.scan())
     reader.close(remove=False)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_payload_given_in_pieces_is_written_as_the_joined_payload(tmp_path, direct):
+    """A tuple of buffers is one record's payload back to back: same bytes, same CRCs."""
+    pieces = [(b"ab", b"", b"c" * 5000), (b"x" * 9000,), (b"head", memoryview(b"tail"))]
+    outs = []
+    for name, records in (
+        ("joined", [(k, 0, b"".join(p)) for k, p in enumerate(pieces)]),
+        ("pieces", [(k, 0, tuple(p)) for k, p in enumerate(pieces)]),
+    ):
+        crcs: list[int] = []
+        segs = Segments(str(tmp_path / name), direct=direct, checksum="crc32c", segment_size=8000)
+        (tmp_path / name).mkdir()
+        locs = segs.append(records, crcs)
+        segs.close(remove=False)
+        files = sorted((tmp_path / name).iterdir())
+        outs.append((locs, crcs, [f.read_bytes() for f in files]))
+    assert outs[0] == outs[1] and len(outs[0][2]) == 2  # the segment rolled between records

@@ -50,7 +50,7 @@ from torch import nn
 from tensortier import _dist, _lifetime
 from tensortier._device import normalize_device
 from tensortier._memory import release_freed_memory
-from tensortier._renamed import renamed
+from tensortier._renamed import OFFLOAD_RENAMES, renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
@@ -281,13 +281,7 @@ class Offloader:
     makes backward raise ``NodeLostError`` naming it. No codec.
     """
 
-    @renamed(
-        to="tier",
-        disk_capacity="disk_budget",
-        max_inflight="inflight_budget",
-        prefetch="prefetch_budget",
-        disk_io_threads="io_threads",
-    )
+    @renamed(**OFFLOAD_RENAMES)
     def __init__(
         self,
         tier: str = "host",
@@ -947,26 +941,13 @@ class _Pass:
         base = t._base
         if ptr in self.param_ptrs or (base is not None and isinstance(base, nn.Parameter)):
             return t  # a parameter, a view of one, or a buffer: saved by reference
-        off = self.off
-        stats = off.stats
+        stats = self.off.stats
         nbytes = storage.nbytes()
         stats.tensors_packed += 1
-        known = self.by_storage.get(ptr)
-        if known is not None:
-            storage_ref, record_ref = known
-            if record_ref is None and storage_ref() is storage:  # kept before: kept again
-                stats.bytes_kept += nbytes
-                return t
-            record = record_ref() if record_ref is not None else None
-            if storage_ref() is storage and record is not None:  # same live storage: move it once
-                stats.bytes_deduplicated += nbytes
-                record.handles += 1
-                return _Handle(record, t)
-        if t.device.type == "cpu" and off.device.type != "cpu" or _cudagraph_owned(t):
-            stats.bytes_kept += nbytes  # no device memory to free: saved by reference
-            return t
-        if not off.offload_weight_casts and _is_weight_cast(t, base):
-            stats.bytes_weight_casts += nbytes  # the autocast cache holds it on the device anyway
+        again = self._saved_before(t, storage, ptr, nbytes)
+        if again is not None:
+            return again
+        if self._stays(t, base, nbytes):
             return t
         action = self._action(t, nbytes)
         if action.tier == "keep":
@@ -974,53 +955,98 @@ class _Pass:
             # decided once per storage, as moved ones are: saving it again asks nothing
             self.by_storage[ptr] = (weakref.ref(storage), None)
             return t
-        tier = action.tier
-        if tier == "host" and size_class(nbytes) > off.host_budget:
-            if off.tier == "auto":
-                tier = "disk"
-            else:
-                raise BudgetError(
-                    f"host_budget={format_size(off.host_budget)} cannot hold even one saved tensor "
-                    f"of {format_size(nbytes)} (shape {tuple(t.shape)}); raise host_budget or use "
-                    f"tier='auto' or tier='disk'",
-                    budget=off.host_budget,
-                    minimum=size_class(nbytes),
-                )
+        tier = self._fitting_tier(t, action.tier, nbytes)
         record = _Record(self, self.index, nbytes, t.device, tier)
         record.dtype = t.dtype
         codec = action.codec
         if codec is not None and nbytes % t.dtype.itemsize == 0 and accepts(codec.name, t.dtype):
             record.codec = codec  # storages the codec cannot take (not whole elements of this
             # dtype, a dtype it does not list: fp8, uint16...) travel raw
-        data = _storage_bytes(t)
-        try:
-            pack_s = self._start(record, data)
-        except TierFullError:
-            if off.tier != "auto" or record.tier != "host":
-                raise
-            record.tier = "disk"  # host budget used up: spill the rest to disk
-            record.location.clear()
-            off._attach_disk()
-            pack_s = self._start(record, data)
+        pack_s = self._start_or_spill(record, _storage_bytes(t))
         record.handles = 1
         self.by_storage[ptr] = (weakref.ref(storage), weakref.ref(record))
         self.order.append(weakref.ref(record))
         self.sizes.append(nbytes)
-        if off.record:
-            self.timings[record.index] = {
-                "index": record.index,
-                "nbytes": nbytes,
-                "dtype": str(t.dtype),
-                "shape": list(t.shape),
-                "module": self._module_name(),
-                "grad_fn": t.grad_fn.name() if t.grad_fn is not None else "",
-                "tier": record.tier,
-                "pack_s": pack_s,
-                "unpack_s": 0.0,
-            }
-            off.records.append(self.timings[record.index])
+        if self.off.record:
+            self._record_timing(t, record, pack_s)
         self.index += 1
         return _Handle(record, t)
+
+    def _saved_before(
+        self, t: torch.Tensor, storage: torch.UntypedStorage, ptr: int, nbytes: int
+    ) -> Any:
+        """What to save for a storage this pass already decided on: ``t`` when it was kept, a
+        new handle of its record when it is being moved (moved once), else None (a new one)."""
+        known = self.by_storage.get(ptr)
+        if known is None:
+            return None
+        storage_ref, record_ref = known
+        if record_ref is None and storage_ref() is storage:  # kept before: kept again
+            self.off.stats.bytes_kept += nbytes
+            return t
+        record = record_ref() if record_ref is not None else None
+        if storage_ref() is storage and record is not None:  # same live storage: move it once
+            self.off.stats.bytes_deduplicated += nbytes
+            record.handles += 1
+            return _Handle(record, t)
+        return None  # the address was reused by a new storage
+
+    def _stays(self, t: torch.Tensor, base: torch.Tensor | None, nbytes: int) -> bool:
+        """Whether ``t`` is saved by reference whatever the decision, as moving it frees nothing."""
+        off = self.off
+        if t.device.type == "cpu" and off.device.type != "cpu" or _cudagraph_owned(t):
+            off.stats.bytes_kept += nbytes  # no device memory to free: saved by reference
+            return True
+        if not off.offload_weight_casts and _is_weight_cast(t, base):
+            off.stats.bytes_weight_casts += (
+                nbytes  # the autocast cache holds it on the device anyway
+            )
+            return True
+        return False
+
+    def _fitting_tier(self, t: torch.Tensor, tier: str, nbytes: int) -> str:
+        """``tier``, or disk for a tensor larger than the whole host budget under ``tier="auto"``
+        (BudgetError under ``tier="host"``: it could never be held)."""
+        off = self.off
+        if tier != "host" or size_class(nbytes) <= off.host_budget:
+            return tier
+        if off.tier == "auto":
+            return "disk"
+        raise BudgetError(
+            f"host_budget={format_size(off.host_budget)} cannot hold even one saved tensor "
+            f"of {format_size(nbytes)} (shape {tuple(t.shape)}); raise host_budget or use "
+            f"tier='auto' or tier='disk'",
+            budget=off.host_budget,
+            minimum=size_class(nbytes),
+        )
+
+    def _start_or_spill(self, record: _Record, data: torch.Tensor) -> float:
+        """:meth:`_start`; under ``tier="auto"`` a host record that finds the host budget used up
+        goes to disk instead. Returns the seconds the start took."""
+        try:
+            return self._start(record, data)
+        except TierFullError:
+            if self.off.tier != "auto" or record.tier != "host":
+                raise
+            record.tier = "disk"  # host budget used up: spill the rest to disk
+            record.location.clear()
+            self.off._attach_disk()
+            return self._start(record, data)
+
+    def _record_timing(self, t: torch.Tensor, record: _Record, pack_s: float) -> None:
+        """``record=True``: the per-tensor row of ``Offloader.records`` (unpack fills its time)."""
+        self.timings[record.index] = {
+            "index": record.index,
+            "nbytes": record.nbytes,
+            "dtype": str(t.dtype),
+            "shape": list(t.shape),
+            "module": self._module_name(),
+            "grad_fn": t.grad_fn.name() if t.grad_fn is not None else "",
+            "tier": record.tier,
+            "pack_s": pack_s,
+            "unpack_s": 0.0,
+        }
+        self.off.records.append(self.timings[record.index])
 
     def _start(self, record: _Record, data: torch.Tensor) -> float:
         """Start the record's writes; returns the seconds that took."""
@@ -1167,13 +1193,7 @@ class _Pass:
                 off._start_reads(record, fut)
 
 
-@renamed(
-    to="tier",
-    disk_capacity="disk_budget",
-    max_inflight="inflight_budget",
-    prefetch="prefetch_budget",
-    disk_io_threads="io_threads",
-)
+@renamed(**OFFLOAD_RENAMES)
 def offload(tier: str = "host", **kwargs) -> Offloader:
     """Offload saved activations inside a ``with`` block; see :class:`Offloader` for the options.
 
@@ -1260,13 +1280,7 @@ class OffloadHandle:
             off._release_if_idle()
 
 
-@renamed(
-    to="tier",
-    disk_capacity="disk_budget",
-    max_inflight="inflight_budget",
-    prefetch="prefetch_budget",
-    disk_io_threads="io_threads",
-)
+@renamed(**OFFLOAD_RENAMES)
 def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHandle:
     """Offload the activations saved inside ``module``'s forward only (each child of a ModuleList).
 

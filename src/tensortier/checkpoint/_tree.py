@@ -20,6 +20,7 @@ import torch
 
 from tensortier._units import is_int
 from tensortier.errors import ConfigError, CorruptDataError
+from tensortier.tiers.itemcodec import TORCH_DTYPES  # the item codec's dtypes: the same set
 
 TAG = "$tt"
 
@@ -37,41 +38,19 @@ _NP_DTYPES = {
     "float32",
     "float64",
 }
-_TORCH_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.bool,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    )
-}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _TORCH_DTYPES:
+    if name not in TORCH_DTYPES:
         raise ConfigError(f"tensors of dtype {dtype} cannot be checkpointed; convert them first")
     return name
 
 
 def dtype_from_name(name: object) -> torch.dtype:
-    if not isinstance(name, str) or name not in _TORCH_DTYPES:
+    if not isinstance(name, str) or name not in TORCH_DTYPES:
         raise CorruptDataError(f"unknown dtype {name!r} in manifest")
-    return _TORCH_DTYPES[name]
+    return TORCH_DTYPES[name]
 
 
 MAX_DEPTH = 100  # nesting levels of a state tree; deeper is refused at save and at restore

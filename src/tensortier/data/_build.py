@@ -36,7 +36,7 @@ from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
 from tensortier.tiers import itemcodec
-from tensortier.tiers.segments import Segments, record_crc32c
+from tensortier.tiers.segments import Segments, record_crc32c_parts
 
 MAX_WRITERS = 64
 FAULT_ENV = "TENSORTIER_CATALOG_FAULT"  # "<point>[:<hit>]": SIGKILL there (crash tests only)
@@ -201,6 +201,23 @@ def _remove_build_files(root: str, keep_lock: bool = False) -> None:
                 os.unlink(os.path.join(root, name))
 
 
+def _encode(rec: object, count: int) -> tuple[bytes | tuple[bytes, ...], int]:
+    """(payload, CRC-32C of the format-3 record ``count``) of ``rec``, never aliasing the caller's
+    memory: a blob whose pieces are all ``bytes`` (immutable: bytes and str records, the
+    headers) travels as a tuple of them, copied once, into the writer's staging buffer; one
+    with array or tensor pieces (which the caller may change once it has our blob) is joined."""
+    try:
+        parts = itemcodec.encode_aligned_parts(rec, ALIGN)
+    except (TypeError, ValueError) as exc:
+        parts = [_encode_coerced(rec, count, exc)]
+    if not all(type(p) is bytes for p in parts):
+        parts = [b"".join(parts)]
+    size = sum(map(len, parts))
+    crc = record_crc32c_parts(size, 0, count, parts)
+    payload = tuple(parts) if len(parts) > 1 else parts[0]
+    return payload, crc
+
+
 def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
     """The blob of a record the codec refused as is: lists of numbers become arrays, or a
     TypeError naming the record and what a record may be."""
@@ -214,7 +231,7 @@ def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
         ) from first
 
 
-def _write_batch(segs: Segments, first: int, blobs: list[bytes], crcs: list[int]) -> np.ndarray:
+def _write_batch(segs: Segments, first: int, blobs: list, crcs: list[int]) -> np.ndarray:
     """One writer's job: append ``blobs`` (records ``first...``); their index rows."""
     locs = segs.append([(first + i, 0, b, c) for i, (b, c) in enumerate(zip(blobs, crcs))])
     rows = np.empty(len(blobs), INDEX_DTYPE)
@@ -252,7 +269,7 @@ class _Writers:
             self.shutdown(failed=True)
             raise
 
-    def submit(self, first: int, blobs: list[bytes], crcs: list[int]) -> None:
+    def submit(self, first: int, blobs: list, crcs: list[int]) -> None:
         """Queue the batch of records ``first...`` to the next writer."""
         w = self.batches % len(self.pools)
         self.pending.append(
@@ -307,21 +324,19 @@ def _encode_all(
 ) -> tuple[int, int]:
     """Encode ``records`` into batches of about ``batch_bytes`` for the writers (at most
     ``2 * io_threads`` in flight); (records, payload bytes)."""
-    batch: list[bytes] = []
+    batch: list = []
     sums: list[int] = []
     size = count = payload = 0
     for rec in records:
-        try:
-            blob = itemcodec.encode(rec, align=ALIGN)
-        except (TypeError, ValueError) as exc:
-            blob = _encode_coerced(rec, count, exc)
-        batch.append(blob)
         # the checksum is computed here: a writer thread taking the GIL back after each
         # checksum call would wait for this loop's switch interval (5 ms) every time
-        sums.append(record_crc32c(len(blob), 0, count, blob))
-        size += len(blob)
+        blob, crc = _encode(rec, count)
+        n = len(blob) if type(blob) is bytes else sum(map(len, blob))
+        batch.append(blob)
+        sums.append(crc)
+        size += n
         count += 1
-        payload += len(blob)
+        payload += n
         if size >= batch_bytes or len(batch) >= 65536:
             writers.submit(count - len(batch), batch, sums)
             batch, sums, size = [], [], 0

@@ -23,13 +23,15 @@ import sys
 import threading
 from collections import OrderedDict
 
+import crc32c
 import numpy as np
 
 from tensortier import _modes
+from tensortier.data import _aio
 from tensortier.data._format import segment_path
 from tensortier.errors import ClosedError, CorruptDataError, TierFullError
 from tensortier.tiers.host import PAGE
-from tensortier.tiers.segments import REC, coalesce, item_ok
+from tensortier.tiers.segments import MAGIC, MAGIC_C, REC, item_ok
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -141,8 +143,9 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
-def _pread_into(fd: int, buf: np.ndarray, pos: int, direct: bool) -> int:
-    """Fill ``buf`` from ``pos``; returns the bytes read (fewer only at end of file)."""
+def _pread_into(fd: int, buf, pos: int, direct: bool) -> int:
+    """Fill ``buf`` (an array or memoryview) from ``pos``; returns the bytes read (fewer only at
+    end of file)."""
     view = memoryview(buf)
     got = 0
     while got < len(view):
@@ -247,35 +250,191 @@ def read_blobs(
     return None in its place (``verify``). ``scratch``: read into its buffer (see
     :class:`Scratch`); by default into fresh memory.
     """
-    out: list[np.ndarray | None] = [None] * len(indices)
-    if not len(indices):
-        return out
-    ok = rows_ok(rows, sizes)
-    if not ok.all():  # damaged index rows: reported (or raised) here, the others read
+    buf, pos, ok = read_spans(
+        files, indices, rows, sizes, direct=direct, gap=gap, stats=stats, errors=errors,
+        scratch=scratch,
+    )  # fmt: skip
+    ends = (pos + rows["len"]).tolist()
+    return [
+        buf[p + REC.size : e] if good else None
+        for p, e, good in zip(pos.tolist(), ends, ok.tolist())
+    ]
+
+
+def read_spans(
+    files: Descriptors,
+    indices: np.ndarray,
+    rows: np.ndarray,
+    sizes: dict[int, int],
+    *,
+    direct: bool = False,
+    gap: int = 64 << 10,
+    stats: ReadStats | None = None,
+    errors: list | None = None,
+    scratch: Scratch | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Read and check records ``indices``: ``(buf, pos, ok)``, record ``p`` being
+    ``buf[pos[p] : pos[p] + rows["len"][p]]`` (header included) where ``ok[p]``.
+
+    One ``preadv`` per coalesced run, one descriptor acquired per segment; the header of every
+    record is checked against its row with array operations over the whole read, then each CRC is
+    one C call (no per-record Python beyond it). Bad records raise, or go to ``errors``
+    (see :func:`read_blobs`).
+    """
+    n = len(indices)
+    pos, ok = np.zeros(n, np.int64), np.zeros(n, bool)
+    good = rows_ok(rows, sizes) if n else ok
+    if not good.all():  # damaged index rows: reported (or raised) here, the others read
         keys = indices.tolist()
-        for p in np.flatnonzero(~ok).tolist():
+        for p in np.flatnonzero(~good).tolist():
             path, reason = row_problem(files.root, rows[p].item(), sizes)
             _bad(errors, keys[p], path, reason)
-        sel = np.flatnonzero(ok)
-        got = read_blobs(
-            files, indices[sel], rows[sel], sizes, direct=direct, gap=gap, stats=stats,
-            errors=errors, scratch=scratch,
-        )  # fmt: skip
-        for p, blob in zip(sel.tolist(), got):
-            out[p] = blob
-        return out
-    runs = list(coalesce(rows["seg"], rows["off"], rows["len"], gap))
-    spans, total = [], 0
-    for _, start, end, _ in runs:  # each run page-aligned in the buffer (O_DIRECT needs it)
-        lo = start - start % PAGE if direct else start
-        hi = -(-end // PAGE) * PAGE if direct else end
-        spans.append((lo, hi, total))
-        total += -(-(hi - lo) // PAGE) * PAGE
-    buf = scratch.take(total) if scratch is not None else aligned_buffer(total)
-    reader = _RunReader(files, buf, indices, rows, direct, stats, errors)
-    for (seg, _, _, members), span in zip(runs, spans):
-        reader.read(seg, members.tolist(), *span, out)
-    return out
+    sel = np.flatnonzero(good)
+    plan = _Plan(rows[sel], gap, direct)
+    buf = scratch.take(plan.total) if scratch is not None else aligned_buffer(plan.total)
+    got, missing = plan.read(files, buf, direct, stats)
+    pos[sel] = plan.pos
+    ok[sel] = _check(files.root, buf, plan, indices[sel], rows[sel], got, missing, errors)
+    return buf, pos, ok
+
+
+class _Plan:
+    """Coalesced runs of records (sorted by segment and offset) and where each lands in the
+    read buffer: every run starts page-aligned there (``O_DIRECT`` reads need it)."""
+
+    def __init__(self, rows: np.ndarray, gap: int, direct: bool) -> None:
+        n = len(rows)
+        seg, off = rows["seg"].astype(np.int64), rows["off"].astype(np.int64)
+        end = off + rows["len"].astype(np.int64)
+        self.order = order = np.lexsort((off, seg))
+        s, o, e = seg[order], off[order], end[order]
+        base = s << 40  # one address space (segments < 1 TiB): the running end restarts per file
+        new = np.ones(n, bool)
+        if n:
+            reach = np.maximum.accumulate(base + e)
+            new[1:] = (s[1:] != s[:-1]) | (base[1:] + o[1:] > reach[:-1] + gap)
+        first = np.flatnonzero(new)
+        run = np.cumsum(new) - 1  # run of each sorted record
+        self.seg, lo = s[first], o[first]
+        hi = np.maximum.reduceat(e, first) if n else lo
+        if direct:
+            lo, hi = lo - lo % PAGE, -(-hi // PAGE) * PAGE
+        size = -(-(hi - lo) // PAGE) * PAGE
+        self.lo, self.hi = lo, hi
+        self.at = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
+        self.total = int(size.sum())
+        self.run = np.empty(n, np.int64)
+        self.run[order] = run
+        self.pos = self.at[self.run] + off - lo[self.run]
+
+    def read(self, files: Descriptors, buf, direct: bool, stats) -> tuple[np.ndarray, np.ndarray]:
+        """Read every run, all submitted at once with AIO where the reads are ``O_DIRECT`` (else
+        one ``preadv`` each); one descriptor per segment. (bytes got, segment missing) per run."""
+        runs = len(self.seg)
+        got, missing = np.zeros(runs, np.int64), np.zeros(runs, bool)
+        fds = np.full(runs, -1, np.int64)
+        bounds = [0, *(np.flatnonzero(np.diff(self.seg)) + 1).tolist(), runs] if runs else [0]
+        held: list[int] = []
+        try:
+            for a, b in zip(bounds[:-1], bounds[1:]):  # runs a..b read one segment
+                seg = int(self.seg[a])
+                try:
+                    fds[a:b] = files.acquire(seg, direct)
+                except FileNotFoundError:
+                    missing[a:b] = True
+                    continue
+                held.append(seg)
+            ctx = _aio.context() if direct and runs > 1 else None
+            if ctx is not None:
+                self._submit(ctx, buf, fds, got, missing)
+            else:
+                self._preadv(buf, fds, got, missing, direct)
+        finally:
+            for seg in held:
+                files.release(seg, direct)
+        if stats is not None:
+            stats.reads += int((~missing).sum())
+            stats.bytes_read += int(got.sum())
+            stats.records += int((~missing[self.run]).sum())
+        return got, missing
+
+    def _preadv(self, buf, fds, got, missing, direct: bool, runs=None) -> None:
+        view, lo, hi, at = memoryview(buf), self.lo, self.hi, self.at
+        todo = np.flatnonzero(~missing) if runs is None else runs
+        for r in todo.tolist():  # (got[r] > 0: the rest of a run AIO read in part)
+            a, b, pos = int(at[r] + got[r]), int(at[r] + hi[r] - lo[r]), int(lo[r] + got[r])
+            got[r] += _pread_into(int(fds[r]), view[a:b], pos, direct)
+
+    def _submit(self, ctx, buf, fds, got, missing) -> None:
+        """AIO reads of every run, :data:`_aio.DEPTH` at a time; runs that came back short
+        without reaching the end of the file are finished with ``preadv``."""
+        live = np.flatnonzero(~missing)
+        want = self.hi - self.lo
+        addr = buf.ctypes.data + self.at
+        for c in range(0, len(live), _aio.DEPTH):
+            r = live[c : c + _aio.DEPTH]
+            res = ctx.read(_aio.control_blocks(fds[r], addr[r], want[r], self.lo[r]))
+            if (res < 0).any():
+                err = int(-res[res < 0][0])
+                raise OSError(err, os.strerror(err))
+            got[r] = res
+        short = live[(got[live] < want[live]) & (got[live] > 0) & (got[live] % PAGE == 0)]
+        if len(short):
+            self._preadv(buf, fds, got, missing, True, short)
+
+
+_HEAD = np.arange(REC.size)
+
+
+def _check(root, buf, plan: _Plan, keys, rows, got, missing, errors) -> np.ndarray:
+    """Which records of ``plan`` are whole, match their index row and pass their CRC; the
+    others go to :func:`_bad` in (segment, offset) order."""
+    lens = rows["len"].astype(np.int64)
+    run, pos = plan.run, plan.pos
+    whole = ~missing[run] & (pos + lens <= plan.at[run] + got[run])
+    ok = whole.copy()
+    w = np.flatnonzero(whole)
+    if len(w):
+        head = buf[pos[w, None] + _HEAD]  # (records, 24): a copy, so it can be viewed as ints
+        fields = head[:, :16].view("<u4")
+        magic = fields[:, 0]
+        ok[w] = (
+            ((magic == MAGIC_C) | (magic == MAGIC))
+            & (fields[:, 1] == lens[w] - REC.size)
+            & (fields[:, 2] == rows["crc"][w])
+            & (fields[:, 3] == 0)
+            & (head[:, 16:].view("<i8")[:, 0] == keys[w])
+        )
+        c = w[ok[w] & (magic == MAGIC_C)]
+        view = memoryview(buf)
+        sums = [  # format 3: CRC-32C of length | flags | key | payload (the CRC field skipped)
+            crc32c.crc32c(view[p + 12 : p + n], crc32c.crc32c(view[p + 4 : p + 8]))
+            for p, n in zip(pos[c].tolist(), lens[c].tolist())
+        ]
+        ok[c] = np.asarray(sums, np.int64) == rows["crc"][c]
+        for p in w[ok[w] & (magic == MAGIC)].tolist():  # format 2 (zlib), never written here
+            ok[p] = item_ok(view, int(pos[p]), int(lens[p]), int(keys[p]), int(rows["crc"][p]))
+    for p in plan.order[~ok[plan.order]].tolist():
+        _report(root, plan, p, keys, rows, got, missing, errors)
+    return ok
+
+
+def _report(root, plan: _Plan, p: int, keys, rows, got, missing, errors) -> None:
+    """Raise (or record) why record ``p`` of ``plan`` is bad."""
+    r, off, n = int(plan.run[p]), int(rows["off"][p]), int(rows["len"][p])
+    if missing[r]:
+        reason = "the segment file is missing"
+    elif plan.pos[p] + n > plan.at[r] + got[r]:
+        reason = (
+            f"the file ends at byte {int(plan.lo[r] + got[r])} but the record spans bytes "
+            f"{off}..{off + n} (the file was truncated)"
+        )
+    else:
+        reason = (
+            f"the record at offset {off} failed its check (header, length or CRC): the file was "
+            f"modified or damaged"
+        )
+    _bad(errors, int(keys[p]), segment_path(root, int(plan.seg[r])), reason)
 
 
 def _bad(errors: list | None, key: int, path: str, reason: str) -> None:
@@ -285,63 +444,20 @@ def _bad(errors: list | None, key: int, path: str, reason: str) -> None:
     errors.append((key, path, reason))
 
 
-class _RunReader:
-    """Reads coalesced runs of records into one buffer and checks every record read."""
-
-    def __init__(self, files, buf, indices, rows, direct, stats, errors) -> None:
-        self.files, self.buf, self.view = files, buf, memoryview(buf)
-        self.offs, self.lens = rows["off"].tolist(), rows["len"].tolist()
-        self.crcs, self.keys = rows["crc"].tolist(), indices.tolist()
-        self.direct, self.stats, self.errors = direct, stats, errors
-
-    def read(self, seg: int, members: list[int], lo: int, hi: int, at: int, out: list) -> None:
-        """Read bytes ``lo..hi`` of segment ``seg`` to ``buf[at:]``; ``out[p]`` for each record
-        ``p`` of ``members`` that is whole and intact."""
-        path = segment_path(self.files.root, seg)
-        try:
-            fd = self.files.acquire(seg, self.direct)
-        except FileNotFoundError:
-            for p in members:
-                _bad(self.errors, self.keys[p], path, "the segment file is missing")
-            return
-        try:
-            got = _pread_into(fd, self.buf[at : at + hi - lo], lo, self.direct)
-        finally:
-            self.files.release(seg, self.direct)
-        if self.stats is not None:
-            self.stats.reads += 1
-            self.stats.bytes_read += got
-            self.stats.records += len(members)
-        for p in members:
-            o, n, off = at + self.offs[p] - lo, self.lens[p], self.offs[p]
-            if o + n > at + got:
-                reason = (
-                    f"the file ends at byte {lo + got} but the record spans bytes "
-                    f"{off}..{off + n} (the file was truncated)"
-                )
-            elif not item_ok(self.view, o, n, self.keys[p], self.crcs[p]):
-                reason = (
-                    f"the record at offset {off} failed its check (header, length or CRC): the "
-                    f"file was modified or damaged"
-                )
-            else:
-                out[p] = self.buf[o + REC.size : o + n]
-                continue
-            _bad(self.errors, self.keys[p], path, reason)
-
-
 def read_one(
     files: Descriptors, index: int, row: tuple, sizes: dict[int, int], stats: ReadStats | None
 ) -> np.ndarray:
     """The blob of one record (``row`` = its index row as a tuple): one ``pread``, no planning."""
     seg, length, off, crc = row
-    path, problem = row_problem(files.root, row, sizes)
-    if problem:
+    limit = sizes.get(seg)
+    if limit is None or length < REC.size or off + length > limit:
+        path, problem = row_problem(files.root, row, sizes)
         raise CorruptDataError(f"record {index} in {path}: {problem}", path=path)
     buf = np.empty(length, np.uint8)  # numpy memory is 16-aligned: the fields' 8 are kept
     try:
         fd = files.acquire(seg, False)
     except FileNotFoundError as exc:
+        path = segment_path(files.root, seg)
         raise CorruptDataError(
             f"record {index} in {path}: the segment file is missing", path=path
         ) from exc
@@ -354,12 +470,14 @@ def read_one(
         stats.bytes_read += got
         stats.records += 1
     if got < length:
+        path = segment_path(files.root, seg)
         raise CorruptDataError(
             f"record {index} in {path}: the file ends at byte {off + got} but the record spans "
             f"bytes {off}..{off + length} (the file was truncated)",
             path=path,
         )
     if not item_ok(memoryview(buf), 0, length, index, crc):
+        path = segment_path(files.root, seg)
         raise CorruptDataError(
             f"record {index} in {path}: the record at offset {off} failed its check (header, "
             f"length or CRC): the file was modified or damaged",

@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from tensortier.data._files import ReadStats, Scratch, read_blobs
+from tensortier.data._files import ReadStats, Scratch, read_spans
 from tensortier.data._order import Order
 from tensortier.errors import ClosedError
 from tensortier.tiers import itemcodec
+from tensortier.tiers.segments import REC
 
 PLAN_CHUNK = 65536  # positions planned at a time (index rows fetched in one gather)
 GAP = 64 << 10  # coalesce records of a piece closer than this
@@ -115,7 +116,7 @@ def _read_piece(catalog, piece: _Piece, direct: bool, transform) -> tuple[list, 
     scratch = getattr(_local, "scratch", None)
     if scratch is None:
         scratch = _local.scratch = Scratch()
-    blobs = read_blobs(
+    buf, pos, _ = read_spans(
         catalog._fds(),
         piece.indices,
         piece.rows,
@@ -124,9 +125,10 @@ def _read_piece(catalog, piece: _Piece, direct: bool, transform) -> tuple[list, 
         gap=GAP,
         stats=stats,
         scratch=scratch,
-    )
-    records = [itemcodec.decode(b, copy=False) for b in blobs]
-    del blobs
+    )  # every record is intact here: a bad one raised
+    head = REC.size
+    records = itemcodec.decode_spans(buf, pos + head, piece.rows["len"].astype(np.int64) - head)
+    del buf
     scratch.release()
     if transform is not None:
         records = [transform(r) for r in records]

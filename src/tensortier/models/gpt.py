@@ -16,14 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from tensortier.models._config import DecoderConfig
+
 
 @dataclass
-class GPTConfig:
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    block_size: int = 256
-    vocab_size: int = 4096
+class GPTConfig(DecoderConfig):
     dropout: float = 0.0
 
 
@@ -113,7 +110,7 @@ class GPT(nn.Module):
 
 
 def random_batch(
-    cfg: GPTConfig,
+    cfg: DecoderConfig,
     batch: int,
     seq: int | None = None,
     *,

@@ -16,14 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensortier.models._config import DecoderConfig
+
 
 @dataclass
-class LlamaConfig:
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    block_size: int = 256
-    vocab_size: int = 4096
+class LlamaConfig(DecoderConfig):
     multiple_of: int = 64  # the MLP width is rounded up to this
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0

@@ -19,12 +19,14 @@ from __future__ import annotations
 import functools
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from tensortier import _dist
 from tensortier.errors import ConfigError
 from tensortier.optim._dtensor import is_dtensor
+from tensortier.optim._layout import Bucket, Slot
 from tensortier.optim._shard import Gatherer, Gathering, GatherPlan, GatherThread
 from tensortier.optim._step import Done, Step
 from tensortier.optim._update import Job
@@ -272,6 +274,21 @@ class ShardedStep(Step):
                 jobs.append(job)
         return jobs, None
 
+    def _recorder(
+        self, done: list[Done], values: dict[int, dict[int, torch.Tensor]]
+    ) -> Callable[..., None]:
+        """``finished`` for :meth:`_collect`: adds each update to ``done`` and its bucket's new
+        masters (by slot index) to ``values``, for the bucket's gather."""
+
+        def finished(
+            b: Bucket, slots: list[Slot], counters: list[torch.Tensor], direct: list[bool]
+        ) -> None:
+            done.append((b, slots, counters, direct))
+            master = self.states.latest(b.id).master
+            values[b.id] = {s.index: master[s.offset : s.offset + s.numel] for s in slots}
+
+        return finished
+
     def _update_and_gather(
         self, jobs: list[Job], error: BaseException | None
     ) -> tuple[list[Done], BaseException | None, int | None]:
@@ -285,19 +302,13 @@ class ShardedStep(Step):
         pending = {b.id for b, _, _, _ in jobs}
         values: dict[int, dict[int, torch.Tensor]] = {}
         done: list[Done] = []
+        finished = self._recorder(done, values)
         issued: list[Gathering] = []
         nxt = 0
         for job in [*jobs, None]:  # None: after the last update, issue what is left
             if job is not None:
-                b, slots, fut, direct = job
-                exc = fut.exception()  # finite work (see PROTOCOL.md)
-                pending.discard(b.id)
-                if exc is not None:
-                    error = error or exc
-                else:
-                    done.append((b, slots, fut.result(), direct))
-                    master = self.states.latest(b.id).master
-                    values[b.id] = {s.index: master[s.offset : s.offset + s.numel] for s in slots}
+                pending.discard(job[0].id)
+                error = self._collect([job], finished, error)
             while nxt < len(buckets) and nxt not in pending:
                 last = nxt == len(buckets) - 1  # issued after every update: the verdict
                 vals = values.pop(nxt, {})
@@ -323,18 +334,12 @@ class ShardedStep(Step):
         pending = {b.id for b, _, _, _ in jobs}
         values: dict[int, dict[int, torch.Tensor]] = {}
         done: list[Done] = []
+        finished = self._recorder(done, values)
         nxt = len(buckets) - 1
         for job in [*jobs, None]:  # None: after the last update, hand over what is left
             if job is not None:
-                b, slots, fut, direct = job
-                exc = fut.exception()  # finite work (see PROTOCOL.md)
-                pending.discard(b.id)
-                if exc is not None:
-                    error = error or exc
-                else:
-                    done.append((b, slots, fut.result(), direct))
-                    master = self.states.latest(b.id).master
-                    values[b.id] = {s.index: master[s.offset : s.offset + s.numel] for s in slots}
+                pending.discard(job[0].id)
+                error = self._collect([job], finished, error)
             while nxt >= 0 and nxt not in pending:
                 self.deferred.hand_over(buckets[nxt].plan, values.pop(nxt, {}))
                 nxt -= 1

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tensortier._units import parse_size
+from tensortier._units import check_int, parse_size
 from tensortier.errors import ConfigError
 from tensortier.rl._store import check_args, check_tier
 from tensortier.rl.rate_limiter import RateLimit
@@ -97,19 +97,24 @@ def check_replay_args(
     )
     durable, fsync = bool(durable), bool(fsync)
     tiers = check_tier("ReplayBuffer", tier, remote, durable)
-    if max_uses is not None and (
-        isinstance(max_uses, bool) or not isinstance(max_uses, (int, np.integer)) or max_uses < 1
-    ):
-        raise ConfigError(
+    if max_uses is not None:
+        max_uses = check_int(
+            max_uses,
             f"max_uses must be None or an int >= 1 (draws before an item is removed), got "
-            f"{max_uses!r}"
+            f"{max_uses!r}",
+            minimum=1,
+            numpy=True,
         )
-    if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
-        raise ConfigError(f"prefetch must be an int >= 0 (batches drawn ahead), got {prefetch!r}")
-    if seed is not None and (
-        isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
-    ):
-        raise ConfigError(f"seed must be None or an int >= 0, got {seed!r}")
+    prefetch = check_int(
+        prefetch,
+        f"prefetch must be an int >= 0 (batches drawn ahead), got {prefetch!r}",
+        minimum=0,
+        numpy=True,
+    )
+    if seed is not None:
+        seed = check_int(
+            seed, f"seed must be None or an int >= 0, got {seed!r}", minimum=0, numpy=True
+        )
     if rate_limit is not None and not isinstance(rate_limit, RateLimit):
         raise ConfigError(
             f"rate_limit must be None or tt.rl.RateLimit(samples_per_insert, ...), got "
@@ -121,31 +126,30 @@ def check_replay_args(
             f"sampler must be tt.rl.Uniform() or tt.rl.Prioritized(...), got {sampler!r}"
         )
     config = ReplayConfig(
+        # what is stored and how it is drawn
         max_items=max_items,
+        sampler=sampler,
+        max_uses=max_uses,
+        prefetch=prefetch,
+        seed=seed,
+        # where it is stored
         host_budget=parse_size(host_budget, name="host_budget"),
         spill_dir=None if spill_dir is None else os.fspath(spill_dir),
-        sampler=sampler,
-        max_uses=None if max_uses is None else int(max_uses),
         durable=durable,
         fsync=fsync,
-        prefetch=int(prefetch),
-        seed=None if seed is None else int(seed),
         segment_size=parse_size(segment_size, name="segment_size", allow_zero=False),
     )
     return config, tiers
 
 
 def check_batch_size(batch_size: Any) -> int:
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, (int, np.integer))
-        or batch_size < 1
-    ):
-        raise ConfigError(
-            f"batch_size must be an int >= 1 (items drawn per sample, with replacement), got "
-            f"{batch_size!r}"
-        )
-    return int(batch_size)
+    return check_int(
+        batch_size,
+        f"batch_size must be an int >= 1 (items drawn per sample, with replacement), got "
+        f"{batch_size!r}",
+        minimum=1,
+        numpy=True,
+    )
 
 
 def check_timeout(timeout: Any) -> float | None:
@@ -159,18 +163,20 @@ def check_timeout(timeout: Any) -> float | None:
 
 
 def check_sequence_args(seq_len: Any, max_staleness: Any, eta: Any) -> None:
-    if seq_len is not None and (
-        isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1
-    ):
-        raise ConfigError(f"seq_len must be None or an int >= 1 (steps per slice), got {seq_len!r}")
-    if max_staleness is not None and (
-        isinstance(max_staleness, bool)
-        or not isinstance(max_staleness, (int, np.integer))
-        or max_staleness < 0
-    ):
-        raise ConfigError(
+    if seq_len is not None:
+        check_int(
+            seq_len,
+            f"seq_len must be None or an int >= 1 (steps per slice), got {seq_len!r}",
+            minimum=1,
+            numpy=True,
+        )
+    if max_staleness is not None:
+        check_int(
+            max_staleness,
             f"max_staleness must be None or an int >= 0 (policy versions behind "
-            f"policy_version), got {max_staleness!r}"
+            f"policy_version), got {max_staleness!r}",
+            minimum=0,
+            numpy=True,
         )
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
         raise ConfigError(f"eta must be a number in [0, 1] (R2D2 uses 0.9), got {eta!r}")

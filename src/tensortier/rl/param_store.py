@@ -43,7 +43,13 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from tensortier._lifetime import OWNER_FILE, Finalizer, private_dir, remove_private_dir
+from tensortier._lifetime import (
+    OWNER_FILE,
+    Finalizer,
+    lock_if_free,
+    private_dir,
+    remove_private_dir,
+)
 from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import align_up, format_size
@@ -477,13 +483,10 @@ class ParamStore:
                 continue
             path = os.path.join(self.path, f)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = lock_if_free(path, os.O_RDONLY)
             except FileNotFoundError:
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            if fd is None:
                 continue  # a reader holds it; try again at the next publish
             os.unlink(path)
             os.close(fd)

@@ -36,7 +36,7 @@ import numpy as np
 from tensortier import _modes
 from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
-from tensortier._units import SizeLike
+from tensortier._units import SizeLike, check_int
 from tensortier.errors import ClosedError, ConfigError, NodeLostError
 from tensortier.rl import _persist, _saved, _sequence
 from tensortier.rl._api import (
@@ -317,10 +317,9 @@ class ReplayBuffer:
 
     @policy_version.setter
     def policy_version(self, v: int) -> None:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise ConfigError(f"policy_version must be an int >= 0, got {v!r}")
+        v = check_int(v, f"policy_version must be an int >= 0, got {v!r}", minimum=0, numpy=True)
         with self._lock:
-            self._meta.policy_version = max(self._meta.policy_version, int(v))
+            self._meta.policy_version = max(self._meta.policy_version, v)
 
     def sample(
         self,

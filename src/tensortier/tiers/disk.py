@@ -327,6 +327,16 @@ class DiskStore(StoreBase):
         register_stats("disk_store", self)  # tt.stats() lists it while it is open
 
     # ---------------------------------------------------------------- allocation
+    def _full(self, message: str, requested: int) -> TierFullError:
+        """The error for a request of ``requested`` bytes that finds no room (budget or disk)."""
+        return TierFullError(
+            message,
+            tier="disk",
+            requested=requested,
+            in_use=self.stats.used_bytes,
+            limit=self.budget,
+        )
+
     def _allocate(self, length: int) -> tuple[_Slab, int]:
         with self._lock:
             self._check_open()
@@ -340,15 +350,12 @@ class DiskStore(StoreBase):
                 self._trim_locked()
                 size = self._new_slab_size(length)
             if size < length:
-                raise TierFullError(
+                raise self._full(
                     f"disk tier budget exceeded: a {format_size(length)} tensor needs a new "
                     f"file but {format_size(self.stats.file_bytes)} of "
                     f"{format_size(self.budget)} are allocated ({format_size(self.stats.used_bytes)} "
                     f"live). Free tensors or raise the budget.",
-                    tier="disk",
-                    requested=length,
-                    in_use=self.stats.used_bytes,
-                    limit=self.budget,
+                    length,
                 )
             index = next(self._slab_ids)
             path = os.path.join(self.root, f"slab-{index:05d}.bin")
@@ -356,13 +363,10 @@ class DiskStore(StoreBase):
                 slab = _Slab(index, path, size, self.direct)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise TierFullError(
+                    raise self._full(
                         f"disk full in {self.root!r}: cannot preallocate {format_size(size)} "
                         f"({exc.strerror}). Free space there or pick another spill_dir.",
-                        tier="disk",
-                        requested=length,
-                        in_use=self.stats.used_bytes,
-                        limit=self.budget,
+                        length,
                     ) from exc
                 raise
             self._files.slabs[index] = slab
@@ -633,13 +637,10 @@ class DiskStore(StoreBase):
 
     def _translate(self, error: BaseException, length: int) -> BaseException:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            full = TierFullError(
+            full = self._full(
                 f"disk full while writing {format_size(length)} to {self.root!r} ({error.strerror}). "
                 f"The write was rolled back; free space there or pick another spill_dir.",
-                tier="disk",
-                requested=length,
-                in_use=self.stats.used_bytes,
-                limit=self.budget,
+                length,
             )
             full.__cause__ = error
             return full

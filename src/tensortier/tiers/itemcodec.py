@@ -245,6 +245,15 @@ class _Plan:
 _plans: dict[tuple, _Plan] = {}
 
 
+def encode_aligned_parts(item: Any, align: int) -> list:
+    """:func:`encode` ``(item, align=align)`` (``align > 1``) as the buffers whose concatenation is
+    the blob: header pieces, padding and the fields' payloads, not joined. Payloads of arrays and
+    tensors are views of the caller's memory (``bytes`` parts are immutable)."""
+    if align <= 1:
+        raise ValueError(f"encode_aligned_parts needs align > 1, got {align!r}")
+    return _encode_general(item, align, as_parts=True)
+
+
 def encode_parts(item: Any) -> list:
     """:func:`encode` as a list of byte buffers (format ``B``) whose concatenation is the blob.
 
@@ -268,8 +277,9 @@ def encode_parts(item: Any) -> list:
     return [encode(item)]
 
 
-def _encode_general(item: Any, align: int = 1) -> bytes:
-    """:func:`encode` without plans: dispatch on every field's type, header from the cache."""
+def _encode_general(item: Any, align: int = 1, as_parts: bool = False) -> Any:
+    """:func:`encode` without plans: dispatch on every field's type, header from the cache.
+    ``as_parts`` (``align > 1`` only): the blob's pieces, not joined."""
     if align < 1 or align > 4096 or align & (align - 1):
         raise ValueError(f"align must be a power of two from 1 to 4096, got {align!r}")
     if isinstance(item, Mapping):
@@ -290,7 +300,8 @@ def _encode_general(item: Any, align: int = 1) -> bytes:
         descs.append((name, desc[0], desc[1], tuple(desc[2]), n))
         payloads.append(payload)
     if align > 1:
-        return _encode_v2(single, descs, payloads, align)
+        parts = _encode_v2(single, descs, payloads, align)
+        return parts if as_parts else b"".join(parts)
     key = (single, tuple(descs), align)
     cached = _encode_cache.get(key)
     if cached is None:
@@ -315,7 +326,7 @@ def _encode_general(item: Any, align: int = 1) -> bytes:
     return b"".join([head, *(x for pair in zip(payloads, gaps) for x in pair)])
 
 
-def _encode_v2(single: bool, descs: list, payloads: list, align: int) -> bytes:
+def _encode_v2(single: bool, descs: list, payloads: list, align: int) -> list:
     schema = (
         single,
         tuple((name, kind, dtype, len(shape)) for name, kind, dtype, shape, _ in descs),
@@ -346,7 +357,7 @@ def _encode_v2(single: bool, descs: list, payloads: list, align: int) -> bytes:
         if offset > end:
             parts.append(bytes(offset - end))
     parts[1] = numbers.pack(*values)
-    return b"".join(parts)
+    return parts
 
 
 _encode_cache: dict[tuple, tuple[bytes, list[bytes] | None]] = {}
@@ -366,12 +377,8 @@ def _check_fields(fields: list) -> None:
             raise ValueError("object dtype")
 
 
-def _parse_v2(raw: bytes) -> dict:
-    """Header version 2: the cached static JSON plus this item's binary shapes and offsets."""
-    cut = raw.find(b"\n")
-    if cut < 0:
-        raise ValueError("no end of the static header")
-    static = raw[:cut]
+def _schema_entry(static: bytes) -> tuple[dict, struct.Struct]:
+    """The parsed static JSON of a version-2 header and the struct of its numbers (cached)."""
     entry = _schema_cache.get(static)
     if entry is None:
         schema = json.loads(static)
@@ -390,7 +397,15 @@ def _parse_v2(raw: bytes) -> dict:
         if len(_schema_cache) > 4096:
             _schema_cache.clear()
         _schema_cache[static] = entry
-    schema, numbers = entry
+    return entry
+
+
+def _parse_v2(raw: bytes) -> dict:
+    """Header version 2: the cached static JSON plus this item's binary shapes and offsets."""
+    cut = raw.find(b"\n")
+    if cut < 0:
+        raise ValueError("no end of the static header")
+    schema, numbers = _schema_entry(raw[:cut])
     if len(raw) < cut + 1 + numbers.size or raw[cut + 1 + numbers.size :].strip(b" "):
         raise ValueError("the binary part of the header has the wrong size")
     values = numbers.unpack_from(raw, cut + 1)
@@ -565,3 +580,109 @@ def decode_batch(blobs: Sequence[bytes] | np.ndarray) -> tuple[Any, bool]:
         else:
             out[name] = cols.view(np.dtype(dtype)).reshape(len(blobs), *shape)
     return (out[_SINGLE] if meta["s"] else out), True
+
+
+_SCHEMAS_PER_CALL = 8  # distinct headers decode_spans batches; past that, one decode() each
+
+
+def decode_spans(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> list:
+    """``[decode(buf[s : s + n], copy=False) for s, n in zip(starts, lengths)]``, the same items
+    and errors, with the header of each schema parsed once for all its blobs.
+
+    Blobs with a version-2 header equal to the first one's static part (the usual case: one
+    schema per dataset) have their shapes, offsets and sizes read as one integer matrix and
+    checked with array operations; what remains per blob is making its values. Anything else
+    (version 1, a damaged header, a field that does not fit) goes through :func:`decode`.
+    """
+    out: list = [None] * len(starts)
+    rest = np.arange(len(starts))
+    starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    for _ in range(_SCHEMAS_PER_CALL):
+        if not len(rest):
+            return out
+        rest = _decode_group(buf, starts, lengths, rest, out)
+    for i in rest.tolist():
+        out[i] = decode(buf[starts[i] : starts[i] + lengths[i]], copy=False)
+    return out
+
+
+def _decode_group(buf, starts, lengths, rest: np.ndarray, out: list) -> np.ndarray:
+    """Decode the blobs of ``rest`` sharing the first one's header layout into ``out``; the
+    others (indices into ``starts``) are returned."""
+    first = int(rest[0])
+    s0 = int(starts[first])
+    blob0 = buf[s0 : s0 + lengths[first]]
+    try:
+        raw, meta, start = _header(blob0)
+    except CorruptDataError:
+        out[first] = decode(blob0, copy=False)  # raises the same error
+        return rest[1:]
+    if not raw.startswith(b'{"v":2') or not buf.flags.writeable:
+        out[first] = decode(blob0, copy=False)
+        return rest[1:]
+    cut = raw.find(b"\n") + 1
+    schema, numbers = _schema_entry(raw[: cut - 1])
+    fixed = np.frombuffer(_LEN.pack(len(raw)) + raw, np.uint8)
+    cols = np.arange(len(fixed))
+    mine = rest[lengths[rest] >= start]
+    same = buf[starts[mine, None] + cols] == fixed  # (blobs, header bytes)
+    varying = slice(4 + cut, 4 + cut + numbers.size)  # the binary numbers differ per blob
+    same[:, varying] = True
+    mine = mine[same.all(axis=1)]
+    mat = buf[starts[mine, None] + np.arange(4 + cut, 4 + cut + numbers.size)]
+    values = mat.view("<u8").astype(np.int64)  # (blobs, numbers): shapes, offset, size per field
+    fine = (mat.view("<u8") < 2**62).all(axis=1)
+    fields, i, last = [], 0, np.zeros(len(mine), np.int64)
+    addr = buf.__array_interface__["data"][0]
+    for name, kind, dtype, ndim in schema["f"]:
+        shape, off, n = values[:, i : i + ndim], values[:, i + ndim], values[:, i + ndim + 1]
+        i += ndim + 2
+        fine &= off >= last
+        last = off + n
+        if kind not in ("b", "s"):
+            item = TORCH_DTYPES[dtype].itemsize if kind == "pt" else np.dtype(dtype).itemsize
+            fine &= (np.prod(shape, axis=1) * item == n) & (n > 0)
+            fine &= (addr + starts[mine] + start + off) % _alignment(kind, dtype) == 0
+        fields.append((name, kind, dtype, shape, off, n))
+    end = start + last
+    fine &= (end <= lengths[mine]) & (lengths[mine] < end + schema["a"])
+    ok = mine[fine]
+    try:
+        columns = [_column(buf, starts[ok] + start, f, fine) for f in fields]
+    except (ValueError, TypeError, RuntimeError, CorruptDataError):  # decode() says which blob
+        columns = None
+    if columns is None:
+        items = [decode(buf[starts[j] : starts[j] + lengths[j]], copy=False) for j in ok.tolist()]
+    elif schema["s"]:
+        items = columns[0]
+    else:
+        names = [f[0] for f in schema["f"]]
+        items = [dict(zip(names, v)) for v in zip(*columns)]
+    for j, item in zip(ok.tolist(), items):
+        out[j] = item
+    left = np.setdiff1d(rest, ok, assume_unique=True)
+    if len(left) and left[0] == first:  # the first blob itself did not fit: decode() says why
+        out[first] = decode(blob0, copy=False)
+        left = left[1:]
+    return left
+
+
+def _column(buf, bases: np.ndarray, field: tuple, fine: np.ndarray) -> list:
+    """The values of one field for blobs whose payload starts at ``bases``."""
+    name, kind, dtype, shape, off, n = field
+    a = (bases + off[fine]).tolist()
+    b = (bases + off[fine] + n[fine]).tolist()
+    if kind == "b":
+        return [buf[x:y].tobytes() for x, y in zip(a, b)]
+    if kind == "s":
+        try:
+            return [buf[x:y].tobytes().decode("utf-8", "surrogatepass") for x, y in zip(a, b)]
+        except UnicodeDecodeError as exc:
+            raise CorruptDataError(f"a str field is not valid UTF-8 ({exc})") from exc
+    shapes = [tuple(s) for s in shape[fine].tolist()]
+    if kind == "pt":
+        t = TORCH_DTYPES[dtype]
+        return [torch.from_numpy(buf[x:y]).view(t).reshape(s) for x, y, s in zip(a, b, shapes)]
+    dt = np.dtype(dtype)
+    arrs = [buf[x:y].view(dt).reshape(s) for x, y, s in zip(a, b, shapes)]
+    return [v.item() for v in arrs] if kind == "py" else arrs

@@ -43,9 +43,10 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -432,19 +433,15 @@ class RemoteStore(StoreBase):
             return done
         node = self._reserve(_stored(nbytes), set())  # TierFullError here, before any byte moves
 
-        def job() -> None:
-            try:
-                node_id, ref, seconds = self._send(data.numpy(), node)
-                handle = RemoteHandle(
-                    next(_handle_ids), node_id, nbytes, tensor.dtype, tuple(tensor.shape)
-                )
-                self._register([handle], ref, _stored(nbytes), seconds)
-            except BaseException as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(handle)
+        def send() -> RemoteHandle:
+            node_id, ref, seconds = self._send(data.numpy(), node)
+            handle = RemoteHandle(
+                next(_handle_ids), node_id, nbytes, tensor.dtype, tuple(tensor.shape)
+            )
+            self._register([handle], ref, _stored(nbytes), seconds)
+            return handle
 
-        self._submit(job, done)
+        self._submit_call(send, done)
         return done
 
     def put_many(self, tensors: Sequence[torch.Tensor]) -> Future[list[RemoteHandle]]:
@@ -477,35 +474,29 @@ class RemoteStore(StoreBase):
             return done
         node = self._reserve(_stored(total), set())  # TierFullError here, before any byte moves
 
-        def job() -> None:
+        def send() -> list[RemoteHandle]:
             try:
-                try:
-                    payload = np.empty(total, np.uint8)
-                    flat, offsets, off = torch.from_numpy(payload), [], 0
-                    for d in datas:
-                        flat[off : off + d.numel()].copy_(d)
-                        offsets.append(off)
-                        off += d.numel()
-                except BaseException:
-                    self._unreserve(node, _stored(total))
-                    raise
-                node_id, ref, seconds = self._send(payload, node)
-                key = next(_handle_ids)
-                handles = [
-                    RemoteHandle(
-                        next(_handle_ids), node_id, d.numel(), t.dtype, tuple(t.shape), key, o
-                    )
-                    if d.numel()
-                    else RemoteHandle(next(_handle_ids), "", 0, t.dtype, tuple(t.shape))
-                    for t, d, o in zip(tensors, datas, offsets)
-                ]
-                self._register(handles, ref, _stored(total), seconds, batch=key)
-            except BaseException as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(handles)
+                payload = np.empty(total, np.uint8)
+                flat, offsets, off = torch.from_numpy(payload), [], 0
+                for d in datas:
+                    flat[off : off + d.numel()].copy_(d)
+                    offsets.append(off)
+                    off += d.numel()
+            except BaseException:
+                self._unreserve(node, _stored(total))
+                raise
+            node_id, ref, seconds = self._send(payload, node)
+            key = next(_handle_ids)
+            handles = [
+                RemoteHandle(next(_handle_ids), node_id, d.numel(), t.dtype, tuple(t.shape), key, o)
+                if d.numel()
+                else RemoteHandle(next(_handle_ids), "", 0, t.dtype, tuple(t.shape))
+                for t, d, o in zip(tensors, datas, offsets)
+            ]
+            self._register(handles, ref, _stored(total), seconds, batch=key)
+            return handles
 
-        self._submit(job, done)
+        self._submit_call(send, done)
         return done
 
     def _bytes_of(self, tensor: object, where: str) -> torch.Tensor:
@@ -826,6 +817,19 @@ class RemoteStore(StoreBase):
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError("RemoteStore is closed")
+
+    def _submit_call(self, fn: Callable[[], Any], done: Future) -> None:
+        """Run ``fn`` on the I/O thread; ``done`` gets its result or its exception."""
+
+        def job() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(result)
+
+        self._submit(job, done)
 
     def _submit(self, job, done: Future) -> None:
         def cancelled(f: Future) -> None:  # close() dropped the queued job: fail, never hang

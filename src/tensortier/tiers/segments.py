@@ -79,6 +79,14 @@ def record_crc32c(length: int, flags: int, key: int, payload: bytes | memoryview
     return crc32c.crc32c(payload, crc32c.crc32c(_BODY.pack(length, flags, key)))
 
 
+def record_crc32c_parts(length: int, flags: int, key: int, parts) -> int:
+    """:func:`record_crc32c` of the payload that ``parts`` (buffers) make back to back."""
+    crc = crc32c.crc32c(_BODY.pack(length, flags, key))
+    for part in parts:
+        crc = crc32c.crc32c(part, crc)
+    return crc
+
+
 _MAGICS = (MAGIC, MAGIC_C, MAGIC_V1)
 CHECKSUMS = {"crc32": (MAGIC, record_crc), "crc32c": (MAGIC_C, record_crc32c)}
 
@@ -176,6 +184,11 @@ class SegmentStats:
 
 
 _IOV = 1024  # buffers per pwritev call (IOV_MAX on Linux)
+
+
+def _nbytes(payload) -> int:
+    """Bytes of a record's payload: one buffer, or a tuple of buffers written back to back."""
+    return sum(map(len, payload)) if isinstance(payload, tuple) else len(payload)
 
 
 def _pwrite_all(fd: int, parts: list, offset: int) -> None:
@@ -314,6 +327,8 @@ class Segments:
     ) -> list[tuple[int, int, int]]:
         """Append (key, flags, payload) records in one write; returns (segment, offset, length).
 
+        ``payload`` is a buffer, or a tuple of buffers (format ``B``) that make the payload
+        back to back (a builder's encoded pieces: copied once, into the write).
         ``length`` counts the 24-byte record header. ``crcs``, when given, receives each record's
         checksum (an index that stores them). A record may carry its checksum as a fourth element
         (``record_crc`` or ``record_crc32c`` as ``checksum`` says, computed by the thread that made the
@@ -331,8 +346,8 @@ class Segments:
                 self._roll()
             room = self.segment_size - self.size[self.active]
             j, n = i, 0
-            while j < len(records) and (j == i or n + REC.size + len(records[j][2]) <= room):
-                n += REC.size + len(records[j][2])
+            while j < len(records) and (j == i or n + REC.size + _nbytes(records[j][2]) <= room):
+                n += REC.size + _nbytes(records[j][2])
                 j += 1
             locs += self._append_chunk(records[i:j], crcs)
             i = j
@@ -346,11 +361,16 @@ class Segments:
         base = pos = self.size[seg]
         parts, locs, sums = [], [], []
         for key, flags, payload, *known in records:
-            n = len(payload)
-            crc = known[0] if known else self._crc(n, flags, key, payload)
+            n = _nbytes(payload)
+            if isinstance(payload, tuple):  # the record's pieces, written back to back
+                crc = known[0] if known else self._crc(n, flags, key, b"".join(payload))
+                parts.append(REC.pack(self.magic, n, crc, flags, key))
+                parts += payload
+            else:
+                crc = known[0] if known else self._crc(n, flags, key, payload)
+                parts.append(REC.pack(self.magic, n, crc, flags, key))
+                parts.append(payload)
             sums.append(crc)
-            parts.append(REC.pack(self.magic, n, crc, flags, key))
-            parts.append(payload)
             n += REC.size
             locs.append((seg, pos, n))
             pos += n
@@ -372,7 +392,7 @@ class Segments:
                 os.ftruncate(fd, base)
             for key, flags, payload, *_ in records:  # undo the accounting
                 if flags != TOMBSTONE:
-                    self.live[seg] -= REC.size + len(payload)
+                    self.live[seg] -= REC.size + _nbytes(payload)
                 else:
                     self.tombstones[seg].remove(key)
             raise TierFullError(
