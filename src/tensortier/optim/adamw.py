@@ -114,7 +114,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     Bit-identical to ``torch.optim.AdamW(fused=True)`` (same kernel, per parameter), including
     under ``GradScaler`` and whatever the loop does to ``.grad`` between backward and step.
-    ``tier``: ``"host"`` keeps state in RAM (12 bytes per parameter; while ``overlap``
+    ``tier``: ``"host"`` keeps state in RAM (12 bytes per parameter, 8 for fp32 CPU parameters,
+    which are their own masters; while ``overlap``
     speculates, a second copy of the state and a gradient snapshot are added, see the module
     docstring); ``"disk"`` keeps it in a :class:`DiskStore` under ``spill_dir`` and streams it
     through ``pipeline_depth`` host buffers of one bucket each, so host memory stays
