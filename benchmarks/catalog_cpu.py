@@ -55,7 +55,10 @@ def main() -> None:
         Catalog.build(root, recs, io_threads=2).close()
 
     for _ in range(args.reps):
+        t0 = _cpu(resource.RUSAGE_THREAD)
         out.setdefault("build process", []).append(sum(_per_gb(build, total)))
+        t1 = _cpu(resource.RUSAGE_THREAD)
+        out.setdefault("build calling thread", []).append((sum(t1) - sum(t0)) / total * 1e9)
     cat = Catalog.open(root, direct=True)
     for order in ("full", "block"):
         for rep in range(args.reps):

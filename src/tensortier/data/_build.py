@@ -1,9 +1,12 @@
 """Building a catalog: records streamed into segment files by parallel writers, index, manifest.
 
-Pipeline. The calling thread encodes records (``tiers.itemcodec``, 8-byte aligned, never pickle)
-into batches of about ``batch_bytes``; batch ``b`` goes to writer ``b % io_threads``, a one-thread
-executor that owns its own segment files (``Segments(first=w, step=io_threads)``), computes the CRCs
-and writes the batch with one gathered ``pwritev`` (both release the GIL). Index rows come back in
+Pipeline. The calling thread batches records by about ``batch_bytes`` of encoded blobs (``tiers.
+itemcodec``, 8-byte aligned, never pickle); batch ``b`` goes to writer ``b % io_threads``, a
+one-thread executor that owns its own segment files (``Segments(first=w, step=io_threads)``) and
+writes the batch with ``O_DIRECT`` (the write releases the GIL). Bytes and str records travel
+unencoded: the writer builds their headers with array operations straight into its aligned
+staging buffer and checksums them there (``Segments.append_prefixed``), so the calling thread does
+a few operations per record; other records are encoded and checksummed by the calling thread. Index rows come back in
 batch order and are appended to ``index.bin``. At most ``2 * io_threads`` batches are in flight, so
 memory stays bounded whatever the record count: 10M records stream through.
 
@@ -234,11 +237,40 @@ def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
 def _write_batch(segs: Segments, first: int, blobs: list, crcs: list[int]) -> np.ndarray:
     """One writer's job: append ``blobs`` (records ``first...``); their index rows."""
     locs = segs.append([(first + i, 0, b, c) for i, (b, c) in enumerate(zip(blobs, crcs))])
-    rows = np.empty(len(blobs), INDEX_DTYPE)
-    arr = np.asarray(locs, np.int64).reshape(-1, 3)
-    rows["seg"], rows["off"], rows["len"] = arr[:, 0], arr[:, 1], arr[:, 2]
+    return _rows(np.asarray(locs, np.int64).reshape(-1, 3), crcs)
+
+
+def _write_plain(segs: Segments, first: int, kind: type, raw: list[bytes]) -> np.ndarray:
+    """One writer's job for a batch of only bytes (or only str: ``raw`` their UTF-8) records
+    ``first...``: headers by array operations, checksums here (see ``Segments.append_prefixed``)."""
+    lens = np.fromiter(map(len, raw), np.int64, len(raw))
+    prefix = itemcodec.bytes_prefixes(_KINDS[kind], lens, ALIGN)
+    keys = np.arange(first, first + len(raw), dtype=np.int64)
+    locs, crcs = segs.append_prefixed(keys, prefix, raw)
+    return _rows(locs, crcs)
+
+
+def _rows(locs: np.ndarray, crcs) -> np.ndarray:
+    rows = np.empty(len(locs), INDEX_DTYPE)
+    rows["seg"], rows["off"], rows["len"] = locs[:, 0], locs[:, 1], locs[:, 2]
     rows["crc"] = crcs
     return rows
+
+
+_KINDS = {bytes: "b", str: "s"}  # record types a batch can carry unencoded (``_write_plain``)
+_WIDTH = len(itemcodec.bytes_prefixes("b", np.zeros(1), ALIGN)[0])  # their header, both kinds
+
+
+def _encode_raw(raw: list[bytes], kind: type, first: int) -> tuple[list, list[int]]:
+    """The blobs and checksums :func:`_encode` gives the records of a plain batch (``raw``: their
+    bytes or UTF-8), for a batch that has just met a record of another type."""
+    rows = itemcodec.bytes_prefixes(_KINDS[kind], [len(r) for r in raw], ALIGN)
+    blobs, crcs = [], []
+    for i, (row, data) in enumerate(zip(rows, raw)):
+        parts = (row.tobytes(), data, bytes(-len(data) % ALIGN))
+        blobs.append(parts)
+        crcs.append(record_crc32c_parts(sum(map(len, parts)), 0, first + i, parts))
+    return blobs, crcs
 
 
 class _Writers:
@@ -269,12 +301,15 @@ class _Writers:
             self.shutdown(failed=True)
             raise
 
-    def submit(self, first: int, blobs: list, crcs: list[int]) -> None:
-        """Queue the batch of records ``first...`` to the next writer."""
+    def submit(self, first: int, kind: type | None, blobs: list, crcs: list[int]) -> None:
+        """Queue the batch of records ``first...`` to the next writer: encoded ``blobs`` and
+        their ``crcs`` (``kind`` None), or the bytes of records all of type ``kind``."""
         w = self.batches % len(self.pools)
-        self.pending.append(
-            (len(blobs), self.pools[w].submit(_write_batch, self.segs[w], first, blobs, crcs))
-        )
+        if kind is None:
+            fut = self.pools[w].submit(_write_batch, self.segs[w], first, blobs, crcs)
+        else:
+            fut = self.pools[w].submit(_write_plain, self.segs[w], first, kind, blobs)
+        self.pending.append((len(blobs), fut))
         self.batches += 1
 
     def results(self, keep: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -322,27 +357,41 @@ class _Index:
 def _encode_all(
     records: Iterable, writers: _Writers, index: _Index, batch_bytes: int
 ) -> tuple[int, int]:
-    """Encode ``records`` into batches of about ``batch_bytes`` for the writers (at most
-    ``2 * io_threads`` in flight); (records, payload bytes)."""
-    batch: list = []
-    sums: list[int] = []
+    """Batch ``records`` by about ``batch_bytes`` of blobs for the writers (at most
+    ``2 * io_threads`` in flight); (records, payload bytes). A batch starting with a bytes or
+    str record stays plain (records unencoded: the writer lays them out) while its records are
+    of that type; another type turns it into a batch of encoded blobs. The boundaries count
+    blob sizes either way, so the same records give the same files."""
+    kind, batch, sums = None, [], []  # plain: kind, raw bytes; encoded: None, blobs and CRCs
     size = count = payload = 0
+    width = _WIDTH
     for rec in records:
-        # the checksum is computed here: a writer thread taking the GIL back after each
-        # checksum call would wait for this loop's switch interval (5 ms) every time
-        blob, crc = _encode(rec, count)
-        n = len(blob) if type(blob) is bytes else sum(map(len, blob))
-        batch.append(blob)
-        sums.append(crc)
+        t = type(rec)
+        if not batch and t in _KINDS:
+            kind = t
+        if t is kind:
+            data = rec if t is bytes else rec.encode("utf-8", "surrogatepass")
+            batch.append(data)
+            n = width + len(data) + (-len(data) & 7)
+        else:
+            if kind is not None:  # a plain batch meets another type: encode what it holds
+                batch, sums = _encode_raw(batch, kind, count - len(batch))
+                kind = None
+            # the checksum is computed here: a writer thread taking the GIL back after each
+            # checksum call would wait for this loop's switch interval (5 ms) every time
+            blob, crc = _encode(rec, count)
+            n = len(blob) if type(blob) is bytes else sum(map(len, blob))
+            batch.append(blob)
+            sums.append(crc)
         size += n
         count += 1
         payload += n
         if size >= batch_bytes or len(batch) >= 65536:
-            writers.submit(count - len(batch), batch, sums)
-            batch, sums, size = [], [], 0
+            writers.submit(count - len(batch), kind, batch, sums)
+            kind, batch, sums, size = None, [], [], 0
             index.add(writers, 2 * len(writers.pools))
     if batch:
-        writers.submit(count - len(batch), batch, sums)
+        writers.submit(count - len(batch), kind, batch, sums)
     index.add(writers, 0)
     return count, payload
 
