@@ -211,6 +211,12 @@ def item_meta(n: int, episode: Any, step: Any, version: Any) -> tuple | None:
 
 def priority_array(priorities: Any, keys: np.ndarray) -> np.ndarray:
     """``priorities`` (numbers, an array or a tensor) as float64, one per index in ``keys``."""
+    if (
+        type(priorities) is np.ndarray
+        and priorities.dtype == np.float64
+        and priorities.shape == keys.shape
+    ):
+        return priorities  # nothing to convert or check
     if hasattr(priorities, "detach"):
         priorities = priorities.detach().float().cpu().numpy()
     try:

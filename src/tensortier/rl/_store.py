@@ -79,6 +79,8 @@ def _est(n: int) -> int:
 
 def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
     """``indices`` (an int, a sequence, an array or a tensor of ints) as a 1-D int64 array."""
+    if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
+        return indices  # what sample() returns: nothing to convert or check
     if hasattr(indices, "detach"):
         indices = indices.detach().cpu().numpy()
     arr = np.asarray(indices)

@@ -561,29 +561,40 @@ class ReplayBuffer:
         """
         keys = as_index_array(indices)
         prios = priority_array(priorities, keys)
-        hi = float(prios.max()) if prios.size else 0.0
-        if prios.size and not (prios.min() >= 0 and hi < np.inf):  # one pass catches NaN too
+        hi, lo = (float(prios.max()), float(prios.min())) if prios.size else (0.0, 0.0)
+        if not (lo >= 0 and hi < np.inf):  # one pass catches NaN too
             if not np.isfinite(prios).all():
                 raise ConfigError("priorities must be finite; got NaN or inf (check the loss)")
-            raise ConfigError(
-                f"priorities must be >= 0, got {float(prios.min())} (pass |td_error|)"
-            )
+            raise ConfigError(f"priorities must be >= 0, got {lo} (pass |td_error|)")
         self._sampler.check(hi)  # a weight sum that overflows would sample wrongly
         with self._lock:
             self._check()
+            stored = self._store.keys
             slots = keys % self.max_items
-            live = (keys >= 0) & (self._store.keys[slots] == keys)  # an empty slot's key is -1
-            if not live.all():  # slow path: stale (skipped) or never issued (refused)
-                issued = self._store.issued(keys)
-                if not issued.all():
-                    first = int(keys[np.argmin(issued)])
-                    raise KeyError(
-                        f"index {first} was never returned by add() on this buffer (pass "
-                        f"batch.indices from sample(), not positions in the batch)"
-                    )
-                self._stale_updates += int((~live).sum())
-                slots, prios = slots[live], prios[live]
-            self._sampler.update(slots, prios, hi)
+            live = stored[slots] == keys
+            # an empty slot's key is -1, so the one index never issued that can pass is -1 (in
+            # the last slot, while it is empty): look for negatives only then
+            if not live.all() or (stored[-1] < 0 and keys.size and keys.min() < 0):
+                slots, prios = self._live_or_refuse(keys, slots, prios)
+                lo = float(prios.min()) if prios.size else lo
+            self._sampler.update(slots, prios, hi, lo)
+
+    def _live_or_refuse(
+        self, keys: np.ndarray, slots: np.ndarray, prios: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(lock held) update_priorities' slow path: KeyError (nothing changed) for an index
+        add() never returned, else the slots and priorities of the live indices, counting the
+        stale ones in ``stats["stale_updates"]``."""
+        live = (keys >= 0) & (self._store.keys[slots] == keys)
+        issued = self._store.issued(keys)
+        if not issued.all():
+            first = int(keys[np.argmin(issued)])
+            raise KeyError(
+                f"index {first} was never returned by add() on this buffer (pass "
+                f"batch.indices from sample(), not positions in the batch)"
+            )
+        self._stale_updates += int((~live).sum())
+        return slots[live], prios[live]
 
     def priorities(self, indices: Any) -> np.ndarray:
         """Current sampling weights p^alpha of ``indices`` (1 for uniform sampling)."""

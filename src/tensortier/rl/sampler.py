@@ -102,17 +102,25 @@ def sampler_from_dict(d: dict) -> Uniform | Prioritized:
 
 
 class SumMinTree:
-    """Sum-tree and min-tree over ``capacity`` leaves: 32 children per node, a wide top.
+    """Sum-tree and min-tree over ``capacity`` leaves, each a few numpy calls per level.
 
-    Each node has 32 children and the top level holds up to 1024 nodes that are reduced directly,
-    so a million leaves need two levels of nodes. A batched update or descent is then a handful
-    of numpy calls per level (gather a (batch, 32) block of children, reduce or cumsum it) instead
-    of twenty levels of a binary tree. Parents are recomputed from their children on every
-    update, so sums never drift.
+    Sum-tree: each node has 32 children (a row of the level below) and the top level holds up to
+    1024 nodes that are reduced directly, so a million leaves need two levels of nodes. A batched
+    update or descent is then a handful of numpy calls per level (gather a (batch, 32) block of
+    children, reduce or cumsum it) instead of twenty levels of a binary tree. Parents are
+    recomputed from their children on every update, so sums never drift.
+
+    Min-tree: order does not matter for a min, so node ``q`` of a level with ``n`` nodes has the
+    8 children ``q, q + n, ..., q + 7n`` below: they are a column of the level below seen as
+    (8, n), and a batch of parents is one ``take`` of a (8, batch) block reduced along axis 0,
+    which numpy vectorises (a row-wise min of 8 or 32 is several times slower). Levels stop at
+    ``MIN_TOP`` nodes, which ``min_positive`` reduces (once per draw, not per update).
     """
 
     B = 32
     TOP = 1024
+    MIN_B = 8
+    MIN_TOP = 16384
 
     def __init__(self, capacity: int):
         depth = 0
@@ -123,13 +131,17 @@ class SumMinTree:
         self.sums = [np.zeros(top * self.B ** (depth - j), np.float64) for j in range(depth + 1)]
         self._sums2d = [a.reshape(-1, self.B) for a in self.sums[:-1]]  # children as rows
         self._ones = np.ones(self.B)
-        # min-tree levels below the top are stored transposed, (B, nodes): node q sits at
-        # [q % B, q // B], so the children of a parent are one column and a batch of parents is
-        # reduced along axis 0, which numpy vectorises (a row-wise min of 32 is 5x slower)
-        self.mins = [
-            np.full((self.B, top * self.B ** (depth - j - 1)), np.inf) for j in range(depth)
-        ]
-        self.mins.append(np.full(top, np.inf))
+        # sum levels small next to a batch are recomputed whole (one matrix-vector product)
+        self._dense_from = next(
+            (j for j in range(1, depth + 1) if len(self.sums[j]) <= self.TOP // 4), depth + 1
+        )
+        levels = 0
+        while -(-capacity // self.MIN_B**levels) > self.MIN_TOP:
+            levels += 1
+        width = -(-capacity // self.MIN_B**levels)
+        # leaves are +inf where the sum-tree has 0 (never drawn), so they never win a min
+        self.mins = [np.full(width * self.MIN_B ** (levels - j), np.inf) for j in range(levels + 1)]
+        self._mins2d = [a.reshape(self.MIN_B, -1) for a in self.mins[:-1]]  # children as columns
 
     @property
     def total(self) -> float:
@@ -139,17 +151,15 @@ class SumMinTree:
     def min_positive(self) -> float:
         return float(self.mins[-1].min())
 
-    def _put_min(self, j: int, q: np.ndarray, values: np.ndarray) -> None:
-        if j == self.depth:
-            self.mins[j][q] = values
-        else:
-            self.mins[j][q % self.B, q // self.B] = values
-
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         return self.sums[0][slots]
 
-    def set(self, slots: np.ndarray, values: np.ndarray) -> None:
-        """Set leaves (values >= 0; 0 means never drawn) and recompute their ancestors."""
+    def set(self, slots: np.ndarray, values: np.ndarray, positive: bool = False) -> None:
+        """Set leaves (values >= 0; 0 means never drawn) and recompute their ancestors.
+
+        ``positive``: the caller knows every value is > 0 (skips mapping zeros to +inf).
+        Each level is one vectorised step over the whole batch, never a per-item loop.
+        """
         if len(slots) == 0:
             return
         values = np.asarray(values, np.float64)
@@ -159,30 +169,33 @@ class SumMinTree:
         # numpy assigns repeated indices in order, so the last value of a repeated slot wins;
         # repeated parents are recomputed twice from the same children, which is harmless
         self.sums[0][slots] = values
-        self._put_min(0, slots, np.where(values > 0, values, np.inf))
         p = slots // self.B
         for j in range(1, self.depth + 1):
+            if j >= self._dense_from:
+                np.matmul(self._sums2d[j - 1], self._ones, out=self.sums[j])
+                continue
             self.sums[j][p] = np.take(self._sums2d[j - 1], p, axis=0) @ self._ones
-            self._put_min(j, p, np.take(self.mins[j - 1], p, axis=1).min(axis=0))
             p = p // self.B
+        self.mins[0][slots] = values if positive else np.where(values > 0, values, np.inf)
+        q = slots
+        for j in range(1, len(self.mins)):
+            q = q % len(self.mins[j])
+            self.mins[j][q] = self._mins2d[j - 1].take(q, axis=1).min(axis=0)
 
     def _set_few(self, slots: list[int], values: list[float]) -> None:
         B = self.B
         for slot, v in zip(slots, values):
             self.sums[0][slot] = v
-            if self.depth == 0:
-                self.mins[0][slot] = v if v > 0 else np.inf
-                continue
-            self.mins[0][slot % B, slot // B] = v if v > 0 else np.inf
             p = slot // B
             for j in range(1, self.depth + 1):
                 self.sums[j][p] = self.sums[j - 1][p * B : p * B + B].sum()
-                m = self.mins[j - 1][:, p].min()
-                if j == self.depth:
-                    self.mins[j][p] = m
-                else:
-                    self.mins[j][p % B, p // B] = m
                 p //= B
+            self.mins[0][slot] = v if v > 0 else np.inf
+            q = slot
+            for j in range(1, len(self.mins)):
+                n = len(self.mins[j])
+                q %= n
+                self.mins[j][q] = self.mins[j - 1][q::n].min()
 
     @staticmethod
     def _pick(children: np.ndarray, cum: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -255,7 +268,13 @@ class UniformState:
     ) -> tuple[np.ndarray, np.ndarray]:
         return self.live[rng.integers(0, self.n, n)], np.ones(n, np.float32)
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray, top: float | None = None) -> None:
+    def update(
+        self,
+        slots: np.ndarray,
+        priorities: np.ndarray,
+        top: float | None = None,
+        low: float | None = None,
+    ) -> None:
         pass  # uniform sampling ignores priorities
 
     def check(self, top: float) -> None:
@@ -370,14 +389,26 @@ class PrioritizedState:
         """ConfigError (nothing changed) when priorities up to ``top`` could overflow the tree."""
         check_priority(top, self.cfg.alpha)
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray, top: float | None = None) -> None:
-        """Set priorities; for a slot given twice the last value wins, as with single updates."""
+    def update(
+        self,
+        slots: np.ndarray,
+        priorities: np.ndarray,
+        top: float | None = None,
+        low: float | None = None,
+    ) -> None:
+        """Set priorities; for a slot given twice the last value wins, as with single updates.
+
+        ``top``/``low``: the largest/smallest priority when the caller already has them."""
         tree = self.tree  # queued adds first: they carry the old max priority
-        if len(priorities):
-            top = float(priorities.max()) if top is None else top
-            self.max_priority = max(self.max_priority, top)
+        if not len(priorities):
+            return
+        top = float(priorities.max()) if top is None else top
+        if top > self._max_priority:
+            self.max_priority = top
         a = self.cfg.alpha
-        tree.set(slots, priorities if a == 1 else priorities**a)
+        low = float(priorities.min()) if low is None else low
+        # the smallest leaf is low**a (the power is monotonic); 0 when it underflows, as in numpy
+        tree.set(slots, priorities if a == 1 else priorities**a, positive=low**a > 0)
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         """p_i^alpha of ``slots``: what is saved, so a reload draws from the same distribution."""
