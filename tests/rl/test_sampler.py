@@ -109,6 +109,54 @@ def test_update_priorities_has_no_per_item_python_loop():
     assert lines(256) < 150
 
 
+def test_stale_and_unknown_updates_have_no_per_item_python_loop():
+    """Structural, not timed: with stale indices in the batch (the slow path: issued-index
+    lookup, stale count) the Python lines an update runs do not grow with the batch either."""
+    import sys
+
+    buf = ReplayBuffer(4096, sampler=Prioritized(alpha=0.6), seed=0)
+    old = buf.extend([{"x": np.int64(i)} for i in range(4096)])
+    new = buf.extend([{"x": np.int64(i)} for i in range(2048)])  # old[:2048] are now stale
+    buf.update_priorities(new, np.full(len(new), 0.5))  # applies the queued adds first
+
+    def lines(n: int) -> int:
+        count = 0
+
+        def tracer(frame, event, arg):
+            nonlocal count
+            count += event == "line"
+            return tracer
+
+        keys = np.concatenate([old[: n // 2], new[: n // 2]])
+        sys.settrace(tracer)
+        try:
+            buf.update_priorities(keys, np.full(n, 0.5))
+        finally:
+            sys.settrace(None)
+        return count
+
+    assert lines(64) == lines(2048) == lines(64)
+    assert buf.stats["stale_updates"] == 32 + 1024 + 32
+    with pytest.raises(KeyError, match="never returned by add"):
+        buf.update_priorities(np.array([new[0], -5]), [1.0, 1.0])
+    buf.close()
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.5, 2.0, 7.0])
+def test_the_priority_limit_is_exact_on_both_sides(alpha):
+    """update_priorities refuses a priority just past (1e290)**(1/alpha), and takes one just
+    below it, whatever shortcut the check takes for small priorities."""
+    limit = math.exp(math.log(1e290) / alpha)
+    buf = ReplayBuffer(4, sampler=Prioritized(alpha=alpha), seed=0)
+    keys = [buf.add({"i": i}) for i in range(4)]
+    with pytest.raises(ConfigError, match="at most"):
+        buf.update_priorities(keys[:1], [limit * (1 + 1e-9)])
+    buf.update_priorities(keys[:1], [limit * (1 - 1e-9)])
+    buf.update_priorities(keys, [0.5, 1.0, 2.0, 1e3])  # far below: the shortcut
+    assert np.isfinite(buf._sampler.tree.total)
+    buf.close()
+
+
 def test_prioritized_draws_match_priorities_chi_square():
     n = 40
     buf = ReplayBuffer(n, host_budget="1MiB", sampler=Prioritized(alpha=0.7, beta=0.5), seed=123)

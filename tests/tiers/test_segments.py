@@ -259,3 +259,28 @@ def test_prefixed_appends_write_what_append_writes_record_by_record(tmp_path, di
     assert a.live == b.live and a.min_key == b.min_key
     a.close(remove=False)
     b.close(remove=False)
+
+
+def test_direct_writes_of_slightly_growing_chunks_reuse_one_staging_buffer(tmp_path):
+    """A builder's batches are ``batch_bytes`` plus part of a record, so each differs by a few KB;
+    a staging buffer sized to the exact chunk was replaced (and page-faulted anew) by every
+    larger one. With headroom, one buffer serves them all, and the records read back intact."""
+    segs = Segments(str(tmp_path), segment_size=1 << 30, checksum="crc32c", direct=True)
+    rng = np.random.default_rng(3)
+    stages, key, written, rows = [], 0, [], []
+    for extra in (0, 8_000, 40_000, 100_000, 150_000):
+        payloads = [rng.bytes(n) for n in (2 << 20, extra + 1)]
+        keys = np.arange(key, key + 2, dtype=np.int64)
+        locs, _ = segs.append_prefixed(keys, np.zeros((2, 16), np.uint8), payloads)
+        written += payloads
+        rows.append(locs)
+        key += 2
+        if not any(segs._stage.base is s.base for s in stages):
+            stages.append(segs._stage)
+    assert len(stages) == 1
+    segs.sync()
+    with open(segs.path(segs.segments[0]), "rb") as f:
+        raw = f.read()
+    at = [off + REC.size + 16 for _, off, _ in np.concatenate(rows).tolist()]
+    assert [raw[a : a + len(d)] for a, d in zip(at, written)] == written
+    segs.close(remove=False)

@@ -142,6 +142,14 @@ class SumMinTree:
         # leaves are +inf where the sum-tree has 0 (never drawn), so they never win a min
         self.mins = [np.full(width * self.MIN_B ** (levels - j), np.inf) for j in range(levels + 1)]
         self._mins2d = [a.reshape(self.MIN_B, -1) for a in self.mins[:-1]]  # children as columns
+        # what set() walks, bound once: (children as rows, parents) per gathered sum level, the
+        # same for the dense ones, (children as columns, parents, width) per min level
+        dense = self._dense_from
+        self._sparse_levels = [(self._sums2d[j - 1], self.sums[j]) for j in range(1, dense)]
+        self._dense_levels = [(self._sums2d[j - 1], self.sums[j]) for j in range(dense, depth + 1)]
+        self._min_levels = [
+            (self._mins2d[j - 1], self.mins[j], len(self.mins[j])) for j in range(1, levels + 1)
+        ]
 
     @property
     def total(self) -> float:
@@ -160,27 +168,31 @@ class SumMinTree:
         ``positive``: the caller knows every value is > 0 (skips mapping zeros to +inf).
         Each level is one vectorised step over the whole batch, never a per-item loop.
         """
-        if len(slots) == 0:
+        n = len(slots)
+        if n == 0:
             return
-        values = np.asarray(values, np.float64)
-        if len(slots) <= 4:  # single adds: slices beat fancy indexing
+        if type(values) is not np.ndarray or values.dtype != np.float64:
+            values = np.asarray(values, np.float64)
+        if n <= 4:  # single adds: slices beat fancy indexing
             self._set_few(slots.tolist(), values.tolist())
             return
         # numpy assigns repeated indices in order, so the last value of a repeated slot wins;
         # repeated parents are recomputed twice from the same children, which is harmless
         self.sums[0][slots] = values
-        p = slots // self.B
-        for j in range(1, self.depth + 1):
-            if j >= self._dense_from:
-                np.matmul(self._sums2d[j - 1], self._ones, out=self.sums[j])
-                continue
-            self.sums[j][p] = np.take(self._sums2d[j - 1], p, axis=0) @ self._ones
+        p = slots
+        ones = self._ones
+        # methods, not np.take/np.matmul: their Python wrappers cost ~0.5 us a call; dot and
+        # matmul both run BLAS dgemv here, so the sums are bit for bit the same
+        for children, parents in self._sparse_levels:
             p = p // self.B
+            parents[p] = children.take(p, 0).dot(ones)
+        for children, parents in self._dense_levels:
+            children.dot(ones, parents)
         self.mins[0][slots] = values if positive else np.where(values > 0, values, np.inf)
         q = slots
-        for j in range(1, len(self.mins)):
-            q = q % len(self.mins[j])
-            self.mins[j][q] = self._mins2d[j - 1].take(q, axis=1).min(axis=0)
+        for children, parents, width in self._min_levels:
+            q = q % width
+            parents[q] = np.minimum.reduce(children.take(q, 1), 0)
 
     def _set_few(self, slots: list[int], values: list[float]) -> None:
         B = self.B
@@ -308,6 +320,10 @@ class PrioritizedState:
         self._pend_leaves: list[float] = []
         self.max_priority = cfg.initial_priority
         self.samples = 0  # sample() calls, for beta annealing
+        # priorities up to this are certainly within check_priority's limit (a factor e below
+        # it, far past rounding), so check() skips the logarithms for them
+        limit_log = math.log(LEAF_MAX) / cfg.alpha if cfg.alpha > 0 else math.inf
+        self._safe_top = math.exp(min(limit_log, 709.0) - 1.0)
 
     @property
     def max_priority(self) -> float:
@@ -387,7 +403,8 @@ class PrioritizedState:
 
     def check(self, top: float) -> None:
         """ConfigError (nothing changed) when priorities up to ``top`` could overflow the tree."""
-        check_priority(top, self.cfg.alpha)
+        if top > self._safe_top:
+            check_priority(top, self.cfg.alpha)
 
     def update(
         self,
@@ -399,7 +416,8 @@ class PrioritizedState:
         """Set priorities; for a slot given twice the last value wins, as with single updates.
 
         ``top``/``low``: the largest/smallest priority when the caller already has them."""
-        tree = self.tree  # queued adds first: they carry the old max priority
+        # queued adds first: they carry the old max priority
+        tree = self.tree if self._pend_slots else self._tree
         if not len(priorities):
             return
         top = float(priorities.max()) if top is None else top
