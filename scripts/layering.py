@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensortier/data/",
         ),
     ),
-    ("transfer", ("tensortier/transfer.py", "tensortier/_cuda.py")),
+    ("transfer", ("tensortier/transfer/",)),
     ("tiers", ("tensortier/tiers/",)),
     (
         "foundation",

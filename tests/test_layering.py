@@ -133,21 +133,30 @@ def test_the_demo_never_imports_the_benchmarks():
     assert out.stdout.strip() == "[]"
 
 
-# constructing a CUDA stream or event, by any spelling torch offers
+# constructing a CUDA stream or event (by any spelling torch offers), or ordering a copy with
+# ``wait_stream`` / ``record_stream``
 _STREAM_OR_EVENT = re.compile(
-    r"\bcuda\.(Stream|Event)\s*\(|\.record_event\s*\(|from\s+torch\.cuda\s+import[^\n]*\b(Stream|Event)\b"
+    r"\bcuda\.(Stream|Event)\s*\(|\.record_event\s*\(|\bwait_stream\s*\(|\.record_stream\s*\("
+    r"|from\s+torch\.cuda\s+import[^\n]*\b(Stream|Event)\b"
 )
+_ENGINE = SRC / "transfer"
 
 
-def test_cuda_streams_and_events_are_made_in_one_module():
-    """Issue 26: every CUDA stream and event is constructed in ``tensortier/_cuda.py`` (owned by
-    the transfer layer), so one file says which streams exist and what threads sleep on."""
+def test_cuda_streams_and_events_are_made_in_the_transfer_engine():
+    """Issue 26: every CUDA stream and event is constructed, and every copy is ordered with
+    ``wait_stream``/``record_stream``, in the transfer engine's modules (``tensortier/transfer/``),
+    so one folder says which streams exist, what threads sleep on and what a copy waits for."""
     sites = [
         f"{path.relative_to(SRC)}:{n}: {line.strip()}"
         for path in sorted(SRC.rglob("*.py"))
-        if path.name != "_cuda.py" or path.parent != SRC
+        if _ENGINE not in path.parents
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if _STREAM_OR_EVENT.search(line)
     ]
-    assert sites == [], "CUDA streams/events made outside tensortier/_cuda.py:\n" + "\n".join(sites)
-    assert _STREAM_OR_EVENT.search((SRC / "_cuda.py").read_text())  # the pattern still matches
+    assert sites == [], "CUDA streams/events/ordering outside tensortier/transfer/:\n" + "\n".join(
+        sites
+    )
+    assert not (SRC / "_cuda.py").exists()  # the old home is gone, not a second one
+    for spelling in ("torch.cuda.Stream(", "torch.cuda.Event(", ".record_stream(", "wait_stream("):
+        assert _STREAM_OR_EVENT.search(spelling), spelling  # the pattern still matches each
+    assert _STREAM_OR_EVENT.search((_ENGINE / "streams.py").read_text())

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tensortier import _cuda, _dist
+from tensortier import _dist
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer
 from tensortier._stats import register as register_stats
@@ -68,6 +68,7 @@ from tensortier.checkpoint._validate import check_tree
 from tensortier.errors import BudgetError, ClosedError, ConfigError, CorruptDataError, SpillDirError
 from tensortier.tiers.disk import _probe_direct, as_bytes
 from tensortier.tiers.host import aligned_empty
+from tensortier.transfer.streams import COMPUTE, SideStreams, consume
 
 log = logging.getLogger("tensortier.checkpoint")
 _STALE = re.compile(r"^step-\d+\.(incomplete|deleting-\d+)$")
@@ -374,7 +375,7 @@ class Checkpointer:
         self._slots: dict[str, torch.Tensor] = {}
         self._snapshot: Future | None = None
         self._cuda_done: dict[torch.device, torch.cuda.Event] = {}  # per device: copies queued
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device
+        self._streams = SideStreams()  # one side stream per device (D2H), made on first use
         self._persist: Future | None = None
         self._persist_step: int | None = None
         # every optimizer's step waits for the snapshot, also one not passed to maybe_save/save
@@ -767,7 +768,7 @@ class Checkpointer:
             else:
                 dst.copy_(as_bytes(t))  # host memory: a memcpy now (forward may change it next)
         cuda_done = {
-            device: _copy_from_device(device, early, late, self._stream(device))
+            device: _copy_from_device(device, early, late, self._streams)
             for device, (early, late) in on_device.items()
         }
         self._cuda_done = dict(cuda_done)
@@ -936,12 +937,6 @@ class Checkpointer:
                 f"empty directory"
             )
         return sorted(s for s in steps if base is not None and s > base)
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = _cuda.side_stream(device)
-        return stream
 
     def _layout(self, tensors: list[tuple[str, torch.Tensor, bool]]) -> None:
         """(Re)build the shard images when the set of tensors changed; otherwise reuse them."""
@@ -1124,7 +1119,7 @@ def _torn_message(step: int, what: str) -> str:
     )
 
 
-def _copy_from_device(device, early, late, side: torch.cuda.Stream) -> torch.cuda.Event:
+def _copy_from_device(device, early, late, side: SideStreams) -> torch.cuda.Event:
     """Queue one device's snapshot copies to pinned host memory on its side stream.
 
     ``side`` first waits for the device's *current* stream (not the current device's), so the
@@ -1134,20 +1129,20 @@ def _copy_from_device(device, early, late, side: torch.cuda.Stream) -> torch.cud
     the returned event (``before_optimizer_step``); the persist thread synchronizes on it.
     ``record_stream`` keeps the allocator from reusing a source before its copy ran.
     """
-    compute = torch.cuda.current_stream(device)
-    side.wait_stream(compute)
-    with torch.cuda.stream(side):
-        for dst, t in early:
-            t.record_stream(side)
-            dst.copy_(as_bytes(t), non_blocking=True)
-        if early:
-            compute.wait_event(_cuda.recorded(side))
-        for dst, t in late:
-            t.record_stream(side)
-            dst.copy_(as_bytes(t), non_blocking=True)
-        done = _cuda.event(blocking=True)  # the persist thread sleeps on it, never spins
-        done.record(side)
-    return done
+    after = COMPUTE
+    if early:
+        done = side.copy(early, device, direction="d2h", read=as_bytes, record_sources=True)
+        consume(done, torch.cuda.current_stream(device))
+        after = None  # the late copies follow the early ones on the side stream
+    return side.copy(  # the persist thread sleeps on this event, never spins
+        late,
+        device,
+        direction="d2h",
+        after=after,
+        read=as_bytes,
+        record_sources=True,
+        blocking=True,
+    )
 
 
 def _await(future: Future, timeout: float | None, what: str, root: str) -> None:

@@ -7,8 +7,9 @@ buffer allocated once per bucket. A non-speculative update reads the gradient te
 
 CUDA gradients (written to be correct by construction, compared line by line with torchao's
 ``CPUOffloadOptimizer`` and DeepSpeed's ZeRO offload; there is no GPU on the CI machine):
-- one side stream per device, created when the optimizer is built (never one per launch: the
-  stream pool is round-robin and would alias other components' streams);
+- one side stream per device for both directions (``transfer.streams.SideStreams``, whose
+  ``copy`` is the sequence below), created when the optimizer is built (never one per launch:
+  the stream pool is round-robin and would alias other components' streams);
 - one pinned buffer per bucket, allocated on first use and reused every step; the copy is
   ``non_blocking`` on the side stream after it waited for the compute stream, the source gets
   ``record_stream`` so the allocator cannot hand it out before the copy ran, and one event per
@@ -31,10 +32,10 @@ import ctypes.util
 
 import torch
 
-from tensortier import _cuda
 from tensortier._units import align_up
 from tensortier.optim._states import ALIGN
 from tensortier.tiers.host import aligned_empty
+from tensortier.transfer.streams import COMPUTE, SideStreams, consume
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -89,7 +90,9 @@ class Staging:
     """Reusable host gradient buffers per bucket, side streams per device, write-back."""
 
     def __init__(self, devices: set[torch.device]):
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # one side stream per device for both directions: write-backs stay ordered after the
+        # gradient copies queued before them, as with torchao's single stream
+        self._streams = SideStreams(split=False)
         self._bufs: dict[int, tuple[tuple, torch.Tensor, list[int]]] = {}
         self._check: dict[torch.device, torch.Tensor] = {}
         self._wb_devices: dict[torch.device, bool] = {}
@@ -97,8 +100,8 @@ class Staging:
 
     def add_devices(self, devices: set[torch.device]) -> None:
         for d in devices:
-            if d.type == "cuda" and d not in self._streams:
-                self._streams[d] = _cuda.side_stream(d)
+            if d.type == "cuda":  # made with the optimizer (once per device), not at a step
+                self._streams.stream(d, "d2h")
 
     @property
     def host_bytes(self) -> int:
@@ -160,14 +163,9 @@ class Staging:
         return self.snapshot(key, all_params, which, grads)
 
     def _d2h(self, device, views, grads) -> Staged:
-        stream = self._streams[device]
-        stream.wait_stream(torch.cuda.current_stream(device))  # the gradients are final there
-        with torch.cuda.stream(stream):
-            for v, g in zip(views, grads):
-                v.copy_(g, non_blocking=True)
-                g.record_stream(stream)  # the allocator must not reuse g before the copy ran
-            event = _cuda.event()
-            event.record(stream)
+        # after the compute stream (the gradients are final there); each g is record_stream-ed:
+        # the allocator must not reuse it before its copy ran
+        event = self._streams.copy(zip(views, grads), device, direction="d2h", record_sources=True)
         return Staged(views, event)
 
     def matches(self, staged: Staged, grads: list[torch.Tensor]) -> bool:
@@ -205,21 +203,12 @@ class Staging:
         if not cuda:
             return
         device = cuda[0][0].device  # a bucket holds parameters of one device
-        stream = self._streams[device]
-        if not self._wb_devices.get(device):  # first write-back of this step on the device:
-            stream.wait_stream(torch.cuda.current_stream(device))  # kernels may still read p
-            self._wb_devices[device] = True
-        with torch.cuda.stream(stream):
-            for p, m in cuda:
-                src = m.view(p.shape)
-                if p.dtype == m.dtype:
-                    p.copy_(src, non_blocking=True)
-                else:  # H2D in the master dtype, convert on the device
-                    tmp = torch.empty(p.shape, dtype=m.dtype, device=device)
-                    tmp.copy_(src, non_blocking=True)
-                    p.copy_(tmp)
-            event = _cuda.event()
-            event.record(stream)
+        # the first write-back of this step on the device waits for compute: kernels may still
+        # read p; H2D in the master dtype, converted on the device
+        first = not self._wb_devices.get(device)
+        self._wb_devices[device] = True
+        pairs = [(p, m.view(p.shape)) for p, m in cuda]
+        event = self._streams.copy(pairs, device, direction="h2d", after=COMPUTE if first else None)
         if holder is None:
             event.synchronize()
         else:
@@ -228,7 +217,5 @@ class Staging:
     def finish_write_back(self) -> None:
         """Make each compute stream wait for this step's write-back (one event per device)."""
         for device in [d for d, used in self._wb_devices.items() if used]:
-            event = _cuda.event()
-            event.record(self._streams[device])
-            torch.cuda.current_stream(device).wait_event(event)
+            consume(self._streams.record(device, "h2d"), torch.cuda.current_stream(device))
             self._wb_devices[device] = False

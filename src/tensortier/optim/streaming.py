@@ -13,7 +13,7 @@ the parameter again (prefetching the unit before it) when the token is unpacked.
 copied, never recomputed, so outputs and gradients are bit-identical to the resident model.
 
 Copies on CUDA (the copy-stream pattern of torchtune's ``OffloadActivations``): host-to-device
-copies run on one side stream per streamer, from pinned memory (the host tier's homes are
+copies run on one side stream per streamer (``transfer.streams``: ``copy_new``, ``consume``), from pinned memory (the host tier's homes are
 pinned; the disk tier reads into pinned staging on the loader thread), so they overlap the
 compute stream instead of queueing on it. The copy's destination is allocated on the side stream
 and an event is recorded after the copy; the stream that uses the values (the current stream of
@@ -47,7 +47,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensortier import _cuda
 from tensortier._device import cuda_available, normalize_device
 from tensortier._lifetime import Finalizer
 from tensortier._stats import register as register_stats
@@ -56,6 +55,8 @@ from tensortier.errors import BudgetError, ClosedError, ConfigError
 from tensortier.tiers.disk import DiskHandle, DiskStore
 from tensortier.tiers.host import HostPool, pinned_copy
 from tensortier.tiers.placement import Placement
+from tensortier.transfer.streams import SideStreams, consume
+from tensortier.transfer.streams import event as new_event
 
 # attribute set on a streamed Parameter: a weakref to its streamer (one streamer per parameter)
 _OWNER_ATTR = "_tensortier_streamer"
@@ -197,7 +198,9 @@ class ParameterStreamer:
         staged = self._store is not None and self._cuda
         self._staging = HostPool(2 * self.budget, pin=True) if staged else None
         self._finalizer = Finalizer(self, _shutdown, self._loader, self._store, self._staging)
-        self._side = _cuda.side_stream(self.device) if self._cuda else None
+        self._copies = SideStreams()  # H2D only: one side stream, made now
+        if self._cuda:
+            self._copies.stream(self.device, "h2d")
         try:
             self._store_homes()
         except BaseException:
@@ -249,12 +252,9 @@ class ParameterStreamer:
         return loaded
 
     def _to_device(self, host: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        """Copy pinned host tensors on the side stream; the event marks their arrival."""
-        with torch.cuda.stream(self._side):  # destinations come from the side stream's pool
-            out = [h.to(self.device, non_blocking=True) for h in host]
-            event = _cuda.event()
-            event.record(self._side)
-        return out, event
+        """Copy pinned host tensors on the side stream; the event marks their arrival.
+        Destinations come from the side stream's pool: the copies wait for no other stream."""
+        return self._copies.copy_new(host, self.device)
 
     def _start(self, u: _Unit) -> _Load:
         if self._loader is None:  # CUDA, host tier: the homes are pinned, issue the copies now
@@ -271,16 +271,16 @@ class ParameterStreamer:
         if load.event is not None:
             stream = torch.cuda.current_stream(self.device)
             if stream.cuda_stream not in load.streams:
-                stream.wait_event(load.event)  # a device-side wait: the host never blocks
-                for t in load.tensors:
-                    t.record_stream(stream)  # no reuse of the memory before this stream is done
+                # a device-side wait (the host never blocks); the tensors' memory is not reused
+                # before this stream is done
+                consume(load.event, stream, load.tensors)
                 load.streams.add(stream.cuda_stream)
         return load.tensors
 
     def _released(self, nbytes: int) -> None:
         """The host is done with ``nbytes`` of a unit; the device is done at this event."""
         if self._cuda:
-            event = _cuda.event(blocking=True)  # a waiting host sleeps instead of spinning
+            event = new_event(blocking=True)  # a waiting host sleeps instead of spinning
             event.record(torch.cuda.current_stream(self.device))
             self._releasing.append((event, nbytes))
             self._releasing_bytes += nbytes

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from tensortier import _cuda
+from tensortier.transfer.streams import timing_event
 
 
 def _is_inplace(func) -> bool:
@@ -89,8 +89,8 @@ class OpRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         cuda = self.device.type == "cuda"
         if cuda:
-            start = _cuda.timing_event()
-            end = _cuda.timing_event()
+            start = timing_event()
+            end = timing_event()
             start.record()
         t0 = time.perf_counter()
         out = func(*args, **kwargs)

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tensortier import _cuda
 from tensortier._memory import HighWater
 from tensortier.planner.ops import OpRecorder, measure_sac_overhead, preload
 from tensortier.planner.profile import (
@@ -48,6 +47,7 @@ from tensortier.tiers.codecs import (
     accepts,
     estimate_ratio,
 )
+from tensortier.transfer.streams import timing_event
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # hold modules but have no forward of their own
 _STACKS = (nn.ModuleList, nn.Sequential)  # where repeated blocks live
@@ -402,8 +402,8 @@ class Profiler:
         cur.meter = PeakMeter(self.device).__enter__()  # CUDA: synchronizes first
         if self.device.type == "cuda" and not sync_units:
             stream = torch.cuda.current_stream(self.device)
-            cur.start_event = _cuda.timing_event()
-            cur.end_event = _cuda.timing_event()
+            cur.start_event = timing_event()
+            cur.end_event = timing_event()
             cur.start_event.record(stream)
         cur.t_fwd = time.perf_counter()
         recorder = self.recorder if kind == "probe" else None

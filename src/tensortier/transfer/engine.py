@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from tensortier import _cuda
 from tensortier._device import normalize_device
 from tensortier._lifetime import Finalizer
 from tensortier._renamed import renamed
@@ -57,6 +56,7 @@ from tensortier.tiers.base import Handle, Store, StoreBase, failed, gather
 from tensortier.tiers.codecs import Codec
 from tensortier.tiers.disk import DiskStore, as_bytes
 from tensortier.tiers.host import HostBlock, HostPool, aligned_empty, default_budget
+from tensortier.transfer.streams import SideStreams, consume
 
 if TYPE_CHECKING:  # Ray is imported only when a RemoteStore is made
     from tensortier.tiers.remote import RemoteStore
@@ -353,16 +353,6 @@ def _shutdown(completer: _Completer, executor: ThreadPoolExecutor) -> None:
     executor.shutdown(wait=True)  # idle by now: nothing pending refers to a collected engine
 
 
-class _Side:
-    """One device's copy streams, created on first use of that device."""
-
-    __slots__ = ("d2h", "h2d")
-
-    def __init__(self, device: torch.device):
-        self.d2h = _cuda.side_stream(device)
-        self.h2d = _cuda.side_stream(device)
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -419,7 +409,7 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._throttle = _Throttle(limit, self.stats)
         self._closed = False
-        self._sides: dict[torch.device, _Side] = {}
+        self._streams = SideStreams()  # per device: a d2h and an h2d stream, made on first use
         self._completer = _Completer()
         self._cpu = ThreadPoolExecutor(
             io_threads, thread_name_prefix="tt-copy", initializer=_mark_releasing
@@ -691,15 +681,6 @@ class TransferEngine:
         """The stream that will use a copy to ``target``: the caller's, captured now."""
         return torch.cuda.current_stream(target) if target.type == "cuda" else None
 
-    def _side(self, device: torch.device) -> _Side:
-        side = self._sides.get(device)
-        if side is None:
-            with self._lock:
-                side = self._sides.get(device)
-                if side is None:
-                    side = self._sides[device] = _Side(device)
-        return side
-
     def _alloc(self, nbytes: int) -> HostBlock:
         """A pool block; threads that complete transfers never wait for busy blocks (they could
         be waiting for their own jobs), they get ``TierFullError`` like a full pool."""
@@ -786,14 +767,8 @@ class TransferEngine:
 
             self._on_cpu(copy, fail, done)
             return
-        device = src.device
-        side = self._side(device)
-        event = _cuda.event(blocking=True)
-        with torch.cuda.device(device):
-            side.d2h.wait_stream(torch.cuda.current_stream(device))  # after the producer
-            with torch.cuda.stream(side.d2h):
-                out.tensor.copy_(src, non_blocking=True)
-            event.record(side.d2h)
+        # after the producer (the device's current stream); src is kept, not record_stream-ed
+        event = self._streams.copy([(out.tensor, src)], src.device, direction="d2h", blocking=True)
         out.block.record(event)  # the pool lends the block again only after the copy
         self._completer.put(_Pending(event, src, then, fail))  # keeps src until the copy is done
 
@@ -817,23 +792,18 @@ class TransferEngine:
 
             self._on_cpu(copy, fail, done)
             return
-        side = self._side(target)
-        event = _cuda.event(blocking=True)
-        with torch.cuda.device(target):
-            with torch.cuda.stream(consumer):  # dst belongs to the consumer's stream
-                dst = torch.empty(src.shape, dtype=src.dtype, device=target)
-            side.h2d.wait_stream(consumer)  # dst's memory may have been freed by pending work
-            with torch.cuda.stream(side.h2d):
-                dst.copy_(src, non_blocking=True)
-            event.record(side.h2d)
+        with torch.cuda.device(target), torch.cuda.stream(consumer):
+            dst = torch.empty(src.shape, dtype=src.dtype, device=target)  # the consumer's memory
+        # after the consumer: dst's memory may have been freed by work pending there
+        event = self._streams.copy(
+            [(dst, src)], target, direction="h2d", after=consumer, blocking=True
+        )
         if block is not None:
             block.record(event)
 
         def on_result(value: torch.Tensor) -> torch.Tensor:
-            current = torch.cuda.current_stream(target)
-            current.wait_event(event)  # device-side, no host sync
-            if current != consumer:
-                value.record_stream(current)
+            current = torch.cuda.current_stream(target)  # device-side wait, no host sync
+            consume(event, current, [value] if current != consumer else ())
             return value
 
         issued(dst, on_result)
