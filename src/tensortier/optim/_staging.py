@@ -197,9 +197,8 @@ class Staging:
         ``holder=None`` on CUDA waits for the copies before returning (the buffer is reused).
         """
         cuda = [(p, m) for p, m in pairs if p.device.type == "cuda"]
-        for p, m in pairs:
-            if p.device.type != "cuda":
-                p.copy_(m.view(p.shape))
+        cpu = [(p, m.view(p.shape)) for p, m in pairs if p.device.type != "cuda"]
+        self._streams.copy(cpu, torch.device("cpu"), direction="h2d")  # plain copies, now
         if not cuda:
             return
         device = cuda[0][0].device  # a bucket holds parameters of one device

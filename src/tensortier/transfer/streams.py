@@ -104,14 +104,19 @@ class SideStreams:
         record_sources: bool = False,
         blocking: bool = False,
         read: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.cuda.Event:
+    ) -> torch.cuda.Event | None:
         """Queue ``dst.copy_(src, non_blocking=True)`` for each ``(dst, src)`` on ``device``'s side
         stream, after the work queued on ``after`` (``COMPUTE``: the device's current stream; a
         stream; ``None``: only after the side stream's own earlier work). ``record_sources``:
         ``src.record_stream(side)`` after each copy. ``read(src)``, if given, is what is copied,
         computed on the side stream (the checkpointer's ``as_bytes``: a contiguous copy of a
         strided source is made there, while ``src`` itself is the one recorded). Returns the
-        event recorded after the copies."""
+        event recorded after the copies; on a CPU ``device`` (process memory) the copies are
+        plain ``copy_`` calls, done when this returns, and there is no event (``None``)."""
+        if device.type != "cuda":
+            for dst, src in pairs:
+                dst.copy_(src if read is None else read(src))
+            return None
         side = self.stream(device, direction)
         done = event(blocking=blocking)
         with torch.cuda.device(device):
