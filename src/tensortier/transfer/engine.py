@@ -29,6 +29,9 @@ Lifetime (``LIFETIME.md``): no thread holds the engine. The completion thread ru
 its queue and a small state object; if the engine is dropped without ``close()``, its
 ``_lifetime.Finalizer`` stops the thread and the copy workers on the reaper thread.
 
+CUDA streams, events and the copy sequence itself are ``streams.py``'s (:class:`SideStreams`, one
+``d2h`` and one ``h2d`` stream per device for this engine).
+
 This module schedules copies; it never decides *what* to move (that is the clients' and planner's job).
 """
 
