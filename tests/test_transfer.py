@@ -647,7 +647,7 @@ def test_tensor_on_another_gpu_round_trips_on_that_gpu(spill_dir):
             e.to_store(x, "disk").result(), "disk", free=True, device="cuda:1"
         ).result()
         assert y.device == dev == z.device and torch.equal(y, x) and torch.equal(z, x)
-        assert set(e._sides) == {dev}
+        assert {d for d, _ in e._streams.made()} == {dev}
 
 
 @pytest.mark.gpu

@@ -315,7 +315,7 @@ def test_cuda_streams_and_pinned_buffers_are_made_once():
         opt.step()
         opt.zero_grad()
         ptrs.append({k: b.data_ptr() for k, (_, b, _) in opt._staging._bufs.items()})
-        streams.append(dict(opt._staging._streams))
+        streams.append(opt._staging._streams.made())  # one stream per device, both directions
     assert len(streams[-1]) == 1 and all(s == streams[-1] for s in streams)
     assert ptrs[-1] and all(p == ptrs[-1] for p in ptrs[1:])  # reused every step
     assert all(b.is_pinned() for _, b, _ in opt._staging._bufs.values())

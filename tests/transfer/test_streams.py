@@ -193,6 +193,8 @@ def test_streams_are_made_once_per_device_and_direction_and_owner(cuda):
     assert shared.stream(CUDA, "d2h") is shared.stream(CUDA, "h2d")
     assert shared.stream(CUDA, "d2h") is not split.stream(CUDA, "d2h")  # owners never share
     assert split.stream(CUDA, "d2h").device == CUDA
+    assert set(split.made()) == {(CUDA, "d2h"), (CUDA, "h2d"), (torch.device("cuda", 1), "d2h")}
+    assert set(shared.made()) == {(CUDA, "both")}
     for _ in range(3):
         split.copy([], CUDA, direction="d2h")
     assert len({e[1] for e in cuda.log if e[0] == "wait_stream"}) == 1  # never one per copy

@@ -94,6 +94,11 @@ class SideStreams:
                     side = self._streams[key] = torch.cuda.Stream(device=device)
         return side
 
+    def made(self) -> dict[tuple[torch.device, str], torch.cuda.Stream]:
+        """The streams made so far, by (device, direction; ``"both"`` when not split)."""
+        with self._lock:
+            return dict(self._streams)
+
     def copy(
         self,
         pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
