@@ -13,19 +13,19 @@ the parameter again (prefetching the unit before it) when the token is unpacked.
 copied, never recomputed, so outputs and gradients are bit-identical to the resident model.
 
 Copies on CUDA (the copy-stream pattern of torchtune's ``OffloadActivations``): host-to-device
-copies run on one side stream per streamer (``transfer.streams``: ``copy_new``, ``consume``), from pinned memory (the host tier's homes are
-pinned; the disk tier reads into pinned staging on the loader thread), so they overlap the
-compute stream instead of queueing on it. The copy's destination is allocated on the side stream
-and an event is recorded after the copy; the stream that uses the values (the current stream of
-the forward, or of the backward node that unpacks a token) waits on that event, and the tensors
-are ``record_stream``-ed on it, so the allocator reuses their memory only after that stream's work
-queued so far is done. The pinned source of an in-flight copy stays reserved: the homes live as
-long as the streamer, and a staging block of the disk tier records the copy's event, so its pool
-lends it again only after the copy (``tiers/host.py``). The host runs ahead of the GPU, so
-memory the host has let go of may still be in use by queued kernels: every unit the host is done
-with leaves an event on its stream, and a load that would put more than ``budget`` bytes on the
-device waits for the oldest of those events first (FSDP's rate limiter); prefetches never wait,
-they are skipped.
+copies run on one side stream per streamer (``transfer.streams``: ``copy_new``, ``consume``), from
+pinned memory (the host tier's homes are pinned; the disk tier reads into pinned staging on the
+loader thread), so they overlap the compute stream instead of queueing on it. The copy's destination
+is allocated on the side stream and an event is recorded after the copy; the stream that uses the
+values (the current stream of the forward, or of the backward node that unpacks a token) waits on
+that event, and the tensors are ``record_stream``-ed on it, so the allocator reuses their memory
+only after that stream's work queued so far is done. The pinned source of an in-flight copy stays
+reserved: the homes live as long as the streamer, and a staging block of the disk tier records the
+copy's event, so its pool lends it again only after the copy (``tiers/host.py``). The host runs
+ahead of the GPU, so memory the host has let go of may still be in use by queued kernels: every unit
+the host is done with leaves an event on its stream, and a load that would put more than ``budget``
+bytes on the device waits for the oldest of those events first (FSDP's rate limiter); prefetches
+never wait, they are skipped.
 
 A model can be streamed by one streamer at a time: streaming it again would record the first
 streamer's NaN placeholders as weights, so it raises :class:`ConfigError`.
