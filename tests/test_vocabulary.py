@@ -53,6 +53,7 @@ RENAMED = {  # entry point -> {old: new}
     Catalog.epochs: {"prefetch": "prefetch_budget"},
     Loader.__init__: {"prefetch": "prefetch_budget"},
     EpochDataset.__init__: {"prefetch": "prefetch_budget"},
+    EpochConfig.__init__: {"prefetch": "prefetch_budget"},
 }
 TAKES_KWARGS = {
     tt.offload,
