@@ -12,6 +12,7 @@ import tensortier as tt
 from tensortier import data, rl
 from tensortier.checkpoint import Checkpointer
 from tensortier.data import Catalog, EpochConfig, EpochDataset, Loader
+from tensortier.errors import ConfigError
 from tensortier.planner.runtime import planned_offload
 from tensortier.rl.param_store import ParamReader
 from tensortier.tiers import RemoteStore
@@ -64,6 +65,17 @@ TAKES_KWARGS = {
 }
 # prefetch= (batches) stays; window= of a catalog's shuffle counts blocks (RemoteStore's was bytes)
 OLD = {old for m in RENAMED.values() for old in m} - {"prefetch", "window"}
+
+
+def test_the_counts_of_an_epoch_order_keep_their_names_and_take_ints_only():
+    """``window=`` of a block shuffle counts blocks (not bytes, not items a store holds): the
+    table's "item count limit" rule does not apply, it stays as its row says."""
+    row = next(line for line in TABLE.splitlines() if line.startswith("| counts in an epoch"))
+    params = inspect.signature(EpochConfig).parameters
+    for name in ("batch", "block", "window"):
+        assert f"`{name}=`" in row and name in params, name
+    with pytest.raises(ConfigError, match=r"window='1MiB' must be an int"):
+        EpochConfig(batch=8, shuffle="block", window="1MiB").checked(100, 100)
 
 
 ATTRIBUTES = {  # class -> {old attribute: new}
