@@ -1,4 +1,5 @@
-"""Shared plumbing for benchmark scripts: the environment row, the JSON file, worker processes.
+"""Shared plumbing for benchmark scripts: the environment row, the JSON file, worker processes,
+a two-node Ray cluster on this machine.
 
 The table printer lives in the library (:func:`tensortier._units.print_table`): ``tensortier
 plan`` prints its tables too, and nothing in ``src`` may import ``benchmarks``.
@@ -6,10 +7,15 @@ plan`` prints its tables too, and nothing in ``src`` may import ``benchmarks``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -51,3 +57,59 @@ def write_json(path: str | None, benchmark: str, rows: list[dict], **extra) -> N
             {"benchmark": benchmark, "env": environment(), **extra, "rows": rows}, f, indent=2
         )
     print(f"wrote {path}")
+
+
+class RayPeer:
+    """An actor for the other node of :func:`two_ray_nodes`: Ray's own transfer, the limit."""
+
+    def pull(self, boxed: list) -> int:
+        import ray
+
+        return int(ray.get(boxed[0]).nbytes)  # the bytes land in this node's object store
+
+    def make(self, n: int):
+        import numpy as np
+
+        return np.ones(n, np.uint8)
+
+
+@contextlib.contextmanager
+def two_ray_nodes(object_store_memory: int) -> Iterator[tuple[Any, Any, str]]:
+    """``(node, peer, tmp)``: a Ray cluster of two simulated nodes on this machine, the driver's (no
+    CPUs) and one other ``node``, each with ``object_store_memory`` bytes of object store, and a
+    :class:`RayPeer` pinned to that node; ``ray.init`` connected; ``tmp`` is Ray's directory.
+
+    Why here: the remote tier's and the checkpoint replicas' benchmarks need the same cluster,
+    under a private ``RAY_TMPDIR`` (so sessions never share Ray's sockets and spill files), and
+    the same teardown, which restores ``RAY_TMPDIR`` and removes the directory."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    tmp = tempfile.mkdtemp(prefix="tt-ray-bench-")
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    cluster = None
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": object_store_memory,
+                "include_dashboard": False,
+            },
+        )
+        node = cluster.add_node(num_cpus=0, object_store_memory=object_store_memory)
+        ray.init(address=cluster.address, log_to_driver=False)
+        there = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        peer = ray.remote(RayPeer).options(num_cpus=0, scheduling_strategy=there).remote()
+        yield node, peer, tmp
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -23,7 +23,7 @@ import time
 import torch
 
 from benchmarks import _harness as harness
-from benchmarks._common import environment, write_json
+from benchmarks._common import environment, two_ray_nodes, write_json
 from tensortier._units import format_size, parse_size, print_table
 from tensortier.checkpoint import Checkpointer
 
@@ -60,8 +60,6 @@ def _same(a, b) -> bool:
 
 def run(args: argparse.Namespace) -> list[dict]:
     import ray
-    from ray.cluster_utils import Cluster
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from benchmarks._mlp import build, train
 
@@ -73,11 +71,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     target, target_opt, _ = build(state, device)
     train(target, target_opt, width, args.batch, 1, device)
     store = int(state * 1.3) + (128 << 20)  # one replica (or one fetched copy) plus slack
-    tmp = tempfile.mkdtemp(prefix="tt-ray-bench-")
     ckdir = tempfile.mkdtemp(prefix="tt-bench-replica-", dir=args.dir)
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
-    cluster = None
     rows: list[dict] = []
     disk_s, replica_s, push_s, persist_s, wire_s = [], [], [], [], []
     intact = True
@@ -85,20 +79,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         f"state {format_size(state)} (MLP width {width}), {rounds} rounds, checkpoints in {ckdir}"
     )
     session = harness.Session("checkpoint-replica", rounds, args.quiet_wait, args.quiet_load)
-    with session:
-        try:
-            cluster = Cluster(
-                initialize_head=True,
-                head_node_args={
-                    "num_cpus": 0,
-                    "object_store_memory": store,
-                    "include_dashboard": False,
-                },
-            )
-            node = cluster.add_node(num_cpus=0, object_store_memory=store)
-            ray.init(address=cluster.address, log_to_driver=False)
-            there = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-            peer = ray.remote(_Peer).options(num_cpus=0, scheduling_strategy=there).remote()
+    try:
+        with session, two_ray_nodes(store) as (_, peer, _):
             for r in range(rounds):
                 with Checkpointer(ckdir, keep=2, replicas=1, replica_timeout=300) as ck:
                     if r:
@@ -137,16 +119,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 intact &= _same(got["disk"]["model"], model.state_dict())
                 del got
             Checkpointer(ckdir, replicas=1).drop_replicas()
-        finally:
-            ray.shutdown()
-            if cluster is not None:
-                cluster.shutdown()
-            if old is None:
-                os.environ.pop("RAY_TMPDIR", None)
-            else:
-                os.environ["RAY_TMPDIR"] = old
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(ckdir, ignore_errors=True)
+    finally:
+        shutil.rmtree(ckdir, ignore_errors=True)
     disk, replica = statistics.median(disk_s), statistics.median(replica_s)
     rows = [
         {
@@ -210,15 +184,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         cpus=environment()["cpus"],
     )
     return rows
-
-
-class _Peer:
-    """An actor on the replica node: makes an object there (Ray's transfer limit)."""
-
-    def make(self, n: int):
-        import numpy as np
-
-        return np.ones(n, np.uint8)
 
 
 def _clone(obj):

@@ -16,53 +16,21 @@ files sit in the page cache, so that peer measures memory copies more than a dis
 
 from __future__ import annotations
 
-import os
 import pathlib
-import shutil
-import tempfile
 import time
 
 import numpy as np
 import torch
 
+from benchmarks._common import two_ray_nodes
 from tensortier.tiers.remote import RemoteStore
-
-
-class _Peer:
-    """An actor on the memory node: pulls a driver object there, or makes one there."""
-
-    def pull(self, boxed: list) -> int:
-        import ray
-
-        return int(ray.get(boxed[0]).nbytes)  # the bytes land in this node's object store
-
-    def make(self, n: int):
-        return np.ones(n, np.uint8)
 
 
 def remote_bandwidth(nbytes: int, repeat: int) -> tuple[list[dict], bool]:
     import ray
-    from ray.cluster_utils import Cluster
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    tmp = tempfile.mkdtemp(prefix="tt-ray-bench-")
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
     store_bytes = max(2 * nbytes + (64 << 20), 96 << 20)  # Ray needs at least 75 MiB
-    cluster = None
-    try:
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "object_store_memory": store_bytes,
-                "include_dashboard": False,
-            },
-        )
-        node = cluster.add_node(num_cpus=0, object_store_memory=store_bytes)
-        ray.init(address=cluster.address, log_to_driver=False)
-        there = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-        peer = ray.remote(_Peer).options(num_cpus=0, scheduling_strategy=there).remote()
+    with two_ray_nodes(store_bytes) as (node, peer, tmp):
         data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         arr = data.numpy()
 
@@ -125,15 +93,6 @@ def remote_bandwidth(nbytes: int, repeat: int) -> tuple[list[dict], bool]:
             tier = put_gbps if row["path"].startswith("host->") else get_gbps
             row["remote_vs_spilling"] = tier / row["gbps"]
         return rows + spill + small + ahead, ok and ok_small and ok_ahead
-    finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _best(fn, repeat: int) -> float:

@@ -246,7 +246,7 @@ def _params_section(nbytes: int, readers: int = 8) -> list[dict]:
     rows = []
     with ParamStore(keep=2) as ps:
         q = ctx.Queue()
-        procs = [ctx.Process(target=_shm_reader, args=(ps.path, 3, q)) for _ in range(readers)]
+        procs = [ctx.Process(target=_shm_reader, args=(ps.directory, 3, q)) for _ in range(readers)]
         for p in procs:
             p.start()
         ps.publish(state)

@@ -197,6 +197,20 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def cluster_fixture(*fields: str, checkout_path: bool = False):
+    """A module-scoped ``cluster`` fixture on the session's shared cluster (``ray_nodes``): the
+    :class:`LocalCluster`, or the tuple of its ``fields`` (``cluster = cluster_fixture("cluster",
+    "nodes")``). ``checkout_path``: the nodes' workers import this checkout's tensortier."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def cluster(ray_nodes):
+        with ray_nodes.module(checkout_path=checkout_path) as lc:
+            yield tuple(getattr(lc, f) for f in fields) if fields else lc
+
+    return cluster
+
+
 def remote_store_fixture(budget: str):
     """A module-scoped ``store`` fixture: a ``RemoteStore`` of ``budget`` on the module's
     ``cluster`` fixture, closed after the module's tests (``store = remote_store_fixture(...)``)."""

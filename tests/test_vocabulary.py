@@ -3,14 +3,18 @@ the new names, maps the old ones (for 0.1) through ``_renamed.renamed``, and no 
 still uses an old name."""
 
 import inspect
+import os
 import pathlib
 
 import pytest
 
 import tensortier as tt
 from tensortier import data, rl
+from tensortier.checkpoint import Checkpointer
 from tensortier.data import Catalog, EpochConfig, EpochDataset, Loader
+from tensortier.errors import ConfigError
 from tensortier.planner.runtime import planned_offload
+from tensortier.rl.param_store import ParamReader
 from tensortier.tiers import RemoteStore
 
 README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
@@ -50,6 +54,7 @@ RENAMED = {  # entry point -> {old: new}
     Catalog.epochs: {"prefetch": "prefetch_budget"},
     Loader.__init__: {"prefetch": "prefetch_budget"},
     EpochDataset.__init__: {"prefetch": "prefetch_budget"},
+    EpochConfig.__init__: {"prefetch": "prefetch_budget"},
 }
 TAKES_KWARGS = {
     tt.offload,
@@ -60,6 +65,44 @@ TAKES_KWARGS = {
 }
 # prefetch= (batches) stays; window= of a catalog's shuffle counts blocks (RemoteStore's was bytes)
 OLD = {old for m in RENAMED.values() for old in m} - {"prefetch", "window"}
+
+
+def test_the_counts_of_an_epoch_order_keep_their_names_and_take_ints_only():
+    """``window=`` of a block shuffle counts blocks (not bytes, not items a store holds): the
+    table's "item count limit" rule does not apply, it stays as its row says."""
+    row = next(line for line in TABLE.splitlines() if line.startswith("| counts in an epoch"))
+    params = inspect.signature(EpochConfig).parameters
+    for name in ("batch", "block", "window"):
+        assert f"`{name}=`" in row and name in params, name
+    with pytest.raises(ConfigError, match=r"window='1MiB' must be an int"):
+        EpochConfig(batch=8, shuffle="block", window="1MiB").checked(100, 100)
+
+
+ATTRIBUTES = {  # class -> {old attribute: new}
+    Checkpointer: {"root": "directory"},
+    rl.ParamStore: {"path": "directory"},
+    ParamReader: {"path": "directory"},
+}
+
+
+@pytest.mark.parametrize("cls", ATTRIBUTES, ids=lambda c: c.__name__)
+def test_each_renamed_attribute_reads_the_new_one_with_a_warning(cls, tmp_path):
+    if cls is Checkpointer:
+        obj = Checkpointer(tmp_path / "ck")
+        assert obj.directory == str(tmp_path / "ck")
+    else:
+        publisher = rl.ParamStore(spill_dir=tmp_path)
+        obj = publisher if cls is rl.ParamStore else rl.ParamStore.attach(publisher.directory)
+        assert os.path.dirname(obj.directory) == str(tmp_path)
+    try:
+        for old, new in ATTRIBUTES[cls].items():
+            assert f"`.{new}`" in TABLE and f"`.{old}`" in TABLE
+            with pytest.warns(DeprecationWarning, match=rf"{cls.__name__}\.{old} is now \.{new}"):
+                assert getattr(obj, old) == getattr(obj, new)
+    finally:
+        obj.close()
+        if cls is ParamReader:
+            publisher.close()
 
 
 @pytest.mark.parametrize("fn", RENAMED, ids=lambda f: f.__qualname__)

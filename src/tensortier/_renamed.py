@@ -51,3 +51,18 @@ def renamed(**old_to_new: str) -> Callable[[F], F]:
         return inner  # type: ignore[return-value]
 
     return wrap
+
+
+def renamed_attribute(old: str, new: str) -> property:
+    """``path = renamed_attribute("path", "directory")`` in a class body: reading ``obj.path``
+    returns ``obj.directory`` with a ``DeprecationWarning`` that names the new attribute."""
+
+    def get(self):
+        warnings.warn(
+            f"{type(self).__name__}.{old} is now .{new} (the old name goes in 0.2)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(self, new)
+
+    return property(get, doc=f"Deprecated: the old name of ``{new}``.")

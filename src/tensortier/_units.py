@@ -2,7 +2,8 @@
 
 This is the only place that parses a size; every budget, capacity and threshold goes through it
 so that a typo is caught once, with one message that lists the accepted forms. Counts (threads,
-items, steps, seeds) go through :func:`check_int`, which refuses a bool where an int belongs.
+items, steps, seeds) go through :func:`check_int`, which refuses a bool where an int belongs;
+index arguments (an int, a sequence, an array or a tensor of ints) through :func:`index_array`.
 Rows of numbers go back to people as a plain-text table (:func:`print_table`, used by
 ``tensortier plan`` and the benchmarks).
 """
@@ -99,6 +100,21 @@ def check_int(
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise error(message)
     return int(value)
+
+
+def index_array(indices: object, message: str, *, copy: bool = False) -> np.ndarray:
+    """``indices`` (an int, a sequence, an array or a tensor of ints) as a 1-D int64 array, a
+    copy only where needed (``copy=True``: always, for a caller that edits it). Anything else is a
+    ``TypeError``: ``message`` (the caller's words for what an index is) with the dtype and shape
+    received appended."""
+    if hasattr(indices, "detach"):
+        indices = indices.detach().cpu().numpy()  # type: ignore[union-attr]
+    arr = np.asarray(indices)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise TypeError(f"{message}, got {arr.dtype} {arr.shape}")
+    return arr.astype(np.int64, copy=copy)
 
 
 def format_size(nbytes: float) -> str:

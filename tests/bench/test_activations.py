@@ -1,25 +1,11 @@
-import json
-
-from benchmarks.__main__ import main
+from tests._helpers import run_benchmark
 
 
 def test_bench_activations_quick_writes_rows(tmp_path):
-    out = tmp_path / "act.json"
-    main(
-        [
-            "activations",
-            "--quick",
-            "--variants",
-            "plain,tt-disk",
-            "--spill-dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-            "--quiet-wait",
-            "0",
-        ]
+    data = run_benchmark(
+        tmp_path / "act.json",
+        f"activations --quick --variants plain,tt-disk --spill-dir {tmp_path}",
     )
-    data = json.loads(out.read_text())
     rows = {r["variant"]: r for r in data["rows"]}
     assert set(rows) == {"plain", "tt-disk"}
     for r in rows.values():

@@ -3,7 +3,7 @@ import json
 import pytest
 
 import benchmarks.catalog as bench
-from benchmarks.__main__ import main
+from tests._helpers import run_benchmark
 
 
 def _job_in_process(**spec) -> dict:
@@ -18,12 +18,11 @@ def test_bench_catalog_runs_every_peer_and_writes_ratios(tmp_path, monkeypatch):
     pytest.importorskip("datasets")
     pytest.importorskip("lmdb")
     monkeypatch.setattr(bench, "run_job", _job_in_process)
-    main(
-        ["catalog", "--quick", "--records", "300", "--index-records", "100000",
-         "--orders", "full", "--dir", str(tmp_path), "--json", str(out), "--rounds", "2",
-         "--quiet-wait", "0"]
-    )  # fmt: skip
-    data = json.loads(out.read_text())
+    data = run_benchmark(
+        out,
+        "catalog --quick --records 300 --index-records 100000 --orders full --rounds 2",
+        tmp_path,
+    )
     rows = {(r["phase"], r["peer"], r["order"]): r for r in data["rows"]}
     for peer in ("tensortier", "datasets", "lmdb"):
         assert rows[("build", peer, "-")]["gbps"] > 0

@@ -1,36 +1,15 @@
-import json
-
 import pytest
 
-from benchmarks.__main__ import main
+from tests._helpers import run_benchmark
 
 
 @pytest.mark.slow
 def test_bench_checkpoint_runs_the_three_variants_side_by_side(tmp_path):
-    out = tmp_path / "checkpoint.json"
-    main(
-        [
-            "checkpoint",
-            "--quick",
-            "--state-size",
-            "8MiB",
-            "--every",
-            "2",
-            "--checkpoints",
-            "2",
-            "--auto-steps",
-            "12",
-            "--batch",
-            "4",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-            "--quiet-wait",
-            "0",
-        ]
+    data = run_benchmark(
+        tmp_path / "checkpoint.json",
+        "checkpoint --quick --state-size 8MiB --every 2 --checkpoints 2 --auto-steps 12 --batch 4",
+        tmp_path,
     )
-    data = json.loads(out.read_text())
     assert data["measurement"]["order"] == ["none", "torch.save", "dcp", "tensortier"]
     assert data["benchmark"] == "checkpoint" and "device" in data["env"]
     rows = {r["variant"]: r for r in data["rows"]}
@@ -46,25 +25,11 @@ def test_bench_checkpoint_runs_the_three_variants_side_by_side(tmp_path):
 @pytest.mark.slow
 def test_bench_checkpoint_replica_restores_from_both_sources(tmp_path):
     pytest.importorskip("ray")
-    out = tmp_path / "replica.json"
-    main(
-        [
-            "checkpoint",
-            "--replica",
-            "--quick",
-            "--state-size",
-            "8MiB",
-            "--checkpoints",
-            "2",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-            "--quiet-wait",
-            "0",
-        ]
+    data = run_benchmark(
+        tmp_path / "replica.json",
+        "checkpoint --replica --quick --state-size 8MiB --checkpoints 2",
+        tmp_path,
     )
-    data = json.loads(out.read_text())
     assert data["benchmark"] == "checkpoint-replica" and data["intact"] is True
     disk, replica, wire = data["rows"]
     assert disk["source"].startswith("disk (cold") and replica["source"].startswith("in-memory")

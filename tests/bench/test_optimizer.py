@@ -1,21 +1,16 @@
-import json
-
 import pytest
 
-from benchmarks.__main__ import main
+from tests._helpers import run_benchmark
 
 
 @pytest.mark.slow
 def test_bench_optimizer_runs_and_writes_json(tmp_path):
-    out = tmp_path / "o.json"
-    main(
-        [
-            "optimizer", "--quick", "--params", "3e5", "--width", "128", "--steps", "2",
-            "--variants", "torch-foreach,tt-host,tt-disk", "--no-kernels", "--dir", str(tmp_path), "--json", str(out),
-            "--quiet-wait", "0",
-        ]
-    )  # fmt: skip
-    data = json.loads(out.read_text())
+    data = run_benchmark(
+        tmp_path / "o.json",
+        "optimizer --quick --params 3e5 --width 128 --steps 2 --no-kernels "
+        "--variants torch-foreach,tt-host,tt-disk",
+        tmp_path,
+    )
     rows = {r["variant"]: r for r in data["rows"]}
     assert set(rows) == {"torch-foreach", "tt-host", "tt-disk"}
     for v in ("tt-host", "tt-disk"):

@@ -1,21 +1,16 @@
-import json
-
 import pytest
 
-from benchmarks.__main__ import main
+from tests._helpers import run_benchmark
 
 
 @pytest.mark.slow
 def test_bench_replay_runs_peers_and_writes_ratios(tmp_path):
-    out = tmp_path / "replay.json"
-    main(
-        [
-            "replay", "--quick", "--items", "600", "--batches", "4", "--rounds", "2", "--quiet-wait", "0",
-            "--item-bytes", "2KB", "--spill-items", "800", "--spill-budget", "256KiB", "--skip", "torchrl,rllib,ray,sharded,params,nodes",
-            "--dir", str(tmp_path), "--json", str(out),
-        ]
-    )  # fmt: skip
-    data = json.loads(out.read_text())
+    data = run_benchmark(
+        tmp_path / "replay.json",
+        "replay --quick --items 600 --batches 4 --rounds 2 --item-bytes 2KB --spill-items 800 "
+        "--spill-budget 256KiB --skip torchrl,rllib,ray,sharded,params,nodes",
+        tmp_path,
+    )
     rows = {(r["section"], r["peer"]): r for r in data["rows"]}
     assert {("main", "tensortier"), ("main", "deque"), ("spill", "tensortier")} <= set(rows)
     main_row = rows[("main", "tensortier")]

@@ -1,31 +1,14 @@
-import json
-
 import pytest
 
-from benchmarks.__main__ import main
+from tests._helpers import run_benchmark
 
 
 def test_bench_tiers_writes_rows_against_dd(tmp_path):
-    out = tmp_path / "tiers.json"
-    main(
-        [
-            "tiers",
-            "--quick",
-            "--size",
-            "32MiB",
-            "--tensor-size",
-            "8MiB",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-            "--rounds",
-            "2",
-            "--quiet-wait",
-            "0",
-        ]
+    data = run_benchmark(
+        tmp_path / "tiers.json",
+        "tiers --quick --size 32MiB --tensor-size 8MiB --rounds 2",
+        tmp_path,
     )
-    data = json.loads(out.read_text())
     assert data["benchmark"] == "tiers" and "device" in data["env"]
     paths = {r["path"]: r for r in data["rows"]}
     assert {
@@ -49,22 +32,7 @@ def test_bench_tiers_writes_rows_against_dd(tmp_path):
 
 def test_bench_tiers_remote_writes_rows_against_ray(tmp_path):
     pytest.importorskip("ray")
-    out = tmp_path / "remote.json"
-    main(
-        [
-            "tiers",
-            "--remote",
-            "--size",
-            "4MiB",
-            "--repeat",
-            "1",
-            "--json",
-            str(out),
-            "--quiet-wait",
-            "0",
-        ]
-    )
-    data = json.loads(out.read_text())
+    data = run_benchmark(tmp_path / "remote.json", "tiers --remote --size 4MiB --repeat 1")
     assert data["benchmark"] == "tiers-remote" and data["intact"] is True
     assert data["measurement"]["load_before"]["cpus"] > 0
     paths = [r["path"] for r in data["rows"]]

@@ -23,16 +23,14 @@ ray = pytest.importorskip("ray")
 from tensortier.checkpoint import Checkpointer, _faults, _replica  # noqa: E402
 from tensortier.errors import ConfigError  # noqa: E402
 from tests.checkpoint._replica_child import make  # noqa: E402
+from tests.ray_cluster import cluster_fixture  # noqa: E402
 
 _STORE = 80 << 20  # object store of each simulated node
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_nodes):
-    # the nodes' workers (and the writer process) import this checkout's tensortier
-    with ray_nodes.module(checkout_path=True) as lc:
-        yield lc.cluster, lc.nodes, lc.tmp
+# the nodes' workers (and the writer process) import this checkout's tensortier
+cluster = cluster_fixture("cluster", "nodes", "tmp", checkout_path=True)
 
 
 def _flat(obj, prefix=""):

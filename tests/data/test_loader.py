@@ -7,7 +7,14 @@ import torch
 from torch.utils.data import DataLoader
 
 import tensortier.data as tt_data
-from tensortier.data import Catalog, CatalogDataset, EpochBatch, EpochDataset, Loader
+from tensortier.data import (
+    Catalog,
+    CatalogDataset,
+    EpochBatch,
+    EpochConfig,
+    EpochDataset,
+    Loader,
+)
 from tensortier.data._order import Order
 from tensortier.errors import ConfigError
 from tests.data._records import record, same
@@ -304,6 +311,21 @@ def test_old_names_warn_or_are_gone(cat):
     with pytest.warns(DeprecationWarning, match="prefetch= is now prefetch_budget="):
         EpochDataset(cat, batch=8, prefetch="1MiB")
     assert not hasattr(tt_data, "Batch") and "EpochBatch" in tt_data.__all__
+
+
+def test_an_epoch_config_built_directly_maps_prefetch_to_prefetch_budget(cat):
+    """``EpochConfig(prefetch=)`` was bytes too: mapped like ``epochs``/``Loader``/``EpochDataset``
+    (issue 26 #4), giving the same config and the same batches; both names is a TypeError."""
+    with pytest.warns(DeprecationWarning, match="prefetch= is now prefetch_budget="):
+        old = EpochConfig(batch=8, seed=3, prefetch="1MiB")
+    new = EpochConfig(batch=8, seed=3, prefetch_budget="1MiB")
+    assert old == new and old.checked(len(cat), 1).prefetch_budget == 1 << 20
+    got, want = list(EpochDataset(cat, config=old)), list(cat.epochs(batch=8, seed=3))
+    assert got and [b.indices.tolist() for b in got] == [b.indices.tolist() for b in want]
+    for a, b in zip(got, want):
+        assert all(same(x, y) for x, y in zip(a.data, b.data, strict=True))
+    with pytest.raises(TypeError, match="both prefetch= and prefetch_budget="):
+        EpochConfig(batch=8, prefetch="1MiB", prefetch_budget="1MiB")
 
 
 def test_a_piece_is_read_and_checked_without_python_work_per_record(tmp_path, monkeypatch):

@@ -10,13 +10,9 @@ ray = pytest.importorskip("ray")
 from tensortier.errors import ConfigError, NodeLostError  # noqa: E402
 from tensortier.optim import OffloadedAdamW  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
-from tests.ray_cluster import STORE, remote_store_fixture  # noqa: E402
+from tests.ray_cluster import STORE, cluster_fixture, remote_store_fixture  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def cluster(ray_nodes):
-    with ray_nodes.module() as lc:
-        yield lc
+cluster = cluster_fixture()
 
 
 store = remote_store_fixture("16MiB")

@@ -77,7 +77,7 @@ def test_old_versions_freed_unless_a_reader_holds_them():
         gc.collect()
         ps.publish(state(6))
         assert ps.versions() == [6]
-    assert not os.path.exists(ps.path)
+    assert not os.path.exists(ps.directory)
 
 
 def test_bad_input():
@@ -93,7 +93,7 @@ def test_readers_in_other_processes_never_see_a_torn_version():
     with ParamStore(keep=2) as ps:
         ps.publish(state(1))
         out = ctx.Queue()
-        readers = [ctx.Process(target=_reader, args=(ps.path, 1.5, out)) for _ in range(2)]
+        readers = [ctx.Process(target=_reader, args=(ps.directory, 1.5, out)) for _ in range(2)]
         for r in readers:
             r.start()
         results = []
@@ -132,7 +132,7 @@ def test_get_before_first_publish_honours_timeout_and_sleeps(monkeypatch):
 def test_reader_of_a_closed_store_gets_closed_error():
     pub = ParamStore()
     pub.publish({"w": torch.ones(4)})
-    reader = ParamStore.attach(pub.path)
+    reader = ParamStore.attach(pub.directory)
     held = reader.get()
     out: list = []
     waiting = threading.Thread(target=lambda: out.append(in_thread(lambda: reader.wait_for(2))))
@@ -151,7 +151,7 @@ def test_reader_of_a_closed_store_gets_closed_error():
 def test_store_dropped_without_close_is_closed_for_readers():
     ps = ParamStore()
     ps.publish({"w": torch.ones(4)})
-    path, reader = ps.path, ParamStore.attach(ps.path)
+    path, reader = ps.directory, ParamStore.attach(ps.directory)
     del ps
     gc.collect()
     assert quiesce()  # the reaper ran the cleanup (a finalizer never deletes files itself)
@@ -176,10 +176,10 @@ def test_use_after_close_and_bad_arguments_are_typed():
         ParamStore(keep=True)
     with pytest.raises(TypeError, match="spill_dir"):
         ParamStore(spill_dir=3)
-    with pytest.raises(TypeError, match="path"):
+    with pytest.raises(TypeError, match="directory"):
         ParamStore.attach(3)
     with pytest.raises(ConfigError, match="no ParamStore"):
-        ParamStore.attach(os.path.join(ps.path, "latest"))  # a file, not a store's directory
+        ParamStore.attach(os.path.join(ps.directory, "latest"))  # a file, not a store's directory
     ps.close()
     for call in (ps.get, lambda: ps.get(timeout=0.1), lambda: ps.wait_for(1), ps.versions):
         with pytest.raises(ClosedError):
@@ -201,7 +201,7 @@ def test_full_shm_raises_tier_full_and_the_store_stays_usable(tmp_path, monkeypa
         assert info.value.tier == "shm" and info.value.requested > 4 << 20
         assert "spill_dir" in str(info.value) and "free" in str(info.value)
         assert ps.version == 1 and ps.versions() == [1]
-        assert sorted(os.listdir(ps.path)) == [".tt-owner", "latest", "v-000000000001.ttp"]
+        assert sorted(os.listdir(ps.directory)) == [".tt-owner", "latest", "v-000000000001.ttp"]
         monkeypatch.undo()
         assert ps.publish({"w": torch.full((4,), 2.0)}) == 2
         assert (ps.get()["w"] == 2).all()
@@ -217,7 +217,7 @@ try:
     ps.publish({"w": torch.ones(8 << 20)})  # 32 MiB into a 16 MiB tmpfs
 except TierFullError as e:
     print("FULL", e)
-assert sorted(os.listdir(ps.path)) == [".tt-owner", "latest", "v-000000000001.ttp"]
+assert sorted(os.listdir(ps.directory)) == [".tt-owner", "latest", "v-000000000001.ttp"]
 assert ps.publish({"w": torch.full((4,), 3.0)}) == 2 and (ps.get()["w"] == 3).all()
 ps.close()
 print("OK")
@@ -247,7 +247,7 @@ import os, signal, sys, torch
 from tensortier.rl import ParamStore
 ps = ParamStore(spill_dir=sys.argv[1])
 ps.publish({"w": torch.full((1000,), 7.0)})
-print(ps.path, flush=True)
+print(ps.directory, flush=True)
 sys.stdin.readline()  # the test attached and holds version 1
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -275,6 +275,6 @@ def test_sigkilled_publisher_is_detected_and_its_directory_reclaimed(tmp_path):
     # locks on version files do not keep it (the owner lock is a different file).
     with ParamStore(spill_dir=tmp_path) as fresh:
         assert not os.path.exists(path)
-        assert os.listdir(tmp_path) == [os.path.basename(fresh.path)]
+        assert os.listdir(tmp_path) == [os.path.basename(fresh.directory)]
     assert (held["w"] == 7).all()  # the mapping outlives the files
     assert isinstance(in_thread(lambda: reader.get(timeout=5)), ClosedError)

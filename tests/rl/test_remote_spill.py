@@ -10,14 +10,12 @@ ray = pytest.importorskip("ray")
 from tensortier.errors import ConfigError, NodeLostError, TierFullError  # noqa: E402
 from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
+from tests.ray_cluster import cluster_fixture  # noqa: E402
 
 _STORE = 96 << 20
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_nodes):
-    with ray_nodes.module() as lc:
-        yield lc.cluster, lc.workers
+cluster = cluster_fixture("cluster", "workers")
 
 
 def _items(n: int, size: int = 20_000, seed: int = 0) -> list[dict]:

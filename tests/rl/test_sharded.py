@@ -22,6 +22,7 @@ from tensortier.errors import (  # noqa: E402
 )
 from tensortier.rl import Prioritized, RateLimit, ReplayBuffer, serve  # noqa: E402
 from tensortier.rl.sharded import ShardedReplayBuffer  # noqa: E402
+from tests.ray_cluster import cluster_fixture  # noqa: E402
 from tests.rl.test_serve import blocked_round_trip  # noqa: E402
 
 _STORE = 80 << 20  # object store of each simulated node
@@ -30,10 +31,7 @@ _ON_WORKERS = {"resources": {"shard": 0.01}}
 _WAIT = 30.0  # bound of every wait for another thread in these tests (never reached when right)
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_nodes):
-    with ray_nodes.module() as lc:  # its nodes: one CPU and a shard resource each
-        yield lc.cluster, lc.nodes
+cluster = cluster_fixture("cluster", "nodes")  # its nodes: one CPU and a shard resource each
 
 
 def _item(i: int) -> dict:

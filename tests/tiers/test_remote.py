@@ -13,13 +13,9 @@ from tensortier.tiers.host import HostPool  # noqa: E402
 from tensortier.tiers.remote import MIN_OBJECT, RemoteHandle, RemoteStore  # noqa: E402
 from tensortier.transfer import HostTensor, Transfer, TransferEngine  # noqa: E402
 from tests.ray_cluster import STORE as _STORE  # noqa: E402
-from tests.ray_cluster import remote_store_fixture  # noqa: E402
+from tests.ray_cluster import cluster_fixture, remote_store_fixture  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def cluster(ray_nodes):
-    with ray_nodes.module() as lc:
-        yield lc.cluster, lc.workers, lc.tmp
+cluster = cluster_fixture("cluster", "workers", "tmp")
 
 
 store = remote_store_fixture("64MiB")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tensortier.errors import ClosedError
-from tensortier.tiers.base import Handle, Store
+from tensortier.tiers.base import Handle, Store, StoreBase, failed
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import aligned_empty
 from tests.ray_cluster import local_cluster
@@ -71,6 +71,32 @@ def test_each_store_declares_the_protocol(store):
     assert isinstance(h, Handle) and h.length >= h.nbytes == 12
     assert h.dtype == torch.float32 and h.shape == (3,)
     store.free(h)
+
+
+def test_a_store_missing_a_required_method_fails_at_construction():
+    """``StoreBase``'s required methods are abstract: a store that forgets one (here the drain
+    of its freed queue) is a TypeError naming it when built, not a NotImplementedError on the
+    first ``free`` of a running job; both real stores declare them all."""
+    assert StoreBase.__abstractmethods__ == {"put", "get", "free", "close", "_drain_freed_locked"}
+    assert not DiskStore.__abstractmethods__
+
+    class Forgetful(StoreBase):
+        tier = "forgetful"
+
+        def put(self, tensor):
+            return failed(RuntimeError("never called"))
+
+        def get(self, handle, *, into=None):
+            return failed(RuntimeError("never called"))
+
+        def free(self, handle):
+            pass
+
+        def close(self):
+            pass
+
+    with pytest.raises(TypeError, match="_drain_freed_locked"):
+        Forgetful()
 
 
 def test_round_trip_is_bit_identical_and_free_forgets(store):

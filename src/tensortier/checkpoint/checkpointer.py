@@ -37,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from tensortier import _dist
 from tensortier._device import normalize_device
 from tensortier._lifetime import DirLock, Finalizer
+from tensortier._renamed import renamed_attribute
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.checkpoint import _faults, _ranks, _replica
@@ -322,9 +323,11 @@ class Checkpointer:
     otherwise (``CheckpointState.source``/``fallback``). See ``_replica.py``.
     """
 
+    root = renamed_attribute("root", "directory")  # the vocabulary's name; goes in 0.2
+
     def __init__(self, directory: str | os.PathLike, *, process_group=None, **settings):
         self.config = CheckpointConfig(**settings)
-        self.root = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(os.fspath(directory))  # absolute, as given
         self._group = (
             Group.create(process_group, self.config.commit_timeout)
             if _dist.active(process_group)
@@ -332,28 +335,28 @@ class Checkpointer:
         )
         cfg = asdict(self.config)
         self._group.agree(
-            {"directory": self.root, **{k: cfg[k] for k in ("keep", "every", "shard_size")}},
+            {"directory": self.directory, **{k: cfg[k] for k in ("keep", "every", "shard_size")}},
             "Checkpointer",
             fix="pass the same directory and settings everywhere",
         )
         try:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise SpillDirError(
-                f"cannot create checkpoint directory {self.root!r} ({exc.strerror}); pass a "
+                f"cannot create checkpoint directory {self.directory!r} ({exc.strerror}); pass a "
                 f"writable directory",
-                path=self.root,
+                path=self.directory,
             ) from exc
-        if not os.path.isdir(self.root) or not os.access(self.root, os.W_OK | os.X_OK):
+        if not os.path.isdir(self.directory) or not os.access(self.directory, os.W_OK | os.X_OK):
             raise SpillDirError(
-                f"checkpoint directory {self.root!r} is not a writable directory; fix its "
+                f"checkpoint directory {self.directory!r} is not a writable directory; fix its "
                 f"permissions or pass another one",
-                path=self.root,
+                path=self.directory,
             )
         cfg = self.config
         _replica.check_replicas(cfg.replicas, many_ranks=self._group.many)
         self._replicas = (
-            _replica.Replicas(self.root, cfg.replicas, cfg.replica_timeout)
+            _replica.Replicas(self.directory, cfg.replicas, cfg.replica_timeout)
             if cfg.replicas
             else None
         )
@@ -398,12 +401,12 @@ class Checkpointer:
         lock, error, direct = None, None, self.config.direct
         if self._group.rank == 0:
             try:
-                lock = DirLock(self.root, name=LOCK_FILE, what="Checkpointer")
-                for name in os.listdir(self.root):  # debris of a crashed run
+                lock = DirLock(self.directory, name=LOCK_FILE, what="Checkpointer")
+                for name in os.listdir(self.directory):  # debris of a crashed run
                     if _STALE.match(name):
-                        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
                 if direct is None:
-                    direct = _probe_direct(self.root)
+                    direct = _probe_direct(self.directory)
             except BaseException as exc:
                 if lock is not None:
                     lock.release()
@@ -423,7 +426,7 @@ class Checkpointer:
 
     def checkpoints(self) -> list[str]:
         """Paths of the complete checkpoints, newest first (not yet verified)."""
-        return [step_dir(self.root, s) for s in _complete_steps(self.root)]
+        return [step_dir(self.directory, s) for s in _complete_steps(self.directory)]
 
     def maybe_save(
         self,
@@ -517,7 +520,10 @@ class Checkpointer:
         self.before_optimizer_step()
         if self._persist is not None:
             _await(
-                self._persist, timeout, f"the checkpoint of step {self._persist_step}", self.root
+                self._persist,
+                timeout,
+                f"the checkpoint of step {self._persist_step}",
+                self.directory,
             )
         self._raise_pending()
 
@@ -541,7 +547,7 @@ class Checkpointer:
         problems = []
         replica = _ReplicaTry()
         for s in steps:
-            path = step_dir(self.root, s)
+            path = step_dir(self.directory, s)
             tree, source, error = None, "disk", None
             try:
                 tree, source = self._read(s, path, model, optimizer, replica)
@@ -569,19 +575,19 @@ class Checkpointer:
             )
         if problems:
             raise CorruptDataError(
-                f"no usable checkpoint in {self.root!r}: " + "; ".join(problems) + ". Move them "
+                f"no usable checkpoint in {self.directory!r}: {'; '.join(problems)}. Move them "
                 "away to start fresh, or restore a specific step=",
-                path=self.root,
+                path=self.directory,
             )
         return None
 
     def _candidates(self, step: int | None) -> list[int]:
         """The complete checkpoints restore tries, newest first (rank 0 lists them)."""
-        steps = self._group.decide(lambda: _complete_steps(self.root))
+        steps = self._group.decide(lambda: _complete_steps(self.directory))
         if step is not None:
             if step not in steps:
                 raise ConfigError(
-                    f"no complete checkpoint of step {step} in {self.root!r}; found {steps}"
+                    f"no complete checkpoint of step {step} in {self.directory!r}; found {steps}"
                 )
             steps = [step]
         return steps
@@ -623,7 +629,7 @@ class Checkpointer:
         """(verified tensors of ``body`` from an in-memory replica, None) or (None, the reason
         restore falls back to the disk files)."""
         try:
-            found = _replica.load(self.root, body, self.config.replica_timeout)
+            found = _replica.load(self.directory, body, self.config.replica_timeout)
         except _replica.Fallback as exc:
             log.warning("restoring %s from disk, not from a replica: %s", path, exc)
             return None, str(exc)
@@ -633,7 +639,7 @@ class Checkpointer:
     def drop_replicas(self) -> int:
         """Free the in-memory replicas of this directory's checkpoints (they outlive this object
         on purpose, for a restart); returns how many holders were ended."""
-        return _replica.drop_replicas(self.root, self.config.replica_timeout)
+        return _replica.drop_replicas(self.directory, self.config.replica_timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the last persist, release buffers and the directory lock; re-raise its error.
@@ -674,14 +680,14 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return (
-            f"Checkpointer({self.root!r}, keep={self.config.keep}, every={self.config.every!r}, "
+            f"Checkpointer({self.directory!r}, keep={self.config.keep}, every={self.config.every!r}, "
             f"interval={self._stats.interval}, committed={self._stats.committed})"
         )
 
     # ------------------------------------------------------------------ internals
     def _check_open(self) -> None:
         if self.closed:
-            raise ClosedError(f"Checkpointer {self.root!r} is closed")
+            raise ClosedError(f"Checkpointer {self.directory!r} is closed")
 
     def _raise_pending(self) -> None:
         """Raise (once) the error of a background persist that failed."""
@@ -826,10 +832,10 @@ class Checkpointer:
         """One process (format v1): retire an abandoned run's checkpoints (a rollback), write
         and commit, then retention and replicas. Returns (snapshot end, path, bytes, commit end)."""
         if save.abandoned:
-            retire(self.root, save.abandoned)
+            retire(self.directory, save.abandoned)
         copied = self._wait_snapshot(save.snapshot, save.cuda_done, save.step)
         path, written = persist(
-            self.root,
+            self.directory,
             save.step,
             save.shards,
             save.images,
@@ -888,7 +894,7 @@ class Checkpointer:
         try:
             if error is not None:
                 raise error
-            folder = _ranks.write_rank_dir(self.root, step, ranks.rank)
+            folder = _ranks.write_rank_dir(self.directory, step, ranks.rank)
             table, written = write_shards(
                 folder,
                 save.shards,
@@ -900,7 +906,7 @@ class Checkpointer:
             )
             fsync_dir(folder)
         except BaseException as exc:  # reported to rank 0, raised here after the collective
-            error = exc if exc is failed else disk_full(exc, step, self.root, written)
+            error = exc if exc is failed else disk_full(exc, step, self.directory, written)
         report = {
             "error": None if error is None else repr(error),
             "tensors": table,
@@ -910,12 +916,14 @@ class Checkpointer:
         }
         base = {k: save.body[k] for k in ("format", "step", "torch")}
         try:
-            _ranks.commit_ranks(self.root, step, report, ranks, save.abandoned, base, self._retain)
+            _ranks.commit_ranks(
+                self.directory, step, report, ranks, save.abandoned, base, self._retain
+            )
         except RuntimeError as exc:
             if error is not None:
                 raise error from exc
             raise
-        return copied, step_dir(self.root, step), written, time.monotonic()
+        return copied, step_dir(self.directory, step), written, time.monotonic()
 
     def _abandoned(self, step: int) -> list[int]:
         """Complete checkpoints that saving ``step`` retires: those of an abandoned future.
@@ -925,11 +933,11 @@ class Checkpointer:
         it rolled back from (step N itself included, if it exists). Checkpoints newer than
         ``step`` that this run did not supersede that way belong to another run: refused.
         """
-        steps = _complete_steps(self.root)
+        steps = _complete_steps(self.directory)
         base = self._last_saved
         if any(s > step for s in steps) and (base is None or step < base):
             raise ConfigError(
-                f"{self.root!r} holds checkpoints of later steps "
+                f"{self.directory!r} holds checkpoints of later steps "
                 f"({_steps([s for s in steps if s > step])}) than step {step}, which this "
                 f"Checkpointer neither saved nor restored: saving would mix two runs, and a crash "
                 f"would resume the other one. Call restore() first (to roll back, "
@@ -974,12 +982,12 @@ class Checkpointer:
 
     def _retain(self, newest: int) -> None:
         """Delete all but the ``keep`` newest complete checkpoints, never ``newest`` itself."""
-        steps = _complete_steps(self.root)
+        steps = _complete_steps(self.directory)
         keep = set(steps[: self.config.keep]) | {newest}
         for s in steps:
             if s in keep:
                 continue
-            path = step_dir(self.root, s)
+            path = step_dir(self.directory, s)
             doomed = f"{path}.deleting-{os.getpid()}"
             try:
                 os.rename(path, doomed)  # atomic: restore never sees a half-deleted checkpoint

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tensortier._renamed import renamed
 from tensortier._units import SizeLike, parse_size
 from tensortier.data._order import EVENS, SHUFFLES, OrderSpec
 from tensortier.errors import ConfigError
@@ -127,6 +128,11 @@ class EpochConfig:
             records, self.seed, str(self.shuffle), self.block, self.window, self.world_size,
             self.even,
         )  # fmt: skip
+
+
+# EpochConfig(prefetch=) was bytes: the old name of prefetch_budget=, mapped as epochs, Loader and
+# EpochDataset map it (prefetch= counts batches in the vocabulary).
+EpochConfig.__init__ = renamed(prefetch="prefetch_budget")(EpochConfig.__init__)  # type: ignore[method-assign]
 
 
 def check_int(name: str, value: Any, low: int, fix: str, what: str = WHAT) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from tensortier import _modes
 from tensortier._lifetime import Finalizer
 from tensortier._renamed import renamed
-from tensortier._units import SizeLike, format_size, is_int
+from tensortier._units import SizeLike, format_size, index_array, is_int
 from tensortier.data import _build, _format
 from tensortier.data._files import Descriptors, ReadStats, read_blobs, read_one
 from tensortier.data._format import INDEX_DTYPE, Manifest
@@ -47,21 +47,15 @@ def register_loader(cls: Callable[..., Any]) -> None:
 
 def as_indices(indices: Any, n: int, what: str = "indices") -> np.ndarray:
     """``indices`` (ints, a sequence, an array or a tensor) as int64 in ``[0, n)``; IndexError else."""
-    if hasattr(indices, "detach"):
-        indices = indices.detach().cpu().numpy()
-    arr = np.asarray(indices)
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise TypeError(
-            f"{what} must be an int, a slice or a 1-D sequence of ints, got {arr.dtype} {arr.shape}"
-        )
-    arr = arr.astype(np.int64, copy=True)
+    arr = index_array(
+        indices, f"{what} must be an int, a slice or a 1-D sequence of ints", copy=True
+    )
     neg = arr < 0
     arr[neg] += n
     bad = (arr < 0) | (arr >= n)
     if bad.any():
-        first = int(np.asarray(indices).reshape(-1)[np.argmax(bad)])
+        i = int(np.argmax(bad))
+        first = int(arr[i]) - (n if neg[i] else 0)  # as given
         raise IndexError(f"record index {first} is out of range for a catalog of {n} records")
     return arr
 

@@ -40,7 +40,7 @@ import numpy as np
 import psutil
 
 from tensortier._lifetime import DirLock, Finalizer, private_dir, reclaim_stale, remove_private_dir
-from tensortier._units import check_int, format_size, is_int
+from tensortier._units import check_int, format_size, index_array, is_int
 from tensortier.errors import (
     ConfigError,
     CorruptDataError,
@@ -81,17 +81,9 @@ def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
     """``indices`` (an int, a sequence, an array or a tensor of ints) as a 1-D int64 array."""
     if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
         return indices  # what sample() returns: nothing to convert or check
-    if hasattr(indices, "detach"):
-        indices = indices.detach().cpu().numpy()
-    arr = np.asarray(indices)
-    if arr.ndim == 0:
-        arr = arr.reshape(1)
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        raise TypeError(
-            f"{name} must be an int or a 1-D sequence of ints (as returned by add()), got "
-            f"{arr.dtype} {arr.shape}"
-        )
-    return arr.astype(np.int64, copy=False)
+    return index_array(
+        indices, f"{name} must be an int or a 1-D sequence of ints (as returned by add())"
+    )
 
 
 _TIERS = {("disk",), ("remote",), ("remote", "disk")}

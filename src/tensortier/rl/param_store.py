@@ -50,7 +50,7 @@ from tensortier._lifetime import (
     private_dir,
     remove_private_dir,
 )
-from tensortier._renamed import renamed
+from tensortier._renamed import renamed, renamed_attribute
 from tensortier._stats import register as register_stats
 from tensortier._units import align_up, format_size
 from tensortier.errors import ClosedError, ConfigError, CorruptDataError, TierFullError
@@ -181,18 +181,23 @@ class Params(Mapping):
 
 
 class ParamReader:
-    """Reads versions published by a :class:`ParamStore` at ``path`` (any process on this machine)."""
+    """Reads versions published by a :class:`ParamStore` in ``directory`` (any process on this
+    machine)."""
 
-    def __init__(self, path: str | os.PathLike):
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"attach: path must be a ParamStore's .path (a str), got {path!r}")
-        self.path = os.fspath(path)
-        ctrl = os.path.join(self.path, "latest")
+    path = renamed_attribute("path", "directory")  # the vocabulary's name; goes in 0.2
+
+    def __init__(self, directory: str | os.PathLike):
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(
+                f"attach: directory must be a ParamStore's .directory (a str), got {directory!r}"
+            )
+        self.directory = os.fspath(directory)
+        ctrl = os.path.join(self.directory, "latest")
         try:
             fd = os.open(ctrl, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise ConfigError(
-                f"no ParamStore at {self.path!r}; pass the publisher's ParamStore.path"
+                f"no ParamStore at {self.directory!r}; pass the publisher's ParamStore.directory"
             ) from exc
         try:
             self._ctrl = mmap.mmap(fd, _CTRL.size, access=mmap.ACCESS_READ)
@@ -211,20 +216,22 @@ class ParamReader:
                 s1, version, closed = _CTRL.unpack_from(self._ctrl, 0)
                 (s2,) = _SEQ.unpack_from(self._ctrl, 0)
             except ValueError as exc:  # our mapping of `latest` was closed
-                raise ClosedError(f"this reader of the ParamStore {self.path!r} is closed") from exc
+                raise ClosedError(
+                    f"this reader of the ParamStore {self.directory!r} is closed"
+                ) from exc
             if s1 == s2 and s1 % 2 == 0:
                 return version, bool(closed)
             tries += 1
-            if tries % 1000 == 0 and not _publisher_alive(self.path):
+            if tries % 1000 == 0 and not _publisher_alive(self.directory):
                 raise ClosedError(
-                    f"the process publishing {self.path!r} died while updating it; "
+                    f"the process publishing {self.directory!r} died while updating it; "
                     f"publish from a new ParamStore"
                 )
             time.sleep(0 if tries < 100 else 0.001)
 
     def _closed_error(self, version: int) -> ClosedError:
         return ClosedError(
-            f"the ParamStore at {self.path!r} was closed by its publisher (last version "
+            f"the ParamStore at {self.directory!r} was closed by its publisher (last version "
             f"{version}); attach to the path of the publisher's new ParamStore"
         )
 
@@ -255,9 +262,9 @@ class ParamReader:
                     f"ParamStore version {want} not published within {timeout}s (newest is {v})"
                 )
             if now >= next_check:
-                if not _publisher_alive(self.path):
+                if not _publisher_alive(self.directory):
                     raise ClosedError(
-                        f"the process publishing {self.path!r} exited without closing it (last "
+                        f"the process publishing {self.directory!r} exited without closing it (last "
                         f"version {v}); version {want} will never come"
                     )
                 next_check = now + _LIVENESS_EVERY
@@ -280,19 +287,19 @@ class ParamReader:
             newer, closed = self._read()
             if closed:
                 raise self._closed_error(newer) from None
-            if not os.path.exists(os.path.join(self.path, "latest")):
+            if not os.path.exists(os.path.join(self.directory, "latest")):
                 raise ClosedError(
-                    f"the ParamStore at {self.path!r} was removed (its publisher exited)"
+                    f"the ParamStore at {self.directory!r} was removed (its publisher exited)"
                 ) from None
             if newer == v:
                 raise CorruptDataError(
-                    f"version {v} of {self.path!r} was deleted by something other than its "
+                    f"version {v} of {self.directory!r} was deleted by something other than its "
                     f"publisher",
-                    path=self.path,
+                    path=self.directory,
                 )
 
     def _map(self, version: int) -> Params:
-        path = os.path.join(self.path, f"v-{version:012d}.ttp")
+        path = os.path.join(self.directory, f"v-{version:012d}.ttp")
         fd = os.open(path, os.O_RDONLY)
         try:
             try:  # held while any tensor of this version lives
@@ -340,11 +347,13 @@ class ParamStore:
     >>> params = tt.rl.ParamStore()
     >>> v = params.publish(model.state_dict())          # trainer
     >>> latest = params.get(min_version=v)              # same process
-    >>> reader = tt.rl.ParamStore.attach(params.path)   # another process on this machine
+    >>> reader = tt.rl.ParamStore.attach(params.directory)   # another process on this machine
 
     Versions live in ``spill_dir`` (``/dev/shm`` by default, i.e. RAM): it needs room for ``keep + 1``
     versions while publishing. A full one raises :class:`TierFullError` and the store stays usable.
     """
+
+    path = renamed_attribute("path", "directory")  # the vocabulary's name; goes in 0.2
 
     @renamed(shm_dir="spill_dir")
     def __init__(self, *, keep: int = 2, spill_dir: str | os.PathLike | None = None):
@@ -357,9 +366,9 @@ class ParamStore:
             )
         self.keep = keep
         base = spill_dir if spill_dir is not None else _shm_base()
-        self.path = private_dir(base, "tt-params")
+        self.directory = private_dir(base, "tt-params")
         try:
-            ctrl = os.path.join(self.path, "latest")
+            ctrl = os.path.join(self.directory, "latest")
             fd = os.open(ctrl, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 self._reserve(fd, mmap.PAGESIZE, version=0)
@@ -367,21 +376,21 @@ class ParamStore:
             finally:
                 os.close(fd)
         except BaseException:
-            remove_private_dir(self.path)
+            remove_private_dir(self.directory)
             raise
         self._lock = threading.Lock()
         self._version = 0
         self._closed = False
         # close() runs it now; after GC the reaper runs it (it takes a lock and deletes files)
-        self._finalizer = Finalizer(self, _shutdown, self._ctrl, self.path)
-        self._reader = ParamReader(self.path)
+        self._finalizer = Finalizer(self, _shutdown, self._ctrl, self.directory)
+        self._reader = ParamReader(self.directory)
         self.stats = {"published": 0, "bytes_published": 0, "freed": 0, "publish_seconds": 0.0}
         register_stats("param_store", self)  # tt.stats() lists it while it is open
 
     @staticmethod
     @renamed(path="directory")
     def attach(directory: str | os.PathLike) -> ParamReader:
-        """A reader for the store in ``directory`` (``ParamStore.path``), from any process on
+        """A reader for the store in ``directory`` (``ParamStore.directory``), from any process on
         this machine."""
         return ParamReader(directory)
 
@@ -411,7 +420,7 @@ class ParamStore:
             header = json.dumps({"version": version, "tensors": entries}).encode()
             start = align_up(_HEAD.size + len(header), _ALIGN)
             total = start + off
-            final = os.path.join(self.path, f"v-{version:012d}.ttp")
+            final = os.path.join(self.directory, f"v-{version:012d}.ttp")
             tmp = final + ".tmp"
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -452,14 +461,14 @@ class ParamStore:
             raise self._full_error(nbytes, version) from exc
 
     def _full_error(self, nbytes: int, version: int) -> TierFullError:
-        st = os.statvfs(self.path)
+        st = os.statvfs(self.directory)
         free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
         held = sum(
-            os.path.getsize(os.path.join(self.path, f))
-            for f in os.listdir(self.path)
+            os.path.getsize(os.path.join(self.directory, f))
+            for f in os.listdir(self.directory)
             if _NAME.match(f)
         )
-        base = os.path.dirname(self.path)
+        base = os.path.dirname(self.directory)
         what = f"publish: version {version}" if version else "ParamStore(): the control file"
         return TierFullError(
             f"{what} needs {format_size(nbytes)} in {base!r} but only "
@@ -477,11 +486,11 @@ class ParamStore:
 
     def _free_old(self) -> None:
         """Delete versions older than the newest ``keep`` that no reader holds."""
-        for f in os.listdir(self.path):
+        for f in os.listdir(self.directory):
             m = _NAME.match(f)
             if not m or int(m.group(1)) > self._version - self.keep:
                 continue
-            path = os.path.join(self.path, f)
+            path = os.path.join(self.directory, f)
             try:
                 fd = lock_if_free(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -495,7 +504,7 @@ class ParamStore:
     def versions(self) -> list[int]:
         """Versions whose files still exist (newest ``keep`` plus any a reader holds)."""
         self._check_open()
-        return sorted(int(m.group(1)) for f in os.listdir(self.path) if (m := _NAME.match(f)))
+        return sorted(int(m.group(1)) for f in os.listdir(self.directory) if (m := _NAME.match(f)))
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
         self._check_open()

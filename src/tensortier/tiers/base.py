@@ -16,6 +16,7 @@ This module never does I/O itself and imports no store.
 
 from __future__ import annotations
 
+import abc
 import collections
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -138,9 +139,11 @@ class StoreBase(Store):
     """What the handle stores share: ``put_many``/``get_many`` from ``put``/``get``, the
     synchronous ``write``/``read``, membership, ``with``, and the never-blocking half of ``free``.
 
-    A subclass sets ``tier`` and ``_handle_type`` and keeps ``_live`` (handle id -> handle),
+    A subclass sets ``tier`` and ``_handle_type``, keeps ``_live`` (handle id -> handle),
     ``_freed`` (a deque drained by ``_drain_freed_locked`` under ``_lock``) and ``_finalizer``
-    (``_lifetime.Finalizer``: alive until ``close``)."""
+    (``_lifetime.Finalizer``: alive until ``close``), and implements the abstract methods: a
+    store missing one fails at construction (``TypeError`` naming it), not at its first use.
+    ``Store``'s metaclass is an ``ABCMeta``, so the protocol and the ABC are one class tree."""
 
     tier: str = ""
     _handle_type: type = object
@@ -148,6 +151,18 @@ class StoreBase(Store):
     _freed: collections.deque
     _lock: threading.Lock
     _finalizer: Any
+
+    @abc.abstractmethod
+    def put(self, tensor: torch.Tensor) -> Future: ...
+
+    @abc.abstractmethod
+    def get(self, handle: Any, *, into: torch.Tensor | None = None) -> Future: ...
+
+    @abc.abstractmethod
+    def free(self, handle: Any) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
 
     def put_many(self, tensors: Sequence[torch.Tensor]) -> Future:
         """``put`` of each tensor; a future of their handles. A synchronous error (a full tier)
@@ -222,5 +237,6 @@ class StoreBase(Store):
             except IndexError:
                 return
 
+    @abc.abstractmethod
     def _drain_freed_locked(self) -> None:
-        raise NotImplementedError
+        """Give back the space of the handles ``free`` queued (``_take_freed``), lock held."""
