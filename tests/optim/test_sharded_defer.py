@@ -159,3 +159,33 @@ def test_defer_gather_needs_sharded_host_states():
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="defer_gather=True"):
         OffloadedAdamW(_model().parameters(), defer_gather=True)
+
+
+def _group_count(rank: int, world: int) -> dict:
+    import gc
+
+    from tensortier._lifetime import quiesce
+
+    pg_map = dist.distributed_c10d._world.pg_map
+    start = len(pg_map)
+    counts = {}
+    for how in ("close", "collected"):
+        (ref, rddp, ropt), (m, ddp, opt) = _pair(_model, rank)
+        counts[f"{how}_open"] = len(pg_map) - start  # its gather group
+        ddp(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        if how == "close":
+            opt.close()
+        else:
+            del opt, ddp
+            gc.collect()
+            quiesce()  # the collected optimizer's cleanup runs on the reaper thread
+        counts[how] = len(pg_map) - start
+    return counts
+
+
+def test_deferred_optimizer_destroys_its_process_group():
+    """Each ``defer_gather=True`` optimizer makes a gloo group for its gathers; closing it, or
+    letting it be collected, destroys that group (it used to live until the process ended)."""
+    for r in distributed.run(_group_count, 2):
+        assert r == {"close_open": 1, "close": 0, "collected_open": 1, "collected": 0}

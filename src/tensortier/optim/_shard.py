@@ -313,6 +313,15 @@ def _copy_range(window, lo, hi, offset, data, *, to_window: bool) -> None:
         data[a - offset : b - offset].copy_(window[a - lo : b - lo])
 
 
+def _destroy_group(group) -> None:
+    """Release ``group`` on this rank (not a collective). Nothing to do when torch.distributed was
+    torn down first: ``destroy_process_group()`` of the world already dropped every group."""
+    try:
+        torch.distributed.destroy_process_group(group)
+    except ValueError:  # "Invalid process group specified": already gone
+        pass
+
+
 class GatherThread:
     """Deferred all-gathers (``defer_gather=True``): ``step()`` hands each updated bucket here and
     returns; a thread runs the gathers over a process group of its own and writes the parameters.
@@ -326,9 +335,10 @@ class GatherThread:
     may be partly written: the run cannot go on).
     """
 
-    def __init__(self, group, world: int, rank: int):
+    def __init__(self, group, world: int, rank: int, *, destroy: bool = True):
         self.gatherer = Gatherer(group, world, rank)
         self.group = group
+        self._destroy = destroy  # the group is this thread's: destroyed by close()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._issued = 0  # items handed over (numbered 1, 2, ...)
@@ -362,9 +372,13 @@ class GatherThread:
             ) from self._error
 
     def close(self) -> None:
-        """Write what is pending, then stop the thread."""
+        """Write what is pending, stop the thread, and destroy its process group (each optimizer
+        makes one: without this, every closed or collected optimizer leaked a gloo group, its
+        sockets and its threads; see ``_zero._own_group`` for subgroups)."""
         self._queue.put(None)
         self._thread.join()
+        if self._destroy:
+            _destroy_group(self.group)
 
     def _run(self) -> None:
         inflight: deque[tuple[int, Gathering]] = deque()
