@@ -189,3 +189,40 @@ def test_deferred_optimizer_destroys_its_process_group():
     letting it be collected, destroys that group (it used to live until the process ended)."""
     for r in distributed.run(_group_count, 2):
         assert r == {"close_open": 1, "close": 0, "collected_open": 1, "collected": 0}
+
+
+def _seeded(rank: int, world: int) -> dict:
+    """Per step: how many masters the update compared with their parameter (a parameter that
+    changed since the optimizer last wrote it), and whether the run matches DDP + fused."""
+    import tensortier.optim._update as upd
+
+    compared: list[int] = []
+    real = upd.Updater._masters
+
+    def counting(bucket, slots, master, seeds, shadow):
+        compared[-1] += sum(s is not None for s in seeds or ())
+        return real(bucket, slots, master, seeds, shadow)
+
+    upd.Updater._masters = staticmethod(counting)
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        x = torch.randn(4, 64, generator=g)
+        for d, o in ((rddp, ropt), (ddp, opt)):
+            compared.append(0)
+            d(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        compared.pop(-2)  # the reference's entry
+    equal = _same(m.state_dict(), ref.state_dict())
+    opt.close()
+    return {"compared": compared, "equal": equal}
+
+
+def test_deferred_gathers_do_not_make_the_next_step_reseed_masters():
+    """The parameters the deferred gathers wrote are the optimizer's own writes: the next step
+    updates its masters without comparing each with its parameter (only the first step seeds)."""
+    for r in distributed.run(_seeded, 2):
+        assert r["compared"][0] == 4  # one slot per bucket: every master seeded on step 1
+        assert r["compared"][1:] == [0, 0, 0]
+        assert r["equal"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -351,11 +352,13 @@ class GatherThread:
     def pending(self) -> bool:
         return self._done < self._issued
 
-    def submit(self, plan: GatherPlan, values: dict[int, torch.Tensor]) -> int:
+    def submit(
+        self, plan: GatherPlan, values: dict[int, torch.Tensor], written: Callable[[], None]
+    ) -> int:
         """Queue one bucket's gather (``values`` must stay unchanged until it is waited for);
-        returns its number."""
+        ``written`` runs on this thread once the parameters are written. Returns its number."""
         self._issued += 1
-        self._queue.put((self._issued, plan, values))
+        self._queue.put((self._issued, plan, values, written))
         return self._issued
 
     def wait(self, n: int | None = None) -> None:
@@ -381,7 +384,7 @@ class GatherThread:
             _destroy_group(self.group)
 
     def _run(self) -> None:
-        inflight: deque[tuple[int, Gathering]] = deque()
+        inflight: deque[tuple[int, Gathering, Callable[[], None]]] = deque()
         while True:
             try:  # block only when nothing is on the wire
                 item = self._queue.get(block=not inflight)
@@ -389,12 +392,13 @@ class GatherThread:
                 item = ()
             try:
                 if item:
-                    n, plan, values = item
+                    n, plan, values, written = item
                     if self._error is None:
-                        inflight.append((n, self.gatherer.start(plan, values)))
+                        inflight.append((n, self.gatherer.start(plan, values), written))
                 while inflight and (not item or len(inflight) > 1):
-                    n, g = inflight.popleft()  # the oldest: written while the next is on the wire
-                    self.gatherer.finish(g)
+                    n, g, written = inflight.popleft()  # the oldest: written while the next is
+                    self.gatherer.finish(g)  # on the wire
+                    written()
                     self._mark(n)
             except BaseException as exc:  # every later wait raises it
                 inflight.clear()
