@@ -226,3 +226,49 @@ def test_deferred_gathers_do_not_make_the_next_step_reseed_masters():
         assert r["compared"][0] == 4  # one slot per bucket: every master seeded on step 1
         assert r["compared"][1:] == [0, 0, 0]
         assert r["equal"]
+
+
+def _order(rank: int, world: int) -> dict:
+    """Per step, the sequence of bucket updates (with the thread that ran each) and of gathers
+    handed to the gather thread."""
+    import tensortier.optim._shard as shard
+    import tensortier.optim._update as upd
+
+    events: list = []
+    real_update, real_submit = upd.Updater._update, shard.GatherThread.submit
+
+    def update(self, *a):
+        events.append(("update", threading.current_thread() is threading.main_thread()))
+        return real_update(self, *a)
+
+    def submit(self, *a):
+        events.append(("gather", None))
+        return real_submit(self, *a)
+
+    upd.Updater._update, shard.GatherThread.submit = update, submit
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    g = torch.Generator().manual_seed(100 + rank)
+    steps = []
+    for _ in range(3):
+        x = torch.randn(4, 64, generator=g)
+        rddp(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+        ddp(x).square().mean().backward()
+        events.clear()
+        opt.step()
+        steps.append(list(events))
+        opt.zero_grad()
+    equal = _same(m.state_dict(), ref.state_dict())
+    opt.close()
+    return {"steps": steps, "equal": equal}
+
+
+def test_deferred_step_updates_on_the_callers_thread_then_hands_the_gathers_over():
+    """Structure, not time: the step runs its four bucket updates on the calling thread (no
+    worker hand-off) and hands the gathers over only after the last one, so they overlap the
+    next forward rather than the updates; results stay DDP + fused's."""
+    for r in distributed.run(_order, 2):
+        expected = [["update", True]] * 4 + [["gather", None]] * 4
+        assert r["steps"] == [expected] * 3
+        assert r["equal"]
