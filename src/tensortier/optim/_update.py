@@ -50,7 +50,8 @@ class Updater:
         self.sharded = sharded
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="tt-adamw")
         self._last: Future | None = None  # the latest job given to the worker (FIFO)
-        self._scratch = torch.empty(0, dtype=torch.uint8)  # worker only: unscaled gradient copies
+        # unscaled gradient copies; one update at a time uses it (the worker, or inline when idle)
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def submit_shadow(
         self, b: Bucket, slots: list[Slot], staged: Staged, scale: float | None, hyper: Hyper
@@ -123,7 +124,7 @@ class Updater:
         seeds: list | None,
         direct: list[bool] | None,
     ) -> list[torch.Tensor]:
-        """Worker: run one bucket's AdamW update; returns the slots' new step counters.
+        """Run one bucket's AdamW update (worker, or inline); returns the new step counters.
 
         ``shadow``: update a copy of the committed state (speculation). ``seeds``: per slot, the
         parameter's current value (CPU) when the master must be checked against it.
