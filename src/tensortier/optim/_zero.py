@@ -242,8 +242,9 @@ class ShardedStep(Step):
         """
         t0 = time.perf_counter()
         if self.deferred is not None:  # host states; the gathers go on after step() returns
-            done, error = self._update_and_hand_over(scale)
+            done, values, error = self._update_inline(scale)
             failed = _dist.first_true(error is not None, self.sharding.pg)
+            self._hand_over(values)
             if failed is not None:  # the error is raised with what succeeded written
                 self.deferred.synchronize()
             self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, hand-over
@@ -343,26 +344,18 @@ class ShardedStep(Step):
         gatherer.finish(issued[-1])
         return done, error, issued[-1].failed
 
-    def _update_and_hand_over(self, scale: float | None) -> tuple[list[Done], BaseException | None]:
-        """``defer_gather``: update the buckets on this thread, then hand them all to the gather
-        thread, highest id first (buckets are built in reverse, so this is the order forward
-        reads them, the same on every rank). Returns the updates done and this rank's first error
-        (after a failed launch, e.g. out of memory, nothing more is launched; every bucket is
-        still handed over: each gather is a collective).
-
-        Why on this thread: it would only wait for the worker, and a hand-off per bucket costs two
-        thread switches on a loaded core. Why the gathers start after the last update, not as
-        each bucket is done: the point of deferring is that they overlap the next forward; issued
-        during the step they took the core from the updates (on 2 cores, 2 ranks: ~9 of the
-        step's ~19 ms of process CPU time were the gather thread's and gloo's) and moved nothing
-        out of ``step()``.
-        """
+    def _update_inline(
+        self, scale: float | None
+    ) -> tuple[list[Done], dict[int, dict[int, torch.Tensor]], BaseException | None]:
+        """``defer_gather``: update the buckets on this thread (it would only wait for the worker,
+        and a hand-off per bucket costs two thread switches on a loaded core). Returns the updates
+        done, each bucket's new masters by slot index (for its gather) and this rank's first
+        error (after a failed launch, e.g. out of memory, nothing more is launched)."""
         values: dict[int, dict[int, torch.Tensor]] = {}
         done: list[Done] = []
         finished = self._recorder(done, values)
         error: BaseException | None = None
-        order = self.layout.buckets[::-1]
-        for b in order:
+        for b in self.layout.buckets[::-1]:
             try:
                 job = self.updater.submit_now(b, scale, None, inline=True)
             except BaseException as exc:
@@ -370,11 +363,22 @@ class ShardedStep(Step):
                 break
             if job is not None:
                 error = self._collect([job], finished, error)
-        for b in order:
+        return done, values, error
+
+    def _hand_over(self, values: dict[int, dict[int, torch.Tensor]]) -> None:
+        """``defer_gather``: hand every bucket to the gather thread (each gather is a collective,
+        so every bucket, updated or not), highest id first: buckets are built in reverse, so this
+        is the order forward reads them, the same on every rank.
+
+        Why after every update and the verdict, not as each bucket is done: the point of
+        deferring is that the gathers overlap the next forward; handed over during the step they
+        took the core from the updates (2 gloo ranks on 2 cores: ~9 of the step's ~18 ms of
+        process CPU time were the gather thread's and gloo's) and moved nothing out of ``step()``.
+        """
+        for b in self.layout.buckets[::-1]:
             vals = values.pop(b.id, {})
             mark = [s for s in b.slots if s.version != -1 or s.index in vals]
             self.deferred.hand_over(b.plan, vals, mark)
-        return done, error
 
     def _gather_committed(self, done: list[Done]) -> None:
         """Disk states, after the commit: all-gather every bucket's committed pieces (bucket-id
