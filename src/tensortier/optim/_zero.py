@@ -241,13 +241,11 @@ class ShardedStep(Step):
         waits for its writes, the ranks agree (one all-reduce), commit, then all-gather.
         """
         t0 = time.perf_counter()
+        values = None  # deferred: each bucket's new masters, handed to the gathers at the end
         if self.deferred is not None:  # host states; the gathers go on after step() returns
             done, values, error = self._update_inline(scale)
             failed = _dist.first_true(error is not None, self.sharding.pg)
-            self._hand_over(values)
-            if failed is not None:  # the error is raised with what succeeded written
-                self.deferred.synchronize()
-            self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, hand-over
+            self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, verdict
         elif self.host:
             done, error, failed = self._update_and_gather(*self._submit(scale))
             self.stats.step_wait_seconds += time.perf_counter() - t0  # updates and gathers
@@ -263,6 +261,18 @@ class ShardedStep(Step):
                 self.states.abort()
                 self.speculator.reset_cycle()
                 raise error or peer_failed(failed, applied=False)
+        try:
+            self._conclude(done, scale_t)
+        finally:  # deferred: the last thing step() does (every rank hands every bucket over)
+            if values is not None:
+                self._hand_over(values)
+                if failed is not None:  # the error is raised with what succeeded written
+                    self.deferred.synchronize()
+        if failed is not None:
+            raise error or peer_failed(failed, applied=True)
+
+    def _conclude(self, done: list[Done], scale_t: torch.Tensor | None) -> None:
+        """Commit, advance the step counters, gather disk states, record versions, unscale."""
         tw = time.perf_counter()
         try:
             self.states.commit()
@@ -280,8 +290,6 @@ class ShardedStep(Step):
         finally:
             self.stats.writeback_seconds += time.perf_counter() - tw
         self._finish(scale_t)
-        if failed is not None:
-            raise error or peer_failed(failed, applied=True)
 
     def _submit(self, scale: float | None) -> tuple[list[Job], BaseException | None]:
         """Queue every bucket's update on the worker (FIFO), in the learned order."""
@@ -370,7 +378,7 @@ class ShardedStep(Step):
         so every bucket, updated or not), highest id first: buckets are built in reverse, so this
         is the order forward reads them, the same on every rank.
 
-        Why after every update and the verdict, not as each bucket is done: the point of
+        Why at the end of ``step()``, not as each bucket is done: the point of
         deferring is that the gathers overlap the next forward; handed over during the step they
         took the core from the updates (2 gloo ranks on 2 cores: ~9 of the step's ~18 ms of
         process CPU time were the gather thread's and gloo's) and moved nothing out of ``step()``.
