@@ -66,7 +66,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bucket-size",
         default="4MiB",
-        help="OffloadedAdamW bucket size (sharded: also the size of the all-gather buffer)",
+        help="OffloadedAdamW bucket size: the unit of one update and (sharded) of one all-gather; "
+        "the gathers run in rounds through two reused 4 MiB buffers whatever the bucket size",
     )
     p.add_argument("--dir", default=tempfile.gettempdir(), help="checkpoint and dd directory")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")

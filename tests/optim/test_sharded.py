@@ -49,6 +49,7 @@ def _train(case: str, kind: str, rank: int, tmp: str):
             bucket_size="512B",
             tier=tier,
             spill_dir=tmp if tier == "disk" else None,  # one root: private subdirectories
+            defer_gather=case.startswith("defer"),
         )
         assert opt._sharded
         if case == "rounds":  # all-gathers in many 64-byte rounds (pieces span several)
@@ -64,7 +65,7 @@ def _train(case: str, kind: str, rank: int, tmp: str):
             if step == 3 and rank == 0:
                 loss = loss * float("inf")  # an overflow on one rank: all-reduced to every rank
             scaler.scale(loss).backward()
-            if case == "scaler_clip":
+            if case.endswith("scaler_clip"):  # deferred: unscaled copies made on step()'s thread
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
             scaler.step(opt)
@@ -88,6 +89,7 @@ def _parity(rank: int, world: int, tmp: str, cases: list[str]) -> dict:
     for case in cases:
         ref, topt = _train(case, "torch", rank, tmp)
         got, opt = _train(case, "tt", rank, tmp)
+        opt.synchronize()  # defer_gather: the parameters are read directly
         report[case] = _equal(ref, got)
         if case == "plain":
             # the full layout equals torch's state, bit for bit
@@ -106,6 +108,7 @@ def _parity(rank: int, world: int, tmp: str, cases: list[str]) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_matches_ddp_fused_adamw(world, tmp_path):
     cases = ["plain", "clip", "opt_clip", "no_sync", "scaler", "scaler_clip", "disk", "rounds"]
+    cases += ["defer_scaler_clip"]
     if world == 4:
         cases = ["plain", "clip", "no_sync", "scaler"]
     reports = distributed.run(_parity, world, str(tmp_path), cases)

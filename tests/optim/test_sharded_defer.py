@@ -159,3 +159,116 @@ def test_defer_gather_needs_sharded_host_states():
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="defer_gather=True"):
         OffloadedAdamW(_model().parameters(), defer_gather=True)
+
+
+def _group_count(rank: int, world: int) -> dict:
+    import gc
+
+    from tensortier._lifetime import quiesce
+
+    pg_map = dist.distributed_c10d._world.pg_map
+    start = len(pg_map)
+    counts = {}
+    for how in ("close", "collected"):
+        (ref, rddp, ropt), (m, ddp, opt) = _pair(_model, rank)
+        counts[f"{how}_open"] = len(pg_map) - start  # its gather group
+        ddp(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        if how == "close":
+            opt.close()
+        else:
+            del opt, ddp
+            gc.collect()
+            quiesce()  # the collected optimizer's cleanup runs on the reaper thread
+        counts[how] = len(pg_map) - start
+    return counts
+
+
+def test_deferred_optimizer_destroys_its_process_group():
+    """Each ``defer_gather=True`` optimizer makes a gloo group for its gathers; closing it, or
+    letting it be collected, destroys that group (it used to live until the process ended)."""
+    for r in distributed.run(_group_count, 2):
+        assert r == {"close_open": 1, "close": 0, "collected_open": 1, "collected": 0}
+
+
+def _seeded(rank: int, world: int) -> dict:
+    """Per step: how many masters the update compared with their parameter (a parameter that
+    changed since the optimizer last wrote it), and whether the run matches DDP + fused."""
+    import tensortier.optim._update as upd
+
+    compared: list[int] = []
+    real = upd.Updater._masters
+
+    def counting(bucket, slots, master, seeds, shadow):
+        compared[-1] += sum(s is not None for s in seeds or ())
+        return real(bucket, slots, master, seeds, shadow)
+
+    upd.Updater._masters = staticmethod(counting)
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        x = torch.randn(4, 64, generator=g)
+        for d, o in ((rddp, ropt), (ddp, opt)):
+            compared.append(0)
+            d(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        compared.pop(-2)  # the reference's entry
+    equal = _same(m.state_dict(), ref.state_dict())
+    opt.close()
+    return {"compared": compared, "equal": equal}
+
+
+def test_deferred_gathers_do_not_make_the_next_step_reseed_masters():
+    """The parameters the deferred gathers wrote are the optimizer's own writes: the next step
+    updates its masters without comparing each with its parameter (only the first step seeds)."""
+    for r in distributed.run(_seeded, 2):
+        assert r["compared"][0] == 4  # one slot per bucket: every master seeded on step 1
+        assert r["compared"][1:] == [0, 0, 0]
+        assert r["equal"]
+
+
+def _order(rank: int, world: int) -> dict:
+    """Per step, the sequence of bucket updates (with the thread that ran each) and of gathers
+    handed to the gather thread."""
+    import tensortier.optim._shard as shard
+    import tensortier.optim._update as upd
+
+    events: list = []
+    real_update, real_submit = upd.Updater._update, shard.GatherThread.submit
+
+    def update(self, *a):
+        events.append(("update", threading.current_thread() is threading.main_thread()))
+        return real_update(self, *a)
+
+    def submit(self, *a):
+        events.append(("gather", None))
+        return real_submit(self, *a)
+
+    upd.Updater._update, shard.GatherThread.submit = update, submit
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    g = torch.Generator().manual_seed(100 + rank)
+    steps = []
+    for _ in range(3):
+        x = torch.randn(4, 64, generator=g)
+        rddp(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+        ddp(x).square().mean().backward()
+        events.clear()
+        opt.step()
+        steps.append(list(events))
+        opt.zero_grad()
+    equal = _same(m.state_dict(), ref.state_dict())
+    opt.close()
+    return {"steps": steps, "equal": equal}
+
+
+def test_deferred_step_updates_on_the_callers_thread_then_hands_the_gathers_over():
+    """Structure, not time: the step runs its four bucket updates on the calling thread (no
+    worker hand-off) and hands the gathers over only after the last one, so they overlap the
+    next forward rather than the updates; results stay DDP + fused's."""
+    for r in distributed.run(_order, 2):
+        expected = [["update", True]] * 4 + [["gather", None]] * 4
+        assert r["steps"] == [expected] * 3
+        assert r["equal"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -313,6 +314,15 @@ def _copy_range(window, lo, hi, offset, data, *, to_window: bool) -> None:
         data[a - offset : b - offset].copy_(window[a - lo : b - lo])
 
 
+def _destroy_group(group) -> None:
+    """Release ``group`` on this rank (not a collective). Nothing to do when torch.distributed was
+    torn down first: ``destroy_process_group()`` of the world already dropped every group."""
+    try:
+        torch.distributed.destroy_process_group(group)
+    except ValueError:  # "Invalid process group specified": already gone
+        pass
+
+
 class GatherThread:
     """Deferred all-gathers (``defer_gather=True``): ``step()`` hands each updated bucket here and
     returns; a thread runs the gathers over a process group of its own and writes the parameters.
@@ -326,9 +336,10 @@ class GatherThread:
     may be partly written: the run cannot go on).
     """
 
-    def __init__(self, group, world: int, rank: int):
+    def __init__(self, group, world: int, rank: int, *, destroy: bool = True):
         self.gatherer = Gatherer(group, world, rank)
         self.group = group
+        self._destroy = destroy  # the group is this thread's: destroyed by close()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._issued = 0  # items handed over (numbered 1, 2, ...)
@@ -341,11 +352,13 @@ class GatherThread:
     def pending(self) -> bool:
         return self._done < self._issued
 
-    def submit(self, plan: GatherPlan, values: dict[int, torch.Tensor]) -> int:
+    def submit(
+        self, plan: GatherPlan, values: dict[int, torch.Tensor], written: Callable[[], None]
+    ) -> int:
         """Queue one bucket's gather (``values`` must stay unchanged until it is waited for);
-        returns its number."""
+        ``written`` runs on this thread once the parameters are written. Returns its number."""
         self._issued += 1
-        self._queue.put((self._issued, plan, values))
+        self._queue.put((self._issued, plan, values, written))
         return self._issued
 
     def wait(self, n: int | None = None) -> None:
@@ -362,12 +375,16 @@ class GatherThread:
             ) from self._error
 
     def close(self) -> None:
-        """Write what is pending, then stop the thread."""
+        """Write what is pending, stop the thread, and destroy its process group (each optimizer
+        makes one: without this, every closed or collected optimizer leaked a gloo group, its
+        sockets and its threads; see ``_zero._own_group`` for subgroups)."""
         self._queue.put(None)
         self._thread.join()
+        if self._destroy:
+            _destroy_group(self.group)
 
     def _run(self) -> None:
-        inflight: deque[tuple[int, Gathering]] = deque()
+        inflight: deque[tuple[int, Gathering, Callable[[], None]]] = deque()
         while True:
             try:  # block only when nothing is on the wire
                 item = self._queue.get(block=not inflight)
@@ -375,12 +392,13 @@ class GatherThread:
                 item = ()
             try:
                 if item:
-                    n, plan, values = item
+                    n, plan, values, written = item
                     if self._error is None:
-                        inflight.append((n, self.gatherer.start(plan, values)))
+                        inflight.append((n, self.gatherer.start(plan, values), written))
                 while inflight and (not item or len(inflight) > 1):
-                    n, g = inflight.popleft()  # the oldest: written while the next is on the wire
-                    self.gatherer.finish(g)
+                    n, g, written = inflight.popleft()  # the oldest: written while the next is
+                    self.gatherer.finish(g)  # on the wire
+                    written()
                     self._mark(n)
             except BaseException as exc:  # every later wait raises it
                 inflight.clear()

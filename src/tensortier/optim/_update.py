@@ -50,7 +50,8 @@ class Updater:
         self.sharded = sharded
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="tt-adamw")
         self._last: Future | None = None  # the latest job given to the worker (FIFO)
-        self._scratch = torch.empty(0, dtype=torch.uint8)  # worker only: unscaled gradient copies
+        # unscaled gradient copies; one update at a time uses it (the worker, or inline when idle)
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def submit_shadow(
         self, b: Bucket, slots: list[Slot], staged: Staged, scale: float | None, hyper: Hyper
@@ -72,8 +73,11 @@ class Updater:
             fut.set_exception(exc)
         return fut
 
-    def submit_now(self, b: Bucket, scale: float | None, staged: Staged | None) -> Job | None:
-        """Queue a non-speculative update of ``b`` with the gradients as they are now."""
+    def submit_now(
+        self, b: Bucket, scale: float | None, staged: Staged | None, *, inline: bool = False
+    ) -> Job | None:
+        """Queue a non-speculative update of ``b`` with the gradients as they are now; ``inline``
+        (the caller only waits for it): run it on the caller's thread if the worker is idle."""
         slots = [s for s in b.slots if s.param.grad is not None]
         if not slots:
             return None
@@ -97,9 +101,9 @@ class Updater:
         )
         hyper = Hyper.of(self.groups[b.group])
         args = (b, slots, staged, scale, hyper, False, seeds, direct)
-        if b.in_place and (self._last is None or self._last.done()):
-            # the worker is idle and nothing is written back: handing off would only add a
-            # thread switch per bucket (~25 us of CPU measured), so the update runs here
+        if (inline or b.in_place) and (self._last is None or self._last.done()):
+            # the worker is idle and the caller waits: handing off would only add a thread
+            # switch per bucket (~25 us of CPU measured, more on a loaded core): it runs here
             fut = self._inline(self._update, *args)
         else:
             fut = self.submit(self._update, *args)
@@ -120,7 +124,7 @@ class Updater:
         seeds: list | None,
         direct: list[bool] | None,
     ) -> list[torch.Tensor]:
-        """Worker: run one bucket's AdamW update; returns the slots' new step counters.
+        """Run one bucket's AdamW update (worker, or inline); returns the new step counters.
 
         ``shadow``: update a copy of the committed state (speculation). ``seeds``: per slot, the
         parameter's current value (CPU) when the master must be checked against it.

@@ -106,14 +106,23 @@ def peer_failed(rank: int, applied: bool) -> RuntimeError:
 
 
 def _own_group(pg):
-    """A new process group of ``pg``'s ranks and backend (only ``pg``'s ranks take part)."""
+    """A new process group of ``pg``'s ranks and backend, destroyed when the gather thread stops.
+
+    Over the world (the usual case) every rank is a member and calls this, so the group is named
+    by torch's creation counter, never reused. Only for a subgroup ``pg`` is it made with
+    ``use_local_synchronization`` (only ``pg``'s ranks take part); torch names such a group by
+    its ranks and the number of live groups, so after one is destroyed the next gets the same
+    name and its rendezvous reads the destroyed group's stale addresses (measured: a hang), so
+    those are kept (``GatherThread(destroy=False)``).
+    """
     dist = torch.distributed
     group = pg if pg is not None else dist.group.WORLD
-    return dist.new_group(
-        ranks=dist.get_process_group_ranks(group),
-        backend=dist.get_backend(group),
-        use_local_synchronization=True,
+    ranks = dist.get_process_group_ranks(group)
+    whole = len(ranks) == dist.get_world_size()
+    made = dist.new_group(
+        ranks=ranks, backend=dist.get_backend(group), use_local_synchronization=not whole
     )
+    return made, whole
 
 
 def _before_forward(ref: weakref.ref, module: torch.nn.Module, args) -> None:
@@ -126,6 +135,14 @@ def _before_state_dict(ref: weakref.ref, module: torch.nn.Module, *args) -> None
     deferred = ref()
     if deferred is not None:
         deferred.synchronize()
+
+
+def _record_versions(slots: list[Slot]) -> None:
+    """The gather wrote these slots' parameters: their versions now are ours, not the user's
+    (recorded before the write, the next step saw a changed parameter and compared every
+    master with it: half the update's CPU time)."""
+    for s in slots:
+        s.version = s.local._version
 
 
 class DeferredWrites:
@@ -143,7 +160,8 @@ class DeferredWrites:
     """
 
     def __init__(self, sharding: Sharding):
-        self.thread = GatherThread(_own_group(sharding.pg), sharding.world, sharding.rank)
+        group, destroy = _own_group(sharding.pg)
+        self.thread = GatherThread(group, sharding.world, sharding.rank, destroy=destroy)
         self._item: dict[int, int] = {}  # id(parameter) -> number of the gather that writes it
         self._params: set[int] = set()  # every parameter of the optimizer (by id)
         self._seen: weakref.WeakSet = weakref.WeakSet()  # modules already walked
@@ -159,9 +177,12 @@ class DeferredWrites:
         self._params.update(id(p) for p in params)
         self._seen = weakref.WeakSet()
 
-    def hand_over(self, plan: GatherPlan, values: dict[int, torch.Tensor]) -> None:
-        """Queue one bucket's gather (``values`` unchanged until it is written)."""
-        n = self.thread.submit(plan, values)
+    def hand_over(
+        self, plan: GatherPlan, values: dict[int, torch.Tensor], slots: list[Slot]
+    ) -> None:
+        """Queue one bucket's gather (``values`` unchanged until it is written). ``slots``: this
+        rank's slots of the bucket whose ``version`` records the write, once it is done."""
+        n = self.thread.submit(plan, values, functools.partial(_record_versions, slots))
         for p in plan.params:
             self._item[id(p)] = n
 
@@ -220,18 +241,17 @@ class ShardedStep(Step):
         waits for its writes, the ranks agree (one all-reduce), commit, then all-gather.
         """
         t0 = time.perf_counter()
-        jobs, error = self._submit(scale)
+        values = None  # deferred: each bucket's new masters, handed to the gathers at the end
         if self.deferred is not None:  # host states; the gathers go on after step() returns
-            done, error = self._update_and_hand_over(jobs, error)
+            done, values, error = self._update_inline(scale)
             failed = _dist.first_true(error is not None, self.sharding.pg)
-            if failed is not None:  # the error is raised with what succeeded written
-                self.deferred.synchronize()
-            self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, hand-over
+            self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, verdict
         elif self.host:
-            done, error, failed = self._update_and_gather(jobs, error)
+            done, error, failed = self._update_and_gather(*self._submit(scale))
             self.stats.step_wait_seconds += time.perf_counter() - t0  # updates and gathers
         else:
             done, failed = [], None
+            jobs, error = self._submit(scale)
             error = self._collect(jobs, lambda *d: done.append(d), error)
             if error is None:
                 error = self.states.write_error()  # waits for this step's state writes
@@ -241,15 +261,28 @@ class ShardedStep(Step):
                 self.states.abort()
                 self.speculator.reset_cycle()
                 raise error or peer_failed(failed, applied=False)
+        try:
+            self._conclude(done, scale_t)
+        finally:  # deferred: the last thing step() does (every rank hands every bucket over)
+            if values is not None:
+                self._hand_over(values)
+                if failed is not None:  # the error is raised with what succeeded written
+                    self.deferred.synchronize()
+        if failed is not None:
+            raise error or peer_failed(failed, applied=True)
+
+    def _conclude(self, done: list[Done], scale_t: torch.Tensor | None) -> None:
+        """Commit, advance the step counters, gather disk states, record versions, unscale."""
         tw = time.perf_counter()
         try:
             self.states.commit()
             updated = self._advance(done)
             if not self.host:
                 self._gather_committed(done)
-            for s in self.layout.slots():
-                if s.version != -1 or id(s) in updated:
-                    s.version = s.local._version
+            if self.deferred is None:  # deferred: recorded once each gather wrote its bucket
+                for s in self.layout.slots():
+                    if s.version != -1 or id(s) in updated:
+                        s.version = s.local._version
             if scale_t is not None:  # fused AdamW leaves the unscaled gradients in .grad
                 for p in (p for g in self.groups for p in g["params"]):
                     if p.grad is not None:
@@ -257,15 +290,11 @@ class ShardedStep(Step):
         finally:
             self.stats.writeback_seconds += time.perf_counter() - tw
         self._finish(scale_t)
-        if failed is not None:
-            raise error or peer_failed(failed, applied=True)
 
     def _submit(self, scale: float | None) -> tuple[list[Job], BaseException | None]:
         """Queue every bucket's update on the worker (FIFO), in the learned order."""
         jobs = []
-        # deferred: highest id first, the order forward reads them (buckets are built in reverse)
-        order = self.layout.buckets[::-1] if self.deferred is not None else self.layout.ordered()
-        for b in order:
+        for b in self.layout.ordered():
             try:
                 job = self.updater.submit_now(b, scale, None)
             except BaseException as exc:  # e.g. out of memory: nothing more is launched
@@ -323,27 +352,41 @@ class ShardedStep(Step):
         gatherer.finish(issued[-1])
         return done, error, issued[-1].failed
 
-    def _update_and_hand_over(
-        self, jobs: list[Job], error: BaseException | None
-    ) -> tuple[list[Done], BaseException | None]:
-        """``defer_gather``: wait for the updates in turn (highest bucket id first) and hand each
-        bucket to the gather thread once it and every bucket of higher id is updated (the same
-        order on every rank: the forward's). Returns the updates done and this rank's first error.
-        """
-        buckets = self.layout.buckets
-        pending = {b.id for b, _, _, _ in jobs}
+    def _update_inline(
+        self, scale: float | None
+    ) -> tuple[list[Done], dict[int, dict[int, torch.Tensor]], BaseException | None]:
+        """``defer_gather``: update the buckets on this thread (it would only wait for the worker,
+        and a hand-off per bucket costs two thread switches on a loaded core). Returns the updates
+        done, each bucket's new masters by slot index (for its gather) and this rank's first
+        error (after a failed launch, e.g. out of memory, nothing more is launched)."""
         values: dict[int, dict[int, torch.Tensor]] = {}
         done: list[Done] = []
         finished = self._recorder(done, values)
-        nxt = len(buckets) - 1
-        for job in [*jobs, None]:  # None: after the last update, hand over what is left
+        error: BaseException | None = None
+        for b in self.layout.buckets[::-1]:
+            try:
+                job = self.updater.submit_now(b, scale, None, inline=True)
+            except BaseException as exc:
+                error = error or exc
+                break
             if job is not None:
-                pending.discard(job[0].id)
                 error = self._collect([job], finished, error)
-            while nxt >= 0 and nxt not in pending:
-                self.deferred.hand_over(buckets[nxt].plan, values.pop(nxt, {}))
-                nxt -= 1
-        return done, error
+        return done, values, error
+
+    def _hand_over(self, values: dict[int, dict[int, torch.Tensor]]) -> None:
+        """``defer_gather``: hand every bucket to the gather thread (each gather is a collective,
+        so every bucket, updated or not), highest id first: buckets are built in reverse, so this
+        is the order forward reads them, the same on every rank.
+
+        Why at the end of ``step()``, not as each bucket is done: the point of
+        deferring is that the gathers overlap the next forward; handed over during the step they
+        took the core from the updates (2 gloo ranks on 2 cores: ~9 of the step's ~18 ms of
+        process CPU time were the gather thread's and gloo's) and moved nothing out of ``step()``.
+        """
+        for b in self.layout.buckets[::-1]:
+            vals = values.pop(b.id, {})
+            mark = [s for s in b.slots if s.version != -1 or s.index in vals]
+            self.deferred.hand_over(b.plan, vals, mark)
 
     def _gather_committed(self, done: list[Done]) -> None:
         """Disk states, after the commit: all-gather every bucket's committed pieces (bucket-id
