@@ -828,10 +828,13 @@ def _codec_speeds(names: tuple[str, ...], nbytes: int) -> dict[str, CodecSpeed]:
 
 
 def pass_plan(profile: Profile, run: dict):
-    """The plan a measured pass ran: its kept units keep, the tensors ``parts`` names (unit ->
-    ordinals) stay in their units, every other tensor goes to the pass's tier."""
+    """The plan a measured pass ran: a trial's own plan (:mod:`.trials`); else its kept units
+    keep, the tensors ``parts`` names (unit -> ordinals) stay in their units, every other
+    tensor goes to the pass's tier."""
     from tensortier.planner.simulator import Mode, Plan, UnitAction
 
+    if run.get("plan") is not None:
+        return Plan.from_dict(run["plan"])
     tier = Mode(run.get("tier") or profile.meta.get("profiled_tier", "disk"))
     kept = set(run.get("kept", ()))
     parts = {u: set(o) for u, o in (run.get("parts") or {}).items()}
@@ -890,8 +893,9 @@ def calibrate(profile: Profile, *, with_probe: bool = False) -> Profile:
 def _calibrating(profile: Profile, with_probe: bool = False) -> list[dict]:
     """The passes :func:`calibrate` fits: the timing passes (and the probe ``with_probe``), or
     the probe alone when there is no other."""
-    runs = [r for r in profile.passes if with_probe or r.get("kind") != "probe"]
-    return runs or list(profile.passes)
+    runs = [r for r in profile.passes if r.get("kind") != "trial"]
+    fitted = [r for r in runs if with_probe or r.get("kind") != "probe"]
+    return fitted or runs
 
 
 def _factor(profile: Profile, run: dict) -> float | None:
@@ -933,6 +937,24 @@ def held(profile: Profile, plan) -> dict[int, int]:
     }
 
 
+def kept_through(profile: Profile, plan) -> set[int]:
+    """Pack indices of the saved tensors ``plan`` keeps from its forward to their backward, raw:
+    what a measured pass of it held all along. Not those of recomputed or selective units
+    (held from their rerun on only) nor those it encodes (source and payload coexist only
+    while the codec runs): a plan that keeps them holds more than that pass measured."""
+    from tensortier.planner.simulator import SWAPS, Mode, ordinals
+
+    ordinal = ordinals(profile)
+    out = set()
+    for t in profile.tensors:
+        mode = plan.action(t.unit).mode
+        if mode != Mode.KEEP and mode not in SWAPS:
+            continue
+        if plan.tier_of(t, ordinal[t.index]) == "keep" and not plan.codecs.get(t.index):
+            out.add(t.index)
+    return out
+
+
 def measured_bound(profile: Profile, plan) -> int | None:
     """An upper bound, from measurement alone, on the peak of ``plan``: a measured pass's peak
     plus the bytes of the tensors ``plan`` holds that the pass offloaded (:func:`held`; the
@@ -945,13 +967,15 @@ def measured_bound(profile: Profile, plan) -> int | None:
     a timing pass at 1.03x its budget); this bound is what keeps the timing passes under the
     budget, the margin covers what is left (allocator and page granularity, copies in flight).
     For a recomputed unit it assumes its rerun's temporaries are no larger than those of the
-    pass's backward over the same unit, which reads the unit's tensors back.
+    pass's backward over the same unit, which reads the unit's tensors back. A measured trial of
+    a plan (:mod:`.trials`) is a pass too: what it held is what it kept raw all along
+    (:func:`kept_through`), so a plan close to one already run is bounded close to its peak.
     """
     holds = held(profile, plan)
     bounds = []
     for r in profile.passes:
         if r.get("peak_bytes"):
-            had = held(profile, pass_plan(profile, r))
+            had = kept_through(profile, pass_plan(profile, r))
             bounds.append(int(r["peak_bytes"]) + sum(n for i, n in holds.items() if i not in had))
     return min(bounds, default=None)
 
