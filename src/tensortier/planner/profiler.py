@@ -955,6 +955,17 @@ def kept_through(profile: Profile, plan) -> set[int]:
     return out
 
 
+def _alike(profile: Profile, plan, ran) -> set[int]:
+    """Pack indices of the saved tensors whose unit ``plan`` treats as the measured pass ``ran``
+    did (same action, same codec): they live as long in both (a recomputed unit's rerun too)."""
+    return {
+        t.index
+        for t in profile.tensors
+        if plan.action(t.unit) == ran.action(t.unit)
+        and plan.codecs.get(t.index) == ran.codecs.get(t.index)
+    }
+
+
 def measured_bound(profile: Profile, plan) -> int | None:
     """An upper bound, from measurement alone, on the peak of ``plan``: a measured pass's peak
     plus the bytes of the tensors ``plan`` holds that the pass offloaded (:func:`held`; the
@@ -967,7 +978,8 @@ def measured_bound(profile: Profile, plan) -> int | None:
     a timing pass at 1.03x its budget); this bound is what keeps the timing passes under the
     budget, the margin covers what is left (allocator and page granularity, copies in flight).
     For a recomputed unit it assumes its rerun's temporaries are no larger than those of the
-    pass's backward over the same unit, which reads the unit's tensors back. A measured trial of
+    pass's backward over the same unit, which reads the unit's tensors back, and counts its
+    input and, for the largest recomputed unit only, its saved tensors (:func:`_added`). A measured trial of
     a plan (:mod:`.trials`) is a pass too: what it held is what it kept raw all along
     (:func:`kept_through`), so a plan close to one already run is bounded close to its peak.
     """
@@ -975,9 +987,29 @@ def measured_bound(profile: Profile, plan) -> int | None:
     bounds = []
     for r in profile.passes:
         if r.get("peak_bytes"):
-            had = kept_through(profile, pass_plan(profile, r))
-            bounds.append(int(r["peak_bytes"]) + sum(n for i, n in holds.items() if i not in had))
+            ran = pass_plan(profile, r)
+            had = kept_through(profile, ran) | _alike(profile, plan, ran)
+            bounds.append(int(r["peak_bytes"]) + _added(profile, plan, ran, holds, had))
     return min(bounds, default=None)
+
+
+def _added(profile: Profile, plan, ran, holds: dict[int, int], had: set[int]) -> int:
+    """The bytes ``plan`` may hold beyond the measured pass ``ran`` at any moment: those of the
+    tensors it holds that the pass did not (:func:`measured_bound`), except that the units it
+    recomputes (where the pass did not) add their inputs, which their checkpoints keep, and the
+    saved tensors of one of them alone: a recomputed unit's tensors are alive only while its
+    forward runs and from its rerun to the end of its backward, and units run one at a time."""
+    from tensortier.planner.simulator import Mode
+
+    rerun: dict[str, int] = {}
+    inputs = {u.name: u.input_bytes for u in profile.units}
+    for t in profile.tensors:
+        a = plan.action(t.unit)
+        if a.mode == Mode.RECOMPUTE and a != ran.action(t.unit) and t.index not in had:
+            rerun[t.unit] = rerun.get(t.unit, 0) + holds.get(t.index, 0)
+    rest = sum(n for i, n in holds.items() if i not in had)
+    rest -= sum(rerun.values())
+    return rest + sum(inputs.get(u, 0) for u in rerun) + max(rerun.values(), default=0)
 
 
 def timing_group(profile: Profile, budget: int, timed: Iterable[str] = ()) -> list[str]:
