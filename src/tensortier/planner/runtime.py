@@ -26,8 +26,12 @@ from the first step on:
    of them for a partial swap), units chosen for recompute have their ``forward`` wrapped in
    non-reentrant ``torch.utils.checkpoint``, with a selective policy for selective recompute
    (all restored by :meth:`PlannedOffload.close`),
-4. tightens: the first ``check_steps`` planned iterations are measured; one over the budget
-   re-plans with a margin widened by the excess (at most ``MAX_REPLANS`` times).
+4. ``auto`` on one rank tries its short list for real (:mod:`.trials`): a few plans that fit
+   by the rules of 3, two metered and timed training steps each, each trial a measured pass that
+   tightens the bound of the plans close to it; the fastest measured plan then runs,
+5. tightens: the first ``check_steps`` planned iterations (after the trials) are measured; one
+   over the budget re-plans with a margin widened by the excess (at most ``MAX_REPLANS``
+   times; a trial over the budget ends the trials so).
 
 **What the budget counts** (the one place it is defined): the peak, over one training
 iteration (the forward inside ``with`` to the end of its backward), of the memory the iteration
