@@ -707,11 +707,8 @@ class PlannedOffload:
             return
         self._trials, self._check_base = None, len(self.measured_peaks)
         best = trials.best()
-        if best is not None:
-            self._use(best)
-            log.info(
-                "tensortier plan %s: fastest of %d measured", best.plan.policy, len(trials.done)
-            )
+        self._use(best)
+        log.info("tensortier plan %s: fastest of %d measured", best.plan.policy, len(trials.done))
         if self._shapes is not None:
             self._save(self._current)
 

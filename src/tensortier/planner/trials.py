@@ -73,7 +73,7 @@ class Trials:
         seconds: float,
         repeats: int = REPEATS,
     ):
-        self.profile, self.fits = profile, fits
+        self.profile, self.fits, self.first = profile, fits, first
         self.plans, self.seconds, self.repeats = plans, seconds, max(1, repeats)
         self.pool: dict[str, Choice] = {}
         for c in [first, *first.considered.values()]:
@@ -110,13 +110,14 @@ class Trials:
             self.spent += seconds
         cur.over = cur.over or over
 
-    def best(self) -> Choice | None:
-        """The plan with the fastest measured step that stayed under the budget."""
+    def best(self) -> Choice:
+        """The plan with the fastest measured step that stayed under the budget (the first
+        plan when no trial step was timed: forwards without a backward)."""
         if self.current is not None:
             self._finish(self.current)
         ok = [t for t in self.done if t.times and not t.over]
         if not ok:
-            return None
+            return self.first
         return min(ok, key=lambda t: (min(t.times), t.choice.result.step_s)).choice
 
     def _finish(self, trial: Trial) -> None:
