@@ -73,9 +73,9 @@ def test_measured_trials_overturn_the_simulators_order(tmp_path, monkeypatch):
 
 
 def test_without_trials_the_simulators_choice_runs(tmp_path):
-    """``trial_plans=0`` (and every named policy): the plan chosen from the profile runs."""
+    """A named policy: the plan chosen from the profile runs, no trials."""
     m, x = _mlp(depth=3), torch.randn(512, 512)
-    off = runtime.planned_offload(16 * MiB, spill_dir=str(tmp_path), options=FAST, policy="fine")
+    off = runtime.planned_offload(32 * MiB, spill_dir=str(tmp_path), options=FAST, policy="fine")
     try:
         for _ in range(8):
             with off:
