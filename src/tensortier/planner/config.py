@@ -29,5 +29,8 @@ class PlanConfig:
     report: str | None = None  # write an HTML report of the chosen plan here
     plan_cache: str | None = None  # directory of cached profiles and plans (JSON)
     check_steps: int = 3  # planned iterations measured against the budget (re-plan if over)
+    # auto: plans run for real after planning, the fastest measured kept (planner/trials.py);
+    # 0: the simulator's choice runs
+    trial_plans: int = 4
     # a RemoteStore the plan may use (the caller's, left open); not in repr: its repr has stats
     remote: object = field(default=None, repr=False, compare=False)

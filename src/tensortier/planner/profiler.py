@@ -828,10 +828,13 @@ def _codec_speeds(names: tuple[str, ...], nbytes: int) -> dict[str, CodecSpeed]:
 
 
 def pass_plan(profile: Profile, run: dict):
-    """The plan a measured pass ran: its kept units keep, the tensors ``parts`` names (unit ->
-    ordinals) stay in their units, every other tensor goes to the pass's tier."""
+    """The plan a measured pass ran: a trial's own plan (:mod:`.trials`); else its kept units
+    keep, the tensors ``parts`` names (unit -> ordinals) stay in their units, every other
+    tensor goes to the pass's tier."""
     from tensortier.planner.simulator import Mode, Plan, UnitAction
 
+    if run.get("plan") is not None:
+        return Plan.from_dict(run["plan"])
     tier = Mode(run.get("tier") or profile.meta.get("profiled_tier", "disk"))
     kept = set(run.get("kept", ()))
     parts = {u: set(o) for u, o in (run.get("parts") or {}).items()}
@@ -890,8 +893,9 @@ def calibrate(profile: Profile, *, with_probe: bool = False) -> Profile:
 def _calibrating(profile: Profile, with_probe: bool = False) -> list[dict]:
     """The passes :func:`calibrate` fits: the timing passes (and the probe ``with_probe``), or
     the probe alone when there is no other."""
-    runs = [r for r in profile.passes if with_probe or r.get("kind") != "probe"]
-    return runs or list(profile.passes)
+    runs = [r for r in profile.passes if r.get("kind") != "trial"]
+    fitted = [r for r in runs if with_probe or r.get("kind") != "probe"]
+    return fitted or runs
 
 
 def _factor(profile: Profile, run: dict) -> float | None:
@@ -933,6 +937,35 @@ def held(profile: Profile, plan) -> dict[int, int]:
     }
 
 
+def kept_through(profile: Profile, plan) -> set[int]:
+    """Pack indices of the saved tensors ``plan`` keeps from its forward to their backward, raw:
+    what a measured pass of it held all along. Not those of recomputed or selective units
+    (held from their rerun on only) nor those it encodes (source and payload coexist only
+    while the codec runs): a plan that keeps them holds more than that pass measured."""
+    from tensortier.planner.simulator import SWAPS, Mode, ordinals
+
+    ordinal = ordinals(profile)
+    out = set()
+    for t in profile.tensors:
+        mode = plan.action(t.unit).mode
+        if mode != Mode.KEEP and mode not in SWAPS:
+            continue
+        if plan.tier_of(t, ordinal[t.index]) == "keep" and not plan.codecs.get(t.index):
+            out.add(t.index)
+    return out
+
+
+def _alike(profile: Profile, plan, ran) -> set[int]:
+    """Pack indices of the saved tensors whose unit ``plan`` treats as the measured pass ``ran``
+    did (same action, same codec): they live as long in both (a recomputed unit's rerun too)."""
+    return {
+        t.index
+        for t in profile.tensors
+        if plan.action(t.unit) == ran.action(t.unit)
+        and plan.codecs.get(t.index) == ran.codecs.get(t.index)
+    }
+
+
 def measured_bound(profile: Profile, plan) -> int | None:
     """An upper bound, from measurement alone, on the peak of ``plan``: a measured pass's peak
     plus the bytes of the tensors ``plan`` holds that the pass offloaded (:func:`held`; the
@@ -945,15 +978,38 @@ def measured_bound(profile: Profile, plan) -> int | None:
     a timing pass at 1.03x its budget); this bound is what keeps the timing passes under the
     budget, the margin covers what is left (allocator and page granularity, copies in flight).
     For a recomputed unit it assumes its rerun's temporaries are no larger than those of the
-    pass's backward over the same unit, which reads the unit's tensors back.
+    pass's backward over the same unit, which reads the unit's tensors back, and counts its
+    input and, for the largest recomputed unit only, its saved tensors (:func:`_added`). A measured trial of
+    a plan (:mod:`.trials`) is a pass too: what it held is what it kept raw all along
+    (:func:`kept_through`), so a plan close to one already run is bounded close to its peak.
     """
     holds = held(profile, plan)
     bounds = []
     for r in profile.passes:
         if r.get("peak_bytes"):
-            had = held(profile, pass_plan(profile, r))
-            bounds.append(int(r["peak_bytes"]) + sum(n for i, n in holds.items() if i not in had))
+            ran = pass_plan(profile, r)
+            had = kept_through(profile, ran) | _alike(profile, plan, ran)
+            bounds.append(int(r["peak_bytes"]) + _added(profile, plan, ran, holds, had))
     return min(bounds, default=None)
+
+
+def _added(profile: Profile, plan, ran, holds: dict[int, int], had: set[int]) -> int:
+    """The bytes ``plan`` may hold beyond the measured pass ``ran`` at any moment: those of the
+    tensors it holds that the pass did not (:func:`measured_bound`), except that the units it
+    recomputes (where the pass did not) add their inputs, which their checkpoints keep, and the
+    saved tensors of one of them alone: a recomputed unit's tensors are alive only while its
+    forward runs and from its rerun to the end of its backward, and units run one at a time."""
+    from tensortier.planner.simulator import Mode
+
+    rerun: dict[str, int] = {}
+    inputs = {u.name: u.input_bytes for u in profile.units}
+    for t in profile.tensors:
+        a = plan.action(t.unit)
+        if a.mode == Mode.RECOMPUTE and a != ran.action(t.unit) and t.index not in had:
+            rerun[t.unit] = rerun.get(t.unit, 0) + holds.get(t.index, 0)
+    rest = sum(n for i, n in holds.items() if i not in had)
+    rest -= sum(rerun.values())
+    return rest + sum(inputs.get(u, 0) for u in rerun) + max(rerun.values(), default=0)
 
 
 def timing_group(profile: Profile, budget: int, timed: Iterable[str] = ()) -> list[str]:

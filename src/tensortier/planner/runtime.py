@@ -26,8 +26,12 @@ from the first step on:
    of them for a partial swap), units chosen for recompute have their ``forward`` wrapped in
    non-reentrant ``torch.utils.checkpoint``, with a selective policy for selective recompute
    (all restored by :meth:`PlannedOffload.close`),
-4. tightens: the first ``check_steps`` planned iterations are measured; one over the budget
-   re-plans with a margin widened by the excess (at most ``MAX_REPLANS`` times).
+4. ``auto`` on one rank tries its short list for real (:mod:`.trials`): a few plans that fit
+   by the rules of 3, two metered and timed training steps each, each trial a measured pass that
+   tightens the bound of the plans close to it; the fastest measured plan then runs,
+5. tightens: the first ``check_steps`` planned iterations (after the trials) are measured; one
+   over the budget re-plans with a margin widened by the excess (at most ``MAX_REPLANS``
+   times; a trial over the budget ends the trials so).
 
 **What the budget counts** (the one place it is defined): the peak, over one training
 iteration (the forward inside ``with`` to the end of its backward), of the memory the iteration
@@ -82,6 +86,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -120,6 +125,7 @@ from tensortier.planner.ranks import (
     over_anywhere,
 )
 from tensortier.planner.simulator import SWAPS, Plan, ordinals, selective_sets
+from tensortier.planner.trials import Trials, plan_key
 from tensortier.tiers.codecs import get_codec
 
 log = logging.getLogger(__name__)
@@ -315,6 +321,9 @@ class PlannedOffload:
         self.replans = 0
         self._margin: float | None = None  # widened by re-plans (see margin)
         self._checked = 0  # measured_peaks already compared across the ranks
+        self._trials: Trials | None = None  # auto's measured trials, right after planning
+        self._trial_t0: float | None = None  # when the running trial step began
+        self._check_base = 0  # measured_peaks before the checked steps (trials come first)
         self._agreed = False  # the ranks checked that they run the same settings
         register_stats("planned_offload", self)  # tt.stats() lists it while it is open
 
@@ -376,6 +385,7 @@ class PlannedOffload:
         self._check_peak()
         if self.profile is None and self._profiled > cfg.timing_iters:
             self._finish_profile()
+        self._step_trials()
         self._step_shapes = None
         self._root_hook = nn.modules.module.register_module_forward_pre_hook(self._catch_root)
         try:
@@ -392,7 +402,7 @@ class PlannedOffload:
         cfg = self.config
         if self.offloader is not None:  # the plan (profiled now, or cached)
             self._active = self.offloader
-            if len(self.measured_peaks) < cfg.check_steps * (1 + self.replans):
+            if self._checking():
                 # what earlier iterations left resident counts: the budget holds for the process
                 self._meter_base = self._resident()
                 self._meter = PeakMeter(self.offloader.device).__enter__()
@@ -490,7 +500,13 @@ class PlannedOffload:
             return False
         if self.offloader is None or self.profile is None:
             return True
-        return len(self.measured_peaks) < self.config.check_steps * (1 + self.replans)
+        return self._checking()
+
+    def _checking(self) -> bool:
+        """Whether this planned iteration is metered: a trial, or one of the checked steps that
+        follow the trials (and each re-plan)."""
+        checks = self.config.check_steps * (1 + self.replans)
+        return self._trials is not None or len(self.measured_peaks) - self._check_base < checks
 
     def _grad_bytes(self) -> int:
         """The bytes of the model's gradients (the training's, allocated during backward)."""
@@ -571,6 +587,16 @@ class PlannedOffload:
         return max(1, int(self.config.budget * (1 - m)) - self._overhead)
 
     @property
+    def settled(self) -> bool:
+        """Whether the plan that stays runs: planned, its trials over, and a step of it measured
+        (the plan the checked steps and later iterations run, unless a check re-plans)."""
+        return (
+            self.choice is not None
+            and self._trials is None
+            and len(self.measured_peaks) > self._check_base
+        )
+
+    @property
     def margin(self) -> float:
         """The share of the budget planned as slack: ``Options.margin``, widened by re-plans.
         Kept apart from the options, which (with the user's margin) key the plan cache."""
@@ -646,6 +672,61 @@ class PlannedOffload:
         if prof.offloader is not None and prof.offloader is not self._warm:
             prof.offloader.close()
         self._install(name)
+        self._start_trials()
+
+    def _start_trials(self) -> None:
+        """``auto`` on one rank: the short list of plans to run for real (:mod:`.trials`),
+        each one fitting by the rules the plan just chosen met (:meth:`_fits`). Not for a named
+        policy (its plan is the user's choice) nor on many ranks (each rank's times differ and
+        every rank must run the same plan)."""
+        cfg = self.config
+        if cfg.policy != "auto" or cfg.trial_plans < 1 or _dist.active() or self.cached:
+            return
+        seconds = (cfg.options or Options()).plan_seconds
+        self._trials = Trials(self.profile, self.choice, self._fits, cfg.trial_plans, seconds)
+
+    def _fits(self, choice: Choice) -> bool:
+        """The rules every plan that runs meets (see :func:`bounded_choice`): the simulator's
+        peak, writes stalled, under the planning budget, and the measured bound under the budget
+        less the resident buffers."""
+        if choice.result.peak_bytes > self._planning_budget():
+            return False
+        bound = measured_bound(self.profile, choice.plan)
+        return bound is None or bound <= self.config.budget - self._overhead
+
+    def _step_trials(self) -> None:
+        """At a forward during the trials: install the plan this step tries; once they are over,
+        the one measured fastest (then checked like any plan, and cached)."""
+        trials = self._trials
+        if trials is None or self.offloader is None:
+            return
+        choice = trials.next()
+        if choice is not None:
+            self._use(choice)
+            self._trial_t0 = time.perf_counter()
+            return
+        self._trials, self._check_base = None, len(self.measured_peaks)
+        best = trials.best()
+        self._use(best)
+        log.info("tensortier plan %s: fastest of %d measured", best.plan.policy, len(trials.done))
+        if self._shapes is not None:
+            self._save(self._current)
+
+    def _use(self, choice: Choice) -> None:
+        """Run ``choice`` (an ``auto`` plan) from this forward on, in the current bucket."""
+        if plan_key(choice.plan) == plan_key(self.choice.plan):
+            return
+        name = choice.plan.policy
+        plan = Plan(
+            name if name.startswith("auto:") else f"auto:{name}",
+            dict(choice.plan.actions),
+            dict(choice.plan.codecs),
+        )
+        first = self.choice
+        self._buckets[self._current].choice = Choice(
+            plan, choice.result, first.plan_s, considered=first.considered
+        )
+        self._install(self._current)
 
     def _recheck(self, resident: int) -> None:
         """Planning leaves memory of its own (the search's objects: ~0.007x the budget on the
@@ -758,6 +839,10 @@ class PlannedOffload:
         name = json.dumps(key, sort_keys=True)
         if name == self._current:
             return
+        if (
+            self._trials is not None
+        ):  # trials time the profiled shapes only: the plan on trial stays
+            self._trials, self._trial_t0, self._check_base = None, None, len(self.measured_peaks)
         if name not in self._buckets:
             base = next(iter(self._buckets.values()))
             sizes = dimension_map(base.shapes, shapes)
@@ -850,7 +935,11 @@ class PlannedOffload:
         self._check_hooks = handles
 
     def _backward_end(self) -> None:
-        """Queued at the end of the backward: the window's net growth, then the meter."""
+        """Queued at the end of the backward: a trial step's time, the window's net growth,
+        then the meter."""
+        if self._trials is not None and self._trial_t0 is not None:
+            self._trials.measured(seconds=time.perf_counter() - self._trial_t0)
+        self._trial_t0 = None
         self._close_window()
         self._read_meter()
 
@@ -871,6 +960,8 @@ class PlannedOffload:
                 return
             self.measured_peaks.append(peak)
             self._over = self._over or peak > self.config.budget
+            if self._trials is not None:
+                self._trials.measured(peak=meter.delta, over=peak > self.config.budget)
 
     def _check_first(self, peak: int) -> None:
         """The first iteration offloads every saved tensor, the most conservative way a step
@@ -912,6 +1003,8 @@ class PlannedOffload:
         budget = self.config.budget
         margin = 1 - (1 - self.margin) * budget / peak
         margin = min(0.9, max(margin, self.margin + 0.05))
+        if self._trials is not None:  # a trial went over: the re-planned plan runs, no trials
+            self._trials, self._trial_t0, self._check_base = None, None, len(self.measured_peaks)
         self.replans += 1
         self._margin = margin
 
