@@ -488,7 +488,9 @@ def test_a_budget_the_first_step_keeps_runs_on(spill_dir):
             loss.backward()
     finally:
         off.close()
-    assert 0 < off.first_peak <= 64 << 20 and off.choice is not None
+    # measured (0 when the step grew RSS into pages earlier tests left resident) and kept
+    assert off.first_peak is not None and 0 <= off.first_peak <= 64 << 20
+    assert off.choice is not None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the resident accounting is a CPU budget's")
