@@ -38,7 +38,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/tensortier demo
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests benchmarks
