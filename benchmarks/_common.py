@@ -1,5 +1,5 @@
 """Shared plumbing for benchmark scripts: the environment row, the JSON file, worker processes,
-a two-node Ray cluster on this machine.
+a one-node and a two-node Ray cluster on this machine.
 
 The table printer lives in the library (:func:`tensortier._units.print_table`): ``tensortier
 plan`` prints its tables too, and nothing in ``src`` may import ``benchmarks``.
@@ -112,4 +112,27 @@ def two_ray_nodes(object_store_memory: int) -> Iterator[tuple[Any, Any, str]]:
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def one_ray_node(num_cpus: int) -> Iterator[Any]:
+    """``ray``, initialised as one local node of ``num_cpus`` CPUs under a private ``/tmp`` dir.
+
+    Why here: the replay benchmark's Ray and sharded sections start the same node and tear it
+    down the same way, the directory removed even when the section fails."""
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="tt-ray-", dir="/tmp")
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)

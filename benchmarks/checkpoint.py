@@ -313,6 +313,69 @@ def _rows(session: harness.Session, per_round: list[dict], keys: list[str], dd_w
     return rows + errors, timed, ratios
 
 
+COLUMNS = [
+    "variant",
+    "stall_s",
+    "stall_vs_torch_save",
+    "persist_s",
+    "durable_s",
+    "persist_gbps",
+    "persist_vs_disk_limit",
+    "peak_extra_rss",
+    "slowdown",
+]
+
+
+def _auto_row(model, opt, width, args: argparse.Namespace, auto_steps: int, device) -> dict:
+    """every="auto" against a plain run of the same length, back to back: plain runs before and
+    after the auto run, so their mean cancels slow drifts of a shared machine."""
+    c0 = time.process_time()
+    plain_before = train(model, opt, width, args.batch, auto_steps, device)
+    plain_cpu = time.process_time() - c0
+    root = tempfile.mkdtemp(prefix="tt-bench-ckpt-", dir=args.dir)
+    try:
+        ck = Checkpointer(root, keep=2, every="auto", max_overhead=args.max_overhead)
+        rss = _PeakRSS()
+        t0, c0 = time.perf_counter(), time.process_time()
+        train(
+            model,
+            opt,
+            width,
+            args.batch,
+            auto_steps,
+            device,
+            before_step=ck.before_optimizer_step,
+            after_step=lambda i: ck.maybe_save(i, model=model, optimizer=opt),
+        )
+        ck.close()
+        auto = time.perf_counter() - t0
+        auto_cpu = time.process_time() - c0
+        peak = rss.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    c0 = time.process_time()
+    plain_after = train(model, opt, width, args.batch, auto_steps, device)
+    plain_cpu = (plain_cpu + time.process_time() - c0) / 2
+    plain = (plain_before + plain_after) / 2
+    return {
+        "variant": f"tensortier every=auto (max_overhead={args.max_overhead})",
+        "steps": auto_steps,
+        "checkpoints": ck.stats().committed,
+        "interval": ck.stats().interval,
+        "steps_saved": [h["step"] for h in ck.stats().history],
+        "total_stall_s": ck.stats().stall_seconds,
+        "peak_extra_rss": peak,
+        "plain_loop_s": plain,
+        "plain_loop_before_after_s": [plain_before, plain_after],
+        "auto_loop_s": auto,
+        "slowdown": auto / plain - 1,
+        # CPU seconds of this process: less sensitive to other tenants of a shared machine
+        "plain_cpu_s": plain_cpu,
+        "auto_cpu_s": auto_cpu,
+        "cpu_slowdown": auto_cpu / plain_cpu - 1,
+    }
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     if args.replica:
         from benchmarks import checkpoint_replica
@@ -353,67 +416,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         rows, timed, ratios = _rows(session, per_round, list(variants), dd_write)
         base = harness.spread_stats(got["none"].get("loop_s") for got in per_round)["median"]
     idle = idle_persist_gbps(model, opt, args.dir)
-    # every="auto" against a plain run of the same length, back to back
-    # plain runs before and after the auto run: their mean cancels slow drifts of a shared machine
-    c0 = time.process_time()
-    plain_before = train(model, opt, width, args.batch, auto_steps, device)
-    plain_cpu = time.process_time() - c0
-    root = tempfile.mkdtemp(prefix="tt-bench-ckpt-", dir=args.dir)
-    try:
-        ck = Checkpointer(root, keep=2, every="auto", max_overhead=args.max_overhead)
-        rss = _PeakRSS()
-        t0, c0 = time.perf_counter(), time.process_time()
-        train(
-            model,
-            opt,
-            width,
-            args.batch,
-            auto_steps,
-            device,
-            before_step=ck.before_optimizer_step,
-            after_step=lambda i: ck.maybe_save(i, model=model, optimizer=opt),
-        )
-        ck.close()
-        auto = time.perf_counter() - t0
-        auto_cpu = time.process_time() - c0
-        peak = rss.stop()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    c0 = time.process_time()
-    plain_after = train(model, opt, width, args.batch, auto_steps, device)
-    plain_cpu = (plain_cpu + time.process_time() - c0) / 2
-    plain = (plain_before + plain_after) / 2
-    auto_row = {
-        "variant": f"tensortier every=auto (max_overhead={args.max_overhead})",
-        "steps": auto_steps,
-        "checkpoints": ck.stats().committed,
-        "interval": ck.stats().interval,
-        "steps_saved": [h["step"] for h in ck.stats().history],
-        "total_stall_s": ck.stats().stall_seconds,
-        "peak_extra_rss": peak,
-        "plain_loop_s": plain,
-        "plain_loop_before_after_s": [plain_before, plain_after],
-        "auto_loop_s": auto,
-        "slowdown": auto / plain - 1,
-        # CPU seconds of this process: less sensitive to other tenants of a shared machine
-        "plain_cpu_s": plain_cpu,
-        "auto_cpu_s": auto_cpu,
-        "cpu_slowdown": auto_cpu / plain_cpu - 1,
-    }
-    print_table(
-        rows,
-        [
-            "variant",
-            "stall_s",
-            "stall_vs_torch_save",
-            "persist_s",
-            "durable_s",
-            "persist_gbps",
-            "persist_vs_disk_limit",
-            "peak_extra_rss",
-            "slowdown",
-        ],
-    )
+    auto_row = _auto_row(model, opt, width, args, auto_steps, device)
+    print_table(rows, COLUMNS)
     print(
         f"\nauto: {auto_row['checkpoints']} checkpoints in {auto_steps} steps at steps "
         f"{auto_row['steps_saved']}, interval {auto_row['interval']}, slowdown "

@@ -19,6 +19,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +59,108 @@ def _same(a, b) -> bool:
     return a == b
 
 
+@dataclass
+class _Seconds:
+    """Every round's timings, one list per measurement, the rounds aligned."""
+
+    disk: list[float] = field(default_factory=list)
+    replica: list[float] = field(default_factory=list)
+    push: list[float] = field(default_factory=list)
+    persist: list[float] = field(default_factory=list)
+    wire: list[float] = field(default_factory=list)
+
+
+def _save(ckdir: str, r: int, model, opt, sec: _Seconds) -> int:
+    """Round ``r``'s checkpoint, persisted and pushed to the replica node; its bytes. Each
+    round saves a newer step, so no read is served from a copy an earlier round left."""
+    with Checkpointer(ckdir, keep=2, replicas=1, replica_timeout=300) as ck:
+        if r:
+            ck.restore()  # continue the run: the next step is newer
+        ck.save(r, model=model, optimizer=opt)
+        ck.wait()
+        if ck.stats().last_replica_error:
+            raise RuntimeError(f"replica push failed: {ck.stats().last_replica_error}")
+        sec.persist.append(ck.stats().last_persist_seconds)
+        sec.push.append(ck.stats().last_replica_seconds)
+        return ck.stats().last_persist_bytes
+
+
+def _restore_both(ckdir: str, r: int, target, target_opt, sec: _Seconds) -> dict:
+    """Restore from the cold disk checkpoint and from the replica, the first alternating by
+    round; each source's model and optimizer state, cloned for the bit-for-bit comparison."""
+    got = {}
+    for source in ("disk", "replica") if r % 2 == 0 else ("replica", "disk"):
+        cached = drop_cache(ckdir) if source == "disk" else 0
+        t0 = time.perf_counter()
+        with Checkpointer(ckdir, keep=2, replicas=int(source == "replica")) as ck:
+            st = ck.restore(model=target, optimizer=target_opt)
+        seconds = time.perf_counter() - t0
+        if st.source != source:
+            raise RuntimeError(f"restore read from {st.source}: {st.fallback}")
+        (sec.disk if source == "disk" else sec.replica).append(seconds)
+        got[source] = {
+            "model": {k: v.clone() for k, v in target.state_dict().items()},
+            "optimizer": target_opt.state_dict(),
+        }
+        got[source]["optimizer"] = _clone(got[source]["optimizer"])
+        del cached
+    return got
+
+
+def _wire_seconds(ray, peer, nbytes: int) -> float:
+    """The engine's limit: one object of the same size made on that node, pulled here."""
+    ref = peer.make.remote(nbytes)
+    ray.wait([ref], fetch_local=False, timeout=300)
+    t0 = time.perf_counter()
+    arr = ray.get(ref, timeout=300)
+    seconds = time.perf_counter() - t0
+    del arr, ref
+    return seconds
+
+
+def _rows(session: harness.Session, sec: _Seconds, nbytes: int):
+    """``(rows, timed, ratios)``: disk, replica and the bare transfer, medians over the rounds,
+    and the replica's and the transfer's time against the disk's, within each round."""
+    disk, replica = statistics.median(sec.disk), statistics.median(sec.replica)
+    rows = [
+        {
+            "source": "disk (cold: posix_fadvise DONTNEED)",
+            "restore_s": disk,
+            "gbps": nbytes / disk / 1e9,
+            "all_s": sec.disk,
+        },
+        {
+            "source": "in-memory replica (other node)",
+            "restore_s": replica,
+            "gbps": nbytes / replica / 1e9,
+            "all_s": sec.replica,
+            "vs_disk": replica / disk,
+        },
+    ]
+    wire = statistics.median(sec.wire)
+    rows.append(
+        {
+            "source": "ray.get of one object of that size from the other node (transfer only)",
+            "restore_s": wire,
+            "gbps": nbytes / wire / 1e9,
+            "all_s": sec.wire,
+            "vs_disk": wire / disk,
+        }
+    )
+    per_round = [
+        {"disk": {"restore_s": d}, "replica": {"restore_s": r}, "wire": {"restore_s": w}}
+        for d, r, w in zip(sec.disk, sec.replica, sec.wire)
+    ]
+    timed = {k: harness.variant_stats(per_round, k, ["restore_s"]) for k in per_round[0]}
+    for row, key in zip(rows, ("disk", "replica", "wire")):
+        row.update(session.row_fields(timed[key]))
+    ratios = {
+        "replica_vs_disk": harness.round_ratios(per_round, "replica", "disk", "restore_s"),
+        "wire_vs_disk": harness.round_ratios(per_round, "wire", "disk", "restore_s"),
+    }
+    return rows, timed, ratios
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import ray
 
@@ -72,8 +175,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     train(target, target_opt, width, args.batch, 1, device)
     store = int(state * 1.3) + (128 << 20)  # one replica (or one fetched copy) plus slack
     ckdir = tempfile.mkdtemp(prefix="tt-bench-replica-", dir=args.dir)
-    rows: list[dict] = []
-    disk_s, replica_s, push_s, persist_s, wire_s = [], [], [], [], []
+    sec = _Seconds()
     intact = True
     print(
         f"state {format_size(state)} (MLP width {width}), {rounds} rounds, checkpoints in {ckdir}"
@@ -82,89 +184,24 @@ def run(args: argparse.Namespace) -> list[dict]:
     try:
         with session, two_ray_nodes(store) as (_, peer, _):
             for r in range(rounds):
-                with Checkpointer(ckdir, keep=2, replicas=1, replica_timeout=300) as ck:
-                    if r:
-                        ck.restore()  # continue the run: the next step is newer
-                    ck.save(r, model=model, optimizer=opt)
-                    ck.wait()
-                    if ck.stats().last_replica_error:
-                        raise RuntimeError(f"replica push failed: {ck.stats().last_replica_error}")
-                    persist_s.append(ck.stats().last_persist_seconds)
-                    push_s.append(ck.stats().last_replica_seconds)
-                    nbytes = ck.stats().last_persist_bytes
-                got = {}
-                for source in ("disk", "replica") if r % 2 == 0 else ("replica", "disk"):
-                    cached = drop_cache(ckdir) if source == "disk" else 0
-                    t0 = time.perf_counter()
-                    with Checkpointer(ckdir, keep=2, replicas=int(source == "replica")) as ck:
-                        st = ck.restore(model=target, optimizer=target_opt)
-                    seconds = time.perf_counter() - t0
-                    if st.source != source:
-                        raise RuntimeError(f"restore read from {st.source}: {st.fallback}")
-                    (disk_s if source == "disk" else replica_s).append(seconds)
-                    got[source] = {
-                        "model": {k: v.clone() for k, v in target.state_dict().items()},
-                        "optimizer": target_opt.state_dict(),
-                    }
-                    got[source]["optimizer"] = _clone(got[source]["optimizer"])
-                    del cached
-                # the engine's limit: one object of the same size made on that node, pulled here
-                ref = peer.make.remote(nbytes)
-                ray.wait([ref], fetch_local=False, timeout=300)
-                t0 = time.perf_counter()
-                arr = ray.get(ref, timeout=300)
-                wire_s.append(time.perf_counter() - t0)
-                del arr, ref
+                nbytes = _save(ckdir, r, model, opt, sec)
+                got = _restore_both(ckdir, r, target, target_opt, sec)
+                sec.wire.append(_wire_seconds(ray, peer, nbytes))
                 intact &= _same(got["disk"], got["replica"])
                 intact &= _same(got["disk"]["model"], model.state_dict())
                 del got
             Checkpointer(ckdir, replicas=1).drop_replicas()
     finally:
         shutil.rmtree(ckdir, ignore_errors=True)
-    disk, replica = statistics.median(disk_s), statistics.median(replica_s)
-    rows = [
-        {
-            "source": "disk (cold: posix_fadvise DONTNEED)",
-            "restore_s": disk,
-            "gbps": nbytes / disk / 1e9,
-            "all_s": disk_s,
-        },
-        {
-            "source": "in-memory replica (other node)",
-            "restore_s": replica,
-            "gbps": nbytes / replica / 1e9,
-            "all_s": replica_s,
-            "vs_disk": replica / disk,
-        },
-    ]
-    wire = statistics.median(wire_s)
-    rows.append(
-        {
-            "source": "ray.get of one object of that size from the other node (transfer only)",
-            "restore_s": wire,
-            "gbps": nbytes / wire / 1e9,
-            "all_s": wire_s,
-            "vs_disk": wire / disk,
-        }
-    )
-    per_round = [
-        {"disk": {"restore_s": d}, "replica": {"restore_s": r}, "wire": {"restore_s": w}}
-        for d, r, w in zip(disk_s, replica_s, wire_s)
-    ]
-    timed = {k: harness.variant_stats(per_round, k, ["restore_s"]) for k in per_round[0]}
-    for row, key in zip(rows, ("disk", "replica", "wire")):
-        row.update(session.row_fields(timed[key]))
-    ratios = {
-        "replica_vs_disk": harness.round_ratios(per_round, "replica", "disk", "restore_s"),
-        "wire_vs_disk": harness.round_ratios(per_round, "wire", "disk", "restore_s"),
-    }
+    rows, timed, ratios = _rows(session, sec, nbytes)
+    disk, replica = rows[0]["restore_s"], rows[1]["restore_s"]
     measurement = session.report(timed, ratios)
     print_table(rows, ["source", "restore_s", "gbps", "vs_disk", "noisy"])
     print(harness.summary_line(measurement))
     print(
         f"replica/disk restore time: {replica / disk:.3f}x (target <= 0.3x); push "
-        f"{statistics.median(push_s):.3f}s after a {statistics.median(persist_s):.3f}s persist; "
-        f"bit-identical: {intact}"
+        f"{statistics.median(sec.push):.3f}s after a {statistics.median(sec.persist):.3f}s "
+        f"persist; bit-identical: {intact}"
     )
     write_json(
         args.json,
@@ -176,8 +213,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         rounds=rounds,
         replica_vs_disk=replica / disk,
         target_replica_vs_disk=0.3,
-        replica_push_s=push_s,
-        persist_s=persist_s,
+        replica_push_s=sec.push,
+        persist_s=sec.persist,
         cold_disk="posix_fadvise(POSIX_FADV_DONTNEED) on every checkpoint file before the read",
         intact=intact,
         dir=args.dir,

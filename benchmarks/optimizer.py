@@ -395,16 +395,36 @@ def _rows(session: harness.Session, per_round: list[dict], variants: list[str], 
     return rows
 
 
-def run(args) -> list[dict]:
-    if args.child:
-        fn = {"kernels": _kernel_child, "interleaved": _interleaved_child}.get(args.child, _child)
-        print(json.dumps(fn(args)))
-        return []
-    args.params = args.params or (5e6 if args.quick else 50e6)
-    args.steps = args.steps or (3 if args.quick else 6)
-    parse_size(args.bucket_size, name="bucket_size", allow_zero=False)
-    variants = [v for v in args.variants.split(",") if v]
-    session = harness.Session.from_args("optimizer", args)
+COLUMNS = [
+    "variant",
+    "step_ms",
+    "iter_ms",
+    "plain_fwdbwd_ms",
+    "update_alone_ms",
+    "step_no_overlap_ms",
+    "exposed_ms",
+    "step_vs_update",
+    "optimizer_rss_bytes",
+    "max_abs_diff_vs_torch",
+    "error",
+]
+NOTE = (
+    "Each variant runs once per round in its own process, rounds interleaved (--rounds); "
+    "its row is its median round by step_ms, with <metric>_stats over the rounds. "
+    "Within a process the times are the best of --steps steps. "
+    "CPU-only machine: the 'device' is host RAM, so backward and the CPU update share the "
+    "same cores; peak device memory equals peak RSS here. optimizer_rss_bytes = peak RSS "
+    "while training minus RSS once the model and its optimizer-free twin exist (so it also "
+    "holds both models' gradients, 8 B/param, alike for every variant). exposed_ms = median over "
+    "iterations of (iteration time - forward+backward time of an identical model with no "
+    "optimizer, timed just before)."
+)
+
+
+def _measure(args, session: harness.Session, variants: list[str]):
+    """``(per_round, rows, kernels, interleaved)``: every variant in interleaved rounds, each in
+    its own process; then the kernel candidates (``--kernels``) and ``opt.step()`` round-robin
+    in one process. Their parameter files live in one temporary directory, gone after."""
     with session, tempfile.TemporaryDirectory(prefix="tt-bench-optim-") as tmp:
         bar = tqdm(total=session.rounds * len(variants), desc="optimizer variants", unit="run")
 
@@ -418,6 +438,49 @@ def run(args) -> list[dict]:
         rows = _rows(session, per_round, variants, tmp)
         kernels = _run_child("kernels", args, os.path.join(tmp, "k.npy")) if args.kernels else None
         inter = _run_child("interleaved", args, os.path.join(tmp, "i.npy"))
+    return per_round, rows, kernels, inter
+
+
+def _summary(inter: dict) -> dict:
+    """The round-robin figures: tensortier's update and host step against the best peer's
+    step, and its disk step against its host step."""
+    ir = inter.get("rows", {})
+    peers = [
+        ir[v]["step_ms"]
+        for v in ("torch-fused", "deepspeed-cpu-adam")
+        if "step_ms" in ir.get(v, {})
+    ]
+    summary: dict = {}
+    if peers and "kernel_ms" in ir.get("tt-host", {}):
+        summary["update_speed_vs_best_peer"] = min(peers) / ir["tt-host"]["kernel_ms"]
+        summary["host_step_speed_vs_best_peer"] = min(peers) / ir["tt-host"]["step_ms"]
+    if "step_ms" in ir.get("tt-disk", {}) and "step_ms" in ir.get("tt-host", {}):
+        summary["disk_vs_host_step"] = ir["tt-disk"]["step_ms"] / ir["tt-host"]["step_ms"]
+    return summary
+
+
+def _derive(rows: list[dict]) -> None:
+    """tensortier's step against its update alone, and disk against host, into the rows."""
+    by = {r["variant"]: r for r in rows if "error" not in r}
+    for r in rows:
+        if "error" in r or not r["variant"].startswith("tt-"):
+            continue
+        r["step_vs_update"] = r["exposed_ms"] / r["update_alone_ms"]
+    if "tt-host" in by and "tt-disk" in by:
+        by["tt-disk"]["disk_vs_host_iter"] = by["tt-disk"]["iter_ms"] / by["tt-host"]["iter_ms"]
+
+
+def run(args) -> list[dict]:
+    if args.child:
+        fn = {"kernels": _kernel_child, "interleaved": _interleaved_child}.get(args.child, _child)
+        print(json.dumps(fn(args)))
+        return []
+    args.params = args.params or (5e6 if args.quick else 50e6)
+    args.steps = args.steps or (3 if args.quick else 6)
+    parse_size(args.bucket_size, name="bucket_size", allow_zero=False)
+    variants = [v for v in args.variants.split(",") if v]
+    session = harness.Session.from_args("optimizer", args)
+    per_round, rows, kernels, inter = _measure(args, session, variants)
     ratios = {
         f"{v}_{m}_vs_{peer}": harness.round_ratios(per_round, v, peer, m)
         for v in variants
@@ -431,41 +494,11 @@ def run(args) -> list[dict]:
         {**ratios, **{f"interleaved_{k}": v for k, v in inter.get("ratios", {}).items()}},
     )
     print("opt.step() timed round-robin in one process:", json.dumps(inter, indent=1))
-    ir = inter.get("rows", {})
-    peers = [
-        ir[v]["step_ms"]
-        for v in ("torch-fused", "deepspeed-cpu-adam")
-        if "step_ms" in ir.get(v, {})
-    ]
-    summary: dict = {}
-    if peers and "kernel_ms" in ir.get("tt-host", {}):
-        summary["update_speed_vs_best_peer"] = min(peers) / ir["tt-host"]["kernel_ms"]
-        summary["host_step_speed_vs_best_peer"] = min(peers) / ir["tt-host"]["step_ms"]
-    if "step_ms" in ir.get("tt-disk", {}) and "step_ms" in ir.get("tt-host", {}):
-        summary["disk_vs_host_step"] = ir["tt-disk"]["step_ms"] / ir["tt-host"]["step_ms"]
+    summary = _summary(inter)
     if kernels is not None:
         print("CPU AdamW kernel candidates (ms per update):", json.dumps(kernels, indent=1))
-    by = {r["variant"]: r for r in rows if "error" not in r}
-    for r in rows:
-        if "error" in r or not r["variant"].startswith("tt-"):
-            continue
-        r["step_vs_update"] = r["exposed_ms"] / r["update_alone_ms"]
-    if "tt-host" in by and "tt-disk" in by:
-        by["tt-disk"]["disk_vs_host_iter"] = by["tt-disk"]["iter_ms"] / by["tt-host"]["iter_ms"]
-    cols = [
-        "variant",
-        "step_ms",
-        "iter_ms",
-        "plain_fwdbwd_ms",
-        "update_alone_ms",
-        "step_no_overlap_ms",
-        "exposed_ms",
-        "step_vs_update",
-        "optimizer_rss_bytes",
-        "max_abs_diff_vs_torch",
-        "error",
-    ]
-    print_table(rows, cols)
+    _derive(rows)
+    print_table(rows, COLUMNS)
     print("summary (round-robin figures):", json.dumps(summary))
     print(harness.summary_line(measurement))
     write_json(
@@ -478,17 +511,7 @@ def run(args) -> list[dict]:
         measurement=measurement,
         params=int(args.params),
         steps=args.steps,
-        note=(
-            "Each variant runs once per round in its own process, rounds interleaved (--rounds); "
-            "its row is its median round by step_ms, with <metric>_stats over the rounds. "
-            "Within a process the times are the best of --steps steps. "
-            "CPU-only machine: the 'device' is host RAM, so backward and the CPU update share the "
-            "same cores; peak device memory equals peak RSS here. optimizer_rss_bytes = peak RSS "
-            "while training minus RSS once the model and its optimizer-free twin exist (so it also "
-            "holds both models' gradients, 8 B/param, alike for every variant). exposed_ms = median over "
-            "iterations of (iteration time - forward+backward time of an identical model with no "
-            "optimizer, timed just before)."
-        ),
+        note=NOTE,
     )
     return rows
 

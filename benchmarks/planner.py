@@ -171,14 +171,14 @@ class _Reinstalled:
 
 
 def _worker(args) -> dict:
-
+    # the planner's modules load before memory is released and plain training measured, as
+    # in a user's job (the helpers below import from them again, for free)
+    import tensortier.activations  # noqa: F401
+    import tensortier.planner.policies  # noqa: F401
+    import tensortier.planner.report  # noqa: F401
+    import tensortier.planner.runtime  # noqa: F401
+    import tensortier.planner.simulator  # noqa: F401
     from tensortier._memory import release_freed_memory
-    from tensortier.activations import Offloader
-    from tensortier.errors import BudgetError
-    from tensortier.planner.policies import Options, plan_all
-    from tensortier.planner.report import op_rows
-    from tensortier.planner.runtime import PlanConfig, PlannedOffload, Recompute, make_decide
-    from tensortier.planner.simulator import selective_sets
 
     release_freed_memory()
     model, x, y = _build(args)
@@ -190,132 +190,173 @@ def _worker(args) -> dict:
     out = {"model": args.model, "plain_peak_bytes": plain_peak, "budgets": []}
     policies = [p for p in args.policies.split(",") if p]
     for frac in (float(f) for f in args.budget_fracs.split(",")):
-        budget = int(frac * plain_peak)
-        opts = Options(seed=0, plan_seconds=args.plan_seconds, tiers=("disk",))
-        config = PlanConfig(
-            budget=budget,
-            tier="disk",
-            spill_dir=args.spill_dir,
-            timing_iters=args.timing_iters,
-            options=opts,
-        )
-        auto = {"name": "auto", "peaks": [], "times": []}
-        planned = PlannedOffload(config)
-        auto["ctx"] = planned
-        error = minimum = None
-        profiling = []
-        try:
-            # warm-up, probe, timing passes, then the plan's trials and one step of its choice
-            limit = config.warmup + 3 + args.timing_iters + config.trial_plans * REPEATS
-            while not planned.settled:
-                dt, peak, digest = run.step(auto)
-                profiling.append(peak)
-                if len(profiling) > limit:
-                    break
-        except BudgetError as e:
-            error, minimum = str(e), e.minimum
-        row = {"frac": frac, "budget_bytes": budget, "profiling_peaks": profiling}
-        if error is not None or planned.choice is None:
-            row["error"] = error or "no plan"
-            row["infeasible"] = error is not None
-            row["minimum_bytes"] = minimum
-            planned.close()
-            out["budgets"].append(row)
-            continue
-        # from here on the policies take turns on one model: auto's wrappers go in for its
-        # own steps only (its runtime may plan again and install others: they go too)
-        if planned._recompute is not None:
-            planned._recompute.remove()
-        auto["wrap"] = lambda p=planned: _Reinstalled(p)
-        profile = planned.profile
-        plan_budget = planned._planning_budget()
-        t0 = time.perf_counter()
-        inner = Options(**{**opts.__dict__, "margin": 0.0})
-        choices = plan_all(profile, plan_budget, inner)
-        row["plan_all_s"] = time.perf_counter() - t0
-        row["planning_budget_bytes"] = plan_budget
-        row["overhead_bytes"] = planned._overhead
-        variants = {}
-        for name in policies:
-            if name == "auto":
-                auto["choice"] = planned.choice
-                variants["auto"] = auto
-                continue
-            choice = choices.get(name)
-            if choice is None:
-                continue
-            plan = choice.plan
-            var = {"name": name, "choice": choice, "peaks": [], "times": []}
-            if any(a.mode.value in ("host", "disk") for a in plan.actions.values()):
-                var["ctx"] = Offloader(
-                    "disk",
-                    spill_dir=args.spill_dir,
-                    decide=make_decide(profile, plan),
-                    prefetch_budget=config.prefetch_budget,
-                    inflight_budget=config.inflight_budget,
-                    host_budget=planned._pool_budget(),
-                    io_threads=planned._io_threads(),
-                )
-            sets = selective_sets(profile, plan)
-            recompute = plan.recomputed()
-            if recompute or sets:
-                var["wrap"] = lambda r=recompute, s=sets: Recompute(model, r, s)
-            variants[name] = var
-        try:
-            for r in range(1 + args.steps):
-                for var in variants.values():
-                    dt, peak, digest = run.step(var)
-                    var["digest"] = digest
-                    if r:
-                        var["times"].append(dt)
-        except BudgetError as e:  # never from a re-plan (it warns); a bench must not crash
-            row["error"] = f"rounds: {e}"
-            for var in variants.values():
-                if var.get("ctx") is not None:
-                    var["ctx"].close()
-            out["budgets"].append(row)
-            continue
-        rows = []
-        for name, var in variants.items():
-            choice = var["choice"]
-            pred = choice.result
-            lossless = all(profile.codecs[c].lossless for c in choice.plan.codecs.values() if c)
-            peaks = profiling + var["peaks"] if name == "auto" else var["peaks"]
-            step_s = min(var["times"])
-            rows.append(
-                {
-                    "model": args.model,
-                    "frac": frac,
-                    "policy": name,
-                    "plan": choice.plan.policy,
-                    "budget_bytes": budget,
-                    # the simulator's step peak plus the offloader's resident buffers
-                    "pred_peak_bytes": pred.peak_bytes
-                    + (planned._overhead if var.get("ctx") is not None else 0),
-                    "peak_bytes": max(peaks),
-                    "first_peak_bytes": peaks[0],
-                    "pred_step_s": pred.step_s,
-                    "step_s": step_s,
-                    "step_median_s": statistics.median(var["times"]),
-                    "step_times_s": var["times"],  # one per round, the rounds aligned
-                    "meets_budget": max(peaks) <= budget,
-                    "grads_match": var["digest"] == plain_grads if lossless else None,
-                    "plan_s": choice.plan_s,
-                    "actions": choice.plan.to_dict()["actions"],
-                    "op_actions": op_rows(profile, choice.plan),
-                }
-            )
-            ctx = var.get("ctx")
-            if ctx is not None:
-                ctx.close()
-        row["rows"] = rows
-        row["timing_groups"] = planned._groups
-        row["transient_factor"] = profile.transient_factor
-        row["move_s_per_byte"] = profile.move_s_per_byte
-        row["auto_measured_peaks"] = planned.measured_peaks
-        row["auto_replans"] = planned.replans
-        out["budgets"].append(row)
+        out["budgets"].append(_budget_cell(args, run, frac, plain_peak, plain_grads, policies))
     return out
+
+
+def _budget_cell(
+    args, run: _Runner, frac: float, plain_peak: int, plain_grads: str, policies: list[str]
+) -> dict:
+    """One budget: ``auto`` as a user runs it until it settles, every other policy planned from
+    the profile it measured, then all of them in rounds on the one model."""
+    from tensortier.errors import BudgetError
+    from tensortier.planner.policies import Options, plan_all
+    from tensortier.planner.runtime import PlanConfig
+
+    budget = int(frac * plain_peak)
+    opts = Options(seed=0, plan_seconds=args.plan_seconds, tiers=("disk",))
+    config = PlanConfig(
+        budget=budget,
+        tier="disk",
+        spill_dir=args.spill_dir,
+        timing_iters=args.timing_iters,
+        options=opts,
+    )
+    planned, auto, profiling, error, minimum = _settle_auto(args, run, config)
+    row = {"frac": frac, "budget_bytes": budget, "profiling_peaks": profiling}
+    if error is not None or planned.choice is None:
+        row["error"] = error or "no plan"
+        row["infeasible"] = error is not None
+        row["minimum_bytes"] = minimum
+        planned.close()
+        return row
+    # from here on the policies take turns on one model: auto's wrappers go in for its
+    # own steps only (its runtime may plan again and install others: they go too)
+    if planned._recompute is not None:
+        planned._recompute.remove()
+    auto["wrap"] = lambda p=planned: _Reinstalled(p)
+    profile = planned.profile
+    plan_budget = planned._planning_budget()
+    t0 = time.perf_counter()
+    inner = Options(**{**opts.__dict__, "margin": 0.0})
+    choices = plan_all(profile, plan_budget, inner)
+    row["plan_all_s"] = time.perf_counter() - t0
+    row["planning_budget_bytes"] = plan_budget
+    row["overhead_bytes"] = planned._overhead
+    variants = _variants(args, run.model, planned, config, choices, policies, auto)
+    try:
+        for r in range(1 + args.steps):
+            for var in variants.values():
+                dt, peak, digest = run.step(var)
+                var["digest"] = digest
+                if r:
+                    var["times"].append(dt)
+    except BudgetError as e:  # never from a re-plan (it warns); a bench must not crash
+        row["error"] = f"rounds: {e}"
+        for var in variants.values():
+            if var.get("ctx") is not None:
+                var["ctx"].close()
+        return row
+    row["rows"] = _policy_rows(args, frac, budget, variants, profiling, planned, plain_grads)
+    row["timing_groups"] = planned._groups
+    row["transient_factor"] = profile.transient_factor
+    row["move_s_per_byte"] = profile.move_s_per_byte
+    row["auto_measured_peaks"] = planned.measured_peaks
+    row["auto_replans"] = planned.replans
+    return row
+
+
+def _settle_auto(args, run: _Runner, config):
+    """``(planned, auto, profiling_peaks, error, minimum)``: ``auto`` from its very first step
+    (warm-up, probe, timing passes, then the plan's trials and one step of its choice), or the
+    budget error it raised."""
+    from tensortier.errors import BudgetError
+    from tensortier.planner.runtime import PlannedOffload
+
+    auto = {"name": "auto", "peaks": [], "times": []}
+    planned = PlannedOffload(config)
+    auto["ctx"] = planned
+    error = minimum = None
+    profiling = []
+    try:
+        limit = config.warmup + 3 + args.timing_iters + config.trial_plans * REPEATS
+        while not planned.settled:
+            dt, peak, digest = run.step(auto)
+            profiling.append(peak)
+            if len(profiling) > limit:
+                break
+    except BudgetError as e:
+        error, minimum = str(e), e.minimum
+    return planned, auto, profiling, error, minimum
+
+
+def _variants(args, model, planned, config, choices: dict, policies: list[str], auto: dict):
+    """Each policy's step: its plan through its own offloader (when it moves anything) and its
+    recompute wrappers, in ``policies`` order; ``auto`` runs its settled plan."""
+    from tensortier.activations import Offloader
+    from tensortier.planner.runtime import Recompute, make_decide
+    from tensortier.planner.simulator import selective_sets
+
+    profile = planned.profile
+    variants = {}
+    for name in policies:
+        if name == "auto":
+            auto["choice"] = planned.choice
+            variants["auto"] = auto
+            continue
+        choice = choices.get(name)
+        if choice is None:
+            continue
+        plan = choice.plan
+        var = {"name": name, "choice": choice, "peaks": [], "times": []}
+        if any(a.mode.value in ("host", "disk") for a in plan.actions.values()):
+            var["ctx"] = Offloader(
+                "disk",
+                spill_dir=args.spill_dir,
+                decide=make_decide(profile, plan),
+                prefetch_budget=config.prefetch_budget,
+                inflight_budget=config.inflight_budget,
+                host_budget=planned._pool_budget(),
+                io_threads=planned._io_threads(),
+            )
+        sets = selective_sets(profile, plan)
+        recompute = plan.recomputed()
+        if recompute or sets:
+            var["wrap"] = lambda r=recompute, s=sets: Recompute(model, r, s)
+        variants[name] = var
+    return variants
+
+
+def _policy_rows(args, frac, budget, variants, profiling, planned, plain_grads) -> list[dict]:
+    """One row per policy: predicted against measured peak and step time, whether it met the
+    budget and (lossless plans) matched plain training's gradients bit for bit."""
+    from tensortier.planner.report import op_rows
+
+    profile = planned.profile
+    rows = []
+    for name, var in variants.items():
+        choice = var["choice"]
+        pred = choice.result
+        lossless = all(profile.codecs[c].lossless for c in choice.plan.codecs.values() if c)
+        peaks = profiling + var["peaks"] if name == "auto" else var["peaks"]
+        step_s = min(var["times"])
+        rows.append(
+            {
+                "model": args.model,
+                "frac": frac,
+                "policy": name,
+                "plan": choice.plan.policy,
+                "budget_bytes": budget,
+                # the simulator's step peak plus the offloader's resident buffers
+                "pred_peak_bytes": pred.peak_bytes
+                + (planned._overhead if var.get("ctx") is not None else 0),
+                "peak_bytes": max(peaks),
+                "first_peak_bytes": peaks[0],
+                "pred_step_s": pred.step_s,
+                "step_s": step_s,
+                "step_median_s": statistics.median(var["times"]),
+                "step_times_s": var["times"],  # one per round, the rounds aligned
+                "meets_budget": max(peaks) <= budget,
+                "grads_match": var["digest"] == plain_grads if lossless else None,
+                "plan_s": choice.plan_s,
+                "actions": choice.plan.to_dict()["actions"],
+                "op_actions": op_rows(profile, choice.plan),
+            }
+        )
+        ctx = var.get("ctx")
+        if ctx is not None:
+            ctx.close()
+    return rows
 
 
 def _spawn(args, model: str) -> dict:

@@ -35,7 +35,7 @@ import torch
 
 from benchmarks import _harness as harness
 from benchmarks import params_nodes
-from benchmarks._common import environment, write_json
+from benchmarks._common import environment, one_ray_node, write_json
 from tensortier._units import format_size, parse_size, print_table
 
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_replay_peers.py")
@@ -130,90 +130,85 @@ def _torchrl_python(cache_dir: str) -> tuple[str | None, str]:
 
 # ---------------------------------------------------------------------- Ray section
 def _ray_section(directory: str, item_bytes: int, batch: int, seconds: float) -> list[dict]:
-    import ray
+    """Section 4 on one local Ray node: a served buffer under 4 collectors and 1 learner, then
+    the parameter store through Ray's object store."""
+    with one_ray_node(2) as ray:
+        return [
+            _ray_replay_row(ray, directory, item_bytes, batch, seconds),
+            _ray_params_row(ray),
+        ]
 
-    from tensortier.rl import ParamStore, Prioritized, ReplayBuffer, serve
 
-    tmp = tempfile.mkdtemp(prefix="tt-ray-", dir="/tmp")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=tmp,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    rows = []
-    try:
-        local = ReplayBuffer(
-            200_000, host_budget="1GiB", spill_dir=directory, sampler=Prioritized()
-        )
-        remote = serve(local, num_cpus=0.5)
+def _ray_replay_row(ray, directory: str, item_bytes: int, batch: int, seconds: float) -> dict:
+    """4 collector tasks extend a served buffer while this process samples and updates."""
+    from tensortier.rl import Prioritized, ReplayBuffer, serve
 
-        @ray.remote(num_cpus=0.25)
-        def collector(buf, seconds: float, item_bytes: int) -> int:
-            payload = np.random.default_rng(0).integers(0, 255, item_bytes, dtype=np.uint8)
-            n, end = 0, time.monotonic() + seconds
-            while time.monotonic() < end:
-                buf.extend({"obs": payload, "i": n + k} for k in range(32))  # rollout chunks
-                n += 32
-            return n
+    local = ReplayBuffer(200_000, host_budget="1GiB", spill_dir=directory, sampler=Prioritized())
+    remote = serve(local, num_cpus=0.5)
 
-        remote.add({"obs": np.zeros(item_bytes, np.uint8), "i": -1})
-        ray.get(collector.remote(remote, 0.5, item_bytes))  # start workers before timing
-        futures = [collector.remote(remote, seconds, item_bytes) for _ in range(4)]
-        t0 = time.perf_counter()
-        samples = 0
-        while time.perf_counter() - t0 < seconds:
-            b = remote.sample(batch)
-            remote.update_priorities(b.indices, np.random.rand(len(b)) + 0.01)
-            samples += len(b)
-        added = sum(ray.get(futures))
-        wall = time.perf_counter() - t0
-        rows.append(
-            {
-                "section": "ray",
-                "peer": "tensortier serve (4 collectors, 1 learner)",
-                "add_per_s": added / wall,
-                "sample_items_per_s": samples / wall,
-            }
-        )
-        remote.close()
-        local.close()
+    @ray.remote(num_cpus=0.25)
+    def collector(buf, seconds: float, item_bytes: int) -> int:
+        payload = np.random.default_rng(0).integers(0, 255, item_bytes, dtype=np.uint8)
+        n, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            buf.extend({"obs": payload, "i": n + k} for k in range(32))  # rollout chunks
+            n += 32
+        return n
 
-        # parameter store through Ray's object store: one ray.put per version, 8 readers
-        pstore = serve(ParamStore(), num_cpus=0)
-        state = {f"layer{i}.weight": torch.randn(100_000_000 // 4 // 4) for i in range(4)}
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    remote.add({"obs": np.zeros(item_bytes, np.uint8), "i": -1})
+    ray.get(collector.remote(remote, 0.5, item_bytes))  # start workers before timing
+    futures = [collector.remote(remote, seconds, item_bytes) for _ in range(4)]
+    t0 = time.perf_counter()
+    samples = 0
+    while time.perf_counter() - t0 < seconds:
+        b = remote.sample(batch)
+        remote.update_priorities(b.indices, np.random.rand(len(b)) + 0.01)
+        samples += len(b)
+    added = sum(ray.get(futures))
+    wall = time.perf_counter() - t0
+    row = {
+        "section": "ray",
+        "peer": "tensortier serve (4 collectors, 1 learner)",
+        "add_per_s": added / wall,
+        "sample_items_per_s": samples / wall,
+    }
+    remote.close()
+    local.close()
+    return row
 
-        @ray.remote(num_cpus=0.1)
-        class Reader:
-            def read(self, store, version: int) -> float:
-                p = store.get(min_version=version, timeout=300)
-                for t in p.values():
-                    float(t.view(-1)[::1024].sum())  # touch every 4 KiB page
-                return time.monotonic()
 
-        readers = [Reader.remote() for _ in range(8)]
-        pstore.publish(state)
-        ray.get([r.read.remote(pstore, 1) for r in readers])  # readers started and warm
-        pending = [r.read.remote(pstore, 2) for r in readers]
-        time.sleep(1.0)  # every reader is waiting inside get()
-        t0 = time.monotonic()
-        pstore.publish(state)
-        done = max(ray.get(pending))
-        rows.append(
-            {
-                "section": "params",
-                "peer": "tensortier serve(ParamStore) via Ray",
-                "bytes": nbytes,
-                "publish_to_8_readers_s": done - t0,
-            }
-        )
-        pstore.close()
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return rows
+def _ray_params_row(ray) -> dict:
+    """The parameter store through Ray's object store: one ray.put per version, 8 readers."""
+    from tensortier.rl import ParamStore, serve
+
+    pstore = serve(ParamStore(), num_cpus=0)
+    state = {f"layer{i}.weight": torch.randn(100_000_000 // 4 // 4) for i in range(4)}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+    @ray.remote(num_cpus=0.1)
+    class Reader:
+        def read(self, store, version: int) -> float:
+            p = store.get(min_version=version, timeout=300)
+            for t in p.values():
+                float(t.view(-1)[::1024].sum())  # touch every 4 KiB page
+            return time.monotonic()
+
+    readers = [Reader.remote() for _ in range(8)]
+    pstore.publish(state)
+    ray.get([r.read.remote(pstore, 1) for r in readers])  # readers started and warm
+    pending = [r.read.remote(pstore, 2) for r in readers]
+    time.sleep(1.0)  # every reader is waiting inside get()
+    t0 = time.monotonic()
+    pstore.publish(state)
+    done = max(ray.get(pending))
+    row = {
+        "section": "params",
+        "peer": "tensortier serve(ParamStore) via Ray",
+        "bytes": nbytes,
+        "publish_to_8_readers_s": done - t0,
+    }
+    pstore.close()
+    return row
 
 
 # ---------------------------------------------------------------------- parameter store section
@@ -420,7 +415,35 @@ def _ray_sections(args, skip, item_bytes, rows, ratios) -> None:
 
 
 # ---------------------------------------------------------------------- driver
-def run(args: argparse.Namespace) -> list[dict]:
+NOTES: dict[str, str] = {
+    "di-engine": "not measured: DI-engine 0.5.3 needs gym==0.25.1, whose setup fails to build "
+    "with current setuptools ('extras_require must be a dictionary ...')",
+    "rllib": "PrioritizedEpisodeReplayBuffer (ray[rllib]) in this environment, fed 100-step "
+    "episodes; its update_priorities applies to the last sampled batch only",
+}
+COLUMNS = [
+    "section",
+    "peer",
+    "items",
+    "add_per_s",
+    "extend_items_per_s",
+    "spill_gb_per_s",
+    "spill_write_gb_per_s",
+    "write_gb_per_s",
+    "sample_items_per_s",
+    "sample_ms",
+    "update_items_per_s",
+    "peak_rss",
+    "rss_growth",
+    "publish_to_8_readers_s",
+    "latency_s",
+    "error",
+]
+
+
+def _sizes(args: argparse.Namespace) -> tuple[int, int, int, int, int]:
+    """``(item_bytes, items, batches, spill_items, spill_budget)``: ``--quick`` scales the
+    defaults down, and a smaller spill run keeps the full run's 2 GiB-per-1M-items RAM ratio."""
     item_bytes = parse_size(args.item_bytes, name="--item-bytes")
     n = args.items or (10_000 if args.quick else 100_000)
     rounds = args.batches or (50 if args.quick else 200)
@@ -433,20 +456,12 @@ def run(args: argparse.Namespace) -> list[dict]:
         if args.spill_budget
         else int((2 << 30) * spill_n * item_bytes / full_spill_bytes)
     )
-    skip = set(filter(None, args.skip.split(",")))
-    rows: list[dict] = []
-    notes: dict[str, str] = {
-        "di-engine": "not measured: DI-engine 0.5.3 needs gym==0.25.1, whose setup fails to build "
-        "with current setuptools ('extras_require must be a dictionary ...')",
-        "rllib": "PrioritizedEpisodeReplayBuffer (ray[rllib]) in this environment, fed 100-step "
-        "episodes; its update_priorities applies to the last sampled batch only",
-    }
+    return item_bytes, n, rounds, spill_n, spill_budget
 
-    session = harness.Session.from_args("replay", args)
-    print(
-        f"[1/5] main run: {n} items x {format_size(item_bytes)}, batch {args.batch}, "
-        f"{session.rounds} interleaved rounds"
-    )
+
+def _main_peers(args: argparse.Namespace, skip: set[str], notes: dict[str, str]) -> dict:
+    """Section 1's peers and the Python each runs under: TorchRL's own venv, when it loads
+    (where it came from, or why it did not, goes into ``notes``)."""
     main_peers = [("tensortier", sys.executable), ("deque", sys.executable)]
     if "rllib" not in skip:
         main_peers.append(("rllib", sys.executable))
@@ -455,7 +470,36 @@ def run(args: argparse.Namespace) -> list[dict]:
         notes["torchrl"] = where
         if py:
             main_peers.insert(1, ("torchrl", py))
-    python = dict(main_peers)
+    return dict(main_peers)
+
+
+def _print_results(rows: list[dict], ratios: dict, measurement: dict) -> None:
+    """The table (RSS as sizes), every ratio and the measurement's one-line summary."""
+    printable = []
+    for r in rows:
+        r2 = dict(r)
+        for k in ("peak_rss", "rss_growth"):
+            if isinstance(r2.get(k), int):
+                r2[k] = format_size(r2[k])
+        printable.append(r2)
+    print_table(printable, COLUMNS)
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3g}")
+    print(harness.summary_line(measurement))
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    item_bytes, n, rounds, spill_n, spill_budget = _sizes(args)
+    skip = set(filter(None, args.skip.split(",")))
+    rows: list[dict] = []
+    notes = dict(NOTES)
+
+    session = harness.Session.from_args("replay", args)
+    print(
+        f"[1/5] main run: {n} items x {format_size(item_bytes)}, batch {args.batch}, "
+        f"{session.rounds} interleaved rounds"
+    )
+    python = _main_peers(args, skip, notes)
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # TorchRL's own venv
 
     def measure(peer: str, r: int) -> dict:
@@ -470,35 +514,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         rows += main_rows
         _other_sections(args, skip, n, item_bytes, rounds, spill_n, spill_budget, rows, ratios)
     measurement = session.report(timed, ratio_stats)
-    cols = [
-        "section",
-        "peer",
-        "items",
-        "add_per_s",
-        "extend_items_per_s",
-        "spill_gb_per_s",
-        "spill_write_gb_per_s",
-        "write_gb_per_s",
-        "sample_items_per_s",
-        "sample_ms",
-        "update_items_per_s",
-        "peak_rss",
-        "rss_growth",
-        "publish_to_8_readers_s",
-        "latency_s",
-        "error",
-    ]
-    printable = []
-    for r in rows:
-        r2 = dict(r)
-        for k in ("peak_rss", "rss_growth"):
-            if isinstance(r2.get(k), int):
-                r2[k] = format_size(r2[k])
-        printable.append(r2)
-    print_table(printable, cols)
-    for k, v in ratios.items():
-        print(f"{k}: {v:.3g}")
-    print(harness.summary_line(measurement))
+    _print_results(rows, ratios, measurement)
     write_json(
         args.json,
         "replay",

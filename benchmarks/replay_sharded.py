@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 import time
 
 import numpy as np
 
-from benchmarks._common import environment, write_json
+from benchmarks._common import environment, one_ray_node, write_json
 from tensortier._units import parse_size, print_table
 
 _CPUS = 2
@@ -66,102 +65,101 @@ def _tasks(ray):
 def sharded_section(
     directory: str, item_bytes: int, batch: int, seconds: float
 ) -> tuple[list[dict], dict]:
-    import ray
+    """K=1 and K=2 rows, then the rate-limited K=2 row, on one local Ray node; the ratios."""
+    with one_ray_node(_CPUS) as ray:
+        tasks = _tasks(ray)
+        collect = tasks[0]
+        ray.get([collect.remote(None, 0, 1, None) for _ in range(2)])  # workers up before timing
+        rows = [_shards_row(ray, tasks, k, directory, item_bytes, batch, seconds) for k in (1, 2)]
+        one, two = rows
+        ratios = {
+            "sharded_k2_vs_k1_add": two["add_per_s"] / one["add_per_s"],
+            "sharded_k2_vs_k1_sample": two["sample_items_per_s"] / one["sample_items_per_s"],
+        }
+        row, within = _rate_limited_row(ray, tasks, directory, item_bytes, batch, seconds)
+        rows.append(row)
+        ratios["sharded_ratelimit_samples_per_insert"] = row["samples_per_insert"]
+        ratios["sharded_ratelimit_within_error_buffer"] = float(within)
+    return rows, ratios
 
+
+def _shards_row(
+    ray, tasks, k: int, directory: str, item_bytes: int, batch: int, seconds: float
+) -> dict:
+    """K shards: 2 collectors fill the buffer for ``seconds``, then 2 learners sample it."""
+    from tensortier.rl import Prioritized, ReplayBuffer, serve
+
+    collect, learn = tasks
+    tmpl = ReplayBuffer(200_000, host_budget="1GiB", spill_dir=directory, sampler=Prioritized())
+    buf = serve(tmpl, shards=k)
+    try:
+        t0 = time.perf_counter()
+        added = sum(ray.get([collect.remote(buf, seconds, item_bytes, None) for _ in range(2)]))
+        add_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sampled = sum(ray.get([learn.remote(buf, seconds, batch, 0) for _ in range(2)]))
+        sample_s = time.perf_counter() - t0
+        return {
+            "section": "sharded",
+            "peer": f"tensortier shards={k}",
+            "shards": k,
+            "items": len(buf),
+            "add_per_s": added / add_s,
+            "add_mb_per_s": added * item_bytes / add_s / 1e6,
+            "sample_items_per_s": sampled / sample_s,
+            "collectors": 2,
+            "learners": 2,
+        }
+    finally:
+        buf.close()
+        tmpl.close()
+
+
+def _rate_limited_row(
+    ray, tasks, directory: str, item_bytes: int, batch: int, seconds: float
+) -> tuple[dict, bool]:
+    """2 collectors, 1 learner, samples_per_insert 8 held over 2 shards; the row, and whether
+    the coordinator's extremes of ``diff`` stayed inside the error buffer."""
     from tensortier.rl import Prioritized, RateLimit, ReplayBuffer, serve
 
-    tmp = tempfile.mkdtemp(prefix="tt-ray-", dir="/tmp")
-    ray.init(
-        num_cpus=_CPUS,
-        include_dashboard=False,
-        _temp_dir=tmp,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
+    collect, learn = tasks
+    limit = RateLimit(8, min_size_to_sample=1000, error_buffer=2048, timeout=60)
+    tmpl = ReplayBuffer(
+        200_000,
+        host_budget="1GiB",
+        spill_dir=directory,
+        sampler=Prioritized(),
+        rate_limit=limit,
     )
-    rows: list[dict] = []
-    ratios: dict = {}
+    buf = serve(tmpl, shards=2)
     try:
-        collect, learn = _tasks(ray)
-        ray.get([collect.remote(None, 0, 1, None) for _ in range(2)])  # workers up before timing
-        for k in (1, 2):
-            tmpl = ReplayBuffer(
-                200_000, host_budget="1GiB", spill_dir=directory, sampler=Prioritized()
-            )
-            buf = serve(tmpl, shards=k)
-            try:
-                t0 = time.perf_counter()
-                added = sum(
-                    ray.get([collect.remote(buf, seconds, item_bytes, None) for _ in range(2)])
-                )
-                add_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                sampled = sum(ray.get([learn.remote(buf, seconds, batch, 0) for _ in range(2)]))
-                sample_s = time.perf_counter() - t0
-                rows.append(
-                    {
-                        "section": "sharded",
-                        "peer": f"tensortier shards={k}",
-                        "shards": k,
-                        "items": len(buf),
-                        "add_per_s": added / add_s,
-                        "add_mb_per_s": added * item_bytes / add_s / 1e6,
-                        "sample_items_per_s": sampled / sample_s,
-                        "collectors": 2,
-                        "learners": 2,
-                    }
-                )
-            finally:
-                buf.close()
-                tmpl.close()
-        one, two = rows[-2], rows[-1]
-        ratios["sharded_k2_vs_k1_add"] = two["add_per_s"] / one["add_per_s"]
-        ratios["sharded_k2_vs_k1_sample"] = two["sample_items_per_s"] / one["sample_items_per_s"]
-
-        # rate-limited: 2 collectors, 1 learner, samples_per_insert 8 held over all shards
-        limit = RateLimit(8, min_size_to_sample=1000, error_buffer=2048, timeout=60)
-        tmpl = ReplayBuffer(
-            200_000,
-            host_budget="1GiB",
-            spill_dir=directory,
-            sampler=Prioritized(),
-            rate_limit=limit,
-        )
-        buf = serve(tmpl, shards=2)
-        try:
-            t0 = time.perf_counter()
-            cols = [collect.remote(buf, seconds, item_bytes, 5.0) for _ in range(2)]
-            sampled = ray.get(learn.remote(buf, seconds, batch, 5.0))
-            added = sum(ray.get(cols))
-            wall = time.perf_counter() - t0
-            st = buf.stats["rate_limiter"]
-        finally:
-            buf.close()
-            tmpl.close()
-        within = limit.min_diff <= st["diff_low"] and st["diff_high"] <= limit.max_diff
-        rows.append(
-            {
-                "section": "sharded-ratelimit",
-                "peer": "tensortier shards=2, samples_per_insert=8",
-                "shards": 2,
-                "add_per_s": added / wall,
-                "sample_items_per_s": sampled / wall,
-                "inserts": st["inserts"],
-                "samples": st["samples"],
-                "samples_per_insert": st["samples"] / max(st["inserts"], 1),
-                "diff_low": st["diff_low"],
-                "diff_high": st["diff_high"],
-                "min_diff": limit.min_diff,
-                "max_diff": limit.max_diff,
-                "insert_waits": st["insert_waits"],
-                "sample_waits": st["sample_waits"],
-            }
-        )
-        ratios["sharded_ratelimit_samples_per_insert"] = rows[-1]["samples_per_insert"]
-        ratios["sharded_ratelimit_within_error_buffer"] = float(within)
+        t0 = time.perf_counter()
+        cols = [collect.remote(buf, seconds, item_bytes, 5.0) for _ in range(2)]
+        sampled = ray.get(learn.remote(buf, seconds, batch, 5.0))
+        added = sum(ray.get(cols))
+        wall = time.perf_counter() - t0
+        st = buf.stats["rate_limiter"]
     finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return rows, ratios
+        buf.close()
+        tmpl.close()
+    within = limit.min_diff <= st["diff_low"] and st["diff_high"] <= limit.max_diff
+    row = {
+        "section": "sharded-ratelimit",
+        "peer": "tensortier shards=2, samples_per_insert=8",
+        "shards": 2,
+        "add_per_s": added / wall,
+        "sample_items_per_s": sampled / wall,
+        "inserts": st["inserts"],
+        "samples": st["samples"],
+        "samples_per_insert": st["samples"] / max(st["inserts"], 1),
+        "diff_low": st["diff_low"],
+        "diff_high": st["diff_high"],
+        "min_diff": limit.min_diff,
+        "max_diff": limit.max_diff,
+        "insert_waits": st["insert_waits"],
+        "sample_waits": st["sample_waits"],
+    }
+    return row, within
 
 
 def main() -> None:

@@ -634,9 +634,24 @@ def _activations(args: argparse.Namespace, phase: str, kind: str, fill: float, v
 # ---------------------------------------------------------------- phase: optimizer
 
 
-def phase_optimizer(args: argparse.Namespace) -> None:
-    import tensortier as tt
+def _optimizer(name: str, model: torch.nn.Module, lr: dict) -> torch.optim.Optimizer:
+    """The optimizer a variant of the optimizer phase names, over ``model``'s parameters."""
+    if name == "fused-adamw":
+        return torch.optim.AdamW(model.parameters(), fused=CUDA, **lr)
+    if name == "tt-offloaded-adamw":
+        import tensortier as tt
 
+        return tt.OffloadedAdamW(model.parameters(), tier="host", **lr)
+    if name == "torchao-cpu-offload":
+        from torchao.optim import CPUOffloadOptimizer
+
+        if not CUDA:
+            raise RuntimeError("torchao's CPUOffloadOptimizer needs CUDA (import checked)")
+        return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, **lr)
+    raise ValueError(name)
+
+
+def phase_optimizer(args: argparse.Namespace) -> None:
     dry = args.dry_run
     kind, layers, width, heads, seq, vocab, batch = (
         ("gpt2", 2, 64, 4, 32, 128, 2) if dry else ("gpt2", 8, 2048, 16, 1024, 32768, 16)
@@ -647,24 +662,11 @@ def phase_optimizer(args: argparse.Namespace) -> None:
     lr = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     ref: dict = {}
 
-    def make(name: str, model) -> torch.optim.Optimizer:
-        if name == "fused-adamw":
-            return torch.optim.AdamW(model.parameters(), fused=CUDA, **lr)
-        if name == "tt-offloaded-adamw":
-            return tt.OffloadedAdamW(model.parameters(), tier="host", **lr)
-        if name == "torchao-cpu-offload":
-            from torchao.optim import CPUOffloadOptimizer
-
-            if not CUDA:
-                raise RuntimeError("torchao's CPUOffloadOptimizer needs CUDA (import checked)")
-            return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, **lr)
-        raise ValueError(name)
-
     def run(name: str) -> dict:
         model = hf_model(kind, layers, width, heads, seq, vocab)
         release_memory()
         base = torch.cuda.memory_allocated() if CUDA else 0
-        opt = make(name, model)
+        opt = _optimizer(name, model, lr)
         times, fwd_bwd, states = [], [], []
         try:
             for x in xs:
@@ -724,9 +726,6 @@ def phase_optimizer(args: argparse.Namespace) -> None:
 
 def phase_checkpoint(args: argparse.Namespace) -> None:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    import tensortier as tt
 
     dry = args.dry_run
     kind, layers, width, heads, seq, vocab, batch = (
@@ -742,81 +741,13 @@ def phase_checkpoint(args: argparse.Namespace) -> None:
         store = dist.FileStore(os.path.join(root, "pg-store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     x = token_batch(vocab, batch, seq)
-
-    def loop(name: str) -> dict:
-        model = hf_model(kind, layers, width, heads, seq, vocab)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=CUDA)
-        directory = os.path.join(root, name)
-        ck = tt.Checkpointer(directory, keep=2, every=10**9) if name == "tensortier" else None
-        pending = None
-        times, saved_params = [], None
-        try:
-            drains = []
-            for step in range(steps):
-                if step in saves:
-                    t_drain = time.perf_counter()
-                    if ck is not None:
-                        ck.wait()
-                    elif pending is not None:
-                        _dcp_wait(pending)
-                    drains.append(time.perf_counter() - t_drain)
-                if step == saves[-1]:  # the reference the restored model must equal
-                    saved_params = {k: v.detach().cpu().clone()
-                                    for k, v in model.state_dict().items()}  # fmt: skip
-                sync()
-                t0 = time.perf_counter()
-                if step in saves:
-                    if ck is not None:
-                        ck.save(step, model=model, optimizer=opt)
-                    else:
-                        state = {"model": model.state_dict(), "optim": opt.state_dict()}
-                        pending = dcp.async_save(state, checkpoint_id=f"{directory}/step-{step}")
-                train_step(model, x, contextlib.nullcontext)
-                if ck is not None:
-                    ck.before_optimizer_step()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sync()
-                times.append(time.perf_counter() - t0)
-            t_wait = time.perf_counter()
-            if ck is not None:
-                ck.wait()
-            elif pending is not None:
-                _dcp_wait(pending)
-            drain = time.perf_counter() - t_wait
-            clean = [t for i, t in enumerate(times) if i not in saves and i > 0]
-            base = statistics.median(clean)
-            row = {
-                "step_s_clean": median_spread(clean),
-                "step_s_all": times,
-                "first_save_stall_s": times[saves[0]] - base,
-                "stall_per_save_s": [times[i] - base for i in saves[1:]],
-                "persist_wait_before_each_save_s": drains,
-                "drain_s": drain,
-                "state_bytes": sum(t.numel() * t.element_size()
-                                   for t in _tensors(model.state_dict(), opt.state_dict())),
-            }  # fmt: skip
-            if ck is not None:
-                row["checkpointer_stats"] = ck.stats().as_dict()
-                ck.close()
-                fresh = hf_model(kind, layers, width, heads, seq, vocab)
-                with contextlib.closing(tt.Checkpointer(directory)) as reader:
-                    reader.restore(model=fresh)
-                row["restored_model_bit_identical"] = all(
-                    torch.equal(v.detach().cpu(), saved_params[k])
-                    for k, v in fresh.state_dict().items()
-                )
-                del fresh
-            return row
-        finally:
-            if ck is not None:
-                ck.close()
-            del opt, model
-
+    shape = (kind, layers, width, heads, seq, vocab)
     try:
         rows = {}
         for name in ("tensortier", "dcp-async"):
-            rows[name] = guarded(rep, name, lambda n=name: loop(n))
+            rows[name] = guarded(
+                rep, name, lambda n=name: _checkpoint_variant(n, root, shape, x, steps, saves)
+            )
         tt_row, dcp_row = rows["tensortier"], rows["dcp-async"]
         if tt_row and dcp_row and "error" not in tt_row and "error" not in dcp_row:
             rep.set(stall_ratio_vs_dcp_async=[
@@ -828,6 +759,95 @@ def phase_checkpoint(args: argparse.Namespace) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _checkpoint_variant(
+    name: str, root: str, shape: tuple, x: torch.Tensor, steps: int, saves: tuple[int, ...]
+) -> dict:
+    """One variant of the checkpoint phase: its stall per save against the clean steps, the
+    drain at the end, and (tensortier) the restored model compared bit for bit."""
+    import tensortier as tt
+
+    model = hf_model(*shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=CUDA)
+    directory = os.path.join(root, name)
+    ck = tt.Checkpointer(directory, keep=2, every=10**9) if name == "tensortier" else None
+    try:
+        times, drains, saved_params, pending = _train_with_saves(
+            model, opt, ck, directory, x, steps, saves
+        )
+        t_wait = time.perf_counter()
+        _drain(ck, pending)
+        drain = time.perf_counter() - t_wait
+        clean = [t for i, t in enumerate(times) if i not in saves and i > 0]
+        base = statistics.median(clean)
+        row = {
+            "step_s_clean": median_spread(clean),
+            "step_s_all": times,
+            "first_save_stall_s": times[saves[0]] - base,
+            "stall_per_save_s": [times[i] - base for i in saves[1:]],
+            "persist_wait_before_each_save_s": drains,
+            "drain_s": drain,
+            "state_bytes": sum(t.numel() * t.element_size()
+                               for t in _tensors(model.state_dict(), opt.state_dict())),
+        }  # fmt: skip
+        if ck is not None:
+            row["checkpointer_stats"] = ck.stats().as_dict()
+            ck.close()
+            fresh = hf_model(*shape)
+            with contextlib.closing(tt.Checkpointer(directory)) as reader:
+                reader.restore(model=fresh)
+            row["restored_model_bit_identical"] = all(
+                torch.equal(v.detach().cpu(), saved_params[k])
+                for k, v in fresh.state_dict().items()
+            )
+            del fresh
+        return row
+    finally:
+        if ck is not None:
+            ck.close()
+        del opt, model
+
+
+def _train_with_saves(model, opt, ck, directory: str, x, steps: int, saves: tuple[int, ...]):
+    """``(step times, drain before each save, parameters at the last save, DCP's pending
+    save)``: each save is in its step's time, the previous persist's drain is not."""
+    import torch.distributed.checkpoint as dcp
+
+    pending = None
+    times, drains, saved_params = [], [], None
+    for step in range(steps):
+        if step in saves:
+            t_drain = time.perf_counter()
+            _drain(ck, pending)
+            drains.append(time.perf_counter() - t_drain)
+        if step == saves[-1]:  # the reference the restored model must equal
+            saved_params = {k: v.detach().cpu().clone()
+                            for k, v in model.state_dict().items()}  # fmt: skip
+        sync()
+        t0 = time.perf_counter()
+        if step in saves:
+            if ck is not None:
+                ck.save(step, model=model, optimizer=opt)
+            else:
+                state = {"model": model.state_dict(), "optim": opt.state_dict()}
+                pending = dcp.async_save(state, checkpoint_id=f"{directory}/step-{step}")
+        train_step(model, x, contextlib.nullcontext)
+        if ck is not None:
+            ck.before_optimizer_step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times, drains, saved_params, pending
+
+
+def _drain(ck: Any, pending: Any) -> None:
+    """Wait for the persist in flight: tensortier's, or DCP's ``async_save``."""
+    if ck is not None:
+        ck.wait()
+    elif pending is not None:
+        _dcp_wait(pending)
 
 
 def _dcp_wait(pending: Any) -> None:
