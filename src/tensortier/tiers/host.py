@@ -199,12 +199,14 @@ class HostStats:
 class _Returns:
     """What block finalizers touch: a lock-free queue and two flags, never the pool itself."""
 
-    __slots__ = ("queue", "closed", "pin")
+    __slots__ = ("queue", "closed", "pin", "stats", "lock")
 
-    def __init__(self, pin: bool):
+    def __init__(self, pin: bool, stats: HostStats, lock: threading.Lock):
         self.queue: collections.deque = collections.deque()  # append/popleft are atomic
         self.closed = False
         self.pin = pin
+        self.stats = stats  # after close, blocks given back leave ``in_use`` here
+        self.lock = lock  # the pool's: ``in_use`` changes under it, closed or not
 
 
 def _give_back(returns: _Returns, buffer: torch.Tensor, copies: list) -> None:
@@ -216,9 +218,13 @@ def _give_back(returns: _Returns, buffer: torch.Tensor, copies: list) -> None:
 
 
 def _drain_closed(returns: _Returns) -> None:
+    """Release blocks given back after the pool closed; they leave its ``in_use`` (a pool's
+    stats must read 0 reserved once everything it lent came back, closed or not)."""
     items = []
-    while returns.queue:
-        items.append(returns.queue.popleft())
+    with returns.lock:
+        while returns.queue:
+            items.append(returns.queue.popleft())
+        returns.stats.in_use -= sum(buffer.numel() for buffer, _ in items)
     _release_buffers(items, returns.pin)
 
 
@@ -364,8 +370,8 @@ class HostPool:
         self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
         self._busy: list[tuple[torch.Tensor, list]] = []  # freed, a copy still uses it (FIFO)
         self._lock = threading.Lock()
-        self._returns = _Returns(self.pin)
         self._stats = HostStats(budget=self.budget)
+        self._returns = _Returns(self.pin, self._stats, self._lock)
         self._finalizer = _lifetime.Finalizer(
             self, _release_all, self._free, self._busy, self._returns
         )
