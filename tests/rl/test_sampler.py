@@ -1,4 +1,5 @@
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -79,10 +80,26 @@ def test_multi_level_trees_match_brute_force(capacity, seed, batch):
     assert (leaves[found] > 0).all()
 
 
+def _python_lines(call) -> int:
+    """Python lines ``call()`` runs (a per-item loop would make this grow with the batch)."""
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return count
+
+
 def test_update_priorities_has_no_per_item_python_loop():
     """Structural, not timed: the Python lines an update runs do not grow with the batch (every
     tree level is one vectorised step), from validation to the last tree level."""
-    import sys
 
     buf = ReplayBuffer(200_000, sampler=Prioritized(alpha=0.6), seed=0)
     keys = buf.extend([{"x": np.int64(i)} for i in range(8192)])
@@ -90,20 +107,8 @@ def test_update_priorities_has_no_per_item_python_loop():
     buf.update_priorities(keys, np.full(len(keys), 0.5))  # applies the queued adds first
 
     def lines(n: int) -> int:
-        count = 0
-
-        def tracer(frame, event, arg):
-            nonlocal count
-            count += event == "line"
-            return tracer
-
         prios = np.random.default_rng(n).random(n) * 0.5 + 0.01  # below the max: same branches
-        sys.settrace(tracer)
-        try:
-            buf.update_priorities(keys[:n], prios)
-        finally:
-            sys.settrace(None)
-        return count
+        return _python_lines(lambda: buf.update_priorities(keys[:n], prios))
 
     assert lines(256) == lines(8192) == lines(256)
     assert lines(256) < 150
@@ -112,7 +117,6 @@ def test_update_priorities_has_no_per_item_python_loop():
 def test_stale_and_unknown_updates_have_no_per_item_python_loop():
     """Structural, not timed: with stale indices in the batch (the slow path: issued-index
     lookup, stale count) the Python lines an update runs do not grow with the batch either."""
-    import sys
 
     buf = ReplayBuffer(4096, sampler=Prioritized(alpha=0.6), seed=0)
     old = buf.extend([{"x": np.int64(i)} for i in range(4096)])
@@ -120,20 +124,8 @@ def test_stale_and_unknown_updates_have_no_per_item_python_loop():
     buf.update_priorities(new, np.full(len(new), 0.5))  # applies the queued adds first
 
     def lines(n: int) -> int:
-        count = 0
-
-        def tracer(frame, event, arg):
-            nonlocal count
-            count += event == "line"
-            return tracer
-
         keys = np.concatenate([old[: n // 2], new[: n // 2]])
-        sys.settrace(tracer)
-        try:
-            buf.update_priorities(keys, np.full(n, 0.5))
-        finally:
-            sys.settrace(None)
-        return count
+        return _python_lines(lambda: buf.update_priorities(keys, np.full(n, 0.5)))
 
     assert lines(64) == lines(2048) == lines(64)
     assert buf.stats["stale_updates"] == 32 + 1024 + 32
