@@ -125,7 +125,10 @@ def _own_group(pg):
     return made, whole
 
 
+@torch.compiler.disable
 def _before_forward(ref: weakref.ref, module: torch.nn.Module, args) -> None:
+    """Run eagerly under ``torch.compile``: a traced wait would be a no-op in the graph (and
+    dynamo cannot trace the weak sets); the cost is a graph break at each module call."""
     deferred = ref()
     if deferred is not None:
         deferred.before_use(module)

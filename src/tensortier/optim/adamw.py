@@ -143,7 +143,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     rank still raises in ``step()`` naming a failing rank (one small all-reduce). A parameter is
     written before a module holding it runs forward (global forward pre-hook), before
     ``model.state_dict()``, and at the next ``step()``, ``state_dict()``, ``load_state_dict()``,
-    ``close()``, a Checkpointer save and :meth:`synchronize`. Off by default because some reads
+    ``close()``, a Checkpointer save and :meth:`synchronize`. Under ``torch.compile`` the
+    pre-hook runs eagerly (a graph break at each module call). Off by default because some reads
     cannot be intercepted: reading parameters directly after ``step()`` (``p.norm()`` logging,
     ``torch.optim.swa_utils.AveragedModel.update_parameters``, ``p.data``), and parameters a
     parent's forward uses without calling the module that holds them (``nn.MultiheadAttention``'s
