@@ -80,6 +80,51 @@ def test_multi_level_trees_match_brute_force(capacity, seed, batch):
     assert (leaves[found] > 0).all()
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    capacity=st.sampled_from([70, 5_000, 20_000, 200_000]),
+    alpha=st.sampled_from([0.6, 1.0, 2.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_update_priorities_matches_a_plain_reference_bit_for_bit(capacity, alpha, seed):
+    """Through the public API: after batches of updates (repeated indices, zeros, stale
+    indices, a few-item batch) every stored weight is exactly ``p**alpha`` of the last priority
+    given (numpy's power, as a user would compute it), every min-tree node is the exact min of
+    its positive leaves, and every sum node is the sum of its children."""
+    rng = np.random.default_rng(seed)
+    buf = ReplayBuffer(capacity, sampler=Prioritized(alpha=alpha), seed=0)
+    n = min(capacity, 3000)
+    keys = np.array(buf.extend({"i": i} for i in range(n)))
+    weights = {int(k): 1.0 for k in keys}  # new items: initial_priority**alpha
+    newer = np.array(buf.extend({"i": i} for i in range(n // 10)))  # evicts when full
+    weights.update({int(k): buf._sampler.max_priority**alpha for k in newer})
+    live = set(buf.indices().tolist())
+    for size in (256, 3, 1000, 256):
+        idx = rng.choice(np.concatenate([keys, newer]), size)  # repeats; stale when evicted
+        prios = rng.random(size) * rng.choice([1e-3, 1.0, 1e3], size)
+        prios[rng.random(size) < 0.1] = 0.0
+        buf.update_priorities(idx, prios)
+        for k, w in zip(idx.tolist(), (prios**alpha).tolist()):
+            if k in live:
+                weights[k] = w  # the last value of a repeated index wins
+    order = buf.indices()
+    expected = np.array([weights[k] for k in order.tolist()])
+    assert np.array_equal(buf.priorities(order), expected)
+    tree = buf._sampler.tree
+    leaves = np.zeros(len(tree.sums[0]))
+    leaves[order % capacity] = expected
+    mins = np.full(len(tree.mins[0]), np.inf)
+    mins[order % capacity] = np.where(expected > 0, expected, np.inf)
+    for level in tree.mins:  # node q of n: the min of leaves q, q + n, q + 2n, ...
+        assert np.array_equal(level, mins.reshape(-1, len(level)).min(axis=0))
+    assert tree.min_positive == mins.min()
+    below = leaves
+    for level in tree.sums[1:]:  # BLAS may round a row differently in another batch size
+        assert np.allclose(level, below.reshape(len(level), -1).sum(axis=1), rtol=1e-12, atol=0)
+        below = level
+    buf.close()
+
+
 def _python_lines(call) -> int:
     """Python lines ``call()`` runs (a per-item loop would make this grow with the batch)."""
     count = 0

@@ -59,6 +59,9 @@ from tensortier.tiers import itemcodec as _codec
 
 __all__ = ["Batch", "ReplayBuffer", "ReplayConfig"]
 
+# ufunc reductions called directly: ndarray.max/min add a Python wrapper (~0.1 us a call)
+_max_reduce, _min_reduce = np.maximum.reduce, np.minimum.reduce
+
 
 class ReplayBuffer:
     """Prioritized or uniform replay over items held in RAM up to ``host_budget``, then on disk.
@@ -561,7 +564,7 @@ class ReplayBuffer:
         """
         keys = as_index_array(indices)
         prios = priority_array(priorities, keys)
-        hi, lo = (float(prios.max()), float(prios.min())) if prios.size else (0.0, 0.0)
+        hi, lo = (float(_max_reduce(prios)), float(_min_reduce(prios))) if len(prios) else (0, 0)
         if not (lo >= 0 and hi < np.inf):  # one pass catches NaN too
             if not np.isfinite(prios).all():
                 raise ConfigError("priorities must be finite; got NaN or inf (check the loss)")
