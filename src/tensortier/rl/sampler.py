@@ -24,6 +24,7 @@ LEAF_MAX = 1e290
 
 # called directly: ndarray.min goes through a Python wrapper (~0.1 us a call)
 _min_reduce = np.minimum.reduce
+_count_nonzero = np.count_nonzero
 _F64 = np.dtype(np.float64)
 
 
@@ -147,7 +148,8 @@ class SumMinTree:
         width = -(-capacity // self.MIN_B**levels)
         if levels:  # a power of two, so a node's index is ``slot & (width - 1)``, not a division
             width = 1 << (width - 1).bit_length()
-        # leaves are +inf where the sum-tree has 0 (never drawn), so they never win a min
+        # leaves are +inf where the sum-tree has 0 (never drawn), so they never win a min (a 0
+        # that set(zeros_later=True) wrote stays until min_positive next reads the tree)
         self.mins = [np.full(width * self.MIN_B ** (levels - j), np.inf) for j in range(levels + 1)]
         self._mins2d = [a.reshape(self.MIN_B, -1) for a in self.mins[:-1]]  # children as columns
         # what set() walks, bound once: (children as rows, parents) per gathered sum level, the
@@ -165,15 +167,39 @@ class SumMinTree:
 
     @property
     def min_positive(self) -> float:
-        return float(self.mins[-1].min())
+        """The smallest positive leaf (+inf when none is positive)."""
+        low = float(self.mins[-1].min())
+        if low == 0:  # set(zeros_later=True) wrote a zero leaf as it was: map it now
+            self._zero_mins_to_inf()
+            low = float(self.mins[-1].min())
+        return low
+
+    def _zero_mins_to_inf(self) -> None:
+        """Min-tree leaves that are 0 become +inf and their ancestors are recomputed. Only
+        the branches under a zero node are visited: a node is 0 exactly when a leaf below is."""
+        nodes = np.flatnonzero(self.mins[-1] == 0)
+        for j in range(len(self.mins) - 2, -1, -1):  # children of q: q + k * width, k < MIN_B
+            width = len(self.mins[j + 1])
+            below = (nodes + width * np.arange(self.MIN_B)[:, None]).ravel()
+            nodes = below[self.mins[j][below] == 0]
+        self.mins[0][nodes] = np.inf
+        self._min_parents(nodes)
+
+    def _min_parents(self, slots: np.ndarray) -> None:
+        """Recompute the min-tree ancestors of leaves ``slots``, one vectorised step a level."""
+        q = slots
+        for children, parents, mask in self._min_levels:
+            q = q & mask  # % width: widths are powers of two
+            parents[q] = _min_reduce(children.take(q, 1), 0)
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         return self.sums[0][slots]
 
-    def set(self, slots: np.ndarray, values: np.ndarray, positive: bool = False) -> None:
+    def set(self, slots: np.ndarray, values: np.ndarray, zeros_later: bool = False) -> None:
         """Set leaves (values >= 0; 0 means never drawn) and recompute their ancestors.
 
-        ``positive``: the caller knows every value is > 0 (skips mapping zeros to +inf).
+        ``zeros_later``: write ``values`` to the min-tree as they are, without a pass that maps
+        zeros to +inf; ``min_positive`` maps any zero it finds (rare: a priority of 0) instead.
         Each level is one vectorised step over the whole batch, never a per-item loop.
         """
         n = len(slots)
@@ -196,11 +222,8 @@ class SumMinTree:
             parents[p] = children.take(p, 0).dot(ones)
         for children, parents in self._dense_levels:
             children.dot(ones, parents)
-        self.mins[0][slots] = values if positive else np.where(values > 0, values, np.inf)
-        q = slots
-        for children, parents, mask in self._min_levels:
-            q = q & mask  # % width: widths are powers of two
-            parents[q] = _min_reduce(children.take(q, 1), 0)
+        self.mins[0][slots] = values if zeros_later else np.where(values > 0, values, np.inf)
+        self._min_parents(slots)
 
     def _set_few(self, slots: list[int], values: list[float]) -> None:
         B = self.B
@@ -300,6 +323,12 @@ class UniformState:
     def check(self, top: float) -> None:
         pass  # any finite priority is fine: they are ignored
 
+    def below_max(self, priorities: np.ndarray) -> bool:
+        return False  # no max is kept: update_priorities validates the priorities in full
+
+    def update_below_max(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        pass  # never called (below_max is False)
+
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         return np.ones(len(slots))
 
@@ -342,6 +371,7 @@ class PrioritizedState:
     def max_priority(self, value: float) -> None:
         self._max_priority = value
         self._new_leaf = float(value) ** self._alpha  # the leaf of a new item
+        self._max_bits = np.float64(value).view(np.uint64)  # for below_max
 
     @property
     def tree(self) -> SumMinTree:
@@ -415,6 +445,21 @@ class PrioritizedState:
         if top > self._safe_top:
             check_priority(top, self.cfg.alpha)
 
+    def below_max(self, priorities: np.ndarray) -> bool:
+        """Whether every priority is in [0, max_priority): then each is valid (finite, >= 0,
+        within :func:`check_priority`'s limit, as the max is) and none is a new max. One compare:
+        as unsigned ints, the bits of floats >= +0 sort as the floats do, and a negative (sign
+        bit), NaN or inf sorts above every finite float. Float64 arrays only."""
+        bits = priorities.view(np.uint64)
+        return _count_nonzero(bits < self._max_bits) == len(bits)
+
+    def update_below_max(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        """:meth:`update` of priorities for which :meth:`below_max` held (no new max; a zero
+        among them reaches the min-tree as it is, which maps it when it is next read)."""
+        tree = self.tree if self._pend_slots else self._tree  # queued adds first
+        a = self._alpha
+        tree.set(slots, priorities if a == 1 else priorities**a, True)
+
     def update(
         self,
         slots: np.ndarray,
@@ -435,7 +480,7 @@ class PrioritizedState:
         a = self._alpha
         low = float(priorities.min()) if low is None else low
         # the smallest leaf is low**a (the power is monotonic); 0 when it underflows, as in numpy
-        tree.set(slots, priorities if a == 1 else priorities**a, low**a > 0)
+        tree.set(slots, priorities if a == 1 else priorities**a, zeros_later=low**a > 0)
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         """p_i^alpha of ``slots``: what is saved, so a reload draws from the same distribution."""
