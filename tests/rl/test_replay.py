@@ -618,6 +618,25 @@ def test_damaged_saved_state_is_corrupt_data_error(tmp_path, spill_dir, kind):
     assert not os.path.exists(_Evil.marker)
 
 
+def test_load_refuses_a_priority_weight_past_the_limit_add_and_update_refuse(tmp_path, spill_dir):
+    """A saved weight p**alpha above 1e290 (which update_priorities would have refused: the
+    weight sum could overflow to inf and sampling would silently pick one item) is invalid saved
+    state; a weight exactly at the limit loads and samples."""
+    saved = saved_copy(tmp_path)
+    npz = saved / "state.npz"
+    z = dict(np.load(npz))
+    z["leaves"][0] = 1e291
+    np.savez(npz, **z)
+    with pytest.raises(CorruptDataError, match=r"at most 1e\+290.*got 1e\+291"):
+        ReplayBuffer.load(saved, spill_dir=spill_dir, host_budget=0)
+    z["leaves"][:] = 1e290
+    np.savez(npz, **z)
+    buf = ReplayBuffer.load(saved, spill_dir=spill_dir, host_budget=0)
+    assert np.array_equal(buf.priorities(buf.indices()), np.full(5, 1e290))
+    assert len(buf.sample(8).indices) == 8
+    buf.close()
+
+
 def test_a_save_after_one_that_saw_the_first_spill_still_pins_the_files(
     tmp_path, monkeypatch, spill_dir
 ):

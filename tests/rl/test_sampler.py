@@ -62,7 +62,7 @@ def test_multi_level_trees_match_brute_force(capacity, seed, batch):
         slots = rng.integers(0, capacity, batch)
         vals = rng.random(batch) * rng.choice([1e-3, 1.0, 1e3], batch)
         vals[rng.random(batch) < 0.1] = 0.0
-        tree.set(slots, vals, positive=bool((vals > 0).all()))
+        tree.set(slots, vals, zeros_later=bool(rng.random() < 0.5))  # zeros mapped now or later
         leaves[slots] = vals  # numpy: the last value of a repeated slot wins, as in the tree
     full = np.zeros(len(tree.sums[0]))
     full[:capacity] = leaves
@@ -71,13 +71,89 @@ def test_multi_level_trees_match_brute_force(capacity, seed, batch):
         assert np.allclose(level, full.reshape(len(level), -1).sum(axis=1), rtol=1e-12)
     mins = np.full(len(tree.mins[0]), np.inf)
     mins[:capacity] = np.where(leaves > 0, leaves, np.inf)
+    pos = leaves[leaves > 0]
+    assert tree.min_positive == pos.min()  # read first: it maps zeros that set() left
     for level in tree.mins:  # node q of n: the min of leaves q, q + n, q + 2n, ...
         assert np.array_equal(level, mins.reshape(-1, len(level)).min(axis=0))
-    pos = leaves[leaves > 0]
-    assert tree.min_positive == pos.min()
     mass = (np.arange(64) + rng.random(64)) * (tree.total / 64)
     found = tree.find(np.minimum(mass, np.nextafter(tree.total, 0)))
     assert (leaves[found] > 0).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    capacity=st.sampled_from([70, 5_000, 20_000, 200_000]),
+    alpha=st.sampled_from([0.6, 1.0, 2.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_update_priorities_matches_a_plain_reference_bit_for_bit(capacity, alpha, seed):
+    """Through the public API: after batches of updates (repeated indices, zeros, stale
+    indices, a few-item batch) every stored weight is exactly ``p**alpha`` of the last priority
+    given (numpy's power, as a user would compute it), every min-tree node is the exact min of
+    its positive leaves once read, and every sum node is the sum of its children."""
+    rng = np.random.default_rng(seed)
+    buf = ReplayBuffer(capacity, sampler=Prioritized(alpha=alpha), seed=0)
+    n = min(capacity, 3000)
+    keys = np.array(buf.extend({"i": i} for i in range(n)))
+    weights = {int(k): 1.0 for k in keys}  # new items: initial_priority**alpha
+    newer = np.array(buf.extend({"i": i} for i in range(n // 10)))  # evicts when full
+    weights.update({int(k): buf._sampler.max_priority**alpha for k in newer})
+    live = set(buf.indices().tolist())
+    for size in (256, 3, 1000, 256):
+        idx = rng.choice(np.concatenate([keys, newer]), size)  # repeats; stale when evicted
+        prios = rng.random(size) * rng.choice([1e-3, 1.0, 1e3], size)
+        prios[rng.random(size) < 0.1] = 0.0
+        buf.update_priorities(idx, prios)
+        for k, w in zip(idx.tolist(), (prios**alpha).tolist()):
+            if k in live:
+                weights[k] = w  # the last value of a repeated index wins
+    order = buf.indices()
+    expected = np.array([weights[k] for k in order.tolist()])
+    assert np.array_equal(buf.priorities(order), expected)
+    tree = buf._sampler.tree
+    leaves = np.zeros(len(tree.sums[0]))
+    leaves[order % capacity] = expected
+    mins = np.full(len(tree.mins[0]), np.inf)
+    mins[order % capacity] = np.where(expected > 0, expected, np.inf)
+    assert tree.min_positive == mins.min()  # read first, as sample() does: zeros become +inf
+    for level in tree.mins:  # node q of n: the min of leaves q, q + n, q + 2n, ...
+        assert np.array_equal(level, mins.reshape(-1, len(level)).min(axis=0))
+    below = leaves
+    for level in tree.sums[1:]:  # BLAS may round a row differently in another batch size
+        assert np.allclose(level, below.reshape(len(level), -1).sum(axis=1), rtol=1e-12, atol=0)
+        below = level
+    buf.close()
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (-1e-300, ">= 0"),
+        (-np.inf, "finite"),
+        (np.nan, "finite"),
+        (-np.nan, "finite"),
+        (np.inf, "finite"),
+    ],
+)
+def test_a_bad_priority_among_ones_below_the_max_is_refused_and_changes_nothing(bad, match):
+    """Batches below the running max take a one-compare check; one bad value among them is
+    refused with the same typed error as always, and nothing changes."""
+    buf = ReplayBuffer(300, sampler=Prioritized(alpha=0.6), seed=0)
+    keys = np.array(buf.extend({"i": i} for i in range(300)))
+    buf.update_priorities(keys[:1], [1e6])  # the running max: the batch below stays under it
+    before = buf.priorities(keys).copy()
+    prios = np.full(256, 0.5)
+    prios[100] = bad
+    with pytest.raises(ConfigError, match=match):
+        buf.update_priorities(keys[:256], prios)
+    assert np.array_equal(buf.priorities(keys), before)
+    assert buf._sampler.max_priority == 1e6
+    prios[100], prios[101] = -0.0, 5e-324  # valid: weight 0 (never drawn) and a subnormal
+    buf.update_priorities(keys[:256], prios)
+    assert np.array_equal(buf.priorities(keys[:256]), prios**0.6)
+    assert buf._sampler.tree.min_positive == 5e-324**0.6
+    assert 100 not in buf.sample(4096).indices
+    buf.close()
 
 
 def _python_lines(call) -> int:

@@ -25,6 +25,7 @@ DEFAULT: Any = object()  # timeout not given: 0 for sample() (None for add), or 
 # per slot of capacity, beyond the store's index: use count 4, sampler (sum + min trees 17, or the
 # uniform sampler's dense live array and positions 16)
 SLOT_BYTES = 48  # + episode, step and policy version, 8 bytes each
+_F64 = np.dtype(np.float64)  # a singleton: ``is`` beats ``==`` on the update hot path
 
 
 @dataclass
@@ -213,7 +214,7 @@ def priority_array(priorities: Any, keys: np.ndarray) -> np.ndarray:
     """``priorities`` (numbers, an array or a tensor) as float64, one per index in ``keys``."""
     if (
         type(priorities) is np.ndarray
-        and priorities.dtype == np.float64
+        and priorities.dtype is _F64
         and priorities.shape == keys.shape
     ):
         return priorities  # nothing to convert or check

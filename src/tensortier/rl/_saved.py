@@ -19,7 +19,7 @@ import numpy as np
 from tensortier import _modes
 from tensortier._units import check_int
 from tensortier.errors import CorruptDataError
-from tensortier.rl.sampler import Prioritized, Uniform, sampler_from_dict
+from tensortier.rl.sampler import LEAF_MAX, Prioritized, Uniform, sampler_from_dict
 
 STATE = "state.npz"
 META = "buffer.json"
@@ -143,3 +143,8 @@ def _check_arrays(arrays: dict[str, np.ndarray], meta: dict) -> None:
             raise ValueError("two keys map to one slot")
         if not (np.isfinite(leaves).all() and (leaves >= 0).all() and (uses >= 0).all()):
             raise ValueError("priorities must be finite and >= 0, use counts >= 0")
+        if leaves.max() > LEAF_MAX:  # add/update refuse these: the sum could overflow to inf
+            raise ValueError(
+                f"priority weights p**alpha must be at most {LEAF_MAX:g} (so their sum stays "
+                f"finite), got {leaves.max():.3g}"
+            )

@@ -60,6 +60,7 @@ _FORMAT_VERSION = 2  # 2: records checksum their header too (see tiers/segments.
 SLOT_BYTES = 80
 _NONE = np.empty(0, np.int64)
 _NONE.flags.writeable = False
+_I64 = np.dtype(np.int64)  # a singleton: ``is`` beats ``==`` on the update hot path
 
 
 def _size(blob: Any) -> int:
@@ -79,7 +80,7 @@ def _est(n: int) -> int:
 
 def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
     """``indices`` (an int, a sequence, an array or a tensor of ints) as a 1-D int64 array."""
-    if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
+    if type(indices) is np.ndarray and indices.dtype is _I64 and indices.ndim == 1:
         return indices  # what sample() returns: nothing to convert or check
     return index_array(
         indices, f"{name} must be an int or a 1-D sequence of ints (as returned by add())"

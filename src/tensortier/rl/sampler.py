@@ -22,6 +22,11 @@ from tensortier.errors import ConfigError
 # finite. Past it the total is inf and sampling silently picks one item with weight 0.
 LEAF_MAX = 1e290
 
+# called directly: ndarray.min goes through a Python wrapper (~0.1 us a call)
+_min_reduce = np.minimum.reduce
+_count_nonzero = np.count_nonzero
+_F64 = np.dtype(np.float64)
+
 
 def check_priority(top: float, alpha: float, what: str = "priorities") -> None:
     """ConfigError when priority ``top`` (finite, >= 0) has a weight ``top**alpha`` above
@@ -114,10 +119,12 @@ class SumMinTree:
     8 children ``q, q + n, ..., q + 7n`` below: they are a column of the level below seen as
     (8, n), and a batch of parents is one ``take`` of a (8, batch) block reduced along axis 0,
     which numpy vectorises (a row-wise min of 8 or 32 is several times slower). Levels stop at
-    ``MIN_TOP`` nodes, which ``min_positive`` reduces (once per draw, not per update).
+    ``MIN_TOP`` nodes, which ``min_positive`` reduces (once per draw, not per update); their width
+    is rounded up to a power of two (extra leaves are +inf), so a parent index is a bitwise and.
+    A min does not depend on grouping, so this layout gives the exact min of the leaves.
     """
 
-    B = 32
+    B = 32  # set() shifts by 5 instead of dividing by B
     TOP = 1024
     MIN_B = 8
     MIN_TOP = 16384
@@ -139,16 +146,19 @@ class SumMinTree:
         while -(-capacity // self.MIN_B**levels) > self.MIN_TOP:
             levels += 1
         width = -(-capacity // self.MIN_B**levels)
-        # leaves are +inf where the sum-tree has 0 (never drawn), so they never win a min
+        if levels:  # a power of two, so a node's index is ``slot & (width - 1)``, not a division
+            width = 1 << (width - 1).bit_length()
+        # leaves are +inf where the sum-tree has 0 (never drawn), so they never win a min (a 0
+        # that set(zeros_later=True) wrote stays until min_positive next reads the tree)
         self.mins = [np.full(width * self.MIN_B ** (levels - j), np.inf) for j in range(levels + 1)]
         self._mins2d = [a.reshape(self.MIN_B, -1) for a in self.mins[:-1]]  # children as columns
         # what set() walks, bound once: (children as rows, parents) per gathered sum level, the
-        # same for the dense ones, (children as columns, parents, width) per min level
+        # same for the dense ones, (children as columns, parents, width - 1) per min level
         dense = self._dense_from
         self._sparse_levels = [(self._sums2d[j - 1], self.sums[j]) for j in range(1, dense)]
         self._dense_levels = [(self._sums2d[j - 1], self.sums[j]) for j in range(dense, depth + 1)]
         self._min_levels = [
-            (self._mins2d[j - 1], self.mins[j], len(self.mins[j])) for j in range(1, levels + 1)
+            (self._mins2d[j - 1], self.mins[j], len(self.mins[j]) - 1) for j in range(1, levels + 1)
         ]
 
     @property
@@ -157,21 +167,45 @@ class SumMinTree:
 
     @property
     def min_positive(self) -> float:
-        return float(self.mins[-1].min())
+        """The smallest positive leaf (+inf when none is positive)."""
+        low = float(self.mins[-1].min())
+        if low == 0:  # set(zeros_later=True) wrote a zero leaf as it was: map it now
+            self._zero_mins_to_inf()
+            low = float(self.mins[-1].min())
+        return low
+
+    def _zero_mins_to_inf(self) -> None:
+        """Min-tree leaves that are 0 become +inf and their ancestors are recomputed. Only
+        the branches under a zero node are visited: a node is 0 exactly when a leaf below is."""
+        nodes = np.flatnonzero(self.mins[-1] == 0)
+        for j in range(len(self.mins) - 2, -1, -1):  # children of q: q + k * width, k < MIN_B
+            width = len(self.mins[j + 1])
+            below = (nodes + width * np.arange(self.MIN_B)[:, None]).ravel()
+            nodes = below[self.mins[j][below] == 0]
+        self.mins[0][nodes] = np.inf
+        self._min_parents(nodes)
+
+    def _min_parents(self, slots: np.ndarray) -> None:
+        """Recompute the min-tree ancestors of leaves ``slots``, one vectorised step a level."""
+        q = slots
+        for children, parents, mask in self._min_levels:
+            q = q & mask  # % width: widths are powers of two
+            parents[q] = _min_reduce(children.take(q, 1), 0)
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         return self.sums[0][slots]
 
-    def set(self, slots: np.ndarray, values: np.ndarray, positive: bool = False) -> None:
+    def set(self, slots: np.ndarray, values: np.ndarray, zeros_later: bool = False) -> None:
         """Set leaves (values >= 0; 0 means never drawn) and recompute their ancestors.
 
-        ``positive``: the caller knows every value is > 0 (skips mapping zeros to +inf).
+        ``zeros_later``: write ``values`` to the min-tree as they are, without a pass that maps
+        zeros to +inf; ``min_positive`` maps any zero it finds (rare: a priority of 0) instead.
         Each level is one vectorised step over the whole batch, never a per-item loop.
         """
         n = len(slots)
         if n == 0:
             return
-        if type(values) is not np.ndarray or values.dtype != np.float64:
+        if type(values) is not np.ndarray or values.dtype is not _F64:  # (a singleton)
             values = np.asarray(values, np.float64)
         if n <= 4:  # single adds: slices beat fancy indexing
             self._set_few(slots.tolist(), values.tolist())
@@ -184,15 +218,12 @@ class SumMinTree:
         # methods, not np.take/np.matmul: their Python wrappers cost ~0.5 us a call; dot and
         # matmul both run BLAS dgemv here, so the sums are bit for bit the same
         for children, parents in self._sparse_levels:
-            p = p // self.B
+            p = p >> 5  # // B (slots are >= 0): a shift costs half an integer division
             parents[p] = children.take(p, 0).dot(ones)
         for children, parents in self._dense_levels:
             children.dot(ones, parents)
-        self.mins[0][slots] = values if positive else np.where(values > 0, values, np.inf)
-        q = slots
-        for children, parents, width in self._min_levels:
-            q = q % width
-            parents[q] = np.minimum.reduce(children.take(q, 1), 0)
+        self.mins[0][slots] = values if zeros_later else np.where(values > 0, values, np.inf)
+        self._min_parents(slots)
 
     def _set_few(self, slots: list[int], values: list[float]) -> None:
         B = self.B
@@ -292,6 +323,12 @@ class UniformState:
     def check(self, top: float) -> None:
         pass  # any finite priority is fine: they are ignored
 
+    def below_max(self, priorities: np.ndarray) -> bool:
+        return False  # no max is kept: update_priorities validates the priorities in full
+
+    def update_below_max(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        pass  # never called (below_max is False)
+
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         return np.ones(len(slots))
 
@@ -315,6 +352,7 @@ class PrioritizedState:
 
     def __init__(self, capacity: int, cfg: Prioritized):
         self.cfg = cfg
+        self._alpha = cfg.alpha
         self._tree = SumMinTree(capacity)
         self._pend_slots: list[int] = []
         self._pend_leaves: list[float] = []
@@ -332,7 +370,8 @@ class PrioritizedState:
     @max_priority.setter
     def max_priority(self, value: float) -> None:
         self._max_priority = value
-        self._new_leaf = float(value) ** self.cfg.alpha  # the leaf of a new item
+        self._new_leaf = float(value) ** self._alpha  # the leaf of a new item
+        self._max_bits = np.float64(value).view(np.uint64)  # for below_max
 
     @property
     def tree(self) -> SumMinTree:
@@ -406,6 +445,21 @@ class PrioritizedState:
         if top > self._safe_top:
             check_priority(top, self.cfg.alpha)
 
+    def below_max(self, priorities: np.ndarray) -> bool:
+        """Whether every priority is in [0, max_priority): then each is valid (finite, >= 0,
+        within :func:`check_priority`'s limit, as the max is) and none is a new max. One compare:
+        as unsigned ints, the bits of floats >= +0 sort as the floats do, and a negative (sign
+        bit), NaN or inf sorts above every finite float. Float64 arrays only."""
+        bits = priorities.view(np.uint64)
+        return _count_nonzero(bits < self._max_bits) == len(bits)
+
+    def update_below_max(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        """:meth:`update` of priorities for which :meth:`below_max` held (no new max; a zero
+        among them reaches the min-tree as it is, which maps it when it is next read)."""
+        tree = self.tree if self._pend_slots else self._tree  # queued adds first
+        a = self._alpha
+        tree.set(slots, priorities if a == 1 else priorities**a, True)
+
     def update(
         self,
         slots: np.ndarray,
@@ -423,10 +477,10 @@ class PrioritizedState:
         top = float(priorities.max()) if top is None else top
         if top > self._max_priority:
             self.max_priority = top
-        a = self.cfg.alpha
+        a = self._alpha
         low = float(priorities.min()) if low is None else low
         # the smallest leaf is low**a (the power is monotonic); 0 when it underflows, as in numpy
-        tree.set(slots, priorities if a == 1 else priorities**a, positive=low**a > 0)
+        tree.set(slots, priorities if a == 1 else priorities**a, zeros_later=low**a > 0)
 
     def leaves(self, slots: np.ndarray) -> np.ndarray:
         """p_i^alpha of ``slots``: what is saved, so a reload draws from the same distribution."""
