@@ -39,7 +39,8 @@ from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
 from tensortier.tiers import itemcodec
-from tensortier.tiers.segments import Segments, record_crc32c_parts
+from tensortier.tiers.segments import PAGE as _PAGE
+from tensortier.tiers.segments import REC, Segments, aligned_buffer
 
 MAX_WRITERS = 64
 FAULT_ENV = "TENSORTIER_CATALOG_FAULT"  # "<point>[:<hit>]": SIGKILL there (crash tests only)
@@ -204,21 +205,13 @@ def _remove_build_files(root: str, keep_lock: bool = False) -> None:
                 os.unlink(os.path.join(root, name))
 
 
-def _encode(rec: object, count: int) -> tuple[bytes | tuple[bytes, ...], int]:
-    """(payload, CRC-32C of the format-3 record ``count``) of ``rec``, never aliasing the caller's
-    memory: a blob whose pieces are all ``bytes`` (immutable: bytes and str records, the
-    headers) travels as a tuple of them, copied once, into the writer's staging buffer; one
-    with array or tensor pieces (which the caller may change once it has our blob) is joined."""
+def _parts(rec: object, count: int) -> list:
+    """The blob of record ``count`` as buffers to copy back to back (arrays and tensors as views
+    of the caller's memory: the caller copies them before it takes the next record)."""
     try:
-        parts = itemcodec.encode_aligned_parts(rec, ALIGN)
+        return itemcodec.encode_aligned_parts(rec, ALIGN)
     except (TypeError, ValueError) as exc:
-        parts = [_encode_coerced(rec, count, exc)]
-    if not all(type(p) is bytes for p in parts):
-        parts = [b"".join(parts)]
-    size = sum(map(len, parts))
-    crc = record_crc32c_parts(size, 0, count, parts)
-    payload = tuple(parts) if len(parts) > 1 else parts[0]
-    return payload, crc
+        return [_encode_coerced(rec, count, exc)]
 
 
 def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
@@ -234,43 +227,140 @@ def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
         ) from first
 
 
-def _write_batch(segs: Segments, first: int, blobs: list, crcs: list[int]) -> np.ndarray:
-    """One writer's job: append ``blobs`` (records ``first...``); their index rows."""
-    locs = segs.append([(first + i, 0, b, c) for i, (b, c) in enumerate(zip(blobs, crcs))])
-    return _rows(np.asarray(locs, np.int64).reshape(-1, 3), crcs)
+_HEAD = REC.size  # record header (segments.py)
+_WIDTH = len(itemcodec.bytes_prefixes("b", np.zeros(1), ALIGN)[0])  # blob header of bytes/str
+_ENCODED = 1 << 62  # ``_Batch.kl`` of a record encoded by the codec (not bytes or str)
+_MAX_RECORDS = 65536  # per batch
 
 
-def _write_plain(segs: Segments, first: int, kind: type, raw: list[bytes]) -> np.ndarray:
-    """One writer's job for a batch of only bytes (or only str: ``raw`` their UTF-8) records
-    ``first...``: headers by array operations, checksums here (see ``Segments.append_prefixed``)."""
-    lens = np.fromiter(map(len, raw), np.int64, len(raw))
-    prefix = itemcodec.bytes_prefixes(_KINDS[kind], lens, ALIGN)
-    keys = np.arange(first, first + len(raw), dtype=np.int64)
-    locs, crcs = segs.append_prefixed(keys, prefix, raw)
-    return _rows(locs, crcs)
+class _Batch:
+    """Records ``first...`` laid out by the calling thread where they go in the writer's files
+    (see the module doc): record ``i`` at ``offs[i]`` of ``stage`` (``rlen[i]`` bytes, header
+    included); ``kl[i]`` the length of a bytes record, ``~length`` of a str record's UTF-8, or
+    ``_ENCODED``; ``chunks`` ``[segment, offset in it, stage offset, first record]`` per
+    segment the batch reaches (:meth:`Segments.write_staged`)."""
+
+    __slots__ = ("first", "stage", "at", "offs", "rlen", "kl", "chunks", "size")
+
+    def __init__(self, first: int, stage: np.ndarray, seg: int, used: int, seg_size: int):
+        self.first, self.stage = first, stage
+        self.offs: list[int] = []
+        self.rlen: list[int] = []
+        self.kl: list[int] = []
+        self.size = 0  # blob bytes (headers excluded), what batch_bytes counts
+        self.at = used % _PAGE  # the file's partial last page goes before it
+        self.chunks = [[seg, used, self.at, 0]] if seg >= 0 and used < seg_size else []
+
+    def grow(self, need: int) -> np.ndarray:
+        """A bigger stage holding what this one holds (a record larger than the batch)."""
+        big = aligned_buffer(-(-max(need, 2 * len(self.stage)) // _PAGE) * _PAGE)
+        big[: self.at] = self.stage[: self.at]
+        self.stage = big
+        return big
 
 
-def _rows(locs: np.ndarray, crcs) -> np.ndarray:
-    rows = np.empty(len(locs), INDEX_DTYPE)
-    rows["seg"], rows["off"], rows["len"] = locs[:, 0], locs[:, 1], locs[:, 2]
-    rows["crc"] = crcs
+def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
+    """Lay records from ``it`` out in ``b`` until it holds ``batch_bytes`` of blobs or
+    ``_MAX_RECORDS`` records; False once ``it`` is exhausted. ``pos`` ``[segment, bytes, first segment]``:
+    where the writer's next record goes, by :meth:`Segments.append`'s rule (a segment takes
+    records while it holds less than ``segment_size`` bytes). One copy per record, straight
+    from the caller's object (bytes, str's UTF-8, an array's memory) into the stage."""
+    seg, used = pos[0], pos[1]
+    limit, seg_size, step = args.batch_bytes, args.segment_size, args.io_threads
+    stage, offs, rlen, kl, chunks = b.stage, b.offs, b.rlen, b.kl, b.chunks
+    view, cap, at, size, width = memoryview(stage), len(stage), b.at, 0, _WIDTH
+    more = True
+    for rec in it:
+        t = type(rec)
+        if t is bytes or t is str:
+            data = rec if t is bytes else rec.encode("utf-8", "surrogatepass")
+            k = len(data)
+            n = width + k + (-k & 7)
+        else:
+            parts = _parts(rec, b.first + len(offs))
+            n = sum(map(len, parts))
+        if seg < 0 or used >= seg_size:  # the writer's next segment, from its offset 0
+            seg, used = (pos[2] if seg < 0 else seg + step), 0
+            at = -(-at // _PAGE) * _PAGE
+            chunks.append([seg, 0, at, len(offs)])
+        if at + _HEAD + n + _PAGE > cap:
+            b.at = at
+            stage = b.grow(at + _HEAD + n + _PAGE)
+            view, cap = memoryview(stage), len(stage)
+        o = at + _HEAD
+        if t is bytes or t is str:
+            view[o + width : o + width + k] = data
+            kl.append(k if t is bytes else ~k)
+        else:
+            for p in parts:
+                view[o : o + len(p)] = p
+                o += len(p)
+            kl.append(_ENCODED)
+        offs.append(at)
+        rlen.append(_HEAD + n)
+        at += _HEAD + n
+        used += _HEAD + n
+        size += n
+        if size >= limit or len(offs) >= _MAX_RECORDS:
+            break
+    else:
+        more = False
+    pos[0], pos[1] = seg, used
+    b.at, b.size = at, size
+    return more
+
+
+def _seal(b: _Batch, magic: int) -> np.ndarray:
+    """Headers, bytes/str blob headers, padding and checksums of ``b``'s records, by array
+    operations (one checksum call pair per record); their index rows."""
+    n = len(b.offs)
+    offs, rlen = np.array(b.offs, np.int64), np.array(b.rlen, np.int64)
+    keys = np.arange(b.first, b.first + n, dtype=np.uint64)
+    stage = b.stage
+    words = stage[: len(stage) // 8 * 8].view("<u8")
+    plen = (rlen - _HEAD).astype(np.uint64)
+    words[(offs // 8)[:, None] + np.arange(3)] = np.stack(
+        [np.uint64(magic) | (plen << np.uint64(32)), np.zeros_like(plen), keys], axis=1
+    )  # magic | plen, crc | flags (crc below), key
+    _plain_heads(stage, words, offs, np.array(b.kl, np.int64))
+    body = np.stack([plen, keys], axis=1)  # the header fields the checksum covers (_BODY)
+    bm = memoryview(body.view(np.uint8).reshape(-1))
+    view, crc = memoryview(stage), crc32c.crc32c
+    sums = [
+        # gil_release_mode 0: a thread that let the GIL go here would wait a switch interval
+        # (5 ms) for another to give it back, once per record
+        crc(view[a:e], crc(bm[16 * i : 16 * i + 16], 0, 0), 0)
+        for i, (a, e) in enumerate(zip((offs + _HEAD).tolist(), (offs + rlen).tolist()))
+    ]
+    crcs = np.array(sums, np.uint32)
+    stage[: len(stage) // 4 * 4].view("<u4")[offs // 4 + 2] = crcs
+    c = np.array(b.chunks, np.int64).reshape(-1, 4)
+    count = np.diff(np.append(c[:, 3], n))
+    rows = np.empty(n, INDEX_DTYPE)
+    rows["seg"] = np.repeat(c[:, 0], count)
+    rows["off"] = offs + np.repeat(c[:, 1] - c[:, 2], count)
+    rows["len"], rows["crc"] = rlen, crcs
     return rows
 
 
-_KINDS = {bytes: "b", str: "s"}  # record types a batch can carry unencoded (``_write_plain``)
-_WIDTH = len(itemcodec.bytes_prefixes("b", np.zeros(1), ALIGN)[0])  # their header, both kinds
+def _plain_heads(stage: np.ndarray, words: np.ndarray, offs: np.ndarray, kl: np.ndarray) -> None:
+    """The blob headers and zero padding of the bytes and str records (``_Batch.kl``)."""
+    for kind, sel in (("b", (kl >= 0) & (kl != _ENCODED)), ("s", kl < 0)):
+        if not sel.any():
+            continue
+        lens = np.where(kl[sel] < 0, ~kl[sel], kl[sel])
+        rows = itemcodec.bytes_prefixes(kind, lens, ALIGN).view("<u8")
+        at = offs[sel] + _HEAD
+        words[(at // 8)[:, None] + np.arange(rows.shape[1])] = rows
+        end = at + _WIDTH + lens
+        pad = np.arange(7)
+        cells = end[:, None] + pad
+        stage[cells[pad < (-lens % 8)[:, None]]] = 0
 
 
-def _encode_raw(raw: list[bytes], kind: type, first: int) -> tuple[list, list[int]]:
-    """The blobs and checksums :func:`_encode` gives the records of a plain batch (``raw``: their
-    bytes or UTF-8), for a batch that has just met a record of another type."""
-    rows = itemcodec.bytes_prefixes(_KINDS[kind], [len(r) for r in raw], ALIGN)
-    blobs, crcs = [], []
-    for i, (row, data) in enumerate(zip(rows, raw)):
-        parts = (row.tobytes(), data, bytes(-len(data) % ALIGN))
-        blobs.append(parts)
-        crcs.append(record_crc32c_parts(sum(map(len, parts)), 0, first + i, parts))
-    return blobs, crcs
+def _stage_size(batch_bytes: int) -> int:
+    """A batch's stage: its blobs, their headers, a record past the limit, pages of room."""
+    return -(-(batch_bytes + max(batch_bytes // 4, 64 << 10) + 2 * _PAGE) // _PAGE) * _PAGE
 
 
 class _Writers:
@@ -278,9 +368,12 @@ class _Writers:
     ``io_threads``-th batch; results come back in batch order (see the module doc)."""
 
     def __init__(self, args: BuildArgs):
+        self.args = args
         self.pools: list[ThreadPoolExecutor] = []
         self.segs: list[Segments] = []
-        self.pending: collections.deque[tuple[int, Future]] = collections.deque()
+        self.pos = [[-1, 0, w] for w in range(args.io_threads)]  # see _fill
+        self.free: list[np.ndarray] = []  # stages of batches written, to reuse
+        self.pending: collections.deque[tuple[_Batch, np.ndarray, Future]] = collections.deque()
         self.batches = 0
         try:
             for w in range(args.io_threads):
@@ -301,22 +394,41 @@ class _Writers:
             self.shutdown(failed=True)
             raise
 
-    def submit(self, first: int, kind: type | None, blobs: list, crcs: list[int]) -> None:
-        """Queue the batch of records ``first...`` to the next writer: encoded ``blobs`` and
-        their ``crcs`` (``kind`` None), or the bytes of records all of type ``kind``."""
+    def fill(self, first: int, it: Iterator) -> tuple[_Batch | None, bool]:
+        """The next batch (records ``first...`` from ``it``) laid out for its writer, or None
+        if ``it`` had none left; and whether ``it`` may hold more."""
+        pos = self.pos[self.batches % len(self.pools)]
+        a = self.args
+        stage = self.free.pop() if self.free else aligned_buffer(_stage_size(a.batch_bytes))
+        b = _Batch(first, stage, pos[0], pos[1], a.segment_size)
+        more = _fill(b, it, pos, a)
+        if not b.offs:
+            self.free.append(b.stage)
+            return None, False
+        return b, more
+
+    def submit(self, b: _Batch) -> None:
+        """Seal ``b`` and queue it to its writer."""
+        rows = _seal(b, self.segs[0].magic)
         w = self.batches % len(self.pools)
-        if kind is None:
-            fut = self.pools[w].submit(_write_batch, self.segs[w], first, blobs, crcs)
-        else:
-            fut = self.pools[w].submit(_write_plain, self.segs[w], first, kind, blobs)
-        self.pending.append((len(blobs), fut))
+        c = b.chunks
+        ends = [b.offs[c[i + 1][3] - 1] + b.rlen[c[i + 1][3] - 1] if i + 1 < len(c) else b.at
+                for i in range(len(c))]  # fmt: skip
+        chunks = [
+            (seg, base, start, end, b.first + r) for (seg, base, start, r), end in zip(c, ends)
+        ]
+        fut = self.pools[w].submit(self.segs[w].write_staged, b.stage, chunks)
+        self.pending.append((b, rows, fut))
         self.batches += 1
 
     def results(self, keep: int) -> Iterator[tuple[int, np.ndarray]]:
         """(records, index rows) of the oldest batches until at most ``keep`` are in flight."""
         while len(self.pending) > keep:
-            n, fut = self.pending.popleft()
-            yield n, fut.result()
+            b, rows, fut = self.pending.popleft()
+            fut.result()
+            if len(self.free) <= 2 * len(self.pools):
+                self.free.append(b.stage)
+            yield len(rows), rows
 
     def sync(self, point: _Faults) -> dict[int, int]:
         """Make every segment durable and close it; the segment sizes (for the manifest)."""
@@ -354,44 +466,20 @@ class _Index:
                 self.bar.update(n)
 
 
-def _encode_all(
-    records: Iterable, writers: _Writers, index: _Index, batch_bytes: int
-) -> tuple[int, int]:
-    """Batch ``records`` by about ``batch_bytes`` of blobs for the writers (at most
-    ``2 * io_threads`` in flight); (records, payload bytes). A batch starting with a bytes or
-    str record stays plain (records unencoded: the writer lays them out) while its records are
-    of that type; another type turns it into a batch of encoded blobs. The boundaries count
-    blob sizes either way, so the same records give the same files."""
-    kind, batch, sums = None, [], []  # plain: kind, raw bytes; encoded: None, blobs and CRCs
-    size = count = payload = 0
-    width = _WIDTH
-    for rec in records:
-        t = type(rec)
-        if not batch and t in _KINDS:
-            kind = t
-        if t is kind:
-            data = rec if t is bytes else rec.encode("utf-8", "surrogatepass")
-            batch.append(data)
-            n = width + len(data) + (-len(data) & 7)
-        else:
-            if kind is not None:  # a plain batch meets another type: encode what it holds
-                batch, sums = _encode_raw(batch, kind, count - len(batch))
-                kind = None
-            # the checksum is computed here: a writer thread taking the GIL back after each
-            # checksum call would wait for this loop's switch interval (5 ms) every time
-            blob, crc = _encode(rec, count)
-            n = len(blob) if type(blob) is bytes else sum(map(len, blob))
-            batch.append(blob)
-            sums.append(crc)
-        size += n
-        count += 1
-        payload += n
-        if size >= batch_bytes or len(batch) >= 65536:
-            writers.submit(count - len(batch), kind, batch, sums)
-            kind, batch, sums, size = None, [], [], 0
-            index.add(writers, 2 * len(writers.pools))
-    if batch:
-        writers.submit(count - len(batch), kind, batch, sums)
+def _encode_all(records: Iterable, writers: _Writers, index: _Index) -> tuple[int, int]:
+    """Lay ``records`` out in batches of about ``batch_bytes`` of blobs for the writers (at most
+    ``2 * io_threads`` in flight); (records, payload bytes)."""
+    it = iter(records)
+    count = payload = 0
+    more = True
+    while more:
+        b, more = writers.fill(count, it)
+        if b is None:
+            break
+        writers.submit(b)
+        count += len(b.offs)
+        payload += b.size
+        index.add(writers, 2 * len(writers.pools))
     index.add(writers, 0)
     return count, payload
 
@@ -401,7 +489,7 @@ def _write(args: BuildArgs, records: Iterable, writers: _Writers, point: _Faults
     index_fd = _modes.create(os.path.join(args.root, _format.INDEX), args.mode)
     with open(index_fd, "wb", buffering=1 << 20) as f:
         index = _Index(f, point, bar)
-        count, payload = _encode_all(records, writers, index, args.batch_bytes)
+        count, payload = _encode_all(records, writers, index)
         f.flush()
         os.fsync(f.fileno())
     point("index-synced")

@@ -66,7 +66,7 @@ MAGIC_V1 = 0x31525454  # b"TTR1": payload-only CRC, read but never written
 TOMBSTONE = 1
 _NAME = re.compile(r"^seg-(\d{8})\.ttr$")
 _GAP = 64 << 10  # coalesce reads of records closer than this
-_PAGE = 4096  # O_DIRECT alignment of offsets, lengths and memory
+_PAGE = PAGE = 4096  # O_DIRECT alignment of offsets, lengths and memory
 
 
 def record_crc(length: int, flags: int, key: int, payload: bytes | memoryview) -> int:
@@ -226,6 +226,13 @@ def _lay_out(view, offs, keys, prefix, payloads, rlen, magic: int, crcs: np.ndar
         sums.append(crc32c.crc32c(view[first[i] : ends[i]], head_crc, 0))
     crcs[:] = sums
     stage[: len(stage) // 4 * 4].view("<u4")[offs // 4 + 2] = crcs
+
+
+def aligned_buffer(size: int) -> np.ndarray:
+    """A page-aligned uint8 buffer of ``size`` bytes (what O_DIRECT writes from)."""
+    raw = np.empty(size + _PAGE, np.uint8)
+    at = (-raw.ctypes.data) % _PAGE
+    return raw[at : at + size]
 
 
 def _pwrite_all(fd: int, parts: list, offset: int) -> None:
@@ -498,14 +505,14 @@ class Segments:
             crcs += sums
         return locs
 
-    def _write(self, seg: int, fd: int, base: int, total: int, fill, undo) -> None:
+    def _write(self, seg: int, fd: int, base: int, total: int, fill, undo, staged=None) -> None:
         """Write a chunk of ``total`` bytes at ``base`` of ``seg``: direct, ``fill(view, at)``
         puts them into the staging buffer; buffered, ``fill()`` writes them. On an error the
         file is cut back, ``undo()`` reverses the caller's accounting and TierFullError says why.
         """
         try:
             if self.direct:
-                self._write_direct(seg, fd, base, total, fill)
+                self._write_direct(seg, fd, base, total, fill, staged)
             else:
                 fill()
             if self.fsync:
@@ -528,29 +535,75 @@ class Segments:
             # spilled data should leave the page cache, as the disk tier's does
             os.posix_fadvise(fd, base, total, os.POSIX_FADV_DONTNEED)
 
-    def _write_direct(self, seg: int, fd: int, base: int, total: int, fill) -> None:
+    def _write_direct(self, seg: int, fd: int, base: int, total: int, fill, staged=None) -> None:
         """Write ``total`` bytes at ``base`` with O_DIRECT: the file's partial last page, then
-        what ``fill(view, at)`` puts into the page-aligned staging buffer at ``at``."""
+        what ``fill(view, at)`` puts into the page-aligned staging buffer at ``at``; or, with
+        ``staged=(stage, start)``, the bytes a builder already put at ``stage[start:]`` (see
+        :meth:`write_staged`)."""
         tail = self._tail.get(seg, b"")
-        end = len(tail) + total
-        size = -(-end // _PAGE) * _PAGE
+        if staged is None:
+            stage, head = self._staging(len(tail) + total), 0
+            view = memoryview(stage)
+            view[: len(tail)] = tail
+            fill(view, len(tail))
+        else:
+            stage, start = staged
+            head = start - len(
+                tail
+            )  # page-aligned: start = base (mod page), len(tail) = base % page
+            view = memoryview(stage)
+            view[head:start] = tail
+        end = head + len(tail) + total
+        stop = head + -(-(end - head) // _PAGE) * _PAGE
+        stage[end:stop] = 0
+        at, done = base - len(tail), 0
+        while done < stop - head:  # regular files write it whole; loop for the rules' sake
+            done += os.pwrite(fd, view[head + done : stop], at + done)
+        self._tail[seg] = bytes(stage[end - (end - head) % _PAGE : end])
+
+    def _staging(self, size: int) -> np.ndarray:
+        """This store's page-aligned staging buffer, at least ``size`` bytes rounded to a page."""
+        size = -(-size // _PAGE) * _PAGE
         if self._stage is None or len(self._stage) < size:
             # a quarter more than asked: chunks of one batch size differ by a record, and each
             # new buffer costs page faults on all it holds (0.1 CPU-s/GB of a build when
             # every few batches grew it by a few KB)
-            cap = max(size + size // 4 // _PAGE * _PAGE, 1 << 20)
-            raw = np.empty(cap + _PAGE, np.uint8)
-            at = (-raw.ctypes.data) % _PAGE
-            self._stage = raw[at : at + cap]
-        stage = self._stage
-        view = memoryview(stage)
-        view[: len(tail)] = tail
-        fill(view, len(tail))
-        stage[end:size] = 0
-        start, done = base - len(tail), 0
-        while done < size:  # regular files write it whole; loop for the rules' sake
-            done += os.pwrite(fd, view[done:size], start + done)
-        self._tail[seg] = bytes(stage[end - end % _PAGE : end])
+            self._stage = aligned_buffer(max(size + size // 4 // _PAGE * _PAGE, 1 << 20))
+        return self._stage
+
+    def write_staged(self, stage: np.ndarray, chunks: Sequence[tuple[int, int, int, int, int]]):
+        """Write records a builder laid out itself (headers, checksums: the bytes of
+        :meth:`append`) in ``stage``, a page-aligned uint8 buffer: chunk ``(seg, base, start,
+        end, min_key)`` is ``stage[start:end]``, to be written at offset ``base`` of ``seg``.
+        Direct writes need ``start = base (mod 4096)``, ``base % 4096`` bytes of room before
+        ``start`` (the file's partial last page goes there) and room up to the next page after
+        ``end``: then the records are written where they lie, without a copy. The builder
+        placed them by :meth:`append`'s rule (a segment takes records while it holds less than
+        ``segment_size`` bytes, then this writer's next number starts at 0): anything else is a
+        bug and raises AssertionError before writing.
+        """
+        for seg, base, start, end, low in chunks:
+            if seg != self.active:
+                self._roll()
+            if seg != self.active or base != self.size[seg] or (start - base) % _PAGE:
+                raise AssertionError(
+                    f"write_staged: chunk at {seg}:{base} (stage offset {start}) is not where "
+                    f"the next record goes ({self.active}:{self.size[self.active]})"
+                )
+            self._write_chunk(seg, base, stage, start, end, low)
+
+    def _write_chunk(self, seg: int, base: int, stage, start: int, end: int, low: int) -> None:
+        fd, total = self._fd(seg), end - start
+
+        def fill() -> None:  # buffered (the filesystem refused O_DIRECT)
+            _pwrite_all(fd, [memoryview(stage)[start:end]], base)
+
+        def undo() -> None:
+            self.live[seg] -= total
+
+        self.live[seg] += total
+        self.min_key[seg] = min(self.min_key.get(seg, low), low)
+        self._write(seg, fd, base, total, fill, undo, staged=(stage, start))
 
     def _trim(self, seg: int) -> None:
         """Cut a direct-written file's zero padding: it ends at its last record."""
