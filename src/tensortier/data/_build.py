@@ -2,13 +2,15 @@
 
 Pipeline. The calling thread batches records by about ``batch_bytes`` of encoded blobs (``tiers.
 itemcodec``, 8-byte aligned, never pickle); batch ``b`` goes to writer ``b % io_threads``, a
-one-thread executor that owns its own segment files (``Segments(first=w, step=io_threads)``) and
-writes the batch with ``O_DIRECT`` (the write releases the GIL). Bytes and str records travel
-unencoded: the writer builds their headers with array operations straight into its aligned
-staging buffer and checksums them there (``Segments.append_prefixed``), so the calling thread does
-a few operations per record; other records are encoded and checksummed by the calling thread. Index rows come back in
-batch order and are appended to ``index.bin``. At most ``2 * io_threads`` batches are in flight, so
-memory stays bounded whatever the record count: 10M records stream through.
+one-thread executor that owns its own segment files (``Segments(first=w, step=io_threads)``).
+The calling thread lays each record out where it will lie in that writer's file (it follows
+``Segments.append``'s placement): one copy from the caller's object into a page-aligned stage,
+header packed, CRC-32C computed while the bytes are in cache; the writer only writes the stage
+with ``O_DIRECT`` (``Segments.write_staged``, which releases the GIL). Stages are reused, so a
+build does not page-fault fresh memory per batch, and the source's objects die right after
+their copy, so its allocator hands out the same (cached) memory again. At most ``2 *
+io_threads`` batches are in flight, so memory stays bounded whatever the record count: 10M
+records stream through.
 
 Atomicity (``PROTOCOL.md``). The builder holds ``.tt-build.lock`` for the whole build. Segments and
 index are fsynced, then ``catalog.json`` is written to a temporary name, fsynced, renamed, and the
@@ -24,6 +26,7 @@ import contextlib
 import os
 import signal
 import stat
+import struct
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,8 +42,8 @@ from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
 from tensortier.tiers import itemcodec
+from tensortier.tiers.segments import BODY, MAGIC_C, REC, Segments, aligned_buffer
 from tensortier.tiers.segments import PAGE as _PAGE
-from tensortier.tiers.segments import REC, Segments, aligned_buffer
 
 MAX_WRITERS = 64
 FAULT_ENV = "TENSORTIER_CATALOG_FAULT"  # "<point>[:<hit>]": SIGKILL there (crash tests only)
@@ -228,25 +231,35 @@ def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
 
 
 _HEAD = REC.size  # record header (segments.py)
-_WIDTH = len(itemcodec.bytes_prefixes("b", np.zeros(1), ALIGN)[0])  # blob header of bytes/str
-_ENCODED = 1 << 62  # ``_Batch.kl`` of a record encoded by the codec (not bytes or str)
+
+
+def _prefix_struct(kind: str) -> struct.Struct:
+    """Packs the blob header of a bytes (``kind="b"``) or str (``"s"``) record (the codec's
+    ``bytes_prefixes``): ``pack_into(buf, at, head, length, 0, length, blanks)``."""
+    row = itemcodec.bytes_prefixes(kind, np.zeros(1), ALIGN)[0].tobytes()
+    cut = row.index(b"\n") + 1
+    return struct.Struct(f"<{cut}s3Q{len(row) - cut - 24}s"), row[:cut], row[cut + 24 :]
+
+
+_PREFIX = {bytes: _prefix_struct("b"), str: _prefix_struct("s")}
+_WIDTH = _PREFIX[bytes][0].size  # the same for both
+_ZERO = bytes(8)
 _MAX_RECORDS = 65536  # per batch
 
 
 class _Batch:
     """Records ``first...`` laid out by the calling thread where they go in the writer's files
-    (see the module doc): record ``i`` at ``offs[i]`` of ``stage`` (``rlen[i]`` bytes, header
-    included); ``kl[i]`` the length of a bytes record, ``~length`` of a str record's UTF-8, or
-    ``_ENCODED``; ``chunks`` ``[segment, offset in it, stage offset, first record]`` per
-    segment the batch reaches (:meth:`Segments.write_staged`)."""
+    (see the module doc): record ``i`` at ``offs[i]`` of ``stage``, ``rlen[i]`` bytes (header
+    included), checksum ``crcs[i]``; ``chunks`` ``[segment, offset in it, stage offset, first
+    record]`` per segment the batch reaches (:meth:`Segments.write_staged`)."""
 
-    __slots__ = ("first", "stage", "at", "offs", "rlen", "kl", "chunks", "size")
+    __slots__ = ("first", "stage", "at", "offs", "rlen", "crcs", "chunks", "size")
 
     def __init__(self, first: int, stage: np.ndarray, seg: int, used: int, seg_size: int):
         self.first, self.stage = first, stage
         self.offs: list[int] = []
         self.rlen: list[int] = []
-        self.kl: list[int] = []
+        self.crcs: list[int] = []
         self.size = 0  # blob bytes (headers excluded), what batch_bytes counts
         self.at = used % _PAGE  # the file's partial last page goes before it
         self.chunks = [[seg, used, self.at, 0]] if seg >= 0 and used < seg_size else []
@@ -261,21 +274,23 @@ class _Batch:
 
 def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
     """Lay records from ``it`` out in ``b`` until it holds ``batch_bytes`` of blobs or
-    ``_MAX_RECORDS`` records; False once ``it`` is exhausted. ``pos`` ``[segment, bytes, first segment]``:
-    where the writer's next record goes, by :meth:`Segments.append`'s rule (a segment takes
-    records while it holds less than ``segment_size`` bytes). One copy per record, straight
-    from the caller's object (bytes, str's UTF-8, an array's memory) into the stage."""
+    ``_MAX_RECORDS`` records; False once ``it`` is exhausted. ``pos`` ``[segment, bytes, first
+    segment]``: where the writer's next record goes, by :meth:`Segments.append`'s rule (a
+    segment takes records while it holds less than ``segment_size`` bytes). Per record one
+    copy, straight from the caller's object (bytes, str's UTF-8, an array's memory) into the
+    stage, and its checksum while those bytes are in the CPU's cache."""
     seg, used = pos[0], pos[1]
     limit, seg_size, step = args.batch_bytes, args.segment_size, args.io_threads
-    stage, offs, rlen, kl, chunks = b.stage, b.offs, b.rlen, b.kl, b.chunks
-    view, cap, at, size, width = memoryview(stage), len(stage), b.at, 0, _WIDTH
+    offs, rlen, crcs, chunks = b.offs, b.rlen, b.crcs, b.chunks
+    view, cap, at, size = memoryview(b.stage), len(b.stage), b.at, 0
+    crc, body, rec_pack = crc32c.crc32c, BODY.pack, REC.pack_into
     more = True
     for rec in it:
         t = type(rec)
         if t is bytes or t is str:
             data = rec if t is bytes else rec.encode("utf-8", "surrogatepass")
             k = len(data)
-            n = width + k + (-k & 7)
+            n = _WIDTH + k + (-k & 7)
         else:
             parts = _parts(rec, b.first + len(offs))
             n = sum(map(len, parts))
@@ -285,22 +300,28 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
             chunks.append([seg, 0, at, len(offs)])
         if at + _HEAD + n + _PAGE > cap:
             b.at = at
-            stage = b.grow(at + _HEAD + n + _PAGE)
-            view, cap = memoryview(stage), len(stage)
-        o = at + _HEAD
+            view = memoryview(b.grow(at + _HEAD + n + _PAGE))
+            cap = len(view)
+        o, end = at + _HEAD, at + _HEAD + n
         if t is bytes or t is str:
-            view[o + width : o + width + k] = data
-            kl.append(k if t is bytes else ~k)
+            if k & 7:
+                view[end - 8 : end] = _ZERO  # the padding (data overwrites its start)
+            view[o + _WIDTH : o + _WIDTH + k] = data
+            pre, head, blanks = _PREFIX[t]
+            pre.pack_into(view, o, head, k, 0, k, blanks)
         else:
             for p in parts:
                 view[o : o + len(p)] = p
                 o += len(p)
-            kl.append(_ENCODED)
+        key = b.first + len(offs)
+        # gil_release_mode 0: a thread that let the GIL go here would wait a switch interval
+        # (5 ms) for a writer to give it back, once per record
+        c = crc(view[at + _HEAD : end], crc(body(n, 0, key), 0, 0), 0)
+        rec_pack(view, at, MAGIC_C, n, c, 0, key)
         offs.append(at)
         rlen.append(_HEAD + n)
-        at += _HEAD + n
-        used += _HEAD + n
-        size += n
+        crcs.append(c)
+        at, used, size = end, used + _HEAD + n, size + n
         if size >= limit or len(offs) >= _MAX_RECORDS:
             break
     else:
@@ -310,52 +331,16 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
     return more
 
 
-def _seal(b: _Batch, magic: int) -> np.ndarray:
-    """Headers, bytes/str blob headers, padding and checksums of ``b``'s records, by array
-    operations (one checksum call pair per record); their index rows."""
+def _rows(b: _Batch) -> np.ndarray:
+    """The index rows of ``b``'s records."""
     n = len(b.offs)
-    offs, rlen = np.array(b.offs, np.int64), np.array(b.rlen, np.int64)
-    keys = np.arange(b.first, b.first + n, dtype=np.uint64)
-    stage = b.stage
-    words = stage[: len(stage) // 8 * 8].view("<u8")
-    plen = (rlen - _HEAD).astype(np.uint64)
-    words[(offs // 8)[:, None] + np.arange(3)] = np.stack(
-        [np.uint64(magic) | (plen << np.uint64(32)), np.zeros_like(plen), keys], axis=1
-    )  # magic | plen, crc | flags (crc below), key
-    _plain_heads(stage, words, offs, np.array(b.kl, np.int64))
-    body = np.stack([plen, keys], axis=1)  # the header fields the checksum covers (_BODY)
-    bm = memoryview(body.view(np.uint8).reshape(-1))
-    view, crc = memoryview(stage), crc32c.crc32c
-    sums = [
-        # gil_release_mode 0: a thread that let the GIL go here would wait a switch interval
-        # (5 ms) for another to give it back, once per record
-        crc(view[a:e], crc(bm[16 * i : 16 * i + 16], 0, 0), 0)
-        for i, (a, e) in enumerate(zip((offs + _HEAD).tolist(), (offs + rlen).tolist()))
-    ]
-    crcs = np.array(sums, np.uint32)
-    stage[: len(stage) // 4 * 4].view("<u4")[offs // 4 + 2] = crcs
     c = np.array(b.chunks, np.int64).reshape(-1, 4)
     count = np.diff(np.append(c[:, 3], n))
     rows = np.empty(n, INDEX_DTYPE)
     rows["seg"] = np.repeat(c[:, 0], count)
-    rows["off"] = offs + np.repeat(c[:, 1] - c[:, 2], count)
-    rows["len"], rows["crc"] = rlen, crcs
+    rows["off"] = np.array(b.offs, np.int64) + np.repeat(c[:, 1] - c[:, 2], count)
+    rows["len"], rows["crc"] = b.rlen, b.crcs
     return rows
-
-
-def _plain_heads(stage: np.ndarray, words: np.ndarray, offs: np.ndarray, kl: np.ndarray) -> None:
-    """The blob headers and zero padding of the bytes and str records (``_Batch.kl``)."""
-    for kind, sel in (("b", (kl >= 0) & (kl != _ENCODED)), ("s", kl < 0)):
-        if not sel.any():
-            continue
-        lens = np.where(kl[sel] < 0, ~kl[sel], kl[sel])
-        rows = itemcodec.bytes_prefixes(kind, lens, ALIGN).view("<u8")
-        at = offs[sel] + _HEAD
-        words[(at // 8)[:, None] + np.arange(rows.shape[1])] = rows
-        end = at + _WIDTH + lens
-        pad = np.arange(7)
-        cells = end[:, None] + pad
-        stage[cells[pad < (-lens % 8)[:, None]]] = 0
 
 
 def _stage_size(batch_bytes: int) -> int:
@@ -409,7 +394,7 @@ class _Writers:
 
     def submit(self, b: _Batch) -> None:
         """Seal ``b`` and queue it to its writer."""
-        rows = _seal(b, self.segs[0].magic)
+        rows = _rows(b)
         w = self.batches % len(self.pools)
         c = b.chunks
         ends = [b.offs[c[i + 1][3] - 1] + b.rlen[c[i + 1][3] - 1] if i + 1 < len(c) else b.at

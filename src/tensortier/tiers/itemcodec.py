@@ -73,9 +73,13 @@ def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
         if dtype not in TORCH_DTYPES:
             raise TypeError(f"field {name!r}: unsupported torch dtype {value.dtype}")
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        # an empty tensor's stride may be 0, which .view(uint8) refuses
+        # an empty tensor's stride may be 0, and a one-element one's anything (contiguous() keeps
+        # it: x[::2] of two elements has stride 2), which .view(uint8) refuses
         empty = t.numel() == 0
-        raw = np.empty(0, np.uint8) if empty else t.reshape(-1).view(torch.uint8).numpy()
+        flat = t.reshape(-1)
+        if flat.numel() == 1 and flat.stride(0) != 1:
+            flat = flat.as_strided((1,), (1,))  # the same element
+        raw = np.empty(0, np.uint8) if empty else flat.view(torch.uint8).numpy()
         return ["pt", dtype, list(t.shape)], memoryview(raw)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ["b", "u1", [len(value)]], bytes(value)

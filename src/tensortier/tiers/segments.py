@@ -59,7 +59,7 @@ from tensortier._units import format_size
 from tensortier.errors import CorruptDataError, TierFullError
 
 REC = struct.Struct("<IIIIq")
-_BODY = struct.Struct("<IIq")  # length | flags | key: the header fields the format-2 CRC covers
+_BODY = BODY = struct.Struct("<IIq")  # length | flags | key: the fields the format-2/3 CRC covers
 MAGIC = 0x32525454  # b"TTR2" on disk
 MAGIC_C = 0x33525454  # b"TTR3": format 2's coverage, CRC-32C
 MAGIC_V1 = 0x31525454  # b"TTR1": payload-only CRC, read but never written
