@@ -219,3 +219,25 @@ def test_runs_of_bytes_and_str_meeting_other_types_give_the_per_record_files(tmp
     recs += ["é\ud800" * 700, "", "x" * 9] * 20  # surrogates pass, as the codec stores them
     recs += [b"a" * 40, np.arange(7), b"b" * 41, "c", b"", torch.ones(3)] * 30  # switches
     check_build(tmp_path, recs, 2, 96 << 10, 1 << 20)
+
+
+def test_where_o_direct_is_refused_the_stages_are_written_buffered(tmp_path, monkeypatch):
+    """Without O_DIRECT (a filesystem that refuses it) the writer writes each chunk of the stage
+    with pwrite: the same files."""
+    monkeypatch.delattr(os, "O_DIRECT")
+    rng = np.random.default_rng(8)
+    recs = [rng.bytes(int(n)) for n in rng.integers(0, 9000, 200)] + golden_records()[:100]
+    check_build(tmp_path, recs, 2, 20 << 10, 64 << 10)
+
+
+def test_a_chunk_placed_anywhere_but_after_the_last_record_is_refused(tmp_path):
+    """``write_staged`` trusts the builder's placement only where it is ``append``'s."""
+    from tensortier.tiers.segments import aligned_buffer
+
+    segs = Segments(str(tmp_path), segment_size=1 << 20, checksum="crc32c", direct=True)
+    stage = aligned_buffer(1 << 16)
+    segs.append([(0, 0, b"x" * 40)])
+    for chunk in ((0, 0, 0, 64, 1), (0, 64, 0, 64, 1), (1, 0, 0, 64, 1)):  # offset, page, segment
+        with pytest.raises(AssertionError, match="not where the next record goes"):
+            segs.write_staged(stage, [chunk])
+    segs.close(remove=True)

@@ -583,7 +583,8 @@ class Segments:
         bug and raises AssertionError before writing.
         """
         for seg, base, start, end, low in chunks:
-            if seg != self.active:
+            full = self.active < 0 or self.size[self.active] >= self.segment_size
+            if seg != self.active and full:
                 self._roll()
             if seg != self.active or base != self.size[seg] or (start - base) % _PAGE:
                 raise AssertionError(
