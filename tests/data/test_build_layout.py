@@ -130,7 +130,7 @@ def test_the_build_writes_the_files_the_per_record_build_wrote(tmp_path, setting
     check_build(tmp_path / "x", recs, io_threads, parse_size(batch_bytes), parse_size(segment_size))
 
 
-_DTYPES = [np.float32, np.float64, np.int8, np.uint16, np.int64, np.bool_, np.complex64]
+_DTYPES = [np.float32, np.float64, np.int8, np.uint16, np.int64, np.bool_, np.complex64, ">i4"]
 _TORCH = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.uint8, torch.bool]
 
 
@@ -145,7 +145,9 @@ def a_record(draw):
     if kind == 1:
         return draw(st.text(max_size=300))
     if kind == 2:
-        return draw(st.one_of(st.integers(-(2**63), 2**63 - 1), st.floats(), st.booleans()))
+        return draw(
+            st.one_of(st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.booleans())
+        )
     if kind == 3:
         return draw(st.lists(st.integers(-1000, 1000), min_size=1, max_size=20))
     if kind in (4, 5):
@@ -241,3 +243,17 @@ def test_a_chunk_placed_anywhere_but_after_the_last_record_is_refused(tmp_path):
         with pytest.raises(AssertionError, match="not where the next record goes"):
             segs.write_staged(stage, [chunk])
     segs.close(remove=True)
+
+
+def test_arrays_and_tensors_the_fast_layout_skips_give_the_per_record_files(tmp_path):
+    """Runs of contiguous arrays/tensors take the codec-free layout; what it leaves to the codec
+    (subclasses, other byte orders, conjugate, negative or grad-tracking tensors, views) lays
+    out the same bytes in between."""
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    recs: list = [np.full((4, 5), i, np.float32) for i in range(50)]
+    recs += [torch.full((3, 7), i, dtype=torch.bfloat16) for i in range(50)]
+    recs += [np.arange(6, dtype=">f8"), np.ma.masked_array([1, 2])]
+    recs += [z.conj(), torch._neg_view(z), torch.ones(4, requires_grad=True), torch.arange(9)[2:]]
+    recs += [np.arange(10)[::3], np.zeros((2, 0, 3), np.int16), torch.zeros(0, 4), np.array(5.0)]
+    recs += [np.float32(1.5), np.int64(3), torch.tensor(2.5), torch.tensor([7], dtype=torch.int8)]
+    check_build(tmp_path, recs * 3, 2, 4 << 10, 16 << 10)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import crc32c
 import numpy as np
+import torch
 
 from tensortier import _modes
 from tensortier._lifetime import DirLock
@@ -287,10 +288,15 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
     more = True
     for rec in it:
         t = type(rec)
+        arr = None
         if t is bytes or t is str:
             data = rec if t is bytes else rec.encode("utf-8", "surrogatepass")
             k = len(data)
             n = _WIDTH + k + (-k & 7)
+        elif (arr := _array(rec, t)) is not None:  # a numpy array or a CPU tensor
+            pre, shape, data = arr
+            k = len(data)
+            n = pre[0].size + k + (-k & 7)
         else:
             parts = _parts(rec, b.first + len(offs))
             n = sum(map(len, parts))
@@ -309,6 +315,11 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
             view[o + _WIDTH : o + _WIDTH + k] = data
             pre, head, blanks = _PREFIX[t]
             pre.pack_into(view, o, head, k, 0, k, blanks)
+        elif arr is not None:
+            if k & 7:
+                view[end - 8 : end] = _ZERO
+            view[o + pre[0].size : o + pre[0].size + k] = data
+            pre[0].pack_into(view, o, pre[1], *shape, 0, k, pre[2])
         else:
             for p in parts:
                 view[o : o + len(p)] = p
@@ -329,6 +340,50 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
     pos[0], pos[1] = seg, used
     b.at, b.size = at, size
     return more
+
+
+def _array(rec: object, t: type) -> tuple | None:
+    """(prefix, shape, payload bytes) of a record that is one C-contiguous numpy array or
+    dense CPU tensor: its blob is the prefix (``_prefix_of``), the payload, zeros up to 8 bytes:
+    the codec's bytes without its per-field dispatch. None for any other record."""
+    if t is np.ndarray:
+        dt = rec.dtype
+        if not rec.flags.c_contiguous or dt.hasobject or dt.fields is not None:
+            return None
+        return _prefix_of("np", dt.str, rec.ndim), rec.shape, rec.reshape(-1).view(np.uint8)
+    if t is not torch.Tensor:
+        return None
+    name = _TORCH_NAMES.get(rec.dtype)
+    if (
+        name is None
+        or rec.layout is not torch.strided
+        or rec.device.type != "cpu"
+        or rec.is_quantized
+        or rec.is_conj()
+        or rec.is_neg()
+        or not rec.is_contiguous()
+        or rec.numel() < 2  # (empty, or one element of any stride: the codec's path)
+    ):
+        return None
+    data = rec.detach().reshape(-1).view(torch.uint8).numpy()
+    return _prefix_of("pt", name, rec.dim()), tuple(rec.shape), data
+
+
+_TORCH_NAMES = {d: name for name, d in itemcodec.TORCH_DTYPES.items()}
+_ARRAY_PREFIXES: dict[tuple, tuple] = {}
+
+
+def _prefix_of(kind: str, dtype: str, ndim: int) -> tuple:
+    """(struct, static header, blanks) packing the blob header of one array/tensor (cached)."""
+    key = (kind, dtype, ndim)
+    got = _ARRAY_PREFIXES.get(key)
+    if got is None:
+        head, count, blanks = itemcodec.single_prefix(kind, dtype, ndim, ALIGN)
+        got = (struct.Struct(f"<{len(head)}s{count}Q{len(blanks)}s"), head, blanks)
+        if len(_ARRAY_PREFIXES) > 1024:
+            _ARRAY_PREFIXES.clear()
+        _ARRAY_PREFIXES[key] = got
+    return got
 
 
 def _rows(b: _Batch) -> np.ndarray:

@@ -274,6 +274,19 @@ def bytes_prefixes(kind: str, lengths: np.ndarray, align: int) -> np.ndarray:
     return rows
 
 
+def single_prefix(kind: str, dtype: str, ndim: int, align: int) -> tuple[bytes, int, bytes]:
+    """What :func:`encode` ``(item, align=align)`` puts before the payload of a single array
+    (``kind="np"``, ``dtype`` its ``dtype.str``) or tensor (``"pt"``, its dtype's name) item of
+    ``ndim`` dimensions: (static header, count of u64 numbers, blanks); the numbers are its
+    shape, 0 and its size in bytes; the payload and zeros up to ``align`` follow."""
+    if kind not in ("np", "pt") or align <= 1:
+        raise ValueError(f"single_prefix: kind {kind!r} must be 'np' or 'pt', align > 1")
+    head, numbers, blanks = _encode_v2(
+        True, [(_SINGLE, kind, dtype, (0,) * ndim, 0)], [b""], align
+    )[:3]
+    return head, len(numbers) // 8, blanks
+
+
 def encode_parts(item: Any) -> list:
     """:func:`encode` as a list of byte buffers (format ``B``) whose concatenation is the blob.
 
