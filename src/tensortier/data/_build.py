@@ -234,17 +234,6 @@ def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
 _HEAD = REC.size  # record header (segments.py)
 
 
-def _prefix_struct(kind: str) -> struct.Struct:
-    """Packs the blob header of a bytes (``kind="b"``) or str (``"s"``) record (the codec's
-    ``bytes_prefixes``): ``pack_into(buf, at, head, length, 0, length, blanks)``."""
-    row = itemcodec.bytes_prefixes(kind, np.zeros(1), ALIGN)[0].tobytes()
-    cut = row.index(b"\n") + 1
-    return struct.Struct(f"<{cut}s3Q{len(row) - cut - 24}s"), row[:cut], row[cut + 24 :]
-
-
-_PREFIX = {bytes: _prefix_struct("b"), str: _prefix_struct("s")}
-_WIDTH = _PREFIX[bytes][0].size  # the same for both
-_ZERO = bytes(8)
 _MAX_RECORDS = 65536  # per batch
 
 
@@ -384,6 +373,11 @@ def _prefix_of(kind: str, dtype: str, ndim: int) -> tuple:
             _ARRAY_PREFIXES.clear()
         _ARRAY_PREFIXES[key] = got
     return got
+
+
+_PREFIX = {bytes: _prefix_of("b", "u1", 1), str: _prefix_of("s", "u1", 1)}
+_WIDTH = _PREFIX[bytes][0].size  # the same for both
+_ZERO = bytes(8)
 
 
 def _rows(b: _Batch) -> np.ndarray:

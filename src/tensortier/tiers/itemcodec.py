@@ -258,29 +258,14 @@ def encode_aligned_parts(item: Any, align: int) -> list:
     return _encode_general(item, align, as_parts=True)
 
 
-def bytes_prefixes(kind: str, lengths: np.ndarray, align: int) -> np.ndarray:
-    """The header that :func:`encode` ``(item, align=align)`` puts before the payload of a single
-    ``bytes`` (``kind="b"``) or ``str`` (``"s"``, ``lengths`` of its UTF-8) item, one uint8 row
-    per item; the payload and zeros up to ``align`` follow. Array work for a builder's batch."""
-    if kind not in ("b", "s") or align <= 1:
-        raise ValueError(f"bytes_prefixes: kind {kind!r} must be 'b' or 's', align > 1")
-    head, numbers, pad = _encode_v2(True, [(_SINGLE, kind, "u1", (0,), 0)], [b""], align)[:3]
-    lengths = np.asarray(lengths, np.uint64)
-    rows = np.empty((len(lengths), len(head) + len(numbers) + len(pad)), np.uint8)
-    rows[:, : len(head)] = np.frombuffer(head, np.uint8)
-    nums = np.stack([lengths, np.zeros_like(lengths), lengths], axis=1).astype("<u8")
-    rows[:, len(head) : len(head) + len(numbers)] = nums.view(np.uint8)
-    rows[:, len(head) + len(numbers) :] = np.frombuffer(pad, np.uint8)
-    return rows
-
-
 def single_prefix(kind: str, dtype: str, ndim: int, align: int) -> tuple[bytes, int, bytes]:
     """What :func:`encode` ``(item, align=align)`` puts before the payload of a single array
-    (``kind="np"``, ``dtype`` its ``dtype.str``) or tensor (``"pt"``, its dtype's name) item of
+    (``kind="np"``, ``dtype`` its ``dtype.str``), tensor (``"pt"``, its dtype's name), bytes
+    (``"b"``, ``"u1"``, 1) or str (``"s"``, ``"u1"``, 1: the payload is its UTF-8) item of
     ``ndim`` dimensions: (static header, count of u64 numbers, blanks); the numbers are its
     shape, 0 and its size in bytes; the payload and zeros up to ``align`` follow."""
-    if kind not in ("np", "pt") or align <= 1:
-        raise ValueError(f"single_prefix: kind {kind!r} must be 'np' or 'pt', align > 1")
+    if kind not in ("np", "pt", "b", "s") or align <= 1:
+        raise ValueError(f"single_prefix: kind {kind!r} must be 'np', 'pt', 'b' or 's', align > 1")
     head, numbers, blanks = _encode_v2(
         True, [(_SINGLE, kind, dtype, (0,) * ndim, 0)], [b""], align
     )[:3]

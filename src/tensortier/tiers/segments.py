@@ -198,36 +198,6 @@ def _copy_parts(view: memoryview, at: int, parts: list) -> None:
         at += len(part)
 
 
-def _lay_out(view, offs, keys, prefix, payloads, rlen, magic: int, crcs: np.ndarray) -> None:
-    """Put whole records at ``offs`` (8-aligned) of ``view``: header words, prefixes and the
-    zero tail placed by array operations; each payload copied once; ``crcs`` filled (format 3).
-    """
-    stage = np.frombuffer(view, np.uint8)
-    words = stage[: len(stage) // 8 * 8].view("<u8")
-    plen = (rlen - REC.size).astype(np.uint64)
-    keys = keys.astype(np.uint64)
-    words[(offs + rlen) // 8 - 1] = 0  # the zero tail, before the payloads overwrite its start
-    head = np.empty((len(offs), 3 + prefix.shape[1] // 8), np.uint64)
-    head[:, 0] = np.uint64(magic) | (plen << np.uint64(32))  # magic | plen; crc, flags: below
-    head[:, 1] = 0
-    head[:, 2] = keys
-    head[:, 3:] = prefix.view("<u8")
-    words[(offs // 8)[:, None] + np.arange(head.shape[1])] = head
-    body = memoryview(np.stack([plen, keys], axis=1).view(np.uint8).reshape(-1))  # _BODY
-    starts = (offs + REC.size + prefix.shape[1]).tolist()
-    first = (offs + REC.size).tolist()
-    ends = (offs + rlen).tolist()
-    sums = []
-    for i, (at, payload) in enumerate(zip(starts, payloads)):
-        view[at : at + len(payload)] = payload
-        head_crc = crc32c.crc32c(body[16 * i : 16 * i + 16], 0, 0)
-        # gil_release_mode 0: a writer that let the GIL go here would wait a switch interval
-        # (5 ms) for the producer to give it back, once per record
-        sums.append(crc32c.crc32c(view[first[i] : ends[i]], head_crc, 0))
-    crcs[:] = sums
-    stage[: len(stage) // 4 * 4].view("<u4")[offs // 4 + 2] = crcs
-
-
 def aligned_buffer(size: int) -> np.ndarray:
     """A page-aligned uint8 buffer of ``size`` bytes (what O_DIRECT writes from)."""
     raw = np.empty(size + _PAGE, np.uint8)
@@ -396,71 +366,6 @@ class Segments:
             locs += self._append_chunk(records[i:j], crcs)
             i = j
         return locs
-
-    def append_prefixed(
-        self, keys: np.ndarray, prefix: np.ndarray, payloads: list[bytes]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Append records ``keys[i]`` whose payload is ``prefix[i]`` (a uint8 row, the same width
-        for all), then ``payloads[i]``, then zeros up to a multiple of 8 bytes: a builder's
-        records of one schema. Returns ((segment, offset, length) rows, checksums).
-
-        Direct writes lay the records out with array operations straight into the staging
-        buffer (headers, prefixes and padding placed at once; per record one copy of its
-        payload and two checksum calls); otherwise they go through :meth:`append`.
-        """
-        n = len(payloads)
-        lens = np.fromiter(map(len, payloads), np.int64, n)
-        plen = prefix.shape[1] + lens + (-lens % 8)
-        if not self.direct or self.magic != MAGIC_C or prefix.shape[1] % 8 or n == 0:
-            pad = [bytes(int(k)) for k in -lens % 8]
-            recs = [
-                (int(k), 0, (r.tobytes(), p, z)) for k, r, p, z in zip(keys, prefix, payloads, pad)
-            ]
-            sums: list[int] = []
-            locs = self.append(recs, sums)
-            return np.asarray(locs, np.int64).reshape(-1, 3), np.asarray(sums, np.uint32)
-        rlen = REC.size + plen
-        out, sums, i = [], [], 0
-        while i < n:  # fill the active segment, roll, continue
-            if self.active < 0 or self.size[self.active] >= self.segment_size:
-                self._roll()
-            room = self.segment_size - self.size[self.active]
-            j = i + max(1, int(np.searchsorted(np.cumsum(rlen[i:]), room, "right")))
-            loc, crc = self._append_laid_out(keys[i:j], prefix[i:j], payloads[i:j], rlen[i:j])
-            out.append(loc)
-            sums.append(crc)
-            i = j
-        return np.concatenate(out), np.concatenate(sums)
-
-    def _append_laid_out(self, keys, prefix, payloads, rlen) -> tuple[np.ndarray, np.ndarray]:
-        """One segment's share of :meth:`append_prefixed` (direct writes)."""
-        seg, fd = self.active, self._fd(self.active)
-        base = self.size[seg]
-        rel = np.cumsum(rlen) - rlen
-        total = int(rlen.sum())
-        crcs = np.empty(len(payloads), np.uint32)
-        if base % 8:  # not on the 8-byte grid the layout uses: the general path
-            pad = [
-                bytes(int(r - REC.size - prefix.shape[1] - len(p))) for r, p in zip(rlen, payloads)
-            ]
-            recs = [
-                (int(k), 0, (x.tobytes(), p, z)) for k, x, p, z in zip(keys, prefix, payloads, pad)
-            ]
-            sums: list[int] = []
-            locs = self._append_chunk(recs, sums)
-            return np.asarray(locs, np.int64).reshape(-1, 3), np.asarray(sums, np.uint32)
-
-        def fill(view: memoryview, at: int) -> None:
-            _lay_out(view, at + rel, keys, prefix, payloads, rlen, self.magic, crcs)
-
-        def undo() -> None:
-            self.live[seg] -= total
-
-        self.live[seg] += total
-        self.min_key[seg] = min(self.min_key.get(seg, int(keys[0])), int(keys.min()))
-        self._write(seg, fd, base, total, fill, undo)
-        locs = np.stack([np.full(len(rel), seg, np.int64), base + rel, rlen], axis=1)
-        return locs, crcs
 
     def _append_chunk(
         self, records: Sequence[tuple[int, int, bytes]], crcs: list[int] | None
