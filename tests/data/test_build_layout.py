@@ -253,7 +253,13 @@ def test_arrays_and_tensors_the_fast_layout_skips_give_the_per_record_files(tmp_
     recs: list = [np.full((4, 5), i, np.float32) for i in range(50)]
     recs += [torch.full((3, 7), i, dtype=torch.bfloat16) for i in range(50)]
     recs += [np.arange(6, dtype=">f8"), np.ma.masked_array([1, 2])]
-    recs += [z.conj(), torch._neg_view(z), torch.ones(4, requires_grad=True), torch.arange(9)[2:]]
+    recs += [
+        z,
+        z.conj(),
+        torch._neg_view(z),
+        torch.ones(4, requires_grad=True),
+        torch.arange(9)[2:],
+    ]
     recs += [np.arange(10)[::3], np.zeros((2, 0, 3), np.int16), torch.zeros(0, 4), np.array(5.0)]
     recs += [np.float32(1.5), np.int64(3), torch.tensor(2.5), torch.tensor([7], dtype=torch.int8)]
     check_build(tmp_path, recs * 3, 2, 4 << 10, 16 << 10)

@@ -232,8 +232,6 @@ def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
 
 
 _HEAD = REC.size  # record header (segments.py)
-
-
 _MAX_RECORDS = 65536  # per batch
 
 
@@ -442,17 +440,16 @@ class _Writers:
         return b, more
 
     def submit(self, b: _Batch) -> None:
-        """Seal ``b`` and queue it to its writer."""
-        rows = _rows(b)
+        """Queue ``b`` to its writer, with its index rows."""
         w = self.batches % len(self.pools)
-        c = b.chunks
-        ends = [b.offs[c[i + 1][3] - 1] + b.rlen[c[i + 1][3] - 1] if i + 1 < len(c) else b.at
-                for i in range(len(c))]  # fmt: skip
+        nexts = [first for *_, first in b.chunks[1:]]  # each chunk ends where the next starts
+        ends = [b.offs[r - 1] + b.rlen[r - 1] for r in nexts] + [b.at]
         chunks = [
-            (seg, base, start, end, b.first + r) for (seg, base, start, r), end in zip(c, ends)
+            (seg, base, start, end, b.first + r)
+            for (seg, base, start, r), end in zip(b.chunks, ends)
         ]
         fut = self.pools[w].submit(self.segs[w].write_staged, b.stage, chunks)
-        self.pending.append((b, rows, fut))
+        self.pending.append((b, _rows(b), fut))
         self.batches += 1
 
     def results(self, keep: int) -> Iterator[tuple[int, np.ndarray]]:
