@@ -398,48 +398,17 @@ def test_old_keywords_still_work_with_a_warning(tmp_path):
     Catalog.open(directory=tmp_path / "c").close()
 
 
-def _kinds_of_records(tmp_path, name, recs, plain):
-    """Build ``recs``: bytes/str runs unencoded (``plain``) or every record encoded one by one."""
-    from tensortier.data import _build
-
-    kinds = _build._KINDS
-    if not plain:
-        _build._KINDS = {}
-    try:
-        Catalog.build(tmp_path / name, recs, io_threads=2, batch_bytes="96KiB", segment_size="1MiB")
-    finally:
-        _build._KINDS = kinds
-    return _files_of(tmp_path / name)
-
-
-def test_bytes_and_str_batches_write_the_files_record_by_record_encoding_writes(tmp_path):
-    """Plain batches (headers by array operations in the writer) give the same files as
-    encoding each record, also where a plain batch meets a record of another type."""
-    rng = np.random.default_rng(3)
-    recs: list = [rng.bytes(int(n)) for n in rng.integers(0, 30_000, 300)]
-    recs += ["é\ud800" * 700, "", "x" * 9] * 20  # surrogates pass, as the codec stores them
-    recs += [b"a" * 40, np.arange(7), b"b" * 41, "c", b"", torch.ones(3)] * 30  # switches
-    a = _kinds_of_records(tmp_path, "plain", recs, plain=True)
-    b = _kinds_of_records(tmp_path, "encoded", recs, plain=False)
-    assert a.keys() == b.keys() and len(a) > 5 and all(a[k] == b[k] for k in a)
-    cat = Catalog.open(tmp_path / "plain")
-    assert all(same(got, want) for got, want in zip(cat[:], recs))
-
-
 def test_bytes_records_are_built_without_python_work_per_record_outside_the_loop(
     tmp_path, monkeypatch
 ):
-    """The producer only collects bytes/str records; no per-record encode, checksum or
-    Segments.append call (the writer lays out a batch with array operations)."""
-    from tensortier.data import _build
+    """The calling thread lays bytes/str records out itself: no per-record encode or
+    Segments.append call, one Segments.write_staged per batch (the writer only writes)."""
     from tensortier.tiers import itemcodec, segments
 
     calls = collections.Counter()
 
     def counted(owner, name):
-        real = getattr(owner, name, None)
-        if real is None:
-            return
+        real = getattr(owner, name)
 
         def wrapper(*a, **k):
             calls[name] += 1
@@ -447,15 +416,15 @@ def test_bytes_records_are_built_without_python_work_per_record_outside_the_loop
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    counted(_build, "_encode")
-    counted(_build, "record_crc32c_parts")
     counted(itemcodec, "encode_aligned_parts")
+    counted(itemcodec, "encode")
+    counted(segments.Segments, "append")
     counted(segments.Segments, "_append_chunk")
-    counted(segments.Segments, "append_prefixed")
+    counted(segments.Segments, "write_staged")
     blobs = [os.urandom(int(n)) for n in np.random.default_rng(0).integers(1, 50_000, 2000)]
     texts = [f"record {i} " * (i % 300) for i in range(3000)]
     for name, recs in (("b", blobs), ("s", texts)):
         Catalog.build(tmp_path / name, recs, io_threads=2, batch_bytes="1MiB")
         assert Catalog.open(tmp_path / name)[:] == recs
-    batches = calls.pop("append_prefixed", 0)
+    batches = calls.pop("write_staged", 0)
     assert calls == {} and 20 < batches < 100

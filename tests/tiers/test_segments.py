@@ -228,39 +228,6 @@ def test_a_payload_given_in_pieces_is_written_as_the_joined_payload(tmp_path, di
     assert outs[0] == outs[1] and len(outs[0][2]) == 2  # the segment rolled between records
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_prefixed_appends_write_what_append_writes_record_by_record(tmp_path, direct):
-    """``append_prefixed`` (headers by array operations, direct) lays out the same bytes, offsets
-    and checksums as ``append`` of the joined payloads, across partial pages and segment rolls."""
-    rng = np.random.default_rng(0)
-    sizes = [0, 1, 7, 8, 4096 - 24 - 16, 70_000, 3, 200_000, 5] * 3
-    payloads = [rng.bytes(n) for n in sizes]
-    prefix = rng.integers(0, 256, (len(sizes), 16), dtype=np.uint8)
-    keys = np.arange(10, 10 + len(sizes), dtype=np.int64)
-    ref, new = tmp_path / "ref", tmp_path / "new"
-    ref.mkdir()
-    new.mkdir()
-    a = Segments(str(ref), segment_size=300_000, checksum="crc32c")
-    b = Segments(str(new), segment_size=300_000, checksum="crc32c", direct=direct)
-    for lo, hi in ((0, 4), (4, 5), (5, len(sizes))):
-        want_crcs: list[int] = []
-        joined = [
-            p.tobytes() + d + bytes(-len(d) % 8) for p, d in zip(prefix[lo:hi], payloads[lo:hi])
-        ]
-        want = a.append([(int(k), 0, j) for k, j in zip(keys[lo:hi], joined)], want_crcs)
-        locs, crcs = b.append_prefixed(keys[lo:hi], prefix[lo:hi], payloads[lo:hi])
-        assert locs.tolist() == [list(x) for x in want] and crcs.tolist() == want_crcs
-    a.sync()
-    b.sync()
-    assert a.segments == b.segments and len(a.segments) > 2
-    for seg in a.segments:
-        with open(a.path(seg), "rb") as f, open(b.path(seg), "rb") as g:
-            assert f.read() == g.read()
-    assert a.live == b.live and a.min_key == b.min_key
-    a.close(remove=False)
-    b.close(remove=False)
-
-
 def test_direct_writes_of_slightly_growing_chunks_reuse_one_staging_buffer(tmp_path):
     """A builder's batches are ``batch_bytes`` plus part of a record, so each differs by a few KB;
     a staging buffer sized to the exact chunk was replaced (and page-faulted anew) by every
@@ -270,10 +237,9 @@ def test_direct_writes_of_slightly_growing_chunks_reuse_one_staging_buffer(tmp_p
     stages, key, written, rows = [], 0, [], []
     for extra in (0, 8_000, 40_000, 100_000, 150_000):
         payloads = [rng.bytes(n) for n in (2 << 20, extra + 1)]
-        keys = np.arange(key, key + 2, dtype=np.int64)
-        locs, _ = segs.append_prefixed(keys, np.zeros((2, 16), np.uint8), payloads)
+        locs = segs.append([(key + i, 0, p) for i, p in enumerate(payloads)])
         written += payloads
-        rows.append(locs)
+        rows.append(np.asarray(locs))
         key += 2
         if not any(segs._stage.base is s.base for s in stages):
             stages.append(segs._stage)
@@ -281,6 +247,6 @@ def test_direct_writes_of_slightly_growing_chunks_reuse_one_staging_buffer(tmp_p
     segs.sync()
     with open(segs.path(segs.segments[0]), "rb") as f:
         raw = f.read()
-    at = [off + REC.size + 16 for _, off, _ in np.concatenate(rows).tolist()]
+    at = [off + REC.size for _, off, _ in np.concatenate(rows).tolist()]
     assert [raw[a : a + len(d)] for a, d in zip(at, written)] == written
     segs.close(remove=False)

@@ -2,13 +2,15 @@
 
 Pipeline. The calling thread batches records by about ``batch_bytes`` of encoded blobs (``tiers.
 itemcodec``, 8-byte aligned, never pickle); batch ``b`` goes to writer ``b % io_threads``, a
-one-thread executor that owns its own segment files (``Segments(first=w, step=io_threads)``) and
-writes the batch with ``O_DIRECT`` (the write releases the GIL). Bytes and str records travel
-unencoded: the writer builds their headers with array operations straight into its aligned
-staging buffer and checksums them there (``Segments.append_prefixed``), so the calling thread does
-a few operations per record; other records are encoded and checksummed by the calling thread. Index rows come back in
-batch order and are appended to ``index.bin``. At most ``2 * io_threads`` batches are in flight, so
-memory stays bounded whatever the record count: 10M records stream through.
+one-thread executor that owns its own segment files (``Segments(first=w, step=io_threads)``).
+The calling thread lays each record out where it will lie in that writer's file (it follows
+``Segments.append``'s placement): one copy from the caller's object into a page-aligned stage,
+header packed, CRC-32C computed while the bytes are in cache; the writer only writes the stage
+with ``O_DIRECT`` (``Segments.write_staged``, which releases the GIL). Stages are reused, so a
+build does not page-fault fresh memory per batch, and the source's objects die right after
+their copy, so its allocator hands out the same (cached) memory again. At most ``2 *
+io_threads`` batches are in flight, so memory stays bounded whatever the record count: 10M
+records stream through.
 
 Atomicity (``PROTOCOL.md``). The builder holds ``.tt-build.lock`` for the whole build. Segments and
 index are fsynced, then ``catalog.json`` is written to a temporary name, fsynced, renamed, and the
@@ -24,6 +26,7 @@ import contextlib
 import os
 import signal
 import stat
+import struct
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 import crc32c
 import numpy as np
+import torch
 
 from tensortier import _modes
 from tensortier._lifetime import DirLock
@@ -39,7 +43,8 @@ from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, SpillDirError
 from tensortier.tiers import itemcodec
-from tensortier.tiers.segments import Segments, record_crc32c_parts
+from tensortier.tiers.segments import BODY, MAGIC_C, REC, Segments, aligned_buffer
+from tensortier.tiers.segments import PAGE as _PAGE
 
 MAX_WRITERS = 64
 FAULT_ENV = "TENSORTIER_CATALOG_FAULT"  # "<point>[:<hit>]": SIGKILL there (crash tests only)
@@ -204,21 +209,13 @@ def _remove_build_files(root: str, keep_lock: bool = False) -> None:
                 os.unlink(os.path.join(root, name))
 
 
-def _encode(rec: object, count: int) -> tuple[bytes | tuple[bytes, ...], int]:
-    """(payload, CRC-32C of the format-3 record ``count``) of ``rec``, never aliasing the caller's
-    memory: a blob whose pieces are all ``bytes`` (immutable: bytes and str records, the
-    headers) travels as a tuple of them, copied once, into the writer's staging buffer; one
-    with array or tensor pieces (which the caller may change once it has our blob) is joined."""
+def _parts(rec: object, count: int) -> list:
+    """The blob of record ``count`` as buffers to copy back to back (arrays and tensors as views
+    of the caller's memory: the caller copies them before it takes the next record)."""
     try:
-        parts = itemcodec.encode_aligned_parts(rec, ALIGN)
+        return itemcodec.encode_aligned_parts(rec, ALIGN)
     except (TypeError, ValueError) as exc:
-        parts = [_encode_coerced(rec, count, exc)]
-    if not all(type(p) is bytes for p in parts):
-        parts = [b"".join(parts)]
-    size = sum(map(len, parts))
-    crc = record_crc32c_parts(size, 0, count, parts)
-    payload = tuple(parts) if len(parts) > 1 else parts[0]
-    return payload, crc
+        return [_encode_coerced(rec, count, exc)]
 
 
 def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
@@ -234,43 +231,168 @@ def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
         ) from first
 
 
-def _write_batch(segs: Segments, first: int, blobs: list, crcs: list[int]) -> np.ndarray:
-    """One writer's job: append ``blobs`` (records ``first...``); their index rows."""
-    locs = segs.append([(first + i, 0, b, c) for i, (b, c) in enumerate(zip(blobs, crcs))])
-    return _rows(np.asarray(locs, np.int64).reshape(-1, 3), crcs)
+_HEAD = REC.size  # record header (segments.py)
+_MAX_RECORDS = 65536  # per batch
 
 
-def _write_plain(segs: Segments, first: int, kind: type, raw: list[bytes]) -> np.ndarray:
-    """One writer's job for a batch of only bytes (or only str: ``raw`` their UTF-8) records
-    ``first...``: headers by array operations, checksums here (see ``Segments.append_prefixed``)."""
-    lens = np.fromiter(map(len, raw), np.int64, len(raw))
-    prefix = itemcodec.bytes_prefixes(_KINDS[kind], lens, ALIGN)
-    keys = np.arange(first, first + len(raw), dtype=np.int64)
-    locs, crcs = segs.append_prefixed(keys, prefix, raw)
-    return _rows(locs, crcs)
+class _Batch:
+    """Records ``first...`` laid out by the calling thread where they go in the writer's files
+    (see the module doc): record ``i`` at ``offs[i]`` of ``stage``, ``rlen[i]`` bytes (header
+    included), checksum ``crcs[i]``; ``chunks`` ``[segment, offset in it, stage offset, first
+    record]`` per segment the batch reaches (:meth:`Segments.write_staged`)."""
+
+    __slots__ = ("first", "stage", "at", "offs", "rlen", "crcs", "chunks", "size")
+
+    def __init__(self, first: int, stage: np.ndarray, seg: int, used: int, seg_size: int):
+        self.first, self.stage = first, stage
+        self.offs: list[int] = []
+        self.rlen: list[int] = []
+        self.crcs: list[int] = []
+        self.size = 0  # blob bytes (headers excluded), what batch_bytes counts
+        self.at = used % _PAGE  # the file's partial last page goes before it
+        self.chunks = [[seg, used, self.at, 0]] if seg >= 0 and used < seg_size else []
+
+    def grow(self, need: int) -> np.ndarray:
+        """A bigger stage holding what this one holds (a record larger than the batch)."""
+        big = aligned_buffer(-(-max(need, 2 * len(self.stage)) // _PAGE) * _PAGE)
+        big[: self.at] = self.stage[: self.at]
+        self.stage = big
+        return big
 
 
-def _rows(locs: np.ndarray, crcs) -> np.ndarray:
-    rows = np.empty(len(locs), INDEX_DTYPE)
-    rows["seg"], rows["off"], rows["len"] = locs[:, 0], locs[:, 1], locs[:, 2]
-    rows["crc"] = crcs
+def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
+    """Lay records from ``it`` out in ``b`` until it holds ``batch_bytes`` of blobs or
+    ``_MAX_RECORDS`` records; False once ``it`` is exhausted. ``pos`` ``[segment, bytes, first
+    segment]``: where the writer's next record goes, by :meth:`Segments.append`'s rule (a
+    segment takes records while it holds less than ``segment_size`` bytes). Per record one
+    copy, straight from the caller's object (bytes, str's UTF-8, an array's memory) into the
+    stage, and its checksum while those bytes are in the CPU's cache."""
+    seg, used = pos[0], pos[1]
+    limit, seg_size, step = args.batch_bytes, args.segment_size, args.io_threads
+    offs, rlen, crcs, chunks = b.offs, b.rlen, b.crcs, b.chunks
+    view, cap, at, size = memoryview(b.stage), len(b.stage), b.at, 0
+    crc, body, rec_pack = crc32c.crc32c, BODY.pack, REC.pack_into
+    more = True
+    for rec in it:
+        t = type(rec)
+        arr = None
+        if t is bytes or t is str:
+            data = rec if t is bytes else rec.encode("utf-8", "surrogatepass")
+            k = len(data)
+            n = _WIDTH + k + (-k & 7)
+        elif (arr := _array(rec, t)) is not None:  # a numpy array or a CPU tensor
+            pre, shape, data = arr
+            k = len(data)
+            n = pre[0].size + k + (-k & 7)
+        else:
+            parts = _parts(rec, b.first + len(offs))
+            n = sum(map(len, parts))
+        if seg < 0 or used >= seg_size:  # the writer's next segment, from its offset 0
+            seg, used = (pos[2] if seg < 0 else seg + step), 0
+            at = -(-at // _PAGE) * _PAGE
+            chunks.append([seg, 0, at, len(offs)])
+        if at + _HEAD + n + _PAGE > cap:
+            b.at = at
+            view = memoryview(b.grow(at + _HEAD + n + _PAGE))
+            cap = len(view)
+        o, end = at + _HEAD, at + _HEAD + n
+        if t is bytes or t is str:
+            if k & 7:
+                view[end - 8 : end] = _ZERO  # the padding (data overwrites its start)
+            view[o + _WIDTH : o + _WIDTH + k] = data
+            pre, head, blanks = _PREFIX[t]
+            pre.pack_into(view, o, head, k, 0, k, blanks)
+        elif arr is not None:
+            if k & 7:
+                view[end - 8 : end] = _ZERO
+            view[o + pre[0].size : o + pre[0].size + k] = data
+            pre[0].pack_into(view, o, pre[1], *shape, 0, k, pre[2])
+        else:
+            for p in parts:
+                view[o : o + len(p)] = p
+                o += len(p)
+        key = b.first + len(offs)
+        # gil_release_mode 0: a thread that let the GIL go here would wait a switch interval
+        # (5 ms) for a writer to give it back, once per record
+        c = crc(view[at + _HEAD : end], crc(body(n, 0, key), 0, 0), 0)
+        rec_pack(view, at, MAGIC_C, n, c, 0, key)
+        offs.append(at)
+        rlen.append(_HEAD + n)
+        crcs.append(c)
+        at, used, size = end, used + _HEAD + n, size + n
+        if size >= limit or len(offs) >= _MAX_RECORDS:
+            break
+    else:
+        more = False
+    pos[0], pos[1] = seg, used
+    b.at, b.size = at, size
+    return more
+
+
+def _array(rec: object, t: type) -> tuple | None:
+    """(prefix, shape, payload bytes) of a record that is one C-contiguous numpy array or
+    dense CPU tensor: its blob is the prefix (``_prefix_of``), the payload, zeros up to 8 bytes:
+    the codec's bytes without its per-field dispatch. None for any other record."""
+    if t is np.ndarray:
+        dt = rec.dtype
+        if not rec.flags.c_contiguous or dt.hasobject or dt.fields is not None:
+            return None
+        return _prefix_of("np", dt.str, rec.ndim), rec.shape, rec.reshape(-1).view(np.uint8)
+    if t is not torch.Tensor:
+        return None
+    name = _TORCH_NAMES.get(rec.dtype)
+    if (
+        name is None
+        or rec.layout is not torch.strided
+        or rec.device.type != "cpu"
+        or rec.is_quantized
+        or rec.is_conj()
+        or rec.is_neg()
+        or not rec.is_contiguous()
+        or rec.numel() < 2  # (empty, or one element of any stride: the codec's path)
+    ):
+        return None
+    data = rec.detach().reshape(-1).view(torch.uint8).numpy()
+    return _prefix_of("pt", name, rec.dim()), tuple(rec.shape), data
+
+
+_TORCH_NAMES = {d: name for name, d in itemcodec.TORCH_DTYPES.items()}
+_ARRAY_PREFIXES: dict[tuple, tuple] = {}
+
+
+def _prefix_of(kind: str, dtype: str, ndim: int) -> tuple:
+    """(struct, static header, blanks) packing the blob header of one array/tensor (cached)."""
+    key = (kind, dtype, ndim)
+    got = _ARRAY_PREFIXES.get(key)
+    if got is None:
+        head, count, blanks = itemcodec.single_prefix(kind, dtype, ndim, ALIGN)
+        got = (struct.Struct(f"<{len(head)}s{count}Q{len(blanks)}s"), head, blanks)
+        if len(_ARRAY_PREFIXES) > 1024:
+            _ARRAY_PREFIXES.clear()
+        _ARRAY_PREFIXES[key] = got
+    return got
+
+
+_PREFIX = {bytes: _prefix_of("b", "u1", 1), str: _prefix_of("s", "u1", 1)}
+_WIDTH = _PREFIX[bytes][0].size  # the same for both
+_ZERO = bytes(8)
+
+
+def _rows(b: _Batch) -> np.ndarray:
+    """The index rows of ``b``'s records."""
+    n = len(b.offs)
+    c = np.array(b.chunks, np.int64).reshape(-1, 4)
+    count = np.diff(np.append(c[:, 3], n))
+    rows = np.empty(n, INDEX_DTYPE)
+    rows["seg"] = np.repeat(c[:, 0], count)
+    rows["off"] = np.array(b.offs, np.int64) + np.repeat(c[:, 1] - c[:, 2], count)
+    rows["len"], rows["crc"] = b.rlen, b.crcs
     return rows
 
 
-_KINDS = {bytes: "b", str: "s"}  # record types a batch can carry unencoded (``_write_plain``)
-_WIDTH = len(itemcodec.bytes_prefixes("b", np.zeros(1), ALIGN)[0])  # their header, both kinds
-
-
-def _encode_raw(raw: list[bytes], kind: type, first: int) -> tuple[list, list[int]]:
-    """The blobs and checksums :func:`_encode` gives the records of a plain batch (``raw``: their
-    bytes or UTF-8), for a batch that has just met a record of another type."""
-    rows = itemcodec.bytes_prefixes(_KINDS[kind], [len(r) for r in raw], ALIGN)
-    blobs, crcs = [], []
-    for i, (row, data) in enumerate(zip(rows, raw)):
-        parts = (row.tobytes(), data, bytes(-len(data) % ALIGN))
-        blobs.append(parts)
-        crcs.append(record_crc32c_parts(sum(map(len, parts)), 0, first + i, parts))
-    return blobs, crcs
+def _stage_size(batch_bytes: int) -> int:
+    """A batch's stage: its blobs, their headers, a record past the limit, pages of room."""
+    return -(-(batch_bytes + max(batch_bytes // 4, 64 << 10) + 2 * _PAGE) // _PAGE) * _PAGE
 
 
 class _Writers:
@@ -278,9 +400,12 @@ class _Writers:
     ``io_threads``-th batch; results come back in batch order (see the module doc)."""
 
     def __init__(self, args: BuildArgs):
+        self.args = args
         self.pools: list[ThreadPoolExecutor] = []
         self.segs: list[Segments] = []
-        self.pending: collections.deque[tuple[int, Future]] = collections.deque()
+        self.pos = [[-1, 0, w] for w in range(args.io_threads)]  # see _fill
+        self.free: list[np.ndarray] = []  # stages of batches written, to reuse
+        self.pending: collections.deque[tuple[_Batch, np.ndarray, Future]] = collections.deque()
         self.batches = 0
         try:
             for w in range(args.io_threads):
@@ -301,22 +426,40 @@ class _Writers:
             self.shutdown(failed=True)
             raise
 
-    def submit(self, first: int, kind: type | None, blobs: list, crcs: list[int]) -> None:
-        """Queue the batch of records ``first...`` to the next writer: encoded ``blobs`` and
-        their ``crcs`` (``kind`` None), or the bytes of records all of type ``kind``."""
+    def fill(self, first: int, it: Iterator) -> tuple[_Batch | None, bool]:
+        """The next batch (records ``first...`` from ``it``) laid out for its writer, or None
+        if ``it`` had none left; and whether ``it`` may hold more."""
+        pos = self.pos[self.batches % len(self.pools)]
+        a = self.args
+        stage = self.free.pop() if self.free else aligned_buffer(_stage_size(a.batch_bytes))
+        b = _Batch(first, stage, pos[0], pos[1], a.segment_size)
+        more = _fill(b, it, pos, a)
+        if not b.offs:
+            self.free.append(b.stage)
+            return None, False
+        return b, more
+
+    def submit(self, b: _Batch) -> None:
+        """Queue ``b`` to its writer, with its index rows."""
         w = self.batches % len(self.pools)
-        if kind is None:
-            fut = self.pools[w].submit(_write_batch, self.segs[w], first, blobs, crcs)
-        else:
-            fut = self.pools[w].submit(_write_plain, self.segs[w], first, kind, blobs)
-        self.pending.append((len(blobs), fut))
+        nexts = [first for *_, first in b.chunks[1:]]  # each chunk ends where the next starts
+        ends = [b.offs[r - 1] + b.rlen[r - 1] for r in nexts] + [b.at]
+        chunks = [
+            (seg, base, start, end, b.first + r)
+            for (seg, base, start, r), end in zip(b.chunks, ends)
+        ]
+        fut = self.pools[w].submit(self.segs[w].write_staged, b.stage, chunks)
+        self.pending.append((b, _rows(b), fut))
         self.batches += 1
 
     def results(self, keep: int) -> Iterator[tuple[int, np.ndarray]]:
         """(records, index rows) of the oldest batches until at most ``keep`` are in flight."""
         while len(self.pending) > keep:
-            n, fut = self.pending.popleft()
-            yield n, fut.result()
+            b, rows, fut = self.pending.popleft()
+            fut.result()
+            if len(self.free) <= 2 * len(self.pools):
+                self.free.append(b.stage)
+            yield len(rows), rows
 
     def sync(self, point: _Faults) -> dict[int, int]:
         """Make every segment durable and close it; the segment sizes (for the manifest)."""
@@ -354,44 +497,20 @@ class _Index:
                 self.bar.update(n)
 
 
-def _encode_all(
-    records: Iterable, writers: _Writers, index: _Index, batch_bytes: int
-) -> tuple[int, int]:
-    """Batch ``records`` by about ``batch_bytes`` of blobs for the writers (at most
-    ``2 * io_threads`` in flight); (records, payload bytes). A batch starting with a bytes or
-    str record stays plain (records unencoded: the writer lays them out) while its records are
-    of that type; another type turns it into a batch of encoded blobs. The boundaries count
-    blob sizes either way, so the same records give the same files."""
-    kind, batch, sums = None, [], []  # plain: kind, raw bytes; encoded: None, blobs and CRCs
-    size = count = payload = 0
-    width = _WIDTH
-    for rec in records:
-        t = type(rec)
-        if not batch and t in _KINDS:
-            kind = t
-        if t is kind:
-            data = rec if t is bytes else rec.encode("utf-8", "surrogatepass")
-            batch.append(data)
-            n = width + len(data) + (-len(data) & 7)
-        else:
-            if kind is not None:  # a plain batch meets another type: encode what it holds
-                batch, sums = _encode_raw(batch, kind, count - len(batch))
-                kind = None
-            # the checksum is computed here: a writer thread taking the GIL back after each
-            # checksum call would wait for this loop's switch interval (5 ms) every time
-            blob, crc = _encode(rec, count)
-            n = len(blob) if type(blob) is bytes else sum(map(len, blob))
-            batch.append(blob)
-            sums.append(crc)
-        size += n
-        count += 1
-        payload += n
-        if size >= batch_bytes or len(batch) >= 65536:
-            writers.submit(count - len(batch), kind, batch, sums)
-            kind, batch, sums, size = None, [], [], 0
-            index.add(writers, 2 * len(writers.pools))
-    if batch:
-        writers.submit(count - len(batch), kind, batch, sums)
+def _encode_all(records: Iterable, writers: _Writers, index: _Index) -> tuple[int, int]:
+    """Lay ``records`` out in batches of about ``batch_bytes`` of blobs for the writers (at most
+    ``2 * io_threads`` in flight); (records, payload bytes)."""
+    it = iter(records)
+    count = payload = 0
+    more = True
+    while more:
+        b, more = writers.fill(count, it)
+        if b is None:
+            break
+        writers.submit(b)
+        count += len(b.offs)
+        payload += b.size
+        index.add(writers, 2 * len(writers.pools))
     index.add(writers, 0)
     return count, payload
 
@@ -401,7 +520,7 @@ def _write(args: BuildArgs, records: Iterable, writers: _Writers, point: _Faults
     index_fd = _modes.create(os.path.join(args.root, _format.INDEX), args.mode)
     with open(index_fd, "wb", buffering=1 << 20) as f:
         index = _Index(f, point, bar)
-        count, payload = _encode_all(records, writers, index, args.batch_bytes)
+        count, payload = _encode_all(records, writers, index)
         f.flush()
         os.fsync(f.fileno())
     point("index-synced")

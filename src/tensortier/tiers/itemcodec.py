@@ -73,9 +73,13 @@ def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
         if dtype not in TORCH_DTYPES:
             raise TypeError(f"field {name!r}: unsupported torch dtype {value.dtype}")
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        # an empty tensor's stride may be 0, which .view(uint8) refuses
+        # an empty tensor's stride may be 0, and a one-element one's anything (contiguous() keeps
+        # it: x[::2] of two elements has stride 2), which .view(uint8) refuses
         empty = t.numel() == 0
-        raw = np.empty(0, np.uint8) if empty else t.reshape(-1).view(torch.uint8).numpy()
+        flat = t.reshape(-1)
+        if flat.numel() == 1 and flat.stride(0) != 1:
+            flat = flat.as_strided((1,), (1,))  # the same element
+        raw = np.empty(0, np.uint8) if empty else flat.view(torch.uint8).numpy()
         return ["pt", dtype, list(t.shape)], memoryview(raw)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ["b", "u1", [len(value)]], bytes(value)
@@ -254,20 +258,18 @@ def encode_aligned_parts(item: Any, align: int) -> list:
     return _encode_general(item, align, as_parts=True)
 
 
-def bytes_prefixes(kind: str, lengths: np.ndarray, align: int) -> np.ndarray:
-    """The header that :func:`encode` ``(item, align=align)`` puts before the payload of a single
-    ``bytes`` (``kind="b"``) or ``str`` (``"s"``, ``lengths`` of its UTF-8) item, one uint8 row
-    per item; the payload and zeros up to ``align`` follow. Array work for a builder's batch."""
-    if kind not in ("b", "s") or align <= 1:
-        raise ValueError(f"bytes_prefixes: kind {kind!r} must be 'b' or 's', align > 1")
-    head, numbers, pad = _encode_v2(True, [(_SINGLE, kind, "u1", (0,), 0)], [b""], align)[:3]
-    lengths = np.asarray(lengths, np.uint64)
-    rows = np.empty((len(lengths), len(head) + len(numbers) + len(pad)), np.uint8)
-    rows[:, : len(head)] = np.frombuffer(head, np.uint8)
-    nums = np.stack([lengths, np.zeros_like(lengths), lengths], axis=1).astype("<u8")
-    rows[:, len(head) : len(head) + len(numbers)] = nums.view(np.uint8)
-    rows[:, len(head) + len(numbers) :] = np.frombuffer(pad, np.uint8)
-    return rows
+def single_prefix(kind: str, dtype: str, ndim: int, align: int) -> tuple[bytes, int, bytes]:
+    """What :func:`encode` ``(item, align=align)`` puts before the payload of a single array
+    (``kind="np"``, ``dtype`` its ``dtype.str``), tensor (``"pt"``, its dtype's name), bytes
+    (``"b"``, ``"u1"``, 1) or str (``"s"``, ``"u1"``, 1: the payload is its UTF-8) item of
+    ``ndim`` dimensions: (static header, count of u64 numbers, blanks); the numbers are its
+    shape, 0 and its size in bytes; the payload and zeros up to ``align`` follow."""
+    if kind not in ("np", "pt", "b", "s") or align <= 1:
+        raise ValueError(f"single_prefix: kind {kind!r} must be 'np', 'pt', 'b' or 's', align > 1")
+    head, numbers, blanks = _encode_v2(
+        True, [(_SINGLE, kind, dtype, (0,) * ndim, 0)], [b""], align
+    )[:3]
+    return head, len(numbers) // 8, blanks
 
 
 def encode_parts(item: Any) -> list:

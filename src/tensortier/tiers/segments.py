@@ -59,14 +59,14 @@ from tensortier._units import format_size
 from tensortier.errors import CorruptDataError, TierFullError
 
 REC = struct.Struct("<IIIIq")
-_BODY = struct.Struct("<IIq")  # length | flags | key: the header fields the format-2 CRC covers
+_BODY = BODY = struct.Struct("<IIq")  # length | flags | key: the fields the format-2/3 CRC covers
 MAGIC = 0x32525454  # b"TTR2" on disk
 MAGIC_C = 0x33525454  # b"TTR3": format 2's coverage, CRC-32C
 MAGIC_V1 = 0x31525454  # b"TTR1": payload-only CRC, read but never written
 TOMBSTONE = 1
 _NAME = re.compile(r"^seg-(\d{8})\.ttr$")
 _GAP = 64 << 10  # coalesce reads of records closer than this
-_PAGE = 4096  # O_DIRECT alignment of offsets, lengths and memory
+_PAGE = PAGE = 4096  # O_DIRECT alignment of offsets, lengths and memory
 
 
 def record_crc(length: int, flags: int, key: int, payload: bytes | memoryview) -> int:
@@ -198,34 +198,11 @@ def _copy_parts(view: memoryview, at: int, parts: list) -> None:
         at += len(part)
 
 
-def _lay_out(view, offs, keys, prefix, payloads, rlen, magic: int, crcs: np.ndarray) -> None:
-    """Put whole records at ``offs`` (8-aligned) of ``view``: header words, prefixes and the
-    zero tail placed by array operations; each payload copied once; ``crcs`` filled (format 3).
-    """
-    stage = np.frombuffer(view, np.uint8)
-    words = stage[: len(stage) // 8 * 8].view("<u8")
-    plen = (rlen - REC.size).astype(np.uint64)
-    keys = keys.astype(np.uint64)
-    words[(offs + rlen) // 8 - 1] = 0  # the zero tail, before the payloads overwrite its start
-    head = np.empty((len(offs), 3 + prefix.shape[1] // 8), np.uint64)
-    head[:, 0] = np.uint64(magic) | (plen << np.uint64(32))  # magic | plen; crc, flags: below
-    head[:, 1] = 0
-    head[:, 2] = keys
-    head[:, 3:] = prefix.view("<u8")
-    words[(offs // 8)[:, None] + np.arange(head.shape[1])] = head
-    body = memoryview(np.stack([plen, keys], axis=1).view(np.uint8).reshape(-1))  # _BODY
-    starts = (offs + REC.size + prefix.shape[1]).tolist()
-    first = (offs + REC.size).tolist()
-    ends = (offs + rlen).tolist()
-    sums = []
-    for i, (at, payload) in enumerate(zip(starts, payloads)):
-        view[at : at + len(payload)] = payload
-        head_crc = crc32c.crc32c(body[16 * i : 16 * i + 16], 0, 0)
-        # gil_release_mode 0: a writer that let the GIL go here would wait a switch interval
-        # (5 ms) for the producer to give it back, once per record
-        sums.append(crc32c.crc32c(view[first[i] : ends[i]], head_crc, 0))
-    crcs[:] = sums
-    stage[: len(stage) // 4 * 4].view("<u4")[offs // 4 + 2] = crcs
+def aligned_buffer(size: int) -> np.ndarray:
+    """A page-aligned uint8 buffer of ``size`` bytes (what O_DIRECT writes from)."""
+    raw = np.empty(size + _PAGE, np.uint8)
+    at = (-raw.ctypes.data) % _PAGE
+    return raw[at : at + size]
 
 
 def _pwrite_all(fd: int, parts: list, offset: int) -> None:
@@ -390,71 +367,6 @@ class Segments:
             i = j
         return locs
 
-    def append_prefixed(
-        self, keys: np.ndarray, prefix: np.ndarray, payloads: list[bytes]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Append records ``keys[i]`` whose payload is ``prefix[i]`` (a uint8 row, the same width
-        for all), then ``payloads[i]``, then zeros up to a multiple of 8 bytes: a builder's
-        records of one schema. Returns ((segment, offset, length) rows, checksums).
-
-        Direct writes lay the records out with array operations straight into the staging
-        buffer (headers, prefixes and padding placed at once; per record one copy of its
-        payload and two checksum calls); otherwise they go through :meth:`append`.
-        """
-        n = len(payloads)
-        lens = np.fromiter(map(len, payloads), np.int64, n)
-        plen = prefix.shape[1] + lens + (-lens % 8)
-        if not self.direct or self.magic != MAGIC_C or prefix.shape[1] % 8 or n == 0:
-            pad = [bytes(int(k)) for k in -lens % 8]
-            recs = [
-                (int(k), 0, (r.tobytes(), p, z)) for k, r, p, z in zip(keys, prefix, payloads, pad)
-            ]
-            sums: list[int] = []
-            locs = self.append(recs, sums)
-            return np.asarray(locs, np.int64).reshape(-1, 3), np.asarray(sums, np.uint32)
-        rlen = REC.size + plen
-        out, sums, i = [], [], 0
-        while i < n:  # fill the active segment, roll, continue
-            if self.active < 0 or self.size[self.active] >= self.segment_size:
-                self._roll()
-            room = self.segment_size - self.size[self.active]
-            j = i + max(1, int(np.searchsorted(np.cumsum(rlen[i:]), room, "right")))
-            loc, crc = self._append_laid_out(keys[i:j], prefix[i:j], payloads[i:j], rlen[i:j])
-            out.append(loc)
-            sums.append(crc)
-            i = j
-        return np.concatenate(out), np.concatenate(sums)
-
-    def _append_laid_out(self, keys, prefix, payloads, rlen) -> tuple[np.ndarray, np.ndarray]:
-        """One segment's share of :meth:`append_prefixed` (direct writes)."""
-        seg, fd = self.active, self._fd(self.active)
-        base = self.size[seg]
-        rel = np.cumsum(rlen) - rlen
-        total = int(rlen.sum())
-        crcs = np.empty(len(payloads), np.uint32)
-        if base % 8:  # not on the 8-byte grid the layout uses: the general path
-            pad = [
-                bytes(int(r - REC.size - prefix.shape[1] - len(p))) for r, p in zip(rlen, payloads)
-            ]
-            recs = [
-                (int(k), 0, (x.tobytes(), p, z)) for k, x, p, z in zip(keys, prefix, payloads, pad)
-            ]
-            sums: list[int] = []
-            locs = self._append_chunk(recs, sums)
-            return np.asarray(locs, np.int64).reshape(-1, 3), np.asarray(sums, np.uint32)
-
-        def fill(view: memoryview, at: int) -> None:
-            _lay_out(view, at + rel, keys, prefix, payloads, rlen, self.magic, crcs)
-
-        def undo() -> None:
-            self.live[seg] -= total
-
-        self.live[seg] += total
-        self.min_key[seg] = min(self.min_key.get(seg, int(keys[0])), int(keys.min()))
-        self._write(seg, fd, base, total, fill, undo)
-        locs = np.stack([np.full(len(rel), seg, np.int64), base + rel, rlen], axis=1)
-        return locs, crcs
-
     def _append_chunk(
         self, records: Sequence[tuple[int, int, bytes]], crcs: list[int] | None
     ) -> list[tuple[int, int, int]]:
@@ -498,14 +410,14 @@ class Segments:
             crcs += sums
         return locs
 
-    def _write(self, seg: int, fd: int, base: int, total: int, fill, undo) -> None:
+    def _write(self, seg: int, fd: int, base: int, total: int, fill, undo, staged=None) -> None:
         """Write a chunk of ``total`` bytes at ``base`` of ``seg``: direct, ``fill(view, at)``
         puts them into the staging buffer; buffered, ``fill()`` writes them. On an error the
         file is cut back, ``undo()`` reverses the caller's accounting and TierFullError says why.
         """
         try:
             if self.direct:
-                self._write_direct(seg, fd, base, total, fill)
+                self._write_direct(seg, fd, base, total, fill, staged)
             else:
                 fill()
             if self.fsync:
@@ -528,29 +440,76 @@ class Segments:
             # spilled data should leave the page cache, as the disk tier's does
             os.posix_fadvise(fd, base, total, os.POSIX_FADV_DONTNEED)
 
-    def _write_direct(self, seg: int, fd: int, base: int, total: int, fill) -> None:
+    def _write_direct(self, seg: int, fd: int, base: int, total: int, fill, staged=None) -> None:
         """Write ``total`` bytes at ``base`` with O_DIRECT: the file's partial last page, then
-        what ``fill(view, at)`` puts into the page-aligned staging buffer at ``at``."""
+        what ``fill(view, at)`` puts into the page-aligned staging buffer at ``at``; or, with
+        ``staged=(stage, start)``, the bytes a builder already put at ``stage[start:]`` (see
+        :meth:`write_staged`)."""
         tail = self._tail.get(seg, b"")
-        end = len(tail) + total
-        size = -(-end // _PAGE) * _PAGE
+        if staged is None:
+            stage, head = self._staging(len(tail) + total), 0
+            view = memoryview(stage)
+            view[: len(tail)] = tail
+            fill(view, len(tail))
+        else:
+            stage, start = staged
+            head = start - len(
+                tail
+            )  # page-aligned: start = base (mod page), len(tail) = base % page
+            view = memoryview(stage)
+            view[head:start] = tail
+        end = head + len(tail) + total
+        stop = head + -(-(end - head) // _PAGE) * _PAGE
+        stage[end:stop] = 0
+        at, done = base - len(tail), 0
+        while done < stop - head:  # regular files write it whole; loop for the rules' sake
+            done += os.pwrite(fd, view[head + done : stop], at + done)
+        self._tail[seg] = bytes(stage[end - (end - head) % _PAGE : end])
+
+    def _staging(self, size: int) -> np.ndarray:
+        """This store's page-aligned staging buffer, at least ``size`` bytes rounded to a page."""
+        size = -(-size // _PAGE) * _PAGE
         if self._stage is None or len(self._stage) < size:
             # a quarter more than asked: chunks of one batch size differ by a record, and each
             # new buffer costs page faults on all it holds (0.1 CPU-s/GB of a build when
             # every few batches grew it by a few KB)
-            cap = max(size + size // 4 // _PAGE * _PAGE, 1 << 20)
-            raw = np.empty(cap + _PAGE, np.uint8)
-            at = (-raw.ctypes.data) % _PAGE
-            self._stage = raw[at : at + cap]
-        stage = self._stage
-        view = memoryview(stage)
-        view[: len(tail)] = tail
-        fill(view, len(tail))
-        stage[end:size] = 0
-        start, done = base - len(tail), 0
-        while done < size:  # regular files write it whole; loop for the rules' sake
-            done += os.pwrite(fd, view[done:size], start + done)
-        self._tail[seg] = bytes(stage[end - end % _PAGE : end])
+            self._stage = aligned_buffer(max(size + size // 4 // _PAGE * _PAGE, 1 << 20))
+        return self._stage
+
+    def write_staged(self, stage: np.ndarray, chunks: Sequence[tuple[int, int, int, int, int]]):
+        """Write records a builder laid out itself (headers, checksums: the bytes of
+        :meth:`append`) in ``stage``, a page-aligned uint8 buffer: chunk ``(seg, base, start,
+        end, min_key)`` is ``stage[start:end]``, to be written at offset ``base`` of ``seg``.
+        Direct writes need ``start = base (mod 4096)``, ``base % 4096`` bytes of room before
+        ``start`` (the file's partial last page goes there) and room up to the next page after
+        ``end``: then the records are written where they lie, without a copy. The builder
+        placed them by :meth:`append`'s rule (a segment takes records while it holds less than
+        ``segment_size`` bytes, then this writer's next number starts at 0): anything else is a
+        bug and raises AssertionError before writing.
+        """
+        for seg, base, start, end, low in chunks:
+            full = self.active < 0 or self.size[self.active] >= self.segment_size
+            if seg != self.active and full:
+                self._roll()
+            if seg != self.active or base != self.size[seg] or (start - base) % _PAGE:
+                raise AssertionError(
+                    f"write_staged: chunk at {seg}:{base} (stage offset {start}) is not where "
+                    f"the next record goes ({self.active}:{self.size[self.active]})"
+                )
+            self._write_chunk(seg, base, stage, start, end, low)
+
+    def _write_chunk(self, seg: int, base: int, stage, start: int, end: int, low: int) -> None:
+        fd, total = self._fd(seg), end - start
+
+        def fill() -> None:  # buffered (the filesystem refused O_DIRECT)
+            _pwrite_all(fd, [memoryview(stage)[start:end]], base)
+
+        def undo() -> None:
+            self.live[seg] -= total
+
+        self.live[seg] += total
+        self.min_key[seg] = min(self.min_key.get(seg, low), low)
+        self._write(seg, fd, base, total, fill, undo, staged=(stage, start))
 
     def _trim(self, seg: int) -> None:
         """Cut a direct-written file's zero padding: it ends at its last record."""
