@@ -49,8 +49,20 @@ def test_round_trip_special_values(store):
         lambda: torch.randn(6, 6, dtype=torch.complex64).conj(),  # lazy conjugate
         lambda: torch.randn(5, 7).to(torch.bfloat16)[1:, ::2],
         lambda: torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last),
+        # contiguous() keeps these strides (2), which a byte view refused
+        lambda: torch.tensor([3.0, 4.0], dtype=torch.bfloat16)[::2],
+        lambda: torch.zeros(0, 4, dtype=torch.float16)[:, ::2],
     ],
-    ids=["transposed", "sliced", "expanded", "conj", "bf16-slice", "channels-last"],
+    ids=[
+        "transposed",
+        "sliced",
+        "expanded",
+        "conj",
+        "bf16-slice",
+        "channels-last",
+        "one-element-stride-2",
+        "empty-stride-2",
+    ],
 )
 def test_round_trip_non_contiguous_gives_equal_values(store, make):
     x = make()

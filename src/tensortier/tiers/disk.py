@@ -248,6 +248,10 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
             "quantized tensors cannot be stored; call .dequantize() or .int_repr() first"
         )
     flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # contiguous() keeps an empty or one-element tensor's stride (x[::2] of two: stride 2),
+        # which .view(uint8) refuses; with at most one element the stride addresses nothing
+        flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
 
 
