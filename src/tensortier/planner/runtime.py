@@ -440,6 +440,7 @@ class PlannedOffload:
                 host_budget=cfg.host_budget,
                 probe_bytes=max(1 << 20, min(64 << 20, cfg.budget // 12)),
                 remote=cfg.remote,
+                io_threads=self._io_threads(),
             )
             self._active = self._profiler.forward()
         self._active.__enter__()
