@@ -645,7 +645,6 @@ class PlannedOffload:
             self._plan()
 
     def _plan(self) -> None:
-        cfg = self.config
         prof = self._profiler
         self._measure_overhead()  # the profiling passes left more resident than the warm-up
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
@@ -662,18 +661,42 @@ class PlannedOffload:
         self._buckets[name] = _Bucket(key, self._shapes, self.profile, self.choice)
         if self._shapes is not None:
             self._save(name)
-        if cfg.report and _dist.rank() == 0:
-            from tensortier.planner.report import write_report
-
-            goal = self._planning_budget()  # what _choose planned for: the same numbers
-            others = {} if cfg.policy == "auto" else plan_all(self.profile, goal, cfg.options)
-            write_report(
-                cfg.report, self.profile, self.choice, others, budget=cfg.budget, planned_for=goal
-            )
+        self._write_report()  # the simulator's choice; trials, if any, write the kept plan
         if prof.offloader is not None and prof.offloader is not self._warm:
             prof.offloader.close()
         self._install(name)
         self._start_trials()
+
+    def _write_report(self, trials: Trials | None = None) -> None:
+        """``report=``: the plan that runs now (after ``trials``: the one they kept, with their
+        measured steps), on rank 0. What drawing it leaves in the process (matplotlib, ~15 MiB)
+        is the report's, like an import, not the offload machinery's: it is taken out of the
+        open window (:meth:`_resident`), else a CPU budget charged it and re-planned."""
+        cfg = self.config
+        if not cfg.report or _dist.rank() != 0:
+            return
+        before = self._process_bytes() if self._window is not None else None
+        self._draw_report(trials)
+        if before is not None and self._window is not None:
+            start, counted = self._window
+            self._window = (start + max(0, self._process_bytes() - before), counted)
+
+    def _draw_report(self, trials: Trials | None) -> None:
+        cfg = self.config
+        from tensortier.planner.report import write_report
+
+        goal = self._planning_budget()  # what _choose planned for: the same numbers
+        others = {} if cfg.policy == "auto" else plan_all(self.profile, goal, cfg.options)
+        rows = trials.rows(self.choice) if trials is not None else None
+        write_report(
+            cfg.report,
+            self.profile,
+            self.choice,
+            others,
+            budget=cfg.budget,
+            planned_for=goal,
+            trials=rows,
+        )
 
     def _start_trials(self) -> None:
         """``auto`` on one rank: the short list of plans to run for real (:mod:`.trials`),
@@ -710,6 +733,8 @@ class PlannedOffload:
         best = trials.best()
         self._use(best)
         log.info("tensortier plan %s: fastest of %d measured", best.plan.policy, len(trials.done))
+        with own_rng(self.offloader.device):  # the report simulates: the training's RNG stays
+            self._write_report(trials)
         if self._shapes is not None:
             self._save(self._current)
 
