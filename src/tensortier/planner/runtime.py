@@ -588,9 +588,9 @@ class PlannedOffload:
         return min(cfg.host_budget, cfg.prefetch_budget, max(1 << 20, cfg.budget // 16))
 
     def _io_threads(self) -> int:
-        """Disk I/O threads: each holds a 4 MiB aligned staging buffer, resident, so in the
-        budget on a CPU-only machine, where more threads also take cores from compute: one
-        below a 256 MiB budget, else one per core (at most 4)."""
+        """Disk I/O threads: each holds an aligned staging buffer (up to 4 MiB: the largest piece
+        it carried), resident, so in the budget on a CPU-only machine, where more threads also
+        take cores from compute: one below a 256 MiB budget, else one per core (at most 4)."""
         from tensortier._device import default_device
 
         if default_device().type == "cuda":
