@@ -11,7 +11,8 @@ runtime chooses the groups with the simulator) and offloads the rest, so no prof
 needs more memory than the budget. Module hooks time each planning unit's forward (pre/post
 hooks) and backward (a hook on the gradient of the unit's output), and a peak meter reads the
 memory high-water mark of every iteration. Pack and unpack seconds are subtracted from the unit
-times, so the profile holds compute time, and the simulator adds transfers back per plan.
+times and so is the time the copy threads took from compute (:func:`unit_costs`), so the
+profile holds compute time, and the simulator adds transfers back per plan.
 
 Planning units are the modules one action applies to: the root's children, with ``ModuleList``/
 ``ModuleDict`` containers and every module that holds a stack of repeated blocks opened
@@ -262,8 +263,10 @@ class Profiler:
 
     Pass 1's compute times include the probe (zero counting, codec trials, operator recording)
     and the traffic of every saved tensor, so unit times come from the timing passes: a unit's
-    time is its fastest over the passes that kept it (steal on a shared host only adds time),
-    else over the passes that offloaded it, pack and unpack time taken out. Every pass's peak
+    time is its fastest over the passes that moved none of its tensors, or none of a unit of
+    its structure (steal on a shared host only adds time), else over the passes that moved
+    them, pack and unpack time and the copies' measured share of the cores taken out
+    (:func:`unit_costs`). Every pass's peak
     and step time are kept in ``Profile.passes`` for :func:`calibrate`. :func:`timing_groups`
     picks groups whose pass the simulator predicts under a budget; ``keep=None`` offloads all.
     On CUDA the hooks of a pass that keeps a unit not yet timed synchronize (kernel time, not
