@@ -356,3 +356,31 @@ def test_timing_parts_fill_the_room_with_the_smallest_tensors_of_every_unit(make
     assert measured_bound(p, plan) == 2 * GB + 2 * (GB + GB // 4) + GB // 4
     assert simulate(p, plan).peak_bytes <= 5 * GB
     assert timing_parts(p, GB, []) == {}  # no room: the pass offloads every tensor
+
+
+def test_the_bandwidth_probe_moves_through_as_many_io_threads_as_the_offloader(
+    spill_dir, monkeypatch
+):
+    """The disk bandwidth prices the offloader's moves: four I/O threads measured 4 MiB chunks
+    faster than the one thread a small CPU budget runs with (issue 27)."""
+    from tensortier.planner.runtime import planned_offload
+    from tensortier.tiers import disk as disk_module
+
+    made: dict[str, list[int]] = {}
+    init = disk_module.DiskStore.__init__
+
+    def spy(self, *args, io_threads: int = 4, owner: str = "tensortier", **kw):
+        made.setdefault(owner, []).append(io_threads)
+        init(self, *args, io_threads=io_threads, owner=owner, **kw)
+
+    monkeypatch.setattr(disk_module.DiskStore, "__init__", spy)
+    m, x = _mlp(), torch.randn(256, 128)
+    off = planned_offload("32MiB", spill_dir=spill_dir, policy="swap_all")
+    try:
+        for _ in range(5):
+            _step(m, x, off)
+        threads = off._io_threads()
+    finally:
+        off.close()
+    assert threads == 1  # a budget under 256 MiB on a CPU
+    assert made["tt-plan"] == [threads]

@@ -180,3 +180,68 @@ def test_a_training_runs_report_agrees_with_the_plan_it_runs(spill_dir, tmp_path
     rows = _policy_table(path)
     (chosen,) = [row for row in rows.values() if row["chosen"]]
     assert chosen["peak"] == peak and "yes" in chosen.values()
+
+
+def test_the_report_shows_the_plan_the_trials_kept_and_their_measured_steps(
+    spill_dir, tmp_path, monkeypatch
+):
+    """``auto`` runs a short list of plans for real and keeps the fastest measured (issue 27):
+    the report shows that plan, not the simulator's first choice, and each trial's steps. The
+    clock the trials read makes the simulator's choice the slowest plan, so another is kept."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    import tensortier.planner.trials as trials
+    from tensortier.planner import runtime
+
+    def key(plan: Plan) -> str:
+        d = plan.to_dict()
+        return json.dumps([d["actions"], d["codecs"]], sort_keys=True)
+
+    monkeypatch.setattr(trials, "SPREAD", 10.0)  # every plan that fits is on the short list
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(6)]
+    m, x = nn.Sequential(*layers, nn.Linear(512, 1)), torch.randn(1024, 512)
+    path = tmp_path / "plan.html"
+    off = runtime.planned_offload(
+        28 << 20,
+        spill_dir=spill_dir,
+        options=Options(search_iters=60, search_seconds=5),
+        report=str(path),
+    )
+    first: list[str] = []
+    clock = SimpleNamespace(t=0.0)
+
+    def perf_counter() -> float:  # a step of the first plan takes 1 s, of any other 0.1 s
+        if not first:
+            first.append(key(off.choice.plan))
+        clock.t += 1.0 if key(off.choice.plan) in first else 0.1
+        return clock.t
+
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=perf_counter), raising=False)
+    try:
+        for _ in range(16):
+            m.zero_grad(set_to_none=True)
+            with off:
+                loss = m(x).sum()
+            loss.backward()
+            if off.choice is not None and not first:
+                first.append(key(off.choice.plan))
+        assert off.settled and key(off.choice.plan) != first[0]
+        kept = off.choice
+    finally:
+        off.close()
+    text = _page_text(path)
+    assert f"tensortier plan: {kept.plan.policy} " in text
+    assert re.search(rf"predicted peak {re.escape(format_size(kept.result.peak_bytes))},", text)
+    with open(path) as f:
+        table = f.read().split("Measured trials")[1].split("</table>")[0]
+    rows = [re.findall(r"<t[dh]>(.*?)</t[dh]>", r) for r in table.split("</tr>")[:-1]]
+    head, body = rows[0], [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert "measured steps_s" in head and len(body) >= 2
+    (mark,) = [r for r in body if r["kept"] == "yes"]
+    assert mark["fastest_s"] == min((r["fastest_s"] for r in body), key=float)
+    assert all(r["measured steps_s"] != "-" for r in body)

@@ -322,7 +322,7 @@ class Offloader:
         self.decide, self.codec, self.record = decide, codec, record
         self.offload_weight_casts = offload_weight_casts
         self.spill_dir = spill_dir
-        # each disk I/O thread keeps a 4 MiB aligned staging buffer: fewer threads, less memory
+        # each disk I/O thread keeps an aligned staging buffer (up to 4 MiB): fewer, less memory
         self._io_threads = io_threads
         self._host = HostPool(self.host_budget)
         self._disk: DiskStore | None = None

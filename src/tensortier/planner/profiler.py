@@ -11,7 +11,8 @@ runtime chooses the groups with the simulator) and offloads the rest, so no prof
 needs more memory than the budget. Module hooks time each planning unit's forward (pre/post
 hooks) and backward (a hook on the gradient of the unit's output), and a peak meter reads the
 memory high-water mark of every iteration. Pack and unpack seconds are subtracted from the unit
-times, so the profile holds compute time, and the simulator adds transfers back per plan.
+times and so is the time the copy threads took from compute (:func:`unit_costs`), so the
+profile holds compute time, and the simulator adds transfers back per plan.
 
 Planning units are the modules one action applies to: the root's children, with ``ModuleList``/
 ``ModuleDict`` containers and every module that holds a stack of repeated blocks opened
@@ -262,8 +263,10 @@ class Profiler:
 
     Pass 1's compute times include the probe (zero counting, codec trials, operator recording)
     and the traffic of every saved tensor, so unit times come from the timing passes: a unit's
-    time is its fastest over the passes that kept it (steal on a shared host only adds time),
-    else over the passes that offloaded it, pack and unpack time taken out. Every pass's peak
+    time is its fastest over the passes that moved none of its tensors, or none of a unit of
+    its structure (steal on a shared host only adds time), else over the passes that moved
+    them, pack and unpack time and the copies' measured share of the cores taken out
+    (:func:`unit_costs`). Every pass's peak
     and step time are kept in ``Profile.passes`` for :func:`calibrate`. :func:`timing_groups`
     picks groups whose pass the simulator predicts under a budget; ``keep=None`` offloads all.
     On CUDA the hooks of a pass that keeps a unit not yet timed synchronize (kernel time, not
@@ -286,6 +289,7 @@ class Profiler:
         probe_bytes: int = 64 << 20,
         record_ops: bool = True,
         remote=None,
+        io_threads: int = 4,
     ):
         from tensortier._device import default_device
 
@@ -293,12 +297,14 @@ class Profiler:
         self.spill_dir, self.tier = spill_dir, tier
         self.bandwidth = bandwidth
         self.remote = remote  # a RemoteStore: its channels are measured too
+        self.io_threads = io_threads  # the offloader's disk I/O threads: the probe uses as many
         self.codecs = codecs
         self.probe_bytes = probe_bytes
         names = LOSSLESS_CODECS + (LOSSY_CODECS if allow_lossy else ())
         self.prefetch_budget, self.host_budget = prefetch_budget, host_budget
         self.root: nn.Module | None = None
         self.units: dict[int, str] = {}  # id(module) -> unit name
+        self.kinds: dict[str, str] = {}  # unit name -> its structure (see _structure)
         self.inputs: dict[str, int] = {}
         self.grads: dict[str, int] = {}
         self.order: list[str] = []
@@ -330,6 +336,8 @@ class Profiler:
             self.root = module
             named = plan_units(module)
             self.units = {id(m): n for n, m in named.items()}
+            memo: dict[int, tuple] = {}
+            self.kinds = {n: repr(_structure(m, memo)) for n, m in named.items()}
             seen: set[int] = set()
             for name in reversed(list(named)):  # grads are allocated by the first backward
                 ptrs = []
@@ -535,7 +543,9 @@ class Profiler:
         each measured once (under a forked RNG: the training's dropout masks stay its own)."""
         with own_rng(self.device):
             if self.bandwidth is None:
-                self.bandwidth = _bandwidth(self.spill_dir, self.device, self.probe_bytes)
+                self.bandwidth = _bandwidth(
+                    self.spill_dir, self.device, self.probe_bytes, self.io_threads
+                )
             if self.remote is not None and not self.bandwidth.remote:
                 self.bandwidth = _remote_bandwidth(self.bandwidth, self.remote, self.probe_bytes)
             if self.codecs is None:
@@ -558,20 +568,19 @@ class Profiler:
         clean = [p for p in timed if p.sync_units or not cuda]  # unit times are kernel times
         runs = {id(p): _times(p, unit_names, tensors) for p in (clean or [probe])}
         by_pass = [(p, runs[id(p)]) for p in (clean or [probe])]
-        units = []
-        for n in unit_names:
-            kept = [r for p, r in by_pass if n in p.kept]
-            use = kept or [r for _, r in by_pass]
-            units.append(
-                UnitProfile(
-                    name=n,
-                    fwd_s=min(r["fwd"][n] for r in use),
-                    bwd_s=min(r["bwd"][n] for r in use),
-                    input_bytes=self.inputs.get(n, 0),
-                    grad_bytes=self.grads.get(n, 0),
-                    recomputable=True,
-                )
+        kinds = {n: (self.kinds.get(n, n), self.inputs.get(n, 0)) for n in unit_names}
+        costs = unit_costs(by_pass, unit_names, kinds)
+        units = [
+            UnitProfile(
+                name=n,
+                fwd_s=costs[n][0],
+                bwd_s=costs[n][1],
+                input_bytes=self.inputs.get(n, 0),
+                grad_bytes=self.grads.get(n, 0),
+                recomputable=True,
             )
+            for n in unit_names
+        ]
         self._attach_ops(units, tensors)
         if any(t.unit == "" for t in tensors):
             units.append(UnitProfile("", 0.0, 0.0, recomputable=False, selective=False))
@@ -777,6 +786,65 @@ def _times(p: _Pass, unit_names: list[str], tensors: list[TensorProfile]) -> dic
     }
 
 
+def _moved(p: _Pass, unit_names: list[str]) -> dict[str, int]:
+    """Per unit, the bytes of its saved tensors pass ``p`` moved to a tier (its records)."""
+    out: dict[str, int] = {}
+    for r in p.records:
+        u = unit_of(r["module"], unit_names)
+        out[u] = out.get(u, 0) + int(r["nbytes"])
+    return out
+
+
+def unit_costs(
+    by_pass: list[tuple[_Pass, dict]], unit_names: list[str], kinds: dict[str, object]
+) -> dict[str, tuple[float, float]]:
+    """Per unit, its compute seconds ``(forward, backward)`` from the passes' unit times
+    (:func:`_times`), with the time the copies took from compute taken out.
+
+    Why: on a CPU the offloader's copy and I/O threads share the cores with compute, so a unit
+    whose tensors a pass moved runs slower than its compute alone, by more than the pack and
+    unpack time :func:`_times` removes. Unit times taken from such passes put the whole step
+    ~1.25-1.5x high on the quiet CPU sweep for plans that move little (keep, recompute) while
+    the fitted per-byte cost of moving (:func:`calibrate`) came out near zero, having been
+    absorbed into those times: swaps were costed too cheap, recompute too dear, and the two
+    cancelled only on swap plans (issue 27). So, from measurement only:
+
+    * a unit's compute is its fastest time over the passes that moved none of its tensors, or
+      none of those of a unit of the same ``kinds`` (same module structure and input bytes:
+      the blocks of a stack, whose compute is the same), whichever is faster;
+    * the copies' cost per byte moved is the least-squares slope of (a unit's time in a pass
+      that moved its tensors minus its compute above) against the bytes moved (both ways);
+    * a unit of which no pass moved nothing, nor one of its kind, takes its fastest time over
+      the passes less that slope times the bytes each pass moved of it.
+    """
+    moved = [(r, _moved(p, unit_names)) for p, r in by_pass]
+    clean: dict[object, list[float]] = {}  # kind -> fastest [forward, backward] moving nothing
+    for r, mv in moved:
+        for n in unit_names:
+            if not mv.get(n):
+                c = clean.setdefault(kinds[n], [float("inf"), float("inf")])
+                c[0], c[1] = min(c[0], r["fwd"][n]), min(c[1], r["bwd"][n])
+    num = den = 0.0
+    for r, mv in moved:
+        for n in unit_names:
+            c, b = clean.get(kinds[n]), 2 * mv.get(n, 0)
+            if b and c is not None:
+                num += (r["fwd"][n] + r["bwd"][n] - c[0] - c[1]) * b
+                den += b * b
+    rate = max(0.0, num / den) if den else 0.0
+    out = {}
+    for n in unit_names:
+        c = clean.get(kinds[n])
+        if c is not None:
+            out[n] = (c[0], c[1])
+            continue
+        out[n] = (
+            min(max(0.0, r["fwd"][n] - rate * mv.get(n, 0)) for r, mv in moved),
+            min(max(0.0, r["bwd"][n] - rate * mv.get(n, 0)) for r, mv in moved),
+        )
+    return out
+
+
 @contextmanager
 def own_rng(device: torch.device) -> Iterator[None]:
     """Run the planner's own work under a forked RNG (CPU and ``device``'s CUDA generator).
@@ -789,14 +857,22 @@ def own_rng(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _bandwidth(spill_dir: str | None, device: torch.device, resident: int = 64 << 20) -> Bandwidth:
-    """64 MiB through every channel, with at most ``resident`` bytes of chunks alive at once."""
+def _bandwidth(
+    spill_dir: str | None, device: torch.device, resident: int = 64 << 20, io_threads: int = 4
+) -> Bandwidth:
+    """64 MiB through every channel, with at most ``resident`` bytes of chunks alive at once,
+    through a disk store with the offloader's ``io_threads``."""
     from tensortier.planner.profile import measure_bandwidth
 
     resident = max(1 << 20, int(resident) >> 20 << 20)  # whole MiB: whole pages for O_DIRECT
     chunk = min(16 << 20, max(1 << 20, resident // 2 >> 20 << 20))
     return measure_bandwidth(
-        spill_dir, device=device, nbytes=64 << 20, chunk=chunk, resident=resident
+        spill_dir,
+        device=device,
+        nbytes=64 << 20,
+        chunk=chunk,
+        resident=resident,
+        io_threads=io_threads,
     )
 
 
@@ -819,6 +895,27 @@ def codec_sample_bytes(probe_bytes: int) -> int:
     seven times its size (payloads, masks, decoded copies): 30 MiB for 4 MiB, which on a CPU
     is in the budget of the timing pass that measures it."""
     return int(min(4 << 20, max(256 << 10, probe_bytes // 8)))
+
+
+_PRELOADED_CODECS: set[str] = set()
+PRELOAD_CODEC_BYTES = 64 << 10
+
+
+def preload_codecs(names: Iterable[str]) -> None:
+    """Run every codec in ``names`` once on a small sample, under a forked RNG, once per process.
+
+    Why: their first use loads code and lazily initialised kernels (~3 MiB of RSS on the CPU
+    sweep's models, the same for a 64 KiB sample as for the calibration's 4 MiB one) that stay
+    in the process. Inside the first profiling passes that counted as the offload machinery's
+    resident memory, charged to a CPU budget on top of its buffers: the first budget of a
+    process paid ~13.6 MiB against 7-10 MiB for later ones (issue 27). Paid when the planner is
+    created instead, as :func:`.ops.preload` pays PyTorch's dispatch-mode imports."""
+    todo = tuple(n for n in names if n not in _PRELOADED_CODECS)
+    if not todo:
+        return
+    with own_rng(torch.device("cpu")):
+        _codec_speeds(todo, PRELOAD_CODEC_BYTES)
+    _PRELOADED_CODECS.update(todo)
 
 
 def _codec_speeds(names: tuple[str, ...], nbytes: int) -> dict[str, CodecSpeed]:

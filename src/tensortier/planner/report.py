@@ -263,12 +263,14 @@ def write_report(
     *,
     budget: int | None = None,
     planned_for: int | None = None,
+    trials: list[dict] | None = None,
 ) -> tuple[str, str]:
     """Writes ``path`` (HTML) and the PNG beside it; returns both paths.
 
     ``others``: more policies' plans for the table, for ``planned_for`` (the budget less the
     margin ``choose`` took off); the plans ``choose`` compared (``choice.considered``) replace
-    theirs, so the chosen row and the header are the same numbers."""
+    theirs, so the chosen row and the header are the same numbers. ``trials``: the rows of the
+    plans run for real (:meth:`.trials.Trials.rows`), ``choice`` being the one they kept."""
     path = os.fspath(path)
     png_path = os.path.splitext(path)[0] + ".png"
     png = render_png(profile, choice, budget)
@@ -304,12 +306,22 @@ Saved activations {format_size(profile.saved_bytes)} in {len(profile.tensors)} t
 <img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="100%">
 <h2>Per-module actions</h2><ul>{items}</ul>{_table(action_rows(profile, choice.plan))}
 <h2>Per-operator actions (selective recompute)</h2>{_table(op_rows(profile, choice.plan))}
-<h2>Every policy (simulated)</h2>{_table(policy_rows(choice, others, goal))}
+{_trials_section(trials)}<h2>Every policy (simulated)</h2>{_table(policy_rows(choice, others, goal))}
 <h2>Measured bandwidth</h2>{_table(bw_rows)}
 </body></html>"""
     with open(path, "w") as f:
         f.write(page)
     return path, png_path
+
+
+def _trials_section(trials: list[dict] | None) -> str:
+    """The measured trials, when ``auto`` ran some: the plan above is the one they kept."""
+    if not trials:
+        return ""
+    return (
+        "<h2>Measured trials</h2><p>These plans ran for real, each for a few training steps; "
+        "the fastest measured step under the budget is the plan kept (above).</p>" + _table(trials)
+    )
 
 
 # ------------------------------------------------------------------ the budget sweep

@@ -112,6 +112,7 @@ from tensortier.planner.profiler import (
     measured_bound,
     own_rng,
     plan_units,
+    preload_codecs,
     timing_group,
     timing_parts,
     unit_of,
@@ -126,11 +127,23 @@ from tensortier.planner.ranks import (
 )
 from tensortier.planner.simulator import SWAPS, Plan, ordinals, selective_sets
 from tensortier.planner.trials import Trials, plan_key
-from tensortier.tiers.codecs import get_codec
+from tensortier.tiers.codecs import LOSSLESS_CODECS, LOSSY_CODECS, get_codec
 
 log = logging.getLogger(__name__)
 MAX_REPLANS = 3
 FIRST_GROUP_SHARE = 0.75  # of the budget, for the first timing pass (see _timing_group)
+
+
+def _trim_heap() -> None:
+    """On a CPU-only machine, before RSS is read as the machinery's resident memory: free pages
+    the heaps still hold go back to the OS (``malloc_trim``; glibc's trim threshold only trims
+    the top of the main heap). The profiling passes' freed memory otherwise read as resident:
+    ~1.5 MiB of the 0.35 budget of GPT 8x128 in the CPU sweep (issue 27)."""
+    from tensortier._device import default_device
+    from tensortier._memory import trim
+
+    if default_device().type != "cuda":
+        trim()
 
 
 def default_prefetch(budget: int) -> int:
@@ -286,6 +299,9 @@ class PlannedOffload:
             config.inflight_budget = default_inflight(config.budget)
         self.config = config
         preload()  # PyTorch's one-time imports for dispatch modes: not in a budgeted iteration
+        if not torch.cuda.is_available():  # RSS is the budget: the codecs' first use is not
+            allow_lossy = bool(config.options and config.options.allow_lossy)
+            preload_codecs(LOSSLESS_CODECS + (LOSSY_CODECS if allow_lossy else ()))
         self._rss0: int | None = None
         self._overhead = 0
         self._uncounted = 0  # RSS growth in tensortier's windows that no counter explains
@@ -440,6 +456,7 @@ class PlannedOffload:
                 host_budget=cfg.host_budget,
                 probe_bytes=max(1 << 20, min(64 << 20, cfg.budget // 12)),
                 remote=cfg.remote,
+                io_threads=self._io_threads(),
             )
             self._active = self._profiler.forward()
         self._active.__enter__()
@@ -465,6 +482,7 @@ class PlannedOffload:
         timing pass and before planning and only ever raised: the profiling passes fill the pool
         and load code further (~5 MiB after the warm-up on gpt:3x192x16), and it stays in the
         process, so in the budget, in every later iteration."""
+        _trim_heap()
         self._overhead = max(self._overhead, self._resident())
 
     def _resident(self) -> int:
@@ -531,6 +549,8 @@ class PlannedOffload:
         if start is not None:
             from tensortier._device import rss_bytes
 
+            _trim_heap()
+
             rss, grads = rss_bytes(), self._grad_bytes()
             self._uncounted += (rss - grads - start[0]) - (self._counted() - start[1])
             self._closed_at = (rss, grads)
@@ -568,9 +588,9 @@ class PlannedOffload:
         return min(cfg.host_budget, cfg.prefetch_budget, max(1 << 20, cfg.budget // 16))
 
     def _io_threads(self) -> int:
-        """Disk I/O threads: each holds a 4 MiB aligned staging buffer, resident, so in the
-        budget on a CPU-only machine, where more threads also take cores from compute: one
-        below a 256 MiB budget, else one per core (at most 4)."""
+        """Disk I/O threads: each holds an aligned staging buffer (up to 4 MiB: the largest piece
+        it carried), resident, so in the budget on a CPU-only machine, where more threads also
+        take cores from compute: one below a 256 MiB budget, else one per core (at most 4)."""
         from tensortier._device import default_device
 
         if default_device().type == "cuda":
@@ -644,7 +664,6 @@ class PlannedOffload:
             self._plan()
 
     def _plan(self) -> None:
-        cfg = self.config
         prof = self._profiler
         self._measure_overhead()  # the profiling passes left more resident than the warm-up
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
@@ -661,18 +680,42 @@ class PlannedOffload:
         self._buckets[name] = _Bucket(key, self._shapes, self.profile, self.choice)
         if self._shapes is not None:
             self._save(name)
-        if cfg.report and _dist.rank() == 0:
-            from tensortier.planner.report import write_report
-
-            goal = self._planning_budget()  # what _choose planned for: the same numbers
-            others = {} if cfg.policy == "auto" else plan_all(self.profile, goal, cfg.options)
-            write_report(
-                cfg.report, self.profile, self.choice, others, budget=cfg.budget, planned_for=goal
-            )
+        self._write_report()  # the simulator's choice; trials, if any, write the kept plan
         if prof.offloader is not None and prof.offloader is not self._warm:
             prof.offloader.close()
         self._install(name)
         self._start_trials()
+
+    def _write_report(self, trials: Trials | None = None) -> None:
+        """``report=``: the plan that runs now (after ``trials``: the one they kept, with their
+        measured steps), on rank 0. What drawing it leaves in the process (matplotlib, ~15 MiB)
+        is the report's, like an import, not the offload machinery's: it is taken out of the
+        open window (:meth:`_resident`), else a CPU budget charged it and re-planned."""
+        cfg = self.config
+        if not cfg.report or _dist.rank() != 0:
+            return
+        before = self._process_bytes() if self._window is not None else None
+        self._draw_report(trials)
+        if before is not None and self._window is not None:
+            start, counted = self._window
+            self._window = (start + max(0, self._process_bytes() - before), counted)
+
+    def _draw_report(self, trials: Trials | None) -> None:
+        cfg = self.config
+        from tensortier.planner.report import write_report
+
+        goal = self._planning_budget()  # what _choose planned for: the same numbers
+        others = {} if cfg.policy == "auto" else plan_all(self.profile, goal, cfg.options)
+        rows = trials.rows(self.choice) if trials is not None else None
+        write_report(
+            cfg.report,
+            self.profile,
+            self.choice,
+            others,
+            budget=cfg.budget,
+            planned_for=goal,
+            trials=rows,
+        )
 
     def _start_trials(self) -> None:
         """``auto`` on one rank: the short list of plans to run for real (:mod:`.trials`),
@@ -709,6 +752,8 @@ class PlannedOffload:
         best = trials.best()
         self._use(best)
         log.info("tensortier plan %s: fastest of %d measured", best.plan.policy, len(trials.done))
+        with own_rng(self.offloader.device):  # the report simulates: the training's RNG stays
+            self._write_report(trials)
         if self._shapes is not None:
             self._save(self._current)
 
@@ -743,6 +788,7 @@ class PlannedOffload:
         """:meth:`_resident` with the open window's growth so far (planning runs inside it)."""
         grown = 0
         if self._window is not None and self._rss0 is not None:
+            _trim_heap()
             start, counted = self._window
             grown = (self._process_bytes() - start) - (self._counted() - counted)
         return self._resident() + max(0, grown)

@@ -120,6 +120,25 @@ class Trials:
             return self.first
         return min(ok, key=lambda t: (min(t.times), t.choice.result.step_s)).choice
 
+    def rows(self, kept: Choice) -> list[dict]:
+        """One row per plan tried, in the order they ran: its predicted and measured steps and
+        its metered peak, the plan ``kept`` marked (what a report shows of the trials)."""
+        from tensortier._units import format_size
+
+        key = plan_key(kept.plan)
+        return [
+            {
+                "plan": t.choice.plan.policy,
+                "predicted step_s": f"{t.choice.result.step_s:.4g}",
+                "measured steps_s": ", ".join(f"{s:.4g}" for s in t.times) or "-",
+                "fastest_s": f"{min(t.times):.4g}" if t.times else "-",
+                "peak": format_size(max(t.peaks)) if t.peaks else "-",
+                "over budget": "yes" if t.over else "",
+                "kept": "yes" if plan_key(t.choice.plan) == key else "",
+            }
+            for t in self.done
+        ]
+
     def _finish(self, trial: Trial) -> None:
         """The trial is a measured pass from now on: it bounds the plans close to it."""
         self.current = None

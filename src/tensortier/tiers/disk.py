@@ -60,6 +60,7 @@ from tensortier.tiers.host import PAGE, aligned_empty
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CHUNK = 16 << 20  # bytes per pwrite/preadv (a multiple of PAGE); 16 MiB measured best here
 _STAGE = 4 << 20  # aligned bounce buffer per I/O thread, for memory that is not page-aligned
+_STAGE_MIN = 64 << 10  # its smallest size (it grows to the pieces it carries, up to _STAGE)
 MAX_IO_THREADS = 256  # far past what saturates an NVMe queue (4-16); beyond it, a typo
 _handle_ids = itertools.count()  # process-wide: a handle of one store never matches another's
 
@@ -589,21 +590,30 @@ class DiskStore(StoreBase):
         except RuntimeError as exc:  # executor shut down under us
             raise ClosedError(f"DiskStore {self.root!r} is closed") from exc
 
-    def _stage(self) -> torch.Tensor:
+    def _stage(self, need: int) -> torch.Tensor:
+        """This I/O thread's aligned bounce buffer for a chunk of ``need`` bytes: pieces of at
+        most ``_STAGE`` bytes, the buffer sized to the largest piece the thread has carried, in
+        powers of two from ``_STAGE_MIN`` (headroom: a buffer regrown by every slightly larger
+        chunk is page-faulted anew each time). Why not ``_STAGE`` from the start: the buffer is
+        resident, and on a CPU-only machine a memory budget pays for it; an offloader whose
+        saved tensors are all below 4 MiB was charged 4 MiB per thread (issue 27)."""
+        want = min(_STAGE, max(_STAGE_MIN, 1 << (max(1, need) - 1).bit_length()))
         buf = getattr(self._staging, "buf", None)
-        if buf is None:
-            buf = self._staging.buf = aligned_empty(_STAGE)
-            with self._lock:
-                self.stats.staging_bytes += _STAGE + PAGE  # aligned_empty over-allocates a page
+        if buf is None or buf.numel() < want:
+            held = 0 if buf is None else buf.numel() + PAGE
+            buf = self._staging.buf = aligned_empty(want)
+            with self._lock:  # aligned_empty over-allocates a page
+                self.stats.staging_bytes += want + PAGE - held
         return buf
 
     def _write_chunk(self, fd: int, pos: int, data: torch.Tensor) -> None:
         t0 = time.perf_counter()
         n = data.numel()
         if self.direct and (data.data_ptr() % PAGE or n % PAGE):
-            stage = self._stage()  # unaligned memory: copy through a small aligned buffer
-            for start in range(0, n, _STAGE):
-                piece = data[start : start + _STAGE]
+            stage = self._stage(n)  # unaligned memory: copy through a small aligned buffer
+            step = stage.numel()
+            for start in range(0, n, step):
+                piece = data[start : start + step]
                 k = piece.numel()
                 padded = align_up(k, PAGE)
                 stage[:k].copy_(piece)
@@ -626,9 +636,10 @@ class DiskStore(StoreBase):
         t0 = time.perf_counter()
         n = data.numel()
         if self.direct and data.data_ptr() % PAGE:
-            stage = self._stage()
-            for start in range(0, n, _STAGE):
-                k = min(_STAGE, n - start)
+            stage = self._stage(n)
+            step = stage.numel()
+            for start in range(0, n, step):
+                k = min(step, n - start)
                 _pread_all(fd, memoryview(stage[:k].numpy()), pos + start)
                 data[start : start + k].copy_(stage[:k])
         else:
