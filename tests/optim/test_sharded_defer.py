@@ -272,3 +272,59 @@ def test_deferred_step_updates_on_the_callers_thread_then_hands_the_gathers_over
         expected = [["update", True]] * 4 + [["gather", None]] * 4
         assert r["steps"] == [expected] * 3
         assert r["equal"]
+
+
+def _log_gathers(log: list) -> None:
+    """Append the issuing thread's name to ``log`` for every all-gather issued."""
+    for name in ("all_gather_into_tensor", "all_gather_single"):  # whichever torch has
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+
+        def logged(*a, _real=real, **k):
+            log.append(threading.current_thread().name)
+            return _real(*a, **k)
+
+        setattr(dist, name, logged)
+
+
+def _held(rank: int, world: int) -> dict:
+    """Per step: gathers issued by the time ``step()`` and ``zero_grad()`` returned and 0.5 s
+    later (nothing read a parameter), then after the next forward began."""
+    import time
+
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    g = torch.Generator().manual_seed(100 + rank)
+    log: list = []
+    _log_gathers(log)
+    out: dict = {"after_step": [], "idle": [], "after_forward": []}
+    x = torch.randn(4, 64, generator=g)
+    for _ in range(3):
+        rddp(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+        loss = ddp(x).square().mean()
+        out["after_forward"].append(len(log))  # the last step's gathers: the forward released them
+        loss.backward()
+        log.clear()
+        opt.step()
+        opt.zero_grad()
+        out["after_step"].append(len(log))
+        time.sleep(0.5)  # a thread woken by the hand-over would have issued by now
+        out["idle"].append(len(log))
+        x = torch.randn(4, 64, generator=g)
+    out["equal"] = _same(m.state_dict(), ref.state_dict())  # waits: the held gathers run
+    opt.close()
+    return out
+
+
+def test_deferred_gathers_start_when_the_next_forward_begins():
+    """Structure, not time: the gathers handed over at the end of ``step()`` are held until a
+    parameter is read (here the next forward), so no thread competes with the rest of
+    ``step()`` and ``zero_grad()`` for the cores and the GIL (2 ranks on 2 cores: the old
+    hand-over woke the gather thread inside ``step()``); results stay DDP + fused's."""
+    for r in distributed.run(_held, 2):
+        assert r["after_step"] == [0, 0, 0]
+        assert r["idle"] == [0, 0, 0]
+        assert r["after_forward"][1:] == [4, 4], r["after_forward"]  # four buckets
+        assert r["equal"]

@@ -331,7 +331,9 @@ class GatherThread:
     failure all-reduce (and the user's own collectives, DDP's included) on the training group
     would queue behind the gathers; and gathers issued from a thread could interleave with those
     differently on each rank. On their own group only this thread issues, in hand-over order
-    (the same on every rank). Items are numbered; ``wait(n)`` returns once item ``n`` and every
+    (the same on every rank). Handed-over items are held until :meth:`release` (the next
+    forward's first module, or any wait), so nothing runs beside the rest of ``step()``. Items
+    are numbered; ``wait(n)`` returns once item ``n`` and every
     earlier one are written. A failed gather is kept and raised by every later wait (parameters
     may be partly written: the run cannot go on).
     """
@@ -341,6 +343,7 @@ class GatherThread:
         self.group = group
         self._destroy = destroy  # the group is this thread's: destroyed by close()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list[tuple] = []  # handed over, not yet released to the thread
         self._cond = threading.Condition()
         self._issued = 0  # items handed over (numbered 1, 2, ...)
         self._done = 0  # items written
@@ -352,18 +355,33 @@ class GatherThread:
     def pending(self) -> bool:
         return self._done < self._issued
 
+    @property
+    def held(self) -> bool:
+        return bool(self._held)
+
     def submit(
         self, plan: GatherPlan, values: dict[int, torch.Tensor], written: Callable[[], None]
     ) -> int:
-        """Queue one bucket's gather (``values`` must stay unchanged until it is waited for);
-        ``written`` runs on this thread once the parameters are written. Returns its number."""
+        """Hold one bucket's gather until :meth:`release` (``values`` must stay unchanged until it
+        is waited for); ``written`` runs on the thread once the parameters are written. Returns
+        its number."""
         self._issued += 1
-        self._queue.put((self._issued, plan, values, written))
+        self._held.append((self._issued, plan, values, written))
         return self._issued
+
+    def release(self) -> None:
+        """Let the thread run the held gathers (the first read of a parameter does it: until
+        then the caller's ``step()`` and ``zero_grad()`` have both cores; measured on 2 gloo
+        ranks on 2 cores: a thread woken inside ``step()`` competes with its tail for the core
+        and the GIL)."""
+        held, self._held = self._held, []
+        for item in held:
+            self._queue.put(item)
 
     def wait(self, n: int | None = None) -> None:
         """Until item ``n`` (default: the last handed over) is written; raises a failed gather's
         error. Bounded: each gather waits at most the process group's timeout."""
+        self.release()
         n = self._issued if n is None else n
         with self._cond:
             while self._done < n and self._error is None:
@@ -378,6 +396,7 @@ class GatherThread:
         """Write what is pending, stop the thread, and destroy its process group (each optimizer
         makes one: without this, every closed or collected optimizer leaked a gloo group, its
         sockets and its threads; see ``_zero._own_group`` for subgroups)."""
+        self.release()
         self._queue.put(None)
         self._thread.join()
         if self._destroy:

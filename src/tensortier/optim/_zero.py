@@ -187,7 +187,10 @@ class DeferredWrites:
             self._item[id(p)] = n
 
     def before_use(self, module: torch.nn.Module) -> None:
-        """A module is about to run: wait for its own parameters' gathers."""
+        """A module is about to run: the held gathers start (the forward has begun), and it waits
+        for its own parameters' gathers."""
+        if self.thread.held:
+            self.thread.release()
         if module not in self._seen and self._params:
             self._watch(module)
         if not self._item:
