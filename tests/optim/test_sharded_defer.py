@@ -328,3 +328,90 @@ def test_deferred_gathers_start_when_the_next_forward_begins():
         assert r["idle"] == [0, 0, 0]
         assert r["after_forward"][1:] == [4, 4], r["after_forward"]  # four buckets
         assert r["equal"]
+
+
+def _collectives(rank: int, world: int, split: bool) -> dict:
+    """All-reduces issued on the training group inside each deferred ``step()`` under GradScaler
+    (step 2: an overflow on every rank, or with ``split`` on rank 1 only), what each step
+    raised, and (without ``split``) whether the run matches DDP + fused AdamW."""
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    real, count = dist.all_reduce, [0]
+
+    def counted(*a, **k):
+        count[0] += 1
+        return real(*a, **k)
+
+    g = torch.Generator().manual_seed(100 + rank)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    out: dict = {"all_reduces": [], "errors": []}
+    for step in range(4):
+        x = torch.randn(4, 64, generator=g)
+        for (d, o), sc in zip(((rddp, ropt), (ddp, opt)), scalers):
+            loss = d(x).square().mean() * (float("inf") if step == 2 and rank == 0 else 1.0)
+            sc.scale(loss).backward()  # DDP's all-reduce: an overflow reaches every rank
+            if split and step == 2 and o is opt:  # gradients that differ between ranks
+                for p in m.parameters():
+                    p.grad.fill_(1.0 if rank == 0 else float("inf"))
+            if o is opt:
+                count[0] = 0
+                dist.all_reduce = counted
+            try:
+                sc.step(o)
+                out["errors"].append(None) if o is opt else None
+            except RuntimeError as exc:
+                out["errors"].append(str(exc))
+            finally:
+                dist.all_reduce = real
+            if o is opt:
+                out["all_reduces"].append(count[0])
+            sc.update()
+            o.zero_grad()
+        if split and step == 2:
+            break
+    out["equal"] = _same(m.state_dict(), ref.state_dict())
+    out["skipped"] = opt.stats().skipped_steps
+    opt.close()
+    return out
+
+
+def test_deferred_step_agrees_on_the_branch_and_failures_in_one_all_reduce():
+    """Structure, not time: a deferred step issues one all-reduce on the training group (the
+    branch, sparse or GradScaler's skip, and every rank's failure together; it was one before the
+    updates and one after); an overflow on every rank still skips the step everywhere and the
+    run matches DDP + fused AdamW bit for bit."""
+    for r in distributed.run(_collectives, 2, False):
+        assert r["all_reduces"] == [1, 1, 1, 1], r["all_reduces"]
+        assert r["errors"] == [None] * 4
+        assert r["skipped"] == 1
+        assert r["equal"]
+
+
+def test_ranks_that_disagree_on_gradscalers_skip_raise_on_every_rank():
+    """Gradients that differ between ranks after DDP (inf on rank 1 only): the ranks take
+    different branches; both raise naming the cause instead of one gathering alone (a hang)."""
+    for rank, r in enumerate(distributed.run(_collectives, 2, True)):
+        assert r["errors"][:2] == [None, None]
+        assert "disagreed on GradScaler" in r["errors"][2], r["errors"]
+        updated = "this rank updated" in r["errors"][2]
+        assert updated == (rank == 0)
+
+
+def _sparse(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(64, 16, sparse=True), torch.nn.Linear(16, 16))
+    ddp = DDP(m)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, defer_gather=True)
+    ddp(torch.tensor([[1, 2, 3]])).square().mean().backward()
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    opt.zero_grad()
+    opt.close()  # no gather left behind on any rank
+    return {"error": error}
+
+
+def test_deferred_step_with_sparse_gradients_raises_on_every_rank():
+    for r in distributed.run(_sparse, 2):
+        assert r["error"] == "OffloadedAdamW does not support sparse gradients"

@@ -20,6 +20,7 @@ import functools
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -102,6 +103,45 @@ def peer_failed(rank: int, applied: bool) -> RuntimeError:
     )
     return RuntimeError(
         f"OffloadedAdamW: rank {rank} failed its part of this step (its log has the error); {what}"
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank did in a deferred step (``_verdict``)."""
+
+    sparse: bool  # some rank had sparse gradients
+    skip: bool  # some rank skipped (GradScaler found inf/NaN)
+    split: bool  # some ranks skipped, others updated
+    failed: int | None  # the lowest rank whose update failed
+
+    def error(self, *, updated: bool) -> RuntimeError:
+        """Another rank took another branch: gradients that are not the same on every rank."""
+        what = "sparse gradients" if self.sparse else "GradScaler's inf/NaN check"
+        mine = (
+            "this rank updated its part of the optimizer state, so the state no longer matches "
+            "the other ranks': restore from a checkpoint"
+            if updated
+            else "this rank did not update"
+        )
+        return RuntimeError(
+            f"OffloadedAdamW: the ranks disagreed on {what} (the gradients differ between ranks: "
+            f"call step() with the gradients DDP reduced, the same on every rank); {mine}"
+        )
+
+
+def _verdict(sparse: bool, skip: bool, failed: bool, pg) -> Verdict:
+    """One all-reduce (MAX) of every rank's branch and failure."""
+    n, r = _dist.world(pg), _dist.rank(pg)
+    updated = not (sparse or skip)
+    t = torch.tensor([float(sparse), float(skip), float(updated), float(n - r if failed else 0)])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
+    any_sparse, any_skip, any_update, first = (int(v) for v in t.tolist())
+    return Verdict(
+        sparse=bool(any_sparse),
+        skip=bool(any_skip),
+        split=bool(any_skip and any_update),
+        failed=n - first if first else None,
     )
 
 
@@ -244,12 +284,7 @@ class ShardedStep(Step):
         waits for its writes, the ranks agree (one all-reduce), commit, then all-gather.
         """
         t0 = time.perf_counter()
-        values = None  # deferred: each bucket's new masters, handed to the gathers at the end
-        if self.deferred is not None:  # host states; the gathers go on after step() returns
-            done, values, error = self._update_inline(scale)
-            failed = _dist.first_true(error is not None, self.sharding.pg)
-            self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, verdict
-        elif self.host:
+        if self.host:
             done, error, failed = self._update_and_gather(*self._submit(scale))
             self.stats.step_wait_seconds += time.perf_counter() - t0  # updates and gathers
         else:
@@ -264,15 +299,47 @@ class ShardedStep(Step):
                 self.states.abort()
                 self.speculator.reset_cycle()
                 raise error or peer_failed(failed, applied=False)
-        try:
-            self._conclude(done, scale_t)
-        finally:  # deferred: the last thing step() does (every rank hands every bucket over)
-            if values is not None:
-                self._hand_over(values)
-                if failed is not None:  # the error is raised with what succeeded written
-                    self.deferred.synchronize()
+        self._conclude(done, scale_t)
         if failed is not None:
             raise error or peer_failed(failed, applied=True)
+
+    def run_deferred(
+        self, scale_t: torch.Tensor | None, scale: float | None, *, sparse: bool, skip: bool
+    ) -> None:
+        """``defer_gather``: update this rank's pieces on this thread (unless its gradients are
+        sparse or GradScaler found inf/NaN), agree with the other ranks in one all-reduce, and
+        hand the gathers over as the last thing ``step()`` does.
+
+        The one all-reduce carries both the branch (sparse, skip) and the failures: with DDP
+        every rank holds the same reduced gradients, so every rank decides the branch alike and
+        nothing is lost by deciding it before agreeing (a separate agreement all-reduce before
+        the updates cost a round trip of both ranks' threads per step). Ranks that disagree
+        (gradients that differ between ranks) raise on every rank; those that updated say so.
+        """
+        t0 = time.perf_counter()
+        own = sparse or skip  # this rank does not update
+        done, values, error = ([], {}, None) if own else self._update_inline(scale)
+        verdict = _verdict(sparse, skip, error is not None, self.sharding.pg)
+        self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, verdict
+        if sparse:
+            self.speculator.discard()
+            self.speculator.reset_cycle()
+            raise RuntimeError("OffloadedAdamW does not support sparse gradients")
+        if verdict.sparse or verdict.split:  # another rank took another branch
+            if skip:
+                self.skip()
+            raise verdict.error(updated=not own)
+        if verdict.skip:  # GradScaler found inf/NaN on every rank: nothing advances
+            self.skip()
+            return
+        try:
+            self._conclude(done, scale_t)
+        finally:  # the last thing step() does (every rank hands every bucket over)
+            self._hand_over(values)
+            if verdict.failed is not None:  # the error is raised with what succeeded written
+                self.deferred.synchronize()
+        if verdict.failed is not None:
+            raise error or peer_failed(verdict.failed, applied=True)
 
     def _conclude(self, done: list[Done], scale_t: torch.Tensor | None) -> None:
         """Commit, advance the step counters, gather disk states, record versions, unscale."""

@@ -370,6 +370,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.synchronize()  # the last step's gathers read the masters this one updates
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self._all_params())
         scale_t, scale, skip = self._scaler_inputs()
+        if self._deferred is not None:  # the branch is agreed in the step's one all-reduce
+            self._stepper.run_deferred(scale_t, scale, sparse=sparse, skip=skip)
+            return loss
         if self._sharding.local_form:  # every rank takes the same branch (collectives follow;
             # under FSDP2 GradScaler checked only the local shards: ShardedGradScaler's reason)
             sparse, skip = _dist.any_true([sparse, skip], self._sharding.pg)
