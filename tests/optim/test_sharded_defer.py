@@ -331,14 +331,14 @@ def test_deferred_gathers_start_when_the_next_forward_begins():
 
 
 def _collectives(rank: int, world: int, split: bool) -> dict:
-    """All-reduces issued on the training group inside each deferred ``step()`` under GradScaler
-    (step 2: an overflow on every rank, or with ``split`` on rank 1 only), what each step
-    raised, and (without ``split``) whether the run matches DDP + fused AdamW."""
+    """All-reduces the caller's thread issues inside each deferred ``step()`` under GradScaler
+    (step 2: an overflow on every rank, or with ``split`` on rank 1 only), what each step and
+    the wait after it raised, and (without ``split``) whether the run matches DDP + fused."""
     (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
     real, count = dist.all_reduce, [0]
 
     def counted(*a, **k):
-        count[0] += 1
+        count[0] += threading.current_thread() is threading.main_thread()
         return real(*a, **k)
 
     g = torch.Generator().manual_seed(100 + rank)
@@ -357,13 +357,15 @@ def _collectives(rank: int, world: int, split: bool) -> dict:
                 dist.all_reduce = counted
             try:
                 sc.step(o)
-                out["errors"].append(None) if o is opt else None
+                if o is opt:
+                    out["all_reduces"].append(count[0])
+                    dist.all_reduce = real
+                    o.synchronize()  # the ranks' check ran on the gather thread
+                    out["errors"].append(None)
             except RuntimeError as exc:
                 out["errors"].append(str(exc))
             finally:
                 dist.all_reduce = real
-            if o is opt:
-                out["all_reduces"].append(count[0])
             sc.update()
             o.zero_grad()
         if split and step == 2:
@@ -374,13 +376,14 @@ def _collectives(rank: int, world: int, split: bool) -> dict:
     return out
 
 
-def test_deferred_step_agrees_on_the_branch_and_failures_in_one_all_reduce():
-    """Structure, not time: a deferred step issues one all-reduce on the training group (the
-    branch, sparse or GradScaler's skip, and every rank's failure together; it was one before the
-    updates and one after); an overflow on every rank still skips the step everywhere and the
-    run matches DDP + fused AdamW bit for bit."""
+def test_deferred_step_issues_no_collective():
+    """Structure, not time: a deferred step issues no collective on the caller's thread (the
+    ranks' agreement on the branch, sparse or GradScaler's skip, and on failures runs on the
+    gather thread ahead of the gathers; it was an all-reduce before the updates and one after,
+    each waiting for both ranks' threads); an overflow on every rank still skips the step
+    everywhere and the run matches DDP + fused AdamW bit for bit."""
     for r in distributed.run(_collectives, 2, False):
-        assert r["all_reduces"] == [1, 1, 1, 1], r["all_reduces"]
+        assert r["all_reduces"] == [0, 0, 0, 0], r["all_reduces"]
         assert r["errors"] == [None] * 4
         assert r["skipped"] == 1
         assert r["equal"]
@@ -388,7 +391,8 @@ def test_deferred_step_agrees_on_the_branch_and_failures_in_one_all_reduce():
 
 def test_ranks_that_disagree_on_gradscalers_skip_raise_on_every_rank():
     """Gradients that differ between ranks after DDP (inf on rank 1 only): the ranks take
-    different branches; both raise naming the cause instead of one gathering alone (a hang)."""
+    different branches; both raise naming the cause at the wait after the step (no rank issues
+    the step's gathers: none is left waiting for a peer)."""
     for rank, r in enumerate(distributed.run(_collectives, 2, True)):
         assert r["errors"][:2] == [None, None]
         assert "disagreed on GradScaler" in r["errors"][2], r["errors"]

@@ -108,7 +108,7 @@ def peer_failed(rank: int, applied: bool) -> RuntimeError:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What every rank did in a deferred step (``_verdict``)."""
+    """What every rank did in a deferred step (``_judge``)."""
 
     sparse: bool  # some rank had sparse gradients
     skip: bool  # some rank skipped (GradScaler found inf/NaN)
@@ -130,19 +130,25 @@ class Verdict:
         )
 
 
-def _verdict(sparse: bool, skip: bool, failed: bool, pg) -> Verdict:
-    """One all-reduce (MAX) of every rank's branch and failure."""
-    n, r = _dist.world(pg), _dist.rank(pg)
-    updated = not (sparse or skip)
-    t = torch.tensor([float(sparse), float(skip), float(updated), float(n - r if failed else 0)])
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=pg)
-    any_sparse, any_skip, any_update, first = (int(v) for v in t.tolist())
-    return Verdict(
+def _judge(
+    reduced: list[float], *, sparse: bool, skip: bool, failed: bool, world: int
+) -> tuple[bool, BaseException | None]:
+    """The gather thread's verdict on a deferred step from every rank's flags (MAX of [sparse,
+    skipped, updated, world - failing rank]): whether to drop the step's gathers (the ranks took
+    different branches: no rank issues them) and the error the next wait raises on this rank
+    (none where ``step()`` raised already: its own sparse gradients or failed update)."""
+    any_sparse, any_skip, any_update, first = (int(v) for v in reduced)
+    verdict = Verdict(
         sparse=bool(any_sparse),
         skip=bool(any_skip),
         split=bool(any_skip and any_update),
-        failed=n - first if first else None,
+        failed=world - first if first else None,
     )
+    if verdict.sparse or verdict.split:
+        return True, None if sparse else verdict.error(updated=not skip)
+    if verdict.failed is not None and not failed:
+        return False, peer_failed(verdict.failed, applied=True)
+    return False, None
 
 
 def _own_group(pg):
@@ -226,6 +232,15 @@ class DeferredWrites:
         for p in plan.params:
             self._item[id(p)] = n
 
+    def check(self, sparse: bool, skip: bool, failed: bool, count: int) -> None:
+        """Queue the step's check ahead of its ``count`` gathers (``_judge``): the ranks agree
+        on the thread, after ``step()`` returned, instead of in a collective inside it."""
+        rank, world = self.thread.gatherer.rank, self.thread.gatherer.world
+        flags = [float(sparse), float(skip), float(not (sparse or skip)), float(world - rank)]
+        flags[3] *= failed
+        judge = functools.partial(_judge, sparse=sparse, skip=skip, failed=failed, world=world)
+        self.thread.check(flags, count, judge)
+
     def before_use(self, module: torch.nn.Module) -> None:
         """A module is about to run: the held gathers start (the forward has begun), and it waits
         for its own parameters' gathers."""
@@ -254,7 +269,7 @@ class DeferredWrites:
 
     def synchronize(self) -> None:
         """Every handed-over gather written (raises a failed gather's error)."""
-        if self._item or self.thread.pending:
+        if self._item or self.thread.busy:
             self.thread.wait()
             self._item.clear()
 
@@ -307,39 +322,37 @@ class ShardedStep(Step):
         self, scale_t: torch.Tensor | None, scale: float | None, *, sparse: bool, skip: bool
     ) -> None:
         """``defer_gather``: update this rank's pieces on this thread (unless its gradients are
-        sparse or GradScaler found inf/NaN), agree with the other ranks in one all-reduce, and
-        hand the gathers over as the last thing ``step()`` does.
+        sparse or GradScaler found inf/NaN) and hand the step's check and gathers over as the
+        last thing ``step()`` does: no collective inside ``step()``.
 
-        The one all-reduce carries both the branch (sparse, skip) and the failures: with DDP
-        every rank holds the same reduced gradients, so every rank decides the branch alike and
-        nothing is lost by deciding it before agreeing (a separate agreement all-reduce before
-        the updates cost a round trip of both ranks' threads per step). Ranks that disagree
-        (gradients that differ between ranks) raise on every rank; those that updated say so.
+        The ranks agree on the gather thread (``_judge``), after ``step()`` returned: with DDP
+        every rank holds the same reduced gradients, so each takes the branch the others take,
+        and a peer's failed update (a bug or out of memory) is raised by this rank's next wait
+        (the next forward, ``synchronize()``, ``state_dict()``, ``step()``) once what succeeded
+        is written. This rank's own failure is raised here, after its gathers are written.
+        Measured (2 gloo ranks on 2 loaded cores): an agreement all-reduce inside ``step()``
+        cost more wall time than the updates, waiting for both ranks' threads to be scheduled.
         """
         t0 = time.perf_counter()
         own = sparse or skip  # this rank does not update
         done, values, error = ([], {}, None) if own else self._update_inline(scale)
-        verdict = _verdict(sparse, skip, error is not None, self.sharding.pg)
-        self.stats.step_wait_seconds += time.perf_counter() - t0  # updates, verdict
+        self.stats.step_wait_seconds += time.perf_counter() - t0
+        count = 0 if own else len(self.layout.buckets)
+        self.deferred.check(sparse, skip, error is not None, count)
         if sparse:
             self.speculator.discard()
             self.speculator.reset_cycle()
             raise RuntimeError("OffloadedAdamW does not support sparse gradients")
-        if verdict.sparse or verdict.split:  # another rank took another branch
-            if skip:
-                self.skip()
-            raise verdict.error(updated=not own)
-        if verdict.skip:  # GradScaler found inf/NaN on every rank: nothing advances
+        if skip:  # GradScaler found inf/NaN: nothing advances (every rank, under DDP)
             self.skip()
             return
         try:
             self._conclude(done, scale_t)
         finally:  # the last thing step() does (every rank hands every bucket over)
             self._hand_over(values)
-            if verdict.failed is not None:  # the error is raised with what succeeded written
-                self.deferred.synchronize()
-        if verdict.failed is not None:
-            raise error or peer_failed(verdict.failed, applied=True)
+        if error is not None:  # raised with what succeeded written
+            self.deferred.synchronize()
+            raise error
 
     def _conclude(self, done: list[Done], scale_t: torch.Tensor | None) -> None:
         """Commit, advance the step counters, gather disk states, record versions, unscale."""

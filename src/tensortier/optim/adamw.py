@@ -139,9 +139,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     and the updated parameters are all-gathered into every replica before ``step()`` returns.
     ``defer_gather=True`` (host states, gloo): ``step()`` returns once this rank's updates are
     done and their all-gathers are handed to a thread (own process group), in the order forward
-    reads the buckets, so the gathers overlap the next forward instead of ending the step; every
-    rank still raises in ``step()`` naming a failing rank (one small all-reduce). A parameter is
-    written before a module holding it runs forward (global forward pre-hook), before
+    reads the buckets, so the gathers overlap the next forward instead of ending the step, and
+    ``step()`` issues no collective (the ranks agree on the thread: a rank whose update failed
+    raises in ``step()``, the others at their next wait, naming it). A parameter is written
+    before a module holding it runs forward (global forward pre-hook), before
     ``model.state_dict()``, and at the next ``step()``, ``state_dict()``, ``load_state_dict()``,
     ``close()``, a Checkpointer save and :meth:`synchronize`. Off by default because some reads
     cannot be intercepted: reading parameters directly after ``step()`` (``p.norm()`` logging,
