@@ -401,7 +401,8 @@ class GatherThread:
 
     def wait(self, n: int | None = None) -> None:
         """Until item ``n`` (default: the last handed over) is written; raises a failed gather's
-        error. Bounded: each gather waits at most the process group's timeout."""
+        error, or once a check's error when its step's gathers are done. Bounded: each
+        collective waits at most the process group's timeout."""
         self.release()
         n = self._issued if n is None else n
         with self._cond:
@@ -438,7 +439,7 @@ class GatherThread:
             try:
                 if item and item[0] == "check" and self._error is None:  # ahead of its gathers
                     self._written(inflight, keep=0)
-                    self._judge(*item[1:])
+                    self._run_check(*item[1:])
                     self._mark(item[1])
                 elif item and (self._drop or self._error is not None):
                     self._drop = max(0, self._drop - 1)  # the ranks disagreed: no rank issues it
@@ -465,7 +466,9 @@ class GatherThread:
             written()
             self._mark(n)
 
-    def _judge(self, n: int, flags: list[float], count: int, judge) -> None:
+    def _run_check(self, n: int, flags: list[float], count: int, judge) -> None:
+        """A step's check: all-reduce the ranks' flags; drop its ``count`` gathers or note the
+        error the first wait after them raises, as ``judge`` says."""
         t = torch.tensor(flags, dtype=torch.float64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
         drop, error = judge(t.tolist())

@@ -236,8 +236,8 @@ class DeferredWrites:
         """Queue the step's check ahead of its ``count`` gathers (``_judge``): the ranks agree
         on the thread, after ``step()`` returned, instead of in a collective inside it."""
         rank, world = self.thread.gatherer.rank, self.thread.gatherer.world
-        flags = [float(sparse), float(skip), float(not (sparse or skip)), float(world - rank)]
-        flags[3] *= failed
+        first = float(world - rank) if failed else 0.0  # MAX of it: the lowest failing rank
+        flags = [float(sparse), float(skip), float(not (sparse or skip)), first]
         judge = functools.partial(_judge, sparse=sparse, skip=skip, failed=failed, world=world)
         self.thread.check(flags, count, judge)
 
