@@ -294,6 +294,7 @@ def _held(rank: int, world: int) -> dict:
     import time
 
     (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    opt._deferred.thread.hold_s = 60.0  # (default 10 ms) released here by the forward only
     g = torch.Generator().manual_seed(100 + rank)
     log: list = []
     _log_gathers(log)
@@ -320,7 +321,8 @@ def _held(rank: int, world: int) -> dict:
 
 def test_deferred_gathers_start_when_the_next_forward_begins():
     """Structure, not time: the gathers handed over at the end of ``step()`` are held until a
-    parameter is read (here the next forward), so no thread competes with the rest of
+    parameter is read (here the next forward; at most ``hold_s``), so no thread competes with the
+    rest of
     ``step()`` and ``zero_grad()`` for the cores and the GIL (2 ranks on 2 cores: the old
     hand-over woke the gather thread inside ``step()``); results stay DDP + fused's."""
     for r in distributed.run(_held, 2):
@@ -419,3 +421,29 @@ def _sparse(rank: int, world: int) -> dict:
 def test_deferred_step_with_sparse_gradients_raises_on_every_rank():
     for r in distributed.run(_sparse, 2):
         assert r["error"] == "OffloadedAdamW does not support sparse gradients"
+
+
+def _rank0_reads(rank: int, world: int) -> dict:
+    """Rank 0 alone reads the parameters after each step (``synchronize()``, as rank-0-only
+    logging does), then every rank meets at a barrier before the next forward."""
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        x = torch.randn(4, 64, generator=g)
+        for d, o in ((rddp, ropt), (ddp, opt)):
+            d(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        if rank == 0:
+            opt.synchronize()  # waits for rank 1's gathers: rank 1 reads nothing until the barrier
+        dist.barrier()
+    equal = _same(m.state_dict(), ref.state_dict())
+    opt.close()
+    return {"equal": equal}
+
+
+def test_a_read_on_one_rank_only_does_not_wait_for_the_others_to_read():
+    """The held gathers start by themselves after ``hold_s``: rank 0 waiting for them while rank 1
+    waits at a barrier completes (held until a read on every rank, it hung until the timeout)."""
+    for r in distributed.run(_rank0_reads, 2):
+        assert r["equal"]

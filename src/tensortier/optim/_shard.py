@@ -332,19 +332,23 @@ class GatherThread:
     collectives issued from a thread could interleave with those differently on each rank.
     A step's :meth:`check` (the ranks' agreement on its branch and failures) runs here too,
     ahead of its gathers. On their own group only this thread issues, in hand-over order
-    (the same on every rank). Handed-over items are held until :meth:`release` (the next
-    forward's first module, or any wait), so nothing runs beside the rest of ``step()``. Items
+    (the same on every rank). A step's items are held until :meth:`release` (the next
+    forward's first module, or any wait) or at most ``hold_s``, so nothing runs beside the rest
+    of ``step()``. Items
     are numbered; ``wait(n)`` returns once item ``n`` and every
     earlier one are written. A failed gather is kept and raised by every later wait (parameters
     may be partly written: the run cannot go on); a check's error is raised once.
     """
+
+    hold_s = 0.01  # the longest a step's gathers wait for a reader to release them
 
     def __init__(self, group, world: int, rank: int, *, destroy: bool = True):
         self.gatherer = Gatherer(group, world, rank)
         self.group = group
         self._destroy = destroy  # the group is this thread's: destroyed by close()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._held: list[tuple] = []  # handed over, not yet released to the thread
+        self._go = threading.Event()  # set by release(): a step's check may run
+        self._holding = False  # a step was handed over and not released yet
         self._drop = 0  # items still to skip (a check said the ranks took different branches)
         self._notice: tuple[int, BaseException] | None = None  # raised once, when item n is done
         self._cond = threading.Condition()
@@ -360,16 +364,16 @@ class GatherThread:
 
     @property
     def held(self) -> bool:
-        return bool(self._held)
+        return self._holding
 
     def submit(
         self, plan: GatherPlan, values: dict[int, torch.Tensor], written: Callable[[], None]
     ) -> int:
-        """Hold one bucket's gather until :meth:`release` (``values`` must stay unchanged until it
-        is waited for); ``written`` runs on the thread once the parameters are written. Returns
-        its number."""
+        """Queue one bucket's gather, after its step's :meth:`check` (``values`` must stay
+        unchanged until it is waited for); ``written`` runs on the thread once the parameters
+        are written. Returns its number."""
         self._issued += 1
-        self._held.append(("gather", self._issued, plan, values, written))
+        self._queue.put(("gather", self._issued, plan, values, written))
         return self._issued
 
     def check(
@@ -378,11 +382,14 @@ class GatherThread:
         count: int,
         judge: Callable[[list[float]], tuple[bool, BaseException | None]],
     ) -> int:
-        """Hold a check of a step, ahead of its ``count`` gathers: the thread all-reduces (MAX)
-        ``flags`` over its group, then ``judge(reduced)`` says whether to drop those gathers
-        (issued by no rank) and what error the next wait raises once, after them."""
+        """Queue a step's check, ahead of its ``count`` gathers; the thread holds it until
+        :meth:`release` or ``hold_s``, then all-reduces (MAX) ``flags`` over its group, and
+        ``judge(reduced)`` says whether to drop those gathers (issued by no rank) and what error
+        the next wait raises once, after them."""
         self._issued += 1
-        self._held.append(("check", self._issued, flags, count, judge))
+        self._go.clear()  # the last step's release is spent (every wait releases)
+        self._holding = True
+        self._queue.put(("check", self._issued, flags, count, judge))
         return self._issued
 
     @property
@@ -391,13 +398,13 @@ class GatherThread:
         return self.pending or self._notice is not None
 
     def release(self) -> None:
-        """Let the thread run the held gathers (the first read of a parameter does it: until
-        then the caller's ``step()`` and ``zero_grad()`` have both cores; measured on 2 gloo
-        ranks on 2 cores: a thread woken inside ``step()`` competes with its tail for the core
-        and the GIL)."""
-        held, self._held = self._held, []
-        for item in held:
-            self._queue.put(item)
+        """Let the thread run the step handed over (the first read of a parameter does it;
+        until then, at most ``hold_s``, the caller's ``step()`` and ``zero_grad()`` have the
+        cores: measured on 2 gloo ranks on 2 cores, a thread woken inside ``step()`` competes
+        with its tail for the core and the GIL)."""
+        if self._holding:
+            self._holding = False
+            self._go.set()
 
     def wait(self, n: int | None = None) -> None:
         """Until item ``n`` (default: the last handed over) is written; raises a failed gather's
@@ -438,6 +445,8 @@ class GatherThread:
                 item = ()
             try:
                 if item and item[0] == "check" and self._error is None:  # ahead of its gathers
+                    self._go.wait(self.hold_s)  # bounded: a rank that reads nothing (rank-0-only
+                    # logging, then a barrier) would otherwise hold its peers' gathers forever
                     self._written(inflight, keep=0)
                     self._run_check(*item[1:])
                     self._mark(item[1])
