@@ -272,3 +272,178 @@ def test_deferred_step_updates_on_the_callers_thread_then_hands_the_gathers_over
         expected = [["update", True]] * 4 + [["gather", None]] * 4
         assert r["steps"] == [expected] * 3
         assert r["equal"]
+
+
+def _log_gathers(log: list) -> None:
+    """Append the issuing thread's name to ``log`` for every all-gather issued."""
+    for name in ("all_gather_into_tensor", "all_gather_single"):  # whichever torch has
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+
+        def logged(*a, _real=real, **k):
+            log.append(threading.current_thread().name)
+            return _real(*a, **k)
+
+        setattr(dist, name, logged)
+
+
+def _held(rank: int, world: int) -> dict:
+    """Per step: gathers issued by the time ``step()`` and ``zero_grad()`` returned and 0.5 s
+    later (nothing read a parameter), then after the next forward began."""
+    import time
+
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    opt._deferred.thread.hold_s = 60.0  # (default 10 ms) released here by the forward only
+    g = torch.Generator().manual_seed(100 + rank)
+    log: list = []
+    _log_gathers(log)
+    out: dict = {"after_step": [], "idle": [], "after_forward": []}
+    x = torch.randn(4, 64, generator=g)
+    for _ in range(3):
+        rddp(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+        loss = ddp(x).square().mean()
+        out["after_forward"].append(len(log))  # the last step's gathers: the forward released them
+        loss.backward()
+        log.clear()
+        opt.step()
+        opt.zero_grad()
+        out["after_step"].append(len(log))
+        time.sleep(0.5)  # a thread woken by the hand-over would have issued by now
+        out["idle"].append(len(log))
+        x = torch.randn(4, 64, generator=g)
+    out["equal"] = _same(m.state_dict(), ref.state_dict())  # waits: the held gathers run
+    opt.close()
+    return out
+
+
+def test_deferred_gathers_start_when_the_next_forward_begins():
+    """Structure, not time: the gathers handed over at the end of ``step()`` are held until a
+    parameter is read (here the next forward; at most ``hold_s``), so no thread competes with the
+    rest of
+    ``step()`` and ``zero_grad()`` for the cores and the GIL (2 ranks on 2 cores: the old
+    hand-over woke the gather thread inside ``step()``); results stay DDP + fused's."""
+    for r in distributed.run(_held, 2):
+        assert r["after_step"] == [0, 0, 0]
+        assert r["idle"] == [0, 0, 0]
+        assert r["after_forward"][1:] == [4, 4], r["after_forward"]  # four buckets
+        assert r["equal"]
+
+
+def _collectives(rank: int, world: int, split: bool) -> dict:
+    """All-reduces the caller's thread issues inside each deferred ``step()`` under GradScaler
+    (step 2: an overflow on every rank, or with ``split`` on rank 1 only), what each step and
+    the wait after it raised, and (without ``split``) whether the run matches DDP + fused."""
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    real, count = dist.all_reduce, [0]
+
+    def counted(*a, **k):
+        count[0] += threading.current_thread() is threading.main_thread()
+        return real(*a, **k)
+
+    g = torch.Generator().manual_seed(100 + rank)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    out: dict = {"all_reduces": [], "errors": []}
+    for step in range(4):
+        x = torch.randn(4, 64, generator=g)
+        for (d, o), sc in zip(((rddp, ropt), (ddp, opt)), scalers):
+            loss = d(x).square().mean() * (float("inf") if step == 2 and rank == 0 else 1.0)
+            sc.scale(loss).backward()  # DDP's all-reduce: an overflow reaches every rank
+            if split and step == 2 and o is opt:  # gradients that differ between ranks
+                for p in m.parameters():
+                    p.grad.fill_(1.0 if rank == 0 else float("inf"))
+            if o is opt:
+                count[0] = 0
+                dist.all_reduce = counted
+            try:
+                sc.step(o)
+                if o is opt:
+                    out["all_reduces"].append(count[0])
+                    dist.all_reduce = real
+                    o.synchronize()  # the ranks' check ran on the gather thread
+                    out["errors"].append(None)
+            except RuntimeError as exc:
+                out["errors"].append(str(exc))
+            finally:
+                dist.all_reduce = real
+            sc.update()
+            o.zero_grad()
+        if split and step == 2:
+            break
+    out["equal"] = _same(m.state_dict(), ref.state_dict())
+    out["skipped"] = opt.stats().skipped_steps
+    opt.close()
+    return out
+
+
+def test_deferred_step_issues_no_collective():
+    """Structure, not time: a deferred step issues no collective on the caller's thread (the
+    ranks' agreement on the branch, sparse or GradScaler's skip, and on failures runs on the
+    gather thread ahead of the gathers; it was an all-reduce before the updates and one after,
+    each waiting for both ranks' threads); an overflow on every rank still skips the step
+    everywhere and the run matches DDP + fused AdamW bit for bit."""
+    for r in distributed.run(_collectives, 2, False):
+        assert r["all_reduces"] == [0, 0, 0, 0], r["all_reduces"]
+        assert r["errors"] == [None] * 4
+        assert r["skipped"] == 1
+        assert r["equal"]
+
+
+def test_ranks_that_disagree_on_gradscalers_skip_raise_on_every_rank():
+    """Gradients that differ between ranks after DDP (inf on rank 1 only): the ranks take
+    different branches; both raise naming the cause at the wait after the step (no rank issues
+    the step's gathers: none is left waiting for a peer)."""
+    for rank, r in enumerate(distributed.run(_collectives, 2, True)):
+        assert r["errors"][:2] == [None, None]
+        assert "disagreed on GradScaler" in r["errors"][2], r["errors"]
+        updated = "this rank updated" in r["errors"][2]
+        assert updated == (rank == 0)
+
+
+def _sparse(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(64, 16, sparse=True), torch.nn.Linear(16, 16))
+    ddp = DDP(m)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, defer_gather=True)
+    ddp(torch.tensor([[1, 2, 3]])).square().mean().backward()
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    opt.zero_grad()
+    opt.close()  # no gather left behind on any rank
+    return {"error": error}
+
+
+def test_deferred_step_with_sparse_gradients_raises_on_every_rank():
+    for r in distributed.run(_sparse, 2):
+        assert r["error"] == "OffloadedAdamW does not support sparse gradients"
+
+
+def _rank0_reads(rank: int, world: int) -> dict:
+    """Rank 0 alone reads the parameters after each step (``synchronize()``, as rank-0-only
+    logging does), then every rank meets at a barrier before the next forward."""
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        x = torch.randn(4, 64, generator=g)
+        for d, o in ((rddp, ropt), (ddp, opt)):
+            d(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        if rank == 0:
+            opt.synchronize()  # waits for rank 1's gathers: rank 1 reads nothing until the barrier
+        dist.barrier()
+    equal = _same(m.state_dict(), ref.state_dict())
+    opt.close()
+    return {"equal": equal}
+
+
+def test_a_read_on_one_rank_only_does_not_wait_for_the_others_to_read():
+    """The held gathers start by themselves after ``hold_s``: rank 0 waiting for them while rank 1
+    waits at a barrier completes (held until a read on every rank, it hung until the timeout)."""
+    for r in distributed.run(_rank0_reads, 2):
+        assert r["equal"]

@@ -327,20 +327,30 @@ class GatherThread:
     """Deferred all-gathers (``defer_gather=True``): ``step()`` hands each updated bucket here and
     returns; a thread runs the gathers over a process group of its own and writes the parameters.
 
-    Why a group of its own: a process group runs its collectives in issue order, so the step's
-    failure all-reduce (and the user's own collectives, DDP's included) on the training group
-    would queue behind the gathers; and gathers issued from a thread could interleave with those
-    differently on each rank. On their own group only this thread issues, in hand-over order
-    (the same on every rank). Items are numbered; ``wait(n)`` returns once item ``n`` and every
+    Why a group of its own: a process group runs its collectives in issue order, so the user's
+    own collectives (DDP's included) on the training group would queue behind the gathers; and
+    collectives issued from a thread could interleave with those differently on each rank.
+    A step's :meth:`check` (the ranks' agreement on its branch and failures) runs here too,
+    ahead of its gathers. On their own group only this thread issues, in hand-over order
+    (the same on every rank). A step's items are held until :meth:`release` (the next
+    forward's first module, or any wait) or at most ``hold_s``, so nothing runs beside the rest
+    of ``step()``. Items
+    are numbered; ``wait(n)`` returns once item ``n`` and every
     earlier one are written. A failed gather is kept and raised by every later wait (parameters
-    may be partly written: the run cannot go on).
+    may be partly written: the run cannot go on); a check's error is raised once.
     """
+
+    hold_s = 0.01  # the longest a step's gathers wait for a reader to release them
 
     def __init__(self, group, world: int, rank: int, *, destroy: bool = True):
         self.gatherer = Gatherer(group, world, rank)
         self.group = group
         self._destroy = destroy  # the group is this thread's: destroyed by close()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._go = threading.Event()  # set by release(): a step's check may run
+        self._holding = False  # a step was handed over and not released yet
+        self._drop = 0  # items still to skip (a check said the ranks took different branches)
+        self._notice: tuple[int, BaseException] | None = None  # raised once, when item n is done
         self._cond = threading.Condition()
         self._issued = 0  # items handed over (numbered 1, 2, ...)
         self._done = 0  # items written
@@ -352,32 +362,75 @@ class GatherThread:
     def pending(self) -> bool:
         return self._done < self._issued
 
+    @property
+    def held(self) -> bool:
+        return self._holding
+
     def submit(
         self, plan: GatherPlan, values: dict[int, torch.Tensor], written: Callable[[], None]
     ) -> int:
-        """Queue one bucket's gather (``values`` must stay unchanged until it is waited for);
-        ``written`` runs on this thread once the parameters are written. Returns its number."""
+        """Queue one bucket's gather, after its step's :meth:`check` (``values`` must stay
+        unchanged until it is waited for); ``written`` runs on the thread once the parameters
+        are written. Returns its number."""
         self._issued += 1
-        self._queue.put((self._issued, plan, values, written))
+        self._queue.put(("gather", self._issued, plan, values, written))
         return self._issued
+
+    def check(
+        self,
+        flags: list[float],
+        count: int,
+        judge: Callable[[list[float]], tuple[bool, BaseException | None]],
+    ) -> int:
+        """Queue a step's check, ahead of its ``count`` gathers; the thread holds it until
+        :meth:`release` or ``hold_s``, then all-reduces (MAX) ``flags`` over its group, and
+        ``judge(reduced)`` says whether to drop those gathers (issued by no rank) and what error
+        the next wait raises once, after them."""
+        self._issued += 1
+        self._go.clear()  # the last step's release is spent (every wait releases)
+        self._holding = True
+        self._queue.put(("check", self._issued, flags, count, judge))
+        return self._issued
+
+    @property
+    def busy(self) -> bool:
+        """Gathers not yet written, or an error the next wait raises."""
+        return self.pending or self._notice is not None
+
+    def release(self) -> None:
+        """Let the thread run the step handed over (the first read of a parameter does it;
+        until then, at most ``hold_s``, the caller's ``step()`` and ``zero_grad()`` have the
+        cores: measured on 2 gloo ranks on 2 cores, a thread woken inside ``step()`` competes
+        with its tail for the core and the GIL)."""
+        if self._holding:
+            self._holding = False
+            self._go.set()
 
     def wait(self, n: int | None = None) -> None:
         """Until item ``n`` (default: the last handed over) is written; raises a failed gather's
-        error. Bounded: each gather waits at most the process group's timeout."""
+        error, or once a check's error when its step's gathers are done. Bounded: each
+        collective waits at most the process group's timeout."""
+        self.release()
         n = self._issued if n is None else n
         with self._cond:
             while self._done < n and self._error is None:
                 self._cond.wait()
+            notice = self._notice
+            if notice is not None and self._done >= notice[0]:
+                self._notice = None
         if self._error is not None:
             raise RuntimeError(
                 "OffloadedAdamW: a deferred parameter all-gather failed; parameters may be "
                 "partly updated: restore from a checkpoint"
             ) from self._error
+        if notice is not None and self._done >= notice[0]:
+            raise notice[1]
 
     def close(self) -> None:
         """Write what is pending, stop the thread, and destroy its process group (each optimizer
         makes one: without this, every closed or collected optimizer leaked a gloo group, its
         sockets and its threads; see ``_zero._own_group`` for subgroups)."""
+        self.release()
         self._queue.put(None)
         self._thread.join()
         if self._destroy:
@@ -391,24 +444,47 @@ class GatherThread:
             except queue.Empty:
                 item = ()
             try:
-                if item:
-                    n, plan, values, written = item
-                    if self._error is None:
-                        inflight.append((n, self.gatherer.start(plan, values), written))
-                while inflight and (not item or len(inflight) > 1):
-                    n, g, written = inflight.popleft()  # the oldest: written while the next is
-                    self.gatherer.finish(g)  # on the wire
-                    written()
-                    self._mark(n)
+                if item and item[0] == "check" and self._error is None:  # ahead of its gathers
+                    self._go.wait(self.hold_s)  # bounded: a rank that reads nothing (rank-0-only
+                    # logging, then a barrier) would otherwise hold its peers' gathers forever
+                    self._written(inflight, keep=0)
+                    self._run_check(*item[1:])
+                    self._mark(item[1])
+                elif item and (self._drop or self._error is not None):
+                    self._drop = max(0, self._drop - 1)  # the ranks disagreed: no rank issues it
+                    self._mark(item[1])
+                elif item:
+                    _, n, plan, values, written = item
+                    inflight.append((n, self.gatherer.start(plan, values), written))
+                self._written(inflight, keep=1 if item else 0)  # the newest stays on the wire
             except BaseException as exc:  # every later wait raises it
                 inflight.clear()
                 with self._cond:
                     self._error = exc
                     self._cond.notify_all()
+                if item:
+                    self._mark(item[1])
             if item is None:
                 return
-            if item and self._error is not None:
-                self._mark(item[0])
+
+    def _written(self, inflight: deque, keep: int) -> None:
+        """Complete the oldest gathers (written while the next is on the wire) down to ``keep``."""
+        while len(inflight) > keep:
+            n, g, written = inflight.popleft()
+            self.gatherer.finish(g)
+            written()
+            self._mark(n)
+
+    def _run_check(self, n: int, flags: list[float], count: int, judge) -> None:
+        """A step's check: all-reduce the ranks' flags; drop its ``count`` gathers or note the
+        error the first wait after them raises, as ``judge`` says."""
+        t = torch.tensor(flags, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        drop, error = judge(t.tolist())
+        self._drop = count if drop else 0
+        if error is not None:
+            with self._cond:
+                self._notice = (n + count, error)
 
     def _mark(self, n: int) -> None:
         with self._cond:

@@ -139,9 +139,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     and the updated parameters are all-gathered into every replica before ``step()`` returns.
     ``defer_gather=True`` (host states, gloo): ``step()`` returns once this rank's updates are
     done and their all-gathers are handed to a thread (own process group), in the order forward
-    reads the buckets, so the gathers overlap the next forward instead of ending the step; every
-    rank still raises in ``step()`` naming a failing rank (one small all-reduce). A parameter is
-    written before a module holding it runs forward (global forward pre-hook), before
+    reads the buckets, so the gathers overlap the next forward instead of ending the step, and
+    ``step()`` issues no collective (the ranks agree on the thread: a rank whose update failed
+    raises in ``step()``, the others at their next wait, naming it). A parameter is written
+    before a module holding it runs forward (global forward pre-hook), before
     ``model.state_dict()``, and at the next ``step()``, ``state_dict()``, ``load_state_dict()``,
     ``close()``, a Checkpointer save and :meth:`synchronize`. Under ``torch.compile`` the
     pre-hook runs eagerly (a graph break at each module call). Off by default because some reads
@@ -371,6 +372,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.synchronize()  # the last step's gathers read the masters this one updates
         sparse = any(p.grad is not None and p.grad.is_sparse for p in self._all_params())
         scale_t, scale, skip = self._scaler_inputs()
+        if self._deferred is not None:  # the branch is agreed in the step's one all-reduce
+            self._stepper.run_deferred(scale_t, scale, sparse=sparse, skip=skip)
+            return loss
         if self._sharding.local_form:  # every rank takes the same branch (collectives follow;
             # under FSDP2 GradScaler checked only the local shards: ShardedGradScaler's reason)
             sparse, skip = _dist.any_true([sparse, skip], self._sharding.pg)
