@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -16,9 +15,6 @@ from tensortier.planner.policies import Options
 from tensortier.planner.runtime import planned_offload
 
 FAST = Options(search_iters=60, search_seconds=5, plan_seconds=20)
-# Tests of the cache's keys, files and buckets plan without the "fine" policy's hill climb (its
-# own tests: test_fine.py), a third of their time; the round trip of a plan keeps it (FAST).
-COARSE = replace(FAST, fine=False)
 STEPS = 5  # warm-up, probe, 2 timing passes, one planned step
 
 
@@ -52,11 +48,11 @@ def _grads(model, xs, off=None) -> list[torch.Tensor]:
     return out
 
 
-def _run(cache, spill_dir, *, width=512, seq=128, steps=STEPS, budget="48MiB", options=COARSE):
+def _run(cache, spill_dir, *, width=512, seq=128, steps=STEPS, budget="48MiB"):
     model = _Seq(width)
     x = torch.randn(8, seq, width, generator=torch.Generator().manual_seed(1))
     plain = _grads(model, [x] * steps)
-    off = planned_offload(budget, spill_dir=spill_dir, options=options, plan_cache=cache)
+    off = planned_offload(budget, spill_dir=spill_dir, options=FAST, plan_cache=cache)
     try:
         got = _grads(model, [x] * steps, off)
     finally:
@@ -67,12 +63,12 @@ def _run(cache, spill_dir, *, width=512, seq=128, steps=STEPS, budget="48MiB", o
 
 def test_a_restarted_job_runs_the_cached_plan_from_its_first_step(tmp_path, spill_dir):
     cache = tmp_path / "plans"
-    first = _run(cache, spill_dir, options=FAST)
+    first = _run(cache, spill_dir)
     assert not first.cached and first._profiler is not None
     (path,) = list(cache.iterdir())
     data = json.loads(path.read_text())  # JSON, never pickle
     assert data["key"]["budget"] == 48 << 20 and data["key"]["inputs"][0][0] == [8, 128, 512]
-    second = _run(cache, spill_dir, steps=2, options=FAST)
+    second = _run(cache, spill_dir, steps=2)
     assert second.cached and second._profiler is None  # no warm-up, no profiling
     assert second.choice.plan.to_dict() == first.choice.plan.to_dict()
     assert second.profile.to_dict() == first.profile.to_dict()
@@ -112,7 +108,7 @@ def test_other_sequence_lengths_get_their_bucket_plan_without_profiling(spill_di
     xs += [torch.randn(8, 100, 256, generator=gen), torch.randn(8, 120, 256, generator=gen)]
     xs += [torch.randn(8, 64, 256, generator=gen)]
     plain = _grads(model, xs)
-    off = planned_offload("48MiB", spill_dir=spill_dir, options=COARSE)
+    off = planned_offload("48MiB", spill_dir=spill_dir, options=FAST)
     try:
         got = _grads(model, xs, off)
         passes = len(off.profile.passes)
@@ -140,7 +136,7 @@ def test_an_unwritable_cache_warns_once_and_training_goes_on(tmp_path, spill_dir
     xs = [torch.randn(8, 64, 256, generator=gen) for _ in range(STEPS)]
     xs += [torch.randn(8, 100, 256, generator=gen), torch.randn(8, 64, 256, generator=gen)]
     plain = _grads(model, xs)
-    off = planned_offload("48MiB", spill_dir=spill_dir, options=COARSE, plan_cache=cache)
+    off = planned_offload("48MiB", spill_dir=spill_dir, options=FAST, plan_cache=cache)
     with caplog.at_level("WARNING", logger="tensortier"):
         try:
             got = _grads(model, xs, off)
@@ -158,7 +154,7 @@ import logging, os, shutil, sys, tempfile
 import torch
 torch.set_num_threads(1)  # fork below: no OpenMP pool in the parent
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
-from test_cache import COARSE, _Seq, _grads
+from test_cache import FAST, _Seq, _grads
 from tensortier._lifetime import quiesce
 from tensortier.planner.runtime import planned_offload
 
@@ -172,7 +168,7 @@ os.makedirs(spill)
 os.chmod(spill, 0o777)
 try:
     model = _Seq()
-    off = planned_offload("28MiB", spill_dir=spill, options=COARSE, plan_cache=cache)
+    off = planned_offload("28MiB", spill_dir=spill, options=FAST, plan_cache=cache)
     _grads(model, xs(128) * 5, off)
     off.close()
     quiesce()  # no cleanup in flight when forking
@@ -191,7 +187,7 @@ try:
             handler = logging.Handler()
             handler.emit = lambda r: warned.append(r.getMessage())
             logging.getLogger("tensortier").addHandler(handler)
-            off = planned_offload("28MiB", spill_dir=spill, options=COARSE, plan_cache=cache)
+            off = planned_offload("28MiB", spill_dir=spill, options=FAST, plan_cache=cache)
             try:
                 got = _grads(model, xs(128) + xs(1024) + xs(2048), off)
             finally:
