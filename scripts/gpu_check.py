@@ -5,7 +5,8 @@ stopped by its time cap still leaves what it measured. ``<tag>`` names the devic
 ``h200``; ``cpu-dry`` for ``--dry-run``, which runs every phase at a tiny size on the CPU so the
 first GPU call cannot fail on a typo, an import or an argument).
 
-Phases (``python scripts/gpu_check.py PHASE --out DIR``):
+Phases (``python scripts/gpu_check.py PHASE[,PHASE...] --out DIR``; several run in one process,
+as the dry run does, each reported and the next run even when one raises):
 
 * ``transfer``: the transfer engine's device<->host copies from its pinned pool against a plain
   pinned ``copy_`` (the PCIe limit), many copies in flight, bytes checked.
@@ -926,7 +927,11 @@ PHASES = {
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("phase", choices=[*PHASES, "tag", "summary"])
+    p.add_argument(
+        "phase",
+        type=_phase_list,
+        help=f"tag, summary, or phases to run in this one process, comma-separated: {','.join(PHASES)}",
+    )
     p.add_argument("--out", default=".")
     p.add_argument("--phases", default=",".join(PHASES), help="summary: the phases run")
     p.add_argument("--tag", default=None)
@@ -951,19 +956,65 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     args.tag = args.tag or device_tag()
-    if args.phase == "tag":
+    if args.phase == ["tag"]:
         print(args.tag)
         return 0
     os.makedirs(args.out, exist_ok=True)
-    if args.phase == "summary":
+    if args.phase == ["summary"]:
         summary(args)
         return 0
     if args.dry_run:
         args.steps, args.measured, args.budget_steps, args.plan_seconds = 2, 1, 6, 2.0
     sys.stdout.reconfigure(line_buffering=True)
-    print(f"== {args.phase} on {args.tag} ({DEV})")
-    PHASES[args.phase](args)
-    return 0
+    if len(args.phase) > 1:
+        _freeze_imports()
+    ok = True
+    for phase in args.phase:
+        ok = _run_phase(phase, args) and ok
+    return 0 if ok else 1
+
+
+def _phase_list(text: str) -> list[str]:
+    """``tag``, ``summary`` or a comma-separated list of phases (argparse's ``type``)."""
+    names = text.split(",")
+    if names in (["tag"], ["summary"]) or all(n in PHASES for n in names):
+        return names
+    raise argparse.ArgumentTypeError(
+        f"unknown phase in {text!r}: pass tag, summary or some of {','.join(PHASES)}"
+    )
+
+
+def _freeze_imports() -> None:
+    """Several phases in one process: import what they import, then move it out of the garbage
+    collector's sight (``gc.freeze``), so the ``gc.collect`` between two variants walks what the
+    variants made, not all of torch and transformers (a quarter second a call on the CPU)."""
+    import transformers
+
+    import tensortier  # noqa: F401
+
+    transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM  # noqa: B018 - lazy imports
+    gc.collect()
+    gc.freeze()
+
+
+def _run_phase(phase: str, args: argparse.Namespace) -> bool:
+    """One phase; with several in one process (the dry run: torch and transformers imported
+    once, not once per phase) a phase that raises is reported and the next one still runs."""
+    print(f"== {phase} on {args.tag} ({DEV})")
+    if len(args.phase) == 1:
+        PHASES[phase](args)
+        return True
+    start = time.perf_counter()
+    try:
+        PHASES[phase](args)
+    except Exception:
+        traceback.print_exc()
+        print(f"== {phase} failed after {time.perf_counter() - start:.0f} s")
+        return False
+    finally:
+        release_memory()
+    print(f"== {phase} done after {time.perf_counter() - start:.0f} s")
+    return True
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_check.sh                      # on the GPU machine: every phase, results in $OUT
 #   scripts/gpu_check.sh --phases pytest,optimizer   # rerun some phases
-#   scripts/gpu_check.sh --dry-run --out DIR  # every phase at a tiny size on the CPU (in make test)
+#   scripts/gpu_check.sh --dry-run --out DIR  # every phase at a tiny size on the CPU, in one
+#                                             # process (in make test)
 #
 # On the GPU machine it installs the wheels of `make gpu-wheels` (carried in .whl/) and
 # tensortier itself with --no-index --no-deps into a temporary site dir, then runs each phase of
@@ -68,10 +69,17 @@ log="$out/gpu_check-$tag.log"
 } | tee "$log"
 
 status=0
-IFS=, read -ra list <<<"$phases"
+if [ "$dry" = 1 ]; then
+  list=("$phases")  # one process runs them all: torch and transformers are imported once
+else
+  IFS=, read -ra list <<<"$phases"  # a process per phase: a CUDA fault stops only its own
+fi
 for phase in "${list[@]}"; do
-  var="CAP_${phase^^}"
-  limit="${!var:-${cap[$phase]:-120}}"
+  limit=0
+  for p in ${phase//,/ }; do
+    var="CAP_${p^^}"
+    limit=$((limit + ${!var:-${cap[$p]:-120}}))
+  done
   start=$SECONDS
   timeout -k 15 "$limit" "$PY" scripts/gpu_check.py "$phase" --out "$out" --tag "$tag" \
     "${args[@]}" "${extra[@]}" 2>&1 | tee -a "$log"

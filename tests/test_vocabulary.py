@@ -15,7 +15,7 @@ from tensortier.data import Catalog, EpochConfig, EpochDataset, Loader
 from tensortier.errors import ConfigError
 from tensortier.planner.runtime import planned_offload
 from tensortier.rl.param_store import ParamReader
-from tensortier.tiers import RemoteStore
+from tensortier.tiers import DiskStore, RemoteStore
 
 README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
 TABLE = README.split("## Vocabulary: one name per concept", 1)[1].split("\n## ", 1)[0]
@@ -80,6 +80,7 @@ def test_the_counts_of_an_epoch_order_keep_their_names_and_take_ints_only():
 
 ATTRIBUTES = {  # class -> {old attribute: new}
     Checkpointer: {"root": "directory"},
+    DiskStore: {"root": "directory"},
     rl.ParamStore: {"path": "directory"},
     ParamReader: {"path": "directory"},
 }
@@ -90,6 +91,9 @@ def test_each_renamed_attribute_reads_the_new_one_with_a_warning(cls, tmp_path):
     if cls is Checkpointer:
         obj = Checkpointer(tmp_path / "ck")
         assert obj.directory == str(tmp_path / "ck")
+    elif cls is DiskStore:
+        obj = DiskStore(tmp_path, budget="1MiB", io_threads=1)
+        assert os.path.dirname(obj.directory) == str(tmp_path) and os.path.isdir(obj.directory)
     else:
         publisher = rl.ParamStore(spill_dir=tmp_path)
         obj = publisher if cls is rl.ParamStore else rl.ParamStore.attach(publisher.directory)

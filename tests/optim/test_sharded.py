@@ -357,13 +357,20 @@ def _fail_one_update(rank: int, world: int, states: str, tmp: str, fault: bool =
     return {"params": params, "errors": errors}
 
 
+@pytest.fixture(scope="module")
+def unfaulted_step_2():
+    """Rank 0's parameters after step 2 of the run without a fault: the same for every
+    parametrization below, so run (two processes) once."""
+    return distributed.run(_fail_one_update, 2, "host", "", False)[0]["params"][1]
+
+
 @pytest.mark.parametrize("states", ["host", "disk", "host-defer"])
-def test_a_failed_rank_fails_the_step_on_every_rank(states, tmp_path):
+def test_a_failed_rank_fails_the_step_on_every_rank(states, tmp_path, unfaulted_step_2):
     """The failure protocol with overlapped gathers: every rank raises at step 2 naming rank 1
     (deferred: rank 0 at the wait after it, once the step's gathers are written);
     host states apply every piece that succeeded (rank 1's rows of the failed bucket keep their
     value, everything else updated), disk states apply nothing; replicas stay identical."""
-    ok = distributed.run(_fail_one_update, 2, "host", "", False)[0]["params"][1]  # no fault
+    ok = unfaulted_step_2
     got = distributed.run(_fail_one_update, 2, states, str(tmp_path))
     for rank, r in enumerate(got):
         assert r["errors"][0] is None and r["errors"][2] is None, r["errors"]

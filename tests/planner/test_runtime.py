@@ -16,6 +16,11 @@ from tensortier.planner.profiler import plan_units, unit_of  # noqa: E402
 from tensortier.planner.runtime import Recompute, planned_offload  # noqa: E402
 
 FAST = Options(search_iters=60, search_seconds=5)
+# The twin-GPT loops test what the runtime counts as its own memory, not the policies: without
+# the "fine" policy's hill climb (tests/planner/test_fine.py tests it) they plan in half the
+# time. Fewer candidate actions can only raise the lowest peak a plan reaches, so a runtime that
+# charged the optimizer's or the user's memory to itself still fails to plan here.
+COARSE = replace(FAST, fine=False)
 
 
 def _mlp(width: int = 256, depth: int = 4) -> nn.Module:
@@ -341,7 +346,7 @@ def test_budget_holds_a_training_loop_that_steps_adamw(tmp_path):
 
     x, y, ref, m = _twin_gpts()
     opts = [torch.optim.AdamW(mod.parameters(), lr=1e-3) for mod in (ref, m)]
-    off = tt.offload(budget="52MiB", spill_dir=str(tmp_path), options=FAST)
+    off = tt.offload(budget="52MiB", spill_dir=str(tmp_path), options=COARSE)
     try:
         for _ in range(7):  # warm-up, probe, timing passes, then the plan
             ref(x, y).backward()
@@ -428,7 +433,7 @@ def test_memory_the_user_allocates_mid_training_is_not_the_offloaders(tmp_path):
 
     x, y, ref, m = _twin_gpts()
     opts = [torch.optim.SGD(mod.parameters(), lr=1e-2) for mod in (ref, m)]
-    off = tt.offload(budget="52MiB", spill_dir=str(tmp_path), options=FAST)
+    off = tt.offload(budget="52MiB", spill_dir=str(tmp_path), options=COARSE)
     kept = []
     try:
         for step in range(7):  # warm-up, probe, timing passes, then the plan

@@ -109,8 +109,8 @@ def test_free_list_reuse_no_file_growth_over_1000_cycles(spill_dir):
                 assert bool((s.read(h) == c).all())
                 s.free(h)
             sizes_seen.append(s.stats.file_bytes)
-        slabs = [f for f in os.listdir(s.root) if f.startswith("slab-")]
-        on_disk = sum(os.path.getsize(os.path.join(s.root, f)) for f in slabs)
+        slabs = [f for f in os.listdir(s.directory) if f.startswith("slab-")]
+        on_disk = sum(os.path.getsize(os.path.join(s.directory, f)) for f in slabs)
         assert max(sizes_seen) == sizes_seen[-1] == on_disk
         assert on_disk <= 16 << 20, f"files grew to {on_disk} bytes: extents are not reused"
         for h, _ in live:
@@ -205,11 +205,11 @@ def test_read_only_filesystem_is_refused():
 
 def test_private_directory_and_files_removed_on_close(spill_dir):
     s = DiskStore(spill_dir)
-    assert stat.S_IMODE(os.stat(s.root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(s.directory).st_mode) == 0o700
     s.write(torch.randn(100))
-    assert os.listdir(s.root)
+    assert os.listdir(s.directory)
     s.close()
-    assert not os.path.exists(s.root)
+    assert not os.path.exists(s.directory)
     with pytest.raises(ClosedError):
         s.put(torch.randn(3))
     s.close()  # idempotent
@@ -218,7 +218,7 @@ def test_private_directory_and_files_removed_on_close(spill_dir):
 def test_files_removed_after_exception_in_context(spill_dir):
     with pytest.raises(ZeroDivisionError), DiskStore(spill_dir) as s:
         s.write(torch.randn(100))
-        root = s.root
+        root = s.directory
         1 / 0  # noqa: B018
     assert not os.path.exists(root)
 
@@ -226,7 +226,7 @@ def test_files_removed_after_exception_in_context(spill_dir):
 def test_files_removed_on_garbage_collection(spill_dir):
     s = DiskStore(spill_dir)
     s.write(torch.randn(100))
-    root = s.root
+    root = s.directory
     del s
     gc.collect()
     assert quiesce()  # GC hands the cleanup to the reaper thread (tensortier._lifetime)
@@ -328,7 +328,7 @@ def test_close_fails_queued_io_instead_of_leaving_futures_unresolved(spill_dir, 
         closer.join(30)
     assert not closer.is_alive()
     assert running.exception(timeout=10) is None  # the running write completed
-    assert not os.path.exists(s.root)
+    assert not os.path.exists(s.directory)
 
 
 # --------------------------------------------------------------------------- budget vs slabs
@@ -425,7 +425,7 @@ def test_dropped_on_its_own_io_thread_still_removes_its_files(spill_dir, monkeyp
 
     monkeypatch.setattr(DiskStore, "_write_chunk", held)
     s = DiskStore(spill_dir, slab_size="1MiB")
-    root = s.root
+    root = s.directory
     box, ran_on = [s], []
     fut = s.put(torch.ones(1000))
 
@@ -455,7 +455,7 @@ import gc, sys, threading, torch
 from tensortier import DiskStore
 from tensortier._lifetime import quiesce
 s = DiskStore(sys.argv[1])
-root = s.root
+root = s.directory
 s.put(torch.ones(1000)).result()
 cycle = [s]; cycle.append(cycle)
 del s, cycle

@@ -69,7 +69,7 @@ def test_open_disk_makes_a_private_store_under_the_directory(tmp_path):
     store = p.open_disk(owner="tt-test", io_threads=1)
     try:
         assert isinstance(store, DiskStore) and store.budget == 1 << 20
-        assert os.path.dirname(store.root) == str(tmp_path)
+        assert os.path.dirname(store.directory) == str(tmp_path)
     finally:
         store.close()
     assert not os.listdir(tmp_path)

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
-from tensortier._renamed import renamed
+from tensortier._renamed import renamed, renamed_attribute
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, align_up, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
@@ -268,11 +268,13 @@ class DiskStore(StoreBase):
     ``direct=None`` uses O_DIRECT if the filesystem supports it; ``False`` forces buffered I/O.
     ``slab_size`` is the preallocation unit; larger tensors get a slab of their own size.
     Implements :class:`~tensortier.tiers.base.Store` (``put_many``/``get_many``: one put or get
-    per tensor, all in flight at once).
+    per tensor, all in flight at once). ``.directory`` is its private directory under
+    ``spill_dir`` (removed at close).
     """
 
     tier = "disk"
     _handle_type = DiskHandle
+    root = renamed_attribute("root", "directory")  # the vocabulary's name; goes in 0.2
 
     @renamed(capacity="budget")
     def __init__(
@@ -309,17 +311,17 @@ class DiskStore(StoreBase):
                 f"direct={direct!r}: pass True (require O_DIRECT), False (buffered I/O) or None "
                 f"(O_DIRECT when the filesystem supports it)"
             )
-        self.root = private_dir(spill_dir, owner)
-        self._files = _Files(self.root)
+        self.directory = private_dir(spill_dir, owner)
+        self._files = _Files(self.directory)
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="tt-disk")
         self._finalizer = Finalizer(self, self._files.cleanup, self._executor)
-        can_direct = _probe_direct(self.root)
+        can_direct = _probe_direct(self.directory)
         if direct and not can_direct:
             self._finalizer()
             raise SpillDirError(
-                f"direct=True but {self.root!r} does not support O_DIRECT; pass "
+                f"direct=True but {self.directory!r} does not support O_DIRECT; pass "
                 f"direct=None to fall back to buffered I/O",
-                path=self.root,
+                path=self.directory,
             )
         self.direct = can_direct if direct is None else bool(direct)
         self.stats = DiskStats(direct_io=self.direct)
@@ -363,13 +365,13 @@ class DiskStore(StoreBase):
                     length,
                 )
             index = next(self._slab_ids)
-            path = os.path.join(self.root, f"slab-{index:05d}.bin")
+            path = os.path.join(self.directory, f"slab-{index:05d}.bin")
             try:
                 slab = _Slab(index, path, size, self.direct)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise self._full(
-                        f"disk full in {self.root!r}: cannot preallocate {format_size(size)} "
+                        f"disk full in {self.directory!r}: cannot preallocate {format_size(size)} "
                         f"({exc.strerror}). Free space there or pick another spill_dir.",
                         length,
                     ) from exc
@@ -537,14 +539,14 @@ class DiskStore(StoreBase):
 
     def __repr__(self) -> str:
         return (
-            f"DiskStore({self.root!r}, live={len(self._live)}, "
+            f"DiskStore({self.directory!r}, live={len(self._live)}, "
             f"files={format_size(self.stats.file_bytes)}, direct_io={self.direct})"
         )
 
     # ---------------------------------------------------------------- I/O
     def _check_open(self) -> None:
         if self.closed:
-            raise ClosedError(f"DiskStore {self.root!r} is closed")
+            raise ClosedError(f"DiskStore {self.directory!r} is closed")
 
     def _run_chunks(
         self,
@@ -582,13 +584,13 @@ class DiskStore(StoreBase):
 
         def cancelled(f: Future) -> None:  # close() dropped the queued chunk: fail, never hang
             if f.cancelled():
-                settle(ClosedError(f"DiskStore {self.root!r} was closed before this I/O ran"))
+                settle(ClosedError(f"DiskStore {self.directory!r} was closed before this I/O ran"))
 
         try:
             for start in starts:
                 self._executor.submit(one, start).add_done_callback(cancelled)
         except RuntimeError as exc:  # executor shut down under us
-            raise ClosedError(f"DiskStore {self.root!r} is closed") from exc
+            raise ClosedError(f"DiskStore {self.directory!r} is closed") from exc
 
     def _stage(self, need: int) -> torch.Tensor:
         """This I/O thread's aligned bounce buffer for a chunk of ``need`` bytes: pieces of at
@@ -653,7 +655,7 @@ class DiskStore(StoreBase):
     def _translate(self, error: BaseException, length: int) -> BaseException:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             full = self._full(
-                f"disk full while writing {format_size(length)} to {self.root!r} ({error.strerror}). "
+                f"disk full while writing {format_size(length)} to {self.directory!r} ({error.strerror}). "
                 f"The write was rolled back; free space there or pick another spill_dir.",
                 length,
             )
