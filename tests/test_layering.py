@@ -68,6 +68,18 @@ def test_nothing_in_the_library_imports_the_benchmarks():
     assert out.stdout.strip() == "[]"
 
 
+def test_importing_the_library_loads_no_compiler():
+    """``import tensortier`` (every package) leaves ``torch._dynamo`` unloaded: it costs ~0.9 s
+    per process (a ``torch.compiler.disable`` decorator at module level once pulled it in)."""
+    code = (
+        "import sys, tensortier, tensortier.rl, tensortier.optim, tensortier.data, "
+        "tensortier.checkpoint, tensortier.activations, tensortier.planner; "
+        "print([m for m in sys.modules if m.startswith('torch._dynamo')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_tensortier_help_imports_no_subcommand():
     """``tensortier --help`` (or a typo) pays for no subcommand's imports: each is imported
     only when it runs."""

@@ -171,10 +171,7 @@ def _own_group(pg):
     return made, whole
 
 
-@torch.compiler.disable
 def _before_forward(ref: weakref.ref, module: torch.nn.Module, args) -> None:
-    """Run eagerly under ``torch.compile``: a traced wait would be a no-op in the graph (and
-    dynamo cannot trace the weak sets); the cost is a graph break at each module call."""
     deferred = ref()
     if deferred is not None:
         deferred.before_use(module)
@@ -215,11 +212,11 @@ class DeferredWrites:
         self._params: set[int] = set()  # every parameter of the optimizer (by id)
         self._seen: weakref.WeakSet = weakref.WeakSet()  # modules already walked
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # modules with a state-dict pre-hook
-        self.hooks: list = [
-            torch.nn.modules.module.register_module_forward_pre_hook(
-                functools.partial(_before_forward, weakref.ref(self))
-            )
-        ]
+        # run eagerly under torch.compile: a traced wait would be a no-op in the graph (and dynamo
+        # cannot trace the weak sets); the cost is a graph break at each module call. Wrapped
+        # here, not at import: torch.compiler.disable imports dynamo (~0.9 s)
+        hook = torch.compiler.disable(functools.partial(_before_forward, weakref.ref(self)))
+        self.hooks: list = [torch.nn.modules.module.register_module_forward_pre_hook(hook)]
 
     def add_params(self, params) -> None:
         """Parameters to watch for (a new param group: every module is walked again)."""
