@@ -188,23 +188,14 @@ def test_the_report_shows_the_plan_the_trials_kept_and_their_measured_steps(
     """``auto`` runs a short list of plans for real and keeps the fastest measured (issue 27):
     the report shows that plan, not the simulator's first choice, and each trial's steps. The
     clock the trials read makes the simulator's choice the slowest plan, so another is kept."""
-    import json
-    from types import SimpleNamespace
-
     import torch
-    from torch import nn
 
     import tensortier.planner.trials as trials
     from tensortier.planner import runtime
-
-    def key(plan: Plan) -> str:
-        d = plan.to_dict()
-        return json.dumps([d["actions"], d["codecs"]], sort_keys=True)
+    from tests.planner.test_trials import _key, _mlp, slow_first_plan
 
     monkeypatch.setattr(trials, "SPREAD", 10.0)  # every plan that fits is on the short list
-    torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(6)]
-    m, x = nn.Sequential(*layers, nn.Linear(512, 1)), torch.randn(1024, 512)
+    m, x = _mlp(), torch.randn(1024, 512)
     m(x).sum().backward()  # gradients and the heap already there, as in test_trials.py: the
     # first offloaded step then measures the offloader, not the first backward's allocations
     path = tmp_path / "plan.html"
@@ -214,16 +205,7 @@ def test_the_report_shows_the_plan_the_trials_kept_and_their_measured_steps(
         options=Options(search_iters=60, search_seconds=5),
         report=str(path),
     )
-    first: list[str] = []
-    clock = SimpleNamespace(t=0.0)
-
-    def perf_counter() -> float:  # a step of the first plan takes 1 s, of any other 0.1 s
-        if not first:
-            first.append(key(off.choice.plan))
-        clock.t += 1.0 if key(off.choice.plan) in first else 0.1
-        return clock.t
-
-    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=perf_counter), raising=False)
+    first = slow_first_plan(monkeypatch, off)
     try:
         for _ in range(16):
             m.zero_grad(set_to_none=True)
@@ -231,8 +213,8 @@ def test_the_report_shows_the_plan_the_trials_kept_and_their_measured_steps(
                 loss = m(x).sum()
             loss.backward()
             if off.choice is not None and not first:
-                first.append(key(off.choice.plan))
-        assert off.settled and key(off.choice.plan) != first[0]
+                first.append(_key(off.choice.plan))
+        assert off.settled and _key(off.choice.plan) != first[0]
         kept = off.choice
     finally:
         off.close()

@@ -31,6 +31,22 @@ def _mlp(width: int = 512, depth: int = 6) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
+def slow_first_plan(monkeypatch, off) -> list[str]:
+    """The clock the trials read: a step of the first plan run (the simulator's choice) takes
+    1 s, of any other 0.1 s. Returns the list that gets that first plan's key."""
+    first: list[str] = []
+    clock = SimpleNamespace(t=0.0)
+
+    def perf_counter() -> float:
+        if not first:  # the first trial runs the simulator's choice
+            first.append(_key(off.choice.plan))
+        clock.t += 1.0 if _key(off.choice.plan) in first else 0.1
+        return clock.t
+
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=perf_counter), raising=False)
+    return first
+
+
 def test_measured_trials_overturn_the_simulators_order(tmp_path, monkeypatch):
     """The clock the trials read says the simulator's choice is the slowest plan: the plan that
     runs once the trials are over is another one that was measured, every step's gradients are
@@ -43,16 +59,7 @@ def test_measured_trials_overturn_the_simulators_order(tmp_path, monkeypatch):
     ref = [p.grad.clone() for p in m.parameters()]
     budget = 28 * MiB
     off = runtime.planned_offload(budget, spill_dir=str(tmp_path), options=FAST)
-    first: list[str] = []
-    clock = SimpleNamespace(t=0.0)
-
-    def perf_counter() -> float:  # a step of the first plan takes 1 s, of any other 0.1 s
-        if not first:  # the first trial runs the simulator's choice
-            first.append(_key(off.choice.plan))
-        clock.t += 1.0 if _key(off.choice.plan) in first else 0.1
-        return clock.t
-
-    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=perf_counter), raising=False)
+    first = slow_first_plan(monkeypatch, off)
     try:
         for _ in range(16):
             m.zero_grad(set_to_none=True)
