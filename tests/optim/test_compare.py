@@ -125,6 +125,8 @@ def test_validation_compares_on_the_hosts_threads_bit_identical_to_torch(sixteen
         # 32 MiB in shares of >= 4 MiB: 8 of the 16 threads, per validated step
         assert st.compare_threads == 8 and len(shares) == 16 and st.compare_seconds > 0
         assert len({name for name, _ in shares}) > 1
+        # the worker's phases are counted: snapshot copies (CPU), spare copies after each step
+        assert st.grad_wait_seconds > 0 and st.prepare_seconds > 0 and st.spec_wait_seconds >= 0
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
     finally:
         opt.close()
