@@ -18,7 +18,10 @@ as the dry run does, each reported and the next run even when one raises):
   time, gradients against plain's (bit for bit, by fingerprint), backward wait time.
 * ``optimizer``: ``OffloadedAdamW`` (host states) against torchao's ``CPUOffloadOptimizer`` and
   ``torch.optim.AdamW(fused=True)`` on the GPU: device memory of the model states, iteration
-  time, update time left exposed after backward, parameters against fused AdamW's.
+  time, update time left exposed after backward, parameters against fused AdamW's; the host's
+  threads, ``step()`` split into its host part and the device work left after it, and
+  ``OffloadedAdamW``'s counters per measured step (``per_step``: waiting for speculative updates,
+  the gradient check's copy and comparison, gradients reaching the host, spare copies, kernel).
 * ``checkpoint``: the training loop's stall per checkpoint with tensortier's ``Checkpointer``
   against DCP ``async_save``, the model and its AdamW states on the GPU; the saved model read
   back bit for bit.
@@ -652,6 +655,46 @@ def _optimizer(name: str, model: torch.nn.Module, lr: dict) -> torch.optim.Optim
     raise ValueError(name)
 
 
+WARMUP = 2  # optimizer phase: iterations left out (first touch, pinning, calibration)
+
+
+def host_threads() -> dict:
+    """The CPU parallelism the host update can use: ATen's threads and the cores it may run on."""
+    return {
+        "torch": torch.get_num_threads(),
+        "interop": torch.get_num_interop_threads(),
+        "cpus": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+
+
+def timing_row(times: list[float], fwd_bwd: list[float], returned: list[float]) -> dict:
+    """Iteration, forward+backward and ``step()`` times of the measured iterations; ``step()``
+    split into its host part (until it returned) and the device work left after it."""
+    t, f, r = times[WARMUP:], fwd_bwd[WARMUP:], returned[WARMUP:]
+    return {
+        "iteration_s": median_spread(t),
+        "iteration_s_all": times,
+        "fwd_bwd_s": median_spread(f),
+        "step_call_s": median_spread([a - b for a, b in zip(t, f)]),
+        "step_return_s": median_spread(r),
+        "step_device_tail_s": median_spread([a - b - c for a, b, c in zip(t, f, r)]),
+        "host_threads": host_threads(),
+    }
+
+
+def step_breakdown(stats: dict, steps: int) -> dict:
+    """``OffloadedAdamW``'s counters over the measured steps, per step: where ``step()``'s time
+    went (waiting for speculative updates, the gradient check's copy and comparison, write-back)
+    and the worker's (gradients reaching the host, spare copies, the kernel), threads used."""
+    per = {k: v / max(steps, 1) for k, v in stats.items() if k.endswith("_seconds")}
+    per.update({k: stats[k] for k in ("kernel_threads", "compare_threads") if k in stats})
+    for k in ("launched_in_backward", "launched_in_step", "validated", "redone"):
+        if k in stats:
+            per[k] = stats[k] / max(steps, 1)
+    return per
+
+
 def phase_optimizer(args: argparse.Namespace) -> None:
     dry = args.dry_run
     kind, layers, width, heads, seq, vocab, batch = (
@@ -668,29 +711,30 @@ def phase_optimizer(args: argparse.Namespace) -> None:
         release_memory()
         base = torch.cuda.memory_allocated() if CUDA else 0
         opt = _optimizer(name, model, lr)
-        times, fwd_bwd, states = [], [], []
+        times, fwd_bwd, states, returned = [], [], [], []
         try:
-            for x in xs:
+            for i, x in enumerate(xs):
+                if i == WARMUP and hasattr(opt, "reset_stats"):
+                    opt.reset_stats()  # the counters cover the measured iterations only
                 sync()
                 t0 = time.perf_counter()
                 train_step(model, x, contextlib.nullcontext)
                 sync()
                 t1 = time.perf_counter()
                 opt.step()
+                tr = time.perf_counter()  # step() returned; the sync: device work left (H2D)
                 sync()
                 t2 = time.perf_counter()
                 times.append(t2 - t0)
                 fwd_bwd.append(t1 - t0)
+                returned.append(tr - t1)
                 states.append((torch.cuda.memory_allocated() - base) if CUDA else 0)
                 opt.zero_grad(set_to_none=True)
             after = [(torch.cuda.memory_allocated() - base) if CUDA else 0]
             params = torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
             row = {
-                "iteration_s": median_spread(times[2:]),
-                "iteration_s_all": times,
-                "fwd_bwd_s": median_spread(fwd_bwd[2:]),
-                "step_call_s": median_spread([a - b for a, b in zip(times[2:], fwd_bwd[2:])]),
-                "device_bytes_after_step_with_grads": max(states[2:]),
+                **timing_row(times, fwd_bwd, returned),
+                "device_bytes_after_step_with_grads": max(states[WARMUP:]),
                 "device_bytes_between_steps": after[0],
                 "params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             }
@@ -710,6 +754,8 @@ def phase_optimizer(args: argparse.Namespace) -> None:
             if hasattr(opt, "stats"):
                 st = opt.stats()
                 row["stats"] = st.as_dict() if hasattr(st, "as_dict") else str(st)
+                if isinstance(row["stats"], dict):
+                    row["per_step"] = step_breakdown(row["stats"], len(xs) - WARMUP)
             return row
         finally:
             close = getattr(opt, "close", None)
@@ -911,8 +957,18 @@ def summary(args: argparse.Namespace) -> None:
                 if waited:
                     bits.append(f"bwd_wait={waited:.3g}s")
             print("  " + " ".join(bits))
+            if isinstance(row.get("per_step"), dict):
+                print("    per step: " + _per_step_line(row["per_step"]))
         if "stall_ratio_vs_dcp_async" in data:
             print(f"  stall ratio vs DCP async_save: {data['stall_ratio_vs_dcp_async']}")
+
+
+def _per_step_line(per: dict) -> str:
+    """OffloadedAdamW's per-step breakdown in ms, and the threads its update and check used."""
+    ms = " ".join(
+        f"{k[: -len('_seconds')]}={v * 1e3:.1f}ms" for k, v in per.items() if k.endswith("_seconds")
+    )
+    return f"{ms} threads kernel={per.get('kernel_threads')} compare={per.get('compare_threads')}"
 
 
 PHASES = {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensortier.optim import OffloadedAdamW
-from tensortier.optim._staging import bits_equal
+from tensortier.optim._compare import bits_equal
 
 
 def _model(seed=0):

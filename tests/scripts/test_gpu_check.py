@@ -37,6 +37,14 @@ def test_dry_run_runs_every_phase_and_writes_its_json(tmp_path):
                 assert "needs CUDA" in row["error"], row
             else:
                 assert "error" not in row, (phase, row)
+    opt_rows = json.loads((tmp_path / "optimizer-cpu-dry.json").read_text())["rows"]
+    tt_row = next(r for r in opt_rows if r["variant"] == "tt-offloaded-adamw")
+    per = tt_row["per_step"]  # issue 25: where step()'s and the worker's time went
+    for key in ("spec_wait_seconds", "check_copy_seconds", "compare_seconds", "kernel_seconds",
+                "grad_wait_seconds", "prepare_seconds", "writeback_seconds"):  # fmt: skip
+        assert per[key] >= 0, key
+    assert per["kernel_threads"] >= 1 and tt_row["host_threads"]["torch"] >= 1
+    assert tt_row["step_return_s"]["n"] == tt_row["iteration_s"]["n"]
     pytest_data = json.loads((tmp_path / "pytest-cpu-dry.json").read_text())
     assert pytest_data["exit_code"] == 0
     assert pytest_data["counts"].get("skipped", 0) > 30

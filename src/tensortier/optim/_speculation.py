@@ -11,6 +11,7 @@ speculation's result is applied by the step (``_step.py``).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import defaultdict
 from concurrent.futures import Future
@@ -175,7 +176,9 @@ class Speculator:
         self, b: Bucket, spec: Spec, scale: float | None
     ) -> tuple[bool, bool, Staged | None]:
         """(keep, the gradients or parameters changed, host copy of the current gradients)."""
+        t0 = time.perf_counter()
         exc = spec.future.exception()  # finite work (see PROTOCOL.md)
+        self.stats.spec_wait_seconds += time.perf_counter() - t0
         if exc is not None:  # a failed speculation is redone; the redo raises if it fails too
             log.debug("tensortier: speculative update of bucket %d failed: %r", b.id, exc)
             return False, False, None
@@ -196,7 +199,7 @@ class Speculator:
             r() is g and g.data_ptr() == p and g._version == v
             for r, g, p, v in zip(spec.grads, grads, spec.ptrs, spec.versions)
         )
-        if not self.staging.matches(spec.staged, grads):
+        if not self.staging.matches(spec.staged, grads, self.stats):
             self.stats.unversioned_edits += same
             # CUDA: matches() left the current gradients in the snapshot buffer; reuse that copy
             return False, True, spec.staged if b.device.type == "cuda" else None
@@ -265,4 +268,4 @@ class Speculator:
             return
         for i in self.layout.order:
             if self._tracks[i].pause == 0 and self.layout.buckets[i].trainable:
-                self._prepared.append(self.updater.submit(self.states.prepare, i))
+                self._prepared.append(self.updater.submit_prepare(i))

@@ -15,7 +15,8 @@ CUDA gradients (written to be correct by construction, compared line by line wit
   ``record_stream`` so the allocator cannot hand it out before the copy ran, and one event per
   batch is what the worker waits on;
 - the check in ``step()`` copies the current gradients into one pinned buffer per device and
-  compares them with the snapshot; on a mismatch that copy becomes the bucket's staged gradients;
+  compares them with the snapshot on ATen's thread count (``_compare.py``); on a mismatch that
+  copy becomes the bucket's staged gradients;
 - parameter write-back: ``non_blocking`` H2D from the pinned master on the side stream (after it
   waited for the compute stream), dtype conversion on the device, one event that the compute
   stream waits on; the event is recorded on the host buffer, which is not written again before it
@@ -27,45 +28,16 @@ device does. This module never runs an update and never touches optimizer state.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import time
 
 import torch
 
 from tensortier._units import align_up
+from tensortier.optim._compare import Comparer
 from tensortier.optim._states import ALIGN
+from tensortier.optim._stats import OptimizerStats
 from tensortier.tiers.host import aligned_empty
 from tensortier.transfer.streams import COMPUTE, SideStreams, consume
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _libc_memcmp():
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c")).memcmp
-    except (OSError, AttributeError, TypeError):  # no C library to load: torch.equal fallback
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    return fn
-
-
-_memcmp = _libc_memcmp()
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality of two CPU tensors (NaN payloads and the sign of zero count).
-
-    ``memcmp`` on dense tensors: measured ~8x faster than ``torch.equal`` on integer views (and
-    ``torch.equal`` on floats says -0.0 == 0.0 and NaN != NaN).
-    """
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if _memcmp is not None and a.is_contiguous() and b.is_contiguous():
-        nbytes = a.numel() * a.element_size()
-        return nbytes == 0 or _memcmp(a.data_ptr(), b.data_ptr(), nbytes) == 0
-    it = _INT[a.element_size()]
-    return torch.equal(a.view(it), b.view(it))
 
 
 class Staged:
@@ -96,7 +68,12 @@ class Staging:
         self._bufs: dict[int, tuple[tuple, torch.Tensor, list[int]]] = {}
         self._check: dict[torch.device, torch.Tensor] = {}
         self._wb_devices: dict[torch.device, bool] = {}
+        self.comparer = Comparer()  # validation's comparisons, on the host's cores
         self.add_devices(devices)
+
+    def close(self) -> None:
+        """Join the comparison threads (the optimizer's shutdown)."""
+        self.comparer.close()
 
     def add_devices(self, devices: set[torch.device]) -> None:
         for d in devices:
@@ -168,27 +145,36 @@ class Staging:
         event = self._streams.copy(zip(views, grads), device, direction="d2h", record_sources=True)
         return Staged(views, event)
 
-    def matches(self, staged: Staged, grads: list[torch.Tensor]) -> bool:
+    def matches(
+        self, staged: Staged, grads: list[torch.Tensor], stats: OptimizerStats | None = None
+    ) -> bool:
         """Whether ``grads`` still hold exactly the snapshot's bits (call after ``staged.wait()``).
 
         CUDA: the current gradients are copied to the host first; on a mismatch that copy replaces
-        the snapshot, so ``staged.views`` then hold the gradients a redo must use.
+        the snapshot, so ``staged.views`` then hold the gradients a redo must use. The comparison
+        runs on ATen's thread count (``_compare.Comparer``). ``stats``: where the copy's and the
+        comparison's seconds are counted.
         """
         views = staged.views
         if len(views) != len(grads) or any(
             v.shape != g.shape or v.dtype != g.dtype for v, g in zip(views, grads)
         ):
             return False
-        if grads[0].device.type != "cuda":
-            return all(bits_equal(v, g) for v, g in zip(views, grads))
-        device = grads[0].device
-        check = self._check_views(device, grads)
-        self._d2h(device, check, grads).wait()
-        if all(bits_equal(v, c) for v, c in zip(views, check)):
-            return True
-        for v, c in zip(views, check):
-            v.copy_(c)
-        return False
+        t0 = time.perf_counter()
+        cuda = grads[0].device.type == "cuda"
+        if cuda:
+            check = self._check_views(grads[0].device, grads)
+            self._d2h(grads[0].device, check, grads).wait()
+        t1 = time.perf_counter()
+        same = self.comparer.equal(list(zip(views, check if cuda else grads)))
+        if stats is not None:
+            stats.check_copy_seconds += t1 - t0
+            stats.compare_seconds += time.perf_counter() - t1
+            stats.compare_threads = self.comparer.last_threads
+        if cuda and not same:
+            for v, c in zip(views, check):
+                v.copy_(c)
+        return same
 
     # ------------------------------------------------------------------ write-back
     def write_back(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], holder=None) -> None:

@@ -28,7 +28,14 @@ class OptimizerStats:
     paused_bucket_steps: int = 0  # bucket-steps without speculation because it kept failing
     update_seconds: float = 0.0  # worker time: state load + kernel + save
     kernel_seconds: float = 0.0  # worker time in the AdamW kernel alone
+    kernel_threads: int = 0  # ATen threads the last kernel ran with (torch.get_num_threads())
+    grad_wait_seconds: float = 0.0  # worker time getting gradients to the host (CUDA: D2H wait)
+    prepare_seconds: float = 0.0  # worker time copying committed states to spares after a step
     step_wait_seconds: float = 0.0  # time step() waited for outstanding updates
+    spec_wait_seconds: float = 0.0  # ...of which waiting for speculative updates to finish
+    check_copy_seconds: float = 0.0  # ...copying the current gradients to the host (CUDA check)
+    compare_seconds: float = 0.0  # ...comparing them with the snapshots (bit for bit)
+    compare_threads: int = 0  # threads the last comparison ran on
     writeback_seconds: float = 0.0  # time step() spent copying parameters back
     host_state_bytes: int = 0  # host memory held for optimizer state (bound for disk states)
     host_grad_bytes: int = 0  # host buffers holding gradient snapshots

@@ -110,6 +110,17 @@ class Updater:
         self.stats.launched_in_step += 1
         return b, slots, fut, direct
 
+    def submit_prepare(self, bucket_id: int) -> Future:
+        """Queue the copy of a bucket's committed state into its spare (host states)."""
+        return self.submit(self._prepare, bucket_id)
+
+    def _prepare(self, bucket_id: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.states.prepare(bucket_id)
+        finally:
+            self.stats.prepare_seconds += time.perf_counter() - t0
+
     def prefetch_depth(self) -> int:
         return getattr(self.states, "depth", 2)
 
@@ -132,6 +143,7 @@ class Updater:
         """
         t0 = time.perf_counter()
         grads = staged.wait()
+        self.stats.grad_wait_seconds += time.perf_counter() - t0
         flat = self._kernel_grads(bucket, grads, scale, keep=shadow or self.sharded, direct=direct)
         token, (master, m, v), _ = self.states.load(bucket.id, shadow=shadow)
         saved = False
@@ -165,6 +177,7 @@ class Updater:
                 grad_scale=None if scale is None else torch.tensor(scale, dtype=torch.float32),
             )
             self.stats.kernel_seconds += time.perf_counter() - tk
+            self.stats.kernel_threads = torch.get_num_threads()  # this thread's: ATen's setting
             for t, mp in back:  # a parameter that stopped being contiguous (``p.data = ...``)
                 t.copy_(mp.view(t.shape))
             saved = True  # save() owns the token from here on, also when it raises

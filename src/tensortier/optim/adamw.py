@@ -84,13 +84,14 @@ def _grad_hook(ref: weakref.ref, param: torch.Tensor) -> None:
         opt._on_grad(param)
 
 
-def _shutdown(worker, states, hooks: list, deferred) -> None:
+def _shutdown(worker, states, hooks: list, deferred, staging) -> None:
     for h in hooks:
         h.remove()
     hooks.clear()
     if deferred is not None:  # writes what is pending, removes its module hooks
         deferred.close()
     worker.shutdown(wait=True, cancel_futures=True)  # jobs are finite CPU work (see PROTOCOL.md)
+    staging.close()  # joins the comparison threads
     states.close()
 
 
@@ -241,7 +242,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._dicts = StateDicts(self._layout, self._states, sh, groups)
         self._hooks: list = []
         self._finalizer = Finalizer(
-            self, _shutdown, self._updater.worker, self._states, self._hooks, self._deferred
+            self,
+            _shutdown,
+            self._updater.worker,
+            self._states,
+            self._hooks,
+            self._deferred,
+            self._staging,
         )
 
     def _defer(self, defer_gather: bool) -> DeferredWrites | None:
