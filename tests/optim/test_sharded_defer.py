@@ -23,12 +23,15 @@ def _same(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _pair(make, rank: int, **kw):
-    """(reference model, its DDP, fused AdamW), (model, its DDP, OffloadedAdamW deferred)."""
+def _pair(make, rank: int, group=None, **kw):
+    """(reference model, its DDP, fused AdamW), (model, its DDP, OffloadedAdamW deferred), both
+    over ``group`` (default: the world)."""
     ref, m = make(), make()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, defer_gather=True, **kw)
-    return (ref, DDP(ref), ropt), (m, DDP(m), opt)
+    opt = OffloadedAdamW(
+        m.parameters(), lr=1e-2, weight_decay=0.1, defer_gather=True, process_group=group, **kw
+    )
+    return (ref, DDP(ref, process_group=group), ropt), (m, DDP(m, process_group=group), opt)
 
 
 def _reads(rank: int, world: int, root: str) -> dict:
@@ -189,6 +192,83 @@ def test_deferred_optimizer_destroys_its_process_group():
     letting it be collected, destroys that group (it used to live until the process ended)."""
     for r in distributed.run(_group_count, 2):
         assert r == {"close_open": 1, "close": 0, "collected_open": 1, "collected": 0}
+
+
+def _recreated(rank: int, world: int) -> dict:
+    """A trainer that builds its optimizer over a DeviceMesh dimension (ranks {0, 1} and {2, 3}),
+    trains two steps, drops it and builds the next: closed, then collected at different times on
+    the two ranks of a pair (rank 1 still holds the old one while the next is built), closed,
+    collected. Per optimizer: its groups open after construction, and bit-identity with DDP +
+    fused AdamW over the same group."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tensortier._lifetime import quiesce
+
+    dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "dp")).get_group("dp")
+    pg_map = dist.distributed_c10d._world.pg_map
+    start, late = len(pg_map), []
+    g = torch.Generator().manual_seed(100 + rank)
+    out: dict = {"open": [], "equal": []}
+    for how in ("close", "collected-late", "close", "collected"):
+        (ref, rddp, ropt), (m, ddp, opt) = _pair(_model, rank, group=dp)
+        out["open"].append(len(pg_map) - start)
+        del late[:]  # the previous optimizer, kept alive by rank 1 until this one exists
+        gc.collect()
+        for _ in range(2):
+            x = torch.randn(4, 8, generator=g)
+            for run, o in ((rddp, ropt), (ddp, opt)):
+                run(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        out["equal"].append(_same(m.state_dict(), ref.state_dict()))
+        if how == "close":
+            opt.close()
+        elif how == "collected-late" and rank % 2:
+            late += [opt, ddp]
+        del opt, ddp, run, o
+        gc.collect()
+        quiesce()  # a collected optimizer's cleanup runs on the reaper thread
+    out["left"] = len(pg_map) - start
+    return out
+
+
+def test_optimizers_rebuilt_over_a_subgroup_destroy_their_groups_and_never_hang():
+    """A subgroup's gather group used to be kept for the life of the process (one more per
+    optimizer); destroyed, torch gave the next one the same name and its rendezvous read the
+    destroyed group's addresses: a hang. Now every one is destroyed, none hangs."""
+    got = distributed.run(_recreated, 4, timeout=120)
+    for rank, r in enumerate(got):
+        late = [1, 1, 1 + rank % 2, 1]  # ranks 1 and 3 still hold the collected-late one
+        assert r == {"open": late, "equal": [True] * 4, "left": 0}, rank
+
+
+def _peer_skips_step(rank: int, world: int) -> dict:
+    """Rank 1 never calls ``step()`` on an optimizer over a group with a 3 s timeout: rank 0's
+    deferred gathers wait for it at most that long, and its next wait raises."""
+    import datetime
+    import time
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_model, rank, group=group)
+    ddp(torch.randn(4, 8)).square().mean().backward()
+    out: dict = {}
+    if rank == 0:
+        start = time.monotonic()
+        opt.step()
+        with pytest.raises(RuntimeError, match="deferred parameter all-gather failed"):
+            opt.synchronize()
+        out["waited_under_30s"] = time.monotonic() - start < 30
+    opt.close()
+    dist.barrier()
+    return out
+
+
+def test_deferred_gathers_wait_at_most_the_groups_timeout():
+    """The gather group takes ``process_group``'s timeout (it had torch's default, 30 minutes: a
+    rank that never joins held its peers' gathers that long)."""
+    assert distributed.run(_peer_skips_step, 2, timeout=90)[0] == {"waited_under_30s": True}
 
 
 def _seeded(rank: int, world: int) -> dict:
