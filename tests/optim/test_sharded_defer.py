@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tensortier.errors import ConfigError
 from tensortier.optim import OffloadedAdamW
 from tests import distributed
-from tests.optim.test_sharded import _model, _square_model
+from tests.optim.test_sharded import _iterate, _model, _square_model
 
 STEPS = 5
 
@@ -23,15 +23,17 @@ def _same(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _pair(make, rank: int, group=None, **kw):
+def _pair(make, rank: int, group=None, wrap=None, **kw):
     """(reference model, its DDP, fused AdamW), (model, its DDP, OffloadedAdamW deferred), both
-    over ``group`` (default: the world)."""
+    over ``group`` (default: the world); ``wrap(model)`` instead of ``DDP(model)`` for the second
+    (e.g. compiled)."""
     ref, m = make(), make()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     opt = OffloadedAdamW(
         m.parameters(), lr=1e-2, weight_decay=0.1, defer_gather=True, process_group=group, **kw
     )
-    return (ref, DDP(ref, process_group=group), ropt), (m, DDP(m, process_group=group), opt)
+    run = wrap(m) if wrap is not None else DDP(m, process_group=group)
+    return (ref, DDP(ref, process_group=group), ropt), (m, run, opt)
 
 
 def _reads(rank: int, world: int, root: str) -> dict:
@@ -44,13 +46,7 @@ def _reads(rank: int, world: int, root: str) -> dict:
     report: dict = {"read": []}
     with Checkpointer(root, keep=2, every=1000) as ck:
         for step in range(STEPS):
-            x = torch.randn(4, 8, generator=g)
-            rddp(x).square().mean().backward()
-            ropt.step()
-            ropt.zero_grad()
-            ddp(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+            _iterate(torch.randn(4, 8, generator=g), (rddp, ropt), (ddp, opt))
             report["read"].append(_same(m.state_dict(), ref.state_dict()))
             if step == 2:
                 saved = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -104,9 +100,7 @@ def _structure(rank: int, world: int) -> dict:
     _gate_gathers(gate, log)
     for _ in range(3):
         x = torch.randn(4, 64, generator=g)
-        rddp(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
+        _iterate(x, (rddp, ropt))
         ddp(x).square().mean().backward()
         before = [p.detach().clone() for p in m.parameters()]
         gate.clear()
@@ -217,17 +211,13 @@ def _recreated(rank: int, world: int) -> dict:
         del late[:]  # the previous optimizer, kept alive by rank 1 until this one exists
         gc.collect()
         for _ in range(2):
-            x = torch.randn(4, 8, generator=g)
-            for run, o in ((rddp, ropt), (ddp, opt)):
-                run(x).square().mean().backward()
-                o.step()
-                o.zero_grad()
+            _iterate(torch.randn(4, 8, generator=g), (rddp, ropt), (ddp, opt))
         out["equal"].append(_same(m.state_dict(), ref.state_dict()))
         if how == "close":
             opt.close()
         elif how == "collected-late" and rank % 2:
             late += [opt, ddp]
-        del opt, ddp, run, o
+        del opt, ddp
         gc.collect()
         quiesce()  # a collected optimizer's cleanup runs on the reaper thread
     out["left"] = len(pg_map) - start
@@ -331,9 +321,7 @@ def _order(rank: int, world: int) -> dict:
     steps = []
     for _ in range(3):
         x = torch.randn(4, 64, generator=g)
-        rddp(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
+        _iterate(x, (rddp, ropt))
         ddp(x).square().mean().backward()
         events.clear()
         opt.step()
@@ -381,9 +369,7 @@ def _held(rank: int, world: int) -> dict:
     out: dict = {"after_step": [], "idle": [], "after_forward": []}
     x = torch.randn(4, 64, generator=g)
     for _ in range(3):
-        rddp(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
+        _iterate(x, (rddp, ropt))
         loss = ddp(x).square().mean()
         out["after_forward"].append(len(log))  # the last step's gathers: the forward released them
         loss.backward()
@@ -509,11 +495,7 @@ def _rank0_reads(rank: int, world: int) -> dict:
     (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
-        x = torch.randn(4, 64, generator=g)
-        for d, o in ((rddp, ropt), (ddp, opt)):
-            d(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        _iterate(torch.randn(4, 64, generator=g), (rddp, ropt), (ddp, opt))
         if rank == 0:
             opt.synchronize()  # waits for rank 1's gathers: rank 1 reads nothing until the barrier
         dist.barrier()
