@@ -13,6 +13,8 @@ skip: callers invoke them unconditionally, in the same order on every rank.
 
 from __future__ import annotations
 
+import datetime
+import uuid
 from collections.abc import Sequence
 
 import torch
@@ -108,6 +110,54 @@ def broadcast_object(obj: object, src: int = 0, group=None) -> object:
     global_src = torch.distributed.get_global_rank(group, src) if group is not None else src
     torch.distributed.broadcast_object_list(box, src=global_src, group=group)
     return box[0]
+
+
+def new_group_like(group=None):
+    """A new process group of ``group``'s ranks, backend and timeout, for a component that issues
+    its own collectives (one collective on ``group``, made by its ranks only; the caller destroys
+    it with ``torch.distributed.destroy_process_group``).
+
+    Over the world, ``new_group``: torch names it by a creation counter, never reused. Over a
+    subgroup only its ranks call this, and ``new_group(use_local_synchronization=True)`` names the
+    group by a hash of its ranks and of this rank's number of live groups: once one is destroyed
+    the next gets the same name, its gloo rendezvous (keys under that name in the job's store)
+    reads the destroyed group's addresses, and one rank connects to the dead group while its peer
+    waits (measured with torch 2.13: a hang); the name also differs between ranks that destroyed
+    groups at different times (a garbage-collected optimizer). So a subgroup is made under a name
+    of its own, drawn by the group's rank 0 and broadcast, through torch's group constructor.
+    """
+    dist = torch.distributed
+    group = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    backend, timeout = dist.get_backend(group), _timeout(group)
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+    name = f"tt-{broadcast_object(uuid.uuid4().hex, 0, group)}"  # never made before in this job
+    return _named_group(ranks, dist.Backend(backend), name, timeout)
+
+
+def _named_group(ranks: list[int], backend, name: str, timeout: datetime.timedelta | None):
+    """``new_group(ranks, use_local_synchronization=True)`` under the name ``name``: torch's own
+    constructor (private; its first six arguments and ``timeout`` are the same since torch 2.2),
+    then the rank mapping ``new_group`` adds."""
+    c10d = torch.distributed.distributed_c10d
+    store = c10d._world.pg_map[c10d._get_default_group()][1]
+    me = ranks.index(torch.distributed.get_rank())
+    timeout = timeout or c10d._get_default_timeout(backend)
+    made, _ = c10d._new_process_group_helper(
+        len(ranks), me, ranks, backend, store, name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[made] = {g: r for r, g in enumerate(ranks)}
+    return made
+
+
+def _timeout(group) -> datetime.timedelta | None:
+    """``group``'s collective timeout (``init_process_group(timeout=...)`` for the world), or None
+    where torch does not say (then torch's default)."""
+    try:
+        return group._get_backend(comm_device(group)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _short(value: object, limit: int = 160) -> str:

@@ -30,6 +30,15 @@ def _model():
     )
 
 
+def _iterate(x: torch.Tensor, *pairs) -> None:
+    """One iteration of each (model, optimizer) pair on ``x``: loss ``square().mean()``,
+    backward, step, zero_grad (the reference first, in the same order on every rank)."""
+    for model, opt in pairs:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _equal(a, b) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -139,10 +148,7 @@ def _load_full(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(7 + rank)
     for _ in range(3):
         x = torch.randn(4, 8, generator=g)
-        for model, o in ((refddp, topt), (ddp, opt)):
-            model(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        _iterate(x, (refddp, topt), (ddp, opt))
     out = {"equal": _equal(ref, m)}
     opt.close()
     return out
@@ -258,9 +264,7 @@ def _overlap(rank: int, world: int) -> dict:
     rddp = DDP(ref)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     for x in data:
-        rddp(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
+        _iterate(x, (rddp, ropt))
     m = _square_model()
     ddp = DDP(m)
     opt = OffloadedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, bucket_size="16KiB")

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tensortier.errors import ConfigError
 from tensortier.optim import OffloadedAdamW
 from tests import distributed
-from tests.optim.test_sharded import _model, _square_model
+from tests.optim.test_sharded import _iterate, _model, _square_model
 
 STEPS = 5
 
@@ -23,12 +23,17 @@ def _same(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _pair(make, rank: int, **kw):
-    """(reference model, its DDP, fused AdamW), (model, its DDP, OffloadedAdamW deferred)."""
+def _pair(make, rank: int, group=None, wrap=None, **kw):
+    """(reference model, its DDP, fused AdamW), (model, its DDP, OffloadedAdamW deferred), both
+    over ``group`` (default: the world); ``wrap(model)`` instead of ``DDP(model)`` for the second
+    (e.g. compiled)."""
     ref, m = make(), make()
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, defer_gather=True, **kw)
-    return (ref, DDP(ref), ropt), (m, DDP(m), opt)
+    opt = OffloadedAdamW(
+        m.parameters(), lr=1e-2, weight_decay=0.1, defer_gather=True, process_group=group, **kw
+    )
+    run = wrap(m) if wrap is not None else DDP(m, process_group=group)
+    return (ref, DDP(ref, process_group=group), ropt), (m, run, opt)
 
 
 def _reads(rank: int, world: int, root: str) -> dict:
@@ -41,13 +46,7 @@ def _reads(rank: int, world: int, root: str) -> dict:
     report: dict = {"read": []}
     with Checkpointer(root, keep=2, every=1000) as ck:
         for step in range(STEPS):
-            x = torch.randn(4, 8, generator=g)
-            rddp(x).square().mean().backward()
-            ropt.step()
-            ropt.zero_grad()
-            ddp(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+            _iterate(torch.randn(4, 8, generator=g), (rddp, ropt), (ddp, opt))
             report["read"].append(_same(m.state_dict(), ref.state_dict()))
             if step == 2:
                 saved = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -101,9 +100,7 @@ def _structure(rank: int, world: int) -> dict:
     _gate_gathers(gate, log)
     for _ in range(3):
         x = torch.randn(4, 64, generator=g)
-        rddp(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
+        _iterate(x, (rddp, ropt))
         ddp(x).square().mean().backward()
         before = [p.detach().clone() for p in m.parameters()]
         gate.clear()
@@ -191,6 +188,79 @@ def test_deferred_optimizer_destroys_its_process_group():
         assert r == {"close_open": 1, "close": 0, "collected_open": 1, "collected": 0}
 
 
+def _recreated(rank: int, world: int) -> dict:
+    """A trainer that builds its optimizer over a DeviceMesh dimension (ranks {0, 1} and {2, 3}),
+    trains two steps, drops it and builds the next: closed, then collected at different times on
+    the two ranks of a pair (rank 1 still holds the old one while the next is built), closed,
+    collected. Per optimizer: its groups open after construction, and bit-identity with DDP +
+    fused AdamW over the same group."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tensortier._lifetime import quiesce
+
+    dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "dp")).get_group("dp")
+    pg_map = dist.distributed_c10d._world.pg_map
+    start, late = len(pg_map), []
+    g = torch.Generator().manual_seed(100 + rank)
+    out: dict = {"open": [], "equal": []}
+    for how in ("close", "collected-late", "close", "collected"):
+        (ref, rddp, ropt), (m, ddp, opt) = _pair(_model, rank, group=dp)
+        out["open"].append(len(pg_map) - start)
+        del late[:]  # the previous optimizer, kept alive by rank 1 until this one exists
+        gc.collect()
+        for _ in range(2):
+            _iterate(torch.randn(4, 8, generator=g), (rddp, ropt), (ddp, opt))
+        out["equal"].append(_same(m.state_dict(), ref.state_dict()))
+        if how == "close":
+            opt.close()
+        elif how == "collected-late" and rank % 2:
+            late += [opt, ddp]
+        del opt, ddp
+        gc.collect()
+        quiesce()  # a collected optimizer's cleanup runs on the reaper thread
+    out["left"] = len(pg_map) - start
+    return out
+
+
+def test_optimizers_rebuilt_over_a_subgroup_destroy_their_groups_and_never_hang():
+    """A subgroup's gather group used to be kept for the life of the process (one more per
+    optimizer); destroyed, torch gave the next one the same name and its rendezvous read the
+    destroyed group's addresses: a hang. Now every one is destroyed, none hangs."""
+    got = distributed.run(_recreated, 4, timeout=120)
+    for rank, r in enumerate(got):
+        late = [1, 1, 1 + rank % 2, 1]  # ranks 1 and 3 still hold the collected-late one
+        assert r == {"open": late, "equal": [True] * 4, "left": 0}, rank
+
+
+def _peer_skips_step(rank: int, world: int) -> dict:
+    """Rank 1 never calls ``step()`` on an optimizer over a group with a 3 s timeout: rank 0's
+    deferred gathers wait for it at most that long, and its next wait raises."""
+    import datetime
+    import time
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_model, rank, group=group)
+    ddp(torch.randn(4, 8)).square().mean().backward()
+    out: dict = {}
+    if rank == 0:
+        start = time.monotonic()
+        opt.step()
+        with pytest.raises(RuntimeError, match="deferred parameter all-gather failed"):
+            opt.synchronize()
+        out["waited_under_30s"] = time.monotonic() - start < 30
+    opt.close()
+    dist.barrier()
+    return out
+
+
+def test_deferred_gathers_wait_at_most_the_groups_timeout():
+    """The gather group takes ``process_group``'s timeout (it had torch's default, 30 minutes: a
+    rank that never joins held its peers' gathers that long)."""
+    assert distributed.run(_peer_skips_step, 2, timeout=90)[0] == {"waited_under_30s": True}
+
+
 def _seeded(rank: int, world: int) -> dict:
     """Per step: how many masters the update compared with their parameter (a parameter that
     changed since the optimizer last wrote it), and whether the run matches DDP + fused."""
@@ -251,9 +321,7 @@ def _order(rank: int, world: int) -> dict:
     steps = []
     for _ in range(3):
         x = torch.randn(4, 64, generator=g)
-        rddp(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
+        _iterate(x, (rddp, ropt))
         ddp(x).square().mean().backward()
         events.clear()
         opt.step()
@@ -301,9 +369,7 @@ def _held(rank: int, world: int) -> dict:
     out: dict = {"after_step": [], "idle": [], "after_forward": []}
     x = torch.randn(4, 64, generator=g)
     for _ in range(3):
-        rddp(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
+        _iterate(x, (rddp, ropt))
         loss = ddp(x).square().mean()
         out["after_forward"].append(len(log))  # the last step's gathers: the forward released them
         loss.backward()
@@ -429,11 +495,7 @@ def _rank0_reads(rank: int, world: int) -> dict:
     (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
-        x = torch.randn(4, 64, generator=g)
-        for d, o in ((rddp, ropt), (ddp, opt)):
-            d(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        _iterate(torch.randn(4, 64, generator=g), (rddp, ropt), (ddp, opt))
         if rank == 0:
             opt.synchronize()  # waits for rank 1's gathers: rank 1 reads nothing until the barrier
         dist.barrier()

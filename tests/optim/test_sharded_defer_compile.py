@@ -8,36 +8,35 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tensortier.optim import OffloadedAdamW
 from tests import distributed
-from tests.optim.test_sharded import _square_model
-from tests.optim.test_sharded_defer import _gate_gathers
+from tests.optim.test_sharded import _iterate, _square_model
+from tests.optim.test_sharded_defer import _gate_gathers, _pair
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `torch.compile")
 
 
+def _compile_fn(m: torch.nn.Module):
+    ddp = DDP(m)
+    return torch.compile(lambda x: ddp(x), backend="aot_eager")
+
+
+WRAPS = {
+    "compile(ddp)": lambda m: torch.compile(DDP(m), backend="aot_eager"),
+    "compile(fn)": _compile_fn,  # a compiled function calling DDP
+    "ddp(compile)": lambda m: DDP(torch.compile(m, backend="aot_eager")),
+}
+
+
 def _compiled(rank: int, world: int, wrap: str) -> dict:
-    ref, m = _square_model(), _square_model()
-    rddp = DDP(ref)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    opt = OffloadedAdamW(
-        m.parameters(), lr=1e-2, weight_decay=0.1, defer_gather=True, bucket_size="16KiB"
+    (ref, rddp, ropt), (m, run, opt) = _pair(
+        _square_model, rank, wrap=WRAPS[wrap], bucket_size="16KiB"
     )
-    if wrap == "compile(ddp)":
-        run = torch.compile(DDP(m), backend="aot_eager")
-    elif wrap == "compile(fn)":
-        ddp = DDP(m)
-        run = torch.compile(lambda x: ddp(x), backend="aot_eager")
-    else:  # DDP around the compiled module
-        run = DDP(torch.compile(m, backend="aot_eager"))
     g = torch.Generator().manual_seed(100 + rank)
     gate, log, equal = threading.Event(), [], []
     _gate_gathers(gate, log)
     for _ in range(3):
         x = torch.randn(4, 64, generator=g)
-        rddp(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
+        _iterate(x, (rddp, ropt))
         run(x).square().mean().backward()
         gate.clear()
         opt.step()
@@ -50,7 +49,7 @@ def _compiled(rank: int, world: int, wrap: str) -> dict:
     return {"equal": equal}
 
 
-@pytest.mark.parametrize("wrap", ["compile(ddp)", "compile(fn)", "ddp(compile)"])
+@pytest.mark.parametrize("wrap", list(WRAPS))
 def test_compiled_forward_waits_for_deferred_gathers(wrap):
     for r in distributed.run(_compiled, 2, wrap, timeout=240):
         assert r["equal"] == [True] * 3

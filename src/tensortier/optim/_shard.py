@@ -342,10 +342,9 @@ class GatherThread:
 
     hold_s = 0.01  # the longest a step's gathers wait for a reader to release them
 
-    def __init__(self, group, world: int, rank: int, *, destroy: bool = True):
+    def __init__(self, group, world: int, rank: int):
         self.gatherer = Gatherer(group, world, rank)
-        self.group = group
-        self._destroy = destroy  # the group is this thread's: destroyed by close()
+        self.group = group  # this thread's own (``_dist.new_group_like``): destroyed by close()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._go = threading.Event()  # set by release(): a step's check may run
         self._holding = False  # a step was handed over and not released yet
@@ -429,12 +428,11 @@ class GatherThread:
     def close(self) -> None:
         """Write what is pending, stop the thread, and destroy its process group (each optimizer
         makes one: without this, every closed or collected optimizer leaked a gloo group, its
-        sockets and its threads; see ``_zero._own_group`` for subgroups)."""
+        sockets and its threads)."""
         self.release()
         self._queue.put(None)
         self._thread.join()
-        if self._destroy:
-            _destroy_group(self.group)
+        _destroy_group(self.group)
 
     def _run(self) -> None:
         inflight: deque[tuple[int, Gathering, Callable[[], None]]] = deque()

@@ -151,26 +151,6 @@ def _judge(
     return False, None
 
 
-def _own_group(pg):
-    """A new process group of ``pg``'s ranks and backend, destroyed when the gather thread stops.
-
-    Over the world (the usual case) every rank is a member and calls this, so the group is named
-    by torch's creation counter, never reused. Only for a subgroup ``pg`` is it made with
-    ``use_local_synchronization`` (only ``pg``'s ranks take part); torch names such a group by
-    its ranks and the number of live groups, so after one is destroyed the next gets the same
-    name and its rendezvous reads the destroyed group's stale addresses (measured: a hang), so
-    those are kept (``GatherThread(destroy=False)``).
-    """
-    dist = torch.distributed
-    group = pg if pg is not None else dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group)
-    whole = len(ranks) == dist.get_world_size()
-    made = dist.new_group(
-        ranks=ranks, backend=dist.get_backend(group), use_local_synchronization=not whole
-    )
-    return made, whole
-
-
 def _before_forward(ref: weakref.ref, module: torch.nn.Module, args) -> None:
     deferred = ref()
     if deferred is not None:
@@ -206,8 +186,8 @@ class DeferredWrites:
     """
 
     def __init__(self, sharding: Sharding):
-        group, destroy = _own_group(sharding.pg)
-        self.thread = GatherThread(group, sharding.world, sharding.rank, destroy=destroy)
+        group = _dist.new_group_like(sharding.pg)  # destroyed by the thread's close()
+        self.thread = GatherThread(group, sharding.world, sharding.rank)
         self._item: dict[int, int] = {}  # id(parameter) -> number of the gather that writes it
         self._params: set[int] = set()  # every parameter of the optimizer (by id)
         self._seen: weakref.WeakSet = weakref.WeakSet()  # modules already walked
