@@ -10,7 +10,8 @@ itself would vanish with the writer's process, while the holder (detached: it is
 writer's job) and its objects live on until the directory's next replica replaces them, someone
 calls :func:`drop_replicas`, or the node dies. A reader in a new process finds the holders by
 their namespace, borrows the object references from them and fetches the bytes straight from the
-replica node's object store.
+replica node's object store. The holder's class lives in ``_holder.py`` and reaches its worker by
+value, so that worker never imports torch (its start-up is what the first push waits for).
 
 Protocol per checkpoint (run by the persist thread, after the disk commit): ``begin(step,
 manifest, files)`` drops the previous replica (older than the disk's newest by then, so never
@@ -50,59 +51,6 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 def namespace(root: str) -> str:
     """The Ray namespace of a checkpoint directory's holders (its absolute path, hashed)."""
     return "tensortier-ckpt-" + hashlib.sha256(root.encode()).hexdigest()[:16]
-
-
-class _Holder:
-    """The actor on a replica node (a plain class; ``ray.remote`` wraps it). Holds one replica."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self._reset(None, b"", {})
-
-    def _reset(self, step, manifest: bytes, files: dict) -> None:
-        self.step, self.manifest, self.expected = step, manifest, dict(files)
-        self.refs: dict[str, object] = {}  # dropping a ref frees its object (we own it)
-        self.complete = False
-
-    def node_id(self) -> str:
-        return require_ray("Checkpointer(replicas=...)").get_runtime_context().get_node_id()
-
-    def begin(self, step: int, manifest: bytes, files: dict) -> bool:
-        self._reset(step, bytes(manifest), files)
-        return True
-
-    def put(self, step: int, name: str, payload) -> int:
-        if step != self.step or name not in self.expected:
-            raise ValueError(f"unexpected file {name!r} of step {step} (holding step {self.step})")
-        if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 or payload.ndim != 1:
-            raise TypeError(f"a replica holds flat uint8 arrays only, got {type(payload)}")
-        if payload.nbytes != self.expected[name]:
-            raise ValueError(f"{name}: {payload.nbytes} bytes, expected {self.expected[name]}")
-        ray = require_ray("Checkpointer(replicas=...)")
-        self.refs[name] = ray.put(payload)  # owned by this (detached) actor, on this node
-        return payload.nbytes
-
-    def commit(self, step: int) -> bool:
-        if step != self.step or set(self.refs) != set(self.expected):
-            return False
-        self.complete = True
-        return True
-
-    def describe(self) -> dict:
-        return {
-            "root": self.root,
-            "step": self.step,
-            "complete": self.complete,
-            "manifest": self.manifest,
-            "files": dict(self.expected),
-            "node": self.node_id(),
-        }
-
-    def fetch(self, step: int) -> dict:
-        """References to the files of ``step`` (nested in a dict: the caller borrows them)."""
-        if not self.complete or step != self.step:
-            return {}
-        return {name: [ref] for name, ref in self.refs.items()}
 
 
 @dataclass
@@ -164,8 +112,10 @@ class Replicas:
     def _holder(self, ray, node_id: str):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from tensortier.checkpoint._holder import holder_class  # imports Ray: only when used
+
         return (
-            ray.remote(_Holder)
+            holder_class()
             .options(
                 name=f"replica-{node_id}",
                 namespace=self.namespace,
@@ -204,8 +154,11 @@ class Replicas:
         _get(ray, wait, self.timeout, "begin")
         inflight: list[list] = []  # two files on the wire at most: bounded object-store use
         for shard, image in zip(shards, images):
-            payload = image[: shard.file_bytes].numpy()  # copied into the object store here
+            # one copy into this node's object store, read by every holder (a payload passed
+            # to each call would be serialized, i.e. copied, once per holder)
+            payload = ray.put(image[: shard.file_bytes].numpy())
             inflight.append([h.put.remote(step, shard.file, payload) for h in holders])
+            del payload  # the calls keep it until they ran
             if len(inflight) > 1:
                 _get(ray, inflight.pop(0), self.timeout, "put")
         for refs in inflight:
