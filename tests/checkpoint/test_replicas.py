@@ -299,3 +299,28 @@ def test_each_file_is_serialized_once_for_two_replicas(cluster, tmp_path, monkey
                 assert got.tobytes() == (directory / "step-0" / name).read_bytes()
     finally:
         _replica.drop_replicas(directory)
+
+
+def test_push_and_restore_say_where_their_time_went(cluster, tmp_path):
+    directory = tmp_path / "run"
+    model, opt = make()
+    with Checkpointer(directory, replicas=1, replica_timeout=30) as ck:
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        pushed = ck.stats()
+    try:
+        assert pushed.replica_pushes == 1, pushed.last_replica_error
+        phases = pushed.last_replica_phases
+        assert list(phases) == ["choose", "start", "send", "commit"]
+        assert all(v >= 0 for v in phases.values())
+        assert sum(phases.values()) <= pushed.last_replica_seconds
+        state, stats, got = _restore(directory, replicas=1)
+        assert state.source == "replica", state.fallback
+        assert list(stats.last_replica_restore_phases) == ["find", "fetch", "copy_verify"]
+        assert all(v >= 0 for v in stats.last_replica_restore_phases.values())
+        assert stats.as_dict()["last_replica_restore_phases"] == stats.last_replica_restore_phases
+        _assert_same(got, _state(model, opt))
+        disk, disk_stats, _ = _restore(directory, replicas=0)
+        assert disk.source == "disk" and disk_stats.last_replica_restore_phases == {}
+    finally:
+        _replica.drop_replicas(directory)

@@ -33,7 +33,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -59,6 +59,22 @@ class Found:
 
     tensors: dict[str, torch.Tensor]
     node: str
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, see _Laps
+
+
+class _Laps:
+    """Seconds per phase of one push or restore, so a slow one says where its time went
+    (``CheckpointStats.last_replica_phases`` / ``last_replica_restore_phases``)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        """Add the time since the previous lap to ``phase``."""
+        now = time.monotonic()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._t
+        self._t = now
 
 
 class Fallback(Exception):
@@ -92,6 +108,7 @@ class Replicas:
                 f"creating the Checkpointer, or pass replicas=0"
             )
         self.root, self.count, self.timeout = root, count, timeout
+        self.last_phases: dict[str, float] = {}  # the newest push's, see _Laps
         self.namespace = namespace(root)
         others = self._other_nodes(ray)
         if len(others) < count:
@@ -135,6 +152,8 @@ class Replicas:
         from tensortier.checkpoint import _faults
 
         ray = require_ray("Checkpointer(replicas=...)")
+        laps = _Laps()
+        self.last_phases = laps.phases
         others = self._other_nodes(ray)
         need = sum(s.file_bytes for s in shards)
         held = {h["node"]: h for h in _describe_all(ray, self.namespace, self.timeout)[0]}
@@ -150,8 +169,10 @@ class Replicas:
             _kill(ray, f"replica-{node}", self.namespace)
         holders = [self._holder(ray, n) for n in chosen]
         files = {s.file: s.file_bytes for s in shards}
+        laps.lap("choose")  # nodes, the holders there, stale replicas freed
         wait = [h.begin.remote(step, manifest, files) for h in holders]
         _get(ray, wait, self.timeout, "begin")
+        laps.lap("start")  # holders ready: a new holder's worker start-up is here
         inflight: list[list] = []  # two files on the wire at most: bounded object-store use
         for shard, image in zip(shards, images):
             # one copy into this node's object store, read by every holder (a payload passed
@@ -163,8 +184,10 @@ class Replicas:
                 _get(ray, inflight.pop(0), self.timeout, "put")
         for refs in inflight:
             _get(ray, refs, self.timeout, "put")
+        laps.lap("send")  # into this node's object store, over the wire, into the holders'
         _faults.point("replica-sent")
         ok = _get(ray, [h.commit.remote(step) for h in holders], self.timeout, "commit")
+        laps.lap("commit")
         if not all(ok):
             raise RuntimeError(f"a replica holder refused to commit step {step} on {chosen}")
         return chosen
@@ -233,6 +256,7 @@ def load(root: str, body: dict, timeout: float) -> Found:
     if not ray.is_initialized():
         raise Fallback("Ray is not initialized in this process (ray.init(address=...) first)")
     step = body["step"]
+    laps = _Laps()
     holders, problems = _describe_all(ray, namespace(root), timeout)
     complete = [h for h in holders if h.get("complete")]
     same = [h for h in complete if h.get("step") == step]
@@ -253,13 +277,13 @@ def load(root: str, body: dict, timeout: float) -> Found:
     reasons = list(problems)
     for h in same:
         try:
-            return _load_one(ray, root, body, h, timeout)
+            return _load_one(ray, root, body, h, timeout, laps)
         except (Fallback, CorruptDataError) as exc:
             reasons.append(f"node {h.get('node')}: {exc}")
     raise Fallback("; ".join(reasons))
 
 
-def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found:
+def _load_one(ray, root: str, body: dict, holder: dict, timeout: float, laps: _Laps) -> Found:
     node = holder["node"]
     where = f"replica on node {node}"
     replica_body = parse_manifest(holder["manifest"], where)
@@ -268,6 +292,7 @@ def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found
     files = holder["files"]
     if set(files) != set(body.get("files", ())):
         raise Fallback("its files differ from the manifest's")
+    laps.lap("find")  # the holders, their descriptions, the manifests compared
     deadline = time.monotonic() + timeout
 
     def left() -> float:
@@ -288,10 +313,12 @@ def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found
                 raise Fallback(f"its bytes did not arrive within {timeout:g}s")
             name = pending.pop(ready[0])
             buf = ray.get(ready[0], timeout=left())
+            laps.lap("fetch")  # blocked until the bytes were in this node's object store
             try:
                 file_tensors(body, name, buf, where, out)
             finally:
                 del buf  # a read-only view of the object store
+            laps.lap("copy_verify")  # copied out of the object store, CRC32C checked
     except ray.exceptions.GetTimeoutError as exc:
         raise Fallback(f"its bytes did not arrive within {timeout:g}s") from exc
     except (Fallback, CorruptDataError):
@@ -301,7 +328,7 @@ def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found
     missing = set(body["tensors"]) - set(out)
     if missing:
         raise CorruptDataError(f"tensors {sorted(missing)[:5]} not in the replica", path=where)
-    return Found(out, node)
+    return Found(out, node, laps.phases)
 
 
 def _header(buf: np.ndarray, file: str, where: str) -> tuple[dict, int]:
