@@ -68,6 +68,8 @@ class _Seconds:
     push: list[float] = field(default_factory=list)
     persist: list[float] = field(default_factory=list)
     wire: list[float] = field(default_factory=list)
+    push_phases: list[dict] = field(default_factory=list)  # where each push's time went
+    restore_phases: list[dict] = field(default_factory=list)  # each replica restore's
 
 
 def _save(ckdir: str, r: int, model, opt, sec: _Seconds) -> int:
@@ -82,6 +84,7 @@ def _save(ckdir: str, r: int, model, opt, sec: _Seconds) -> int:
             raise RuntimeError(f"replica push failed: {ck.stats().last_replica_error}")
         sec.persist.append(ck.stats().last_persist_seconds)
         sec.push.append(ck.stats().last_replica_seconds)
+        sec.push_phases.append(ck.stats().last_replica_phases)
         return ck.stats().last_persist_bytes
 
 
@@ -94,10 +97,13 @@ def _restore_both(ckdir: str, r: int, target, target_opt, sec: _Seconds) -> dict
         t0 = time.perf_counter()
         with Checkpointer(ckdir, keep=2, replicas=int(source == "replica")) as ck:
             st = ck.restore(model=target, optimizer=target_opt)
+            phases = ck.stats().last_replica_restore_phases
         seconds = time.perf_counter() - t0
         if st.source != source:
             raise RuntimeError(f"restore read from {st.source}: {st.fallback}")
         (sec.disk if source == "disk" else sec.replica).append(seconds)
+        if source == "replica":
+            sec.restore_phases.append({**phases, "total_s": seconds})
         got[source] = {
             "model": {k: v.clone() for k, v in target.state_dict().items()},
             "optimizer": target_opt.state_dict(),
@@ -214,6 +220,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         replica_vs_disk=replica / disk,
         target_replica_vs_disk=0.3,
         replica_push_s=sec.push,
+        replica_push_phases=sec.push_phases,
+        replica_restore_phases=sec.restore_phases,
         persist_s=sec.persist,
         cold_disk="posix_fadvise(POSIX_FADV_DONTNEED) on every checkpoint file before the read",
         intact=intact,

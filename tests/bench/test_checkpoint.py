@@ -36,4 +36,10 @@ def test_bench_checkpoint_replica_restores_from_both_sources(tmp_path):
     assert len(disk["all_s"]) == len(replica["all_s"]) == len(wire["all_s"]) == 2
     assert data["replica_vs_disk"] == replica["restore_s"] / disk["restore_s"]
     assert data["checkpoint_bytes"] > 8e6 * 0.9 and "POSIX_FADV_DONTNEED" in data["cold_disk"]
+    assert [list(p) for p in data["replica_push_phases"]] == [
+        ["choose", "start", "send", "commit"]
+    ] * 2
+    assert [sorted(p) for p in data["replica_restore_phases"]] == [
+        ["copy_verify", "fetch", "find", "total_s"]
+    ] * 2
     assert [p.name for p in tmp_path.iterdir()] == ["replica.json"]  # scratch removed

@@ -233,3 +233,94 @@ def test_bad_settings(cluster, tmp_path):
         finally:
             ray.init(address=c.address, log_to_driver=False)
     _replica.drop_replicas(tmp_path / "c")
+
+
+def _holder_actor(directory):
+    holders, problems = _replica._describe_all(ray, _replica.namespace(str(directory)), 10)
+    assert problems == [] and holders, problems
+    return [
+        ray.get_actor(f"replica-{h['node']}", namespace=_replica.namespace(str(directory)))
+        for h in holders
+    ]
+
+
+def test_holder_worker_imports_neither_torch_nor_tensortier(cluster, tmp_path):
+    """The holder's worker starts without importing torch (the first push's start-up)."""
+    directory = tmp_path / "run"
+    model, opt = make()
+    with Checkpointer(directory, replicas=1, replica_timeout=30) as ck:
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        assert ck.stats().replica_pushes == 1, ck.stats().last_replica_error
+
+    def loaded(_holder) -> list:  # defined here: Ray pickles it by value, importing nothing
+        import sys
+
+        return sorted(m for m in ("torch", "tensortier") if m in sys.modules)
+
+    try:
+        (actor,) = _holder_actor(directory)
+        assert ray.get(actor.__ray_call__.remote(loaded), timeout=30) == []
+        state, _, got = _restore(directory, replicas=1)  # and it still serves the replica
+        assert state.source == "replica", state.fallback
+        _assert_same(got, _state(model, opt))
+    finally:
+        _replica.drop_replicas(directory)
+
+
+def test_each_file_is_serialized_once_for_two_replicas(cluster, tmp_path, monkeypatch):
+    """replicas=2: the writer copies each file into the object store once, not once per holder."""
+    from ray._private.serialization import SerializationContext
+
+    serialized: list[int] = []
+    real = SerializationContext.serialize
+
+    def counting(self, value):
+        if isinstance(value, np.ndarray) and value.nbytes > 1024:
+            serialized.append(value.nbytes)
+        return real(self, value)
+
+    directory = tmp_path / "run"
+    model, opt = make()
+    monkeypatch.setattr(SerializationContext, "serialize", counting)
+    with Checkpointer(directory, replicas=2, replica_timeout=30) as ck:
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        assert ck.stats().replica_pushes == 1, ck.stats().last_replica_error
+        assert len(ck.stats().replica_nodes) == 2
+    monkeypatch.undo()
+    try:
+        files = {p.name: p.stat().st_size for p in (directory / "step-0").glob("shard-*")}
+        assert sorted(serialized) == sorted(files.values())
+        for actor in _holder_actor(directory):  # both hold every file, bit for bit
+            refs = ray.get(actor.fetch.remote(0), timeout=30)
+            for name, (ref,) in refs.items():
+                got = ray.get(ref, timeout=30)
+                assert got.tobytes() == (directory / "step-0" / name).read_bytes()
+    finally:
+        _replica.drop_replicas(directory)
+
+
+def test_push_and_restore_say_where_their_time_went(cluster, tmp_path):
+    directory = tmp_path / "run"
+    model, opt = make()
+    with Checkpointer(directory, replicas=1, replica_timeout=30) as ck:
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        pushed = ck.stats()
+    try:
+        assert pushed.replica_pushes == 1, pushed.last_replica_error
+        phases = pushed.last_replica_phases
+        assert list(phases) == ["choose", "start", "send", "commit"]
+        assert all(v >= 0 for v in phases.values())
+        assert sum(phases.values()) <= pushed.last_replica_seconds
+        state, stats, got = _restore(directory, replicas=1)
+        assert state.source == "replica", state.fallback
+        assert list(stats.last_replica_restore_phases) == ["find", "fetch", "copy_verify"]
+        assert all(v >= 0 for v in stats.last_replica_restore_phases.values())
+        assert stats.as_dict()["last_replica_restore_phases"] == stats.last_replica_restore_phases
+        _assert_same(got, _state(model, opt))
+        disk, disk_stats, _ = _restore(directory, replicas=0)
+        assert disk.source == "disk" and disk_stats.last_replica_restore_phases == {}
+    finally:
+        _replica.drop_replicas(directory)

@@ -10,7 +10,8 @@ itself would vanish with the writer's process, while the holder (detached: it is
 writer's job) and its objects live on until the directory's next replica replaces them, someone
 calls :func:`drop_replicas`, or the node dies. A reader in a new process finds the holders by
 their namespace, borrows the object references from them and fetches the bytes straight from the
-replica node's object store.
+replica node's object store. The holder's class lives in ``_holder.py`` and reaches its worker by
+value, so that worker never imports torch (its start-up is what the first push waits for).
 
 Protocol per checkpoint (run by the persist thread, after the disk commit): ``begin(step,
 manifest, files)`` drops the previous replica (older than the disk's newest by then, so never
@@ -32,7 +33,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -52,65 +53,28 @@ def namespace(root: str) -> str:
     return "tensortier-ckpt-" + hashlib.sha256(root.encode()).hexdigest()[:16]
 
 
-class _Holder:
-    """The actor on a replica node (a plain class; ``ray.remote`` wraps it). Holds one replica."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self._reset(None, b"", {})
-
-    def _reset(self, step, manifest: bytes, files: dict) -> None:
-        self.step, self.manifest, self.expected = step, manifest, dict(files)
-        self.refs: dict[str, object] = {}  # dropping a ref frees its object (we own it)
-        self.complete = False
-
-    def node_id(self) -> str:
-        return require_ray("Checkpointer(replicas=...)").get_runtime_context().get_node_id()
-
-    def begin(self, step: int, manifest: bytes, files: dict) -> bool:
-        self._reset(step, bytes(manifest), files)
-        return True
-
-    def put(self, step: int, name: str, payload) -> int:
-        if step != self.step or name not in self.expected:
-            raise ValueError(f"unexpected file {name!r} of step {step} (holding step {self.step})")
-        if not isinstance(payload, np.ndarray) or payload.dtype != np.uint8 or payload.ndim != 1:
-            raise TypeError(f"a replica holds flat uint8 arrays only, got {type(payload)}")
-        if payload.nbytes != self.expected[name]:
-            raise ValueError(f"{name}: {payload.nbytes} bytes, expected {self.expected[name]}")
-        ray = require_ray("Checkpointer(replicas=...)")
-        self.refs[name] = ray.put(payload)  # owned by this (detached) actor, on this node
-        return payload.nbytes
-
-    def commit(self, step: int) -> bool:
-        if step != self.step or set(self.refs) != set(self.expected):
-            return False
-        self.complete = True
-        return True
-
-    def describe(self) -> dict:
-        return {
-            "root": self.root,
-            "step": self.step,
-            "complete": self.complete,
-            "manifest": self.manifest,
-            "files": dict(self.expected),
-            "node": self.node_id(),
-        }
-
-    def fetch(self, step: int) -> dict:
-        """References to the files of ``step`` (nested in a dict: the caller borrows them)."""
-        if not self.complete or step != self.step:
-            return {}
-        return {name: [ref] for name, ref in self.refs.items()}
-
-
 @dataclass
 class Found:
     """A verified replica: the tensors of the manifest, and where they came from."""
 
     tensors: dict[str, torch.Tensor]
     node: str
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, see _Laps
+
+
+class _Laps:
+    """Seconds per phase of one push or restore, so a slow one says where its time went
+    (``CheckpointStats.last_replica_phases`` / ``last_replica_restore_phases``)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._t = time.monotonic()
+
+    def lap(self, phase: str) -> None:
+        """Add the time since the previous lap to ``phase``."""
+        now = time.monotonic()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._t
+        self._t = now
 
 
 class Fallback(Exception):
@@ -144,6 +108,7 @@ class Replicas:
                 f"creating the Checkpointer, or pass replicas=0"
             )
         self.root, self.count, self.timeout = root, count, timeout
+        self.last_phases: dict[str, float] = {}  # the newest push's, see _Laps
         self.namespace = namespace(root)
         others = self._other_nodes(ray)
         if len(others) < count:
@@ -164,8 +129,10 @@ class Replicas:
     def _holder(self, ray, node_id: str):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from tensortier.checkpoint._holder import holder_class  # imports Ray: only when used
+
         return (
-            ray.remote(_Holder)
+            holder_class()
             .options(
                 name=f"replica-{node_id}",
                 namespace=self.namespace,
@@ -185,6 +152,8 @@ class Replicas:
         from tensortier.checkpoint import _faults
 
         ray = require_ray("Checkpointer(replicas=...)")
+        laps = _Laps()
+        self.last_phases = laps.phases
         others = self._other_nodes(ray)
         need = sum(s.file_bytes for s in shards)
         held = {h["node"]: h for h in _describe_all(ray, self.namespace, self.timeout)[0]}
@@ -200,18 +169,25 @@ class Replicas:
             _kill(ray, f"replica-{node}", self.namespace)
         holders = [self._holder(ray, n) for n in chosen]
         files = {s.file: s.file_bytes for s in shards}
+        laps.lap("choose")  # nodes, the holders there, stale replicas freed
         wait = [h.begin.remote(step, manifest, files) for h in holders]
         _get(ray, wait, self.timeout, "begin")
+        laps.lap("start")  # holders ready: a new holder's worker start-up is here
         inflight: list[list] = []  # two files on the wire at most: bounded object-store use
         for shard, image in zip(shards, images):
-            payload = image[: shard.file_bytes].numpy()  # copied into the object store here
+            # one copy into this node's object store, read by every holder (a payload passed
+            # to each call would be serialized, i.e. copied, once per holder)
+            payload = ray.put(image[: shard.file_bytes].numpy())
             inflight.append([h.put.remote(step, shard.file, payload) for h in holders])
+            del payload  # the calls keep it until they ran
             if len(inflight) > 1:
                 _get(ray, inflight.pop(0), self.timeout, "put")
         for refs in inflight:
             _get(ray, refs, self.timeout, "put")
+        laps.lap("send")  # into this node's object store, over the wire, into the holders'
         _faults.point("replica-sent")
         ok = _get(ray, [h.commit.remote(step) for h in holders], self.timeout, "commit")
+        laps.lap("commit")
         if not all(ok):
             raise RuntimeError(f"a replica holder refused to commit step {step} on {chosen}")
         return chosen
@@ -280,6 +256,7 @@ def load(root: str, body: dict, timeout: float) -> Found:
     if not ray.is_initialized():
         raise Fallback("Ray is not initialized in this process (ray.init(address=...) first)")
     step = body["step"]
+    laps = _Laps()
     holders, problems = _describe_all(ray, namespace(root), timeout)
     complete = [h for h in holders if h.get("complete")]
     same = [h for h in complete if h.get("step") == step]
@@ -300,13 +277,13 @@ def load(root: str, body: dict, timeout: float) -> Found:
     reasons = list(problems)
     for h in same:
         try:
-            return _load_one(ray, root, body, h, timeout)
+            return _load_one(ray, root, body, h, timeout, laps)
         except (Fallback, CorruptDataError) as exc:
             reasons.append(f"node {h.get('node')}: {exc}")
     raise Fallback("; ".join(reasons))
 
 
-def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found:
+def _load_one(ray, root: str, body: dict, holder: dict, timeout: float, laps: _Laps) -> Found:
     node = holder["node"]
     where = f"replica on node {node}"
     replica_body = parse_manifest(holder["manifest"], where)
@@ -315,6 +292,7 @@ def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found
     files = holder["files"]
     if set(files) != set(body.get("files", ())):
         raise Fallback("its files differ from the manifest's")
+    laps.lap("find")  # the holders, their descriptions, the manifests compared
     deadline = time.monotonic() + timeout
 
     def left() -> float:
@@ -335,10 +313,12 @@ def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found
                 raise Fallback(f"its bytes did not arrive within {timeout:g}s")
             name = pending.pop(ready[0])
             buf = ray.get(ready[0], timeout=left())
+            laps.lap("fetch")  # blocked until the bytes were in this node's object store
             try:
                 file_tensors(body, name, buf, where, out)
             finally:
                 del buf  # a read-only view of the object store
+            laps.lap("copy_verify")  # copied out of the object store, CRC32C checked
     except ray.exceptions.GetTimeoutError as exc:
         raise Fallback(f"its bytes did not arrive within {timeout:g}s") from exc
     except (Fallback, CorruptDataError):
@@ -348,7 +328,7 @@ def _load_one(ray, root: str, body: dict, holder: dict, timeout: float) -> Found
     missing = set(body["tensors"]) - set(out)
     if missing:
         raise CorruptDataError(f"tensors {sorted(missing)[:5]} not in the replica", path=where)
-    return Found(out, node)
+    return Found(out, node, laps.phases)
 
 
 def _header(buf: np.ndarray, file: str, where: str) -> tuple[dict, int]:

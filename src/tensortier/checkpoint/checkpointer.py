@@ -196,9 +196,14 @@ class CheckpointStats:
     replica_push_failures: int = 0  # pushes that failed (the disk checkpoint stands)
     last_replica_error: str | None = None
     last_replica_seconds: float = 0.0  # time to send the newest checkpoint to its replicas
+    # where that time went: seconds in "choose" (nodes), "start" (holders ready), "send", "commit"
+    last_replica_phases: dict = field(default_factory=dict)
     replica_nodes: list = field(default_factory=list)  # nodes holding the newest replica
     replica_restores: int = 0  # restores read from a replica
     replica_fallbacks: int = 0  # restores with replicas= that fell back to disk
+    # the newest restore from a replica: seconds in "find" (holders, manifests), "fetch" (waiting
+    # for the bytes to reach this node's object store), "copy_verify" (copy out, CRC32C)
+    last_replica_restore_phases: dict = field(default_factory=dict)
     last_fallback_reason: str | None = None
     history: deque = field(default_factory=lambda: deque(maxlen=100))
 
@@ -633,7 +638,13 @@ class Checkpointer:
         except _replica.Fallback as exc:
             log.warning("restoring %s from disk, not from a replica: %s", path, exc)
             return None, str(exc)
-        log.info("checkpoint %s read from the replica on node %s", path, found.node)
+        log.info(
+            "checkpoint %s read from the replica on node %s (%s)",
+            path,
+            found.node,
+            ", ".join(f"{k} {v:.3f}s" for k, v in found.phases.items()),
+        )
+        self._stats.last_replica_restore_phases = dict(found.phases)
         return found.tensors, None
 
     def drop_replicas(self) -> int:
@@ -857,6 +868,7 @@ class Checkpointer:
         try:
             nodes = self._replicas.push(step, manifest_bytes(body), shards, images)
         except Exception as exc:
+            self._stats.last_replica_phases = dict(self._replicas.last_phases)  # as far as it got
             self._stats.replica_push_failures += 1
             self._stats.last_replica_error = f"step {step}: {exc!r}"
             self._stats.replica_nodes = []
@@ -865,6 +877,7 @@ class Checkpointer:
         self._stats.replica_pushes += 1
         self._stats.replica_nodes = nodes
         self._stats.last_replica_seconds = time.monotonic() - t0
+        self._stats.last_replica_phases = dict(self._replicas.last_phases)
 
     def _wait_snapshot(self, snapshot: Future, cuda_done: dict, step: int) -> float:
         """Persist thread: wait for the snapshot copies; refuse a torn one. Returns their end."""
