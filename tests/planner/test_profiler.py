@@ -279,6 +279,8 @@ def test_cuda_offload_timing_pass_does_not_sync_at_unit_boundaries(spill_dir, mo
     assert syncs["offload"] <= 2  # closing the keep pass, starting this one: never per unit
     last = p.passes[-1]
     assert last["step_s"] == pytest.approx(1.234)  # events: first kernel to last gradient
+    # reserved (what the budget counts) and allocated (live tensors) beyond the 1 GiB at entry
+    assert (last["peak_bytes"], last["allocated_bytes"]) == (4 * fake.GiB, 2 * fake.GiB)
     assert last["timed_step"] and not p.passes[1]["timed_step"]  # only it calibrates moves
 
 

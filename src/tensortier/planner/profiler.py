@@ -612,6 +612,8 @@ class Profiler:
                 "parts": {u: sorted(o) for u, o in sorted(p.parts.items())},
                 "tier": self.tier,
                 "peak_bytes": p.meter.delta,
+                # live tensors alone (CUDA: allocated, not reserved; CPU: the same as peak_bytes)
+                "allocated_bytes": max(0, p.meter.peak_allocated - p.meter.start),
                 "step_s": p.t_end - p.t_fwd,
                 "timed_step": p.kind != "probe" and (not cuda or not p.sync_units),
             }
