@@ -156,6 +156,7 @@ def guarded(report: Report, name: str, fn: Callable[[], dict]) -> dict | None:
                 "variant": name,
                 "error": f"{type(exc).__name__}: {exc}"[:2000],
                 "traceback": traceback.format_exc()[-4000:],
+                **({"stats": exc.tt_stats} if hasattr(exc, "tt_stats") else {}),
             }
         )
     finally:
@@ -529,10 +530,28 @@ def _variant_contexts(name: str, model, plain_added: int, args, spill_dir: str):
                 "measured_peaks": list(off.measured_peaks),
                 "replans": off.replans,
                 "offloader": None if off.stats is None else off.stats.as_dict(),
+                "profile": _profile_summary(off.profile),
             }
 
         return (lambda: off), stats, off.close
     raise ValueError(f"unknown variant {name!r}")
+
+
+def _profile_summary(profile) -> dict | None:
+    """What the planner measured and fitted (each pass's reserved and allocated peak, the
+    transient factor): what its floor comes from, kept when it refuses a budget."""
+    if profile is None:
+        return None
+    return {
+        "transient_factor": profile.transient_factor,
+        "saved_bytes": profile.saved_bytes,
+        "largest_tensor": max((t.nbytes for t in profile.tensors), default=0),
+        "passes": [
+            {k: r.get(k) for k in ("kind", "peak_bytes", "allocated_bytes", "step_s")}
+            | {"kept": len(r.get("kept") or [])}
+            for r in profile.passes
+        ],
+    }
 
 
 def _run_variant(name: str, model, x, steps: int, measured: int, ref: dict, args, spill: str):
@@ -540,6 +559,8 @@ def _run_variant(name: str, model, x, steps: int, measured: int, ref: dict, args
     try:
         times, peaks, prints, losses = [], [], [], []
         for _ in range(steps):
+            for p in model.parameters():  # freed before the peak's start: the gradients
+                p.grad = None  # count in "added", as in what tt.offload(budget=) counts
             with Peak() as pk:
                 t0 = time.perf_counter()
                 losses.append(train_step(model, x, ctx))
@@ -574,6 +595,12 @@ def _run_variant(name: str, model, x, steps: int, measured: int, ref: dict, args
             row["time_vs_plain"] = row["step_s"]["median"] / ref["step_s"]
             row["added_reserved_vs_plain"] = row["added_reserved"] / max(ref["added_reserved"], 1)
         return row
+    except Exception as exc:  # a refused budget: keep what the planner measured (guarded)
+        try:
+            exc.tt_stats = stats()
+        except Exception:  # the stats are a diagnosis: the error itself is reported
+            pass
+        raise
     finally:
         cleanup()
         for p in model.parameters():

@@ -106,3 +106,19 @@ def test_lossy_codecs_only_when_allowed(make_profile):
 def test_unknown_policy_is_a_config_error(make_profile):
     with pytest.raises(ConfigError, match="unknown policy"):
         choose(make_profile(), "1GiB", "greedy")
+
+
+def test_the_smallest_plan_is_no_higher_than_one_action_for_every_unit(make_profile):
+    """``smallest`` (the fallback of an infeasible re-plan, the floor a single policy's
+    BudgetError names) gave every unit the action with the lowest peak it reaches alone: here
+    recompute, which together peaks above sending every unit to disk (issue 25: 1.15x on a
+    CPU autocast GPT-2). The plans of one action for every unit are candidates too."""
+    from tensortier.planner.policies import smallest, swap_all
+
+    p = make_profile(n_units=3, per_unit=2, transient_factor=1.0, bw=1e9)
+    opts = Options(margin=0.0, tiers=("disk",), fine=False)
+    floor = smallest(p, opts)
+    assert floor.result.peak_bytes <= swap_all(p, 1, opts).result.peak_bytes
+    with pytest.raises(BudgetError) as caught:  # the floor a single policy's error names
+        choose(p, 1, "recompute_all", opts)
+    assert caught.value.minimum == floor.result.peak_bytes

@@ -200,6 +200,7 @@ class _FakeCuda:
 
     def __init__(self):
         self.syncs = 0
+        self.calls: list[str] = []  # the memory calls, in order
 
     def install(self, monkeypatch):
         fake = self
@@ -218,9 +219,13 @@ class _FakeCuda:
         def sync(device=None):
             fake.syncs += 1
 
+        def called(name):
+            return lambda device=None: fake.calls.append(name)
+
         for name, fn in {
             "synchronize": sync,
-            "reset_peak_memory_stats": lambda device=None: None,
+            "empty_cache": called("empty_cache"),
+            "reset_peak_memory_stats": called("reset_peak_memory_stats"),
             "memory_allocated": lambda device=None: 1 * self.GiB,
             "max_memory_allocated": lambda device=None: 3 * self.GiB,
             "memory_reserved": lambda device=None: 2 * self.GiB,
@@ -274,6 +279,8 @@ def test_cuda_offload_timing_pass_does_not_sync_at_unit_boundaries(spill_dir, mo
     assert syncs["offload"] <= 2  # closing the keep pass, starting this one: never per unit
     last = p.passes[-1]
     assert last["step_s"] == pytest.approx(1.234)  # events: first kernel to last gradient
+    # reserved (what the budget counts) and allocated (live tensors) beyond the 1 GiB at entry
+    assert (last["peak_bytes"], last["allocated_bytes"]) == (4 * fake.GiB, 2 * fake.GiB)
     assert last["timed_step"] and not p.passes[1]["timed_step"]  # only it calibrates moves
 
 
@@ -295,6 +302,34 @@ def test_cuda_h2d_bandwidth_is_timed_after_the_copies(tmp_path):
     measured = n / (start.elapsed_time(end) / 1e3)
     assert 0.5 < bw.h2d / measured < 1.5, (bw.h2d, measured)
     assert bw.h2d < 100e9  # no PCIe or NVLink-C2C host link copies faster
+
+
+def test_cuda_peak_meter_empties_the_cache_before_it_resets_the_peak(monkeypatch):
+    """The reserved high-water mark starts at what is reserved at reset, cache included, and
+    the delta is read against what is allocated: without emptying the cache first, every pass
+    measured at least what earlier iterations left cached (issue 25)."""
+    from tensortier.planner.profiler import PeakMeter
+
+    fake = _FakeCuda().install(monkeypatch)
+    with PeakMeter(torch.device("cuda", 0)):
+        pass
+    assert fake.calls == ["empty_cache", "reset_peak_memory_stats"]
+
+
+@pytest.mark.gpu
+def test_cuda_peak_meter_measures_the_pass_not_the_cache_before_it():
+    """A pass that allocates 16 MiB after 256 MiB were freed into the cache: its delta was
+    the 256 MiB cached before it (the reserved mark starts there), now its own footprint."""
+    from tensortier.planner.profiler import PeakMeter
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    del big  # cached, not released
+    with PeakMeter(dev) as meter:
+        small = torch.empty(16 << 20, dtype=torch.uint8, device=dev)
+    del small
+    assert meter.delta < 64 << 20, meter.delta
+    assert meter.peak_allocated - meter.start >= 16 << 20
 
 
 @pytest.mark.gpu

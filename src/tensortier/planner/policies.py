@@ -484,8 +484,45 @@ def plan_all(profile: Profile, budget: SizeLike, opts: Options | None = None) ->
 
 
 def smallest(profile: Profile, opts: Options, choices: list[Choice] = ()) -> Choice:
-    """The plan with the lowest predicted peak: among ``choices`` and the plan that gives every
-    unit the action with the lowest peak it reaches alone (the most conservative plan)."""
+    """The plan with the lowest predicted peak: among ``choices``, the plans that give every
+    unit one action (:func:`_uniform`) and the plan that gives every unit the action with the
+    lowest peak it reaches alone.
+
+    Why the uniform plans too: the actions that are lowest alone need not be lowest together.
+    Recomputing one layer lowers a peak the other, kept, layers set; recomputing all of them
+    can peak above offloading all of them (each rerun brings a whole layer back with its
+    temporaries). Without them the fallback of an infeasible re-plan, and the floor a
+    ``BudgetError`` names for a single policy, were above a plan the planner had (issue 25)."""
+    t0 = time.monotonic()
+    uniform = [evaluate(profile, plan, opts) for plan in _uniform(profile, opts)]
+    floor = min([_most_conservative(profile, opts), *uniform], key=_lowest)
+    floor.plan_s = time.monotonic() - t0
+    return min([*choices, floor], key=_lowest)
+
+
+def _lowest(c: Choice) -> tuple[int, float]:
+    return (c.result.peak_bytes, c.result.step_s)
+
+
+def _uniform(profile: Profile, opts: Options) -> list[Plan]:
+    """Every unit on one tier (raw, and with codecs where they pay), and every recomputable
+    unit recomputed with the others on the whole-model swap tier (kept when no tier is
+    allowed)."""
+    plans = []
+    for tier in _tiers(profile, opts):
+        for compress in (False, True) if tier != "remote" else (False,):
+            action = UnitAction(Mode(tier), compress=compress)
+            plans.append(_plan(f"all {action.label()}", {u.name: action for u in profile.units}))
+    try:
+        rest = UnitAction(Mode(_swap_tier(profile, opts)))
+    except ConfigError:
+        rest = UnitAction()
+    rerun = {u.name: UnitAction(Mode.RECOMPUTE) if u.recomputable else rest for u in profile.units}
+    return [*plans, _plan("all recompute", rerun)]
+
+
+def _most_conservative(profile: Profile, opts: Options) -> Choice:
+    """Every unit with the action of the lowest peak it reaches alone."""
     most = {}
     for u in profile.units:
         best = None
@@ -496,10 +533,7 @@ def smallest(profile: Profile, opts: Options, choices: list[Choice] = ()) -> Cho
             if best is None or single < best[0]:
                 best = (single, a)
         most[u.name] = best[1] if best else UnitAction()
-    t0 = time.monotonic()
-    floor = evaluate(profile, _plan("smallest", most), opts)
-    floor.plan_s = time.monotonic() - t0
-    return min([*choices, floor], key=lambda c: (c.result.peak_bytes, c.result.step_s))
+    return evaluate(profile, _plan("smallest", most), opts)
 
 
 def _smallest(profile: Profile, opts: Options, choices: list[Choice]) -> int:
