@@ -82,7 +82,11 @@ def test_cuda_stream_parameters_device_cuda_on_tied_gpt2():
     cpu_model = _gpt2(n_layer=4, n_embd=512, n_head=8, seq=64)
     resident = copy.deepcopy(cpu_model).cuda()
     x = _ids(2, 64)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     want = resident(**x)
+    activations = torch.cuda.max_memory_allocated() - base  # the resident forward's own peak
     want.loss.backward()
     param_bytes = sum(p.numel() * p.element_size() for p in cpu_model.parameters())
     streamer = tt.stream_parameters(cpu_model, device="cuda")
@@ -95,10 +99,13 @@ def test_cuda_stream_parameters_device_cuda_on_tied_gpt2():
         out.loss.backward()
     finally:
         streamer.close()
-    assert torch.equal(out.logits, want.logits)
+    assert torch.equal(out.logits, want.logits), (out.logits - want.logits).abs().max()
     for (name, a), (_, b) in zip(cpu_model.named_parameters(), resident.named_parameters()):
         assert a.grad is not None and torch.equal(a.grad, b.grad), name
-    assert forward_peak < param_bytes / 2, (forward_peak, param_bytes)
+    # H100 run 2 failed here: the bound was param_bytes / 2 (24.2 MiB) without the activations,
+    # which alone are over 27 MiB at this size (GELU's four 1 MiB tensors per block, the linear
+    # inputs, q/k/v): the streamed forward holds the activations plus a few modules' parameters
+    assert forward_peak < activations + param_bytes / 2, (forward_peak, activations, param_bytes)
 
 
 def test_cuda_offload_module_frees_block_activations_until_backward():
