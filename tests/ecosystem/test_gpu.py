@@ -55,9 +55,11 @@ def test_cuda_offloaded_adamw_under_gradscaler_overflow_and_clip():
     got = twin(ref)
     want_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     got_opt = tt.OffloadedAdamW(got.parameters(), lr=1e-2, bucket_size="16KiB")
+    scales: list[list] = []  # GradScaler's scale after each step: torch, then tensortier
     try:
         for model, opt in ((ref, want_opt), (got, got_opt)):
             scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+            scales.append([])
             for step in range(8):
                 with torch.autocast("cuda", dtype=torch.float16):
                     loss = model(**_on_cuda(batch("gpt2", step))).loss.float()
@@ -69,10 +71,17 @@ def test_cuda_offloaded_adamw_under_gradscaler_overflow_and_clip():
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
+                scales[-1].append(scaler._get_scale_async().clone())  # read after: no sync
     finally:
         got_opt.close()
+    # H100 run 2 failed (its text was lost): the scales and the optimizer's counters say
+    # whether the steps skipped, redone and kept were those of the reference
+    scales = [[float(t) for t in run] for run in scales]
+    context = f"scales per step (torch, tensortier) {scales}; {got_opt.stats()}"
     for (name, a), (_, b) in zip(got.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}; {context}"
+        )
 
 
 def test_cuda_stream_parameters_device_cuda_on_tied_gpt2():
