@@ -503,8 +503,9 @@ def stream_parameters(
     ``device`` only for its forward and backward, prefetching the next module within ``budget``
     bytes of installed parameters (default: twice the largest module). Outputs and gradients are
     identical to the resident model; parameters shared by several modules (tied weights) are
-    stored once. Buffers move to ``device`` and stay there. Wrap optimizer steps in ``with streamer.resident():``. A model is streamed by
-    one streamer at a time (``ConfigError`` otherwise: close the first one).
+    stored once. Buffers move to ``device`` and stay there. Wrap optimizer steps in
+    ``with streamer.resident():``. A model is streamed by one streamer at a time
+    (``ConfigError`` otherwise: close the first one).
     """
     return ParameterStreamer(model, budget=budget, tier=tier, device=device, spill_dir=spill_dir)
 
