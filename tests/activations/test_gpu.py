@@ -30,6 +30,26 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _unique_batch(cfg, batch, device="cuda"):
+    """Token ids that occur once each. Inductor compiles the embedding's backward to a scatter-add
+    (atomic adds on CUDA): where an id repeats, the order of its rows' additions varies from run
+    to run, and so do the last bits of its gradient, with or without offloading (seen on CPU
+    with torch 2.11: ``transformer.wte.weight`` differed by 9.3e-10 between two plain runs)."""
+    g = torch.Generator().manual_seed(0)
+    n = batch * cfg.block_size
+    assert n <= cfg.vocab_size, (n, cfg.vocab_size)
+    ids = torch.randperm(cfg.vocab_size, generator=g)[:n].view(batch, cfg.block_size)
+    return ids.to(device), ids.roll(-1, dims=1).to(device)
+
+
+def _first_difference(ref, model):
+    """Name and largest difference of the first parameter whose gradient differs from ``ref``."""
+    for (name, p), a in zip(model.named_parameters(), ref):
+        if not torch.equal(a, p.grad):
+            return f"{name}: max |difference| {(a - p.grad).abs().max().item():.3g}"
+    return None
+
+
 def _live_records(off):
     return [r for r in (ref() for ref in off._pass.order) if r is not None]
 
@@ -176,23 +196,35 @@ def test_cuda_autocast_weight_casts_stay_on_the_device():
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_cuda_compiled_model_inside_offload_matches_the_compiled_model(mode):
     """REVIEW #15: torch.compile under tt.offload; CUDA-graph memory is kept where it is."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     model = _gpt(n_layer=2)
     compiled = torch.compile(model, mode=mode)
-    x, y = random_batch(model.cfg, 4, device="cuda")
+    # H100 run 2 failed both modes: with repeated token ids the compiled model's own gradients
+    # are not reproducible (``_unique_batch``), so no run could equal another bit for bit
+    x, y = _unique_batch(model.cfg, 4)
     refs = []
+    t0 = time.monotonic()
     for _ in range(3):
         compiled(x, y).backward()
         refs.append(_grads(model))
         model.zero_grad(set_to_none=True)
+    warm_s = time.monotonic() - t0
+    graphs = dict(counters["stats"])
     off = tt.Offloader("host", min_bytes=0)
     try:
-        for ref in refs:
+        for i, ref in enumerate(refs):
             with off:
                 loss = compiled(x, y)
             loss.backward()
             torch.cuda.synchronize()
-            assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
+            diff = _first_difference(ref, model)
+            assert diff is None, (
+                f"iteration {i}: {diff}; {off.stats}; dynamo before offload {graphs}, now "
+                f"{dict(counters['stats'])} (a recompile under the hooks changes kernels); "
+                f"compile and 3 plain steps took {warm_s:.1f} s"
+            )
             model.zero_grad(set_to_none=True)
     finally:
         off.close()

@@ -186,3 +186,28 @@ def test_partial_backward_releases_the_window_and_a_second_backward_reads_again(
         assert all(torch.equal(a, q.grad) for a, q in zip(ref, model.parameters()))
     finally:
         off.close()
+
+
+def test_prefetch_budget_zero_reads_nothing_ahead_of_backward():
+    """``prefetch_budget=0`` (H100 run 2: the GPU twin of this, ``test_cuda_saved_tensors_leave_
+    the_device_during_forward``, held 4 MiB more than a no-grad forward): the rule that reads a
+    record larger than the window ahead alone read one record back at the end of forward even
+    with no window at all, keeping its storage on the device until backward."""
+    x = torch.randn(1 << 16, requires_grad=True)
+    off = tt.Offloader("host", min_bytes=0, prefetch_budget=0)
+    try:
+        with off:
+            a = x + 1
+            y = a * a
+        del a
+        off._engine.synchronize()
+        p = off._pass
+        held = [r.nbytes for r in _records(p) if r.fetched is not None or _in_window(r)]
+        assert p.window == 0 and not held, f"window {p.window} B, records held {held}"
+        assert off.stats.bytes_prefetched == 0, off.stats
+        y.sum().backward()
+        assert torch.equal(x.grad, 2 * (x.detach() + 1))
+        # every saved byte came back when backward asked for it
+        assert off.stats.bytes_on_demand == off.stats.bytes_offloaded["host"] > 0, off.stats
+    finally:
+        off.close()

@@ -762,7 +762,15 @@ def test_cuda_saved_tensors_leave_the_device_during_forward():
             y = f(x)
         off._engine.synchronize()
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == without_grad
+        held = torch.cuda.memory_allocated() - without_grad
+        records = [r for r in (ref() for ref in off._pass.order) if r is not None]
+        # H100 run 2 failed here: prefetch_budget=0 still read one record back (fixed since)
+        assert held == 0, (
+            f"{held} B more than a no-grad forward; window {off._pass.window} B, records "
+            f"(nbytes, source held, fetched): "
+            f"{[(r.nbytes, r.source is not None, r.fetched is not None) for r in records]}; "
+            f"{off.stats}"
+        )
         y.sum().backward()
         assert torch.equal(x.grad, 2 * (x.detach() + 1))
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 import warnings
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tensortier as tt
-from tests.ecosystem._hf import assert_same_params, batch, build, twin
+from tests.ecosystem._hf import VOCAB, assert_same_params, batch, build, twin
 
 pytestmark = pytest.mark.gpu
 
@@ -48,16 +49,32 @@ def _on_cuda(b: dict) -> dict:
     return {k: v.cuda() for k, v in b.items()}
 
 
+def _unique_batch(step: int) -> dict:
+    """``batch("gpt2", step)`` on the GPU with token ids that occur once each. Compiled, the
+    embedding's backward is a scatter-add whose order varies where an id repeats (atomic adds on
+    CUDA), and AdamW magnifies those last-bit differences in near-zero gradients: on CPU with
+    torch 2.11 two compiled runs ended up to 2.4e-5 apart in ``c_attn.bias``, one run in two."""
+    b = batch("gpt2", step)
+    g = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randperm(VOCAB, generator=g)[: b["input_ids"].numel()].view_as(b["input_ids"])
+    labels = ids.masked_fill(b["attention_mask"] == 0, -100)
+    return _on_cuda({**b, "input_ids": ids, "labels": labels})
+
+
 def test_cuda_offloaded_adamw_under_gradscaler_overflow_and_clip():
     """Review #1: fp16 autocast, ``GradScaler`` with one overflow after calibration, unscale and
     ``clip_grad_norm_`` every step; ``OffloadedAdamW`` must follow CUDA's fused AdamW."""
     ref = build("gpt2").cuda()
-    got = twin(ref)
+    got, other = twin(ref), twin(ref)
     want_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     got_opt = tt.OffloadedAdamW(got.parameters(), lr=1e-2, bucket_size="16KiB")
+    # torch's own second kernel: how far two correct AdamW kernels drift apart on this model
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2, foreach=True)
+    scales: list[list] = []  # GradScaler's scale after each step: torch, tensortier, foreach
     try:
-        for model, opt in ((ref, want_opt), (got, got_opt)):
+        for model, opt in ((ref, want_opt), (got, got_opt), (other, other_opt)):
             scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+            scales.append([])
             for step in range(8):
                 with torch.autocast("cuda", dtype=torch.float16):
                     loss = model(**_on_cuda(batch("gpt2", step))).loss.float()
@@ -69,10 +86,26 @@ def test_cuda_offloaded_adamw_under_gradscaler_overflow_and_clip():
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
+                scales[-1].append(scaler._get_scale_async().clone())  # read after: no sync
     finally:
         got_opt.close()
-    for (name, a), (_, b) in zip(got.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # H100 run 2 failed (its text was lost). Likely: Adam turns near-zero gradients (the
+    # attention key bias's is exactly zero: softmax ignores it) into steps of about lr, so two
+    # kernels that round differently drift apart there (CPU, torch 2.11: AdamW fused against
+    # foreach, same loop: 3.8e-3 apart in c_attn.bias). The message gives torch's own drift
+    # between its fused and foreach kernels in the same parameter, the scales and the counters.
+    scales = [[float(t) for t in run] for run in scales]
+    context = f"scales per step (torch, tensortier, foreach) {scales}; {got_opt.stats()}"
+    params = zip(got.named_parameters(), ref.parameters(), other.parameters())
+    for (name, a), b, c in params:
+        drift = (c - b).abs().max().item()
+        torch.testing.assert_close(
+            a,
+            b,
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m, n=name, d=drift: f"{n}: {m}; torch fused vs foreach: {d:.3g}; {context}",
+        )
 
 
 def test_cuda_stream_parameters_device_cuda_on_tied_gpt2():
@@ -82,7 +115,11 @@ def test_cuda_stream_parameters_device_cuda_on_tied_gpt2():
     cpu_model = _gpt2(n_layer=4, n_embd=512, n_head=8, seq=64)
     resident = copy.deepcopy(cpu_model).cuda()
     x = _ids(2, 64)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     want = resident(**x)
+    activations = torch.cuda.max_memory_allocated() - base  # the resident forward's own peak
     want.loss.backward()
     param_bytes = sum(p.numel() * p.element_size() for p in cpu_model.parameters())
     streamer = tt.stream_parameters(cpu_model, device="cuda")
@@ -95,10 +132,13 @@ def test_cuda_stream_parameters_device_cuda_on_tied_gpt2():
         out.loss.backward()
     finally:
         streamer.close()
-    assert torch.equal(out.logits, want.logits)
+    assert torch.equal(out.logits, want.logits), (out.logits - want.logits).abs().max()
     for (name, a), (_, b) in zip(cpu_model.named_parameters(), resident.named_parameters()):
         assert a.grad is not None and torch.equal(a.grad, b.grad), name
-    assert forward_peak < param_bytes / 2, (forward_peak, param_bytes)
+    # H100 run 2 failed here: the bound was param_bytes / 2 (24.2 MiB) without the activations,
+    # which alone are over 27 MiB at this size (GELU's four 1 MiB tensors per block, the linear
+    # inputs, q/k/v): the streamed forward holds the activations plus a few modules' parameters
+    assert forward_peak < activations + param_bytes / 2, (forward_peak, activations, param_bytes)
 
 
 def test_cuda_offload_module_frees_block_activations_until_backward():
@@ -210,12 +250,14 @@ def test_cuda_graphs_under_offload_are_exact_or_refused():
         torch.manual_seed(1234)
         for step in range(4):
             with ctx():
-                loss = compiled(**_on_cuda(batch("gpt2", step))).loss
+                loss = compiled(**_unique_batch(step)).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    t0 = time.monotonic()
     run(ref, ref_c, contextlib.nullcontext)
+    warm_s = time.monotonic() - t0  # H100 run 2 failed (text lost): a cold compile?
     off = tt.Offloader("host", min_bytes=0)
     try:
         run(got, got_c, lambda: off)
@@ -225,8 +267,11 @@ def test_cuda_graphs_under_offload_are_exact_or_refused():
     finally:
         off.close()
         torch._dynamo.reset()
+    context = f"{off.stats}; the reference's compile and 4 steps took {warm_s:.1f} s"
     for (name, a), (_, b) in zip(got.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}; {context}"
+        )
 
 
 @pytest.mark.skipif(

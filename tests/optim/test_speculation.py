@@ -269,20 +269,22 @@ def test_memory_price_of_speculation_is_reported():
 
 
 # ---------------------------------------------------------------------- GPU (from REVIEW #1/#11)
-def _rel_close(a, b, tol):
-    for p, q in zip(a.parameters(), b.parameters()):
+def _rel_close(a, b, tol, context=""):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
         err = (p.double() - q.double()).abs().max().item()
-        assert err <= tol * max(q.double().abs().max().item(), 1e-12), err
+        bound = tol * max(q.double().abs().max().item(), 1e-12)
+        assert err <= bound, f"{name}: max |difference| {err:.3g} > {bound:.3g}; {context}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_norm", [0.05, None])  # unscale_ + clip (redone) / plain (kept)
 def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap(max_norm):
-    results = {}
+    results, scales = {}, {}  # scales: GradScaler's scale after each step, per kind
     for kind in KINDS:
         m = _model().cuda()
         opt = _opt(kind, m)
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+        scales[kind] = []
         for i, x in enumerate(_data(8)):
             x = x.cuda()
             if i == 3:
@@ -296,13 +298,19 @@ def test_cuda_gradscaler_clip_overflow_matches_torch_and_no_overlap(max_norm):
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+            scales[kind].append(scaler._get_scale_async().clone())  # read after: no sync
         results[kind] = (m, opt)
-    _rel_close(results["tt"][0], results["torch"][0], tol=1e-5)  # CUDA vs CPU fused kernel
-    for p, q in zip(results["tt"][0].parameters(), results["tt-no-overlap"][0].parameters()):
-        assert torch.equal(p, q)  # same CPU kernel, same gradients: speculation is exact
-    assert results["tt"][1].stats().skipped_steps == 1
+    # H100 run 2 failed with both max_norm; the text was lost: say which check and with what
+    scales = {k: [float(t) for t in v] for k, v in scales.items()}
+    stats = {k: o.stats() for k, (_, o) in results.items() if k != "torch"}
+    context = f"scales per step {scales}; stats {stats}"
+    _rel_close(results["tt"][0], results["torch"][0], 1e-5, context)  # CUDA vs CPU fused kernel
+    pairs = zip(results["tt"][0].named_parameters(), results["tt-no-overlap"][0].parameters())
+    for (name, p), q in pairs:  # same CPU kernel, same gradients: speculation is exact
+        assert torch.equal(p, q), f"{name}: {(p - q).abs().max().item():.3g}; {context}"
+    assert stats["tt"].skipped_steps == 1, context
     if max_norm is None:  # the path that keeps a speculation under a scale really ran on CUDA
-        assert results["tt"][1].stats().validated > 0
+        assert stats["tt"].validated > 0, context
 
 
 @pytest.mark.gpu

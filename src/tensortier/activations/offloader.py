@@ -268,8 +268,9 @@ class Offloader:
     that saves memory on a CPU-only machine, where device memory *is* RAM) or ``"auto"`` (host up
     to ``host_budget``, then disk). Tensors smaller than ``min_bytes`` stay put, and so do CPU
     tensors saved in a CUDA run (they hold no device memory). ``prefetch_budget`` bounds the bytes
-    read back ahead of backward, ``inflight_budget`` the bytes being written (their sources still
-    in memory); ``disk_budget`` the bytes the disk tier may preallocate, ``io_threads`` its I/O
+    read back ahead of backward (a record larger than it is read ahead alone; 0: none, every
+    saved tensor is read when backward asks for it), ``inflight_budget`` the bytes being
+    written (their sources still in memory); ``disk_budget`` the bytes the disk tier may preallocate, ``io_threads`` its I/O
     threads. ``decide`` (the planner's hook) overrides ``min_bytes``/``tier`` per tensor. ``record=True`` keeps
     per-tensor timings in ``records`` for profiling. ``offload_weight_casts=True`` also moves
     autocast's low-precision weight casts, which by default stay on the device: the autocast cache
@@ -1181,7 +1182,9 @@ class _Pass:
                     return
                 record = self.order[self.expected[self.cursor]]()
                 wanted = record is not None and record.fetched is None and not record.used
-                if wanted and self.window > 0 and self.window + record.nbytes > off.prefetch_budget:
+                # a record larger than the window is read ahead alone; prefetch_budget=0 reads none
+                alone = self.window == 0 and off.prefetch_budget > 0
+                if wanted and not alone and self.window + record.nbytes > off.prefetch_budget:
                     return
                 self.cursor += 1
                 if not wanted:

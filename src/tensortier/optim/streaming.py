@@ -27,6 +27,8 @@ the host is done with leaves an event on its stream, and a load that would put m
 bytes on the device waits for the oldest of those events first (FSDP's rate limiter); prefetches
 never wait, they are skipped.
 
+Buffers are not streamed: they move to the device once, and stay there after ``close()``.
+
 A model can be streamed by one streamer at a time: streaming it again would record the first
 streamer's NaN placeholders as weights, so it raises :class:`ConfigError`.
 
@@ -208,7 +210,9 @@ class ParameterStreamer:
             raise
 
     def _take_over(self) -> None:
-        """Swap every parameter for its placeholder and hook every unit's forward."""
+        """Move the buffers to ``device``, swap every parameter for its placeholder and hook
+        every unit's forward."""
+        _buffers_to(self.model, self.device)
         with torch.no_grad():
             for s in self._slots:
                 s.param.data = s.placeholder
@@ -499,10 +503,26 @@ def stream_parameters(
     ``device`` only for its forward and backward, prefetching the next module within ``budget``
     bytes of installed parameters (default: twice the largest module). Outputs and gradients are
     identical to the resident model; parameters shared by several modules (tied weights) are
-    stored once. Wrap optimizer steps in ``with streamer.resident():``. A model is streamed by
-    one streamer at a time (``ConfigError`` otherwise: close the first one).
+    stored once. Buffers move to ``device`` and stay there. Wrap optimizer steps in
+    ``with streamer.resident():``. A model is streamed by one streamer at a time
+    (``ConfigError`` otherwise: close the first one).
     """
     return ParameterStreamer(model, budget=budget, tier=tier, device=device, spill_dir=spill_dir)
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Buffers (attention masks, norm statistics, rotary tables) live on ``device`` for good, as
+    ``model.to(device)`` would put them: they are small, and forward reads them next to the
+    streamed parameters (H100 run 2: a CPU model streamed to ``"cuda"`` kept its causal mask on
+    the CPU, and its forward failed). A buffer shared by several modules stays one tensor."""
+    moved: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is None or b.device == device:
+                continue
+            if id(b) not in moved:
+                moved[id(b)] = b.to(device)
+            m._buffers[name] = moved[id(b)]
 
 
 def _refuse_streamed(slots: list[_Slot]) -> None:
