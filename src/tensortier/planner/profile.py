@@ -34,6 +34,8 @@ def fold_sum(seconds: Iterable[float]) -> float:
     for x in seconds:
         total += x
     return total
+
+
 # A probe transfer (16 MiB) not done after this long is a stuck disk or device: raise
 # (concurrent.futures.TimeoutError) instead of hanging the first planned step.
 PROBE_TIMEOUT_S = 300.0
