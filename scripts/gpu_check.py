@@ -101,6 +101,10 @@ def environment() -> dict:
             env["packages"][name] = version(name)
         except Exception:
             env["packages"][name] = None
+    # the site dir gpu_check.sh installed into, or src/ where that install failed
+    spec = importlib.util.find_spec("tensortier")
+    env["tensortier_from"] = spec.origin if spec else None
+    env["tensortier_cli"] = shutil.which("tensortier")
     return env
 
 

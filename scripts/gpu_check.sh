@@ -36,27 +36,45 @@ mkdir -p "$out"
 PY="${PYTHON:-python3}"
 
 declare -A cap=([transfer]=25 [pytest]=150 [activations]=130 [llama]=50 [optimizer]=70 [checkpoint]=45)
+# Installs .whl/ and tensortier with --no-index --no-deps into temporary site dirs (removed on
+# exit), as the GPU machine (no registry) needs: two dirs, as a second --target install into one
+# skips its existing bin/ (tensortier's CLI went missing), and a wheel for another Python fails
+# alone. tensortier is built from a copy of the tree: nothing (build/, *.egg-info) is left in
+# the checkout, and no file from an earlier build (kept in build/lib) gets into the wheel.
+# Without a build backend (setuptools >= 61; none can be installed there): src/ on PYTHONPATH.
+install_site() {
+  site_tmp=$(mktemp -d /tmp/tt-site.XXXXXX)
+  trap 'rm -rf "$site_tmp"' EXIT
+  local peers="$site_tmp/peers" own="$site_tmp/tensortier" tree="$site_tmp/tree"
+  local pip=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+    --disable-pip-version-check)
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "${pip[@]}" --target "$peers" .whl/*.whl ||
+      echo "gpu_check.sh: installing .whl/ failed (wheels for Python 3.12); peers may be missing"
+  else
+    echo "gpu_check.sh: no .whl/ (run 'make gpu-wheels' here and carry .whl): peers missing"
+  fi
+  mkdir -p "$tree/src" && cp -r pyproject.toml README.md "$tree/" &&
+    cp -r src/tensortier "$tree/src/"
+  if "$PY" -c "import setuptools.build_meta" 2>/dev/null &&
+      "${pip[@]}" --no-build-isolation --target "$own" "$tree" &&
+      PYTHONPATH="$own" "$PY" -c "import importlib.util as u, sys
+s = u.find_spec('tensortier'); sys.exit(not (s and s.origin.startswith(sys.argv[1])))" "$own"
+  then
+    export PATH="$own/bin:$peers/bin:$PATH"
+  else
+    echo "gpu_check.sh: installing tensortier failed (no setuptools?); using src/ on PYTHONPATH"
+    own="$PWD/src"
+  fi
+  export PYTHONPATH="$own:$peers${PYTHONPATH:+:$PYTHONPATH}"
+}
+
 args=()
 if [ "$dry" = 1 ]; then
   args+=(--dry-run)
   cap=([transfer]=120 [pytest]=300 [activations]=300 [llama]=300 [optimizer]=200 [checkpoint]=200)
-else
-  site=$(mktemp -d /tmp/tt-site.XXXXXX)
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
-      .whl/*.whl || echo "gpu_check.sh: installing .whl/ failed; peers may be missing"
-  else
-    echo "gpu_check.sh: no .whl/ (run 'make gpu-wheels' here and carry .whl): peers missing"
-  fi
-  if "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
-      --target "$site" . ; then
-    export PATH="$site/bin:$PATH"
-  else
-    echo "gpu_check.sh: installing tensortier failed; using src/ on PYTHONPATH"
-    site="$site:$PWD/src"
-  fi
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+install_site  # the dry run too: the first GPU call cannot fail on the install either
 export PYTHONUNBUFFERED=1
 export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # deterministic cuBLAS
 tag=$("$PY" scripts/gpu_check.py tag "${args[@]}") || { echo "cannot import torch" >&2; exit 1; }

@@ -69,6 +69,8 @@ PATHS = {
 SPILL_DIRS = ("mnt/nvme/tt", "data/rb")  # must exist before, and be empty after, every block
 RAY = re.compile(r"\bray\.|tt\.rl\.serve\(|RemoteStore\(")
 TORCHRUN = "dist.init_process_group()"
+# packages a block may import that are optional (the GPU machine's image has none of them)
+OPTIONAL = re.compile(r"^\s*(?:import|from)\s+(datasets|pyarrow|lmdb|deepspeed|torchrl)\b", re.M)
 
 
 def python_blocks() -> list[tuple[int, str]]:
@@ -132,6 +134,8 @@ def test_readme_block_runs(line, code, tmp_path, request):
     path = [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(script)]
+    for name in OPTIONAL.findall(code):
+        pytest.importorskip(name)
     if RAY.search(code):
         address, ray_tmp = request.getfixturevalue("ray_address")
         env.update(RAY_ADDRESS=address, RAY_TMPDIR=ray_tmp)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tensortier.cli import main
 from tensortier.data import Catalog
 
@@ -43,14 +45,14 @@ def test_verify_reports_damage_and_exits_1(tmp_path, capsys):
     assert "no catalog" in capsys.readouterr().err
 
 
-def test_build_from_jsonl_parquet_and_npy(tmp_path, capsys):
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [
+def _rows() -> list[dict]:
+    return [
         {"id": i, "text": f"t{i}", "ids": list(range(i % 4)), "ok": i % 2 == 0} for i in range(50)
     ]
+
+
+def test_build_from_jsonl(tmp_path):
+    rows = _rows()
     src = tmp_path / "rows.jsonl"
     src.write_text(
         "\n".join(json.dumps(r) for r in rows[:20])
@@ -62,6 +64,12 @@ def test_build_from_jsonl_parquet_and_npy(tmp_path, capsys):
     assert len(got) == 50 and got[7]["text"] == "t7" and got[7]["ok"] is False
     assert [g["ids"].tolist() for g in got] == [r["ids"] for r in rows]
 
+
+def test_build_from_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")  # the GPU machine's image has none
+    import pyarrow.parquet as pq
+
+    rows = _rows()
     for k in range(2):
         pq.write_table(
             pa.Table.from_pylist(rows[25 * k : 25 * (k + 1)]), tmp_path / f"p{k}.parquet"
@@ -70,6 +78,10 @@ def test_build_from_jsonl_parquet_and_npy(tmp_path, capsys):
     assert main(["catalog", "build", str(tmp_path / "q"), "--parquet", pattern, "--quiet"]) == 0
     got = Catalog.open(tmp_path / "q")[:]
     assert [g["id"] for g in got] == list(range(50)) and got[9]["ids"].tolist() == [0]
+
+
+def test_build_from_npy(tmp_path):
+    import numpy as np
 
     feats = tmp_path / "feats"
     feats.mkdir()

@@ -1,11 +1,21 @@
 """Building from Hugging Face datasets, Arrow tables and lists of numbers (``_sources.py``)."""
 
-import datasets
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from tensortier.data import Catalog
+
+# optional: the GPU machine's image has neither, and the tests of lists of numbers still run there
+try:
+    import datasets
+except ImportError:
+    datasets = None
+try:
+    import pyarrow as pa
+except ImportError:
+    pa = None
+needs_hf = pytest.mark.skipif(datasets is None, reason="needs Hugging Face datasets")
+needs_arrow = pytest.mark.skipif(pa is None, reason="needs pyarrow")
 
 
 def hf_rows(ds) -> list[dict]:
@@ -53,6 +63,7 @@ def hf():
     )
 
 
+@needs_hf
 def test_a_hugging_face_dataset_is_stored_row_for_row_from_its_arrow_columns(
     tmp_path, hf, monkeypatch
 ):
@@ -72,18 +83,21 @@ def test_a_hugging_face_dataset_is_stored_row_for_row_from_its_arrow_columns(
     assert got[1]["input_ids"].dtype == np.int32  # Arrow's type kept (datasets made it int32)
 
 
+@needs_hf
 def test_a_shuffled_and_selected_dataset_is_stored_in_its_own_order(tmp_path, hf):
     sub = hf.shuffle(seed=1).select(range(100, 400))
     cat = Catalog.build(tmp_path / "c", sub)
     assert all(equal(g, w) for g, w in zip(cat[:], hf_rows(sub)))
 
 
+@needs_hf
 def test_an_iterable_dataset_is_read_as_arrow_too(tmp_path, hf):
     it = hf.to_iterable_dataset(num_shards=2)
     cat = Catalog.build(tmp_path / "c", it)
     assert all(equal(g, w) for g, w in zip(cat[:], hf_rows(hf)))
 
 
+@needs_arrow
 def test_arrow_tables_structs_fixed_lists_dictionaries_and_sliced_lists(tmp_path):
     ids = pa.array([[1, 2, 3], [], [4], [5, 6]], pa.list_(pa.int32())).slice(1, 3)
     table = pa.table(
@@ -113,6 +127,7 @@ def test_arrow_tables_structs_fixed_lists_dictionaries_and_sliced_lists(tmp_path
     )  # a RecordBatch too
 
 
+@needs_arrow
 def test_nulls_are_refused_naming_the_record_and_the_field(tmp_path):
     table = pa.table({"a": [1, 2, None], "b": ["x", "y", "z"]})
     with pytest.raises(TypeError, match=r"record 2 cannot be stored: field 'a' is null"):

@@ -9,7 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(tmp, nproc: int, steps: int) -> str:
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), OMP_NUM_THREADS="1")
+    # src/ ahead of the caller's path, which may carry the dependencies (gpu_check.sh's site dirs)
+    path = [os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.join(ROOT, "examples", "ddp_offload.py"), "--nproc", str(nproc)]
     cmd += ["--steps", str(steps), "--every", "3", "--ckpt", str(tmp / "ck")]
     cmd += ["--spill-dir", str(tmp)]

@@ -26,6 +26,13 @@ def test_dry_run_runs_every_phase_and_writes_its_json(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert (tmp_path / "gpu_check-cpu-dry.log").exists()
+    # the dry run installs tensortier as the GPU run does (--no-index, a temporary site dir
+    # removed at the end), CLI included, so the first GPU call cannot fail on the install
+    assert "installing tensortier failed" not in proc.stdout, proc.stdout[-4000:]
+    env_ = json.loads((tmp_path / "transfer-cpu-dry.json").read_text())["environment"]
+    site = os.path.dirname(os.path.dirname(env_["tensortier_from"]))
+    assert site.startswith("/tmp/tt-site.") and not os.path.exists(site), site
+    assert env_["tensortier_cli"] == os.path.join(site, "bin", "tensortier")
     for phase in PHASES:
         data = json.loads((tmp_path / f"{phase}-cpu-dry.json").read_text())
         assert data["complete"], phase

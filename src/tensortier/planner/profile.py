@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -23,6 +24,18 @@ from tensortier._units import SizeLike, parse_size
 from tensortier.tiers.codecs import CodecSpeed, measure_codecs
 
 CHANNELS = ("d2h", "h2d", "h2disk", "disk2h", "h2remote", "remote2h")
+
+
+def fold_sum(seconds: Iterable[float]) -> float:
+    """Left-to-right float addition: the same bits on every Python. ``sum()`` of floats
+    compensates its rounding from Python 3.12 on (Neumaier), so a plan simulated on 3.12 (the
+    GPU machine) differed in the last bit from the same plan on 3.11."""
+    total = 0.0
+    for x in seconds:
+        total += x
+    return total
+
+
 # A probe transfer (16 MiB) not done after this long is a stuck disk or device: raise
 # (concurrent.futures.TimeoutError) instead of hanging the first planned step.
 PROBE_TIMEOUT_S = 300.0
@@ -145,7 +158,7 @@ class Profile:
 
     @property
     def compute_s(self) -> float:
-        return sum(u.fwd_s + u.bwd_s for u in self.units) + self.other_fwd_s + self.other_bwd_s
+        return fold_sum(u.fwd_s + u.bwd_s for u in self.units) + self.other_fwd_s + self.other_bwd_s
 
     # --- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict:

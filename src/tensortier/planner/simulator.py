@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from tensortier.planner.profile import CHANNELS, Profile, TensorProfile
+from tensortier.planner.profile import CHANNELS, Profile, TensorProfile, fold_sum
 
 HOST_CODECS = ("zstd", "lz4")  # run on host bytes: encoding already moves the data to the host
 _TICK = 1e-9  # the shortest op: zero-time units still order their memory events
@@ -258,7 +258,7 @@ def selective_costs(profile: Profile, unit, recompute: frozenset[int]) -> Select
     cached_ops = {o.index for o in ops if o.index not in recompute and not (o.view or o.pinned)}
     cached = sum(o.out_bytes for o in ops if o.index in cached_ops)
     saved_cached = sum(min(o.saved_bytes, o.out_bytes) for o in ops if o.index in cached_ops)
-    rerun = sum(o.seconds for o in ops if o.index not in cached_ops)
+    rerun = fold_sum(o.seconds for o in ops if o.index not in cached_ops)
     dispatch = len(ops) * profile.sac_op_s
     recomputed = {t.index for t in profile.tensors_of(unit.name) if t.op_index not in cached_ops}
     return Selective(cached, cached - saved_cached, rerun + dispatch, dispatch, recomputed)
@@ -623,7 +623,7 @@ class _Iteration:
             peak_bytes=int(base + peak),
             step_s=self.now,
             exposed_s=self.exposed,
-            overhead_s=sum(self.added.values()),
+            overhead_s=fold_sum(self.added.values()),
             overhead_by=self.added,
             forward_s=forward_s,
             host_peak_bytes=int(host_peak),
