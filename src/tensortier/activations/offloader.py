@@ -270,9 +270,10 @@ class Offloader:
     tensors saved in a CUDA run (they hold no device memory). ``prefetch_budget`` bounds the bytes
     read back ahead of backward (a record larger than it is read ahead alone; 0: none, every
     saved tensor is read when backward asks for it), ``inflight_budget`` the bytes being
-    written (their sources still in memory); ``disk_budget`` the bytes the disk tier may preallocate, ``io_threads`` its I/O
-    threads. ``decide`` (the planner's hook) overrides ``min_bytes``/``tier`` per tensor. ``record=True`` keeps
-    per-tensor timings in ``records`` for profiling. ``offload_weight_casts=True`` also moves
+    written (their sources still in memory); ``disk_budget`` the bytes the disk tier may
+    preallocate, ``io_threads`` its I/O threads. ``decide`` (the planner's hook) overrides
+    ``min_bytes``/``tier`` per tensor. ``record=True`` keeps per-tensor timings in ``records``
+    for profiling. ``offload_weight_casts=True`` also moves
     autocast's low-precision weight casts, which by default stay on the device: the autocast cache
     holds them until autocast exits, so moving them frees nothing before backward and costs their
     size over the bus both ways (it only lowers memory during backward).
