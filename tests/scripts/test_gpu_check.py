@@ -63,3 +63,29 @@ def test_dry_run_runs_every_phase_and_writes_its_json(tmp_path):
     for row in acts["rows"]:
         if row["variant"] not in ("config", "plain", *CUDA_ONLY) and "@" not in row["variant"]:
             assert row["grads_identical_every_step"], row  # the CPU is deterministic
+
+
+def test_compiling_gpu_tests_run_last_under_the_longer_timeout(tmp_path):
+    (tmp_path / "test_order.py").write_text(
+        "import torch\n"
+        "def test_compiles(request):\n"
+        "    if False:\n"
+        "        torch.compile(torch.nn.Linear(1, 1))\n"
+        "    assert request.node.get_closest_marker('timeout').args == (90,)\n"
+        "def test_quick(request):\n"
+        "    assert request.node.get_closest_marker('timeout') is None\n"
+    )
+    rows = tmp_path / "rows.jsonl"
+    env = dict(os.environ, TT_GPU_CHECK_ROWS=str(rows))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.path.join(ROOT, "scripts"), env.get("PYTHONPATH")])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "_pytest_rows", "-p", "no:cacheprovider",
+         "--timeout=30", str(tmp_path / "test_order.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = [json.loads(line) for line in rows.read_text().splitlines()]
+    ran = [row["test"].split("::")[1] for row in lines if "test" in row]
+    assert ran == ["test_quick", "test_compiles"]
