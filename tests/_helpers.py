@@ -37,7 +37,8 @@ class HostAdamW(torch.optim.Optimizer):
     ``GradScaler.step`` sets ``grad_scale`` (``None`` after ``unscale_``) and ``found_inf``,
     which reach the CPU AdamW the same way, copied to the host first and blocking (torch would
     copy them ``non_blocking`` from CUDA, racing the CPU kernel). Like fused AdamW it leaves the
-    unscaled gradients in ``.grad``."""
+    unscaled gradients in ``.grad``. One device's ``found_inf`` only: torch's fused kernels skip
+    at exactly 1.0, not at the 2.0 that GradScaler sums from two devices' overflows."""
 
     _step_supports_amp_scaling = True
 
