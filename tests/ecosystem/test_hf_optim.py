@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tensortier as tt
+from tests._helpers import HostAdamW, Trace, assert_same_trace
 from tests.ecosystem._hf import (
     BATCH,
     KINDS,
@@ -29,6 +30,12 @@ HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
 def fused(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, **HP, fused=True)
+
+
+def host(params) -> HostAdamW:
+    """What offloading means, in plain PyTorch (fp32 host masters, CPU fused AdamW): exact on
+    every device, where CUDA's fused AdamW rounds differently."""
+    return HostAdamW(params, **HP)
 
 
 def offloaded(params, **kw) -> tt.OffloadedAdamW:
@@ -220,6 +227,46 @@ def test_grad_scaler_with_an_overflow_step(dtype, overflow_at, unscale_and_clip)
         )
         assert_same_state(state, want.state_dict())
     assert_same_params(got, ref)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_offloaded_adamw_under_gradscaler_overflow_and_clip_is_exact(device):
+    """GPU review #1: GPT-2 under fp16 autocast, ``GradScaler`` with one overflow after
+    calibration, ``unscale_`` and ``clip_grad_norm_`` every step: ``OffloadedAdamW`` lands on the
+    bits of ``HostAdamW`` (fp32 host masters updated by CPU fused AdamW) after every step. On CPU
+    the reference is itself pinned to ``torch.optim.AdamW(fused=True)``. On CUDA, CUDA's fused
+    AdamW is no reference: Adam turns the kernels' different rounding on near-zero gradients
+    (the attention key bias's is exactly zero) into steps of about lr (H100 run 2 failed at atol
+    1e-5), while a wrongly applied scale moves Adam by far less (it is nearly scale-invariant)."""
+    ref = build("gpt2").to(device)
+    # "again": a second reference run; if it differs, the GPU's forward/backward itself is not
+    # reproducible (e.g. an attention backward with atomic adds), not the optimizer
+    kinds = ["reference", "again", "tt"] + (["torch"] if device == "cpu" else [])
+    models = {k: twin(ref) for k in kinds}
+    make = {"reference": host, "again": host, "tt": offloaded, "torch": fused}
+    opts = {k: make[k](m.parameters()) for k, m in models.items()}
+    scalers = {k: torch.amp.GradScaler(device, init_scale=2.0**16) for k in kinds}
+    traces = {k: Trace(m) for k, m in models.items()}
+    try:
+        for step in range(8):
+            for k, model in models.items():
+                with torch.autocast(device, dtype=torch.float16):
+                    out = model(**{n: t.to(device) for n, t in batch("gpt2", step).items()})
+                loss = out.loss.float()
+                if step == 3:
+                    loss = loss * math.inf  # one overflowing step
+                scalers[k].scale(loss).backward()
+                scalers[k].unscale_(opts[k])
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                scalers[k].step(opts[k])
+                scalers[k].update()
+                traces[k].record(scalers[k])
+                opts[k].zero_grad(set_to_none=True)
+    finally:
+        opts["tt"].close()
+    for k in kinds[1:]:
+        assert_same_trace(traces[k], traces["reference"], k, f"tt: {opts['tt'].stats()}")
+    assert opts["tt"].stats().skipped_steps == 1
 
 
 # ----------------------------------------------------------------------------- HF Trainer
