@@ -15,6 +15,15 @@ runs a short list of plans, each for ``repeats`` real training steps, right afte
 * the list holds the plans predicted within ``SPREAD`` of the fastest that fits (the simulator's
   error on a CPU), the fastest predicted first, at most ``plans`` of them and ``seconds`` of
   trial steps;
+* a plan the simulator predicts faster than the last one measured, and under the planning
+  budget, that the measured bound alone rules out is approached by a bridge (:func:`bridge`): the last plan measured under the budget with as many of its units
+  switched to the faster plan's actions as still fit. The passes the planner measured before
+  the trials offload nearly everything, so the measured bound of a plan that keeps or reruns
+  layers adds all their bytes to a pass peak reached elsewhere in the step (on gpt:8x128x4 at
+  0.35x, flashneuron's bound was 36 MiB, its steps measured 22-24 MiB): no plan of the list was
+  close to a measured pass, the first plan (swap_all, predicted slowest) was the only trial and
+  ran. Each bridge measured is a pass close to the next, so the bound of the faster plan tightens
+  step by step, and a bridge is a plan that fits by the same rules, kept if fastest;
 * then the plan with the fastest measured step (the least of its steps) that stayed under the
   budget runs.
 
@@ -32,6 +41,8 @@ from dataclasses import dataclass, field
 from tensortier.planner.policies import Choice
 from tensortier.planner.profile import Profile
 from tensortier.planner.simulator import Plan
+
+Evaluate = Callable[[Plan], Choice]  # a plan simulated as the planner's choices are
 
 # trials: plans predicted at most this much slower than the fastest that fits. The simulator's
 # slowdown over keep erred by up to 27% on the quiet CPU sweep (swaps' costs low, recompute's
@@ -72,8 +83,13 @@ class Trials:
         plans: int,
         seconds: float,
         repeats: int = REPEATS,
+        evaluate: Evaluate | None = None,
+        predicted: Callable[[Choice], bool] | None = None,
     ):
         self.profile, self.fits, self.first = profile, fits, first
+        # bridges (None: only the planner's plans are tried): ``evaluate`` simulates one,
+        # ``predicted`` says whether a plan fits as the simulator predicts it (a bridge's target)
+        self.evaluate, self.predicted = evaluate, predicted
         self.plans, self.seconds, self.repeats = plans, seconds, max(1, repeats)
         self.pool: dict[str, Choice] = {}
         for c in [first, *first.considered.values()]:
@@ -155,15 +171,61 @@ class Trials:
             )
 
     def _candidate(self) -> Choice | None:
-        """The untried plan predicted fastest among those that fit now, if it is predicted
-        within ``SPREAD`` of the fastest plan that fits (tried ones included)."""
+        """The untried plan predicted fastest among those that fit now and the bridge toward a
+        faster plan that does not (:meth:`_bridge`), if it is predicted within ``SPREAD`` of the
+        fastest plan that fits (tried ones included)."""
         tried = {plan_key(t.choice.plan) for t in self.done}
         fitting = [(k, c) for k, c in self.pool.items() if self.fits(c)]
         if not fitting:
             return None
         fastest = min(c.result.step_s for _, c in fitting)
         untried = [c for k, c in fitting if k not in tried]
+        bridged = self._bridge(tried)
+        if bridged is not None:
+            untried.append(bridged)
         if not untried:
             return None
         pick = min(untried, key=lambda c: (c.result.step_s, c.result.peak_bytes))
         return pick if pick.result.step_s <= (1 + SPREAD) * fastest else None
+
+    def _bridge(self, tried: set[str]) -> Choice | None:
+        """The bridge from the last plan measured under the budget toward the fastest untried
+        plan predicted faster than it and under the planning budget, that does not fit as the
+        measured passes bound it (see the module docstring), or None."""
+        ok = [t for t in self.done if not t.over]
+        if self.evaluate is None or self.predicted is None or not ok:
+            return None
+        base = ok[-1].choice
+        targets = [
+            c
+            for k, c in self.pool.items()
+            if k not in tried
+            and c.result.step_s < base.result.step_s
+            and self.predicted(c)
+            and not self.fits(c)
+        ]
+        for target in sorted(targets, key=lambda c: c.result.step_s):
+            b = bridge(self.profile, base, target, self.fits, self.evaluate)
+            if b is not None and plan_key(b.plan) not in tried:
+                return b
+        return None
+
+
+def bridge(
+    profile: Profile, base: Choice, target: Choice, fits: Callable[[Choice], bool], ev: Evaluate
+) -> Choice | None:
+    """``base`` with the units of ``target`` switched to its actions, one at a time in forward
+    order, each switch kept while the plan still ``fits``; None when no switch fits or the
+    result is not predicted faster than ``base``."""
+    name = f"toward {target.plan.policy.removeprefix('auto:')}"
+    actions, out = dict(base.plan.actions), None
+    for unit in (u.name for u in profile.units):
+        a = target.plan.action(unit)
+        if a == actions.get(unit, base.plan.action(unit)):
+            continue
+        c = ev(Plan(name, {**actions, unit: a}))
+        if fits(c):
+            actions, out = dict(c.plan.actions), c
+    if out is None or out.result.step_s >= base.result.step_s:
+        return None
+    return out
