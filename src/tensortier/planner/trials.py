@@ -14,7 +14,7 @@ runs a short list of plans, each for ``repeats`` real training steps, right afte
   it tightens to what was measured, and plans the first bound ruled out can become trials;
 * the list holds the plans predicted within ``SPREAD`` of the fastest that fits (the simulator's
   error on a CPU), the fastest predicted first, at most ``plans`` of them and ``seconds`` of
-  trial steps;
+  trial steps; each runs one step there (its peak, and the warm-up of its buffers);
 * a plan the simulator predicts faster than the last one measured, and under the planning
   budget, that the measured bound alone rules out is approached by a bridge (:func:`bridge`): the last plan measured under the budget with as many of its units
   switched to the faster plan's actions as still fit. The passes the planner measured before
@@ -24,8 +24,12 @@ runs a short list of plans, each for ``repeats`` real training steps, right afte
   close to a measured pass, the first plan (swap_all, predicted slowest) was the only trial and
   ran. Each bridge measured is a pass close to the next, so the bound of the faster plan tightens
   step by step, and a bridge is a plan that fits by the same rules, kept if fastest;
-* then the plan with the fastest measured step (the least of its steps) that stayed under the
-  budget runs.
+* then the plans measured under the budget are compared fairly: ``repeats`` rounds of one step
+  of each, interleaved, every other round in reverse order (ABBA: on a shared machine the load
+  drifts, and a plan timed alone in its own window was judged by the load of that window: at
+  0.5x the first plan's first step, 0.375 s, beat plans later measured faster over 5 rounds),
+  and the plan with the least mean of its compared steps runs (the least single step when fewer
+  than two plans were measured).
 
 Every plan is lossless unless the user allowed lossy codecs, so the gradients of a trial step
 are those of plain training: trials change only how fast a step runs. This module holds the
@@ -37,6 +41,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from statistics import fmean
 
 from tensortier.planner.policies import Choice
 from tensortier.planner.profile import Profile
@@ -48,7 +53,7 @@ Evaluate = Callable[[Plan], Choice]  # a plan simulated as the planner's choices
 # slowdown over keep erred by up to 27% on the quiet CPU sweep (swaps' costs low, recompute's
 # reruns high: planner-sweep-quiet-cpu.json), so a plan predicted 25% slower may be the fastest
 SPREAD = 0.30
-REPEATS = 2  # steps per trial plan (the first after a switch warms the offloader's buffers)
+REPEATS = 2  # rounds of the comparison (after one step of each plan: its peak, its warm-up)
 
 
 def plan_key(plan: Plan) -> str:
@@ -59,12 +64,14 @@ def plan_key(plan: Plan) -> str:
 
 @dataclass
 class Trial:
-    """One plan's trial steps: their times (seconds, forward to the end of backward) and peaks
-    (the step's own, as a timing pass's: resident buffers excluded)."""
+    """One plan's trial steps: their times (seconds, forward to the end of backward; ``times``
+    its exploring step's, ``compared`` those of the interleaved rounds) and peaks (the step's
+    own, as a timing pass's: resident buffers excluded)."""
 
     choice: Choice
     steps: int = 0
     times: list[float] = field(default_factory=list)
+    compared: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
     over: bool = False  # a step of it went over the budget
 
@@ -97,22 +104,36 @@ class Trials:
         self.done: list[Trial] = []
         self.current: Trial | None = None
         self.spent = 0.0
+        self.queue: list[Trial] | None = None  # the comparison's steps to come (None: exploring)
 
     def next(self) -> Choice | None:
         """The plan the next step runs, or None: the trials are over (see :meth:`best`)."""
-        cur = self.current
-        if cur is not None and cur.steps < self.repeats and not cur.over:
-            cur.steps += 1
-            return cur.choice
-        if cur is not None:
-            self._finish(cur)
-        if len(self.done) >= self.plans or self.spent >= self.seconds:
-            return None
-        choice = self._candidate()
-        if choice is None:
-            return None
-        self.current = Trial(choice, steps=1)
-        return choice
+        if self.queue is None:
+            if self.current is not None:
+                self._finish(self.current)
+            choice = None
+            if len(self.done) < self.plans and self.spent < self.seconds:
+                choice = self._candidate()
+            if choice is not None:
+                self.current = Trial(choice, steps=1)
+                return choice
+            self.queue = self._rounds()
+        self.current = None
+        while self.queue:
+            trial = self.queue.pop(0)
+            if not trial.over:
+                trial.steps += 1
+                self.current = trial
+                return trial.choice
+        return None
+
+    def _rounds(self) -> list[Trial]:
+        """The comparison's steps: ``repeats`` rounds of the plans measured under the budget,
+        every other round reversed (ABBA: a load drifting linearly weighs on each alike)."""
+        ok = [t for t in self.done if t.times and not t.over]
+        if len(ok) < 2:
+            return []
+        return [t for r in range(self.repeats) for t in (ok if r % 2 == 0 else ok[::-1])]
 
     def measured(self, peak: int | None = None, seconds: float | None = None, over=False) -> None:
         """What the running trial's step measured: its peak, its time, whether it went over."""
@@ -122,18 +143,23 @@ class Trials:
         if peak is not None:
             cur.peaks.append(peak)
         if seconds is not None:
-            cur.times.append(seconds)
+            (cur.times if self.queue is None else cur.compared).append(seconds)
             self.spent += seconds
         cur.over = cur.over or over
 
     def best(self) -> Choice:
-        """The plan with the fastest measured step that stayed under the budget (the first
-        plan when no trial step was timed: forwards without a backward)."""
-        if self.current is not None:
+        """The plan with the least mean compared step that stayed under the budget (the least
+        step when none was compared; the first plan when no trial step was timed: forwards
+        without a backward)."""
+        if self.current is not None and self.queue is None:
             self._finish(self.current)
+        self.current = None
         ok = [t for t in self.done if t.times and not t.over]
         if not ok:
             return self.first
+        if any(t.compared for t in ok):
+            ok = [t for t in ok if t.compared]
+            return min(ok, key=lambda t: (fmean(t.compared), t.choice.result.step_s)).choice
         return min(ok, key=lambda t: (min(t.times), t.choice.result.step_s)).choice
 
     def rows(self, kept: Choice) -> list[dict]:
@@ -146,8 +172,9 @@ class Trials:
             {
                 "plan": t.choice.plan.policy,
                 "predicted step_s": f"{t.choice.result.step_s:.4g}",
-                "measured steps_s": ", ".join(f"{s:.4g}" for s in t.times) or "-",
-                "fastest_s": f"{min(t.times):.4g}" if t.times else "-",
+                "measured steps_s": ", ".join(f"{s:.4g}" for s in t.times + t.compared) or "-",
+                "compared_s": f"{fmean(t.compared):.4g}" if t.compared else "-",
+                "fastest_s": f"{min(t.times + t.compared):.4g}" if t.times else "-",
                 "peak": format_size(max(t.peaks)) if t.peaks else "-",
                 "over budget": "yes" if t.over else "",
                 "kept": "yes" if plan_key(t.choice.plan) == key else "",
