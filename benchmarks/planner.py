@@ -269,7 +269,7 @@ def _settle_auto(args, run: _Runner, config):
     error = minimum = None
     profiling = []
     try:
-        limit = config.warmup + 3 + args.timing_iters + config.trial_plans * REPEATS
+        limit = config.warmup + 3 + args.timing_iters + config.trial_plans * (1 + REPEATS)
         while not planned.settled:
             dt, peak, digest = run.step(auto)
             profiling.append(peak)

@@ -111,7 +111,8 @@ def test_other_sequence_lengths_get_their_bucket_plan_without_profiling(spill_di
     off = planned_offload("48MiB", spill_dir=spill_dir, options=FAST)
     try:
         got = _grads(model, xs, off)
-        passes = len(off.profile.passes)
+        profiled = [r for r in off.profile.passes if r["kind"] != "trial"]  # trials: not profiled
+        passes = len(profiled)
     finally:
         off.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, got))

@@ -207,7 +207,7 @@ def test_the_report_shows_the_plan_the_trials_kept_and_their_measured_steps(
     )
     first = slow_first_plan(monkeypatch, off)
     try:
-        for _ in range(16):
+        for _ in range(20):  # warm-up, probe, timing passes, up to 4 plans x 3 trial steps
             m.zero_grad(set_to_none=True)
             with off:
                 loss = m(x).sum()
@@ -227,5 +227,5 @@ def test_the_report_shows_the_plan_the_trials_kept_and_their_measured_steps(
     head, body = rows[0], [dict(zip(rows[0], r)) for r in rows[1:]]
     assert "measured steps_s" in head and len(body) >= 2
     (mark,) = [r for r in body if r["kept"] == "yes"]
-    assert mark["fastest_s"] == min((r["fastest_s"] for r in body), key=float)
+    assert mark["compared_s"] == min((r["compared_s"] for r in body), key=float)
     assert all(r["measured steps_s"] != "-" for r in body)

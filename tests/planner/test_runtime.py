@@ -111,7 +111,8 @@ def test_planned_offload_matches_plain_gradients(tmp_path, budget):
     assert off.choice is not None and off.choice.result.peak_bytes <= 64 << 20
     # the probe and two timing passes, each measured; the two planned steps checked too
     assert [r["kind"] for r in off.profile.passes][0] == "probe"
-    assert len(off.profile.passes) == 3 and all(r["step_s"] > 0 for r in off.profile.passes)
+    profiled = [r for r in off.profile.passes if r["kind"] != "trial"]  # auto's trials: passes too
+    assert len(profiled) == 3 and all(r["step_s"] > 0 for r in profiled)
     assert len(off.measured_peaks) == 2
     assert (
         len(off.profile.tensors) == 5

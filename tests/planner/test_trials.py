@@ -61,7 +61,7 @@ def test_measured_trials_overturn_the_simulators_order(tmp_path, monkeypatch):
     off = runtime.planned_offload(budget, spill_dir=str(tmp_path), options=FAST)
     first = slow_first_plan(monkeypatch, off)
     try:
-        for _ in range(16):
+        for _ in range(20):  # warm-up, probe, timing passes, up to 4 plans x 3 trial steps
             m.zero_grad(set_to_none=True)
             with off:
                 loss = m(x).sum()
@@ -126,3 +126,104 @@ def test_recomputed_units_add_their_inputs_and_one_units_tensors_to_the_bound(ma
     disk = UnitAction(Mode.DISK)
     plan = Plan("x", {"h.0": UnitAction(Mode.KEEP), "h.1": rc, "h.2": rc, "h.3": disk})
     assert measured_bound(p, plan) == 9 * MiB + 2 * MiB + 2 * (MiB // 4) + 2 * MiB
+
+
+def _bridged_trials(make_profile, plans: int = 4):
+    """Trials as the runtime builds them on a chain whose swaps cost time: the only pass
+    offloaded everything (peak 10 MiB), so the measured bound rules out ``fine`` (it keeps two
+    units: 14 MiB over a 12.5 MiB limit) although the simulator puts it under the 7.5 MiB
+    planning budget and faster than ``swap_all``, the plan that fits; ``keep`` is faster still
+    but over the planning budget."""
+    from tensortier.planner.policies import Choice, evaluate
+    from tensortier.planner.trials import Trials
+
+    p = make_profile(n_units=4, tensor_bytes=MiB, per_unit=2, bw=MiB)
+    p.passes = [{"kind": "probe", "kept": [], "parts": {}, "tier": "disk", "peak_bytes": 10 * MiB}]
+    opts = Options(margin=0.0)
+    disk, keep = UnitAction(Mode.DISK), UnitAction(Mode.KEEP)
+
+    def ev(plan: Plan) -> Choice:
+        return evaluate(p, plan, opts)
+
+    def predicted(c: Choice) -> bool:
+        return c.result.peak_bytes <= 7.5 * MiB
+
+    def fits(c: Choice) -> bool:
+        return predicted(c) and measured_bound(p, c.plan) <= 12.5 * MiB
+
+    units = [f"h.{i}" for i in range(4)]
+    first = ev(Plan("auto:swap_all", {u: disk for u in units}))
+    fine = ev(Plan("fine", {u: keep if u in ("h.0", "h.1") else disk for u in units}))
+    everything = ev(Plan("keep", {u: keep for u in units}))
+    first.considered = {"fine": fine, "keep": everything}
+    assert fine.result.step_s < first.result.step_s and predicted(fine) and not fits(fine)
+    t = Trials(p, first, fits, plans, seconds=100.0, evaluate=ev, predicted=predicted)
+    return t, fits, fine
+
+
+def _run_trials(t, fits, peak_of, seconds_of) -> list:
+    """Step the trials to their end with fake peaks and times; the plans they ran, in order."""
+    ran = []
+    while (c := t.next()) is not None:
+        assert fits(c), c.plan  # every plan a trial runs fits when it runs: the budget holds
+        ran.append(c)
+        t.measured(peak=peak_of(c), seconds=seconds_of(c))
+    return ran
+
+
+def test_bridges_lead_the_trials_to_a_faster_plan_the_measured_bound_ruled_out(make_profile):
+    """The cause of auto keeping swap_all at 0.35x on gpt:8x128x4: every plan faster than the
+    first was ruled out by a bound loose far from the measured passes, so the first plan was the
+    only trial. A bridge (the first plan with one of fine's kept units) fits, and its measured
+    peak bounds fine within the limit: fine runs, is measured fastest (a fake clock) and stays.
+    The plan the simulator puts over the planning budget (keep) is never a bridge's target."""
+    t, fits, fine = _bridged_trials(make_profile)
+    times = {"auto:swap_all": 2.0, "toward fine": 1.5, "fine": 1.0}
+    ran = _run_trials(t, fits, lambda c: 10 * MiB, lambda c: times[c.plan.policy])
+    names = [c.plan.policy for c in ran]
+    assert names[:3] == ["auto:swap_all", "toward fine", "fine"]  # then compared in rounds
+    kept = {u: a.label() for u, a in ran[1].plan.actions.items()}
+    assert kept == {"h.0": "keep", "h.1": "disk", "h.2": "disk", "h.3": "disk"}
+    assert _key(t.best().plan) == _key(fine.plan)
+
+
+def test_a_bridge_measured_high_does_not_open_the_way(make_profile):
+    """The bridge's measured peak is what bounds the faster plan: measured 1 MiB higher than the
+    passes before it, fine stays over the limit, the trials try no plan that does not fit, and
+    the fastest plan measured of those that ran stays."""
+    t, fits, _ = _bridged_trials(make_profile)
+    peaks = {"auto:swap_all": 10 * MiB, "toward fine": 11 * MiB}
+    times = {"auto:swap_all": 2.0, "toward fine": 1.5}
+    ran = _run_trials(t, fits, lambda c: peaks[c.plan.policy], lambda c: times[c.plan.policy])
+    assert {c.plan.policy for c in ran} == {"auto:swap_all", "toward fine"}
+    assert t.best().plan.policy == "toward fine"
+
+
+def test_plans_are_compared_in_interleaved_rounds_under_a_drifting_load(make_profile):
+    """On a shared machine the load drifts: here every step takes 0.1 s longer than the one
+    before. ``fine`` (predicted fastest, so run first) truly takes 1.0 s, ``swap_all`` 0.9 s.
+    Timed each in its own window (the old trials: two steps of one, then two of the other, the
+    least step kept) fine won by the drift alone; after one step each, interleaved rounds in
+    ABBA order weigh the drift on both alike and swap_all, the faster, stays."""
+    from tensortier.planner.policies import evaluate
+    from tensortier.planner.trials import Trials
+
+    p = make_profile(n_units=4, tensor_bytes=MiB, per_unit=2, bw=MiB)
+    disk, keep = UnitAction(Mode.DISK), UnitAction(Mode.KEEP)
+    units = [f"h.{i}" for i in range(4)]
+    first = evaluate(p, Plan("auto:swap_all", {u: disk for u in units}), Options(margin=0.0))
+    fine = Plan("fine", {u: keep if u in ("h.0", "h.1") else disk for u in units})
+    first.considered = {"fine": evaluate(p, fine, Options(margin=0.0))}
+    t = Trials(p, first, lambda c: True, plans=4, seconds=100.0)
+    cost = {"auto:swap_all": 0.9, "fine": 1.0}
+    step = [0]
+
+    def seconds_of(c) -> float:
+        step[0] += 1
+        return cost[c.plan.policy] + 0.1 * (step[0] - 1)
+
+    ran = _run_trials(t, lambda c: True, lambda c: MiB, seconds_of)
+    assert t.best().plan.policy == "auto:swap_all"
+    names = [c.plan.policy for c in ran]
+    assert names[:2] == ["fine", "auto:swap_all"]  # one step each, the fastest predicted first
+    assert names.count("fine") == names.count("auto:swap_all")  # as many steps each

@@ -319,8 +319,10 @@ def _trials_section(trials: list[dict] | None) -> str:
     if not trials:
         return ""
     return (
-        "<h2>Measured trials</h2><p>These plans ran for real, each for a few training steps; "
-        "the fastest measured step under the budget is the plan kept (above).</p>" + _table(trials)
+        "<h2>Measured trials</h2><p>These plans ran for real, one training step each (its peak); "
+        "then the plans under the budget ran in interleaved rounds, one step each; the one "
+        "with the least mean step of those rounds (compared_s) is the plan kept (above).</p>"
+        + _table(trials)
     )
 
 

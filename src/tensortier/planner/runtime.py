@@ -103,7 +103,7 @@ from tensortier.planner.buckets import dimension_map, input_shapes, scale_profil
 from tensortier.planner.cache import cache_key, load_cached, model_signature, save_cached
 from tensortier.planner.config import PlanConfig
 from tensortier.planner.ops import SelectivePolicy, preload
-from tensortier.planner.policies import Choice, Options, choose, plan_all, smallest
+from tensortier.planner.policies import Choice, Options, choose, evaluate, plan_all, smallest
 from tensortier.planner.profile import Profile
 from tensortier.planner.profiler import (
     PeakMeter,
@@ -725,17 +725,34 @@ class PlannedOffload:
         cfg = self.config
         if cfg.policy != "auto" or cfg.trial_plans < 1 or _dist.active() or self.cached:
             return
-        seconds = (cfg.options or Options()).plan_seconds
-        self._trials = Trials(self.profile, self.choice, self._fits, cfg.trial_plans, seconds)
+        opts = replace(cfg.options or Options(), margin=0.0)  # as _choose plans: margin outside
+
+        def ev(plan: Plan) -> Choice:
+            return evaluate(self.profile, plan, opts)
+
+        self._trials = Trials(
+            self.profile,
+            self.choice,
+            self._fits,
+            cfg.trial_plans,
+            opts.plan_seconds,
+            evaluate=ev,
+            predicted=self._predicted_fits,
+        )
 
     def _fits(self, choice: Choice) -> bool:
         """The rules every plan that runs meets (see :func:`bounded_choice`): the simulator's
         peak, writes stalled, under the planning budget, and the measured bound under the budget
         less the resident buffers."""
-        if choice.result.peak_bytes > self._planning_budget():
+        if not self._predicted_fits(choice):
             return False
         bound = measured_bound(self.profile, choice.plan)
         return bound is None or bound <= self.config.budget - self._overhead
+
+    def _predicted_fits(self, choice: Choice) -> bool:
+        """The simulator's rule of :meth:`_fits`: its peak, writes stalled, under the planning
+        budget."""
+        return choice.result.peak_bytes <= self._planning_budget()
 
     def _step_trials(self) -> None:
         """At a forward during the trials: install the plan this step tries; once they are over,
