@@ -244,14 +244,21 @@ def _holder_actor(directory):
     ]
 
 
+def _push_one(directory, replicas: int = 1):
+    """Step 0 checkpointed and pushed to ``replicas`` holders: ``(model, optimizer, stats)``."""
+    model, opt = make()
+    with Checkpointer(directory, replicas=replicas, replica_timeout=30) as ck:
+        ck.save(0, model=model, optimizer=opt)
+        ck.wait()
+        stats = ck.stats()
+    assert stats.replica_pushes == 1, stats.last_replica_error
+    return model, opt, stats
+
+
 def test_holder_worker_imports_neither_torch_nor_tensortier(cluster, tmp_path):
     """The holder's worker starts without importing torch (the first push's start-up)."""
     directory = tmp_path / "run"
-    model, opt = make()
-    with Checkpointer(directory, replicas=1, replica_timeout=30) as ck:
-        ck.save(0, model=model, optimizer=opt)
-        ck.wait()
-        assert ck.stats().replica_pushes == 1, ck.stats().last_replica_error
+    model, opt, _ = _push_one(directory)
 
     def loaded(_holder) -> list:  # defined here: Ray pickles it by value, importing nothing
         import sys
@@ -281,13 +288,9 @@ def test_each_file_is_serialized_once_for_two_replicas(cluster, tmp_path, monkey
         return real(self, value)
 
     directory = tmp_path / "run"
-    model, opt = make()
     monkeypatch.setattr(SerializationContext, "serialize", counting)
-    with Checkpointer(directory, replicas=2, replica_timeout=30) as ck:
-        ck.save(0, model=model, optimizer=opt)
-        ck.wait()
-        assert ck.stats().replica_pushes == 1, ck.stats().last_replica_error
-        assert len(ck.stats().replica_nodes) == 2
+    _, _, stats = _push_one(directory, replicas=2)
+    assert len(stats.replica_nodes) == 2
     monkeypatch.undo()
     try:
         files = {p.name: p.stat().st_size for p in (directory / "step-0").glob("shard-*")}
@@ -303,13 +306,8 @@ def test_each_file_is_serialized_once_for_two_replicas(cluster, tmp_path, monkey
 
 def test_push_and_restore_say_where_their_time_went(cluster, tmp_path):
     directory = tmp_path / "run"
-    model, opt = make()
-    with Checkpointer(directory, replicas=1, replica_timeout=30) as ck:
-        ck.save(0, model=model, optimizer=opt)
-        ck.wait()
-        pushed = ck.stats()
+    model, opt, pushed = _push_one(directory)
     try:
-        assert pushed.replica_pushes == 1, pushed.last_replica_error
         phases = pushed.last_replica_phases
         assert list(phases) == ["choose", "start", "send", "commit"]
         assert all(v >= 0 for v in phases.values())
