@@ -12,7 +12,12 @@ import pytest
 # shared 2-core CPU for a 2-layer GPT): under the kit's 30 s per-test timeout such a test could
 # time out, and run first it would eat the phase's cap before the quick tests ran (H100 run 2
 # stopped at its cap with 7 tests not reached).
-COMPILE_TIMEOUT = int(os.environ.get("TT_GPU_CHECK_COMPILE_TIMEOUT", "90"))
+_RAW = os.environ.get("TT_GPU_CHECK_COMPILE_TIMEOUT", "90")
+if not _RAW.isdigit() or int(_RAW) == 0:
+    raise ValueError(
+        f"TT_GPU_CHECK_COMPILE_TIMEOUT={_RAW!r}: give whole seconds above 0, e.g. 90 (or unset it)"
+    )
+COMPILE_TIMEOUT = int(_RAW)
 
 
 def _compiles(item) -> bool:

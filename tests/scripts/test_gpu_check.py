@@ -89,3 +89,12 @@ def test_compiling_gpu_tests_run_last_under_the_longer_timeout(tmp_path):
     lines = [json.loads(line) for line in rows.read_text().splitlines()]
     ran = [row["test"].split("::")[1] for row in lines if "test" in row]
     assert ran == ["test_quick", "test_compiles"]
+
+
+def test_a_compile_timeout_that_is_not_whole_seconds_is_refused_naming_the_fix():
+    env = dict(os.environ, TT_GPU_CHECK_COMPILE_TIMEOUT="90s")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import _pytest_rows"],
+        cwd=os.path.join(ROOT, "scripts"), env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "give whole seconds above 0" in proc.stderr, proc.stderr
