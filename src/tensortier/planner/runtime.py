@@ -88,6 +88,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -564,8 +565,6 @@ class PlannedOffload:
         RSS also held what the user's code allocated after ``zero_grad()``, all charged up to the
         gradients' size: the bench's other policies' offloaders (+23 MB) put 6.7 MB on auto's
         resident memory at 0.35x of gpt:8x128x4 and its checked steps ran 5 MB over."""
-        import weakref
-
         from tensortier._device import rss_bytes
 
         self._freed_watch += 1
