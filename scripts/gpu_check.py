@@ -21,7 +21,8 @@ as the dry run does, each reported and the next run even when one raises):
   time, update time left exposed after backward, parameters against fused AdamW's; the host's
   threads, ``step()`` split into its host part and the device work left after it, and
   ``OffloadedAdamW``'s counters per measured step (``per_step``: waiting for speculative updates,
-  the gradient check's copy and comparison, gradients reaching the host, spare copies, kernel).
+  the gradient check (device digests by default; ``tt-offloaded-adamw-bits``: copied to the host
+  and compared there), gradients reaching the host, spare copies, kernel).
 * ``checkpoint``: the training loop's stall per checkpoint with tensortier's ``Checkpointer``
   against DCP ``async_save``, the model and its AdamW states on the GPU; the saved model read
   back bit for bit.
@@ -673,10 +674,13 @@ def _optimizer(name: str, model: torch.nn.Module, lr: dict) -> torch.optim.Optim
     """The optimizer a variant of the optimizer phase names, over ``model``'s parameters."""
     if name == "fused-adamw":
         return torch.optim.AdamW(model.parameters(), fused=CUDA, **lr)
-    if name == "tt-offloaded-adamw":
+    if name in ("tt-offloaded-adamw", "tt-offloaded-adamw-bits"):
         import tensortier as tt
 
-        return tt.OffloadedAdamW(model.parameters(), tier="host", **lr)
+        # default: speculation validated by device-side digests; -bits: gradients copied back
+        # and compared on the host (the path of H100 run 1), to see what the digests save
+        validate = "bits" if name.endswith("-bits") else "auto"
+        return tt.OffloadedAdamW(model.parameters(), tier="host", validate=validate, **lr)
     if name == "torchao-cpu-offload":
         from torchao.optim import CPUOffloadOptimizer
 
@@ -794,7 +798,9 @@ def phase_optimizer(args: argparse.Namespace) -> None:
                 close()
             del opt, model
 
-    for name in ("fused-adamw", "tt-offloaded-adamw", "torchao-cpu-offload"):
+    # the -bits variant last: a phase stopped at its cap has measured the others
+    for name in ("fused-adamw", "tt-offloaded-adamw", "torchao-cpu-offload",
+                 "tt-offloaded-adamw-bits"):  # fmt: skip
         guarded(rep, name, lambda n=name: run(n))
     rep.finish()
 

@@ -26,7 +26,9 @@ def _data(n, seed=1):
     return [torch.randn(6, 12, generator=g) for _ in range(n)]
 
 
-KINDS = ["torch", "tt", "tt-no-overlap"]
+# tt: speculation validated as by default (CPU gradients: bit for bit); tt-digest: by device-side
+# digests (the CUDA default, _digest.py), forced here on the CPU; tt-bits: bit for bit forced
+KINDS = ["torch", "tt", "tt-no-overlap", "tt-digest"]
 
 
 def _opt(kind, model, tier="host", spill_dir=None):
@@ -37,7 +39,8 @@ def _opt(kind, model, tier="host", spill_dir=None):
         lr=1e-2,
         weight_decay=0.05,
         bucket_size="1KiB",  # 4 buckets
-        overlap=kind == "tt",
+        overlap=kind != "tt-no-overlap",
+        validate={"tt-digest": "digest", "tt-bits": "bits"}.get(kind, "auto"),
         tier=tier,
         spill_dir=spill_dir,
     )
@@ -107,8 +110,11 @@ def _check_all_equal(runs) -> None:
 def _compare(**kw):
     runs = [_run(kind, **kw) for kind in KINDS]
     _check_all_equal(runs)
-    tt = runs[1][1]
-    assert tt.stats().speculated > 0  # the overlapped path really ran
+    tt, digest = runs[1][1].stats(), runs[3][1].stats()
+    assert tt.speculated > 0 and digest.speculated > 0  # the overlapped path really ran
+    # each validated as it was told: every kept speculation of tt-digest passed a digest check
+    assert tt.digest_checks == 0 and digest.digest_checks >= digest.validated
+    assert digest.compare_seconds == 0
     for _, opt, _, _ in runs[1:]:
         opt.close()
     return runs
@@ -134,10 +140,10 @@ def test_clipping_every_step_backs_off_and_stays_exact():
     clip.after_speculation = True
     runs = [_run(kind, edit=clip, steps=16) for kind in KINDS]
     _check_all_equal(runs)
-    st = runs[1][1].stats()
-    assert st.validated == 0 and st.redone == st.speculated > 0
-    assert st.paused_bucket_steps > 0
-    assert st.speculated <= 4 * 5  # 4 buckets, speculating at steps 2, 3, 5, 9, 17 at most
+    for st in (runs[1][1].stats(), runs[3][1].stats()):
+        assert st.validated == 0 and st.redone == st.speculated > 0
+        assert st.paused_bucket_steps > 0
+        assert st.speculated <= 4 * 5  # 4 buckets, speculating at steps 2, 3, 5, 9, 17 at most
     for _, opt, _, _ in runs[1:]:
         opt.close()
 
@@ -194,7 +200,7 @@ def test_manual_edits_after_the_snapshot_are_detected(spill_dir):
     runs = [_run(kind, edit=edits) for kind in KINDS]
     runs.append(_run("tt", edit=edits, tier="disk", spill_dir=spill_dir))
     _check_all_equal(runs)
-    for _, opt, _, _ in runs[1::2]:
+    for _, opt, _, _ in (runs[1], runs[3], runs[4]):  # tt, tt-digest, tt on disk
         st = opt.stats()
         assert st.unversioned_edits >= 2  # .data and .numpy() edits: caught by content
         assert st.compared_equal >= 1  # mul_(1.0): version bumped, speculation kept
@@ -287,7 +293,8 @@ def test_gradscaler_clip_overflow_matches_host_reference_and_no_overlap(device, 
     reference: its kernel rounds differently (H100 run 2 failed at rel 1e-5), and a tolerance
     loose enough never to flake would miss the defects this test is for."""
     exact_torch = device == "cpu" and dtype == torch.float32
-    kinds = ["reference", "tt", "tt-no-overlap"] + (["torch"] if exact_torch else [])
+    other = "tt-bits" if device == "cuda" else "tt-digest"  # the validation "tt" does not use
+    kinds = ["reference", "tt", other, "tt-no-overlap"] + (["torch"] if exact_torch else [])
     runs, opts = {}, {}
     for kind in kinds:
         m = _model().to(device, dtype)
@@ -312,13 +319,15 @@ def test_gradscaler_clip_overflow_matches_host_reference_and_no_overlap(device, 
             scaler.update()
             trace.record(scaler)
             opts[kind].zero_grad()
-    stats = {k: opts[k].stats() for k in ("tt", "tt-no-overlap")}
+    stats = {k: opts[k].stats() for k in ("tt", other, "tt-no-overlap")}
     for kind in kinds[1:]:
         assert_same_trace(runs[kind][2], runs["reference"][2], kind, f"stats {stats}")
     assert stats["tt"].skipped_steps == 1, stats
     if max_norm is None:  # the path that keeps a speculation under a scale really ran
-        assert stats["tt"].validated > 0, stats
-    for k in ("tt", "tt-no-overlap"):
+        assert stats["tt"].validated > 0 and stats[other].validated > 0, stats
+        digested = "tt" if device == "cuda" else other
+        assert stats[digested].digest_checks > 0, stats
+    for k in ("tt", other, "tt-no-overlap"):
         opts[k].close()
 
 
@@ -338,6 +347,33 @@ def test_cuda_streams_and_pinned_buffers_are_made_once():
     assert all(b.is_pinned() for _, b, _ in opt._staging._bufs.values())
     assert opt._states._committed[0].master.is_pinned()
     opt.close()
+
+
+@pytest.mark.gpu
+def test_cuda_digests_catch_unversioned_edits_with_the_bits_of_a_full_comparison():
+    """CUDA speculation is validated by device-side digests by default (``_digest.py``): an edit
+    through ``.data`` after the snapshot bumps no version and must still be redone, giving the
+    bits of ``validate="bits"`` and of ``overlap=False``; nothing is compared on the host."""
+    results = {}
+    for kind in ("tt", "tt-bits", "tt-no-overlap"):
+        m = _model().cuda()
+        opt = _opt(kind, m)
+        for i, x in enumerate(_data(8)):
+            m(x.cuda()).square().mean().backward()
+            if i in (3, 5):
+                opt._spec.wait()  # the snapshot surely predates the edit
+                m[0].weight.grad.data.mul_(2)
+            opt.step()
+            opt.zero_grad()
+        results[kind] = ([p.detach().cpu() for p in m.parameters()], opt.stats())
+        opt.close()
+    for kind in ("tt-bits", "tt-no-overlap"):
+        for p, q in zip(results[kind][0], results["tt"][0]):
+            assert torch.equal(p, q), (kind, results[kind][1], results["tt"][1])
+    tt, bits = results["tt"][1], results["tt-bits"][1]
+    assert tt.digest_checks > 0 and tt.validated > 0 and tt.compare_seconds == 0, tt
+    assert tt.unversioned_edits == bits.unversioned_edits == 2, (tt, bits)
+    assert bits.digest_checks == 0, bits
 
 
 @pytest.mark.gpu

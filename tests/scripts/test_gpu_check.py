@@ -45,6 +45,9 @@ def test_dry_run_runs_every_phase_and_writes_its_json(tmp_path):
             else:
                 assert "error" not in row, (phase, row)
     opt_rows = json.loads((tmp_path / "optimizer-cpu-dry.json").read_text())["rows"]
+    assert [r["variant"] for r in opt_rows] == [
+        "fused-adamw", "tt-offloaded-adamw", "torchao-cpu-offload", "tt-offloaded-adamw-bits"
+    ]  # fmt: skip
     tt_row = next(r for r in opt_rows if r["variant"] == "tt-offloaded-adamw")
     per = tt_row["per_step"]  # issue 25: where step()'s and the worker's time went
     for key in ("spec_wait_seconds", "check_copy_seconds", "compare_seconds", "kernel_seconds",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tensortier.optim._digest import Digests
 from tensortier.optim._layout import Bucket, Hyper, Layout, Slot
 from tensortier.optim._staging import Staged, Staging
 from tensortier.optim._states import HostStates
@@ -28,6 +29,7 @@ from tensortier.optim._update import Updater
 log = logging.getLogger("tensortier.optim.adamw")
 
 MAX_PAUSE = 64  # steps a bucket stops speculating after repeated failures, at most
+VALIDATE = ("auto", "digest", "bits")  # OffloadedAdamW(validate=...): see Speculator
 
 
 @dataclass(eq=False)
@@ -43,6 +45,7 @@ class Spec:
     hyper: Hyper  # the group's hyper-parameters at launch: a change before step() means redo
     staged: Staged
     future: Future
+    digest: torch.Tensor | None  # on the gradients' device, taken at launch (``_digest.py``)
     stale: bool = False  # a further backward pass reached the bucket
 
 
@@ -65,7 +68,11 @@ class Speculator:
     """The hooks' side of the optimizer, and the validation of what they launched.
 
     ``overlap``: speculate at all. ``collective``: sharded or FSDP2, never speculate (gradients
-    are final only after communication that follows the hooks).
+    are final only after communication that follows the hooks). ``validate``: how ``step()``
+    checks that the gradients still hold the snapshot's bits: ``"bits"`` compares them on the
+    host (CUDA: copied there first), ``"digest"`` compares device-side digests taken at launch
+    and in ``step()`` (``_digest.py``: a change is missed with probability 2^-64), ``"auto"``:
+    digests for CUDA gradients, bits for CPU ones (already on the host: nothing to save).
     """
 
     def __init__(
@@ -79,6 +86,7 @@ class Speculator:
         *,
         overlap: bool,
         collective: bool,
+        validate: str = "auto",
     ):
         self.layout, self.states, self.staging, self.updater = layout, states, staging, updater
         self.stats = stats
@@ -92,6 +100,8 @@ class Speculator:
         self._dist = collective or distributed()
         self._seen_order: list[int] = []
         self._prepared: list[Future] = []  # spare copies made on the worker after a step
+        self.validate = validate
+        self._digests: Digests | None = None  # made on first use: a random matrix per process
 
     # ------------------------------------------------------------------ backward side
     def _speculating(self, bucket: Bucket) -> bool:
@@ -132,6 +142,9 @@ class Speculator:
         grads = [s.grad() for s in slots]
         params = [s.tensor() for s in bucket.slots]
         staged = self.staging.snapshot(bucket.id, params, [s.index for s in slots], grads)
+        # on the stream the gradients were made on (backward's), after they were final
+        digests = self._digester(grads[0].device)
+        digest = None if digests is None else digests.take(grads)
         scale = self.last_scale
         hyper = Hyper.of(self.groups[bucket.group])
         future = self.updater.submit_shadow(bucket, slots, staged, scale, hyper)
@@ -145,6 +158,7 @@ class Speculator:
             hyper=hyper,
             staged=staged,
             future=future,
+            digest=digest,
         )
         self.stats.speculated += 1
         self.stats.launched_in_backward += 1
@@ -199,13 +213,39 @@ class Speculator:
             r() is g and g.data_ptr() == p and g._version == v
             for r, g, p, v in zip(spec.grads, grads, spec.ptrs, spec.versions)
         )
-        if not self.staging.matches(spec.staged, grads, self.stats):
+        digest_same = self._same_digest(spec.digest, grads)  # None: no digest, compare bits
+        if digest_same is False:
+            self.stats.unversioned_edits += same
+            return False, True, None  # the redo copies the current gradients
+        if digest_same is None and not self.staging.matches(spec.staged, grads, self.stats):
             self.stats.unversioned_edits += same
             # CUDA: matches() left the current gradients in the snapshot buffer; reuse that copy
             return False, True, spec.staged if b.device.type == "cuda" else None
         self.stats.validated += 1
         self.stats.compared_equal += not same
         return True, False, None
+
+    def _digester(self, device: torch.device) -> Digests | None:
+        """The digests validating speculations on ``device``, or None: compare bits instead."""
+        if self.validate == "bits" or (self.validate == "auto" and device.type != "cuda"):
+            return None
+        if self._digests is None:
+            self._digests = Digests()
+        return self._digests if self._digests.usable(device) else None
+
+    def _same_digest(self, digest: torch.Tensor | None, grads: list[torch.Tensor]) -> bool | None:
+        """Whether ``grads`` digest to ``digest`` (one device sync: the comparison's result);
+        None when there is no digest to compare with."""
+        if digest is None:
+            return None
+        t0 = time.perf_counter()
+        now = self._digests.take(grads)
+        if now is None:
+            return None
+        same = now.shape == digest.shape and bool(torch.equal(now, digest))
+        self.stats.digest_seconds += time.perf_counter() - t0
+        self.stats.digest_checks += 1
+        return same
 
     # ------------------------------------------------------------------ the cycle
     @property

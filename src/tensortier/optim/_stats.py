@@ -36,6 +36,8 @@ class OptimizerStats:
     check_copy_seconds: float = 0.0  # ...copying the current gradients to the host (CUDA check)
     compare_seconds: float = 0.0  # ...comparing them with the snapshots (bit for bit)
     compare_threads: int = 0  # threads the last comparison ran on
+    digest_seconds: float = 0.0  # ...digesting the current gradients and comparing (validate)
+    digest_checks: int = 0  # speculations validated by digest instead of a full comparison
     writeback_seconds: float = 0.0  # time step() spent copying parameters back
     host_state_bytes: int = 0  # host memory held for optimizer state (bound for disk states)
     host_grad_bytes: int = 0  # host buffers holding gradient snapshots

@@ -13,7 +13,10 @@ reusable pinned buffer; CPU: copied on the worker) and the worker runs the updat
 into a *shadow* state while backward continues: the committed state is never written. ``step()``
 then validates each speculation against what the user did between ``backward()`` and ``step()``:
 it is kept only if the gradient every parameter has *now* is bit-identical to the snapshot, the
-parameter was not changed, and the GradScaler scale is the one speculated with. Otherwise the
+parameter was not changed, and the GradScaler scale is the one speculated with (CUDA gradients:
+checked by device-side digests taken with the snapshot and in ``step()``, ``_digest.py``, which
+miss a change with probability 2^-64 and copy nothing to the host; ``validate="bits"`` copies the
+gradients to the host and compares every bit, as CPU gradients always are). Otherwise the
 shadow is dropped (free and exact) and the bucket is updated again from the committed state with
 the current gradients. The results are therefore those of the non-overlapped path whatever
 happens to ``.grad`` (``clip_grad_norm_``, ``GradScaler.unscale_``, manual edits or replacement,
@@ -64,7 +67,7 @@ from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError
 from tensortier.optim._layout import TORCH_KEYS, Bucket, Layout
-from tensortier.optim._speculation import Speculator
+from tensortier.optim._speculation import VALIDATE, Speculator
 from tensortier.optim._staging import Staging
 from tensortier.optim._state_dict import StateDicts
 from tensortier.optim._states import DiskStates
@@ -114,7 +117,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     >>> loss.backward(); opt.step(); opt.zero_grad()
 
     Bit-identical to ``torch.optim.AdamW(fused=True)`` (same kernel, per parameter), including
-    under ``GradScaler`` and whatever the loop does to ``.grad`` between backward and step.
+    under ``GradScaler`` and whatever the loop does to ``.grad`` between backward and step (on
+    CUDA by default up to a 2^-64 chance that a change goes unseen: ``validate``).
     ``tier``: ``"host"`` keeps state in RAM (12 bytes per parameter, 8 for fp32 CPU parameters,
     which are their own masters; while ``overlap``
     speculates, a second copy of the state and a gradient snapshot are added, see the module
@@ -131,7 +135,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     updates in ``step()`` only; ``"auto"`` (default) speculates when parameters live on a GPU,
     whose backward the CPU update then hides behind. On a CPU-only run backward already uses
     every core, so speculating measured slower (41.9 vs 33.9 ms per iteration, 5.2M parameters,
-    ``notes/issue-12-optim.md``) and costs the spare state. ``amsgrad`` is not offered.
+    ``notes/issue-12-optim.md``) and costs the spare state. ``validate``: how ``step()`` checks
+    a speculation's gradients: ``"auto"`` (default) by device-side digests for CUDA gradients
+    (a change goes unseen with probability 2^-64; nothing is copied back to the host) and bit
+    for bit for CPU ones; ``"bits"``: always bit for bit (CUDA: the gradients are copied to the
+    host again in ``step()``); ``"digest"``: digests on every device. ``amsgrad`` is not
+    offered.
 
     Data parallel (DDP): with ``torch.distributed`` initialised and more than one rank in
     ``process_group`` (default: the world), the state is *sharded* (``shard=None`` -> on; pass
@@ -172,6 +181,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         master_weights: bool = True,
         bucket_size: SizeLike = "16MiB",
         overlap: bool | str = "auto",
+        validate: str = "auto",
         pipeline_depth: int = 4,
         io_threads: int = 4,
         process_group=None,
@@ -185,6 +195,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.master_weights = master_weights
         if overlap not in (True, False, "auto"):
             raise ConfigError(f"overlap={overlap!r}: pass True, False or 'auto'")
+        if validate not in VALIDATE:
+            raise ConfigError(
+                f"validate={validate!r}: pass one of {', '.join(map(repr, VALIDATE))}"
+            )
+        self._validate = validate
         self._ready = False
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize
@@ -230,6 +245,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             groups,
             overlap=overlap,
             collective=sh.local_form,
+            validate=self._validate,
         )
         parts = (self._layout, self._states, self._staging, self._updater, self._spec)
         host = self.tier is StateTier.HOST

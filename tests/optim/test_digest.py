@@ -1,0 +1,168 @@
+"""Gradient digests (``optim/_digest.py``): what speculation's validation on CUDA relies on.
+
+The digest must equal an int64 reference exactly (CPU and any device), see every change a
+training loop can make to a gradient (one byte, a sign, a swap, ulp steps that cancel in a plain
+sum, a zeroed or scaled tensor), and a device whose kernel fails or disagrees must fall back to the
+full comparison with the same results."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensortier.optim import OffloadedAdamW
+from tensortier.optim._digest import COLS, MIN_ROWS, Digests, K
+
+CPU = torch.device("cpu")
+
+
+def _grads(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(MIN_ROWS * K // 4 + 1000, generator=g),  # whole rows, then a tail
+        torch.randn(64, 48, generator=g),  # tail only
+        torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        torch.randn(40, 30, generator=g)[:, ::3],  # not contiguous
+    ]
+
+
+def test_digest_equals_the_int64_reference_and_the_same_bits_give_the_same_digest():
+    d = Digests(seed=7)
+    grads = _grads()
+    got = d.of(grads)
+    assert got.dtype == torch.int32 and torch.equal(got, d.reference(grads))
+    assert torch.equal(d.of([g.clone() for g in grads]), got)  # content, not identity
+    assert torch.equal(Digests(seed=7).of(grads), got)  # the matrix is the seed's
+    assert not torch.equal(Digests(seed=8).of(grads), got)
+    # 0.4% of the bytes of whole rows (8 int32 per 8 KiB), one padded block for the rest
+    assert got.numel() == MIN_ROWS * COLS + MIN_ROWS * COLS
+
+
+def _changed(grads, i, fn):
+    out = [g.clone() for g in grads]
+    out[i] = fn(out[i])
+    return out
+
+
+def _flip_byte(t, pos, mask=1):
+    b = t.view(-1).view(torch.uint8)
+    b[pos] ^= mask
+    return t
+
+
+CHANGES = {
+    "one low bit in the rows": lambda gs: _changed(gs, 0, lambda t: _flip_byte(t, 12345)),
+    "one high bit in the tail": lambda gs: _changed(
+        gs, 0, lambda t: _flip_byte(t, t.numel() * 4 - 1, 0x80)
+    ),
+    "a sign in a bf16 tensor": lambda gs: _changed(gs, 2, lambda t: _flip_byte(t, 5, 0x80)),
+    "every sign (negated)": lambda gs: _changed(gs, 0, lambda t: -t),
+    "two elements swapped": lambda gs: _changed(
+        gs, 1, lambda t: t.view(-1)[[1, 0, *range(2, t.numel())]].view_as(t)
+    ),
+    "scaled by 0.5 (clipping)": lambda gs: _changed(gs, 0, lambda t: t * 0.5),
+    "zeroed": lambda gs: _changed(gs, 1, torch.zeros_like),
+    "+1 and -1 ulp, cancelling in a sum": lambda gs: _changed(
+        gs, 0, lambda t: _ulps(t, [(3, 1), (4, -1)])
+    ),
+    "+1 -2 +1 ulp in a row": lambda gs: _changed(
+        gs, 0, lambda t: _ulps(t, [(100, 1), (101, -2), (102, 1)])
+    ),
+}
+
+
+def _ulps(t, steps):
+    w = t.view(torch.int32)
+    for i, s in steps:
+        w[i] += s
+    return t
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_every_kind_of_change_changes_the_digest(change):
+    d = Digests(seed=3)
+    grads = _grads()
+    assert not torch.equal(d.of(CHANGES[change](grads)), d.of(grads))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pos=st.lists(st.integers(0, MIN_ROWS * K + 3999), min_size=1, max_size=4, unique=True),
+    delta=st.integers(1, 255),
+)
+def test_any_few_bytes_changed_change_the_digest(pos, delta):
+    d = Digests(seed=5)
+    grads = _grads()
+    changed = [g.clone() for g in grads]
+    b = changed[0].view(-1).view(torch.uint8)
+    for p in pos:
+        b[p] = (int(b[p]) + delta) % 256
+    assert not torch.equal(d.of(changed), d.of(grads))
+
+
+def _speculating_run(validate: str):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=True,
+                         validate=validate)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for i in range(6):
+        m(torch.randn(8, 16, generator=g)).square().mean().backward()
+        if i == 3:
+            opt._spec.wait()
+            m[0].weight.grad.data.mul_(2)  # no version bump: seen by content only
+        opt.step()
+        opt.zero_grad()
+    stats = opt.stats()
+    opt.close()
+    return torch.cat([p.detach().flatten() for p in m.parameters()]), stats
+
+
+@pytest.mark.parametrize("broken", ["fails", "disagrees", "fails later"])
+def test_a_device_whose_kernel_fails_or_disagrees_falls_back_to_comparing_bits(
+    broken, monkeypatch, caplog
+):
+    """``fails later``: the check passes, then a bucket's digest fails in a backward hook (a shape
+    the check did not try): training goes on, compared bit for bit from then on."""
+    reference, bits = _speculating_run("bits")
+    assert bits.digest_checks == 0 and bits.unversioned_edits == 1
+    real, calls = torch._int_mm, []
+
+    def int_mm(a, b):
+        calls.append(a.shape)
+        if broken == "fails" or (broken == "fails later" and len(calls) > 6):
+            raise RuntimeError("no int8 GEMM for this shape")
+        return real(a, b) + (broken == "disagrees")
+
+    monkeypatch.setattr(torch, "_int_mm", int_mm)
+    with caplog.at_level(logging.WARNING, logger="tensortier.optim.adamw"):
+        params, stats = _speculating_run("digest")
+    assert "full comparison" in caplog.text
+    assert torch.equal(params, reference)
+    assert stats.compare_seconds > 0 and stats.unversioned_edits == 1  # compared bit for bit
+    assert stats.validated == bits.validated > 0
+    assert (stats.digest_checks > 0) == (broken == "fails later")  # digested until it failed
+    monkeypatch.undo()
+    params, stats = _speculating_run("digest")
+    assert torch.equal(params, reference) and stats.digest_checks > 0
+    assert stats.unversioned_edits == 1 and stats.compare_seconds == 0
+
+
+def test_validate_is_checked():
+    from tensortier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="validate='hash'.*'auto', 'digest', 'bits'"):
+        OffloadedAdamW([torch.nn.Parameter(torch.zeros(3))], validate="hash")
+
+
+@pytest.mark.gpu
+def test_cuda_digests_equal_the_cpu_reference():
+    d = Digests(seed=11)
+    assert d.usable(torch.device("cuda"))
+    grads = _grads()
+    got = d.of([g.cuda() for g in grads])
+    assert got.is_cuda and torch.equal(got.cpu(), d.reference(grads))
+    for change in CHANGES.values():
+        assert not torch.equal(d.of([g.cuda() for g in change(grads)]).cpu(), got.cpu())
