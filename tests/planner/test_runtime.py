@@ -475,6 +475,10 @@ _COLD_TWIN_LOOP = textwrap.dedent(
         torch.manual_seed(0)
         models.append(GPT(cfg))
     ref, m = models
+    for _ in range(int(sys.argv[2])):  # plain steps before tt.offload() (their gradients dropped)
+        for mod in (ref, m):
+            mod(x, y).backward()
+            mod.zero_grad()
     opts = [torch.optim.SGD(mod.parameters(), lr=1e-2) for mod in (ref, m)]
     options = replace(Options(search_iters=60, search_seconds=5), fine=False)
     off = tt.offload(budget="52MiB", spill_dir=sys.argv[1], options=options)
@@ -499,19 +503,22 @@ _COLD_TWIN_LOOP = textwrap.dedent(
     torch.cuda.is_available() or not sys.platform.startswith("linux"),
     reason="the CPU budget is RSS, glibc's heap (Linux)",
 )
-def test_a_fresh_process_whose_own_steps_run_before_the_first_with_plans_at_half_the_peak(
-    tmp_path,
+@pytest.mark.parametrize("trained_before", [0, 2], ids=["offload-first", "trained-first"])
+def test_a_fresh_process_with_plain_steps_of_its_own_plans_at_half_the_peak(
+    tmp_path, trained_before
 ):
     """The loop of the test above in a fresh process: the plain model's forward and backward run
-    before the first ``with off``. glibc's mmap threshold was fixed only at that ``with``, after
-    the plain step had left its activations in glibc's heap, which never shrinks; the profiled
-    passes then faulted that heap's free pages back in and kept them (probe 84 MiB, timing passes
-    71 and 86 MiB, against 22-38 MiB in a process that had run tensortier before), and the
-    budget had no plan (BudgetError, "at least 54.1MiB"). It is fixed at ``tt.offload()``."""
+    before the first ``with off`` (and, ``trained-first``, both models trained plainly before
+    ``tt.offload()``). Those steps left their activations in glibc's heap, which never shrinks:
+    the threshold was fixed only at the first ``with``, and a heap grown before it still served
+    requests. The profiled passes faulted its free pages back in and kept them (probe 84-112
+    MiB, timing passes 63-106 MiB, against 22-38 MiB in a process that had run tensortier
+    before), and the budget had no plan (BudgetError, "at least 54.1MiB"). The threshold is now
+    fixed at ``tt.offload()``, and the heap's free chunks are retired then."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     run = subprocess.run(
-        [sys.executable, "-c", _COLD_TWIN_LOOP, str(tmp_path)],
+        [sys.executable, "-c", _COLD_TWIN_LOOP, str(tmp_path), str(trained_before)],
         capture_output=True,
         text=True,
         env=env,

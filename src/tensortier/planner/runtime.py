@@ -79,7 +79,8 @@ threshold is fixed (``tensortier._memory``) so that activations freed by the pla
 process's RSS, which is what a CPU budget measures: when the planned offload is made, before
 the user's own steps (a plain model's, an evaluation) can grow glibc's heap ahead of the first
 ``with``. That heap never shrinks, and the profiled passes fault its free pages back in and keep
-them. A process that trained before ``tt.offload()`` still keeps the heap it grew.
+them; the free chunks of a heap grown earlier (a process that trained before ``tt.offload()``)
+are taken out of use then.
 This module never moves bytes itself: the activation offloader does.
 """
 
