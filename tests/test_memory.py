@@ -4,6 +4,7 @@ offloader whose disk tier really takes activations out of the process's RSS."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -81,3 +82,43 @@ def test_a_disk_offloader_on_cpu_keeps_every_step_low_from_the_first(tmp_path):
     plain = max(_peaks(tmp_path, "plain"))
     disk = _peaks(tmp_path, "disk")
     assert max(disk) < 0.6 * plain, (disk, plain)
+
+
+HEAP_GROWN_FIRST = textwrap.dedent(
+    """
+    import json, torch
+    from tensortier._device import rss_bytes
+    from tensortier._memory import release_freed_memory, trim
+
+    big = torch.ones(16 << 20, dtype=torch.uint8)  # mmapped: its free raises glibc's threshold
+    del big
+    blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(128)]  # from the heap now
+    top = blocks.pop()  # the last, at the heap's top: the heap cannot shrink below it
+    del blocks  # 127 MiB of free chunks in the heap's middle, as plain training leaves them
+    release_freed_memory()
+    trim()  # as the planner does before it reads resident memory
+    base = rss_bytes()
+    blocks = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(64)]
+    del blocks
+    print(json.dumps({"kept": rss_bytes() - base}))
+    """
+)
+
+
+@linux
+def test_blocks_freed_after_the_threshold_is_fixed_leave_a_heap_grown_before_it():
+    """glibc serves a request from its heap's free chunks before it considers mmap: with only the
+    threshold fixed, 64 MiB allocated and freed in 1 MiB blocks stayed resident (64 MiB kept) in
+    a heap that grew before the threshold was fixed. Its free chunks are retired when it is."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP_GROWN_FIRST],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    kept = json.loads(out.stdout.strip().splitlines()[-1])["kept"]
+    assert kept < 4 << 20, kept

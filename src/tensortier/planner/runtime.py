@@ -76,7 +76,11 @@ profile, which takes the probe and the timing passes, and the buffers and code t
 leave resident count in the budget; a recompute plan may also go below the first step's peak,
 so that peak alone cannot prove a budget impossible. On a CPU-only machine glibc's mmap
 threshold is fixed (``tensortier._memory``) so that activations freed by the plan leave the
-process's RSS, which is what a CPU budget measures.
+process's RSS, which is what a CPU budget measures: when the planned offload is made, before
+the user's own steps (a plain model's, an evaluation) can grow glibc's heap ahead of the first
+``with``. That heap never shrinks, and the profiled passes fault its free pages back in and keep
+them; the free chunks of a heap grown earlier (a process that trained before ``tt.offload()``)
+are taken out of use then.
 This module never moves bytes itself: the activation offloader does.
 """
 
@@ -97,6 +101,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tensortier import _dist
+from tensortier._memory import release_freed_memory
 from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, format_size_up, parse_size
@@ -301,6 +306,7 @@ class PlannedOffload:
         self.config = config
         preload()  # PyTorch's one-time imports for dispatch modes: not in a budgeted iteration
         if not torch.cuda.is_available():  # RSS is the budget: the codecs' first use is not
+            release_freed_memory()  # now, before the user's own steps grow glibc's heap
             allow_lossy = bool(config.options and config.options.allow_lossy)
             preload_codecs(LOSSLESS_CODECS + (LOSSY_CODECS if allow_lossy else ()))
         self._rss0: int | None = None
@@ -394,9 +400,7 @@ class PlannedOffload:
             agree_settings(cfg)
         if self._rss0 is None and self.offloader is None and not torch.cuda.is_available():
             from tensortier._device import rss_bytes
-            from tensortier._memory import release_freed_memory
 
-            release_freed_memory()  # else RSS never drops below the plain peak
             self._rss0 = rss_bytes()
         self._settle_gradients()
         if self._measuring():
