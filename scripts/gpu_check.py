@@ -724,7 +724,7 @@ def step_breakdown(stats: dict, steps: int) -> dict:
     and the worker's (gradients reaching the host, spare copies, the kernel), threads used."""
     per = {k: v / max(steps, 1) for k, v in stats.items() if k.endswith("_seconds")}
     per.update({k: stats[k] for k in ("kernel_threads", "compare_threads") if k in stats})
-    for k in ("launched_in_backward", "launched_in_step", "validated", "redone"):
+    for k in ("launched_in_backward", "launched_in_step", "validated", "redone", "digest_checks"):
         if k in stats:
             per[k] = stats[k] / max(steps, 1)
     return per
