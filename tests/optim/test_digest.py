@@ -166,3 +166,42 @@ def test_cuda_digests_equal_the_cpu_reference():
     assert got.is_cuda and torch.equal(got.cpu(), d.reference(grads))
     for change in CHANGES.values():
         assert not torch.equal(d.of([g.cuda() for g in change(grads)]).cpu(), got.cpu())
+
+
+def _reinterpreting_run(validate: str, edit):
+    """Five steps; after the fourth backward, ``edit`` swaps a gradient's ``.data`` for the same
+    bytes under another dtype or shape (no version bump on ``.grad``, same bytes to a digest)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=validate != "none",
+                         validate="bits" if validate == "none" else validate)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for i in range(5):
+        m(torch.randn(8, 16, generator=g)).square().mean().backward()
+        if i == 3:
+            opt._spec.wait()
+            grad = m[0].weight.grad
+            grad.data = edit(grad.data)
+        opt.step()
+        opt.zero_grad()
+    stats = opt.stats()
+    opt.close()
+    return torch.cat([p.detach().flatten() for p in m.parameters()]), stats
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [lambda t: t.view(torch.int32), lambda t: t.view(t.shape[1], t.shape[0])],
+    ids=["dtype", "shape"],
+)
+def test_a_gradient_reinterpreted_under_another_layout_is_not_kept_on_its_digest(edit):
+    """The digest sees bytes only: a gradient whose ``.data`` became the same bytes as int32, or
+    transposed in shape, must be redone as the full comparison redoes it (it checks dtype and
+    shape), giving the results of ``overlap=False``."""
+    plain, _ = _reinterpreting_run("none", edit)
+    bits_params, bits = _reinterpreting_run("bits", edit)
+    params, digest = _reinterpreting_run("digest", edit)
+    assert bits.redone == 1 and torch.equal(bits_params, plain)
+    assert digest.digest_checks > 0
+    assert digest.redone == bits.redone, digest
+    assert torch.equal(params, plain)
