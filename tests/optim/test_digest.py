@@ -205,3 +205,23 @@ def test_a_gradient_reinterpreted_under_another_layout_is_not_kept_on_its_digest
     assert digest.digest_checks > 0
     assert digest.redone == bits.redone, digest
     assert torch.equal(params, plain)
+
+
+def test_a_gradient_at_an_unaligned_address_is_digested_from_aligned_operands(monkeypatch):
+    """A gradient can be a view at any offset of a larger buffer (autograd steals the slices of
+    ``torch.cat``'s gradient); cuBLASLt's int8 GEMM needs 4-byte aligned operands (16 for its fast
+    kernels), so every operand handed to ``_int_mm`` must be 16-byte aligned, with the digest of the
+    same bytes at an aligned address."""
+    buf = torch.randn(MIN_ROWS * K + 300, generator=torch.Generator().manual_seed(2))
+    view = buf.to(torch.bfloat16)[1:]  # 2 bytes past an aligned start: whole rows and a tail
+    assert view.data_ptr() % 4 == 2
+    d, real, seen = Digests(seed=4), torch._int_mm, []
+
+    def int_mm(a, b):
+        seen.append((a.data_ptr() % 16, b.data_ptr() % 16))
+        return real(a, b)
+
+    monkeypatch.setattr(torch, "_int_mm", int_mm)
+    got = d.of([view])
+    assert seen and all(s == (0, 0) for s in seen), seen
+    assert torch.equal(got, d.of([view.clone()])) and torch.equal(got, d.reference([view]))
