@@ -225,3 +225,28 @@ def test_a_gradient_at_an_unaligned_address_is_digested_from_aligned_operands(mo
     got = d.of([view])
     assert seen and all(s == (0, 0) for s in seen), seen
     assert torch.equal(got, d.of([view.clone()])) and torch.equal(got, d.reference([view]))
+
+
+def test_every_int8_gemm_has_the_shapes_and_layout_cuda_takes(monkeypatch):
+    """The CPU's ``_int_mm`` takes any operands; CUDA's (``_int_mm_out_cuda``, cuBLASLt) needs more
+    than 16 rows, ``K`` and the columns multiples of 8, and the layout PyTorch's ``test__int_mm``
+    shows working on every GPU generation: ``a`` row-major, ``b`` column-major (a row-major ``b``
+    fails before sm80 and is several times slower after). Checked here on every call a training
+    run makes, so a change that would only fall back (slower) on a GPU fails on the CPU."""
+    real, seen = torch._int_mm, []
+
+    def int_mm(a, b):
+        seen.append(a.shape)
+        assert a.dim() == b.dim() == 2 and a.size(1) == b.size(0)
+        assert a.size(0) > 16 and a.size(1) % 8 == 0 and b.size(1) % 8 == 0, (a.shape, b.shape)
+        assert a.stride() == (a.size(1), 1), a.stride()  # row-major
+        assert b.stride() == (1, b.size(0)), b.stride()  # column-major
+        assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        return real(a, b)
+
+    monkeypatch.setattr(torch, "_int_mm", int_mm)
+    d = Digests(seed=9)
+    grads = _grads()
+    assert torch.equal(d.of(grads), d.reference(grads))
+    _, stats = _speculating_run("digest")
+    assert stats.digest_checks > 0 and len(seen) > stats.digest_checks
