@@ -6,6 +6,7 @@ sum, a zeroed or scaled tensor), and a device whose kernel fails or disagrees mu
 full comparison with the same results."""
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -250,3 +251,43 @@ def test_every_int8_gemm_has_the_shapes_and_layout_cuda_takes(monkeypatch):
     assert torch.equal(d.of(grads), d.reference(grads))
     _, stats = _speculating_run("digest")
     assert stats.digest_checks > 0 and len(seen) > stats.digest_checks
+
+
+def _restoring_run(validate: str):
+    """Five steps; at the fourth, every gradient is doubled while the worker copies the snapshots
+    (held back by a gate until then) and halved again before ``step()``: the same bits as after
+    backward, but the speculation was computed on the doubled copy."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=validate != "none",
+                         validate="bits" if validate == "none" else validate)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for i in range(5):
+        gate = threading.Event()
+        if i == 3 and validate != "none":
+            opt._updater.submit(gate.wait)  # the snapshots are copied only after the gate
+        m(torch.randn(8, 16, generator=g)).square().mean().backward()
+        if i == 3:
+            for p in m.parameters():
+                p.grad.mul_(2)
+            gate.set()
+            opt._spec.wait()  # the snapshots hold the doubled gradients
+            for p in m.parameters():
+                p.grad.div_(2)  # exact: the bits after backward again
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known (PROTOCOL.md): a digest is of the gradients when the bucket was ready, not of "
+    "the snapshot; an edit undone before step() while the copy is pending goes unseen. CUDA: the "
+    "D2H backlog is the window; a fence (compute stream waits for the snapshot event at the end "
+    "of backward) would close it",
+)
+def test_an_edit_undone_while_the_snapshot_is_copied_is_seen():
+    plain = _restoring_run("none")
+    assert torch.equal(_restoring_run("bits"), plain)  # the full comparison reads the snapshot
+    assert torch.equal(_restoring_run("digest"), plain)
