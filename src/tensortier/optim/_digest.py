@@ -19,6 +19,13 @@ single value that cancels the rest, and entries are uniform over 256 values.
 Bytes that do not fill ``MIN_ROWS`` whole rows (``_int_mm`` needs more than 16 rows on CUDA) are
 gathered from all of a bucket's gradients into one zero-padded block, one product for them all.
 
+Whole rows are read in place from the gradient, unless its data pointer is not 16-byte aligned (a
+gradient stolen by autograd as a view of a larger buffer, e.g. a slice of ``torch.cat``'s
+gradient): cuBLASLt's int8 kernels need aligned operands (4 bytes at least, 16 for the fast ones;
+PyTorch's ``int8_gemm`` passes no alignment preference), so such a gradient is copied first rather
+than failing the GEMM and turning digests off for the device. The copy has the same bytes in the
+same rows: the digest does not depend on it.
+
 Each device is checked once (:meth:`Digests.usable`) against the same digest computed in int64
 on the CPU; a device whose ``_int_mm`` fails or disagrees falls back to the full comparison with
 a warning, so a broken kernel costs speed, never results. Never writes a gradient.
@@ -36,6 +43,7 @@ log = logging.getLogger("tensortier.optim.adamw")
 K = 8192  # bytes per row: K * 128 * 128 < 2^31, so the int32 sums are exact
 COLS = 8  # columns: collision probability 256^-8 = 2^-64; _int_mm needs a multiple of 8
 MIN_ROWS = 17  # _int_mm on CUDA needs more than 16 rows
+ALIGN = 16  # bytes: operand alignment of cuBLASLt's fast int8 kernels (4 is their minimum)
 
 
 def _blocks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -46,6 +54,8 @@ def _blocks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         b = t.detach().contiguous().view(-1).view(torch.int8)  # non-contiguous: copied first
         rows = b.numel() // K
         if rows >= MIN_ROWS:
+            if b.data_ptr() % ALIGN:  # a view at an odd offset: copied, same bytes, same rows
+                b = b.clone()
             blocks.append(b[: rows * K].view(rows, K))
             b = b[rows * K :]
         if b.numel():

@@ -41,6 +41,7 @@ class Spec:
     ptrs: list[int]
     versions: list[int]
     param_versions: list[int]
+    layouts: list[tuple]  # dtype, shape, device of each gradient: a digest sees bytes only
     scale: float | None
     hyper: Hyper  # the group's hyper-parameters at launch: a change before step() means redo
     staged: Staged
@@ -57,6 +58,12 @@ class _Track:
     spec: Spec | None = None
     pause: int = 0  # steps left without speculation
     backoff: int = 1  # the next pause after a failed speculation
+
+
+def _layouts(grads: list[torch.Tensor]) -> list[tuple]:
+    """What a gradient's bytes mean: equal bytes under another dtype or shape (``.data = ...``)
+    digest the same, so the layout is compared separately (``Staging.matches`` does too)."""
+    return [(g.dtype, g.shape, g.device) for g in grads]
 
 
 def distributed() -> bool:
@@ -154,6 +161,7 @@ class Speculator:
             ptrs=[g.data_ptr() for g in grads],
             versions=[g._version for g in grads],
             param_versions=[s.local._version for s in slots],
+            layouts=_layouts(grads),
             scale=scale,
             hyper=hyper,
             staged=staged,
@@ -202,6 +210,8 @@ class Speculator:
         if current != spec.slots or any(
             s.local._version != v for s, v in zip(spec.slots, spec.param_versions)
         ):
+            return False, True, None
+        if _layouts([s.grad() for s in spec.slots]) != spec.layouts:  # e.g. .data of another dtype
             return False, True, None
         if spec.scale != scale:  # GradScaler changed its scale (or unscale_ was called)
             return False, False, None
