@@ -103,12 +103,17 @@ def test_any_few_bytes_changed_change_the_digest(pos, delta):
     assert not torch.equal(d.of(changed), d.of(grads))
 
 
-def _speculating_run(validate: str):
+def _tiny(validate: str):
+    """(model, optimizer, data generator): three buckets; ``validate="none"``: no speculation."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=True,
-                         validate=validate)  # fmt: skip
-    g = torch.Generator().manual_seed(1)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=validate != "none",
+                         validate="bits" if validate == "none" else validate)  # fmt: skip
+    return m, opt, torch.Generator().manual_seed(1)
+
+
+def _speculating_run(validate: str):
+    m, opt, g = _tiny(validate)
     for i in range(6):
         m(torch.randn(8, 16, generator=g)).square().mean().backward()
         if i == 3:
@@ -172,11 +177,7 @@ def test_cuda_digests_equal_the_cpu_reference():
 def _reinterpreting_run(validate: str, edit):
     """Five steps; after the fourth backward, ``edit`` swaps a gradient's ``.data`` for the same
     bytes under another dtype or shape (no version bump on ``.grad``, same bytes to a digest)."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=validate != "none",
-                         validate="bits" if validate == "none" else validate)  # fmt: skip
-    g = torch.Generator().manual_seed(1)
+    m, opt, g = _tiny(validate)
     for i in range(5):
         m(torch.randn(8, 16, generator=g)).square().mean().backward()
         if i == 3:
@@ -257,11 +258,7 @@ def _restoring_run(validate: str):
     """Five steps; at the fourth, every gradient is doubled while the worker copies the snapshots
     (held back by a gate until then) and halved again before ``step()``: the same bits as after
     backward, but the speculation was computed on the doubled copy."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=validate != "none",
-                         validate="bits" if validate == "none" else validate)  # fmt: skip
-    g = torch.Generator().manual_seed(1)
+    m, opt, g = _tiny(validate)
     for i in range(5):
         gate = threading.Event()
         if i == 3 and validate != "none":
