@@ -39,8 +39,11 @@ adds to what was live when it began (the saved activations it keeps or reads bac
 ones, temporaries, the gradients it allocates), plus the memory the offload machinery keeps for
 itself between iterations: its host pool's blocks and disk staging buffers (asked of the
 objects that hold them, :meth:`Offloader.buffer_bytes`) and, on a CPU-only machine, whatever
-the process gained inside tensortier's own forward/backward windows and planning after the
-warm-up that no counter explains (code pages, allocator arenas). Not counted: parameters,
+the process gained inside tensortier's own forward/backward windows and planning that no
+counter explains (code pages, allocator arenas; in the warm-up only anonymous memory: the code
+its first backward loads is torch's). Free heap pages the process holds are no one's: every
+reading is taken after a trim, so the step that faults them back in is charged for them (a CPU
+budget is the RSS high-water mark of a whole step above the RSS before the first). Not counted: parameters,
 gradients and optimizer states that exist between iterations, data, and anything the user's
 code allocates outside the ``with`` block and the backward. On CUDA it is device memory (the
 allocator's reserved high-water mark); on a CPU-only machine, RSS.
@@ -150,6 +153,14 @@ def _trim_heap() -> None:
 
     if default_device().type != "cuda":
         trim()
+
+
+def _file_bytes() -> int:
+    """The file-backed part of this process's RSS (the code pages of the libraries it runs, and
+    shared memory); 0 where ``/proc`` has none."""
+    from tensortier._memory import status_bytes
+
+    return status_bytes("RssFile") + status_bytes("RssShmem")
 
 
 def default_prefetch(budget: int) -> int:
@@ -313,6 +324,7 @@ class PlannedOffload:
         self._overhead = 0
         self._uncounted = 0  # RSS growth in tensortier's windows that no counter explains
         self._window: tuple[int, int] | None = None  # (RSS less gradients, counted) at its start
+        self._window_file: int | None = None  # a warm-up window's file-backed RSS at its start
         self._closed_at: tuple[int, int] | None = None  # (RSS, gradient bytes) at the last close
         self._freed_at: int | None = None  # RSS once the last close's gradients were all freed
         self._freed_watch = 0  # which close the gradients' finalizers report to
@@ -428,6 +440,7 @@ class PlannedOffload:
             if self._checking():
                 # what earlier iterations left resident counts: the budget holds for the process
                 self._meter_base = self._resident()
+                _trim_heap()  # free heap pages the step reuses: in its peak, not in the base
                 self._meter = PeakMeter(self.offloader.device).__enter__()
             self.offloader.__enter__()
             return
@@ -496,12 +509,12 @@ class PlannedOffload:
         """What the offload machinery keeps resident between iterations, on a CPU-only machine
         (0 on CUDA, where the budget is device memory): the bytes its offloaders hold, asked of
         them (:meth:`Offloader.buffer_bytes`: host pool blocks, disk staging buffers), plus the
-        process's growth that no counter explains *inside* tensortier's windows after the
-        warm-up (from an offloaded forward's start, planning included, to the end of its
-        backward; gradients excluded, and what freeing them leaves behind included, see
+        process's growth that no counter explains *inside* tensortier's windows (from an
+        offloaded forward's start, planning included, to the end of its backward; gradients
+        excluded, and what freeing them leaves behind included, see
         :meth:`_settle_gradients`): code pages and allocator arenas the machinery touched.
-        The warm-up's window is not counted (a fresh process's lazy initialisation is
-        torch's), nor is anything outside the windows: the optimizer's states allocated at its
+        The warm-up's window counts anonymous memory only (a fresh process's lazy
+        initialisation is torch's: :meth:`_open_window`); nothing outside the windows counts: the optimizer's states allocated at its
         first ``step()``, data, the user's own allocations are the user's memory."""
         if self._rss0 is None:
             return 0
@@ -546,10 +559,26 @@ class PlannedOffload:
 
     def _open_window(self) -> None:
         """Start a window at this forward (kept open across forwards until a backward ends it:
-        gradient accumulation runs several forwards per backward). Warm-up windows are not
-        opened: what a fresh process touches first is torch's lazy initialisation."""
-        if self._window is None and self.iteration >= self.config.warmup:
-            self._window = (self._process_bytes(), self._counted())
+        gradient accumulation runs several forwards per backward).
+
+        Read after a trim, as its end is (:meth:`_close_window`), the resident memory that
+        freeing the gradients leaves (:meth:`_settle_gradients`) and a checked step's meter
+        start: free heap pages held between steps (~2.5 MiB on gpt:12x64x4: the gradients and
+        the backward's small blocks) were in a window's untrimmed start, trimmed at its end,
+        and reused by the next step without raising its RSS, so charged nowhere; the first
+        step's start is the process as the user left it. A warm-up window counts anonymous
+        memory only (:func:`_file_bytes` taken out): the code a fresh process's first backward
+        loads (~9 MiB of libtorch there) is torch's lazy initialisation, but the heap and the
+        stacks the offloader's first step grows stay in the process. Uncounted, both read the
+        planned steps 3-4 MiB below the whole step's RSS high-water mark, and a plan the planner
+        kept under 35.5 MiB ran at 36-37 MiB (the CPU planner bench).
+        """
+        if self._window is not None:
+            return
+        if self.iteration > 0:  # the first step starts from the process as the user left it
+            _trim_heap()
+        self._window = (self._process_bytes(), self._counted())
+        self._window_file = _file_bytes() if self.iteration < self.config.warmup else None
 
     def _close_window(self) -> None:
         start, self._window = self._window, None
@@ -559,7 +588,10 @@ class PlannedOffload:
             _trim_heap()
 
             rss, grads = rss_bytes(), self._grad_bytes()
-            self._uncounted += (rss - grads - start[0]) - (self._counted() - start[1])
+            grown = (rss - grads - start[0]) - (self._counted() - start[1])
+            if self._window_file is not None:  # a warm-up's: the code it loads is torch's
+                grown -= _file_bytes() - self._window_file
+            self._uncounted += grown
             self._closed_at = (rss, grads)
             self._watch_freed()
 
@@ -581,6 +613,7 @@ class PlannedOffload:
             left[0] -= 1
             planner = me()
             if left[0] == 0 and planner is not None and watch == planner._freed_watch:
+                _trim_heap()
                 planner._freed_at = rss_bytes()
 
         for g in grads:
@@ -607,6 +640,8 @@ class PlannedOffload:
         from tensortier._device import rss_bytes
 
         freed = closed[1] if at is not None else max(0, closed[1] - self._grad_bytes())
+        if at is None:
+            _trim_heap()
         now = at if at is not None else rss_bytes()  # read when they were freed, if they all were
         kept = now - (closed[0] - freed)  # RSS above what freeing them explains
         self._uncounted += min(freed, max(0, kept))
