@@ -43,8 +43,8 @@ the process gained inside tensortier's own forward/backward windows and planning
 counter explains (code pages, allocator arenas; in the warm-up only anonymous memory: the code
 its first backward loads is torch's). Free heap pages the process holds are no one's: every
 reading is taken after a trim, so the step that faults them back in is charged for them (a CPU
-budget is the RSS high-water mark of a whole step above the RSS before the first). Not counted: parameters,
-gradients and optimizer states that exist between iterations, data, and anything the user's
+budget is the RSS high-water mark of a whole step above the RSS before the first). Not counted:
+parameters, gradients and optimizer states that exist between iterations, data, and anything the user's
 code allocates outside the ``with`` block and the backward. On CUDA it is device memory (the
 allocator's reserved high-water mark); on a CPU-only machine, RSS.
 
@@ -514,8 +514,9 @@ class PlannedOffload:
         excluded, and what freeing them leaves behind included, see
         :meth:`_settle_gradients`): code pages and allocator arenas the machinery touched.
         The warm-up's window counts anonymous memory only (a fresh process's lazy
-        initialisation is torch's: :meth:`_open_window`); nothing outside the windows counts: the optimizer's states allocated at its
-        first ``step()``, data, the user's own allocations are the user's memory."""
+        initialisation is torch's: :meth:`_open_window`); nothing outside the windows counts:
+        the optimizer's states allocated at its first ``step()``, data, the user's own
+        allocations are the user's memory."""
         if self._rss0 is None:
             return 0
         return self._counted() + max(0, self._uncounted)
