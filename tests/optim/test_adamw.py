@@ -649,3 +649,44 @@ def test_loaded_master_param_of_an_fp32_cpu_parameter_is_ignored_like_torch():
     for p, q in zip(m.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     opt.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_gradient_not_shaped_like_its_parameter_is_refused_and_nothing_changes(overlap):
+    """A gradient swapped through ``.grad.data`` for a tensor of another shape: the fused kernel
+    would read past its end (torch's fused AdamW writes NaN or crashes there). ``step()`` raises
+    a ConfigError naming the parameter and both shapes, changes nothing, and once the gradient
+    is put back training goes on with the bits of ``torch.optim.AdamW(fused=True)``."""
+    import copy
+
+    m = _model()
+    ref = copy.deepcopy(m)
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=overlap)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(5):
+        x = torch.randn(6, 12, generator=gen)
+        for mod in (m, ref):
+            mod(x).square().mean().backward()
+        if i == 3:
+            good = m[2].weight.grad
+            params = [p.detach().clone() for p in m.parameters()]
+            state = copy.deepcopy(opt.state_dict())
+            m[2].weight.grad = None
+            m[2].weight.grad = good.clone()
+            m[2].weight.grad.data = torch.zeros(3)
+            with pytest.raises(ConfigError, match=r"param group 0, parameter 2: gradient of shape "
+                               r"\(3,\) for a parameter of shape \(24, 24\)"):  # fmt: skip
+                opt.step()
+            assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
+            after = opt.state_dict()["state"]
+            for k, e in state["state"].items():
+                assert all(torch.equal(e[key], after[k][key]) for key in e), k
+            m[2].weight.grad = good  # put back: the step runs on it
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    opt.close()

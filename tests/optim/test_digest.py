@@ -191,15 +191,12 @@ def _reinterpreting_run(validate: str, edit):
     return torch.cat([p.detach().flatten() for p in m.parameters()]), stats
 
 
-@pytest.mark.parametrize(
-    "edit",
-    [lambda t: t.view(torch.int32), lambda t: t.view(t.shape[1], t.shape[0])],
-    ids=["dtype", "shape"],
-)
+@pytest.mark.parametrize("edit", [lambda t: t.view(torch.int32)], ids=["dtype"])
 def test_a_gradient_reinterpreted_under_another_layout_is_not_kept_on_its_digest(edit):
-    """The digest sees bytes only: a gradient whose ``.data`` became the same bytes as int32, or
-    transposed in shape, must be redone as the full comparison redoes it (it checks dtype and
-    shape), giving the results of ``overlap=False``."""
+    """The digest sees bytes only: a gradient whose ``.data`` became the same bytes as int32 must
+    be redone as the full comparison redoes it (it checks the dtype), giving the results of
+    ``overlap=False``. (The same bytes under another shape are refused by ``step()`` in every
+    mode: ``test_adamw.py``'s ``..._not_shaped_like_its_parameter_...``.)"""
     plain, _ = _reinterpreting_run("none", edit)
     bits_params, bits = _reinterpreting_run("bits", edit)
     params, digest = _reinterpreting_run("digest", edit)

@@ -110,14 +110,18 @@ def peer_failed(rank: int, applied: bool) -> RuntimeError:
 class Verdict:
     """What every rank did in a deferred step (``_judge``)."""
 
-    sparse: bool  # some rank had sparse gradients
+    sparse: bool  # some rank had sparse gradients (or one not shaped like its parameter)
     skip: bool  # some rank skipped (GradScaler found inf/NaN)
     split: bool  # some ranks skipped, others updated
     failed: int | None  # the lowest rank whose update failed
 
     def error(self, *, updated: bool) -> RuntimeError:
         """Another rank took another branch: gradients that are not the same on every rank."""
-        what = "sparse gradients" if self.sparse else "GradScaler's inf/NaN check"
+        what = (
+            "sparse gradients (or one not shaped like its parameter)"
+            if self.sparse
+            else "GradScaler's inf/NaN check"
+        )
         mine = (
             "this rank updated its part of the optimizer state, so the state no longer matches "
             "the other ranks': restore from a checkpoint"
@@ -299,7 +303,13 @@ class ShardedStep(Step):
             raise error or peer_failed(failed, applied=True)
 
     def run_deferred(
-        self, scale_t: torch.Tensor | None, scale: float | None, *, sparse: bool, skip: bool
+        self,
+        scale_t: torch.Tensor | None,
+        scale: float | None,
+        *,
+        sparse: bool,
+        skip: bool,
+        refused: BaseException | None = None,
     ) -> None:
         """``defer_gather``: update this rank's pieces on this thread (unless its gradients are
         sparse or GradScaler found inf/NaN) and hand the step's check and gathers over as the
@@ -322,7 +332,7 @@ class ShardedStep(Step):
         if sparse:
             self.speculator.discard()
             self.speculator.reset_cycle()
-            raise RuntimeError("OffloadedAdamW does not support sparse gradients")
+            raise refused or RuntimeError("OffloadedAdamW does not support sparse gradients")
         if skip:  # GradScaler found inf/NaN: nothing advances (every rank, under DDP)
             self.skip()
             return

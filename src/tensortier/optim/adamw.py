@@ -393,10 +393,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._check_open()
         self.synchronize()  # the last step's gathers read the masters this one updates
-        sparse = any(p.grad is not None and p.grad.is_sparse for p in self._all_params())
+        refused = self._refused_gradient()
+        sparse = refused is not None  # sparse, or not shaped like its parameter: nothing runs
         scale_t, scale, skip = self._scaler_inputs()
         if self._deferred is not None:  # the branch is agreed in the step's one all-reduce
-            self._stepper.run_deferred(scale_t, scale, sparse=sparse, skip=skip)
+            self._stepper.run_deferred(scale_t, scale, sparse=sparse, skip=skip, refused=refused)
             return loss
         if self._sharding.local_form:  # every rank takes the same branch (collectives follow;
             # under FSDP2 GradScaler checked only the local shards: ShardedGradScaler's reason)
@@ -404,7 +405,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if sparse:
             self._spec.discard()
             self._spec.reset_cycle()
-            raise RuntimeError("OffloadedAdamW does not support sparse gradients")
+            raise refused or RuntimeError(
+                "another rank's gradients are sparse or not shaped like their parameters: "
+                "OffloadedAdamW did not update on any rank"
+            )
         if skip:  # GradScaler found inf/NaN: like fused AdamW, nothing advances
             self._stepper.skip()
             return loss
@@ -413,6 +417,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
         finally:  # the compute streams wait for whatever write-back was issued
             self._staging.finish_write_back()
         return loss
+
+    def _refused_gradient(self) -> Exception | None:
+        """The error for a gradient ``step()`` cannot use, if one is: sparse, or not of its
+        parameter's shape (put in through ``.grad.data``: the fused kernel would read past its
+        end, as ``torch.optim.AdamW(fused=True)`` does, and write NaN or crash)."""
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    return RuntimeError("OffloadedAdamW does not support sparse gradients")
+                if g.shape != p.shape:
+                    return ConfigError(
+                        f"param group {gi}, parameter {i}: gradient of shape {tuple(g.shape)} "
+                        f"for a parameter of shape {tuple(p.shape)}; a gradient must have its "
+                        f"parameter's shape (check what assigns .grad or .grad.data): nothing "
+                        f"was updated"
+                    )
+        return None
 
     def synchronize(self) -> None:
         """Wait until every parameter holds the last ``step()``'s values (``defer_gather=True``:
