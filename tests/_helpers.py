@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import torch
 
@@ -20,6 +22,25 @@ def run_benchmark(out: pathlib.Path, command: str, directory: os.PathLike | None
     where = [] if directory is None else ["--dir", os.fspath(directory)]
     main([*command.split(), *where, "--json", str(out), "--quiet-wait", "0"])
     return json.loads(out.read_text())
+
+
+def run_fresh(script: str, *args, env: dict | None = None, timeout: float = 600):
+    """Run ``script`` (``python -c``) in a fresh process with ``args``; the JSON of its last
+    stdout line. Why: memory tests need a process whose heap nothing touched before (glibc's
+    state is the subject). ``env``: the environment (default: this one without ``MALLOC_*``
+    settings, which would hide what is tested); this process's ``sys.path`` is passed on."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {**env, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------ the exact reference of offloading

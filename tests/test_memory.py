@@ -4,7 +4,6 @@ offloader whose disk tier really takes activations out of the process's RSS."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tensortier._memory import HighWater, reset_peak_rss, status_bytes
+from tests._helpers import run_fresh
 
 linux = pytest.mark.skipif(not status_bytes("VmHWM"), reason="needs /proc/self/status")
 
@@ -110,15 +110,5 @@ def test_blocks_freed_after_the_threshold_is_fixed_leave_a_heap_grown_before_it(
     """glibc serves a request from its heap's free chunks before it considers mmap: with only the
     threshold fixed, 64 MiB allocated and freed in 1 MiB blocks stayed resident (64 MiB kept) in
     a heap that grew before the threshold was fixed. Its free chunks are retired when it is."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    out = subprocess.run(
-        [sys.executable, "-c", HEAP_GROWN_FIRST],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    kept = json.loads(out.stdout.strip().splitlines()[-1])["kept"]
+    kept = run_fresh(HEAP_GROWN_FIRST, timeout=300)["kept"]
     assert kept < 4 << 20, kept

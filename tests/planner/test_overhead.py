@@ -5,14 +5,14 @@ no plan that fit)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests._helpers import run_fresh
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or not sys.platform.startswith("linux"),
@@ -60,21 +60,8 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_the_first_budget_of_a_process_is_charged_as_a_later_one(spill_dir):
-    env = {
-        **os.environ,
-        "MALLOC_MMAP_THRESHOLD_": "131072",
-        "MALLOC_TRIM_THRESHOLD_": "131072",
-        "PYTHONPATH": os.pathsep.join(sys.path),
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(spill_dir)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    first, second = json.loads(run.stdout.strip().splitlines()[-1])
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    first, second = run_fresh(_SCRIPT, spill_dir, env=env)
     assert abs(first["counted"] - second["counted"]) <= 64 << 10  # the same buffers
     # what no counter explains: the codecs' first use (~3 MiB) and the heaps' free pages are no
     # longer in it; the first budget paid 4.9 MiB more than the second before, 1.7 MiB now

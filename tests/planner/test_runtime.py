@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import textwrap
 from dataclasses import replace
@@ -18,6 +16,7 @@ pytest.importorskip("tensortier.activations")
 from tensortier.planner.policies import Options  # noqa: E402
 from tensortier.planner.profiler import plan_units, unit_of  # noqa: E402
 from tensortier.planner.runtime import Recompute, planned_offload  # noqa: E402
+from tests._helpers import run_fresh
 
 FAST = Options(search_iters=60, search_seconds=5)
 # The twin-GPT loops test what the runtime counts as its own memory, not the policies: without
@@ -515,17 +514,7 @@ def test_a_fresh_process_with_plain_steps_of_its_own_plans_at_half_the_peak(
     MiB, timing passes 63-106 MiB, against 22-38 MiB in a process that had run tensortier
     before), and the budget had no plan (BudgetError, "at least 54.1MiB"). The threshold is now
     fixed at ``tt.offload()``, and the heap's free chunks are retired then."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    run = subprocess.run(
-        [sys.executable, "-c", _COLD_TWIN_LOOP, str(tmp_path), str(trained_before)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_fresh(_COLD_TWIN_LOOP, tmp_path, trained_before)
     assert out["same"] is True  # bit-identical to the plain loop
     assert out["peaks"] and all(p <= 52 << 20 for p in out["peaks"]), out["peaks"]
 
@@ -763,17 +752,7 @@ def test_the_planners_meter_reads_no_less_than_the_users_rss_over_a_whole_step(t
     read after a trim, its start and the step's meter before one, so free heap pages the steps
     fault back in were charged nowhere (-0.05 MiB a step). The planning step is left out: what
     planning allocates before the step's meter starts is not the step's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    run = subprocess.run(
-        [sys.executable, "-c", _USER_METERED_LOOP, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    pairs = json.loads(run.stdout.strip().splitlines()[-1])["pairs"]
+    pairs = run_fresh(_USER_METERED_LOOP, tmp_path)["pairs"]
     assert len(pairs) >= 3, pairs
     mib = [(round(u / 2**20, 2), round(p / 2**20, 2)) for u, p in pairs]
     assert all(planner >= user for user, planner in pairs), mib
