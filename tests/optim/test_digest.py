@@ -103,10 +103,11 @@ def test_any_few_bytes_changed_change_the_digest(pos, delta):
     assert not torch.equal(d.of(changed), d.of(grads))
 
 
-def _tiny(validate: str):
+def _tiny(validate: str, device: str = "cpu"):
     """(model, optimizer, data generator): three buckets; ``validate="none"``: no speculation."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    m = m.to(device)
     opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=validate != "none",
                          validate="bits" if validate == "none" else validate)  # fmt: skip
     return m, opt, torch.Generator().manual_seed(1)
@@ -251,37 +252,112 @@ def test_every_int8_gemm_has_the_shapes_and_layout_cuda_takes(monkeypatch):
     assert stats.digest_checks > 0 and len(seen) > stats.digest_checks
 
 
-def _restoring_run(validate: str):
-    """Five steps; at the fourth, every gradient is doubled while the worker copies the snapshots
-    (held back by a gate until then) and halved again before ``step()``: the same bits as after
-    backward, but the speculation was computed on the doubled copy."""
-    m, opt, g = _tiny(validate)
+def _restoring_run(validate: str, device: str = "cpu"):
+    """Five steps; at the fourth, every gradient is doubled while the snapshots are still to be
+    copied, the copies are let run, and the gradients are halved again before ``step()``: the
+    same bits as after backward, while a snapshot copied then would hold the doubled ones.
+
+    CPU: the worker is held by a gate until the gradients are doubled. CUDA: the side stream
+    sleeps first (the copies queue behind it), the device is synchronized after the doubling."""
+    m, opt, g = _tiny(validate, device)
+    side = None
+    if device == "cuda":
+        side = opt._staging._streams.stream(next(m.parameters()).device, "d2h")
     for i in range(5):
         gate = threading.Event()
         if i == 3 and validate != "none":
-            opt._updater.submit(gate.wait)  # the snapshots are copied only after the gate
-        m(torch.randn(8, 16, generator=g)).square().mean().backward()
+            if side is None:
+                opt._updater.submit(gate.wait)  # a worker copy would run after the gate
+            else:
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(200_000_000)  # ~0.1 s: backward is queued long before
+        m(torch.randn(8, 16, generator=g).to(device)).square().mean().backward()
         if i == 3:
             for p in m.parameters():
                 p.grad.mul_(2)
             gate.set()
-            opt._spec.wait()  # the snapshots hold the doubled gradients
+            if side is None:
+                opt._spec.wait()  # the snapshots are taken
+            else:
+                torch.cuda.synchronize()  # the side stream's copies have run
             for p in m.parameters():
                 p.grad.div_(2)  # exact: the bits after backward again
         opt.step()
         opt.zero_grad()
     opt.close()
-    return torch.cat([p.detach().flatten() for p in m.parameters()])
+    return torch.cat([p.detach().flatten() for p in m.parameters()]).cpu()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known (PROTOCOL.md): a digest is of the gradients when the bucket was ready, not of "
-    "the snapshot; an edit undone before step() while the copy is pending goes unseen. CUDA: the "
-    "D2H backlog is the window; a fence (compute stream waits for the snapshot event at the end "
-    "of backward) would close it",
-)
-def test_an_edit_undone_while_the_snapshot_is_copied_is_seen():
+def _unfenced(monkeypatch):
+    """The speculator without its fence: snapshots are copied whenever the copy runs."""
+    from tensortier.optim._speculation import Speculator
+
+    monkeypatch.setattr(Speculator, "_fence", lambda self, staged, device: None)
+
+
+def test_an_edit_undone_while_the_snapshot_is_copied_is_seen(monkeypatch):
+    """PROTOCOL.md: a digest is of the gradients when the bucket was ready, so the snapshot must
+    not change after it: with digests the CPU snapshot is copied in the hook. Without that fence
+    the speculation computed on the doubled copy would be kept (the control at the end)."""
     plain = _restoring_run("none")
     assert torch.equal(_restoring_run("bits"), plain)  # the full comparison reads the snapshot
     assert torch.equal(_restoring_run("digest"), plain)
+    _unfenced(monkeypatch)
+    assert not torch.equal(_restoring_run("digest"), plain)  # the test sees a missing fence
+
+
+@pytest.mark.gpu
+def test_cuda_an_edit_undone_while_the_snapshot_is_copied_is_seen(monkeypatch):
+    """CUDA: the end of backward makes the compute stream wait for the snapshot copies
+    (``Staging.fence``), so an edit after backward runs after them."""
+    plain = _restoring_run("none", "cuda")
+    assert torch.equal(_restoring_run("bits", "cuda"), plain)
+    assert torch.equal(_restoring_run("digest", "cuda"), plain)
+    _unfenced(monkeypatch)
+    assert not torch.equal(_restoring_run("digest", "cuda"), plain)  # the race is reproduced
+
+
+def test_cuda_fences_are_placed_once_per_device_at_the_end_of_each_backward(monkeypatch):
+    """The CUDA fence's plumbing, driven on the CPU with the stream wait recorded: each device
+    with a digested snapshot is fenced once, after the last hook of the backward that took it
+    (autograd's final callback); a hook run outside a backward fences at once; a backward that
+    failed before its end does not stop the next one's fence."""
+    _, opt, _ = _tiny("digest")
+    spec, events = opt._spec, []
+    monkeypatch.setattr(opt._staging, "fence", lambda d: events.append(("fence", str(d))))
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    w = torch.nn.Parameter(torch.ones(3))
+
+    def hook(p):
+        for d in (cuda0, cuda1, cuda0):
+            events.append(("hook", str(d)))
+            spec._fence(None, d)
+
+    w.register_post_accumulate_grad_hook(hook)
+    v = torch.nn.Parameter(torch.ones(3))
+    v.register_post_accumulate_grad_hook(hook)
+    (w * 2).sum().backward()
+    assert events == [("hook", "cuda:0"), ("hook", "cuda:1"), ("hook", "cuda:0"),
+                      ("fence", "cuda:0"), ("fence", "cuda:1")]  # fmt: skip
+    events.clear()
+    spec._fence(None, cuda1)  # outside a backward
+    assert events == [("fence", "cuda:1")]
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("backward failed")
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="backward failed"):
+        (Fail.apply(w * 2) + v).sum().backward()  # v's hook runs first (a leaf ready first)
+    assert ("hook", "cuda:0") in events and ("fence", "cuda:0") not in events  # hook, failure
+    events.clear()
+    w.grad = None
+    (w * 2).sum().backward()
+    assert [e for e in events if e[0] == "fence"] == [("fence", "cuda:0"), ("fence", "cuda:1")]
+    opt.close()

@@ -109,6 +109,8 @@ class Speculator:
         self._prepared: list[Future] = []  # spare copies made on the worker after a step
         self.validate = validate
         self._digests: Digests | None = None  # made on first use: a random matrix per process
+        self._fence_task: int | None = None  # the backward whose snapshots are fenced at its end
+        self._fence_devices: set[torch.device] = set()
 
     # ------------------------------------------------------------------ backward side
     def _speculating(self, bucket: Bucket) -> bool:
@@ -152,6 +154,8 @@ class Speculator:
         # on the stream the gradients were made on (backward's), after they were final
         digests = self._digester(grads[0].device)
         digest = None if digests is None else digests.take(grads)
+        if digest is not None:
+            self._fence(staged, grads[0].device)
         scale = self.last_scale
         hyper = Hyper.of(self.groups[bucket.group])
         future = self.updater.submit_shadow(bucket, slots, staged, scale, hyper)
@@ -170,6 +174,36 @@ class Speculator:
         )
         self.stats.speculated += 1
         self.stats.launched_in_backward += 1
+
+    def _fence(self, staged: Staged, device: torch.device) -> None:
+        """A digest describes the gradients when the bucket was ready, so the snapshot must hold
+        those bits: no edit may reach it while it is being copied (else an edit undone before
+        ``step()`` would leave a torn snapshot that the digests call unchanged; PROTOCOL.md).
+
+        CPU: the copy is made now, on this thread (not on the worker). CUDA: at the end of this
+        backward (autograd's final callback, run on the streams current around the user's
+        ``backward()`` call), each device's current stream waits for the snapshot copies.
+        """
+        if device.type != "cuda":
+            staged.wait()
+            return
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # a hook run outside a backward: nothing can run before the fence
+            self.staging.fence(device)
+            return
+        if task != self._fence_task:  # the first snapshot of this backward pass
+            self._fence_task, self._fence_devices = task, set()
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_backward(task)
+            )
+        self._fence_devices.add(device)
+
+    def _end_backward(self, task: int) -> None:
+        """Autograd's final callback of a backward that took digested snapshots."""
+        if task == self._fence_task:
+            for device in self._fence_devices:
+                self.staging.fence(device)
+            self._fence_task, self._fence_devices = None, set()
 
     # ------------------------------------------------------------------ step side
     def resolve(self, b: Bucket, scale: float | None) -> tuple[Spec | None, Staged | None]:

@@ -14,6 +14,9 @@ CUDA gradients (written to be correct by construction, compared line by line wit
   ``non_blocking`` on the side stream after it waited for the compute stream, the source gets
   ``record_stream`` so the allocator cannot hand it out before the copy ran, and one event per
   batch is what the worker waits on;
+- with digests (``_speculation.py``), the end of backward makes the compute stream wait for the
+  snapshot copies (``fence``, as FSDP's post-backward callback waits for its reduce-scatter
+  stream), so no edit after backward can reach a copy in flight;
 - the check in ``step()`` copies the current gradients into one pinned buffer per device and
   compares them with the snapshot on ATen's thread count (``_compare.py``); on a mismatch that
   copy becomes the bucket's staged gradients;
@@ -144,6 +147,11 @@ class Staging:
         # the allocator must not reuse it before its copy ran
         event = self._streams.copy(zip(views, grads), device, direction="d2h", record_sources=True)
         return Staged(views, event)
+
+    def fence(self, device: torch.device) -> None:
+        """The device's current stream waits for every snapshot copy queued so far, so work queued
+        there afterwards (a user's edit of a gradient) cannot reach a copy still reading it."""
+        consume(self._streams.record(device, "d2h"), torch.cuda.current_stream(device))
 
     def matches(
         self, staged: Staged, grads: list[torch.Tensor], stats: OptimizerStats | None = None

@@ -15,8 +15,10 @@ then validates each speculation against what the user did between ``backward()``
 it is kept only if the gradient every parameter has *now* is bit-identical to the snapshot, the
 parameter was not changed, and the GradScaler scale is the one speculated with (CUDA gradients:
 checked by device-side digests taken with the snapshot and in ``step()``, ``_digest.py``, which
-miss a change with probability 2^-64 and copy nothing to the host; ``validate="bits"`` copies the
-gradients to the host and compares every bit, as CPU gradients always are). Otherwise the
+miss a change with probability 2^-64 and copy nothing to the host; the end of backward makes
+the compute stream wait for the snapshot copies, so both describe the same bits;
+``validate="bits"`` copies the gradients to the host and compares every bit, as CPU gradients
+always are). Otherwise the
 shadow is dropped (free and exact) and the bucket is updated again from the committed state with
 the current gradients. The results are therefore those of the non-overlapped path whatever
 happens to ``.grad`` (``clip_grad_norm_``, ``GradScaler.unscale_``, manual edits or replacement,
