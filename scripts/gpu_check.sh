@@ -35,7 +35,7 @@ done
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
 
-declare -A cap=([transfer]=25 [pytest]=150 [activations]=130 [llama]=50 [optimizer]=80 [checkpoint]=45)
+declare -A cap=([transfer]=20 [pytest]=150 [activations]=130 [llama]=50 [optimizer]=85 [checkpoint]=45)
 # Installs .whl/ and tensortier with --no-index --no-deps into temporary site dirs (removed on
 # exit), as the GPU machine (no registry) needs: two dirs, as a second --target install into one
 # skips its existing bin/ (tensortier's CLI went missing), and a wheel for another Python fails

@@ -23,7 +23,8 @@ CUDA gradients (written to be correct by construction, compared line by line wit
 - parameter write-back: ``non_blocking`` H2D from the pinned master on the side stream (after it
   waited for the compute stream), dtype conversion on the device, one event that the compute
   stream waits on; the event is recorded on the host buffer, which is not written again before it
-  completed (``_states._HostBuf.ready_to_write``).
+  completed (``_states._HostBuf.ready_to_write``); ``defer_write_back=True``: no such wait,
+  each module's forward waits for its own parameters' copies (``_readers.DeferredWriteBack``).
 
 Waits: CUDA events complete once the copies queued before them ran; they cannot hang unless the
 device does. This module never runs an update and never touches optimizer state.
@@ -37,6 +38,7 @@ import torch
 
 from tensortier._units import align_up
 from tensortier.optim._compare import Comparer
+from tensortier.optim._readers import DeferredWriteBack
 from tensortier.optim._states import ALIGN
 from tensortier.optim._stats import OptimizerStats
 from tensortier.tiers.host import aligned_empty
@@ -64,7 +66,7 @@ class Staged:
 class Staging:
     """Reusable host gradient buffers per bucket, side streams per device, write-back."""
 
-    def __init__(self, devices: set[torch.device]):
+    def __init__(self, devices: set[torch.device], deferred: DeferredWriteBack | None = None):
         # one side stream per device for both directions: write-backs stay ordered after the
         # gradient copies queued before them, as with torchao's single stream
         self._streams = SideStreams(split=False)
@@ -72,11 +74,16 @@ class Staging:
         self._check: dict[torch.device, torch.Tensor] = {}
         self._wb_devices: dict[torch.device, bool] = {}
         self.comparer = Comparer()  # validation's comparisons, on the host's cores
+        self.deferred = deferred  # defer_write_back=True: forward waits per module, not all
         self.add_devices(devices)
 
     def close(self) -> None:
-        """Join the comparison threads (the optimizer's shutdown)."""
+        """Join the comparison threads (the optimizer's shutdown); deferred write-backs: the
+        current streams wait for them, then the module hooks go."""
         self.comparer.close()
+        if self.deferred is not None:
+            self.deferred.synchronize()
+            self.deferred.close()
 
     def add_devices(self, devices: set[torch.device]) -> None:
         for d in devices:
@@ -185,16 +192,17 @@ class Staging:
         return same
 
     # ------------------------------------------------------------------ write-back
-    def write_back(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], holder=None) -> None:
+    def write_back(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], holder=None):
         """Copy masters (host) into parameters; ``holder.event`` guards the host buffer on CUDA.
 
         ``holder=None`` on CUDA waits for the copies before returning (the buffer is reused).
+        Returns the event after the copies when they may still run (CUDA, a ``holder``).
         """
         cuda = [(p, m) for p, m in pairs if p.device.type == "cuda"]
         cpu = [(p, m.view(p.shape)) for p, m in pairs if p.device.type != "cuda"]
         self._streams.copy(cpu, torch.device("cpu"), direction="h2d")  # plain copies, now
         if not cuda:
-            return
+            return None
         device = cuda[0][0].device  # a bucket holds parameters of one device
         # the first write-back of this step on the device waits for compute: kernels may still
         # read p; H2D in the master dtype, converted on the device
@@ -204,11 +212,14 @@ class Staging:
         event = self._streams.copy(pairs, device, direction="h2d", after=COMPUTE if first else None)
         if holder is None:
             event.synchronize()
-        else:
-            holder.event = event
+            return None
+        holder.event = event
+        return event
 
     def finish_write_back(self) -> None:
-        """Make each compute stream wait for this step's write-back (one event per device)."""
+        """Make each compute stream wait for this step's write-back (one event per device);
+        ``defer_write_back``: each module's forward waits for its own parameters instead."""
         for device in [d for d, used in self._wb_devices.items() if used]:
-            consume(self._streams.record(device, "h2d"), torch.cuda.current_stream(device))
+            if self.deferred is None:
+                consume(self._streams.record(device, "h2d"), torch.cuda.current_stream(device))
             self._wb_devices[device] = False

@@ -47,6 +47,8 @@ class Step:
         self.stats = stats
         self.groups = groups
         self.host = host
+        # defer_write_back: the copies are issued at the end, in forward order (see run)
+        self.defer_write_back = staging.deferred is not None
 
     def skip(self) -> None:
         """GradScaler found inf/NaN: like fused AdamW, nothing advances (a state appears for
@@ -65,12 +67,15 @@ class Step:
         jobs: list[Job] = []
         error: BaseException | None = None
         wb_seconds = 0.0
+        later: list[tuple[int, list[Slot], object]] = []  # defer_write_back: issued at the end
 
         def finished(b, slots, steps, direct, kept: bool = False) -> None:
             nonlocal wb_seconds
             done.append((b, slots, steps, direct))
             if b.in_place and not kept:  # the kernel updated the parameters themselves
                 self._wrote(slots)
+            elif self.host and self.defer_write_back:
+                later.append((b.id, slots, self.states.latest(b.id)))
             elif self.host:  # host: write back now, overlapping later updates
                 tw = time.perf_counter()
                 self._write_back(slots, self.states.latest(b.id))
@@ -90,6 +95,12 @@ class Step:
             if job is not None:
                 jobs.append(job)
         error = self._collect(jobs, finished, error)
+        # forward order (buckets are built in reverse: highest id first, as defer_gather hands
+        # its gathers over): the next forward's first modules wait for the first copies only
+        tw = time.perf_counter()
+        for _, slots, holder in sorted(later, key=lambda x: -x[0]):
+            self._write_back(slots, holder)
+        wb_seconds += time.perf_counter() - tw
         self.stats.step_wait_seconds += time.perf_counter() - t0 - wb_seconds
         self.stats.writeback_seconds += wb_seconds
         self._apply(done, error, scale_t)
@@ -154,9 +165,11 @@ class Step:
 
     def _write_back(self, slots: list[Slot], holder, master=None) -> None:
         master = holder.master if master is None else master
-        self.staging.write_back(
+        event = self.staging.write_back(
             [(s.tensor(), master[s.offset : s.offset + s.numel]) for s in slots], holder
         )
+        if event is not None and self.staging.deferred is not None:  # modules wait for it
+            self.staging.deferred.written([s.param for s in slots], event)
         self._wrote(slots)
 
     @staticmethod

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from tensortier import _dist
 from tensortier.errors import ConfigError
 from tensortier.optim._dtensor import is_dtensor
 from tensortier.optim._layout import Bucket, Slot
+from tensortier.optim._readers import ParamReaders
 from tensortier.optim._shard import Gatherer, Gathering, GatherPlan, GatherThread
 from tensortier.optim._step import Done, Step
 from tensortier.optim._update import Job
@@ -155,18 +155,6 @@ def _judge(
     return False, None
 
 
-def _before_forward(ref: weakref.ref, module: torch.nn.Module, args) -> None:
-    deferred = ref()
-    if deferred is not None:
-        deferred.before_use(module)
-
-
-def _before_state_dict(ref: weakref.ref, module: torch.nn.Module, *args) -> None:
-    deferred = ref()
-    if deferred is not None:
-        deferred.synchronize()
-
-
 def _record_versions(slots: list[Slot]) -> None:
     """The gather wrote these slots' parameters: their versions now are ours, not the user's
     (recorded before the write, the next step saw a changed parameter and compared every
@@ -175,37 +163,22 @@ def _record_versions(slots: list[Slot]) -> None:
         s.version = s.local._version
 
 
-class DeferredWrites:
+class DeferredWrites(ParamReaders):
     """``defer_gather=True``: the step's all-gathers run after ``step()`` returned
     (``GatherThread``), and each parameter is written before anything reads it.
 
-    Who waits. A global forward pre-hook (``register_module_forward_pre_hook``: the optimizer
-    gets parameters, not modules) waits, before a module runs, for the gathers of the parameters
-    the module holds itself (not its children's: the root module would wait for everything); a
-    ``state_dict`` pre-hook on every module holding one of them (registered the first time a
-    forward reaches the module's root) waits for all, so ``model.state_dict()`` is current; the
-    optimizer waits in ``step()``, ``state_dict()``, ``load_state_dict()``, ``close()`` and
-    ``synchronize()`` (the Checkpointer calls it). Not covered: reading a parameter directly, or
-    through a module whose forward is not called (see the ``defer_gather`` docstring).
+    Who waits: a module's forward for the gathers of the parameters it holds itself, and
+    ``model.state_dict()`` for all (``_readers.ParamReaders``); the optimizer waits in
+    ``step()``, ``state_dict()``, ``load_state_dict()``, ``close()`` and ``synchronize()`` (the
+    Checkpointer calls it). Not covered: reading a parameter directly, or through a module whose
+    forward is not called (see the ``defer_gather`` docstring).
     """
 
     def __init__(self, sharding: Sharding):
         group = _dist.new_group_like(sharding.pg)  # destroyed by the thread's close()
         self.thread = GatherThread(group, sharding.world, sharding.rank)
         self._item: dict[int, int] = {}  # id(parameter) -> number of the gather that writes it
-        self._params: set[int] = set()  # every parameter of the optimizer (by id)
-        self._seen: weakref.WeakSet = weakref.WeakSet()  # modules already walked
-        self._hooked: weakref.WeakSet = weakref.WeakSet()  # modules with a state-dict pre-hook
-        # run eagerly under torch.compile: a traced wait would be a no-op in the graph (and dynamo
-        # cannot trace the weak sets); the cost is a graph break at each module call. Wrapped
-        # here, not at import: torch.compiler.disable imports dynamo (~0.9 s)
-        hook = torch.compiler.disable(functools.partial(_before_forward, weakref.ref(self)))
-        self.hooks: list = [torch.nn.modules.module.register_module_forward_pre_hook(hook)]
-
-    def add_params(self, params) -> None:
-        """Parameters to watch for (a new param group: every module is walked again)."""
-        self._params.update(id(p) for p in params)
-        self._seen = weakref.WeakSet()
+        super().__init__()
 
     def hand_over(
         self, plan: GatherPlan, values: dict[int, torch.Tensor], slots: list[Slot]
@@ -230,8 +203,9 @@ class DeferredWrites:
         for its own parameters' gathers."""
         if self.thread.held:
             self.thread.release()
-        if module not in self._seen and self._params:
-            self._watch(module)
+        super().before_use(module)
+
+    def wait_for(self, module: torch.nn.Module) -> None:
         if not self._item:
             return
         last = max((self._item.get(id(p), 0) for p in module._parameters.values()), default=0)
@@ -240,17 +214,6 @@ class DeferredWrites:
             if not self.thread.pending:
                 self._item.clear()
 
-    def _watch(self, root: torch.nn.Module) -> None:
-        """State-dict pre-hooks on the modules under ``root`` that hold one of the parameters."""
-        for m in root.modules():
-            if m in self._seen:
-                continue
-            self._seen.add(m)
-            if m not in self._hooked and any(id(p) in self._params for p in m._parameters.values()):
-                self._hooked.add(m)
-                hook = functools.partial(_before_state_dict, weakref.ref(self))
-                self.hooks.append(m.register_state_dict_pre_hook(hook))
-
     def synchronize(self) -> None:
         """Every handed-over gather written (raises a failed gather's error)."""
         if self._item or self.thread.busy:
@@ -258,9 +221,7 @@ class DeferredWrites:
             self._item.clear()
 
     def close(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks.clear()
+        super().close()
         self.thread.close()
 
 
