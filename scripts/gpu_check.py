@@ -84,6 +84,9 @@ def environment() -> dict:
         "cpus": os.cpu_count(),
         "loadavg": list(os.getloadavg()),
         "packages": {},
+        # the caching allocator's settings change every reserved figure (expandable_segments)
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        or os.environ.get("PYTORCH_ALLOC_CONF"),
     }
     if CUDA:
         props = torch.cuda.get_device_properties(DEV)

@@ -756,3 +756,39 @@ def test_the_planners_meter_reads_no_less_than_the_users_rss_over_a_whole_step(t
     assert len(pairs) >= 3, pairs
     mib = [(round(u / 2**20, 2), round(p / 2**20, 2)) for u, p in pairs]
     assert all(planner >= user for user, planner in pairs), mib
+
+
+def test_a_budget_error_on_cuda_names_expandable_segments_when_the_allocator_held_much_more(
+    spill_dir, make_profile, monkeypatch
+):
+    """Issue 25 (H100 run 2): budgets count reserved memory, and full checkpointing reserved
+    6.8 GB for 2.3 GB of tensors, so the error must name the allocator setting that returns it,
+    not only a larger budget; and say nothing of it where it would not help."""
+    from tensortier.errors import BudgetError
+
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    off = planned_offload("1MiB", spill_dir=spill_dir, options=FAST)
+    gb = 10**9
+    try:
+        profile = make_profile(n_units=2, tensor_bytes=10_000_000, per_unit=1)
+
+        def message(device: str, allocated: int) -> str:
+            profile.device = device
+            profile.passes = [
+                {"kind": "probe", "peak_bytes": 9 * gb, "allocated_bytes": 8 * gb},
+                {"kind": "recompute", "peak_bytes": 7 * gb, "allocated_bytes": allocated},
+            ]
+            with pytest.raises(BudgetError) as caught:
+                off._choose(profile)
+            return str(caught.value)
+
+        hint = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        text = message("cuda", int(2.3 * gb))
+        assert hint in text and "held 4.38GiB" in text, text  # 7 - 2.3 GB, at the smallest peak
+        assert hint not in message("cuda", int(6.5 * gb))  # the allocator held little
+        assert hint not in message("cpu", int(2.3 * gb))
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        assert hint not in message("cuda", int(2.3 * gb))  # already on
+    finally:
+        off.close()

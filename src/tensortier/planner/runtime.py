@@ -285,6 +285,36 @@ class Recompute:
         self._wrapped = []
 
 
+def allocator_hint(profile: Profile) -> str:
+    """CUDA, for a ``BudgetError``: a sentence naming ``expandable_segments`` when the caching
+    allocator reserved much more than the live tensors in the measured pass with the smallest
+    peak; "" otherwise. Why: budgets count reserved memory (what runs out), and on the H100
+    (issue 25, run 2) full checkpointing reserved 6.8 GB for 2.3 GB of tensors, so budgets near
+    that floor were out of reach whatever the plan, and the error named only a larger budget."""
+    if profile.device != "cuda" or _expandable_segments():
+        return ""
+    measured = [p for p in profile.passes if p.get("peak_bytes") and "allocated_bytes" in p]
+    if not measured:
+        return ""
+    low = min(measured, key=lambda p: p["peak_bytes"])
+    gap = low["peak_bytes"] - low["allocated_bytes"]
+    if gap < max(256 << 20, low["peak_bytes"] // 4):
+        return ""
+    return (
+        f" At the smallest measured peak the CUDA caching allocator held {format_size(gap)} "
+        f"beyond {format_size(low['allocated_bytes'])} of live tensors: "
+        f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA is first used, "
+        f"usually returns most of it."
+    )
+
+
+def _expandable_segments() -> bool:
+    conf = ",".join(
+        os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
 def profiled_tier(tier: str, device: torch.device) -> str:
     """The tier the warm-up and profiling iterations offload to: the one the user asked for;
     for ``"auto"``, host on CUDA (the fast tier a plan fills first) and disk on a CPU-only
@@ -907,7 +937,8 @@ class PlannedOffload:
                 f"no {cfg.policy} plan fits a budget of {format_size(cfg.budget)}: {buffers}"
                 f"the smallest peak a plan reaches is {format_size(e.minimum)} "
                 f"({margin:.0%} margin). Raise the budget to at least {format_size_up(minimum)}"
-                + (", or use policy='auto'." if cfg.policy != "auto" else "."),
+                + (", or use policy='auto'." if cfg.policy != "auto" else ".")
+                + allocator_hint(profile),
                 budget=cfg.budget,
                 minimum=minimum,
             ) from e
