@@ -173,3 +173,21 @@ def test_cuda_deferred_write_back_is_bit_identical_and_waited_for(monkeypatch):
     monkeypatch.setattr(DeferredWriteBack, "wait_for", lambda self, module: None)
     losses, _ = _cuda_run(True, hold_copies=True)
     assert not torch.equal(losses, want[0])
+
+
+def test_model_load_state_dict_waits_for_the_copies_it_would_race(monkeypatch):
+    """``model.load_state_dict`` (a rollback, ``Checkpointer.restore``) writes the parameters on
+    the current stream: a copy still queued would land after it and undo the load, so every
+    module holding one of the parameters waits for all of them before its tensors are loaded."""
+    waits = _recorded(monkeypatch)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    readers = DeferredWriteBack()
+    readers.add_params(m.parameters())
+    m(torch.randn(3, 4))  # the modules are found by a forward
+    saved = {k: v.clone() for k, v in m.state_dict().items()}
+    readers.written([m[0].weight, m[0].bias], "e0")
+    readers.written([m[2].weight], "e2")
+    m[0].register_load_state_dict_pre_hook(lambda *a: waits.append("load 0"))
+    m.load_state_dict(saved)
+    assert waits[:2] == ["e0", "e2"] and "load 0" in waits and readers.pending == 0
+    readers.close()

@@ -8,9 +8,10 @@ interception, written once here:
 - a global forward pre-hook (``register_module_forward_pre_hook``: the optimizer is given
   parameters, not modules) calls ``wait_for(module)`` before a module runs; a module waits for the
   parameters it holds itself, not its children's (the root module would wait for everything);
-- a ``state_dict`` pre-hook on every module holding one of the parameters (registered the first
-  time a forward reaches the module's root) calls ``synchronize()``, so ``model.state_dict()``
-  is current.
+- a ``state_dict`` pre-hook and a ``load_state_dict`` pre-hook on every module holding one of
+  the parameters (registered the first time a forward reaches the module's root) call
+  ``synchronize()``, so ``model.state_dict()`` is current and ``model.load_state_dict()`` (a
+  rollback, ``Checkpointer.restore``) is not undone by a pending write landing after it.
 
 Not covered: reading a parameter directly (``p.norm()``), or through a module whose forward is
 not called; the optimizer's ``synchronize()`` is for those.
@@ -67,7 +68,8 @@ class ParamReaders:
         raise NotImplementedError
 
     def _watch(self, root: torch.nn.Module) -> None:
-        """State-dict pre-hooks on the modules under ``root`` that hold one of the parameters."""
+        """State-dict and load-state-dict pre-hooks on the modules under ``root`` that hold one of
+        the parameters."""
         for m in root.modules():
             if m in self._seen:
                 continue
@@ -76,6 +78,7 @@ class ParamReaders:
                 self._hooked.add(m)
                 hook = functools.partial(_before_state_dict, weakref.ref(self))
                 self.hooks.append(m.register_state_dict_pre_hook(hook))
+                self.hooks.append(m.register_load_state_dict_pre_hook(hook))
 
     def close(self) -> None:
         for h in self.hooks:

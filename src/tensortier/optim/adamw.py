@@ -156,7 +156,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ``step()`` issues no collective (the ranks agree on the thread: a rank whose update failed
     raises in ``step()``, the others at their next wait, naming it). A parameter is written
     before a module holding it runs forward (global forward pre-hook), before
-    ``model.state_dict()``, and at the next ``step()``, ``state_dict()``, ``load_state_dict()``,
+    ``model.state_dict()`` and ``model.load_state_dict()`` (whose load a later write would
+    undo), and at the next ``step()``, ``state_dict()``, ``load_state_dict()``,
     ``close()``, a Checkpointer save and :meth:`synchronize`. Under ``torch.compile`` the
     pre-hook runs eagerly (a graph break at each module call). Off by default because some reads
     cannot be intercepted: reading parameters directly after ``step()`` (``p.norm()`` logging,
