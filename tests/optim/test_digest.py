@@ -361,3 +361,20 @@ def test_cuda_fences_are_placed_once_per_device_at_the_end_of_each_backward(monk
     (w * 2).sum().backward()
     assert [e for e in events if e[0] == "fence"] == [("fence", "cuda:0"), ("fence", "cuda:1")]
     opt.close()
+
+
+def test_cuda_fences_cover_a_device_whose_snapshot_preceded_a_reentrant_backward(monkeypatch):
+    """``torch.utils.checkpoint(use_reentrant=True)`` runs a backward of its own inside the
+    user's: its final callback comes first. A device snapshotted in the outer backward before it
+    (cuda:0) must still be fenced, not dropped when the inner one (cuda:1) takes over."""
+    _, opt, _ = _tiny("digest")
+    spec, events = opt._spec, []
+    monkeypatch.setattr(opt._staging, "fence", lambda d: events.append(("fence", str(d))))
+    outer, inner = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    for p, d in ((outer, torch.device("cuda", 0)), (inner, torch.device("cuda", 1))):
+        p.register_post_accumulate_grad_hook(lambda p, d=d: spec._fence(None, d))
+    x = torch.ones(3, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(lambda x: x * inner, x, use_reentrant=True)
+    (y * outer).sum().backward()  # outer's leaf is ready first, then the inner backward runs
+    assert sorted(events) == [("fence", "cuda:0"), ("fence", "cuda:1")], events
+    opt.close()
