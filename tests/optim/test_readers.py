@@ -191,3 +191,55 @@ def test_model_load_state_dict_waits_for_the_copies_it_would_race(monkeypatch):
     m.load_state_dict(saved)
     assert waits[:2] == ["e0", "e2"] and "load 0" in waits and readers.pending == 0
     readers.close()
+
+
+def _stand_in_events(model, opt) -> tuple[list[str], dict]:
+    """Each write-back of ``opt`` gets a named stand-in event (CPU parameters have no copy in
+    flight); returns (the events in issue order, event -> names of the parameters it covers)."""
+    real, issued, owner = opt._staging.write_back, [], {}
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def write_back(pairs, holder=None):
+        real(pairs, holder)
+        issued.append(f"bucket {len(issued)}")
+        return issued[-1]
+
+    real_written = opt._staging.deferred.written
+
+    def written(params, event):
+        owner[event] = {names[id(p)] for p in params}
+        real_written(params, event)
+
+    opt._staging.write_back, opt._staging.deferred.written = write_back, written
+    return issued, owner
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_torch_attention_modules_wait_for_the_parameters_their_forward_reads(monkeypatch, mode):
+    """``nn.MultiheadAttention`` reads ``out_proj``'s parameters without calling ``out_proj``,
+    and ``nn.TransformerEncoderLayer``'s inference fast path (``eval()`` under ``no_grad``)
+    reads every parameter of the layer without calling any submodule: before either runs, the
+    copies of all the parameters under it must be waited for."""
+    waits = _recorded(monkeypatch)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), layer, torch.nn.Linear(16, 4))
+    model = model.to(torch.bfloat16)  # fp32 masters: written back (fp32 CPU: in place)
+    opt = OffloadedAdamW(model.parameters(), lr=1e-2, bucket_size="1KiB", overlap=False,
+                         defer_write_back=True)  # fmt: skip
+    issued, owner = _stand_in_events(model, opt)
+    for name, mod in model.named_modules():
+        mod.register_forward_pre_hook(lambda mod, args, name=name: waits.append(("run", name)))
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    model(x).square().mean().backward()
+    opt.step()
+    assert len(issued) > 4
+    waits.clear()
+    reader = "1.self_attn" if mode == "train" else "1"
+    model.train(mode == "train")
+    with torch.set_grad_enabled(mode == "train"):
+        model(x)
+    ran = waits.index(("run", reader))
+    needed = {e for e, names in owner.items() if any(n.startswith(reader + ".") for n in names)}
+    assert needed and needed <= set(waits[:ran]), (needed, waits[:ran])
+    opt.close()

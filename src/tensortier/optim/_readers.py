@@ -7,7 +7,11 @@ interception, written once here:
 
 - a global forward pre-hook (``register_module_forward_pre_hook``: the optimizer is given
   parameters, not modules) calls ``wait_for(module)`` before a module runs; a module waits for the
-  parameters it holds itself, not its children's (the root module would wait for everything);
+  parameters it holds itself, not its children's (the root module would wait for everything),
+  except PyTorch's own modules whose forward reads their children's parameters without calling
+  the children (``_SUBTREE_READERS``: ``nn.MultiheadAttention`` reads ``out_proj``'s, the
+  transformer layers' inference fast path reads every parameter of the layer), which wait for
+  all the parameters under them;
 - a ``state_dict`` pre-hook and a ``load_state_dict`` pre-hook on every module holding one of
   the parameters (registered the first time a forward reaches the module's root) call
   ``synchronize()``, so ``model.state_dict()`` is current and ``model.load_state_dict()`` (a
@@ -35,6 +39,21 @@ def _before_state_dict(ref: weakref.ref, module: torch.nn.Module, *args) -> None
     readers = ref()
     if readers is not None:
         readers.synchronize()
+
+
+# forwards that read parameters of submodules they do not call (``params_read``)
+_SUBTREE_READERS = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer,
+)
+
+
+def params_read(module: torch.nn.Module):
+    """The parameters ``module``'s forward reads before any of its children's forwards run."""
+    if isinstance(module, _SUBTREE_READERS):
+        return module.parameters()
+    return (p for p in module._parameters.values() if p is not None)
 
 
 class ParamReaders:
@@ -112,8 +131,8 @@ class DeferredWriteBack(ParamReaders):
         if not self._events:
             return
         waited: set[int] = set()
-        for p in module._parameters.values():
-            entry = None if p is None else self._events.pop(id(p), None)
+        for p in params_read(module):
+            entry = self._events.pop(id(p), None)
             if entry is not None and id(entry[1]) not in waited:
                 waited.add(id(entry[1]))
                 self._wait(*entry)

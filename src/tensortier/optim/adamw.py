@@ -162,8 +162,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     pre-hook runs eagerly (a graph break at each module call). Off by default because some reads
     cannot be intercepted: reading parameters directly after ``step()`` (``p.norm()`` logging,
     ``torch.optim.swa_utils.AveragedModel.update_parameters``, ``p.data``), and parameters a
-    parent's forward uses without calling the module that holds them (``nn.MultiheadAttention``'s
-    ``out_proj``, functional calls): call :meth:`synchronize` first.
+    parent's forward uses without calling the module that holds them (functional calls; PyTorch's
+    ``nn.MultiheadAttention`` and transformer layers, which do, wait for all the parameters
+    under them): call :meth:`synchronize` first.
     ``defer_write_back=True`` (host states, not sharded; CUDA parameters): ``step()`` returns
     with the parameters' host-to-device copies still queued on the optimizer's side stream, in
     the order forward reads them, and a module's forward makes the device wait (``wait_event``,
