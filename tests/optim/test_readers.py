@@ -243,3 +243,44 @@ def test_torch_attention_modules_wait_for_the_parameters_their_forward_reads(mon
     needed = {e for e, names in owner.items() if any(n.startswith(reader + ".") for n in names)}
     assert needed and needed <= set(waits[:ran]), (needed, waits[:ran])
     opt.close()
+
+
+def _cuda_transformer_run(hold_copies: bool, defer: bool = True):
+    """Five steps of a one-layer ``nn.TransformerEncoderLayer`` model on the GPU, each followed
+    by an inference forward (the layer's fast path reads its parameters without calling its
+    submodules); ``hold_copies``: the side stream sleeps ~0.1 s before each step."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), layer, torch.nn.Linear(32, 4)).cuda()
+    opt = OffloadedAdamW(model.parameters(), lr=1e-2, bucket_size="4KiB",
+                         defer_write_back=defer)  # fmt: skip
+    side = opt._staging._streams.stream(next(model.parameters()).device, "h2d")
+    g = torch.Generator().manual_seed(3)
+    outs = []
+    for _ in range(5):
+        x = torch.randn(4, 6, 8, generator=g).cuda()
+        model.train()
+        model(x).square().mean().backward()
+        if hold_copies:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            outs.append(model(x))
+    opt.synchronize()
+    params = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+    opt.close()
+    return torch.stack(outs).cpu(), params
+
+
+@pytest.mark.gpu
+def test_cuda_transformer_layers_wait_for_their_submodules_parameters(monkeypatch):
+    want = _cuda_transformer_run(False, defer=False)
+    got = _cuda_transformer_run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the control: a layer that waits for its own parameters only (it holds none) reads stale ones
+    monkeypatch.setattr("tensortier.optim._readers._SUBTREE_READERS", ())
+    outs, _ = _cuda_transformer_run(True)
+    assert not torch.equal(outs, want[0])
