@@ -284,3 +284,27 @@ def test_cuda_transformer_layers_wait_for_their_submodules_parameters(monkeypatc
     monkeypatch.setattr("tensortier.optim._readers._SUBTREE_READERS", ())
     outs, _ = _cuda_transformer_run(True)
     assert not torch.equal(outs, want[0])
+
+
+def test_a_model_compiled_and_run_before_the_optimizer_still_waits(monkeypatch):
+    """Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``): code compiled
+    before the optimizer registered its forward pre-hook would never call it, and every forward
+    would read parameters whose copies are still queued. Creating the optimizer drops that code,
+    so the next call recompiles with the hook."""
+    waits = _recorded(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = model.to(torch.bfloat16)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    compiled(x)  # e.g. a first evaluation, before the optimizer is made
+    opt = OffloadedAdamW(model.parameters(), lr=1e-2, bucket_size="128B", overlap=False,
+                         defer_write_back=True)  # fmt: skip
+    issued, _ = _stand_in_events(model, opt)
+    compiled(x).float().square().mean().backward()
+    opt.step()
+    assert len(issued) > 1
+    waits.clear()
+    compiled(x)
+    assert set(waits) == set(issued) and opt._staging.deferred.pending == 0, waits
+    opt.close()

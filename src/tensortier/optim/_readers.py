@@ -17,6 +17,10 @@ interception, written once here:
   ``synchronize()``, so ``model.state_dict()`` is current and ``model.load_state_dict()`` (a
   rollback, ``Checkpointer.restore``) is not undone by a pending write landing after it.
 
+Under ``torch.compile`` the hook runs eagerly (a graph break per module call); making one calls
+``torch.compiler.reset()`` when dynamo is loaded, since dynamo does not guard on module hooks
+(``skip_nnmodule_hook_guards``) and code compiled before would never call it.
+
 Not covered: reading a parameter directly (``p.norm()``), or through a module whose forward is
 not called; the optimizer's ``synchronize()`` is for those.
 """
@@ -24,9 +28,13 @@ not called; the optimizer's ``synchronize()`` is for those.
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 import weakref
 
 import torch
+
+log = logging.getLogger("tensortier.optim.adamw")
 
 
 def _before_forward(ref: weakref.ref, module: torch.nn.Module, args) -> None:
@@ -66,8 +74,14 @@ class ParamReaders:
         # run eagerly under torch.compile: a traced wait would be a no-op in the graph (and dynamo
         # cannot trace the weak sets); the cost is a graph break at each module call. Wrapped
         # here, not at import: torch.compiler.disable imports dynamo (~0.9 s)
+        compiled_before = "torch._dynamo" in sys.modules
         hook = torch.compiler.disable(functools.partial(_before_forward, weakref.ref(self)))
         self.hooks: list = [torch.nn.modules.module.register_module_forward_pre_hook(hook)]
+        if compiled_before:
+            # dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``): code compiled
+            # before this hook existed would never call it. Dropped, it recompiles with the hook
+            log.info("tensortier: torch.compiler.reset() so compiled modules call the wait hook")
+            torch.compiler.reset()
 
     def add_params(self, params) -> None:
         """Parameters to watch for (a new param group: every module is walked again)."""
