@@ -308,3 +308,21 @@ def test_a_model_compiled_and_run_before_the_optimizer_still_waits(monkeypatch):
     compiled(x)
     assert set(waits) == set(issued) and opt._staging.deferred.pending == 0, waits
     opt.close()
+
+
+def test_data_parallel_waits_for_every_parameter_before_replicating(monkeypatch):
+    """``nn.DataParallel`` over several GPUs reads every parameter of its module (``replicate``
+    broadcasts them) before any submodule runs, and the replicas' forwards hold copies, not the
+    parameters: the DataParallel module itself waits for all of them (driven on the CPU, where
+    it calls its module directly: every wait must precede the first submodule)."""
+    waits = _recorded(monkeypatch)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    dp = torch.nn.DataParallel(m)
+    readers = DeferredWriteBack()
+    readers.add_params(m.parameters())
+    m[0].register_forward_pre_hook(lambda *a: waits.append("run 0"))
+    readers.written([m[0].weight, m[0].bias], "e0")
+    readers.written([m[2].weight], "e2")
+    dp(torch.randn(3, 4))
+    assert waits[:3] == ["e0", "e2", "run 0"], waits
+    readers.close()

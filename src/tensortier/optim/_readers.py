@@ -10,8 +10,8 @@ interception, written once here:
   parameters it holds itself, not its children's (the root module would wait for everything),
   except PyTorch's own modules whose forward reads their children's parameters without calling
   the children (``_SUBTREE_READERS``: ``nn.MultiheadAttention`` reads ``out_proj``'s, the
-  transformer layers' inference fast path reads every parameter of the layer), which wait for
-  all the parameters under them;
+  transformer layers' inference fast path reads every parameter of the layer, ``nn.DataParallel``
+  replicates them all), which wait for all the parameters under them;
 - a ``state_dict`` pre-hook and a ``load_state_dict`` pre-hook on every module holding one of
   the parameters (registered the first time a forward reaches the module's root) call
   ``synchronize()``, so ``model.state_dict()`` is current and ``model.load_state_dict()`` (a
@@ -54,6 +54,7 @@ _SUBTREE_READERS = (
     torch.nn.MultiheadAttention,
     torch.nn.TransformerEncoderLayer,
     torch.nn.TransformerDecoderLayer,
+    torch.nn.DataParallel,  # replicate() broadcasts every parameter, the replicas hold copies
 )
 
 
