@@ -259,7 +259,10 @@ class Speculator:
             r() is g and g.data_ptr() == p and g._version == v
             for r, g, p, v in zip(spec.grads, grads, spec.ptrs, spec.versions)
         )
-        digest_same = self._same_digest(spec.digest, grads)  # None: no digest, compare bits
+        # a snapshot is described by its digest once its backward's end fenced it; a backward
+        # that raised never got there: compare the snapshot's bits instead
+        digest = None if b.device in self._unfenced else spec.digest
+        digest_same = self._same_digest(digest, grads)  # None: no digest, compare bits
         if digest_same is False:
             self.stats.unversioned_edits += same
             return False, True, None  # the redo copies the current gradients
@@ -335,6 +338,7 @@ class Speculator:
 
     def end_cycle(self) -> None:
         """After a step (or a skipped one): learn the bucket order once, relearn accumulation."""
+        self._unfenced = {}  # the snapshots a failed backward left unfenced are consumed
         counts = [s.count for s in self.layout.slots()]
         if not self._calibrated:
             seen = list(dict.fromkeys(self._seen_order))
