@@ -361,3 +361,82 @@ def test_cuda_fences_are_placed_once_per_device_at_the_end_of_each_backward(monk
     (w * 2).sum().backward()
     assert [e for e in events if e[0] == "fence"] == [("fence", "cuda:0"), ("fence", "cuda:1")]
     opt.close()
+
+
+def test_cuda_fences_cover_a_device_whose_snapshot_preceded_a_reentrant_backward(monkeypatch):
+    """``torch.utils.checkpoint(use_reentrant=True)`` runs a backward of its own inside the
+    user's: its final callback comes first. A device snapshotted in the outer backward before it
+    (cuda:0) must still be fenced, not dropped when the inner one (cuda:1) takes over."""
+    _, opt, _ = _tiny("digest")
+    spec, events = opt._spec, []
+    monkeypatch.setattr(opt._staging, "fence", lambda d: events.append(("fence", str(d))))
+    outer, inner = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    for p, d in ((outer, torch.device("cuda", 0)), (inner, torch.device("cuda", 1))):
+        p.register_post_accumulate_grad_hook(lambda p, d=d: spec._fence(None, d))
+    x = torch.ones(3, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(lambda x: x * inner, x, use_reentrant=True)
+    (y * outer).sum().backward()  # outer's leaf is ready first, then the inner backward runs
+    assert sorted(events) == [("fence", "cuda:0"), ("fence", "cuda:1")], events
+    opt.close()
+
+
+def test_a_snapshot_whose_backward_raised_is_compared_bit_for_bit(monkeypatch):
+    """A CUDA backward that raised after its hooks took digested snapshots never runs its final
+    callback, so no fence orders them before later edits; a ``step()`` called anyway compares
+    those snapshots' bits instead of trusting their digests. Driven on the CPU: the fence is
+    replaced by what such a backward leaves (the device marked unfenced, the copy unordered)."""
+    from tensortier.optim._speculation import Speculator
+
+    plain = _restoring_run("none")
+
+    def unfenced(self, staged, device):
+        self.__dict__.setdefault("_unfenced", {})[device] = None
+
+    monkeypatch.setattr(Speculator, "_fence", unfenced)
+    assert torch.equal(_restoring_run("digest"), plain)
+
+
+class _FailLast(torch.autograd.Function):
+    """Raises in backward. Made before the model's forward, its node has the lowest sequence
+    number on the device's ready queue: it runs after every other node (and hook) of the pass."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward failed")
+
+
+def _failing_run(validate: str):
+    """Five CUDA steps; the fourth backward raises after every hook ran (snapshots taken, no
+    final callback), the side stream is held so the copies run after the gradients are doubled,
+    which are halved back before ``step()``: the same bits, a doubled snapshot."""
+    m, opt, g = _tiny(validate, "cuda")
+    side = opt._staging._streams.stream(next(m.parameters()).device, "d2h")
+    for i in range(5):
+        x = torch.randn(8, 16, generator=g).cuda()
+        if i != 3:
+            m(x).square().mean().backward()
+        else:
+            doomed = _FailLast.apply(torch.zeros(1, device="cuda", requires_grad=True))
+            loss = m(x).square().mean() + doomed.sum()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s: the snapshot copies queue behind it
+            with pytest.raises(RuntimeError, match="backward failed"):
+                loss.backward()
+            for p in m.parameters():
+                p.grad.mul_(2)
+            torch.cuda.synchronize()
+            for p in m.parameters():
+                p.grad.div_(2)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    return torch.cat([p.detach().flatten() for p in m.parameters()]).cpu()
+
+
+@pytest.mark.gpu
+def test_cuda_a_snapshot_whose_backward_raised_is_compared_bit_for_bit():
+    assert torch.equal(_failing_run("digest"), _failing_run("none"))

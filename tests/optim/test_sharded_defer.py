@@ -509,3 +509,26 @@ def test_a_read_on_one_rank_only_does_not_wait_for_the_others_to_read():
     waits at a barrier completes (held until a read on every rank, it hung until the timeout)."""
     for r in distributed.run(_rank0_reads, 2):
         assert r["equal"]
+
+
+def _rolled_back(rank: int, world: int) -> dict:
+    """A rollback right after a step: ``model.load_state_dict`` of the values after step 1 while
+    step 2's gathers are still held (until a parameter is read); the next forward must see the
+    loaded values, not step 2's gathered ones written over them."""
+    (ref, rddp, ropt), (m, ddp, opt) = _pair(_square_model, rank, bucket_size="16KiB")
+    opt._deferred.thread.hold_s = 60.0  # released by a reader only: the order is deterministic
+    g = torch.Generator().manual_seed(100 + rank)
+    _iterate(torch.randn(4, 64, generator=g), (rddp, ropt), (ddp, opt))
+    saved = {k: v.clone() for k, v in ref.state_dict().items()}  # = m's values after step 1
+    _iterate(torch.randn(4, 64, generator=g), (rddp, ropt), (ddp, opt))
+    m.load_state_dict(saved)
+    ref.load_state_dict(saved)
+    x = torch.randn(4, 64, generator=g)
+    out = {"forward": torch.equal(m(x), ref(x)), "params": _same(m.state_dict(), saved)}
+    opt.close()
+    return out
+
+
+def test_a_model_load_state_dict_after_a_step_is_not_overwritten_by_its_gathers():
+    for r in distributed.run(_rolled_back, 2):
+        assert r == {"forward": True, "params": True}

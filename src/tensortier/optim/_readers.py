@@ -7,10 +7,19 @@ interception, written once here:
 
 - a global forward pre-hook (``register_module_forward_pre_hook``: the optimizer is given
   parameters, not modules) calls ``wait_for(module)`` before a module runs; a module waits for the
-  parameters it holds itself, not its children's (the root module would wait for everything);
-- a ``state_dict`` pre-hook on every module holding one of the parameters (registered the first
-  time a forward reaches the module's root) calls ``synchronize()``, so ``model.state_dict()``
-  is current.
+  parameters it holds itself, not its children's (the root module would wait for everything),
+  except PyTorch's own modules whose forward reads their children's parameters without calling
+  the children (``_SUBTREE_READERS``: ``nn.MultiheadAttention`` reads ``out_proj``'s, the
+  transformer layers' inference fast path reads every parameter of the layer, ``nn.DataParallel``
+  replicates them all), which wait for all the parameters under them;
+- a ``state_dict`` pre-hook and a ``load_state_dict`` pre-hook on every module holding one of
+  the parameters (registered the first time a forward reaches the module's root) call
+  ``synchronize()``, so ``model.state_dict()`` is current and ``model.load_state_dict()`` (a
+  rollback, ``Checkpointer.restore``) is not undone by a pending write landing after it.
+
+Under ``torch.compile`` the hook runs eagerly (a graph break per module call); making one calls
+``torch.compiler.reset()`` when dynamo is loaded, since dynamo does not guard on module hooks
+(``skip_nnmodule_hook_guards``) and code compiled before would never call it.
 
 Not covered: reading a parameter directly (``p.norm()``), or through a module whose forward is
 not called; the optimizer's ``synchronize()`` is for those.
@@ -19,9 +28,13 @@ not called; the optimizer's ``synchronize()`` is for those.
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 import weakref
 
 import torch
+
+log = logging.getLogger("tensortier.optim.adamw")
 
 
 def _before_forward(ref: weakref.ref, module: torch.nn.Module, args) -> None:
@@ -36,6 +49,22 @@ def _before_state_dict(ref: weakref.ref, module: torch.nn.Module, *args) -> None
         readers.synchronize()
 
 
+# forwards that read parameters of submodules they do not call (``params_read``)
+_SUBTREE_READERS = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer,
+    torch.nn.DataParallel,  # replicate() broadcasts every parameter, the replicas hold copies
+)
+
+
+def params_read(module: torch.nn.Module):
+    """The parameters ``module``'s forward reads before any of its children's forwards run."""
+    if isinstance(module, _SUBTREE_READERS):
+        return module.parameters()
+    return (p for p in module._parameters.values() if p is not None)
+
+
 class ParamReaders:
     """The hooks; subclasses say how to wait (``wait_for``, ``synchronize``)."""
 
@@ -46,8 +75,14 @@ class ParamReaders:
         # run eagerly under torch.compile: a traced wait would be a no-op in the graph (and dynamo
         # cannot trace the weak sets); the cost is a graph break at each module call. Wrapped
         # here, not at import: torch.compiler.disable imports dynamo (~0.9 s)
+        compiled_before = "torch._dynamo" in sys.modules
         hook = torch.compiler.disable(functools.partial(_before_forward, weakref.ref(self)))
         self.hooks: list = [torch.nn.modules.module.register_module_forward_pre_hook(hook)]
+        if compiled_before:
+            # dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``): code compiled
+            # before this hook existed would never call it. Dropped, it recompiles with the hook
+            log.info("tensortier: torch.compiler.reset() so compiled modules call the wait hook")
+            torch.compiler.reset()
 
     def add_params(self, params) -> None:
         """Parameters to watch for (a new param group: every module is walked again)."""
@@ -67,7 +102,8 @@ class ParamReaders:
         raise NotImplementedError
 
     def _watch(self, root: torch.nn.Module) -> None:
-        """State-dict pre-hooks on the modules under ``root`` that hold one of the parameters."""
+        """State-dict and load-state-dict pre-hooks on the modules under ``root`` that hold one of
+        the parameters."""
         for m in root.modules():
             if m in self._seen:
                 continue
@@ -76,6 +112,7 @@ class ParamReaders:
                 self._hooked.add(m)
                 hook = functools.partial(_before_state_dict, weakref.ref(self))
                 self.hooks.append(m.register_state_dict_pre_hook(hook))
+                self.hooks.append(m.register_load_state_dict_pre_hook(hook))
 
     def close(self) -> None:
         for h in self.hooks:
@@ -109,8 +146,8 @@ class DeferredWriteBack(ParamReaders):
         if not self._events:
             return
         waited: set[int] = set()
-        for p in module._parameters.values():
-            entry = None if p is None else self._events.pop(id(p), None)
+        for p in params_read(module):
+            entry = self._events.pop(id(p), None)
             if entry is not None and id(entry[1]) not in waited:
                 waited.add(id(entry[1]))
                 self._wait(*entry)

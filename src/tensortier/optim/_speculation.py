@@ -109,8 +109,10 @@ class Speculator:
         self._prepared: list[Future] = []  # spare copies made on the worker after a step
         self.validate = validate
         self._digests: Digests | None = None  # made on first use: a random matrix per process
-        self._fence_task: int | None = None  # the backward whose snapshots are fenced at its end
-        self._fence_devices: set[torch.device] = set()
+        # digested snapshots not fenced yet (their devices, in order) and the backward passes
+        # with a fence queued at their end (a reentrant one ends inside another: either fences all)
+        self._unfenced: dict[torch.device, None] = {}
+        self._fence_tasks: set[int] = set()
 
     # ------------------------------------------------------------------ backward side
     def _speculating(self, bucket: Bucket) -> bool:
@@ -191,19 +193,19 @@ class Speculator:
         if task == -1:  # a hook run outside a backward: nothing can run before the fence
             self.staging.fence(device)
             return
-        if task != self._fence_task:  # the first snapshot of this backward pass
-            self._fence_task, self._fence_devices = task, set()
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._end_backward(task)
-            )
-        self._fence_devices.add(device)
+        self._unfenced[device] = None
+        if task not in self._fence_tasks:  # the first snapshot of this backward pass
+            self._fence_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _end_backward(self, task: int) -> None:
-        """Autograd's final callback of a backward that took digested snapshots."""
-        if task == self._fence_task:
-            for device in self._fence_devices:
-                self.staging.fence(device)
-            self._fence_task, self._fence_devices = None, set()
+    def _end_backward(self) -> None:
+        """Autograd's final callback of a backward that took digested snapshots: every device
+        with a snapshot not fenced yet is fenced (also those an enclosing backward took before a
+        reentrant one, ``checkpoint(use_reentrant=True)``, whose callback runs first)."""
+        devices, self._unfenced = self._unfenced, {}
+        self._fence_tasks.clear()  # a later snapshot queues a fence again (also for a failed one)
+        for device in devices:
+            self.staging.fence(device)
 
     # ------------------------------------------------------------------ step side
     def resolve(self, b: Bucket, scale: float | None) -> tuple[Spec | None, Staged | None]:
@@ -257,7 +259,10 @@ class Speculator:
             r() is g and g.data_ptr() == p and g._version == v
             for r, g, p, v in zip(spec.grads, grads, spec.ptrs, spec.versions)
         )
-        digest_same = self._same_digest(spec.digest, grads)  # None: no digest, compare bits
+        # a snapshot is described by its digest once its backward's end fenced it; a backward
+        # that raised never got there: compare the snapshot's bits instead
+        digest = None if b.device in self._unfenced else spec.digest
+        digest_same = self._same_digest(digest, grads)  # None: no digest, compare bits
         if digest_same is False:
             self.stats.unversioned_edits += same
             return False, True, None  # the redo copies the current gradients
@@ -333,6 +338,7 @@ class Speculator:
 
     def end_cycle(self) -> None:
         """After a step (or a skipped one): learn the bucket order once, relearn accumulation."""
+        self._unfenced = {}  # the snapshots a failed backward left unfenced are consumed
         counts = [s.count for s in self.layout.slots()]
         if not self._calibrated:
             seen = list(dict.fromkeys(self._seen_order))

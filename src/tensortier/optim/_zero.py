@@ -27,7 +27,7 @@ from tensortier import _dist
 from tensortier.errors import ConfigError
 from tensortier.optim._dtensor import is_dtensor
 from tensortier.optim._layout import Bucket, Slot
-from tensortier.optim._readers import ParamReaders
+from tensortier.optim._readers import ParamReaders, params_read
 from tensortier.optim._shard import Gatherer, Gathering, GatherPlan, GatherThread
 from tensortier.optim._step import Done, Step
 from tensortier.optim._update import Job
@@ -208,7 +208,7 @@ class DeferredWrites(ParamReaders):
     def wait_for(self, module: torch.nn.Module) -> None:
         if not self._item:
             return
-        last = max((self._item.get(id(p), 0) for p in module._parameters.values()), default=0)
+        last = max((self._item.get(id(p), 0) for p in params_read(module)), default=0)
         if last:
             self.thread.wait(last)
             if not self.thread.pending:

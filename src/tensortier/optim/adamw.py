@@ -156,13 +156,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ``step()`` issues no collective (the ranks agree on the thread: a rank whose update failed
     raises in ``step()``, the others at their next wait, naming it). A parameter is written
     before a module holding it runs forward (global forward pre-hook), before
-    ``model.state_dict()``, and at the next ``step()``, ``state_dict()``, ``load_state_dict()``,
+    ``model.state_dict()`` and ``model.load_state_dict()`` (whose load a later write would
+    undo), and at the next ``step()``, ``state_dict()``, ``load_state_dict()``,
     ``close()``, a Checkpointer save and :meth:`synchronize`. Under ``torch.compile`` the
-    pre-hook runs eagerly (a graph break at each module call). Off by default because some reads
+    pre-hook runs eagerly (a graph break at each module call; code compiled before the optimizer
+    is made is dropped with ``torch.compiler.reset()``, since dynamo does not guard on module
+    hooks and that code would never wait; ``fullgraph=True`` cannot compile a module meanwhile). Off by default because some reads
     cannot be intercepted: reading parameters directly after ``step()`` (``p.norm()`` logging,
     ``torch.optim.swa_utils.AveragedModel.update_parameters``, ``p.data``), and parameters a
-    parent's forward uses without calling the module that holds them (``nn.MultiheadAttention``'s
-    ``out_proj``, functional calls): call :meth:`synchronize` first.
+    parent's forward uses without calling the module that holds them (functional calls; PyTorch's
+    ``nn.MultiheadAttention`` and transformer layers, which do, wait for all the parameters
+    under them): call :meth:`synchronize` first.
     ``defer_write_back=True`` (host states, not sharded; CUDA parameters): ``step()`` returns
     with the parameters' host-to-device copies still queued on the optimizer's side stream, in
     the order forward reads them, and a module's forward makes the device wait (``wait_event``,
