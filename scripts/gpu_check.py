@@ -737,6 +737,35 @@ def step_breakdown(stats: dict, steps: int) -> dict:
     return per
 
 
+def pipelined_iteration(model, opt, xs: list[torch.Tensor]) -> float:
+    """Seconds per iteration as a training loop runs them: no sync between iterations (a
+    deferred write-back overlaps the next forward only then)."""
+    sync()
+    t0 = time.perf_counter()
+    for x in xs:
+        train_step(model, x, contextlib.nullcontext)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync()
+    return (time.perf_counter() - t0) / len(xs)
+
+
+def vs_fused(row: dict, params: torch.Tensor, ref: dict, first: bool) -> None:
+    """The first row (fused AdamW) becomes ``ref``; every later one is compared with it."""
+    if first:
+        ref.update(params=params, t=row["iteration_s"]["median"], fwd_bwd=row["fwd_bwd_s"]["median"],
+                   pipelined=row["pipelined_iteration_s"],
+                   bytes=row["device_bytes_after_step_with_grads"])  # fmt: skip
+        return
+    diff = (params - ref["params"]).abs().max().item()
+    row["params_max_abs_diff_vs_fused"] = diff
+    row["params_identical_to_fused"] = diff == 0.0
+    row["time_vs_fused"] = row["iteration_s"]["median"] / ref["t"]
+    row["pipelined_vs_fused"] = row["pipelined_iteration_s"] / ref["pipelined"]
+    row["exposed_update_s"] = row["iteration_s"]["median"] - ref["fwd_bwd"]
+    row["device_bytes_vs_fused"] = row["device_bytes_after_step_with_grads"] / max(ref["bytes"], 1)
+
+
 def phase_optimizer(args: argparse.Namespace) -> None:
     dry = args.dry_run
     kind, layers, width, heads, seq, vocab, batch = (
@@ -774,16 +803,7 @@ def phase_optimizer(args: argparse.Namespace) -> None:
                 opt.zero_grad(set_to_none=True)
             after = [(torch.cuda.memory_allocated() - base) if CUDA else 0]
             stats = opt.stats().as_dict() if hasattr(opt, "stats") else None
-            # as a training loop runs: no sync between iterations (a deferred write-back
-            # overlaps the next forward only then); the same batches again
-            sync()
-            tp = time.perf_counter()
-            for x in xs[WARMUP:]:
-                train_step(model, x, contextlib.nullcontext)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            sync()
-            pipelined = (time.perf_counter() - tp) / len(xs[WARMUP:])
+            pipelined = pipelined_iteration(model, opt, xs[WARMUP:])
             getattr(opt, "synchronize", lambda: None)()  # before reading parameters directly
             params = torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
             row = {
@@ -793,21 +813,7 @@ def phase_optimizer(args: argparse.Namespace) -> None:
                 "device_bytes_between_steps": after[0],
                 "params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             }
-            if name == "fused-adamw":
-                ref["params"], ref["t"] = params, row["iteration_s"]["median"]
-                ref["pipelined"] = pipelined
-                ref["fwd_bwd"] = row["fwd_bwd_s"]["median"]
-                ref["bytes"] = row["device_bytes_after_step_with_grads"]
-            else:
-                diff = (params - ref["params"]).abs().max().item()
-                row["params_max_abs_diff_vs_fused"] = diff
-                row["params_identical_to_fused"] = diff == 0.0
-                row["time_vs_fused"] = row["iteration_s"]["median"] / ref["t"]
-                row["pipelined_vs_fused"] = pipelined / ref["pipelined"]
-                row["exposed_update_s"] = row["iteration_s"]["median"] - ref["fwd_bwd"]
-                row["device_bytes_vs_fused"] = row["device_bytes_after_step_with_grads"] / max(
-                    ref["bytes"], 1
-                )
+            vs_fused(row, params, ref, first=name == "fused-adamw")
             if stats is not None:  # the synced iterations' counters
                 row["stats"] = stats
                 row["per_step"] = step_breakdown(stats, len(xs) - WARMUP)
