@@ -753,8 +753,8 @@ def pipelined_iteration(model, opt, xs: list[torch.Tensor]) -> float:
 def vs_fused(row: dict, params: torch.Tensor, ref: dict, first: bool) -> None:
     """The first row (fused AdamW) becomes ``ref``; every later one is compared with it."""
     if first:
-        ref.update(params=params, t=row["iteration_s"]["median"], fwd_bwd=row["fwd_bwd_s"]["median"],
-                   pipelined=row["pipelined_iteration_s"],
+        ref.update(params=params, t=row["iteration_s"]["median"],
+                   fwd_bwd=row["fwd_bwd_s"]["median"], pipelined=row["pipelined_iteration_s"],
                    bytes=row["device_bytes_after_step_with_grads"])  # fmt: skip
         return
     diff = (params - ref["params"]).abs().max().item()

@@ -161,8 +161,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ``close()``, a Checkpointer save and :meth:`synchronize`. Under ``torch.compile`` the
     pre-hook runs eagerly (a graph break at each module call; code compiled before the optimizer
     is made is dropped with ``torch.compiler.reset()``, since dynamo does not guard on module
-    hooks and that code would never wait; ``fullgraph=True`` cannot compile a module meanwhile). Off by default because some reads
-    cannot be intercepted: reading parameters directly after ``step()`` (``p.norm()`` logging,
+    hooks and that code would never wait; ``fullgraph=True`` cannot compile a module meanwhile).
+    Off by default because some reads cannot be intercepted: reading parameters directly after
+    ``step()`` (``p.norm()`` logging,
     ``torch.optim.swa_utils.AveragedModel.update_parameters``, ``p.data``), and parameters a
     parent's forward uses without calling the module that holds them (functional calls; PyTorch's
     ``nn.MultiheadAttention`` and transformer layers, which do, wait for all the parameters
