@@ -343,18 +343,9 @@ def test_cuda_fences_are_placed_once_per_device_at_the_end_of_each_backward(monk
     spec._fence(None, cuda1)  # outside a backward
     assert events == [("fence", "cuda:1")]
 
-    class Fail(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("backward failed")
-
     events.clear()
     with pytest.raises(RuntimeError, match="backward failed"):
-        (Fail.apply(w * 2) + v).sum().backward()  # v's hook runs first (a leaf ready first)
+        (_FailLast.apply(w * 2) + v).sum().backward()  # v's hook runs first (a leaf ready first)
     assert ("hook", "cuda:0") in events and ("fence", "cuda:0") not in events  # hook, failure
     events.clear()
     w.grad = None
