@@ -95,6 +95,10 @@ def _table(rows: dict[str, dict], device: str) -> Iterator[str]:
             f"{r['peak_bytes'] / max(plain['peak_bytes'], 1):>9.0%} "
             f"{_seconds(r['step_s']):>9s} {r['step_s'] / plain['step_s']:>8.2f}x  {grads}"
         )
+    if device != "cuda" and "tt-host" in rows:  # a newcomer reads the host row as a saving
+        yield f"{WAYS['tt-host']} on a CPU-only machine copies each saved tensor into RAM it"
+        yield "  already uses (host pool, copies in flight): the mechanics, not a saving; on a GPU"
+        yield "  the copies leave device memory, and the disk tier frees RAM here"
 
 
 def _seconds(s: float) -> str:
