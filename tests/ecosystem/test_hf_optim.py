@@ -7,6 +7,7 @@ unscale, edit or skip; whatever they do, the offloaded optimizer must land on th
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -229,21 +230,25 @@ def test_grad_scaler_with_an_overflow_step(dtype, overflow_at, unscale_and_clip)
     assert_same_params(got, ref)
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["write_back", "defer_write_back"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_offloaded_adamw_under_gradscaler_overflow_and_clip_is_exact(device):
+def test_offloaded_adamw_under_gradscaler_overflow_and_clip_is_exact(device, defer):
     """GPU review #1: GPT-2 under fp16 autocast, ``GradScaler`` with one overflow after
     calibration, ``unscale_`` and ``clip_grad_norm_`` every step: ``OffloadedAdamW`` lands on the
     bits of ``HostAdamW`` (fp32 host masters updated by CPU fused AdamW) after every step. On CPU
     the reference is itself pinned to ``torch.optim.AdamW(fused=True)``. On CUDA, CUDA's fused
     AdamW is no reference: Adam turns the kernels' different rounding on near-zero gradients
     (the attention key bias's is exactly zero) into steps of about lr (H100 run 2 failed at atol
-    1e-5), while a wrongly applied scale moves Adam by far less (it is nearly scale-invariant)."""
+    1e-5), while a wrongly applied scale moves Adam by far less (it is nearly scale-invariant).
+    ``defer_write_back``: the parameters' copies overlap the next forward (CUDA; on the CPU the
+    fp32 parameters are their own masters, nothing is written back)."""
     ref = build("gpt2").to(device)
     # "again": a second reference run; if it differs, the GPU's forward/backward itself is not
     # reproducible (e.g. an attention backward with atomic adds), not the optimizer
     kinds = ["reference", "again", "tt"] + (["torch"] if device == "cpu" else [])
     models = {k: twin(ref) for k in kinds}
-    make = {"reference": host, "again": host, "tt": offloaded, "torch": fused}
+    tt_ = functools.partial(offloaded, defer_write_back=defer)
+    make = {"reference": host, "again": host, "tt": tt_, "torch": fused}
     opts = {k: make[k](m.parameters()) for k, m in models.items()}
     scalers = {k: torch.amp.GradScaler(device, init_scale=2.0**16) for k in kinds}
     traces = {k: Trace(m) for k, m in models.items()}
