@@ -103,11 +103,15 @@ def test_any_few_bytes_changed_change_the_digest(pos, delta):
     assert not torch.equal(d.of(changed), d.of(grads))
 
 
-def _tiny(validate: str, device: str = "cpu"):
-    """(model, optimizer, data generator): three buckets; ``validate="none"``: no speculation."""
+def _tiny_model(device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    m = m.to(device)
+    return m.to(device)
+
+
+def _tiny(validate: str, device: str = "cpu"):
+    """(model, optimizer, data generator): three buckets; ``validate="none"``: no speculation."""
+    m = _tiny_model(device)
     opt = OffloadedAdamW(m.parameters(), lr=1e-2, bucket_size="1KiB", overlap=validate != "none",
                          validate="bits" if validate == "none" else validate)  # fmt: skip
     return m, opt, torch.Generator().manual_seed(1)
@@ -431,3 +435,53 @@ def _failing_run(validate: str):
 @pytest.mark.gpu
 def test_cuda_a_snapshot_whose_backward_raised_is_compared_bit_for_bit():
     assert torch.equal(_failing_run("digest"), _failing_run("none"))
+
+
+def _compiled_autograd_run(validate: str):
+    """Five steps with backward under compiled autograd (``torch._dynamo.compiled_autograd``,
+    as torchtitan's option turns it on), against fused AdamW in eager autograd."""
+    from torch._dynamo import compiled_autograd
+
+    ref, (m, opt, g) = _tiny_model(), _tiny(validate)
+    want = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for _ in range(5):
+        x = torch.randn(8, 16, generator=g)
+        ref(x).square().mean().backward()
+        want.step()
+        want.zero_grad()
+        with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
+            m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    stats = opt.stats()
+    opt.close()
+    same = all(torch.equal(a, b) for a, b in zip(ref.parameters(), m.parameters()))
+    return same, stats
+
+
+@pytest.mark.parametrize("validate", ["bits", "digest"])
+def test_speculation_under_compiled_autograd_is_exact(validate):
+    """Compiled autograd traced the gradient hook with dynamo and failed its guards on the
+    optimizer's bookkeeping ("Guard failed on the same frame it was created"); the hook runs
+    eagerly now, speculating during backward as without it."""
+    same, stats = _compiled_autograd_run(validate)
+    assert same and stats.launched_in_backward > 0 and stats.redone == 0, stats
+
+
+def test_a_fence_queued_under_compiled_autograd_is_made_or_its_snapshots_compared_in_full(
+    monkeypatch,
+):
+    """Under compiled autograd (torch 2.13) a final callback queued from a hook does not run:
+    the device must then stay unfenced, so that ``step()`` compares its snapshots bit for bit."""
+    from torch._dynamo import compiled_autograd
+
+    _, opt, _ = _tiny("digest")
+    spec, events = opt._spec, []
+    monkeypatch.setattr(opt._staging, "fence", lambda d: events.append(str(d)))
+    cuda0 = torch.device("cuda", 0)
+    w = torch.nn.Parameter(torch.ones(3))
+    w.register_post_accumulate_grad_hook(torch.compiler.disable(lambda p: spec._fence(None, cuda0)))
+    with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
+        (w * 2).sum().backward()
+    assert events == ["cuda:0"] or cuda0 in spec._unfenced, (events, spec._unfenced)
+    opt.close()

@@ -339,6 +339,7 @@ class Speculator:
     def end_cycle(self) -> None:
         """After a step (or a skipped one): learn the bucket order once, relearn accumulation."""
         self._unfenced = {}  # the snapshots a failed backward left unfenced are consumed
+        self._fence_tasks.clear()  # backward passes whose callback never ran (compiled autograd)
         counts = [s.count for s in self.layout.slots()]
         if not self._calibrated:
             seen = list(dict.fromkeys(self._seen_order))

@@ -344,13 +344,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._deferred.add_params(group["params"])
         if self._staging.deferred is not None:
             self._staging.deferred.add_params(group["params"])
-        for p in group["params"] if not self._sharding.sharded else ():
-            if p.requires_grad:
-                self._hooks.append(
-                    p.register_post_accumulate_grad_hook(
-                        functools.partial(_grad_hook, weakref.ref(self))
-                    )
-                )
+        trainable = [p for p in group["params"] if p.requires_grad]
+        if trainable and not self._sharding.sharded:
+            # eager under compiled autograd: traced by dynamo, the hook's bookkeeping failed its
+            # guards ("Guard failed on the same frame it was created")
+            hook = torch.compiler.disable(functools.partial(_grad_hook, weakref.ref(self)))
+            for p in trainable:
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         self._stats.buckets = len(self._buckets)
         record_memory(self._stats, self._states, self._staging)
 
