@@ -139,6 +139,14 @@ def test_deferred_write_back_needs_unsharded_host_states(tmp_path):
         OffloadedAdamW(p, tier="disk", spill_dir=str(tmp_path), defer_write_back=True)
 
 
+def _closed(model: torch.nn.Module, opt: OffloadedAdamW) -> torch.Tensor:
+    """The parameters once every deferred copy landed (on the host), the optimizer closed."""
+    opt.synchronize()
+    params = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+    opt.close()
+    return params
+
+
 def _cuda_run(defer: bool, hold_copies: bool):
     """Five steps of a tiny GPT-2 on the GPU; ``hold_copies``: the side stream sleeps ~0.1 s
     before each step, so its write-back copies run while the next forward is queued."""
@@ -158,10 +166,7 @@ def _cuda_run(defer: bool, hold_copies: bool):
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    opt.synchronize()
-    params = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
-    opt.close()
-    return torch.stack(losses).cpu(), params
+    return torch.stack(losses).cpu(), _closed(model, opt)
 
 
 @pytest.mark.gpu
@@ -276,10 +281,7 @@ def _cuda_transformer_run(hold_copies: bool, defer: bool = True):
         model.eval()
         with torch.no_grad():
             outs.append(model(x))
-    opt.synchronize()
-    params = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
-    opt.close()
-    return torch.stack(outs).cpu(), params
+    return torch.stack(outs).cpu(), _closed(model, opt)
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ not called; the optimizer's ``synchronize()`` is for those.
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 import sys
@@ -65,7 +66,7 @@ def params_read(module: torch.nn.Module):
     return (p for p in module._parameters.values() if p is not None)
 
 
-class ParamReaders:
+class ParamReaders(abc.ABC):
     """The hooks; subclasses say how to wait (``wait_for``, ``synchronize``)."""
 
     def __init__(self):
@@ -95,11 +96,13 @@ class ParamReaders:
             self._watch(module)
         self.wait_for(module)
 
+    @abc.abstractmethod
     def wait_for(self, module: torch.nn.Module) -> None:
-        raise NotImplementedError
+        """Before ``module`` runs: wait for the writes of the parameters its forward reads."""
 
+    @abc.abstractmethod
     def synchronize(self) -> None:
-        raise NotImplementedError
+        """Wait for every pending write (``state_dict``, ``load_state_dict``, the optimizer)."""
 
     def _watch(self, root: torch.nn.Module) -> None:
         """State-dict and load-state-dict pre-hooks on the modules under ``root`` that hold one of
