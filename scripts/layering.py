@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "foundation",
         (
             "tensortier/_units.py",
+            "tensortier/_backward_end.py",
             "tensortier/_device.py",
             "tensortier/_dist.py",
             "tensortier/_lifetime.py",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import textwrap
@@ -225,8 +226,9 @@ def _dropout_mlp(width: int = 256, depth: int = 4) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
-def _train(model, x, steps, ctx=None) -> list[torch.Tensor]:
-    """SGD steps from seed 1; the losses, then the parameters."""
+def _train(model, x, steps, ctx=None, backward=contextlib.nullcontext) -> list[torch.Tensor]:
+    """SGD steps from seed 1, each ``backward()`` inside ``backward()``; the losses, then the
+    parameters."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     torch.manual_seed(1)
     out = []
@@ -237,7 +239,8 @@ def _train(model, x, steps, ctx=None) -> list[torch.Tensor]:
         else:
             with ctx:
                 loss = model(x).square().mean()
-        loss.backward()
+        with backward():
+            loss.backward()
         opt.step()
         out.append(loss.detach())
     return out + [p.detach().clone() for p in model.parameters()]
@@ -256,6 +259,46 @@ def test_dropout_training_is_bit_identical_through_profiling_and_plan(spill_dir,
     finally:
         off.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def _compiled_autograd():
+    """Compiled autograd as torchtitan's option turns it on (the eager backend: no C++ build)."""
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager"))
+
+
+def _under_compiled_autograd(budget: str, spill_dir: str, monkeypatch, device="cpu") -> None:
+    from tensortier._backward_end import in_compiled_autograd
+
+    x = torch.randn(256, 256, device=device)
+    plain = _train(_dropout_mlp(depth=1).to(device), x, 6)
+    off = planned_offload(budget, spill_dir=spill_dir, options=FAST)
+    ends, backward_end = [], off._backward_end
+    monkeypatch.setattr(
+        off, "_backward_end", lambda: (ends.append(in_compiled_autograd()), backward_end())
+    )
+    try:
+        planned = _train(_dropout_mlp(depth=1).to(device), x, 6, off, backward=_compiled_autograd)
+        assert off.choice is not None  # through warm-up, profiling and trials to the plan
+        passes = off._profiler._passes if off._profiler is not None else []
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+    assert len(ends) >= 4 and all(ends), ends  # read inside each backward, not at the next forward
+    assert all(p.end is not None and p.end.ended for p in passes)
+
+
+def test_budget_under_compiled_autograd_is_bit_identical_and_metered_in_backward(
+    spill_dir, monkeypatch
+):
+    """Compiled autograd (``torch._dynamo.compiled_autograd``) traced the planner's gradient
+    hook with dynamo, which refused its ``queue_callback``: every planned backward crashed. The
+    hooks run eagerly now, and the step's peak is read when the last parameter gradient
+    accumulates (a callback queued there never runs under compiled autograd), not at the next
+    forward, after the optimizer's step. The budget is generous because on the CPU it counts
+    the process's RSS, and dynamo compiles the backward inside the first offloaded step."""
+    _under_compiled_autograd("1GiB", spill_dir, monkeypatch)
 
 
 def test_host_tier_profiles_through_host_not_disk(spill_dir):
@@ -792,3 +835,10 @@ def test_a_budget_error_on_cuda_names_expandable_segments_when_the_allocator_hel
         assert hint not in message("cuda", int(2.3 * gb))  # already on
     finally:
         off.close()
+
+
+@pytest.mark.gpu
+def test_cuda_budget_under_compiled_autograd_is_bit_identical_and_metered_in_backward(
+    tmp_path, monkeypatch
+):
+    _under_compiled_autograd("64MiB", str(tmp_path), monkeypatch, device="cuda")

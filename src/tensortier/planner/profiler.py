@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tensortier._backward_end import BackwardEnd, eager
 from tensortier._memory import HighWater
 from tensortier.planner.ops import OpRecorder, measure_sac_overhead, preload
 from tensortier.planner.profile import (
@@ -331,6 +332,7 @@ class Profiler:
         self.offloader = offloader  # reuse the warm-up's: its buffers are not this iteration's
         self._hooks: list = []
         self._param_hooks: list = []
+        self._n_params = 0  # the root's parameters that get gradients (BackwardEnd counts them)
         self._passes: list[_Pass] = []  # [0] is the probe pass, then the timing passes
         self._cur: _Pass | None = None
         self._unit_now: str | None = None
@@ -366,9 +368,10 @@ class Profiler:
                         seen.add(p.untyped_storage().data_ptr())
                         ptrs.append(p.numel() * p.element_size())
                 self.grads[name] = sum(ptrs)
-            for p in module.parameters():  # the last accumulation ends the backward
-                if p.requires_grad:
-                    self._param_hooks.append(p.register_post_accumulate_grad_hook(self._grad_done))
+            params = [p for p in module.parameters() if p.requires_grad]
+            self._n_params = len(params)
+            hook = eager(self._grad_done)  # the last accumulation ends the backward
+            self._param_hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
         name = self.units.get(id(module))
         if name is not None and name not in cur.fwd:  # not again while a checkpoint recomputes
             if len(self._passes) == 0:
@@ -390,21 +393,18 @@ class Profiler:
             def mark(grad, name=name, cur=cur):
                 cur.grad_at.setdefault(name, self._now(cur))
 
-            outs[0].register_hook(mark)
+            outs[0].register_hook(eager(mark))
 
     def _grad_done(self, param) -> None:
         cur = self._cur
         if cur is None or not cur.t_fwd_end:
             return
-        if not cur.last_grad:  # the first gradient: read the meter when this backward ends,
-            # not at the next pass (the user's code in between, an optimizer's first step or
-            # another model's iteration, is not this pass's peak)
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda c=cur: _read_pass_meter(c)
-                )
-            except RuntimeError:  # not inside a backward: the pass's close reads it
-                pass
+        # read the meter when this backward ends, not at the next pass (the user's code in
+        # between, an optimizer's first step or another model's iteration, is not this pass's
+        # peak); a backward that does not end here is read when the pass closes
+        if cur.end is None:
+            cur.end = BackwardEnd(self._n_params, lambda c=cur: _read_pass_meter(c))
+        cur.end.accumulated()
         if cur.end_event is not None:  # CUDA, no unit timing: mark the stream, do not drain it
             cur.end_event.record(torch.cuda.current_stream(self.device))
             cur.last_grad = time.perf_counter()
@@ -769,6 +769,7 @@ class _Pass:
     records: list[dict] = field(default_factory=list)  # the offloader's, when it ran
     meter: PeakMeter | None = None
     metered: bool = False  # the meter was read (at the backward's end, or when the pass closed)
+    end: BackwardEnd | None = None  # its backward's end, once a gradient accumulated
     start_event: torch.cuda.Event | None = None  # CUDA passes that do not time units
     end_event: torch.cuda.Event | None = None
 

@@ -1077,27 +1077,17 @@ class PlannedOffload:
         self.offloader.decide = decide
 
     def _arm_check(self) -> None:
-        """Read the meter when this iteration's backward ends: the first gradient accumulated
-        queues an autograd callback (run once the whole backward is done). Without a backward
-        the next ``__enter__`` reads it."""
+        """Read the meter when this iteration's backward ends (:class:`BackwardEnd`: an autograd
+        final callback, or the last parameter gradient under compiled autograd). Without a
+        backward the next ``__enter__`` reads it."""
         if self._root is None or self._check_hooks:
             return
-        handles: list = []
-        fired = [False]
+        from tensortier._backward_end import BackwardEnd, eager
 
-        def queue(_param) -> None:
-            if fired[0]:
-                return
-            fired[0] = True
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-            except RuntimeError:  # not inside a backward after all: the next forward reads it
-                pass
-
-        for p in self._root.parameters():
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(queue))
-        self._check_hooks = handles
+        params = [p for p in self._root.parameters() if p.requires_grad]
+        end = BackwardEnd(len(params), self._backward_end)
+        hook = eager(lambda _param: end.accumulated())
+        self._check_hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
 
     def _backward_end(self) -> None:
         """Queued at the end of the backward: a trial step's time, the window's net growth,
