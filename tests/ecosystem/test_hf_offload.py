@@ -240,3 +240,58 @@ def test_stream_parameters_with_an_indexed_device(kind):
         streamer.close()
     for (name, a), (_, b) in zip(got.named_parameters(), ref.named_parameters()):
         assert a.grad is not None and torch.equal(a.grad, b.grad), name
+
+
+# ----------------------------------------------------------------------------- HF Trainer
+def _trainer_history(model, tmp_path, offload=None) -> list[tuple]:
+    """Eight optimizer steps of HF ``Trainer`` with gradient accumulation over two batches,
+    clipping and dropout; with ``offload``, the forward runs inside it, the way a user adds
+    tensortier to a Trainer: ``compute_loss`` overridden (accelerate calls ``backward`` later,
+    outside the block). The logged loss and gradient norm of every step."""
+    from transformers import Trainer, TrainingArguments
+
+    class OffloadTrainer(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            with offload():
+                return super().compute_loss(model, inputs, *args, **kwargs)
+
+    rows = [{k: v[i] for k, v in batch("gpt2", j).items()} for j in range(6) for i in range(4)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=8,
+        max_grad_norm=0.5,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="steps",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = (OffloadTrainer if offload else Trainer)(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("how", ["host", "disk", "budget"])
+def test_hf_trainer_with_offload_in_compute_loss_is_bit_identical(how, tmp_path, spill_dir):
+    ref = build("gpt2", dropout=0.1)
+    got = twin(ref)
+    want = _trainer_history(ref, tmp_path / "ref")
+    if how == "budget":
+        off = tt.offload(budget="64MiB", spill_dir=spill_dir)
+    else:
+        off = tt.offload(tier=how, spill_dir=spill_dir, min_bytes=0)
+    try:
+        history = _trainer_history(got, tmp_path / "tt", lambda: off)
+        if how == "budget":  # through warm-up, profiling and trials to the plan
+            assert off.choice is not None
+        else:
+            assert off.stats.bytes_offloaded[how] > 0 and off.stats.passes == 16
+    finally:
+        off.close()
+    assert len(history) == 8 and history == want
+    assert_same_params(got, ref)
