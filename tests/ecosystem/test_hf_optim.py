@@ -314,3 +314,47 @@ def test_hf_trainer_default_clipping_with_offloaded_adamw(tmp_path):
         norms = _trainer(got, opt, tmp_path / "tt", max_grad_norm=clip, steps=steps)
     assert norms == want_norms
     assert_same_params(got, ref)
+
+
+def _resumed(make_opt, tmp_path) -> torch.nn.Module:
+    """HF ``Trainer``: three steps saving a checkpoint (``optimizer.pt`` is the optimizer's
+    ``state_dict()`` through ``torch.save``), then a fresh model and optimizer resumed from it
+    with ``resume_from_checkpoint`` to step six."""
+    from transformers import Trainer, TrainingArguments
+
+    rows = [{k: v[i] for k, v in batch("gpt2", j).items()} for j in range(3) for i in range(BATCH)]
+
+    def run(model, steps: int, resume: str | None = None) -> None:
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=BATCH,
+            max_steps=steps,
+            max_grad_norm=0.5,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="steps",
+            save_steps=3,
+            disable_tqdm=True,
+            seed=0,
+            dataloader_num_workers=0,
+        )
+        opt = make_opt(model.parameters())
+        Trainer(model=model, args=args, train_dataset=rows, optimizers=(opt, None)).train(
+            resume_from_checkpoint=resume
+        )
+        if hasattr(opt, "close"):
+            opt.close()
+
+    ref = build("gpt2", dropout=0.1)
+    run(twin(ref), 3)
+    resumed = twin(ref)
+    run(resumed, 6, resume=str(tmp_path / "checkpoint-3"))
+    return resumed
+
+
+def test_hf_trainer_resumes_offloaded_adamw_from_its_checkpoint(tmp_path):
+    """A Trainer checkpoint holds the optimizer's state_dict; resuming loads it into a fresh
+    ``OffloadedAdamW``, which must then train on exactly as fused AdamW resumed the same way."""
+    want = _resumed(fused, tmp_path / "fused")
+    got = _resumed(offloaded, tmp_path / "tt")
+    assert_same_params(got, want)
