@@ -261,14 +261,9 @@ def test_dropout_training_is_bit_identical_through_profiling_and_plan(spill_dir,
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
 
 
-def _compiled_autograd():
-    """Compiled autograd as torchtitan's option turns it on (the eager backend: no C++ build)."""
-    from torch._dynamo import compiled_autograd
-
-    return compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager"))
-
-
-def _under_compiled_autograd(budget: str, spill_dir: str, monkeypatch, device="cpu") -> None:
+def _under_compiled_autograd(budget: str, spill_dir: str, monkeypatch, backward, device) -> None:
+    """Six steps through warm-up, profiling and trials to the plan, each ``backward()`` inside
+    ``backward()``: compiled autograd, as torchtitan's option turns it on."""
     from tensortier._backward_end import in_compiled_autograd
 
     x = torch.randn(256, 256, device=device)
@@ -279,7 +274,7 @@ def _under_compiled_autograd(budget: str, spill_dir: str, monkeypatch, device="c
         off, "_backward_end", lambda: (ends.append(in_compiled_autograd()), backward_end())
     )
     try:
-        planned = _train(_dropout_mlp(depth=1).to(device), x, 6, off, backward=_compiled_autograd)
+        planned = _train(_dropout_mlp(depth=1).to(device), x, 6, off, backward=backward)
         assert off.choice is not None  # through warm-up, profiling and trials to the plan
         passes = off._profiler._passes if off._profiler is not None else []
     finally:
@@ -298,7 +293,12 @@ def test_budget_under_compiled_autograd_is_bit_identical_and_metered_in_backward
     accumulates (a callback queued there never runs under compiled autograd), not at the next
     forward, after the optimizer's step. The budget is generous because on the CPU it counts
     the process's RSS, and dynamo compiles the backward inside the first offloaded step."""
-    _under_compiled_autograd("1GiB", spill_dir, monkeypatch)
+    from torch._dynamo import compiled_autograd
+
+    def backward():  # the eager backend: no C++ build
+        return compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager"))
+
+    _under_compiled_autograd("1GiB", spill_dir, monkeypatch, backward, "cpu")
 
 
 def test_host_tier_profiles_through_host_not_disk(spill_dir):
@@ -841,4 +841,9 @@ def test_a_budget_error_on_cuda_names_expandable_segments_when_the_allocator_hel
 def test_cuda_budget_under_compiled_autograd_is_bit_identical_and_metered_in_backward(
     tmp_path, monkeypatch
 ):
-    _under_compiled_autograd("64MiB", str(tmp_path), monkeypatch, device="cuda")
+    from torch._dynamo import compiled_autograd
+
+    def backward():  # torch.compile in the test's source: the kit runs it last (_pytest_rows.py)
+        return compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager"))
+
+    _under_compiled_autograd("64MiB", str(tmp_path), monkeypatch, backward, "cuda")
