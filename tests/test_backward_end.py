@@ -53,13 +53,23 @@ def test_compiled_autograd_runs_once_at_the_last_gradient():
         h.remove()
 
 
-def test_a_backward_that_misses_a_parameter_does_not_end_under_compiled_autograd():
+def test_a_backward_that_misses_a_parameter_ends_from_the_next_one_under_compiled_autograd():
     m, calls = _model(), []
     end, handles = _armed(m, calls)
     m[2].weight.requires_grad_(False)  # its hook never runs: the owner's fallback reads it
     with _compiled_autograd():
         m(torch.randn(3, 4)).sum().backward()
-    assert calls == [] and not end.ended
+    assert calls == [] and not end.ended and end.learned() == 3  # all but the frozen weight
+    for h in handles:
+        h.remove()
+    again = BackwardEnd(end.learned(), lambda: calls.append("ended"))
+    hook = eager(lambda _p: again.accumulated())
+    handles = [
+        p.register_post_accumulate_grad_hook(hook) for p in m.parameters() if p.requires_grad
+    ]
+    with _compiled_autograd():
+        m(torch.randn(3, 4)).sum().backward()
+    assert calls == ["ended"] and again.learned() == 3
     for h in handles:
         h.remove()
 

@@ -38,20 +38,21 @@ class BackwardEnd:
     ``n``-th call runs ``fn`` (the hooks run in the compiled graph's order, the last one after
     every parameter gradient). A backward that reaches only some of them does not end here
     (``ended`` stays False): the owner's next call reads what ``fn`` would have, as it does when
-    no backward ran.
+    no backward ran, and can pass ``seen`` (the gradients that backward reached: a model with
+    unused parameters) as the next ``n``.
     """
 
     def __init__(self, n: int, fn: Callable[[], None]):
         self.n, self.fn = n, fn
         self.ended = False  # fn ran, or is queued to run when the backward ends
-        self._seen = 0
+        self.seen = 0  # gradients accumulated under compiled autograd
 
     def accumulated(self) -> None:
         if self.ended:
             return
         if in_compiled_autograd():
-            self._seen += 1
-            if self._seen >= self.n:
+            self.seen += 1
+            if self.seen >= self.n:
                 self.ended = True
                 self.fn()
             return
@@ -60,3 +61,7 @@ class BackwardEnd:
             torch.autograd.Variable._execution_engine.queue_callback(self.fn)
         except RuntimeError:  # not inside a backward after all: the owner's next call reads it
             pass
+
+    def learned(self) -> int:
+        """The ``n`` for the next backward: what this one reached if it did not end here."""
+        return self.seen if not self.ended and self.seen else self.n

@@ -333,6 +333,7 @@ class Profiler:
         self._hooks: list = []
         self._param_hooks: list = []
         self._n_params = 0  # the root's parameters that get gradients (BackwardEnd counts them)
+        self._last_end: BackwardEnd | None = None
         self._passes: list[_Pass] = []  # [0] is the probe pass, then the timing passes
         self._cur: _Pass | None = None
         self._unit_now: str | None = None
@@ -403,7 +404,8 @@ class Profiler:
         # between, an optimizer's first step or another model's iteration, is not this pass's
         # peak); a backward that does not end here is read when the pass closes
         if cur.end is None:
-            cur.end = BackwardEnd(self._n_params, lambda c=cur: _read_pass_meter(c))
+            n = self._last_end.learned() if self._last_end else self._n_params
+            cur.end = self._last_end = BackwardEnd(n, lambda c=cur: _read_pass_meter(c))
         cur.end.accumulated()
         if cur.end_event is not None:  # CUDA, no unit timing: mark the stream, do not drain it
             cur.end_event.record(torch.cuda.current_stream(self.device))

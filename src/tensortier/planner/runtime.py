@@ -104,6 +104,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tensortier import _dist
+from tensortier._backward_end import BackwardEnd, eager
 from tensortier._memory import release_freed_memory
 from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
@@ -384,6 +385,7 @@ class PlannedOffload:
         self.first_peak: int | None = None  # of the first iteration (see _check_first)
         self._first = False  # the meter running now is the first iteration's
         self._check_hooks: list = []
+        self._end: BackwardEnd | None = None  # the last armed backward's end (_arm_check)
         self._over = False  # a checked iteration went over the budget: plan again
         self.replans = 0
         self._margin: float | None = None  # widened by re-plans (see margin)
@@ -1082,10 +1084,9 @@ class PlannedOffload:
         backward the next ``__enter__`` reads it."""
         if self._root is None or self._check_hooks:
             return
-        from tensortier._backward_end import BackwardEnd, eager
-
         params = [p for p in self._root.parameters() if p.requires_grad]
-        end = BackwardEnd(len(params), self._backward_end)
+        n = min(self._end.learned(), len(params)) if self._end is not None else len(params)
+        self._end = end = BackwardEnd(n, self._backward_end)
         hook = eager(lambda _param: end.accumulated())
         self._check_hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
 
