@@ -38,8 +38,8 @@ class BackwardEnd:
     ``n``-th call runs ``fn`` (the hooks run in the compiled graph's order, the last one after
     every parameter gradient). A backward that reaches only some of them does not end here
     (``ended`` stays False): the owner's next call reads what ``fn`` would have, as it does when
-    no backward ran, and can pass ``seen`` (the gradients that backward reached: a model with
-    unused parameters) as the next ``n``.
+    no backward ran, and arms the next backward with :meth:`learned` (the gradients this one
+    reached: a model with unused parameters).
     """
 
     def __init__(self, n: int, fn: Callable[[], None]):
