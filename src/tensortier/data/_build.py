@@ -213,7 +213,7 @@ def _parts(rec: object, count: int) -> list:
     """The blob of record ``count`` as buffers to copy back to back (arrays and tensors as views
     of the caller's memory: the caller copies them before it takes the next record)."""
     try:
-        return itemcodec.encode_aligned_parts(rec, ALIGN)
+        return itemcodec.encode_aligned_parts(rec, ALIGN, numpy_scalars=True)
     except (TypeError, ValueError) as exc:
         return [_encode_coerced(rec, count, exc)]
 
@@ -222,7 +222,7 @@ def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
     """The blob of a record the codec refused as is: lists of numbers become arrays, or a
     TypeError naming the record and what a record may be."""
     try:
-        return itemcodec.encode(_sources.coerce(rec), align=ALIGN)
+        return itemcodec.encode(_sources.coerce(rec), align=ALIGN, numpy_scalars=True)
     except (TypeError, ValueError) as exc:
         raise TypeError(
             f"Catalog.build: record {count} cannot be stored: {exc}. A record is bytes, str, a "

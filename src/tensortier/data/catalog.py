@@ -307,6 +307,7 @@ class Catalog:
             "segments": len(m.segments),
             "io_threads": m.writers,  # the build's (the manifest's "writers")
             "created": m.created,
+            "format_version": m.version,
             "mean_record_bytes": m.payload_bytes / m.records if m.records else 0.0,
         }
 

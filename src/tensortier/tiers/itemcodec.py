@@ -16,6 +16,12 @@ same for every item of a schema, so it is parsed once and cached, and the shapes
 that vary from item to item (a bytes field of another length) are read as binary integers. A
 version-1 header is JSON only; decoding handles both.
 
+Numpy scalars. By default a numpy scalar (``np.float32(0.5)``) is stored as a 0-d array (kind
+``np``) and comes back as one. ``numpy_scalars=True`` (the dataset catalog, format 2) stores it as
+kind ``ns``: the same bytes, decoded to a numpy scalar of the same dtype. Decoding accepts ``ns``
+in any blob; a reader older than this kind refuses it (``unknown field kind``), so a store that
+writes it says so in its own format version.
+
 Batches of blobs that share one header (the common case: fixed-shape transitions) are decoded as
 one ``(batch, record_bytes)`` byte matrix, sliced per field: no per-item Python work beyond a join.
 """
@@ -62,8 +68,9 @@ TORCH_DTYPES = {
 }
 
 
-def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
-    """(header entry without offset, payload) of one field."""
+def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, bytes | memoryview]:
+    """(header entry without offset, payload) of one field; ``numpy_scalars``: a numpy scalar is
+    kind ``ns`` (decoded to a numpy scalar), else ``np`` (a 0-d array)."""
     if isinstance(value, torch.Tensor):
         if value.is_sparse or value.layout != torch.strided or value.is_quantized:
             raise TypeError(
@@ -88,7 +95,7 @@ def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
         return ["s", "u1", [len(raw)]], raw
     if isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
         arr = np.asarray(value)
-        kind = "np" if isinstance(value, np.generic) else "py"
+        kind = ("ns" if numpy_scalars else "np") if isinstance(value, np.generic) else "py"
     elif isinstance(value, np.ndarray):
         arr, kind = value, "np"
     else:
@@ -112,19 +119,20 @@ ACCEPTED = (
 )
 
 
-def encode(item: Any, *, align: int = 1) -> bytes:
+def encode(item: Any, *, align: int = 1, numpy_scalars: bool = False) -> bytes:
     """One blob for ``item``: a dict of fields or a single array/tensor/bytes/str/number.
 
     ``align`` (1 or a power of two up to 4096): start each field at a multiple of ``align`` bytes
-    from the blob's start and pad the blob to one (see the module docstring).
+    from the blob's start and pad the blob to one (see the module docstring). ``numpy_scalars``:
+    store numpy scalars as themselves (kind ``ns``), not as 0-d arrays (the module docstring).
 
     Items shaped like an earlier one (same field names, types, dtypes and shapes: the usual
     stream of transitions) take a cached :class:`_Plan`: a few type checks and one ``join`` that
     copies the payloads into the blob, no per-field dispatch or header work. Anything the plan
     does not cover falls back to the general path, which produces the same bytes.
     """
-    if align != 1:
-        return _encode_general(item, align)
+    if align != 1 or numpy_scalars:
+        return _encode_general(item, align, numpy_scalars=numpy_scalars)
     if type(item) is dict:
         names: tuple = tuple(item)
         values = list(item.values())
@@ -249,13 +257,13 @@ class _Plan:
 _plans: dict[tuple, _Plan] = {}
 
 
-def encode_aligned_parts(item: Any, align: int) -> list:
+def encode_aligned_parts(item: Any, align: int, *, numpy_scalars: bool = False) -> list:
     """:func:`encode` ``(item, align=align)`` (``align > 1``) as the buffers whose concatenation is
     the blob: header pieces, padding and the fields' payloads, not joined. Payloads of arrays and
     tensors are views of the caller's memory (``bytes`` parts are immutable)."""
     if align <= 1:
         raise ValueError(f"encode_aligned_parts needs align > 1, got {align!r}")
-    return _encode_general(item, align, as_parts=True)
+    return _encode_general(item, align, as_parts=True, numpy_scalars=numpy_scalars)
 
 
 def single_prefix(kind: str, dtype: str, ndim: int, align: int) -> tuple[bytes, int, bytes]:
@@ -295,7 +303,9 @@ def encode_parts(item: Any) -> list:
     return [encode(item)]
 
 
-def _encode_general(item: Any, align: int = 1, as_parts: bool = False) -> Any:
+def _encode_general(
+    item: Any, align: int = 1, as_parts: bool = False, numpy_scalars: bool = False
+) -> Any:
     """:func:`encode` without plans: dispatch on every field's type, header from the cache.
     ``as_parts`` (``align > 1`` only): the blob's pieces, not joined."""
     if align < 1 or align > 4096 or align & (align - 1):
@@ -313,7 +323,7 @@ def _encode_general(item: Any, align: int = 1, as_parts: bool = False) -> Any:
         pairs, single = [(_SINGLE, item)], True
     descs, payloads = [], []
     for name, value in pairs:
-        desc, payload = _field(name, value)
+        desc, payload = _field(name, value, numpy_scalars)
         n = len(payload) if isinstance(payload, bytes) else payload.nbytes
         descs.append((name, desc[0], desc[1], tuple(desc[2]), n))
         payloads.append(payload)
@@ -387,11 +397,11 @@ _schema_cache: dict[bytes, tuple[dict, struct.Struct]] = {}
 def _check_fields(fields: list) -> None:
     for f in fields:
         kind, dtype = f[1], f[2]
-        if not isinstance(f[0], str) or kind not in ("np", "py", "pt", "b", "s"):
+        if not isinstance(f[0], str) or kind not in ("np", "ns", "py", "pt", "b", "s"):
             raise ValueError(f"unknown field kind {kind!r}")
         if kind == "pt" and dtype not in TORCH_DTYPES:
             raise ValueError(f"unknown torch dtype {dtype!r}")
-        if kind in ("np", "py") and np.dtype(dtype).hasobject:
+        if kind in ("np", "ns", "py") and np.dtype(dtype).hasobject:
             raise ValueError("object dtype")
 
 
@@ -493,7 +503,16 @@ def _value(kind: str, dtype: str, shape: Sequence[int], raw: np.ndarray) -> Any:
         t = torch.from_numpy(raw)
         return t.view(TORCH_DTYPES[dtype]).reshape(shape)
     arr = raw.view(np.dtype(dtype)).reshape(shape)
+    if kind == "ns":
+        return _scalar(arr)
     return arr.item() if kind == "py" else arr
+
+
+def _scalar(arr: np.ndarray) -> np.generic:
+    """The numpy scalar a 0-d array holds, its bytes copied as they are (nan payloads, -0.0)."""
+    if arr.shape != ():
+        raise ValueError(f"a numpy scalar field has shape {arr.shape}, not ()")
+    return arr[()]
 
 
 def _alignment(kind: str, dtype: str) -> int:
@@ -703,4 +722,6 @@ def _column(buf, bases: np.ndarray, field: tuple, fine: np.ndarray) -> list:
         return [torch.from_numpy(buf[x:y]).view(t).reshape(s) for x, y, s in zip(a, b, shapes)]
     dt = np.dtype(dtype)
     arrs = [buf[x:y].view(dt).reshape(s) for x, y, s in zip(a, b, shapes)]
+    if kind == "ns":
+        return [_scalar(v) for v in arrs]
     return [v.item() for v in arrs] if kind == "py" else arrs
