@@ -171,3 +171,13 @@ def test_a_scalar_field_whose_header_has_a_shape_is_refused():
     assert itemcodec.decode(bytes(blob))["a"] == np.float32(1)
     with pytest.raises(Exception, match="shape"):
         itemcodec.decode(bad)
+
+
+def test_numpy_strings_come_back_as_the_str_and_bytes_they_are(tmp_path):
+    """``np.str_``/``np.bytes_`` subclass ``str``/``bytes``: stored as those, every byte kept (a
+    fixed-width numpy string would drop the trailing NUL)."""
+    recs = [{"s": np.str_("héllo\x00"), "b": np.bytes_(b"a\x00")}]
+    with Catalog.build(tmp_path / "c", recs) as c:
+        got = c[0]
+    assert type(got["s"]) is str and got["s"] == "héllo\x00"
+    assert type(got["b"]) is bytes and got["b"] == b"a\x00"

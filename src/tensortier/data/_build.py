@@ -28,7 +28,7 @@ import signal
 import stat
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -41,7 +41,7 @@ from tensortier._lifetime import DirLock
 from tensortier._units import parse_size
 from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
-from tensortier.errors import ConfigError, SpillDirError
+from tensortier.errors import ConfigError, RecordTypeError, SpillDirError
 from tensortier.tiers import itemcodec
 from tensortier.tiers.segments import BODY, MAGIC_C, REC, Segments, aligned_buffer
 from tensortier.tiers.segments import PAGE as _PAGE
@@ -220,15 +220,35 @@ def _parts(rec: object, count: int) -> list:
 
 def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
     """The blob of a record the codec refused as is: lists of numbers become arrays, or a
-    TypeError naming the record and what a record may be."""
+    :class:`RecordTypeError` naming the record, the field at fault and what a record may be."""
     try:
         return itemcodec.encode(_sources.coerce(rec), align=ALIGN, numpy_scalars=True)
     except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"Catalog.build: record {count} cannot be stored: {exc}. A record is bytes, str, a "
-            f"numpy array, a torch tensor, a Python number, a list of numbers (stored as an "
-            f"array), or a dict of those keyed by str (never pickled)"
+        raise RecordTypeError(
+            f"Catalog.build: record {count} cannot be stored: {exc}. {RECORDS}",
+            record=count,
+            field=_bad_field(rec),
         ) from first
+
+
+RECORDS = (
+    "A record is bytes, str, a numpy array or scalar, a torch tensor, a Python number, a list of "
+    "numbers (stored as an array), or a dict of those keyed by str (never pickled)"
+)
+
+
+def _bad_field(rec: object) -> object:
+    """The key of the first field of a dict record that cannot be stored alone, else None."""
+    if not isinstance(rec, Mapping):
+        return None
+    for key, value in rec.items():
+        if not isinstance(key, str) or not key:
+            return key
+        try:
+            itemcodec.encode(_sources.coerce({key: value}), align=ALIGN, numpy_scalars=True)
+        except (TypeError, ValueError):
+            return key
+    return None
 
 
 _HEAD = REC.size  # record header (segments.py)

@@ -63,12 +63,20 @@ def _value(v: Any, where: str) -> Any:
         raise TypeError(
             f"{where} is a ragged nested list ({exc}); store one array per row, or pad the rows"
         ) from exc
+    if arr.dtype.kind == "O" and _holds_none(v):
+        raise TypeError(
+            f"{where} is a list holding a null (None); fill or drop nulls before building"
+        )
     if arr.dtype.kind not in "biuf":
         raise TypeError(
             f"{where} is a list that is not all numbers (numpy makes it {arr.dtype}); a list of "
             f"numbers becomes an array, other lists cannot be stored (join strings into one str)"
         )
     return arr
+
+
+def _holds_none(v: Any) -> bool:
+    return any(x is None or (isinstance(x, (list, tuple)) and _holds_none(x)) for x in v)
 
 
 # --------------------------------------------------------------------------- Arrow

@@ -159,7 +159,8 @@ class Catalog:
         ``IterableDataset`` or a ``pyarrow.Table`` / ``RecordBatch`` (one dict per row, read a
         column at a time from Arrow: ``_sources.py``). A record is bytes, str, a numpy array, a
         torch tensor, a Python number, a list of numbers (stored as a numpy array), or a dict of
-        those keyed by str (``TypeError`` naming the record otherwise; nothing is pickled).
+        those keyed by str (``tensortier.errors.RecordTypeError``, a ``TypeError``, naming the
+        record, the field and the fix otherwise; nothing is pickled).
         Records go to ``segment_size`` files written by ``io_threads`` threads at once,
         ``batch_bytes`` per write; only a few batches are in memory at a time.
 

@@ -70,15 +70,19 @@ TORCH_DTYPES = {
 
 def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, bytes | memoryview]:
     """(header entry without offset, payload) of one field; ``numpy_scalars``: a numpy scalar is
-    kind ``ns`` (decoded to a numpy scalar), else ``np`` (a 0-d array)."""
+    kind ``ns`` (decoded to a numpy scalar), else ``np`` (a 0-d array). ``np.str_`` and
+    ``np.bytes_`` are ``str`` and ``bytes`` and are stored as those: a numpy string of fixed
+    width would drop trailing NULs (``np.bytes_(b"a\\0")`` comes back ``b"a"``)."""
+    what = "the value" if name == _SINGLE else f"field {name!r}"
     if isinstance(value, torch.Tensor):
         if value.is_sparse or value.layout != torch.strided or value.is_quantized:
-            raise TypeError(
-                f"field {name!r}: only dense tensors can be stored; call .to_dense() first"
-            )
+            raise TypeError(f"{what}: only dense tensors can be stored; call .to_dense() first")
         dtype = str(value.dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
-            raise TypeError(f"field {name!r}: unsupported torch dtype {value.dtype}")
+            raise TypeError(
+                f"{what}: unsupported torch dtype {value.dtype}; convert it with .to() to one "
+                f"of {', '.join(TORCH_DTYPES)}"
+            )
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
         # an empty tensor's stride may be 0, and a one-element one's anything (contiguous() keeps
         # it: x[::2] of two elements has stride 2), which .view(uint8) refuses
@@ -90,27 +94,47 @@ def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, by
         return ["pt", dtype, list(t.shape)], memoryview(raw)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ["b", "u1", [len(value)]], bytes(value)
-    if isinstance(value, str):
+    elif isinstance(value, str):
         raw = value.encode("utf-8", "surrogatepass")
         return ["s", "u1", [len(raw)]], raw
-    if isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
+    elif isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
         arr = np.asarray(value)
         kind = ("ns" if numpy_scalars else "np") if isinstance(value, np.generic) else "py"
     elif isinstance(value, np.ndarray):
         arr, kind = value, "np"
     else:
-        raise TypeError(
-            f"field {name!r}: cannot store {type(value).__name__}; {ACCEPTED} (convert lists "
-            f"with np.asarray)"
-        )
-    if arr.dtype.hasobject or arr.dtype.fields is not None:
-        raise TypeError(
-            f"field {name!r}: dtype {arr.dtype} cannot be stored without pickle; use a plain "
-            f"numeric/bool dtype or bytes"
-        )
+        raise TypeError(f"{what}: cannot store {type(value).__name__}; {_fix(value)}")
+    _check_dtype(what, value, arr.dtype)
     shape = list(arr.shape)  # before ascontiguousarray, which turns 0-d into 1-d
     flat = np.ascontiguousarray(arr).reshape(-1)
     return [kind, arr.dtype.str, shape], memoryview(flat.view(np.uint8))
+
+
+def _fix(value: Any) -> str:
+    """What to do with a value of a type no field can hold."""
+    if isinstance(value, Mapping):
+        return "nested dicts cannot be stored: flatten them into 'outer.inner' keys"
+    if isinstance(value, (list, tuple)):
+        return "convert a list of numbers with np.asarray; other lists cannot be stored"
+    if value is None:
+        return "None cannot be stored: fill or drop it (or leave the key out)"
+    return f"{ACCEPTED}; convert it to one of those (float(x), str(x), np.asarray(x), ...)"
+
+
+def _check_dtype(what: str, value: Any, dtype: np.dtype) -> None:
+    """Refuse the dtypes that only pickle could store, saying what to store instead."""
+    if dtype.fields is not None:
+        raise TypeError(
+            f"{what}: structured dtype {dtype} cannot be stored; store each of its fields as an "
+            f"array of its own ({{name: arr[name] for name in arr.dtype.names}})"
+        )
+    if dtype.hasobject:
+        hint = (
+            "a Python int outside int64 and uint64 cannot be stored; store it as a str"
+            if isinstance(value, int)
+            else "use a numeric or bool dtype, or store text as str and raw data as bytes"
+        )
+        raise TypeError(f"{what}: dtype object cannot be stored without pickle; {hint}")
 
 
 ACCEPTED = (
@@ -316,7 +340,10 @@ def _encode_general(
         pairs = []
         for name, value in item.items():
             if not isinstance(name, str) or name == _SINGLE:
-                raise TypeError(f"field names must be non-empty strings, got {name!r}")
+                raise TypeError(
+                    f"field names must be non-empty strings, got {name!r}; make every key a "
+                    f"non-empty str (str(key))"
+                )
             pairs.append((name, value))
         single = False
     else:
@@ -499,6 +526,9 @@ def _value(kind: str, dtype: str, shape: Sequence[int], raw: np.ndarray) -> Any:
             raise CorruptDataError(f"a str field is not valid UTF-8 ({exc})") from exc
     if kind == "pt":
         if raw.size == 0:
+            if any(int(x) < 0 for x in shape) or np.prod(shape, dtype=object) != 0:
+                # no bytes for a shape with elements: torch.empty would hand out junk memory
+                raise ValueError(f"an empty payload for shape {list(shape)}")
             return torch.empty(shape, dtype=TORCH_DTYPES[dtype])
         t = torch.from_numpy(raw)
         return t.view(TORCH_DTYPES[dtype]).reshape(shape)
@@ -611,6 +641,8 @@ def decode_batch(blobs: Sequence[bytes] | np.ndarray) -> tuple[Any, bool]:
         # gather buffer (the next batch would overwrite this one)
         cols = cols.copy(order="C")
         if kind == "pt" and n == 0:
+            if np.prod(shape, dtype=object) != 0:  # torch.empty would hand out junk memory
+                raise CorruptDataError(f"field {name!r}: an empty payload for shape {shape}")
             out[name] = torch.empty(len(blobs), *shape, dtype=TORCH_DTYPES[dtype])
         elif kind == "pt":
             out[name] = torch.from_numpy(cols).view(TORCH_DTYPES[dtype]).reshape(len(blobs), *shape)
