@@ -4,8 +4,9 @@
   format, so a ``select``/``shuffle``'s indices mapping is honoured) and a ``pyarrow.Table`` or
   ``RecordBatch`` are read a batch of rows at a time, column by column: numbers and strings
   through Arrow's own conversion, a list-of-numbers column as numpy views of the column's values
-  (one per row, the Arrow dtype kept: int32 token ids stay int32), struct columns flattened to
-  ``"outer.inner"`` keys (an HF ``Image`` column gives ``image.bytes`` and ``image.path``).
+  (one per row, the Arrow dtype kept: int32 token ids stay int32; nested lists, list views, HF
+  ``Array2D``..``5D`` and fixed-shape tensors as arrays of their numbers' dtype), struct columns
+  flattened to ``"outer.inner"`` keys (an HF ``Image`` column gives ``image.bytes`` and ``image.path``).
   Never the row-by-row Python formatting of ``datasets`` (``ds[i]``, ``iter(ds)``).
 - Lists. A record, or a field of a dict record, that is a list or tuple of numbers (nested lists
   rectangular) is stored as ``np.asarray`` of it (int64, float64 or bool): :func:`coerce`.
@@ -126,6 +127,11 @@ def arrow_rows(batches: Iterable) -> Iterator[dict]:
 def _column(pa: Any, arr: Any) -> list:
     """The values of one Arrow array, one per row, as the catalog stores them."""
     t = arr.type
+    if isinstance(t, pa.FixedShapeTensorType):
+        return list(arr.to_numpy_ndarray())  # (rows, *shape) of the tensor's dtype
+    if isinstance(t, pa.ExtensionType):  # an HF Array2D..5D: nested lists of its dtype
+        arr = arr.storage
+        t = arr.type
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
         t = arr.type
@@ -143,10 +149,39 @@ def _column(pa: Any, arr: Any) -> list:
                     return list(values.reshape(len(arr), t.list_size))
                 offsets = np.asarray(arr.offsets)
                 return np.split(values, (offsets[1:-1] - offsets[0]).tolist())
-        return arr.to_pylist()  # nested lists: np.asarray per row (coerce)
+    leaf = _leaf_dtype(pa, t)
+    if leaf is not None:  # nested lists (list views too) of numbers: arrays of the leaf's dtype
+        return [_rows_array(row, leaf) for row in arr.to_pylist()]
     if pa.types.is_temporal(t):
         return list(arr.to_numpy(zero_copy_only=False))  # datetime64 / timedelta64 scalars
     return arr.to_pylist()  # str, bytes; anything else is refused by the codec, naming it
+
+
+def _leaf_dtype(pa: Any, t: Any) -> np.dtype | None:
+    """The numpy dtype of the numbers inside list type ``t`` (any depth), None if not numbers."""
+    nested = (
+        pa.types.is_list,
+        pa.types.is_large_list,
+        pa.types.is_fixed_size_list,
+        pa.types.is_list_view,
+        pa.types.is_large_list_view,
+    )
+    if not any(f(t) for f in nested):
+        return None
+    while any(f(t) for f in nested):
+        t = t.value_type
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return np.dtype(t.to_pandas_dtype())
+    return None
+
+
+def _rows_array(row: Any, dtype: np.dtype) -> Any:
+    """One row of a nested list column as an array of the column's dtype; a ragged row or one
+    holding a null stays a list, which :func:`coerce` refuses naming the field."""
+    try:
+        return np.asarray(row, dtype=dtype)
+    except (ValueError, TypeError):
+        return row
 
 
 # --------------------------------------------------------------------------- files (CLI)
