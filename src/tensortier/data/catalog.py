@@ -253,7 +253,10 @@ class Catalog:
         return self.manifest.records
 
     def __getitem__(self, key: Any) -> Any:
-        """``cat[i]`` one record; ``cat[a:b:c]`` and ``cat[[i, j, ...]]`` a list of records."""
+        """``cat[i]`` one record; ``cat[a:b:c]`` and ``cat[[i, j, ...]]`` a list of records. A 0-d
+        integer array or tensor (``torch.randint(n, ())``) is an int, as numpy and torch index."""
+        if getattr(key, "ndim", None) == 0 and not isinstance(key, np.generic):
+            key = int(as_indices(key, len(self), "a 0-d index must hold an int")[0])
         if isinstance(key, slice):
             return self.read(np.arange(*key.indices(len(self))))
         if is_int(key, numpy=True):
