@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tensortier.data import Catalog
-from tensortier.errors import RecordTypeError, TensortierError
+from tensortier.errors import ConfigError, RecordTypeError, TensortierError
 
 POINT = np.zeros(2, dtype=[("x", "<i4"), ("y", "<f8")])
 
@@ -65,3 +65,18 @@ def test_an_existing_empty_directory_is_left_empty(tmp_path):
     with pytest.raises(RecordTypeError, match="record 5000 cannot be stored"):
         Catalog.build(path, source(), batch_bytes="64KiB")
     assert os.listdir(path) == []
+
+
+def test_a_record_over_4_gib_is_refused_before_it_is_copied(tmp_path):
+    """The index holds a record's length in 32 bits. A 4 GiB record was copied whole into the
+    stage, then failed with a bare ``struct.error`` from packing its header; now it is a
+    ``ConfigError`` naming the record and the fix, before a byte of it is read (the record is
+    a sparse file mapped: nothing of it is in memory)."""
+    big = tmp_path / "sparse.bin"
+    with open(big, "wb") as f:
+        f.truncate(2**32)
+    arr = np.memmap(big, dtype=np.uint8, mode="r")
+    path = tmp_path / "c"
+    with pytest.raises(ConfigError, match=r"record 1 is 4GiB encoded; .* split it"):
+        Catalog.build(path, [b"ok", {"video": arr}])
+    assert not path.exists()

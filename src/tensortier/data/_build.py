@@ -38,7 +38,7 @@ import torch
 
 from tensortier import _modes
 from tensortier._lifetime import DirLock
-from tensortier._units import parse_size
+from tensortier._units import format_size, parse_size
 from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
 from tensortier.errors import ConfigError, RecordTypeError, SpillDirError
@@ -307,6 +307,8 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
         else:
             parts = _parts(rec, b.first + len(offs))
             n = sum(map(len, parts))
+        if n > _MAX_BLOB:
+            _too_large(b.first + len(offs), n)
         if seg < 0 or used >= seg_size:  # the writer's next segment, from its offset 0
             seg, used = (pos[2] if seg < 0 else seg + step), 0
             at = -(-at // _PAGE) * _PAGE
@@ -347,6 +349,17 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
     pos[0], pos[1] = seg, used
     b.at, b.size = at, size
     return more
+
+
+_MAX_BLOB = 2**32 - 1 - _HEAD  # the index row's u32 length holds the header too
+
+
+def _too_large(count: int, n: int) -> None:
+    """Refuse record ``count`` of ``n`` encoded bytes before any of it is copied."""
+    raise ConfigError(
+        f"Catalog.build: record {count} is {format_size(n)} encoded; a record holds at most "
+        f"{format_size(_MAX_BLOB)} (its length is 32 bits); split it into several records"
+    )
 
 
 def _array(rec: object, t: type) -> tuple | None:
