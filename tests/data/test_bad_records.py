@@ -27,6 +27,8 @@ CASES = [
     ({"tags": ["a", "b"]}, "tags", "join strings into one str"),
     ({"w": torch.zeros(2, dtype=torch.float8_e4m3fnuz)}, "w", "convert it with .to()"),
     ({"sp": torch.eye(2).to_sparse()}, "sp", ".to_dense()"),
+    ({"m": np.ma.array([1, 2], mask=[0, 1])}, "m", "mask would be lost"),
+    (np.ma.array([1.5], mask=[1]), None, "np.ma.getmaskarray"),
     ({1: b"x"}, 1, "keyed by str"),
     ({2.5, 1.0}, None, "convert it to one of those"),
     (POINT, None, "store each of its fields"),
