@@ -23,7 +23,7 @@ import glob
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,8 +47,9 @@ def pyarrow() -> Any:
 
 # --------------------------------------------------------------------------- records in Python
 def coerce(rec: Any) -> Any:
-    """``rec`` with its lists of numbers as numpy arrays; TypeError naming what cannot be stored."""
-    if type(rec) is dict:
+    """``rec`` with its lists of numbers as numpy arrays; TypeError naming what cannot be stored.
+    Any mapping (``OrderedDict``, ``defaultdict``) is a dict record, as it is to the codec."""
+    if isinstance(rec, Mapping):
         return {k: _value(v, f"field {k!r}") for k, v in rec.items()}
     return _value(rec, "the record")
 
