@@ -100,10 +100,11 @@ def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, by
     elif isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
         arr = np.asarray(value)
         kind = ("ns" if numpy_scalars else "np") if isinstance(value, np.generic) else "py"
-    elif isinstance(value, np.ma.MaskedArray):
+    elif isinstance(value, np.ma.MaskedArray) and np.ma.getmaskarray(value).any():
         raise TypeError(
-            f"{what}: a masked array's mask would be lost; store arr.filled(value), or its data "
-            f"and np.ma.getmaskarray(arr) as two fields"
+            f"{what}: a masked array's mask would be lost (an array with nothing masked is "
+            f"stored as its data); store arr.filled(value), or its data and "
+            f"np.ma.getmaskarray(arr) as two fields"
         )
     elif isinstance(value, np.ndarray):
         arr, kind = value, "np"
