@@ -15,6 +15,7 @@ from tensortier import errors
         errors.CorruptDataError("crc", path="/y"),
         errors.ClosedError("closed"),
         errors.NodeLostError("gone", node="ab12"),
+        errors.RecordTypeError("record 3 cannot be stored", record=3, field="meta"),
     ],
 )
 def test_errors_survive_pickling_with_their_attributes(err):

@@ -26,6 +26,20 @@ class ConfigError(TensortierError, ValueError):
     """A setting that cannot be used as given (a malformed size, an unknown mode)."""
 
 
+class RecordTypeError(TensortierError, TypeError):
+    """A record, or one field of it, has a type that cannot be stored without pickle.
+
+    ``record``: its position in the input; ``field``: the key of the field at fault (None when
+    it is the record itself, or not one field). Raised by ``tt.data.Catalog.build`` before the
+    build finishes; the build's files are removed.
+    """
+
+    def __init__(self, message: str, *, record: int, field: object = None):
+        super().__init__(message)
+        self.record = record
+        self.field = field
+
+
 class BudgetError(TensortierError):
     """A memory budget cannot be met; ``minimum`` is the smallest budget that can, when known."""
 

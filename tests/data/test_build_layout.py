@@ -42,9 +42,9 @@ def reference_files(root, recs, io_threads: int, batch_bytes: int, segment_size:
 
     for key, rec in enumerate(recs):
         try:
-            blob = itemcodec.encode(rec, align=8)
+            blob = itemcodec.encode(rec, align=8, numpy_scalars=True)
         except (TypeError, ValueError):
-            blob = itemcodec.encode(coerce(rec), align=8)
+            blob = itemcodec.encode(coerce(rec), align=8, numpy_scalars=True)
         batch.append((key, 0, blob))
         size += len(blob)
         if size >= batch_bytes or len(batch) >= 65536:
@@ -82,39 +82,47 @@ def check_build(tmp, recs, io_threads: int, batch_bytes: int, segment_size: int)
     assert got.keys() == want.keys()
     for name in want:
         assert got[name] == want[name], name
-    # lists come back as arrays, numpy scalars as 0-d arrays (as they always did)
-    expect = [
-        coerce(r) if isinstance(r, list) else np.asarray(r) if isinstance(r, np.generic) else r
-        for r in recs
-    ]
+    # lists come back as arrays, numpy scalars as themselves (format 2)
+    expect = [coerce(r) if isinstance(r, list) else r for r in recs]
     assert all(same(a, b) for a, b in zip(cat[:], expect)) and len(cat) == len(recs)
     assert cat.verify().ok
     cat.close()
 
 
 # every golden setting's files, as the per-record build wrote them (sha256 of the segment files
-# and the index, tests/data/_layout.combined), before the build laid records out itself
+# and the index, tests/data/_layout.combined), before the build laid records out itself; format 1
+# stored the one numpy scalar of golden_records() as a 0-d array, so these are the files of the
+# records with that scalar made a 0-d array
 GOLDEN = {
     SETTINGS[0]: "9373a29b97198320ff1723dd0818ea090b3825b70587cc75608a3abfacb649d0",
     SETTINGS[1]: "77a507aca19db5fa304bbe93c31218e66d1687a2f832eb63578c84b5ca6a6982",
     SETTINGS[2]: "b10350ea0fc8287bfd0747a6068350901323fa3bbd15474ba708d238745cc581",
+}
+# format 2 (numpy scalars stored as themselves, item kind "ns"): golden_records() as they are
+GOLDEN_2 = {
+    SETTINGS[0]: "66d7908f18ef128e9606c23476e329a368e107caa4227f38b66fc6cb72647cc7",
+    SETTINGS[1]: "71387f4db4131b084e0b23f797977427e260217701b1d25c996d68e233894a91",
+    SETTINGS[2]: "f14c3396b4b59a2a2b57672d1a411b07a82740322643e53917da76545dfd9582",
 }
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=str)
 def test_the_build_writes_the_files_the_per_record_build_wrote(tmp_path, setting):
     """Golden digests taken from the build before this one (the per-record layout) and the
-    per-record path of today's code: the same bytes, for every record type."""
+    per-record path of today's code: the same bytes, for every record type; format 2 changed
+    only the numpy scalar's record."""
     io_threads, batch_bytes, segment_size = setting
     recs = golden_records()
-    Catalog.build(
-        tmp_path / "c",
-        recs,
-        io_threads=io_threads,
-        batch_bytes=batch_bytes,
-        segment_size=segment_size,
-    ).close()
-    assert combined(tmp_path / "c") == GOLDEN[setting]
+    as_v1 = [np.asarray(r) if isinstance(r, np.generic) else r for r in recs]
+    for records, golden, name in ((as_v1, GOLDEN, "v1"), (recs, GOLDEN_2, "v2")):
+        Catalog.build(
+            tmp_path / name,
+            records,
+            io_threads=io_threads,
+            batch_bytes=batch_bytes,
+            segment_size=segment_size,
+        ).close()
+        assert combined(tmp_path / name) == golden[setting], name
     from tensortier._units import parse_size
 
     check_build(tmp_path / "x", recs, io_threads, parse_size(batch_bytes), parse_size(segment_size))

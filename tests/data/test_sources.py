@@ -158,3 +158,20 @@ def test_lists_that_are_not_arrays_are_refused_naming_the_record(tmp_path, bad, 
     with pytest.raises(TypeError, match=rf"record 1 cannot be stored: .*{match}"):
         Catalog.build(tmp_path / "c", [b"ok", bad])
     assert not (tmp_path / "c").exists()
+
+
+def test_any_mapping_is_a_dict_record_with_its_lists_as_arrays(tmp_path):
+    """An ``OrderedDict`` or ``defaultdict`` record holding a list of numbers was refused
+    ("cannot store list") where the same plain dict was stored: only ``type(rec) is dict``
+    had its lists made arrays."""
+    import collections
+    import types
+
+    recs = [
+        collections.OrderedDict(ids=[1, 2], t="x"),
+        collections.defaultdict(list, ids=[3], t="y"),
+        types.MappingProxyType({"ids": [4, 5, 6], "t": "z"}),
+    ]
+    got = Catalog.build(tmp_path / "c", recs)[:]
+    for g, r in zip(got, recs, strict=True):
+        assert equal(g, {"ids": np.asarray(r["ids"]), "t": r["t"]})

@@ -236,3 +236,18 @@ def test_decode_spans_refuses_a_damaged_blob_as_decode_does():
         _codec.decode(buf[starts[3] : starts[3] + lens[3]], copy=False)
     with pytest.raises(CorruptDataError):
         _codec.decode_spans(buf, starts, lens)
+
+
+def test_an_empty_tensor_payload_with_a_shape_of_elements_is_refused_not_junk_memory():
+    """A header claiming shape [5] over 0 payload bytes (a damaged or crafted blob whose
+    checksum holds) decoded to torch.empty(5): uninitialised memory handed out as data."""
+    blob = _codec.encode(torch.empty(0, dtype=torch.float32))  # JSON header (version 1)
+    (hlen,) = _codec._LEN.unpack_from(blob, 0)
+    header = blob[4 : 4 + hlen].replace(b'"pt","float32",[0]', b'"pt","float32",[5]')
+    assert header != blob[4 : 4 + hlen]
+    bad = _codec._LEN.pack(len(header)) + header + blob[4 + hlen :]
+    with pytest.raises(CorruptDataError, match="empty payload"):
+        _codec.decode(bad)
+    with pytest.raises(CorruptDataError, match="empty payload"):
+        _codec.decode_batch([bad, bad])
+    assert _codec.decode(blob).shape == (0,)  # the honest blob still decodes

@@ -28,7 +28,7 @@ import signal
 import stat
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -38,10 +38,10 @@ import torch
 
 from tensortier import _modes
 from tensortier._lifetime import DirLock
-from tensortier._units import parse_size
+from tensortier._units import format_size, parse_size
 from tensortier.data import _format, _sources
 from tensortier.data._format import ALIGN, INDEX_DTYPE, Manifest
-from tensortier.errors import ConfigError, SpillDirError
+from tensortier.errors import ConfigError, RecordTypeError, SpillDirError
 from tensortier.tiers import itemcodec
 from tensortier.tiers.segments import BODY, MAGIC_C, REC, Segments, aligned_buffer
 from tensortier.tiers.segments import PAGE as _PAGE
@@ -213,22 +213,42 @@ def _parts(rec: object, count: int) -> list:
     """The blob of record ``count`` as buffers to copy back to back (arrays and tensors as views
     of the caller's memory: the caller copies them before it takes the next record)."""
     try:
-        return itemcodec.encode_aligned_parts(rec, ALIGN)
+        return itemcodec.encode_aligned_parts(rec, ALIGN, numpy_scalars=True)
     except (TypeError, ValueError) as exc:
         return [_encode_coerced(rec, count, exc)]
 
 
 def _encode_coerced(rec: object, count: int, first: Exception) -> bytes:
     """The blob of a record the codec refused as is: lists of numbers become arrays, or a
-    TypeError naming the record and what a record may be."""
+    :class:`RecordTypeError` naming the record, the field at fault and what a record may be."""
     try:
-        return itemcodec.encode(_sources.coerce(rec), align=ALIGN)
+        return itemcodec.encode(_sources.coerce(rec), align=ALIGN, numpy_scalars=True)
     except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"Catalog.build: record {count} cannot be stored: {exc}. A record is bytes, str, a "
-            f"numpy array, a torch tensor, a Python number, a list of numbers (stored as an "
-            f"array), or a dict of those keyed by str (never pickled)"
+        raise RecordTypeError(
+            f"Catalog.build: record {count} cannot be stored: {exc}. {RECORDS}",
+            record=count,
+            field=_bad_field(rec),
         ) from first
+
+
+RECORDS = (
+    "A record is bytes, str, a numpy array or scalar, a torch tensor, a Python number, a list of "
+    "numbers (stored as an array), or a dict of those keyed by str (never pickled)"
+)
+
+
+def _bad_field(rec: object) -> object:
+    """The key of the first field of a dict record that cannot be stored alone, else None."""
+    if not isinstance(rec, Mapping):
+        return None
+    for key, value in rec.items():
+        if not isinstance(key, str) or not key:
+            return key
+        try:
+            itemcodec.encode(_sources.coerce({key: value}), align=ALIGN, numpy_scalars=True)
+        except (TypeError, ValueError):
+            return key
+    return None
 
 
 _HEAD = REC.size  # record header (segments.py)
@@ -287,6 +307,8 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
         else:
             parts = _parts(rec, b.first + len(offs))
             n = sum(map(len, parts))
+        if n > _MAX_BLOB:
+            _too_large(b.first + len(offs), n)
         if seg < 0 or used >= seg_size:  # the writer's next segment, from its offset 0
             seg, used = (pos[2] if seg < 0 else seg + step), 0
             at = -(-at // _PAGE) * _PAGE
@@ -327,6 +349,17 @@ def _fill(b: _Batch, it: Iterator, pos: list[int], args: BuildArgs) -> bool:
     pos[0], pos[1] = seg, used
     b.at, b.size = at, size
     return more
+
+
+_MAX_BLOB = 2**32 - 1 - _HEAD  # the index row's u32 length holds the header too
+
+
+def _too_large(count: int, n: int) -> None:
+    """Refuse record ``count`` of ``n`` encoded bytes before any of it is copied."""
+    raise ConfigError(
+        f"Catalog.build: record {count} is {format_size(n)} encoded; a record holds at most "
+        f"{format_size(_MAX_BLOB)} (its length is 32 bits); split it into several records"
+    )
 
 
 def _array(rec: object, t: type) -> tuple | None:

@@ -29,7 +29,10 @@ from tensortier._units import check_int, is_int
 from tensortier.errors import ConfigError, CorruptDataError
 
 FORMAT = "tensortier-catalog"
-VERSION = 1
+# 2: a numpy scalar is stored as itself (item kind "ns", tiers/itemcodec.py), read back as a numpy
+# scalar; 1 stored it as a 0-d array (kind "np"), which is how a version-1 catalog still reads
+VERSION = 2
+READABLE = (1, 2)  # the versions this code opens
 MANIFEST = "catalog.json"
 INDEX = "index.bin"
 LOCK = ".tt-build.lock"
@@ -54,6 +57,7 @@ class Manifest:
     index_crc: int
     writers: int
     created: str
+    version: int = VERSION  # the format version it was written with (READABLE)
 
     @property
     def file_bytes(self) -> int:
@@ -62,7 +66,7 @@ class Manifest:
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": self.version,
             "records": self.records,
             "payload_bytes": self.payload_bytes,
             "record_format": RECORD_FORMAT,
@@ -105,7 +109,8 @@ def read_manifest(root: str) -> Manifest:
                 f"tensortier reads ({VERSION}); upgrade tensortier"
             )
         if (
-            version != VERSION
+            version not in READABLE
+            or isinstance(version, bool)
             or meta.get("record_format") != RECORD_FORMAT
             or meta.get("align") != ALIGN
         ):
@@ -140,6 +145,7 @@ def read_manifest(root: str) -> Manifest:
             index_crc=_int(index, "crc32c", 0, 2**32),
             writers=_int(meta, "writers", 1, 1 << 16),
             created=created,
+            version=version,
         )
     except ConfigError:
         raise

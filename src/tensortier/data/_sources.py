@@ -4,8 +4,9 @@
   format, so a ``select``/``shuffle``'s indices mapping is honoured) and a ``pyarrow.Table`` or
   ``RecordBatch`` are read a batch of rows at a time, column by column: numbers and strings
   through Arrow's own conversion, a list-of-numbers column as numpy views of the column's values
-  (one per row, the Arrow dtype kept: int32 token ids stay int32), struct columns flattened to
-  ``"outer.inner"`` keys (an HF ``Image`` column gives ``image.bytes`` and ``image.path``).
+  (one per row, the Arrow dtype kept: int32 token ids stay int32; nested lists, list views, HF
+  ``Array2D``..``5D`` and fixed-shape tensors as arrays of their numbers' dtype), struct columns
+  flattened to ``"outer.inner"`` keys (an HF ``Image`` column gives ``image.bytes`` and ``image.path``).
   Never the row-by-row Python formatting of ``datasets`` (``ds[i]``, ``iter(ds)``).
 - Lists. A record, or a field of a dict record, that is a list or tuple of numbers (nested lists
   rectangular) is stored as ``np.asarray`` of it (int64, float64 or bool): :func:`coerce`.
@@ -22,7 +23,7 @@ import glob
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,8 +47,9 @@ def pyarrow() -> Any:
 
 # --------------------------------------------------------------------------- records in Python
 def coerce(rec: Any) -> Any:
-    """``rec`` with its lists of numbers as numpy arrays; TypeError naming what cannot be stored."""
-    if type(rec) is dict:
+    """``rec`` with its lists of numbers as numpy arrays; TypeError naming what cannot be stored.
+    Any mapping (``OrderedDict``, ``defaultdict``) is a dict record, as it is to the codec."""
+    if isinstance(rec, Mapping):
         return {k: _value(v, f"field {k!r}") for k, v in rec.items()}
     return _value(rec, "the record")
 
@@ -63,12 +65,20 @@ def _value(v: Any, where: str) -> Any:
         raise TypeError(
             f"{where} is a ragged nested list ({exc}); store one array per row, or pad the rows"
         ) from exc
+    if arr.dtype.kind == "O" and _holds_none(v):
+        raise TypeError(
+            f"{where} is a list holding a null (None); fill or drop nulls before building"
+        )
     if arr.dtype.kind not in "biuf":
         raise TypeError(
             f"{where} is a list that is not all numbers (numpy makes it {arr.dtype}); a list of "
             f"numbers becomes an array, other lists cannot be stored (join strings into one str)"
         )
     return arr
+
+
+def _holds_none(v: Any) -> bool:
+    return any(x is None or (isinstance(x, (list, tuple)) and _holds_none(x)) for x in v)
 
 
 # --------------------------------------------------------------------------- Arrow
@@ -118,6 +128,11 @@ def arrow_rows(batches: Iterable) -> Iterator[dict]:
 def _column(pa: Any, arr: Any) -> list:
     """The values of one Arrow array, one per row, as the catalog stores them."""
     t = arr.type
+    if isinstance(t, pa.FixedShapeTensorType):
+        return list(arr.to_numpy_ndarray())  # (rows, *shape) of the tensor's dtype
+    if isinstance(t, pa.ExtensionType):  # an HF Array2D..5D: nested lists of its dtype
+        arr = arr.storage
+        t = arr.type
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
         t = arr.type
@@ -135,10 +150,39 @@ def _column(pa: Any, arr: Any) -> list:
                     return list(values.reshape(len(arr), t.list_size))
                 offsets = np.asarray(arr.offsets)
                 return np.split(values, (offsets[1:-1] - offsets[0]).tolist())
-        return arr.to_pylist()  # nested lists: np.asarray per row (coerce)
+    leaf = _leaf_dtype(pa, t)
+    if leaf is not None:  # nested lists (list views too) of numbers: arrays of the leaf's dtype
+        return [_rows_array(row, leaf) for row in arr.to_pylist()]
     if pa.types.is_temporal(t):
         return list(arr.to_numpy(zero_copy_only=False))  # datetime64 / timedelta64 scalars
     return arr.to_pylist()  # str, bytes; anything else is refused by the codec, naming it
+
+
+def _leaf_dtype(pa: Any, t: Any) -> np.dtype | None:
+    """The numpy dtype of the numbers inside list type ``t`` (any depth), None if not numbers."""
+    nested = (
+        pa.types.is_list,
+        pa.types.is_large_list,
+        pa.types.is_fixed_size_list,
+        pa.types.is_list_view,
+        pa.types.is_large_list_view,
+    )
+    if not any(f(t) for f in nested):
+        return None
+    while any(f(t) for f in nested):
+        t = t.value_type
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return np.dtype(t.to_pandas_dtype())
+    return None
+
+
+def _rows_array(row: Any, dtype: np.dtype) -> Any:
+    """One row of a nested list column as an array of the column's dtype; a ragged row or one
+    holding a null stays a list, which :func:`coerce` refuses naming the field."""
+    try:
+        return np.asarray(row, dtype=dtype)
+    except (ValueError, TypeError):
+        return row
 
 
 # --------------------------------------------------------------------------- files (CLI)

@@ -159,7 +159,8 @@ class Catalog:
         ``IterableDataset`` or a ``pyarrow.Table`` / ``RecordBatch`` (one dict per row, read a
         column at a time from Arrow: ``_sources.py``). A record is bytes, str, a numpy array, a
         torch tensor, a Python number, a list of numbers (stored as a numpy array), or a dict of
-        those keyed by str (``TypeError`` naming the record otherwise; nothing is pickled).
+        those keyed by str (``tensortier.errors.RecordTypeError``, a ``TypeError``, naming the
+        record, the field and the fix otherwise; nothing is pickled).
         Records go to ``segment_size`` files written by ``io_threads`` threads at once,
         ``batch_bytes`` per write; only a few batches are in memory at a time.
 
@@ -252,7 +253,10 @@ class Catalog:
         return self.manifest.records
 
     def __getitem__(self, key: Any) -> Any:
-        """``cat[i]`` one record; ``cat[a:b:c]`` and ``cat[[i, j, ...]]`` a list of records."""
+        """``cat[i]`` one record; ``cat[a:b:c]`` and ``cat[[i, j, ...]]`` a list of records. A 0-d
+        integer array or tensor (``torch.randint(n, ())``) is an int, as numpy and torch index."""
+        if getattr(key, "ndim", None) == 0 and not isinstance(key, np.generic):
+            key = int(as_indices(key, len(self), "a 0-d index must hold an int")[0])
         if isinstance(key, slice):
             return self.read(np.arange(*key.indices(len(self))))
         if is_int(key, numpy=True):
@@ -307,6 +311,7 @@ class Catalog:
             "segments": len(m.segments),
             "io_threads": m.writers,  # the build's (the manifest's "writers")
             "created": m.created,
+            "format_version": m.version,
             "mean_record_bytes": m.payload_bytes / m.records if m.records else 0.0,
         }
 

@@ -16,6 +16,12 @@ same for every item of a schema, so it is parsed once and cached, and the shapes
 that vary from item to item (a bytes field of another length) are read as binary integers. A
 version-1 header is JSON only; decoding handles both.
 
+Numpy scalars. By default a numpy scalar (``np.float32(0.5)``) is stored as a 0-d array (kind
+``np``) and comes back as one. ``numpy_scalars=True`` (the dataset catalog, format 2) stores it as
+kind ``ns``: the same bytes, decoded to a numpy scalar of the same dtype. Decoding accepts ``ns``
+in any blob; a reader older than this kind refuses it (``unknown field kind``), so a store that
+writes it says so in its own format version.
+
 Batches of blobs that share one header (the common case: fixed-shape transitions) are decoded as
 one ``(batch, record_bytes)`` byte matrix, sliced per field: no per-item Python work beyond a join.
 """
@@ -62,16 +68,21 @@ TORCH_DTYPES = {
 }
 
 
-def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
-    """(header entry without offset, payload) of one field."""
+def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, bytes | memoryview]:
+    """(header entry without offset, payload) of one field; ``numpy_scalars``: a numpy scalar is
+    kind ``ns`` (decoded to a numpy scalar), else ``np`` (a 0-d array). ``np.str_`` and
+    ``np.bytes_`` are ``str`` and ``bytes`` and are stored as those: a numpy string of fixed
+    width would drop trailing NULs (``np.bytes_(b"a\\0")`` comes back ``b"a"``)."""
+    what = "the value" if name == _SINGLE else f"field {name!r}"
     if isinstance(value, torch.Tensor):
         if value.is_sparse or value.layout != torch.strided or value.is_quantized:
-            raise TypeError(
-                f"field {name!r}: only dense tensors can be stored; call .to_dense() first"
-            )
+            raise TypeError(f"{what}: only dense tensors can be stored; call .to_dense() first")
         dtype = str(value.dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
-            raise TypeError(f"field {name!r}: unsupported torch dtype {value.dtype}")
+            raise TypeError(
+                f"{what}: unsupported torch dtype {value.dtype}; convert it with .to() to one "
+                f"of {', '.join(TORCH_DTYPES)}"
+            )
         t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
         # an empty tensor's stride may be 0, and a one-element one's anything (contiguous() keeps
         # it: x[::2] of two elements has stride 2), which .view(uint8) refuses
@@ -83,27 +94,53 @@ def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
         return ["pt", dtype, list(t.shape)], memoryview(raw)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ["b", "u1", [len(value)]], bytes(value)
-    if isinstance(value, str):
+    elif isinstance(value, str):
         raw = value.encode("utf-8", "surrogatepass")
         return ["s", "u1", [len(raw)]], raw
-    if isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
+    elif isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
         arr = np.asarray(value)
-        kind = "np" if isinstance(value, np.generic) else "py"
+        kind = ("ns" if numpy_scalars else "np") if isinstance(value, np.generic) else "py"
+    elif isinstance(value, np.ma.MaskedArray) and np.ma.getmaskarray(value).any():
+        raise TypeError(
+            f"{what}: a masked array's mask would be lost (an array with nothing masked is "
+            f"stored as its data); store arr.filled(value), or its data and "
+            f"np.ma.getmaskarray(arr) as two fields"
+        )
     elif isinstance(value, np.ndarray):
         arr, kind = value, "np"
     else:
-        raise TypeError(
-            f"field {name!r}: cannot store {type(value).__name__}; {ACCEPTED} (convert lists "
-            f"with np.asarray)"
-        )
-    if arr.dtype.hasobject or arr.dtype.fields is not None:
-        raise TypeError(
-            f"field {name!r}: dtype {arr.dtype} cannot be stored without pickle; use a plain "
-            f"numeric/bool dtype or bytes"
-        )
+        raise TypeError(f"{what}: cannot store {type(value).__name__}; {_fix(value)}")
+    _check_dtype(what, value, arr.dtype)
     shape = list(arr.shape)  # before ascontiguousarray, which turns 0-d into 1-d
     flat = np.ascontiguousarray(arr).reshape(-1)
     return [kind, arr.dtype.str, shape], memoryview(flat.view(np.uint8))
+
+
+def _fix(value: Any) -> str:
+    """What to do with a value of a type no field can hold."""
+    if isinstance(value, Mapping):
+        return "nested dicts cannot be stored: flatten them into 'outer.inner' keys"
+    if isinstance(value, (list, tuple)):
+        return "convert a list of numbers with np.asarray; other lists cannot be stored"
+    if value is None:
+        return "None cannot be stored: fill or drop it (or leave the key out)"
+    return f"{ACCEPTED}; convert it to one of those (float(x), str(x), np.asarray(x), ...)"
+
+
+def _check_dtype(what: str, value: Any, dtype: np.dtype) -> None:
+    """Refuse the dtypes that only pickle could store, saying what to store instead."""
+    if dtype.fields is not None:
+        raise TypeError(
+            f"{what}: structured dtype {dtype} cannot be stored; store each of its fields as an "
+            f"array of its own ({{name: arr[name] for name in arr.dtype.names}})"
+        )
+    if dtype.hasobject:
+        hint = (
+            "a Python int outside int64 and uint64 cannot be stored; store it as a str"
+            if isinstance(value, int)
+            else "use a numeric or bool dtype, or store text as str and raw data as bytes"
+        )
+        raise TypeError(f"{what}: dtype object cannot be stored without pickle; {hint}")
 
 
 ACCEPTED = (
@@ -112,19 +149,20 @@ ACCEPTED = (
 )
 
 
-def encode(item: Any, *, align: int = 1) -> bytes:
+def encode(item: Any, *, align: int = 1, numpy_scalars: bool = False) -> bytes:
     """One blob for ``item``: a dict of fields or a single array/tensor/bytes/str/number.
 
     ``align`` (1 or a power of two up to 4096): start each field at a multiple of ``align`` bytes
-    from the blob's start and pad the blob to one (see the module docstring).
+    from the blob's start and pad the blob to one (see the module docstring). ``numpy_scalars``:
+    store numpy scalars as themselves (kind ``ns``), not as 0-d arrays (the module docstring).
 
     Items shaped like an earlier one (same field names, types, dtypes and shapes: the usual
     stream of transitions) take a cached :class:`_Plan`: a few type checks and one ``join`` that
     copies the payloads into the blob, no per-field dispatch or header work. Anything the plan
     does not cover falls back to the general path, which produces the same bytes.
     """
-    if align != 1:
-        return _encode_general(item, align)
+    if align != 1 or numpy_scalars:
+        return _encode_general(item, align, numpy_scalars=numpy_scalars)
     if type(item) is dict:
         names: tuple = tuple(item)
         values = list(item.values())
@@ -249,13 +287,13 @@ class _Plan:
 _plans: dict[tuple, _Plan] = {}
 
 
-def encode_aligned_parts(item: Any, align: int) -> list:
+def encode_aligned_parts(item: Any, align: int, *, numpy_scalars: bool = False) -> list:
     """:func:`encode` ``(item, align=align)`` (``align > 1``) as the buffers whose concatenation is
     the blob: header pieces, padding and the fields' payloads, not joined. Payloads of arrays and
     tensors are views of the caller's memory (``bytes`` parts are immutable)."""
     if align <= 1:
         raise ValueError(f"encode_aligned_parts needs align > 1, got {align!r}")
-    return _encode_general(item, align, as_parts=True)
+    return _encode_general(item, align, as_parts=True, numpy_scalars=numpy_scalars)
 
 
 def single_prefix(kind: str, dtype: str, ndim: int, align: int) -> tuple[bytes, int, bytes]:
@@ -295,7 +333,9 @@ def encode_parts(item: Any) -> list:
     return [encode(item)]
 
 
-def _encode_general(item: Any, align: int = 1, as_parts: bool = False) -> Any:
+def _encode_general(
+    item: Any, align: int = 1, as_parts: bool = False, numpy_scalars: bool = False
+) -> Any:
     """:func:`encode` without plans: dispatch on every field's type, header from the cache.
     ``as_parts`` (``align > 1`` only): the blob's pieces, not joined."""
     if align < 1 or align > 4096 or align & (align - 1):
@@ -306,14 +346,17 @@ def _encode_general(item: Any, align: int = 1, as_parts: bool = False) -> Any:
         pairs = []
         for name, value in item.items():
             if not isinstance(name, str) or name == _SINGLE:
-                raise TypeError(f"field names must be non-empty strings, got {name!r}")
+                raise TypeError(
+                    f"field names must be non-empty strings, got {name!r}; make every key a "
+                    f"non-empty str (str(key))"
+                )
             pairs.append((name, value))
         single = False
     else:
         pairs, single = [(_SINGLE, item)], True
     descs, payloads = [], []
     for name, value in pairs:
-        desc, payload = _field(name, value)
+        desc, payload = _field(name, value, numpy_scalars)
         n = len(payload) if isinstance(payload, bytes) else payload.nbytes
         descs.append((name, desc[0], desc[1], tuple(desc[2]), n))
         payloads.append(payload)
@@ -387,11 +430,11 @@ _schema_cache: dict[bytes, tuple[dict, struct.Struct]] = {}
 def _check_fields(fields: list) -> None:
     for f in fields:
         kind, dtype = f[1], f[2]
-        if not isinstance(f[0], str) or kind not in ("np", "py", "pt", "b", "s"):
+        if not isinstance(f[0], str) or kind not in ("np", "ns", "py", "pt", "b", "s"):
             raise ValueError(f"unknown field kind {kind!r}")
         if kind == "pt" and dtype not in TORCH_DTYPES:
             raise ValueError(f"unknown torch dtype {dtype!r}")
-        if kind in ("np", "py") and np.dtype(dtype).hasobject:
+        if kind in ("np", "ns", "py") and np.dtype(dtype).hasobject:
             raise ValueError("object dtype")
 
 
@@ -489,11 +532,23 @@ def _value(kind: str, dtype: str, shape: Sequence[int], raw: np.ndarray) -> Any:
             raise CorruptDataError(f"a str field is not valid UTF-8 ({exc})") from exc
     if kind == "pt":
         if raw.size == 0:
+            if any(int(x) < 0 for x in shape) or np.prod(shape, dtype=object) != 0:
+                # no bytes for a shape with elements: torch.empty would hand out junk memory
+                raise ValueError(f"an empty payload for shape {list(shape)}")
             return torch.empty(shape, dtype=TORCH_DTYPES[dtype])
         t = torch.from_numpy(raw)
         return t.view(TORCH_DTYPES[dtype]).reshape(shape)
     arr = raw.view(np.dtype(dtype)).reshape(shape)
+    if kind == "ns":
+        return _scalar(arr)
     return arr.item() if kind == "py" else arr
+
+
+def _scalar(arr: np.ndarray) -> np.generic:
+    """The numpy scalar a 0-d array holds, its bytes copied as they are (nan payloads, -0.0)."""
+    if arr.shape != ():
+        raise ValueError(f"a numpy scalar field has shape {arr.shape}, not ()")
+    return arr[()]
 
 
 def _alignment(kind: str, dtype: str) -> int:
@@ -592,6 +647,8 @@ def decode_batch(blobs: Sequence[bytes] | np.ndarray) -> tuple[Any, bool]:
         # gather buffer (the next batch would overwrite this one)
         cols = cols.copy(order="C")
         if kind == "pt" and n == 0:
+            if np.prod(shape, dtype=object) != 0:  # torch.empty would hand out junk memory
+                raise CorruptDataError(f"field {name!r}: an empty payload for shape {shape}")
             out[name] = torch.empty(len(blobs), *shape, dtype=TORCH_DTYPES[dtype])
         elif kind == "pt":
             out[name] = torch.from_numpy(cols).view(TORCH_DTYPES[dtype]).reshape(len(blobs), *shape)
@@ -703,4 +760,6 @@ def _column(buf, bases: np.ndarray, field: tuple, fine: np.ndarray) -> list:
         return [torch.from_numpy(buf[x:y]).view(t).reshape(s) for x, y, s in zip(a, b, shapes)]
     dt = np.dtype(dtype)
     arrs = [buf[x:y].view(dt).reshape(s) for x, y, s in zip(a, b, shapes)]
+    if kind == "ns":
+        return [_scalar(v) for v in arrs]
     return [v.item() for v in arrs] if kind == "py" else arrs
