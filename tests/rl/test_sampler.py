@@ -344,3 +344,24 @@ def test_the_priority_limit_follows_alpha():
     with pytest.raises(ConfigError, match="initial_priority must be at most"):
         Prioritized(alpha=2.0, initial_priority=1e200)
     Prioritized(alpha=0.0, initial_priority=1e308)  # every weight is 1
+
+
+def test_torch_float64_priorities_are_used_as_given_like_numpy_ones():
+    """A float64 tensor of |td_error| was cast to float32: 1e-300 became 0 (never drawn again),
+    1e50 became inf (refused as "NaN or inf") and every value lost half its digits."""
+    import torch
+
+    prios = np.array([0.1234567890123, 1e-300, 1e50, 3.0])
+    bufs = [ReplayBuffer(8, sampler=Prioritized(alpha=0.6), seed=0) for _ in range(3)]
+    for buf in bufs:
+        buf.extend([np.float32(i) for i in range(4)])
+    idx = bufs[0].indices()
+    bufs[0].update_priorities(idx, prios)
+    bufs[1].update_priorities(torch.from_numpy(idx), torch.from_numpy(prios))
+    np.testing.assert_array_equal(bufs[1].priorities(idx), prios**0.6)
+    np.testing.assert_array_equal(bufs[1].priorities(idx), bufs[0].priorities(idx))
+    half = torch.tensor([0.5, 0.25, 2.0, 1.0], dtype=torch.bfloat16)  # still accepted
+    bufs[2].update_priorities(idx, half)
+    np.testing.assert_array_equal(bufs[2].priorities(idx), np.array([0.5, 0.25, 2, 1]) ** 0.6)
+    for buf in bufs:
+        buf.close()

@@ -218,8 +218,8 @@ def priority_array(priorities: Any, keys: np.ndarray) -> np.ndarray:
         and priorities.shape == keys.shape
     ):
         return priorities  # nothing to convert or check
-    if hasattr(priorities, "detach"):
-        priorities = priorities.detach().float().cpu().numpy()
+    if hasattr(priorities, "detach"):  # float64, as numpy input: float32 rounds 1e-300 to 0
+        priorities = priorities.detach().cpu().double().numpy()
     try:
         prios = np.asarray(priorities, np.float64)
     except (TypeError, ValueError) as exc:
