@@ -113,11 +113,19 @@ def _remove_saved(dirname: str, made: bool) -> None:
 class Persistence:
     """Records and restores one buffer's state; the buffer calls it with its lock held."""
 
-    def __init__(self, config: ReplayConfig, store: ItemStore, sampler: Any, meta: SlotMeta):
+    def __init__(
+        self,
+        config: ReplayConfig,
+        store: ItemStore,
+        sampler: Any,
+        meta: SlotMeta,
+        rng: np.random.Generator,
+    ):
         self.config = config
         self.store = store
         self.sampler = sampler
         self.meta = meta
+        self.rng = rng
 
     # ------------------------------------------------------------------ recording
     def _state(self, keys: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
@@ -142,6 +150,15 @@ class Persistence:
         """(lock held) Record the state and pin the items; end with ``store.unpin(job.pinned)``."""
         pinned = self.store.pin()
         arrays, meta = self._state(pinned.keys)
+        if self.config.seed is not None:
+            # a seeded buffer's copy goes on with the same stream (as TorchRL's state_dict):
+            # the generator's state, and the uniform sampler's draw order, which evictions and
+            # deletes permute (the key order alone would rebuild another one)
+            meta["rng"] = {"seed": self.config.seed, "state": self.rng.bit_generator.state}
+            positions = getattr(self.sampler, "positions", None)
+            pos = None if positions is None else positions(pinned.keys % self.config.max_items)
+            if pos is not None and np.array_equal(np.sort(pos), np.arange(len(pos))):
+                arrays[_saved.DRAW_POS] = pos  # (else load rebuilds the order from the keys)
         return SaveJob(arrays, meta, pinned)
 
     def checkpoint(self) -> None:
@@ -151,16 +168,25 @@ class Persistence:
         _saved.write(root, *self._state(self.store.order()))
 
     # ------------------------------------------------------------------ restoring
-    def restore_saved(self, dirname: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    def restore_saved(
+        self, dirname: str, arrays: dict[str, np.ndarray], meta: dict, resume_rng: bool = False
+    ) -> None:
         """Fill this (new, empty) buffer with the copy in ``dirname``, validated by
-        ``_saved.read``: items under their keys, priorities, use counts, sampler state."""
+        ``_saved.read``: items under their keys, priorities, use counts, sampler state, and with
+        ``resume_rng`` the saved generator state."""
         keys = arrays["keys"]
         _load_items(self.store, dirname, keys)
         self.store.finish_restore(meta["seq"])
         slots = keys % self.config.max_items
-        self.sampler.add(slots, arrays["leaves"])
+        order = arrays.get(_saved.DRAW_POS)
+        if order is not None and hasattr(self.sampler, "positions"):
+            self.sampler.add(slots[np.argsort(order)])  # the saved uniform draw order
+        else:
+            self.sampler.add(slots, arrays["leaves"])
         self.meta.load(slots, arrays, meta.get("policy_version", -1))
         self._load_sampler_state(meta, dirname, LOAD_FIX)
+        if resume_rng:
+            self.rng.bit_generator.state = meta["rng"]["state"]  # validated by _saved.read
 
     def restore_durable(self) -> None:
         """Sampler entries for the items the store recovered from its segments: the priorities

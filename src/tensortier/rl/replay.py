@@ -137,7 +137,9 @@ class ReplayBuffer:
             self._store.on_drop = self._sampler.remove  # items lost with a memory node
             self._rng = np.random.default_rng(c.seed)
             self._meta = SlotMeta(c.max_items)
-            self._persist = _persist.Persistence(c, self._store, self._sampler, self._meta)
+            self._persist = _persist.Persistence(
+                c, self._store, self._sampler, self._meta, self._rng
+            )
             if c.durable:
                 self._persist.restore_durable()
             self._limiter: RateLimiter | None = None
@@ -662,12 +664,18 @@ class ReplayBuffer:
     ) -> ReplayBuffer:
         """A new buffer with the items, indices, priorities and use counts saved in ``directory``.
 
+        ``seed``: None goes on with the saved buffer's random stream when it was made with a
+        ``seed`` (its samples are then those the saved buffer would have drawn next), else
+        starts a fresh unseeded one; an int starts afresh from that seed.
         Only reads ``directory`` (a read-only copy works, and a damaged one is never changed);
         damage raises CorruptDataError naming the file, before or instead of a partial buffer.
         """
         directory = _persist.check_directory(directory, "load")
         meta, sampler, arrays = _saved.read(directory, fix=_persist.LOAD_FIX)
         cfg = meta["config"]
+        resume = seed is None and "rng" in meta
+        if resume:
+            seed = meta["rng"]["seed"]  # restore_saved then sets the generator's saved state
         buf = cls(
             cfg["capacity"],  # the saved keys (format compatibility): max_items, host_budget
             host_budget=cfg["ram_budget"] if host_budget is None else host_budget,
@@ -680,7 +688,7 @@ class ReplayBuffer:
             rate_limit=rate_limit,
         )
         try:
-            buf._persist.restore_saved(directory, arrays, meta)
+            buf._persist.restore_saved(directory, arrays, meta, resume)
             if rate_limit is not None:  # counters start balanced for the items loaded
                 buf._limiter = RateLimiter.balanced(rate_limit, len(buf))
         except BaseException:

@@ -288,6 +288,10 @@ class UniformState:
         self.pos[slots] = np.arange(self.n, self.n + k)
         self.n += k
 
+    def positions(self, slots: np.ndarray) -> np.ndarray:
+        """Where ``slots`` (all live) sit in the dense draw array: a save keeps that order."""
+        return self.pos[slots].copy()
+
     def add_one(self, slot: int) -> None:
         """:meth:`add` of one slot, in Python scalars."""
         n = self.n
