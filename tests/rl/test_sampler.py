@@ -1,5 +1,6 @@
 import math
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -365,3 +366,21 @@ def test_torch_float64_priorities_are_used_as_given_like_numpy_ones():
     np.testing.assert_array_equal(bufs[2].priorities(idx), np.array([0.5, 0.25, 2, 1]) ** 0.6)
     for buf in bufs:
         buf.close()
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_importance_weights_of_priorities_spanning_more_than_308_decades(seq):
+    """(p_i / p_min) ** -beta overflowed to inf in float64 (with a RuntimeWarning), so the
+    weight came out 0 even where beta is small enough for it to be ~1e-3."""
+    beta = 0.01
+    buf = ReplayBuffer(4, sampler=Prioritized(alpha=1.0, beta=beta), seed=0)
+    idx = buf.extend([np.float32(i) for i in range(2)], episode=0, step=[0, 1])
+    buf.update_priorities(idx, [1e-300, 1e10])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = buf.sample(64, max_staleness=None, seq_len=1) if seq else buf.sample(64)
+    indices = b.indices.reshape(-1)
+    assert set(indices.tolist()) == {int(idx[1])}  # 1e-300 is drawn with probability 1e-310
+    expected = np.float32(10.0 ** (-310 * beta))  # (1e10 / 1e-300) ** -0.01
+    np.testing.assert_allclose(b.weights, expected, rtol=1e-6)
+    buf.close()
