@@ -384,3 +384,20 @@ def test_importance_weights_of_priorities_spanning_more_than_308_decades(seq):
     expected = np.float32(10.0 ** (-310 * beta))  # (1e10 / 1e-300) ** -0.01
     np.testing.assert_allclose(b.weights, expected, rtol=1e-6)
     buf.close()
+
+
+def test_one_index_takes_one_scalar_priority_and_a_batch_still_needs_one_each():
+    """``update_priorities(i, p)`` (TorchRL's ``update_priority(index, priority)``) was refused
+    with "got shape () for 1 indices (flatten with .reshape(-1))", a fix that does not apply."""
+    import torch
+
+    buf = ReplayBuffer(8, sampler=Prioritized(alpha=1.0), seed=0)
+    k = buf.extend([np.float32(i) for i in range(3)])
+    buf.update_priorities(int(k[0]), 0.5)
+    buf.update_priorities(k[1], np.float32(0.25))  # a numpy int index
+    buf.update_priorities(torch.tensor(k[2]), torch.tensor(0.125, dtype=torch.float64))
+    np.testing.assert_array_equal(buf.priorities(k), [0.5, 0.25, 0.125])
+    with pytest.raises(ConfigError, match="one value per index"):
+        buf.update_priorities(k, 0.5)  # a mean loss for a batch is a mistake, not a broadcast
+    np.testing.assert_array_equal(buf.priorities(k), [0.5, 0.25, 0.125])
+    buf.close()

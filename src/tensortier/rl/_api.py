@@ -226,6 +226,8 @@ def priority_array(priorities: Any, keys: np.ndarray) -> np.ndarray:
         raise ConfigError(
             f"priorities must be numbers, one per index, got {type(priorities).__name__}"
         ) from exc
+    if prios.ndim == 0 and keys.shape == (1,):
+        prios = prios.reshape(1)  # update_priorities(index, priority), as buf[index] takes one
     if prios.shape != keys.shape:
         raise ConfigError(
             f"priorities must have one value per index: got shape {prios.shape} for "

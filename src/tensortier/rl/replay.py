@@ -554,7 +554,8 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ priorities
     def update_priorities(self, indices: Any, priorities: Any) -> None:
-        """Set the priorities of sampled items (e.g. ``|td_error|``); one value per index.
+        """Set the priorities of sampled items (e.g. ``|td_error|``); one value per index (a
+        number for one index).
 
         Priorities must be finite and >= 0 (0: never drawn while another item has a positive
         priority; when all are 0, items are drawn uniformly with weights 1), and ``p**alpha`` at
