@@ -32,6 +32,7 @@ from tensortier.rl import _saved
 from tensortier.rl._api import ReplayConfig
 from tensortier.rl._slot_meta import FIELDS, SlotMeta
 from tensortier.rl._store import ItemStore, Pinned
+from tensortier.rl.sampler import LEAF_MAX
 from tensortier.tiers.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class Persistence:
             f"remove {_saved.STATE} and {_saved.META} from {root!r} to reopen the items at the "
             f"max priority with fresh use counts"
         )
-        meta, _, saved = _saved.read(root, fix=fix)
+        meta, was, saved = _saved.read(root, fix=fix)
         self._load_sampler_state(meta, root, fix)
         saved_keys = saved["keys"]
         pos = np.searchsorted(saved_keys, keys)
@@ -224,7 +225,9 @@ class Persistence:
         known = saved_keys[pos] == keys if len(saved_keys) else np.zeros(len(keys), bool)
         leaves = np.full(len(keys), getattr(self.sampler, "max_priority", 1.0))
         leaves = leaves ** getattr(self.sampler.cfg, "alpha", 1.0)
-        leaves[known] = saved["leaves"][pos[known]]
+        weights = _reweighted(saved["leaves"][pos[known]], was, self.sampler.cfg, root)
+        if weights is not None:  # else: no priorities were recorded, items get the max
+            leaves[known] = weights
         # episode, step and version of items added since the checkpoint stay -1 (unknown)
         sub = {k: saved[k][pos[known]] for k in ("uses", *FIELDS) if k in saved}
         self.meta.load(slots[known], sub, meta.get("policy_version", -1))
@@ -238,6 +241,25 @@ class Persistence:
                 f"{os.path.join(root, _saved.META)}: sampler_state is not valid ({exc}); {fix}",
                 path=root,
             ) from exc
+
+
+def _reweighted(leaves: np.ndarray, was: Any, now: Any, root: str) -> np.ndarray | None:
+    """Checkpointed weights ``p**alpha`` of sampler config ``was`` as weights of ``now``: a
+    durable buffer may reopen with another alpha. None when ``was`` recorded no priorities
+    (uniform, or alpha 0 where every weight is 1)."""
+    a_was, a_now = getattr(was, "alpha", 0.0), getattr(now, "alpha", None)
+    if a_now is None or a_was == a_now:
+        return leaves
+    if a_was == 0:
+        return None
+    out = leaves ** (a_now / a_was)
+    if len(out) and out.max() > LEAF_MAX:
+        raise ConfigError(
+            f"the checkpoint in {root!r} has priorities up to {out.max() ** (1 / a_now):.3g}, "
+            f"whose weight with alpha={a_now} passes {LEAF_MAX:g}; reopen with "
+            f"alpha={a_was} (as checkpointed) or a smaller one"
+        )
+    return out
 
 
 def _load_items(store: ItemStore, dirname: str, keys: np.ndarray) -> None:
