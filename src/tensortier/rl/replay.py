@@ -270,8 +270,9 @@ class ReplayBuffer:
                 )
             if lim is not None:
                 self._limit("insert", len(blobs), timeout)
-                lim.inserted(len(blobs))
             keys, _ = self._store.add(blobs, on_evict=self._sampler.remove)
+            if lim is not None:  # counted once stored: a failed add (disk full) is no insert
+                lim.inserted(len(blobs))
             slots = keys % self.max_items
             self._meta.added(slots, meta)
             self._sampler.add(slots)
@@ -414,9 +415,6 @@ class ReplayBuffer:
         self._check()
         if len(self._store) == 0:
             raise self._empty(None)
-        if self._limiter is not None:
-            self._limiter.sampled(n)
-            self._cond.notify_all()  # inserters waiting for sampling to catch up
         while True:
             slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
             keys = self._store.keys[slots].copy()
@@ -429,6 +427,9 @@ class ReplayBuffer:
                 if len(self._store) == 0:
                     raise self._empty(None) from None
         self._use(slots)
+        if self._limiter is not None:  # counted once drawn: a failed read is no sample
+            self._limiter.sampled(n)
+            self._cond.notify_all()  # inserters waiting for sampling to catch up
         return blobs, keys, weights
 
     def _use(self, slots: np.ndarray) -> None:
