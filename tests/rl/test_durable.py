@@ -358,3 +358,14 @@ def test_reopen_with_another_alpha_keeps_the_checkpointed_priorities(tmp_path):
     cfg = Prioritized(alpha=1.0, initial_priority=3.0)
     with ReplayBuffer(8, spill_dir=d2, durable=True, sampler=cfg) as pri:
         np.testing.assert_array_equal(pri.priorities(pri.indices()), [3.0, 3.0])
+
+
+def test_reopen_with_an_alpha_too_large_for_the_checkpoint_names_the_alpha(tmp_path):
+    """It was CorruptDataError "sampler_state is not valid", asking to delete the checkpoint."""
+    d = str(tmp_path / "rb")
+    with ReplayBuffer(8, spill_dir=d, durable=True, sampler=Prioritized(alpha=0.5)) as buf:
+        buf.update_priorities(buf.extend(item(i) for i in range(2)), [1e200, 1.0])
+    with pytest.raises(ConfigError, match=r"max priority.*reopen with alpha=0.5"):
+        ReplayBuffer(8, spill_dir=d, durable=True, sampler=Prioritized(alpha=2.0))
+    with ReplayBuffer(8, spill_dir=d, durable=True, sampler=Prioritized(alpha=0.5)) as buf:
+        np.testing.assert_array_equal(buf.priorities(buf.indices()), [1e100, 1.0])  # kept

@@ -32,7 +32,7 @@ from tensortier.rl import _saved
 from tensortier.rl._api import ReplayConfig
 from tensortier.rl._slot_meta import FIELDS, SlotMeta
 from tensortier.rl._store import ItemStore, Pinned
-from tensortier.rl.sampler import LEAF_MAX
+from tensortier.rl.sampler import LEAF_MAX, check_priority
 from tensortier.tiers.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -218,6 +218,7 @@ class Persistence:
             f"max priority with fresh use counts"
         )
         meta, was, saved = _saved.read(root, fix=fix)
+        _check_alpha(meta["sampler_state"], was, self.sampler.cfg, root)
         self._load_sampler_state(meta, root, fix)
         saved_keys = saved["keys"]
         pos = np.searchsorted(saved_keys, keys)
@@ -243,6 +244,23 @@ class Persistence:
             ) from exc
 
 
+def _check_alpha(state: dict, was: Any, now: Any, root: str) -> None:
+    """ConfigError naming the checkpointed alpha when the checkpoint's max priority (the
+    largest priority ever set there) has a weight past ``LEAF_MAX`` with ``now``'s alpha."""
+    a_was, a_now = getattr(was, "alpha", None), getattr(now, "alpha", None)
+    top = state.get("max_priority")
+    if a_now is None or a_was in (None, a_now) or type(top) not in (int, float):
+        return  # nothing converted, or a malformed max that load_state reports
+    if not 0 < top < np.inf:
+        return
+    try:
+        check_priority(float(top), a_now, "the checkpoint's max priority")
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{root!r}: {exc}; or reopen with alpha={a_was}, as checkpointed"
+        ) from None
+
+
 def _reweighted(leaves: np.ndarray, was: Any, now: Any, root: str) -> np.ndarray | None:
     """Checkpointed weights ``p**alpha`` of sampler config ``was`` as weights of ``now``: a
     durable buffer may reopen with another alpha. None when ``was`` recorded no priorities
@@ -253,11 +271,10 @@ def _reweighted(leaves: np.ndarray, was: Any, now: Any, root: str) -> np.ndarray
     if a_was == 0:
         return None
     out = leaves ** (a_now / a_was)
-    if len(out) and out.max() > LEAF_MAX:
+    if len(out) and out.max() > LEAF_MAX:  # (each priority is at most the max, checked first)
         raise ConfigError(
-            f"the checkpoint in {root!r} has priorities up to {out.max() ** (1 / a_now):.3g}, "
-            f"whose weight with alpha={a_now} passes {LEAF_MAX:g}; reopen with "
-            f"alpha={a_was} (as checkpointed) or a smaller one"
+            f"the checkpoint in {root!r} has weights past {LEAF_MAX:g} with alpha={a_now}; "
+            f"reopen with alpha={a_was}, as checkpointed"
         )
     return out
 
