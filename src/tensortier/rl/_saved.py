@@ -134,7 +134,8 @@ def _check_rng(rng: Any) -> None:
     inner = state.get("state") if isinstance(state, dict) else None
     if not (
         isinstance(inner, dict)
-        and uint(rng.get("seed"), _U128)
+        and type(rng.get("seed")) is int
+        and rng["seed"] >= 0  # any seed numpy takes
         and state.get("bit_generator") == "PCG64"
         and uint(inner.get("state"), _U128)
         and uint(inner.get("inc"), _U128)
