@@ -559,7 +559,8 @@ class ReplayBuffer:
         number for one index).
 
         Priorities must be finite and >= 0 (0: never drawn while another item has a positive
-        priority; when all are 0, items are drawn uniformly with weights 1), and ``p**alpha`` at
+        priority; when all are 0, items are drawn uniformly with weights 1; with ``alpha=0``
+        every weight ``p**0`` is 1, 0 included, as in TorchRL and Reverb), and ``p**alpha`` at
         most 1e290 so that their sum stays finite (ConfigError naming the limit). Indices that went
         stale since they were sampled are skipped and counted in ``stats["stale_updates"]``; an
         index that add() never returned raises KeyError and nothing is changed. (The buffer
