@@ -86,6 +86,10 @@ def _field(name: str, value: Any) -> tuple[list, bytes | memoryview]:
     if isinstance(value, str):
         raw = value.encode("utf-8", "surrogatepass")
         return ["s", "u1", [len(raw)]], raw
+    if isinstance(value, int) and not -(1 << 63) <= value < 1 << 64:
+        raise TypeError(  # numpy would make it an object array, refused below as pickle-only
+            f"field {name!r}: int {value} does not fit in 64 bits; store it as str(value) or bytes"
+        )
     if isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
         arr = np.asarray(value)
         kind = "np" if isinstance(value, np.generic) else "py"
