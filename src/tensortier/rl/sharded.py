@@ -444,6 +444,13 @@ class ShardedReplayBuffer:
         blobs = [_codec.encode(it) for it in items]
         if not blobs:
             return np.empty(0, np.int64)
+        cap = self._spawn["kwargs"][0]["max_items"]
+        if len(blobs) > cap:  # the shard would say "more than max_items=cap": not the caller's
+            raise ConfigError(
+                f"extend got {len(blobs)} items, more than one shard holds (max_items={cap} on "
+                f"each of {self.shards} shards; one extend goes to one shard); add them in "
+                f"chunks of at most {cap}"
+            )
         wait = self._timeout(timeout) if self._coord is not None else 0.0
         reserved = self._acquire("insert", len(blobs), wait)
         try:
