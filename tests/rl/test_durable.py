@@ -336,3 +336,36 @@ def test_crash_between_the_two_checkpoint_files_still_reopens(tmp_path):
     third = ReplayBuffer(10, spill_dir=d, durable=True, sampler=Prioritized(alpha=1.0))
     assert len(third) == 6
     third.close()
+
+
+def test_reopen_with_another_alpha_keeps_the_checkpointed_priorities(tmp_path):
+    """The checkpoint holds p**alpha; reopening with another alpha used those weights as if
+    they were p**alpha_new (priorities() gave 2**0.5 for a priority of 2) while new items got
+    max_priority**alpha_new: a silent mix of two distributions."""
+    d = str(tmp_path / "rb")
+    buf = ReplayBuffer(8, spill_dir=d, durable=True, sampler=Prioritized(alpha=0.5))
+    keys = buf.extend(item(i) for i in range(3))
+    buf.update_priorities(keys, [2.0, 0.0, 8.0])
+    buf.close()
+    again = ReplayBuffer(8, spill_dir=d, durable=True, sampler=Prioritized(alpha=1.0))
+    np.testing.assert_allclose(again.priorities(keys), [2.0, 0.0, 8.0], rtol=1e-14)
+    assert again.priorities([again.add(item(3))])[0] == 8.0  # the max priority, alpha 1
+    again.close()
+    # from a uniform buffer's checkpoint (no priorities): every item gets the max priority
+    d2 = str(tmp_path / "uniform")
+    with ReplayBuffer(8, spill_dir=d2, durable=True) as uni:
+        uni.extend(item(i) for i in range(2))
+    cfg = Prioritized(alpha=1.0, initial_priority=3.0)
+    with ReplayBuffer(8, spill_dir=d2, durable=True, sampler=cfg) as pri:
+        np.testing.assert_array_equal(pri.priorities(pri.indices()), [3.0, 3.0])
+
+
+def test_reopen_with_an_alpha_too_large_for_the_checkpoint_names_the_alpha(tmp_path):
+    """It was CorruptDataError "sampler_state is not valid", asking to delete the checkpoint."""
+    d = str(tmp_path / "rb")
+    with ReplayBuffer(8, spill_dir=d, durable=True, sampler=Prioritized(alpha=0.5)) as buf:
+        buf.update_priorities(buf.extend(item(i) for i in range(2)), [1e200, 1.0])
+    with pytest.raises(ConfigError, match=r"max priority.*reopen with alpha=0.5"):
+        ReplayBuffer(8, spill_dir=d, durable=True, sampler=Prioritized(alpha=2.0))
+    with ReplayBuffer(8, spill_dir=d, durable=True, sampler=Prioritized(alpha=0.5)) as buf:
+        np.testing.assert_array_equal(buf.priorities(buf.indices()), [1e100, 1.0])  # kept

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensortier.errors import ConfigError, RateLimitTimeout
+from tensortier.errors import ConfigError, CorruptDataError, RateLimitTimeout, SpillDirError
 from tensortier.rl import Prioritized, RateLimit, ReplayBuffer
 from tensortier.rl.rate_limiter import RateLimiter
 
@@ -180,4 +180,30 @@ def test_prefetch_respects_the_limiter():
             buf.sample(1)
             got += 1
     assert got == 7 and buf.stats["rate_limiter"]["samples"] == 7
+    buf.close()
+
+
+def test_a_failed_insert_or_sample_is_not_counted(tmp_path):
+    """The limiter counted an insert before the store took it: each add that failed (here the
+    spill directory is missing) still raised ``inserts``, until a collector retrying its add
+    was refused with "sampling is behind" by a buffer holding one item. Samples likewise."""
+    rl = RateLimit(samples_per_insert=4, min_size_to_sample=1, error_buffer=8, timeout=0.1)
+    buf = ReplayBuffer(8, host_budget="1KiB", spill_dir=tmp_path / "missing", rate_limit=rl, seed=0)
+    buf.add(np.zeros(10))  # fits in RAM
+    for _ in range(5):
+        with pytest.raises(SpillDirError, match="mkdir"):
+            buf.add(np.zeros(1000))  # must spill
+    assert len(buf) == 1 and buf.stats["rate_limiter"]["inserts"] == 1
+    (tmp_path / "missing").mkdir()
+    buf.add(np.zeros(1000))  # the retry is admitted and counted once
+    assert buf.stats["rate_limiter"]["inserts"] == 2
+
+    (seg,) = (tmp_path / "missing").glob("tt-replay-*/seg-*")  # the spilled item's record
+    good = seg.read_bytes()
+    seg.write_bytes(good[:-8] + b"\xff" * 8)  # damage its payload's last bytes
+    with pytest.raises(CorruptDataError):
+        buf.sample(8)  # draws the spilled item
+    assert buf.stats["rate_limiter"]["samples"] == 0
+    seg.write_bytes(good)
+    assert len(buf.sample(8)) == 8 and buf.stats["rate_limiter"]["samples"] == 8
     buf.close()

@@ -1,5 +1,6 @@
 import math
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -344,3 +345,59 @@ def test_the_priority_limit_follows_alpha():
     with pytest.raises(ConfigError, match="initial_priority must be at most"):
         Prioritized(alpha=2.0, initial_priority=1e200)
     Prioritized(alpha=0.0, initial_priority=1e308)  # every weight is 1
+
+
+def test_torch_float64_priorities_are_used_as_given_like_numpy_ones():
+    """A float64 tensor of |td_error| was cast to float32: 1e-300 became 0 (never drawn again),
+    1e50 became inf (refused as "NaN or inf") and every value lost half its digits."""
+    import torch
+
+    prios = np.array([0.1234567890123, 1e-300, 1e50, 3.0])
+    bufs = [ReplayBuffer(8, sampler=Prioritized(alpha=0.6), seed=0) for _ in range(3)]
+    for buf in bufs:
+        buf.extend([np.float32(i) for i in range(4)])
+    idx = bufs[0].indices()
+    bufs[0].update_priorities(idx, prios)
+    bufs[1].update_priorities(torch.from_numpy(idx), torch.from_numpy(prios))
+    np.testing.assert_array_equal(bufs[1].priorities(idx), prios**0.6)
+    np.testing.assert_array_equal(bufs[1].priorities(idx), bufs[0].priorities(idx))
+    half = torch.tensor([0.5, 0.25, 2.0, 1.0], dtype=torch.bfloat16)  # still accepted
+    bufs[2].update_priorities(idx, half)
+    np.testing.assert_array_equal(bufs[2].priorities(idx), np.array([0.5, 0.25, 2, 1]) ** 0.6)
+    for buf in bufs:
+        buf.close()
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_importance_weights_of_priorities_spanning_more_than_308_decades(seq):
+    """(p_i / p_min) ** -beta overflowed to inf in float64 (with a RuntimeWarning), so the
+    weight came out 0 even where beta is small enough for it to be ~1e-3."""
+    beta = 0.01
+    buf = ReplayBuffer(4, sampler=Prioritized(alpha=1.0, beta=beta), seed=0)
+    idx = buf.extend([np.float32(i) for i in range(2)], episode=0, step=[0, 1])
+    buf.update_priorities(idx, [1e-300, 1e10])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = buf.sample(64, max_staleness=None, seq_len=1) if seq else buf.sample(64)
+    indices = b.indices.reshape(-1)
+    assert set(indices.tolist()) == {int(idx[1])}  # 1e-300 is drawn with probability 1e-310
+    expected = np.float32(10.0 ** (-310 * beta))  # (1e10 / 1e-300) ** -0.01
+    np.testing.assert_allclose(b.weights, expected, rtol=1e-6)
+    buf.close()
+
+
+def test_one_index_takes_one_scalar_priority_and_a_batch_still_needs_one_each():
+    """``update_priorities(i, p)`` (TorchRL's ``update_priority(index, priority)``) was refused
+    with "got shape () for 1 indices (flatten with .reshape(-1))", a fix that does not apply."""
+    import torch
+
+    buf = ReplayBuffer(8, sampler=Prioritized(alpha=1.0), seed=0)
+    k = buf.extend([np.float32(i) for i in range(3)])
+    buf.update_priorities(int(k[0]), 0.5)
+    buf.update_priorities(k[1], np.float32(0.25))  # a numpy int index
+    buf.update_priorities(torch.tensor(k[2]), torch.tensor(0.125, dtype=torch.float64))
+    np.testing.assert_array_equal(buf.priorities(k), [0.5, 0.25, 0.125])
+    with pytest.raises(ConfigError, match="one value per index"):
+        buf.update_priorities(k, 0.5)  # a mean loss for a batch is a mistake, not a broadcast
+    np.testing.assert_array_equal(buf.priorities(k), [0.5, 0.25, 0.125])
+    buf.close()

@@ -87,6 +87,14 @@ def test_shards_spread_over_nodes_and_ids_name_their_shard(per_pair, cluster):
     assert len(sharded) == _N
 
 
+def test_an_extend_larger_than_a_shard_names_the_shard_capacity(per_pair):
+    """The shard refused it as "more than max_items=50" for a buffer made with max_items=100."""
+    _, sharded, _ = per_pair
+    with pytest.raises(ConfigError, match=r"more than one shard holds \(max_items=50 on each of 2"):
+        sharded.extend([_item(0)] * 51)
+    assert len(sharded) == _N  # nothing added
+
+
 def test_sharded_per_frequencies_match_single_buffer_chi_square(per_pair):
     single, sharded, ids = per_pair
     probs = single.priorities(single.indices())

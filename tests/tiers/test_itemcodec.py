@@ -98,6 +98,16 @@ def test_unsupported_types_name_the_accepted_ones():
         _codec.encode({"x": {1, 2}})
 
 
+@pytest.mark.parametrize("big", [2**64, -(2**63) - 1, 10**30])
+def test_an_int_past_64_bits_is_refused_naming_str(big):
+    """It was refused as "dtype object cannot be stored without pickle": a Python int never
+    names a dtype, so the message did not say what was wrong."""
+    with pytest.raises(TypeError, match=rf"int {big} does not fit in 64 bits.*str"):
+        _codec.encode({"n": big})
+    for edge in (2**64 - 1, -(2**63)):  # the widest ints numpy stores (uint64, int64)
+        assert _codec.decode(_codec.encode({"n": edge})) == {"n": edge}
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     sizes=st.lists(st.integers(0, 21), min_size=1, max_size=5),

@@ -218,14 +218,16 @@ def priority_array(priorities: Any, keys: np.ndarray) -> np.ndarray:
         and priorities.shape == keys.shape
     ):
         return priorities  # nothing to convert or check
-    if hasattr(priorities, "detach"):
-        priorities = priorities.detach().float().cpu().numpy()
+    if hasattr(priorities, "detach"):  # float64, as numpy input: float32 rounds 1e-300 to 0
+        priorities = priorities.detach().cpu().double().numpy()
     try:
         prios = np.asarray(priorities, np.float64)
     except (TypeError, ValueError) as exc:
         raise ConfigError(
             f"priorities must be numbers, one per index, got {type(priorities).__name__}"
         ) from exc
+    if prios.ndim == 0 and keys.shape == (1,):
+        prios = prios.reshape(1)  # update_priorities(index, priority), as buf[index] takes one
     if prios.shape != keys.shape:
         raise ConfigError(
             f"priorities must have one value per index: got shape {prios.shape} for "

@@ -32,6 +32,7 @@ from tensortier.rl import _saved
 from tensortier.rl._api import ReplayConfig
 from tensortier.rl._slot_meta import FIELDS, SlotMeta
 from tensortier.rl._store import ItemStore, Pinned
+from tensortier.rl.sampler import LEAF_MAX, check_priority
 from tensortier.tiers.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -113,11 +114,19 @@ def _remove_saved(dirname: str, made: bool) -> None:
 class Persistence:
     """Records and restores one buffer's state; the buffer calls it with its lock held."""
 
-    def __init__(self, config: ReplayConfig, store: ItemStore, sampler: Any, meta: SlotMeta):
+    def __init__(
+        self,
+        config: ReplayConfig,
+        store: ItemStore,
+        sampler: Any,
+        meta: SlotMeta,
+        rng: np.random.Generator,
+    ):
         self.config = config
         self.store = store
         self.sampler = sampler
         self.meta = meta
+        self.rng = rng
 
     # ------------------------------------------------------------------ recording
     def _state(self, keys: np.ndarray) -> tuple[dict[str, np.ndarray], dict]:
@@ -142,6 +151,15 @@ class Persistence:
         """(lock held) Record the state and pin the items; end with ``store.unpin(job.pinned)``."""
         pinned = self.store.pin()
         arrays, meta = self._state(pinned.keys)
+        if self.config.seed is not None:
+            # a seeded buffer's copy goes on with the same stream (as TorchRL's state_dict):
+            # the generator's state, and the uniform sampler's draw order, which evictions and
+            # deletes permute (the key order alone would rebuild another one)
+            meta["rng"] = {"seed": self.config.seed, "state": self.rng.bit_generator.state}
+            positions = getattr(self.sampler, "positions", None)
+            pos = None if positions is None else positions(pinned.keys % self.config.max_items)
+            if pos is not None and np.array_equal(np.sort(pos), np.arange(len(pos))):
+                arrays[_saved.DRAW_POS] = pos  # (else load rebuilds the order from the keys)
         return SaveJob(arrays, meta, pinned)
 
     def checkpoint(self) -> None:
@@ -151,16 +169,25 @@ class Persistence:
         _saved.write(root, *self._state(self.store.order()))
 
     # ------------------------------------------------------------------ restoring
-    def restore_saved(self, dirname: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    def restore_saved(
+        self, dirname: str, arrays: dict[str, np.ndarray], meta: dict, resume_rng: bool = False
+    ) -> None:
         """Fill this (new, empty) buffer with the copy in ``dirname``, validated by
-        ``_saved.read``: items under their keys, priorities, use counts, sampler state."""
+        ``_saved.read``: items under their keys, priorities, use counts, sampler state, and with
+        ``resume_rng`` the saved generator state."""
         keys = arrays["keys"]
         _load_items(self.store, dirname, keys)
         self.store.finish_restore(meta["seq"])
         slots = keys % self.config.max_items
-        self.sampler.add(slots, arrays["leaves"])
+        order = arrays.get(_saved.DRAW_POS)
+        if order is not None and hasattr(self.sampler, "positions"):
+            self.sampler.add(slots[np.argsort(order)])  # the saved uniform draw order
+        else:
+            self.sampler.add(slots, arrays["leaves"])
         self.meta.load(slots, arrays, meta.get("policy_version", -1))
         self._load_sampler_state(meta, dirname, LOAD_FIX)
+        if resume_rng:
+            self.rng.bit_generator.state = meta["rng"]["state"]  # validated by _saved.read
 
     def restore_durable(self) -> None:
         """Sampler entries for the items the store recovered from its segments: the priorities
@@ -190,7 +217,8 @@ class Persistence:
             f"remove {_saved.STATE} and {_saved.META} from {root!r} to reopen the items at the "
             f"max priority with fresh use counts"
         )
-        meta, _, saved = _saved.read(root, fix=fix)
+        meta, was, saved = _saved.read(root, fix=fix)
+        _check_alpha(meta["sampler_state"], was, self.sampler.cfg, root)
         self._load_sampler_state(meta, root, fix)
         saved_keys = saved["keys"]
         pos = np.searchsorted(saved_keys, keys)
@@ -198,7 +226,9 @@ class Persistence:
         known = saved_keys[pos] == keys if len(saved_keys) else np.zeros(len(keys), bool)
         leaves = np.full(len(keys), getattr(self.sampler, "max_priority", 1.0))
         leaves = leaves ** getattr(self.sampler.cfg, "alpha", 1.0)
-        leaves[known] = saved["leaves"][pos[known]]
+        weights = _reweighted(saved["leaves"][pos[known]], was, self.sampler.cfg, root)
+        if weights is not None:  # else: no priorities were recorded, items get the max
+            leaves[known] = weights
         # episode, step and version of items added since the checkpoint stay -1 (unknown)
         sub = {k: saved[k][pos[known]] for k in ("uses", *FIELDS) if k in saved}
         self.meta.load(slots[known], sub, meta.get("policy_version", -1))
@@ -212,6 +242,41 @@ class Persistence:
                 f"{os.path.join(root, _saved.META)}: sampler_state is not valid ({exc}); {fix}",
                 path=root,
             ) from exc
+
+
+def _check_alpha(state: dict, was: Any, now: Any, root: str) -> None:
+    """ConfigError naming the checkpointed alpha when the checkpoint's max priority (the
+    largest priority ever set there) has a weight past ``LEAF_MAX`` with ``now``'s alpha."""
+    a_was, a_now = getattr(was, "alpha", None), getattr(now, "alpha", None)
+    top = state.get("max_priority")
+    if a_now is None or a_was in (None, a_now) or type(top) not in (int, float):
+        return  # nothing converted, or a malformed max that load_state reports
+    if not 0 < top < np.inf:
+        return
+    try:
+        check_priority(float(top), a_now, "the checkpoint's max priority")
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{root!r}: {exc}; or reopen with alpha={a_was}, as checkpointed"
+        ) from None
+
+
+def _reweighted(leaves: np.ndarray, was: Any, now: Any, root: str) -> np.ndarray | None:
+    """Checkpointed weights ``p**alpha`` of sampler config ``was`` as weights of ``now``: a
+    durable buffer may reopen with another alpha. None when ``was`` recorded no priorities
+    (uniform, or alpha 0 where every weight is 1)."""
+    a_was, a_now = getattr(was, "alpha", 0.0), getattr(now, "alpha", None)
+    if a_now is None or a_was == a_now:
+        return leaves
+    if a_was == 0:
+        return None
+    out = leaves ** (a_now / a_was)
+    if len(out) and out.max() > LEAF_MAX:  # (each priority is at most the max, checked first)
+        raise ConfigError(
+            f"the checkpoint in {root!r} has weights past {LEAF_MAX:g} with alpha={a_now}; "
+            f"reopen with alpha={a_was}, as checkpointed"
+        )
+    return out
 
 
 def _load_items(store: ItemStore, dirname: str, keys: np.ndarray) -> None:

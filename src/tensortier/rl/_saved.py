@@ -29,6 +29,9 @@ ARRAYS = ("keys", "leaves", "uses")
 # per-item episode, step and policy version (int64, -1: not given); files written before these
 # existed lack them, and readers that predate them ignore them
 OPTIONAL = ("episode", "step", "version")
+# a seeded uniform buffer's draw order: each item's position in the sampler's dense array
+DRAW_POS = "draw_pos"
+_U128 = 1 << 128
 
 
 def write(dirname: str, arrays: dict[str, np.ndarray], meta: dict, mode: int = 0o600) -> None:
@@ -65,7 +68,7 @@ def read(dirname: str, *, fix: str) -> tuple[dict, Uniform | Prioritized, dict[s
             meta = json.loads(f.read())
         with np.load(state_path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in ARRAYS}
-            arrays.update({k: z[k] for k in OPTIONAL if k in z.files})
+            arrays.update({k: z[k] for k in (*OPTIONAL, DRAW_POS) if k in z.files})
     except FileNotFoundError as exc:
         raise CorruptDataError(
             f"{dirname!r} holds no saved ReplayBuffer ({exc.filename} is missing)", path=dirname
@@ -115,7 +118,32 @@ def _check_meta(meta: Any) -> Uniform | Prioritized:
         _int(meta, "policy_version", -1)
     if not isinstance(meta.get("sampler_state"), dict):
         raise ValueError("sampler_state must be an object")
+    if "rng" in meta:
+        _check_rng(meta["rng"])
     return sampler_from_dict(cfg.get("sampler"))
+
+
+def _check_rng(rng: Any) -> None:
+    """``rng``: ``{"seed": int, "state": numpy's PCG64 state}``, every field in range (numpy's
+    own setter raises OverflowError or TypeError on some bad values, misses others)."""
+
+    def uint(v: Any, end: int) -> bool:
+        return type(v) is int and 0 <= v < end
+
+    state = rng.get("state") if isinstance(rng, dict) else None
+    inner = state.get("state") if isinstance(state, dict) else None
+    if not (
+        isinstance(inner, dict)
+        and type(rng.get("seed")) is int
+        and rng["seed"] >= 0  # any seed numpy takes
+        and state.get("bit_generator") == "PCG64"
+        and uint(inner.get("state"), _U128)
+        and uint(inner.get("inc"), _U128)
+        and inner["inc"] % 2 == 1
+        and state.get("has_uint32") in (0, 1)
+        and uint(state.get("uinteger"), 1 << 32)
+    ):
+        raise ValueError(f"rng must be a seed and numpy's PCG64 state, got {rng!r:.200}")
 
 
 def _check_arrays(arrays: dict[str, np.ndarray], meta: dict) -> None:
@@ -134,6 +162,13 @@ def _check_arrays(arrays: dict[str, np.ndarray], meta: dict) -> None:
             raise ValueError(
                 f"{name}: expected {len(keys)} ints >= -1, got {arr.dtype} {arr.shape}"
             )
+    pos = arrays.get(DRAW_POS)
+    if pos is not None and not (
+        pos.ndim == 1
+        and pos.dtype.kind == "i"
+        and np.array_equal(np.sort(pos), np.arange(len(keys)))
+    ):
+        raise ValueError(f"{DRAW_POS}: expected a permutation of {len(keys)} positions")
     if len(keys) > cap:
         raise ValueError(f"{len(keys)} items saved in a buffer of max_items={cap}")
     if len(keys):

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from tensortier.rl.sampler import is_weights
+
 _BLOCK = 8192  # rows of the (starts, seq_len) window processed at once (bounded memory)
 
 
@@ -74,8 +76,7 @@ def draw(
     u = (np.arange(n) + rng.random(n)) * (total / n)  # stratified, as the sum tree draws
     pos = np.searchsorted(cum, np.minimum(u, np.nextafter(cum[-1], 0)), "right")
     pos = pos[rng.permutation(n)]
-    w = weights[pos] / weights[weights > 0].min()
-    return pos, (w ** (-beta)).astype(np.float32)
+    return pos, is_weights(weights[pos], float(weights[weights > 0].min()), beta)
 
 
 def draw_slices(

@@ -137,7 +137,9 @@ class ReplayBuffer:
             self._store.on_drop = self._sampler.remove  # items lost with a memory node
             self._rng = np.random.default_rng(c.seed)
             self._meta = SlotMeta(c.max_items)
-            self._persist = _persist.Persistence(c, self._store, self._sampler, self._meta)
+            self._persist = _persist.Persistence(
+                c, self._store, self._sampler, self._meta, self._rng
+            )
             if c.durable:
                 self._persist.restore_durable()
             self._limiter: RateLimiter | None = None
@@ -268,8 +270,9 @@ class ReplayBuffer:
                 )
             if lim is not None:
                 self._limit("insert", len(blobs), timeout)
-                lim.inserted(len(blobs))
             keys, _ = self._store.add(blobs, on_evict=self._sampler.remove)
+            if lim is not None:  # counted once stored: a failed add (disk full) is no insert
+                lim.inserted(len(blobs))
             slots = keys % self.max_items
             self._meta.added(slots, meta)
             self._sampler.add(slots)
@@ -412,9 +415,6 @@ class ReplayBuffer:
         self._check()
         if len(self._store) == 0:
             raise self._empty(None)
-        if self._limiter is not None:
-            self._limiter.sampled(n)
-            self._cond.notify_all()  # inserters waiting for sampling to catch up
         while True:
             slots, weights = self._sampler.sample(n, self._rng, self._live_slots)
             keys = self._store.keys[slots].copy()
@@ -427,6 +427,9 @@ class ReplayBuffer:
                 if len(self._store) == 0:
                     raise self._empty(None) from None
         self._use(slots)
+        if self._limiter is not None:  # counted once drawn: a failed read is no sample
+            self._limiter.sampled(n)
+            self._cond.notify_all()  # inserters waiting for sampling to catch up
         return blobs, keys, weights
 
     def _use(self, slots: np.ndarray) -> None:
@@ -552,10 +555,12 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ priorities
     def update_priorities(self, indices: Any, priorities: Any) -> None:
-        """Set the priorities of sampled items (e.g. ``|td_error|``); one value per index.
+        """Set the priorities of sampled items (e.g. ``|td_error|``); one value per index (a
+        number for one index).
 
         Priorities must be finite and >= 0 (0: never drawn while another item has a positive
-        priority; when all are 0, items are drawn uniformly with weights 1), and ``p**alpha`` at
+        priority; when all are 0, items are drawn uniformly with weights 1; with ``alpha=0``
+        every weight ``p**0`` is 1, 0 included, as in TorchRL and Reverb), and ``p**alpha`` at
         most 1e290 so that their sum stays finite (ConfigError naming the limit). Indices that went
         stale since they were sampled are skipped and counted in ``stats["stale_updates"]``; an
         index that add() never returned raises KeyError and nothing is changed. (The buffer
@@ -662,12 +667,18 @@ class ReplayBuffer:
     ) -> ReplayBuffer:
         """A new buffer with the items, indices, priorities and use counts saved in ``directory``.
 
+        ``seed``: None goes on with the saved buffer's random stream when it was made with a
+        ``seed`` (its samples are then those the saved buffer would have drawn next), else
+        starts a fresh unseeded one; an int starts afresh from that seed.
         Only reads ``directory`` (a read-only copy works, and a damaged one is never changed);
         damage raises CorruptDataError naming the file, before or instead of a partial buffer.
         """
         directory = _persist.check_directory(directory, "load")
         meta, sampler, arrays = _saved.read(directory, fix=_persist.LOAD_FIX)
         cfg = meta["config"]
+        resume = seed is None and "rng" in meta
+        if resume:
+            seed = meta["rng"]["seed"]  # restore_saved then sets the generator's saved state
         buf = cls(
             cfg["capacity"],  # the saved keys (format compatibility): max_items, host_budget
             host_budget=cfg["ram_budget"] if host_budget is None else host_budget,
@@ -680,7 +691,7 @@ class ReplayBuffer:
             rate_limit=rate_limit,
         )
         try:
-            buf._persist.restore_saved(directory, arrays, meta)
+            buf._persist.restore_saved(directory, arrays, meta, resume)
             if rate_limit is not None:  # counters start balanced for the items loaded
                 buf._limiter = RateLimiter.balanced(rate_limit, len(buf))
         except BaseException:

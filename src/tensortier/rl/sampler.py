@@ -40,6 +40,18 @@ def check_priority(top: float, alpha: float, what: str = "priorities") -> None:
         )
 
 
+def is_weights(leaves: np.ndarray, low: float, beta: float) -> np.ndarray:
+    """Importance weights ``(leaves / low) ** -beta`` (float32) of drawn leaves ``>= low > 0``.
+
+    Computed as ``(low / leaves) ** beta``: the ratio is at most 1, so it cannot overflow (leaves
+    spanning more than 308 decades made ``leaves / low`` inf, and the weight 0 whatever ``beta``);
+    where it underflows towards 0 the weights are computed in logs."""
+    r = low / leaves
+    if _min_reduce(r) > 1e-300:
+        return (r**beta).astype(np.float32)
+    return np.exp(beta * (math.log(low) - np.log(leaves))).astype(np.float32)
+
+
 @dataclass(frozen=True)
 class Uniform:
     """Every stored item is equally likely; importance weights are all 1."""
@@ -288,6 +300,10 @@ class UniformState:
         self.pos[slots] = np.arange(self.n, self.n + k)
         self.n += k
 
+    def positions(self, slots: np.ndarray) -> np.ndarray:
+        """Where ``slots`` (all live) sit in the dense draw array: a save keeps that order."""
+        return self.pos[slots].copy()
+
     def add_one(self, slot: int) -> None:
         """:meth:`add` of one slot, in Python scalars."""
         n = self.n
@@ -436,9 +452,9 @@ class PrioritizedState:
         slots = self.tree.find(mass)
         slots = slots[rng.permutation(n)]  # strata come out in slot order; do not leak that
         leaf = self.tree.leaves(slots)
-        weights = (leaf / self.tree.min_positive) ** (-self.beta)
+        weights = is_weights(leaf, self.tree.min_positive, self.beta)
         self.samples += 1
-        return slots, weights.astype(np.float32)
+        return slots, weights
 
     def check(self, top: float) -> None:
         """ConfigError (nothing changed) when priorities up to ``top`` could overflow the tree."""

@@ -148,7 +148,7 @@ class RemoteReplayBuffer:
 
     def update_priorities(self, indices, priorities) -> None:
         if hasattr(priorities, "detach"):
-            priorities = priorities.detach().float().cpu().numpy()
+            priorities = priorities.detach().cpu().double().numpy()  # as one buffer does
         keys = as_index_array(indices)  # typed errors here, not wrapped by Ray
         self._do("update_priorities", keys, np.asarray(priorities))
 

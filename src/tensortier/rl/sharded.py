@@ -74,7 +74,7 @@ from tensortier.rl._api import (
 from tensortier.rl._store import as_index_array
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.replay import ReplayBuffer
-from tensortier.rl.sampler import Prioritized, PrioritizedState, check_priority
+from tensortier.rl.sampler import Prioritized, PrioritizedState, check_priority, is_weights
 from tensortier.tiers import itemcodec as _codec
 
 _CHUNK = 1.0  # longest one coordinator wait holds (seconds); the caller repeats until its deadline
@@ -444,6 +444,13 @@ class ShardedReplayBuffer:
         blobs = [_codec.encode(it) for it in items]
         if not blobs:
             return np.empty(0, np.int64)
+        cap = self._spawn["kwargs"][0]["max_items"]
+        if len(blobs) > cap:  # the shard would say "more than max_items=cap": not the caller's
+            raise ConfigError(
+                f"extend got {len(blobs)} items, more than one shard holds (max_items={cap} on "
+                f"each of {self.shards} shards; one extend goes to one shard); add them in "
+                f"chunks of at most {cap}"
+            )
         wait = self._timeout(timeout) if self._coord is not None else 0.0
         reserved = self._acquire("insert", len(blobs), wait)
         try:
@@ -584,10 +591,7 @@ class ShardedReplayBuffer:
         keys = np.concatenate([np.asarray(p[2], np.int64) * self.shards + p[0] for p in parts])
         leaves = np.concatenate([p[3] for p in parts])
         prio = isinstance(self._spawn["sampler"], Prioritized) and total > 0
-        if prio:
-            weights = ((leaves / low) ** (-self._beta())).astype(np.float32)
-        else:
-            weights = np.ones(n, np.float32)
+        weights = is_weights(leaves, low, self._beta()) if prio else np.ones(n, np.float32)
         self._calls += 1
         order = self._rng.permutation(n)  # shards come out in order; do not leak that
         keys, weights = keys[order], weights[order]

@@ -97,6 +97,10 @@ def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, by
     elif isinstance(value, str):
         raw = value.encode("utf-8", "surrogatepass")
         return ["s", "u1", [len(raw)]], raw
+    elif isinstance(value, int) and not -(1 << 63) <= value < 1 << 64:
+        raise TypeError(  # numpy would make it an object array, refused below as pickle-only
+            f"{what}: int {value} does not fit in 64 bits; store it as a str (str(value)) or bytes"
+        )
     elif isinstance(value, (bool, int, float, np.generic)) and not isinstance(value, np.ndarray):
         arr = np.asarray(value)
         kind = ("ns" if numpy_scalars else "np") if isinstance(value, np.generic) else "py"
@@ -110,7 +114,7 @@ def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, by
         arr, kind = value, "np"
     else:
         raise TypeError(f"{what}: cannot store {type(value).__name__}; {_fix(value)}")
-    _check_dtype(what, value, arr.dtype)
+    _check_dtype(what, arr.dtype)
     shape = list(arr.shape)  # before ascontiguousarray, which turns 0-d into 1-d
     flat = np.ascontiguousarray(arr).reshape(-1)
     return [kind, arr.dtype.str, shape], memoryview(flat.view(np.uint8))
@@ -127,7 +131,7 @@ def _fix(value: Any) -> str:
     return f"{ACCEPTED}; convert it to one of those (float(x), str(x), np.asarray(x), ...)"
 
 
-def _check_dtype(what: str, value: Any, dtype: np.dtype) -> None:
+def _check_dtype(what: str, dtype: np.dtype) -> None:
     """Refuse the dtypes that only pickle could store, saying what to store instead."""
     if dtype.fields is not None:
         raise TypeError(
@@ -135,12 +139,10 @@ def _check_dtype(what: str, value: Any, dtype: np.dtype) -> None:
             f"array of its own ({{name: arr[name] for name in arr.dtype.names}})"
         )
     if dtype.hasobject:
-        hint = (
-            "a Python int outside int64 and uint64 cannot be stored; store it as a str"
-            if isinstance(value, int)
-            else "use a numeric or bool dtype, or store text as str and raw data as bytes"
+        raise TypeError(
+            f"{what}: dtype object cannot be stored without pickle; use a numeric or bool dtype, "
+            f"or store text as str and raw data as bytes"
         )
-        raise TypeError(f"{what}: dtype object cannot be stored without pickle; {hint}")
 
 
 ACCEPTED = (
