@@ -153,3 +153,23 @@ def assert_same_state(got: dict, want: dict) -> None:
 
 def params_of(model: nn.Module) -> Iterator[torch.Tensor]:
     return (p for p in model.parameters() if p.requires_grad)
+
+
+def trainer_args(out_dir, **overrides):
+    """HF ``TrainingArguments`` for the CPU tests: deterministic (seed 0, no workers), quiet,
+    logging every step, no checkpoints unless ``overrides`` ask for them."""
+    from transformers import TrainingArguments
+
+    base = dict(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=BATCH,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="steps",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    return TrainingArguments(**{**base, **overrides})

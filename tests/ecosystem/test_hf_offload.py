@@ -20,6 +20,7 @@ from tests.ecosystem._hf import (
     blocks,
     build,
     train,
+    trainer_args,
     twin,
 )
 
@@ -248,7 +249,7 @@ def _trainer_history(model, tmp_path, offload=None) -> list[tuple]:
     clipping and dropout; with ``offload``, the forward runs inside it, the way a user adds
     tensortier to a Trainer: ``compute_loss`` overridden (accelerate calls ``backward`` later,
     outside the block). The logged loss and gradient norm of every step."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     class OffloadTrainer(Trainer):
         def compute_loss(self, model, inputs, *args, **kwargs):
@@ -256,21 +257,7 @@ def _trainer_history(model, tmp_path, offload=None) -> list[tuple]:
                 return super().compute_loss(model, inputs, *args, **kwargs)
 
     rows = [{k: v[i] for k, v in batch("gpt2", j).items()} for j in range(6) for i in range(4)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_steps=8,
-        max_grad_norm=0.5,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="steps",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
+    args = trainer_args(tmp_path, gradient_accumulation_steps=2, max_steps=8, max_grad_norm=0.5)
     trainer = (OffloadTrainer if offload else Trainer)(model=model, args=args, train_dataset=rows)
     trainer.train()
     return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]

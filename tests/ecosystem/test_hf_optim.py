@@ -23,6 +23,7 @@ from tests.ecosystem._hf import (
     batch,
     build,
     train,
+    trainer_args,
     twin,
 )
 
@@ -276,23 +277,10 @@ def test_offloaded_adamw_under_gradscaler_overflow_and_clip_is_exact(device, def
 
 # ----------------------------------------------------------------------------- HF Trainer
 def _trainer(model, opt, tmp_path, *, max_grad_norm: float, steps: int):
-    from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
+    from transformers import Trainer, get_linear_schedule_with_warmup
 
     rows = [{k: v[i] for k, v in batch("gpt2", j).items()} for j in range(3) for i in range(BATCH)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=BATCH,
-        max_steps=steps,
-        max_grad_norm=max_grad_norm,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="steps",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
+    args = trainer_args(tmp_path, max_steps=steps, max_grad_norm=max_grad_norm)
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=steps)
     trainer = Trainer(model=model, args=args, train_dataset=rows, optimizers=(opt, sched))
     trainer.train()
@@ -320,23 +308,13 @@ def _resumed(make_opt, tmp_path) -> torch.nn.Module:
     """HF ``Trainer``: three steps saving a checkpoint (``optimizer.pt`` is the optimizer's
     ``state_dict()`` through ``torch.save``), then a fresh model and optimizer resumed from it
     with ``resume_from_checkpoint`` to step six."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     rows = [{k: v[i] for k, v in batch("gpt2", j).items()} for j in range(3) for i in range(BATCH)]
 
     def run(model, steps: int, resume: str | None = None) -> None:
-        args = TrainingArguments(
-            output_dir=str(tmp_path),
-            per_device_train_batch_size=BATCH,
-            max_steps=steps,
-            max_grad_norm=0.5,
-            use_cpu=True,
-            report_to=[],
-            save_strategy="steps",
-            save_steps=3,
-            disable_tqdm=True,
-            seed=0,
-            dataloader_num_workers=0,
+        args = trainer_args(
+            tmp_path, max_steps=steps, max_grad_norm=0.5, save_strategy="steps", save_steps=3
         )
         opt = make_opt(model.parameters())
         Trainer(model=model, args=args, train_dataset=rows, optimizers=(opt, None)).train(
