@@ -35,15 +35,20 @@ def pytest_collection_modifyitems(items) -> None:
     items[:] = [item for item in items if item not in late] + late
 
 
-def _write(row: dict) -> None:
+def _write(row: dict, *, every_process: bool = False) -> None:
+    """Append one row. Under pytest-xdist each worker's reports reach the controller's hooks
+    too: results are written by the controller alone (``every_process`` for the collection,
+    which only the workers make)."""
     path = os.environ.get("TT_GPU_CHECK_ROWS")
+    if os.environ.get("PYTEST_XDIST_WORKER") and not every_process:
+        return
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
 
 def pytest_collection_finish(session) -> None:
-    _write({"collected": [item.nodeid for item in session.items]})
+    _write({"collected": [item.nodeid for item in session.items]}, every_process=True)
 
 
 def pytest_collectreport(report) -> None:
