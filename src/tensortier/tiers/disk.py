@@ -55,6 +55,7 @@ from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, align_up, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
 from tensortier.tiers.base import StoreBase, running
+from tensortier.tiers.codecs import flat_values
 from tensortier.tiers.host import PAGE, aligned_empty
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -248,12 +249,7 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
         raise TypeError(
             "quantized tensors cannot be stored; call .dequantize() or .int_repr() first"
         )
-    flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    if flat.numel() <= 1 and flat.stride(0) != 1:
-        # contiguous() keeps an empty or one-element tensor's stride (x[::2] of two: stride 2),
-        # which .view(uint8) refuses; with at most one element the stride addresses nothing
-        flat = flat.as_strided((flat.numel(),), (1,))
-    return flat.view(torch.uint8)
+    return flat_values(tensor).view(torch.uint8)
 
 
 class DiskStore(StoreBase):
