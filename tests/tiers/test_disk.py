@@ -13,7 +13,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensortier import ClosedError, ConfigError, DiskStore, SpillDirError, TierFullError
+from tensortier import (
+    ClosedError,
+    ConfigError,
+    CorruptDataError,
+    DiskStore,
+    SpillDirError,
+    TierFullError,
+)
 from tensortier._lifetime import quiesce
 from tensortier.tiers.host import PAGE, aligned_empty
 from tests.conftest import ALL_DTYPES, bit_equal, make_tensor
@@ -153,6 +160,35 @@ def test_full_disk_during_write_is_typed_and_rolled_back(store, monkeypatch):
     assert torch.equal(store.read(keep), torch.arange(1000.0))
     x = torch.randn(300_000)
     assert torch.equal(store.read(store.write(x)), x)  # the rolled-back extent is reusable
+
+
+def _slab_path(store: DiskStore) -> str:
+    (path,) = [os.path.join(store.directory, n) for n in os.listdir(store.directory) if "slab" in n]
+    return path
+
+
+@pytest.mark.parametrize("where", [0, 5000, 300_000 * 4 - 1], ids=["first", "middle", "last"])
+def test_a_flipped_bit_in_the_spill_file_is_a_corrupt_data_error(store, where):
+    x = torch.randn(300_000)
+    h = store.write(x)
+    fd = os.open(_slab_path(store), os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, h.offset + where)
+        os.pwrite(fd, bytes([byte[0] ^ 0x04]), h.offset + where)
+    finally:
+        os.close(fd)
+    with pytest.raises(CorruptDataError, match="CRC32C") as err:
+        store.read(h)  # was: a tensor one bit off, returned as if intact
+    assert err.value.path == _slab_path(store)
+    y = torch.arange(10.0)
+    assert torch.equal(store.read(store.write(y)), y)  # the store stays usable
+
+
+def test_a_truncated_spill_file_is_a_corrupt_data_error(store):
+    h = store.write(torch.randn(300_000))
+    os.truncate(_slab_path(store), h.offset + PAGE)
+    with pytest.raises(CorruptDataError, match="truncated"):  # was: OSError(EIO, "short read")
+        store.read(h)
 
 
 def test_full_disk_at_preallocation_is_typed(spill_dir, monkeypatch):

@@ -18,7 +18,9 @@ budget left, so any budget of at least one page can hold tensors up to its size.
 Failure. A budget overrun raises :class:`TierFullError` from ``put`` itself; a full disk during
 the write raises it from the returned future. Either way the extent is returned to the free list
 and the store stays usable. ``close()``, garbage collection and leaving the ``with`` block remove
-every file. Nothing is ever unpickled: handles live in memory only.
+every file. Nothing is ever unpickled: handles live in memory only. Each 16 MiB chunk's CRC32C is
+taken from the tensor as it is written and kept in its handle; a read checks it, so a spill file
+changed or cut by anything else raises :class:`CorruptDataError` instead of returning garbage.
 
 Lifetime and waits (``tensortier/LIFETIME.md``). Cleanup that joins the I/O threads runs through
 ``_lifetime.Finalizer``: on the caller's thread at ``close()``, on the reaper thread after GC, never
@@ -45,15 +47,22 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
+import crc32c
 import torch
 
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
 from tensortier._renamed import renamed, renamed_attribute
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, align_up, check_int, format_size, parse_size
-from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
+from tensortier.errors import (
+    ClosedError,
+    ConfigError,
+    CorruptDataError,
+    SpillDirError,
+    TierFullError,
+)
 from tensortier.tiers.base import StoreBase, running
 from tensortier.tiers.codecs import flat_values
 from tensortier.tiers.host import PAGE, aligned_empty
@@ -77,6 +86,8 @@ class DiskHandle:
     nbytes: int  # bytes of tensor data
     dtype: torch.dtype
     shape: tuple[int, ...]
+    # CRC32C of each _CHUNK of the data, taken from the tensor as it was written
+    checksums: tuple[int, ...] = field(default=(), repr=False)
 
 
 @dataclass
@@ -202,7 +213,7 @@ def _pread_all(fd: int, view: memoryview, pos: int) -> None:
     while got < len(view):
         k = os.preadv(fd, [view[got:]], pos + got)
         if k == 0:
-            raise OSError(errno.EIO, f"short read at offset {pos + got}")
+            raise CorruptDataError(f"short read at offset {pos + got}: the file was truncated")
         got += k
 
 
@@ -447,9 +458,16 @@ class DiskStore(StoreBase):
             tuple(tensor.shape),
         )
         done: Future[DiskHandle] = running()
+        sums = [0] * -(-nbytes // _CHUNK)
+
+        def write(fd: int, pos: int, chunk: torch.Tensor) -> None:
+            sums[(pos - offset) // _CHUNK] = crc32c.crc32c(memoryview(chunk.numpy()))
+            self._write_chunk(fd, pos, chunk)
 
         def finished(error: BaseException | None) -> None:
+            nonlocal handle
             if error is None:
+                handle = replace(handle, checksums=tuple(sums))
                 with self._lock:
                     self._live[handle.id] = handle
                     self.stats.used_bytes += length
@@ -464,7 +482,7 @@ class DiskStore(StoreBase):
                     self._release(slab, offset, length)
                 done.set_exception(self._translate(error, length))
 
-        self._run_chunks(self._write_chunk, slab, offset, data, finished)
+        self._run_chunks(write, slab, offset, data, finished)
         return done
 
     def get(self, handle: DiskHandle, *, into: torch.Tensor | None = None) -> Future[torch.Tensor]:
@@ -506,7 +524,8 @@ class DiskStore(StoreBase):
                 self.stats.gets += 1
             done.set_result(into[: handle.nbytes].view(handle.dtype).reshape(handle.shape))
 
-        self._run_chunks(self._read_chunk, slab, handle.offset, into[: handle.length], finished)
+        read = self._checked_read(handle, slab)
+        self._run_chunks(read, slab, handle.offset, into[: handle.length], finished)
         return done
 
     def free(self, handle: DiskHandle) -> None:
@@ -647,6 +666,30 @@ class DiskStore(StoreBase):
         with self._lock:
             self.stats.bytes_read += n
             self.stats.read_seconds += time.perf_counter() - t0
+
+    def _checked_read(self, handle: DiskHandle, slab: _Slab | None) -> Callable:
+        """A chunk reader for ``handle`` that checks each chunk's CRC32C: a spill file changed or
+        cut by anything but this store raises :class:`CorruptDataError`, never returns garbage."""
+
+        def read(fd: int, pos: int, chunk: torch.Tensor) -> None:
+            start = pos - handle.offset
+            path = slab.path if slab else self.directory
+            where = f"spill file {path!r}"
+            try:
+                self._read_chunk(fd, pos, chunk)
+            except CorruptDataError as exc:
+                raise CorruptDataError(f"{where}: {exc}; the tensor is lost", path=path) from exc
+            data = chunk[: max(0, handle.nbytes - start)]
+            if crc32c.crc32c(memoryview(data.numpy())) != handle.checksums[start // _CHUNK]:
+                raise CorruptDataError(
+                    f"{where} is damaged: bytes {pos}..{pos + data.numel()} of a "
+                    f"{handle.dtype} tensor of shape {handle.shape} fail their CRC32C (something "
+                    f"other than this store changed the file); the tensor is lost. Nothing else "
+                    f"may write to the store's private directory {self.directory!r}",
+                    path=path,
+                )
+
+        return read
 
     def _translate(self, error: BaseException, length: int) -> BaseException:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
