@@ -319,6 +319,11 @@ def test_wrong_operands_are_type_errors_naming_the_argument(spill_dir):
             s.put(q)
         with pytest.raises(ValueError, match="CPU tensors.*meta"):
             s.put(torch.empty(3, device="meta"))
+        with warnings.catch_warnings():  # the strided nested layout is a prototype
+            warnings.simplefilter("ignore", UserWarning)
+            nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        with pytest.raises(TypeError, match=r"nested.*unbind"):  # was torch's reshape error
+            s.put(nested)
         with pytest.raises(TypeError, match=r"get\(handle\).*DiskHandle.*got int"):
             s.get(3)
         with pytest.raises(TypeError, match=r"free\(handle\).*DiskHandle.*got NoneType"):

@@ -249,8 +249,12 @@ def _probe_direct(root: str) -> bool:
         os.unlink(path)
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's values as a flat contiguous uint8 tensor (a view when already contiguous)."""
+def check_storable(tensor: torch.Tensor) -> None:
+    """A ``TypeError`` naming the fix for a tensor with no plain strided values to store."""
+    if tensor.is_nested:
+        raise TypeError(
+            "nested tensors cannot be stored as one tensor; store each of t.unbind() instead"
+        )
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise TypeError(
             f"only strided (dense) tensors can be stored, got layout {tensor.layout}; "
@@ -260,6 +264,11 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
         raise TypeError(
             "quantized tensors cannot be stored; call .dequantize() or .int_repr() first"
         )
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as a flat contiguous uint8 tensor (a view when already contiguous)."""
+    check_storable(tensor)
     return flat_values(tensor).view(torch.uint8)
 
 
@@ -438,6 +447,7 @@ class DiskStore(StoreBase):
                 f"DiskStore.put(tensor): expected a torch.Tensor, got {type(tensor).__name__}; "
                 f"convert it first, e.g. torch.as_tensor(value)"
             )
+        check_storable(tensor)
         if tensor.device.type != "cpu":
             raise ValueError(
                 f"DiskStore.put(tensor) takes CPU tensors, got one on {tensor.device}; "
