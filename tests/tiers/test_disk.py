@@ -142,6 +142,14 @@ def test_budget_exhaustion_is_typed_and_store_stays_usable(spill_dir):
         )
 
 
+def test_a_tensor_larger_than_the_whole_budget_says_freeing_cannot_help(spill_dir):
+    with DiskStore(spill_dir, budget="64KiB") as s:
+        with pytest.raises(TierFullError, match="larger than the whole disk budget") as err:
+            s.put(torch.zeros(100_000))  # 400 KB: was "Free tensors or raise the budget"
+        assert "Free tensors" not in str(err.value) and err.value.requested == 401_408  # pages
+        assert s.stats.file_bytes == 0 and len(s) == 0
+
+
 def test_full_disk_during_write_is_typed_and_rolled_back(store, monkeypatch):
     keep = store.write(torch.arange(1000.0))
     used = store.stats.used_bytes

@@ -372,6 +372,13 @@ class DiskStore(StoreBase):
             if size < max(self.slab_size, length):  # budget is short: drop empty slabs first
                 self._trim_locked()
                 size = self._new_slab_size(length)
+            if self.budget is not None and length > _page_floor(self.budget):
+                raise self._full(
+                    f"a {format_size(length)} tensor is larger than the whole disk budget of "
+                    f"{format_size(self.budget)}, so freeing tensors cannot make room; raise the "
+                    f"budget to at least {format_size(length)}",
+                    length,
+                )
             if size < length:
                 raise self._full(
                     f"disk tier budget exceeded: a {format_size(length)} tensor needs a new "
