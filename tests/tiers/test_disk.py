@@ -211,6 +211,36 @@ def test_full_disk_at_preallocation_is_typed(spill_dir, monkeypatch):
         assert torch.equal(s.read(s.write(torch.ones(10))), torch.ones(10))
 
 
+def _disk_with_room(monkeypatch, directory: str, room: int) -> None:
+    """posix_fallocate as on a disk with ``room`` bytes free for the slabs in ``directory``."""
+    real = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        used = sum(e.stat().st_size for e in os.scandir(directory) if e.name.startswith("slab"))
+        if used + length > room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+
+
+def test_a_nearly_full_disk_still_takes_what_fits(spill_dir, monkeypatch):
+    with DiskStore(spill_dir, slab_size="256MiB") as s:
+        _disk_with_room(monkeypatch, s.directory, 1 << 20)
+        # was TierFullError "cannot preallocate 256MiB" with 1 MiB free: now slabs of their size
+        hs = [s.write(torch.full((1 << 16,), float(i))) for i in range(4)]  # 256 KiB each
+        with pytest.raises(TierFullError, match="disk full"):
+            s.put(torch.ones(10))  # the disk is full now
+        assert all(
+            torch.equal(s.read(h), torch.full((1 << 16,), float(i))) for i, h in enumerate(hs)
+        )
+        for h in hs:
+            s.free(h)
+        x = torch.randn(1 << 18)  # 1 MiB: the 4 empty slabs are deleted to make room for it
+        assert torch.equal(s.read(s.write(x)), x)
+        assert s.stats.file_bytes == 1 << 20 and len(s) == 1
+
+
 def test_missing_spill_dir_names_the_fix(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(SpillDirError, match="does not exist.*mkdir -p"):

@@ -3,7 +3,9 @@
 Layout. A store owns a private 0700 directory under ``spill_dir``. It holds *slabs*: files
 preallocated with ``posix_fallocate`` (so a full disk shows up when a slab is made, not in the
 middle of a tensor) and carved into extents by a first-fit free list that merges neighbours on
-free. Repeated put/free of mixed sizes therefore reuses space instead of growing the files.
+free. Repeated put/free of mixed sizes therefore reuses space instead of growing the files. A
+disk with no room for a whole ``slab_size`` gets a slab of just the tensor's extent, after this
+store's empty slabs are deleted if need be: a nearly full disk still takes what fits.
 
 I/O. Every tensor is split into chunks written or read by a thread pool with ``os.pwrite`` and
 ``os.preadv`` (both release the GIL), so several requests are in flight, like an NVMe queue.
@@ -387,23 +389,38 @@ class DiskStore(StoreBase):
                     f"live). Free tensors or raise the budget.",
                     length,
                 )
-            index = next(self._slab_ids)
-            path = os.path.join(self.directory, f"slab-{index:05d}.bin")
-            try:
-                slab = _Slab(index, path, size, self.direct)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise self._full(
-                        f"disk full in {self.directory!r}: cannot preallocate {format_size(size)} "
-                        f"({exc.strerror}). Free space there or pick another spill_dir.",
-                        length,
-                    ) from exc
-                raise
-            self._files.slabs[index] = slab
-            self.stats.file_bytes += size
+            slab = self._new_slab(size, length)
+            self._files.slabs[slab.index] = slab
+            self.stats.file_bytes += slab.size
             off = slab.alloc(length)
             assert off is not None
             return slab, off
+
+    def _new_slab(self, size: int, length: int) -> _Slab:
+        """A new slab of ``size`` bytes (lock held). Where the disk has no room for that: one of
+        just ``length`` (the tensor's own extent: a nearly full disk still takes what fits), then
+        the same again after deleting this store's empty slabs (their space is not contiguous)."""
+        error: OSError | None = None
+        for trim in (False, True):
+            if trim:
+                if not any(slab.empty for slab in self._files.slabs.values()):
+                    break
+                self._trim_locked()
+            for want in (size, length) if size > length else (size,):
+                index = next(self._slab_ids)
+                path = os.path.join(self.directory, f"slab-{index:05d}.bin")
+                try:
+                    return _Slab(index, path, want, self.direct)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    error = exc
+        assert error is not None
+        raise self._full(
+            f"disk full in {self.directory!r}: cannot preallocate {format_size(length)} "
+            f"({error.strerror}). Free space there or pick another spill_dir.",
+            length,
+        ) from error
 
     def _new_slab_size(self, length: int) -> int:
         """Size of the next slab: ``slab_size`` (or ``length`` if larger), cut to the budget left."""
