@@ -253,3 +253,15 @@ def test_one_element_view_with_a_stride_round_trips(codec):
     c = get_codec(codec)
     out = c.decode(*c.encode(t))
     assert torch.equal(_bits(out), _bits(t.clone()))
+
+
+@pytest.mark.parametrize("codec", [*LOSSLESS_CODECS, "fp16", "bf16"])
+def test_a_tensor_that_requires_grad_comes_back_detached_from_every_codec(codec):
+    # the casts kept the payload in the user's graph and decoded a requires_grad tensor with a
+    # grad_fn, unlike the lossless codecs (and the stores): what comes back is plain data
+    t = torch.randn(40, requires_grad=True)
+    c = get_codec(codec)
+    payloads, meta = c.encode(t)
+    out = c.decode(payloads, meta)
+    assert not any(p.requires_grad for p in payloads)
+    assert not out.requires_grad and out.grad_fn is None

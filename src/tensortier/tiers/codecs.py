@@ -303,7 +303,7 @@ class CastCodec:
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, (torch.float32,))
-        return [t.to(self.to)], _meta(t)
+        return [t.detach().to(self.to)], _meta(t)  # a payload, not a node of the user's graph
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         return payloads[0].to(_dtype(meta["dtype"])).reshape(tuple(meta["shape"]))
