@@ -247,6 +247,14 @@ def test_missing_spill_dir_names_the_fix(tmp_path):
         DiskStore(missing)
 
 
+@pytest.mark.parametrize("value", [5, b"/tmp", ["/tmp"]], ids=["int", "bytes", "list"])
+def test_spill_dir_of_a_wrong_type_names_it_and_the_fix(value):
+    # was os.fspath's "expected str, bytes or os.PathLike object, not int" (or, for bytes,
+    # tempfile's "Can't mix strings and bytes in path components")
+    with pytest.raises(TypeError, match=r"spill_dir=.*pass a directory path as a str"):
+        DiskStore(value)
+
+
 def test_spill_dir_that_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
