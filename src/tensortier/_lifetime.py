@@ -194,6 +194,11 @@ def private_dir(spill_dir: str | os.PathLike | None, owner: str) -> str:
     died without cleaning up. Raises :class:`SpillDirError` naming the fix when ``spill_dir`` is
     missing, not a directory or not writable.
     """
+    if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"spill_dir={spill_dir!r} ({type(spill_dir).__name__}): pass a directory path as a str "
+            f"or os.PathLike, e.g. spill_dir='/mnt/nvme/tt', or None for the system's temp dir"
+        )
     base = os.path.abspath(os.fspath(spill_dir) if spill_dir is not None else tempfile.gettempdir())
     if not os.path.exists(base):
         raise SpillDirError(

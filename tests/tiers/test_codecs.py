@@ -221,3 +221,47 @@ def test_one_codec_used_by_several_threads_at_once_stays_exact(name):
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(round_trips, inputs))
+
+
+@pytest.mark.parametrize("codec", LOSSLESS_CODECS)
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_conjugate_and_negative_views_round_trip_their_values(codec, view):
+    # z.conj() and the negative view z.conj().imag share z's bits and flip them lazily: the codec
+    # must store the values the user sees, not raise torch's "unresolved conjugated tensors"
+    # (one element: a contiguous negative view, which .contiguous() does not resolve)
+    z = torch.randn(33, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
+    t = z.conj() if view == "conj" else z[:1].conj().imag
+    c = get_codec(codec)
+    out = c.decode(*c.encode(t))
+    assert not out.is_conj() and not out.is_neg()
+    assert torch.equal(_bits(out), _bits(t.resolve_conj().resolve_neg().clone()))
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_truncated_compressed_payload_is_a_corrupt_data_error(codec):
+    c = get_codec(codec)
+    (payload,), meta = c.encode(torch.randn(1000))
+    with pytest.raises(CorruptDataError, match=f"{codec} payload .* cannot be decoded"):
+        c.decode([payload[:-7].clone()], meta)
+
+
+@pytest.mark.parametrize("codec", LOSSLESS_CODECS)
+def test_one_element_view_with_a_stride_round_trips(codec):
+    # x[::2] of two elements keeps stride 2 through .contiguous(); the byte codecs viewed it as
+    # uint8 and torch refused ("stride(-1) must be 1")
+    t = torch.tensor([1.5, -2.0])[::2]
+    c = get_codec(codec)
+    out = c.decode(*c.encode(t))
+    assert torch.equal(_bits(out), _bits(t.clone()))
+
+
+@pytest.mark.parametrize("codec", [*LOSSLESS_CODECS, "fp16", "bf16"])
+def test_a_tensor_that_requires_grad_comes_back_detached_from_every_codec(codec):
+    # the casts kept the payload in the user's graph and decoded a requires_grad tensor with a
+    # grad_fn, unlike the lossless codecs (and the stores): what comes back is plain data
+    t = torch.randn(40, requires_grad=True)
+    c = get_codec(codec)
+    payloads, meta = c.encode(t)
+    out = c.decode(payloads, meta)
+    assert not any(p.requires_grad for p in payloads)
+    assert not out.requires_grad and out.grad_fn is None

@@ -1,6 +1,7 @@
 """RemoteStore on a Ray cluster of simulated nodes on this machine (ray.cluster_utils.Cluster)."""
 
 import pathlib
+import warnings
 
 import numpy as np
 import pytest
@@ -118,6 +119,11 @@ def test_bad_arguments_are_typed(cluster, store):
         RemoteStore("1MiB", nodes=["not-a-node"])
     with pytest.raises(TypeError, match="torch.Tensor"):
         store.put(b"bytes")
+    with warnings.catch_warnings():  # the strided nested layout is a prototype
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"nested.*unbind"):  # was torch's reshape error
+        store.put(nested)
     h = store.write(torch.ones(3))
     store.free(h)
     with pytest.raises(KeyError):

@@ -9,6 +9,7 @@ import torch
 
 from tensortier.errors import ClosedError
 from tensortier.tiers.base import Handle, Store, StoreBase, failed
+from tensortier.tiers.codecs import flat_values
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import aligned_empty
 from tests.ray_cluster import local_cluster
@@ -42,7 +43,7 @@ def store(request, tmp_path_factory):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    return flat_values(t).view(torch.uint8)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -62,6 +63,15 @@ def _tensors() -> list[torch.Tensor]:
         torch.empty(0, 3),
         torch.tensor(2.5),
         torch.randn(1 << 18, generator=g),  # 1 MiB
+        x.to(torch.float8_e4m3fn),
+        x.to(torch.float8_e5m2),
+        (x * 1000).to(torch.int64).view(torch.uint64),  # negative ints: the top bit set
+        (x * 1000).to(torch.int32).view(torch.uint32),
+        (x * 1000).to(torch.int16).view(torch.uint16),
+        x[0, :2][::2],  # one element, stride 2
+        torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),
+        torch.randn(3, generator=g).as_strided((4, 3), (0, 1)),  # a zero stride
+        torch.randn([1] * 30 + [2], generator=g),
     ]
 
 
@@ -111,6 +121,24 @@ def test_round_trip_is_bit_identical_and_free_forgets(store):
             store.free(h)
         with pytest.raises(KeyError):
             store.get(h)
+
+
+def test_what_comes_back_is_a_plain_tensor_of_the_values_put(store):
+    """STORE.md "What comes back": values, dtype and shape; not strides, autograd or aliasing."""
+    base = torch.randn(4, 6, requires_grad=True)
+    views = [base.t(), base[1:3]]  # two views of one storage, one non-contiguous
+    handles = [store.put(v).result(timeout=60) for v in views]
+    expected = [v.detach().clone() for v in views]
+    with torch.no_grad():
+        base.add_(1.0)  # after the puts: the stored values are those of put time
+    back = [store.get(h).result(timeout=60) for h in handles]
+    for b, e in zip(back, expected):
+        assert _same(b, e) and b.is_contiguous()
+        assert not b.requires_grad and b.grad_fn is None
+    back[0].zero_()  # no aliasing: the other view's copy is untouched
+    assert _same(back[1], expected[1])
+    for h in handles:
+        store.free(h)
 
 
 def test_get_lands_in_a_given_buffer(store):

@@ -3,6 +3,7 @@ import gc
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -696,6 +697,34 @@ def test_wrong_argument_types_are_typed_errors_naming_the_fix():
             engine.host.alloc("1KiB")
         with pytest.raises(ConfigError, match="negative"):
             engine.host.alloc(-1)
+
+
+def _no_plain_values() -> list[tuple[torch.Tensor, type, str]]:
+    with warnings.catch_warnings():  # nested (strided layout) and quantized: deprecated/prototype
+        warnings.simplefilter("ignore", UserWarning)
+        return [
+            (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), TypeError, "unbind"),
+            (torch.eye(3).to_sparse(), TypeError, "to_dense"),
+            (
+                torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+                TypeError,
+                "dequantize",
+            ),
+            (torch.empty(3, device="meta"), ValueError, "materialize"),
+        ]
+
+
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_tensors_without_plain_values_are_refused_naming_the_fix(engine, codec):
+    # was torch's own errors from inside the copy ("NestedTensorImpl doesn't support sizes",
+    # "copy_() between dense and sparse", "Cannot copy out of meta tensor")
+    c = None if codec is None else get_codec(codec)
+    for t, error, fix in _no_plain_values():
+        with pytest.raises(error, match=fix):
+            engine.to_host(t, codec=c)
+        with pytest.raises(error, match=fix):
+            engine.to_store(t, "disk", codec=c)
+    engine.synchronize(timeout=5)  # nothing was left in flight
 
 
 def test_to_disk_and_from_disk_are_the_store_path_to_the_engines_disk(spill_dir):

@@ -93,9 +93,21 @@ def _check_dtype(codec: str, t: torch.Tensor, accepted: tuple[torch.dtype, ...])
         )
 
 
+def flat_values(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a flat tensor with stride 1, which ``.view(dtype)`` accepts: a copy if
+    not contiguous, or a conjugate or negative view (their bits are not the values until
+    resolved)."""
+    flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # contiguous() keeps an empty or one-element tensor's stride (x[::2] of two: stride 2),
+        # which .view(dtype) refuses; with at most one element the stride addresses nothing
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat
+
+
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
-    """A flat integer view of ``t``'s values with the same bit patterns (a copy if not contiguous)."""
-    flat = t.contiguous().reshape(-1)
+    """A flat integer view of ``t``'s values with the same bit patterns (see :func:`flat_values`)."""
+    flat = flat_values(t)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     if flat.dtype == torch.bool:
@@ -206,7 +218,13 @@ class _HostBytesCodec(abc.ABC):
         (payload,) = payloads
         size = int(meta["nbytes"])
         data = _host_copy(payload).numpy()  # decompression runs on the host, where bytes are
-        raw = self._decompress(memoryview(data), size) if size else b""
+        try:
+            raw = self._decompress(memoryview(data), size) if size else b""
+        except Exception as exc:  # zstandard.ZstdError, lz4's RuntimeError: the bytes are damaged
+            raise CorruptDataError(
+                f"{self.name} payload of {data.nbytes} bytes cannot be decoded ({exc}); it was "
+                f"damaged after encoding"
+            ) from exc
         if len(raw) != size:
             raise CorruptDataError(
                 f"{self.name} payload decoded to {len(raw)} bytes, expected {size}"
@@ -285,7 +303,7 @@ class CastCodec:
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, (torch.float32,))
-        return [t.to(self.to)], _meta(t)
+        return [t.detach().to(self.to)], _meta(t)  # a payload, not a node of the user's graph
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         return payloads[0].to(_dtype(meta["dtype"])).reshape(tuple(meta["shape"]))

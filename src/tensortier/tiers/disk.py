@@ -3,7 +3,9 @@
 Layout. A store owns a private 0700 directory under ``spill_dir``. It holds *slabs*: files
 preallocated with ``posix_fallocate`` (so a full disk shows up when a slab is made, not in the
 middle of a tensor) and carved into extents by a first-fit free list that merges neighbours on
-free. Repeated put/free of mixed sizes therefore reuses space instead of growing the files.
+free. Repeated put/free of mixed sizes therefore reuses space instead of growing the files. A
+disk with no room for a whole ``slab_size`` gets a slab of just the tensor's extent, after this
+store's empty slabs are deleted if need be: a nearly full disk still takes what fits.
 
 I/O. Every tensor is split into chunks written or read by a thread pool with ``os.pwrite`` and
 ``os.preadv`` (both release the GIL), so several requests are in flight, like an NVMe queue.
@@ -18,7 +20,9 @@ budget left, so any budget of at least one page can hold tensors up to its size.
 Failure. A budget overrun raises :class:`TierFullError` from ``put`` itself; a full disk during
 the write raises it from the returned future. Either way the extent is returned to the free list
 and the store stays usable. ``close()``, garbage collection and leaving the ``with`` block remove
-every file. Nothing is ever unpickled: handles live in memory only.
+every file. Nothing is ever unpickled: handles live in memory only. Each 16 MiB chunk's CRC32C is
+taken from the tensor as it is written and kept in its handle; a read checks it, so a spill file
+changed or cut by anything else raises :class:`CorruptDataError` instead of returning garbage.
 
 Lifetime and waits (``tensortier/LIFETIME.md``). Cleanup that joins the I/O threads runs through
 ``_lifetime.Finalizer``: on the caller's thread at ``close()``, on the reaper thread after GC, never
@@ -45,16 +49,24 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
+import crc32c
 import torch
 
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
 from tensortier._renamed import renamed, renamed_attribute
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, align_up, check_int, format_size, parse_size
-from tensortier.errors import ClosedError, ConfigError, SpillDirError, TierFullError
+from tensortier.errors import (
+    ClosedError,
+    ConfigError,
+    CorruptDataError,
+    SpillDirError,
+    TierFullError,
+)
 from tensortier.tiers.base import StoreBase, running
+from tensortier.tiers.codecs import flat_values
 from tensortier.tiers.host import PAGE, aligned_empty
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -76,6 +88,8 @@ class DiskHandle:
     nbytes: int  # bytes of tensor data
     dtype: torch.dtype
     shape: tuple[int, ...]
+    # CRC32C of each _CHUNK of the data, taken from the tensor as it was written
+    checksums: tuple[int, ...] = field(default=(), repr=False)
 
 
 @dataclass
@@ -201,7 +215,7 @@ def _pread_all(fd: int, view: memoryview, pos: int) -> None:
     while got < len(view):
         k = os.preadv(fd, [view[got:]], pos + got)
         if k == 0:
-            raise OSError(errno.EIO, f"short read at offset {pos + got}")
+            raise CorruptDataError(f"short read at offset {pos + got}: the file was truncated")
         got += k
 
 
@@ -237,8 +251,12 @@ def _probe_direct(root: str) -> bool:
         os.unlink(path)
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's values as a flat contiguous uint8 tensor (a view when already contiguous)."""
+def check_storable(tensor: torch.Tensor) -> None:
+    """A ``TypeError`` naming the fix for a tensor with no plain strided values to store."""
+    if tensor.is_nested:
+        raise TypeError(
+            "nested tensors cannot be stored as one tensor; store each of t.unbind() instead"
+        )
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise TypeError(
             f"only strided (dense) tensors can be stored, got layout {tensor.layout}; "
@@ -248,12 +266,12 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
         raise TypeError(
             "quantized tensors cannot be stored; call .dequantize() or .int_repr() first"
         )
-    flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    if flat.numel() <= 1 and flat.stride(0) != 1:
-        # contiguous() keeps an empty or one-element tensor's stride (x[::2] of two: stride 2),
-        # which .view(uint8) refuses; with at most one element the stride addresses nothing
-        flat = flat.as_strided((flat.numel(),), (1,))
-    return flat.view(torch.uint8)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as a flat contiguous uint8 tensor (a view when already contiguous)."""
+    check_storable(tensor)
+    return flat_values(tensor).view(torch.uint8)
 
 
 class DiskStore(StoreBase):
@@ -356,6 +374,13 @@ class DiskStore(StoreBase):
             if size < max(self.slab_size, length):  # budget is short: drop empty slabs first
                 self._trim_locked()
                 size = self._new_slab_size(length)
+            if self.budget is not None and length > _page_floor(self.budget):
+                raise self._full(
+                    f"a {format_size(length)} tensor is larger than the whole disk budget of "
+                    f"{format_size(self.budget)}, so freeing tensors cannot make room; raise the "
+                    f"budget to at least {format_size(length)}",
+                    length,
+                )
             if size < length:
                 raise self._full(
                     f"disk tier budget exceeded: a {format_size(length)} tensor needs a new "
@@ -364,23 +389,38 @@ class DiskStore(StoreBase):
                     f"live). Free tensors or raise the budget.",
                     length,
                 )
-            index = next(self._slab_ids)
-            path = os.path.join(self.directory, f"slab-{index:05d}.bin")
-            try:
-                slab = _Slab(index, path, size, self.direct)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise self._full(
-                        f"disk full in {self.directory!r}: cannot preallocate {format_size(size)} "
-                        f"({exc.strerror}). Free space there or pick another spill_dir.",
-                        length,
-                    ) from exc
-                raise
-            self._files.slabs[index] = slab
-            self.stats.file_bytes += size
+            slab = self._new_slab(size, length)
+            self._files.slabs[slab.index] = slab
+            self.stats.file_bytes += slab.size
             off = slab.alloc(length)
             assert off is not None
             return slab, off
+
+    def _new_slab(self, size: int, length: int) -> _Slab:
+        """A new slab of ``size`` bytes (lock held). Where the disk has no room for that: one of
+        just ``length`` (the tensor's own extent: a nearly full disk still takes what fits), then
+        the same again after deleting this store's empty slabs (their space is not contiguous)."""
+        error: OSError | None = None
+        for trim in (False, True):
+            if trim:
+                if not any(slab.empty for slab in self._files.slabs.values()):
+                    break
+                self._trim_locked()
+            for want in (size, length) if size > length else (size,):
+                index = next(self._slab_ids)
+                path = os.path.join(self.directory, f"slab-{index:05d}.bin")
+                try:
+                    return _Slab(index, path, want, self.direct)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    error = exc
+        assert error is not None
+        raise self._full(
+            f"disk full in {self.directory!r}: cannot preallocate {format_size(length)} "
+            f"({error.strerror}). Free space there or pick another spill_dir.",
+            length,
+        ) from error
 
     def _new_slab_size(self, length: int) -> int:
         """Size of the next slab: ``slab_size`` (or ``length`` if larger), cut to the budget left."""
@@ -431,6 +471,7 @@ class DiskStore(StoreBase):
                 f"DiskStore.put(tensor): expected a torch.Tensor, got {type(tensor).__name__}; "
                 f"convert it first, e.g. torch.as_tensor(value)"
             )
+        check_storable(tensor)
         if tensor.device.type != "cpu":
             raise ValueError(
                 f"DiskStore.put(tensor) takes CPU tensors, got one on {tensor.device}; "
@@ -451,9 +492,16 @@ class DiskStore(StoreBase):
             tuple(tensor.shape),
         )
         done: Future[DiskHandle] = running()
+        sums = [0] * -(-nbytes // _CHUNK)
+
+        def write(fd: int, pos: int, chunk: torch.Tensor) -> None:
+            sums[(pos - offset) // _CHUNK] = crc32c.crc32c(memoryview(chunk.numpy()))
+            self._write_chunk(fd, pos, chunk)
 
         def finished(error: BaseException | None) -> None:
+            nonlocal handle
             if error is None:
+                handle = replace(handle, checksums=tuple(sums))
                 with self._lock:
                     self._live[handle.id] = handle
                     self.stats.used_bytes += length
@@ -468,7 +516,7 @@ class DiskStore(StoreBase):
                     self._release(slab, offset, length)
                 done.set_exception(self._translate(error, length))
 
-        self._run_chunks(self._write_chunk, slab, offset, data, finished)
+        self._run_chunks(write, slab, offset, data, finished)
         return done
 
     def get(self, handle: DiskHandle, *, into: torch.Tensor | None = None) -> Future[torch.Tensor]:
@@ -510,7 +558,8 @@ class DiskStore(StoreBase):
                 self.stats.gets += 1
             done.set_result(into[: handle.nbytes].view(handle.dtype).reshape(handle.shape))
 
-        self._run_chunks(self._read_chunk, slab, handle.offset, into[: handle.length], finished)
+        read = self._checked_read(handle, slab)
+        self._run_chunks(read, slab, handle.offset, into[: handle.length], finished)
         return done
 
     def free(self, handle: DiskHandle) -> None:
@@ -651,6 +700,30 @@ class DiskStore(StoreBase):
         with self._lock:
             self.stats.bytes_read += n
             self.stats.read_seconds += time.perf_counter() - t0
+
+    def _checked_read(self, handle: DiskHandle, slab: _Slab | None) -> Callable:
+        """A chunk reader for ``handle`` that checks each chunk's CRC32C: a spill file changed or
+        cut by anything but this store raises :class:`CorruptDataError`, never returns garbage."""
+
+        def read(fd: int, pos: int, chunk: torch.Tensor) -> None:
+            start = pos - handle.offset
+            path = slab.path if slab else self.directory
+            where = f"spill file {path!r}"
+            try:
+                self._read_chunk(fd, pos, chunk)
+            except CorruptDataError as exc:
+                raise CorruptDataError(f"{where}: {exc}; the tensor is lost", path=path) from exc
+            data = chunk[: max(0, handle.nbytes - start)]
+            if crc32c.crc32c(memoryview(data.numpy())) != handle.checksums[start // _CHUNK]:
+                raise CorruptDataError(
+                    f"{where} is damaged: bytes {pos}..{pos + data.numel()} of a "
+                    f"{handle.dtype} tensor of shape {handle.shape} fail their CRC32C (something "
+                    f"other than this store changed the file); the tensor is lost. Nothing else "
+                    f"may write to the store's private directory {self.directory!r}",
+                    path=path,
+                )
+
+        return read
 
     def _translate(self, error: BaseException, length: int) -> BaseException:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):

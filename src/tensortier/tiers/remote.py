@@ -58,7 +58,7 @@ from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
 from tensortier.tiers.base import StoreBase, running
-from tensortier.tiers.disk import as_bytes
+from tensortier.tiers.disk import as_bytes, check_storable
 
 _TIMEOUT = 60.0  # seconds one remote call may take (a 1 GiB tensor at ~0.5 GB/s takes ~2 s)
 _START_TIMEOUT = 120.0  # seconds the memory-node actors may take to start
@@ -504,6 +504,7 @@ class RemoteStore(StoreBase):
             raise TypeError(
                 f"RemoteStore.{where}: expected a torch.Tensor, got {type(tensor).__name__}"
             )
+        check_storable(tensor)
         if tensor.device.type != "cpu":
             raise ValueError(
                 f"RemoteStore.{where} takes CPU tensors, got one on {tensor.device}; "

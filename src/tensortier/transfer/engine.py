@@ -57,7 +57,7 @@ from tensortier._units import SizeLike, check_int, parse_size
 from tensortier.errors import ClosedError, ConfigError
 from tensortier.tiers.base import Handle, Store, StoreBase, failed, gather
 from tensortier.tiers.codecs import Codec
-from tensortier.tiers.disk import DiskStore, as_bytes
+from tensortier.tiers.disk import DiskStore, as_bytes, check_storable
 from tensortier.tiers.host import HostBlock, HostPool, aligned_empty, default_budget
 from tensortier.transfer.streams import SideStreams, consume
 
@@ -367,6 +367,13 @@ def _check_tensor(where: str, value: object, *also: type) -> None:
             f"TransferEngine.{where}: expected {kinds}, got {type(value).__name__}; convert it "
             f"first, e.g. torch.as_tensor(value)"
         )
+    if isinstance(value, torch.Tensor):  # before any copy: torch's own errors do not say why
+        check_storable(value)
+        if value.is_meta:
+            raise ValueError(
+                f"TransferEngine.{where}: a meta tensor holds no data to move; materialize it "
+                f"first, e.g. torch.empty_like(t, device='cpu')"
+            )
 
 
 class TransferEngine:
