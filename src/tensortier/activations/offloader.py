@@ -345,6 +345,7 @@ class Offloader:
         self.records: list[dict] = []
         self._lock = threading.RLock()
         self._hooks: Any = None
+        self._thread: int | None = None  # the thread whose saved-tensor hooks are ours
         self._module_hooks: list = []
         self._pass: _Pass | None = None
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()  # passes with live records
@@ -387,13 +388,17 @@ class Offloader:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Offloader:
-        if self._hooks is not None:
-            raise RuntimeError(
-                "this Offloader is already active; nest a different one or exit first"
-            )
-        self._check_open()
-        self._new_pass()
-        self._activate()
+        with self._lock:  # two threads entering one offloader: exactly one gets it
+            if self._hooks is not None:
+                where = "" if self._thread == threading.get_ident() else " in another thread"
+                raise RuntimeError(
+                    f"this Offloader is already active{where}; nest a different one or exit "
+                    "first (saved-tensor hooks are per thread: give each thread its own "
+                    "Offloader, as tt.offload() does)"
+                )
+            self._check_open()
+            self._new_pass()
+            self._activate()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -440,6 +445,8 @@ class Offloader:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()  # raises inside disable_saved_tensors_hooks: stay inactive then
         self._hooks = hooks
+        # the module hooks below are global: they see every thread's modules, the pass only ours
+        self._thread = p.thread = threading.get_ident()
         self._module_hooks = [
             nn.modules.module.register_module_forward_pre_hook(p.enter_module),
             nn.modules.module.register_module_forward_hook(p.exit_module, always_call=True),
@@ -909,15 +916,15 @@ class _Pass:
         self.backward_started = False
         self.task: int | None = None  # autograd graph task now unpacking this pass
         self.blocks = 0  # offload_module: hooked blocks finished in this forward
+        self.thread: int | None = None  # the thread running this forward (module tracking)
 
     def signature(self) -> tuple[int, ...]:
         return tuple(self.sizes)
 
     # module tracking: parameters/buffers are never moved; names feed the planner
     def enter_module(self, module: nn.Module, args) -> None:
-        if (
-            torch.compiler.is_dynamo_compiling()
-        ):  # traced by dynamo: leave no side effect in the graph
+        # traced by dynamo: leave no side effect in the graph; another thread's module: not ours
+        if torch.compiler.is_dynamo_compiling() or threading.get_ident() != self.thread:
             return
         if not self.modules and not self.names:
             self.names = {id(m): name for name, m in module.named_modules()}
@@ -925,7 +932,7 @@ class _Pass:
         self.track(module)
 
     def exit_module(self, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_dynamo_compiling():
+        if torch.compiler.is_dynamo_compiling() or threading.get_ident() != self.thread:
             return
         if self.modules and self.modules[-1] is module:
             self.modules.pop()
@@ -1201,8 +1208,9 @@ class _Pass:
 def offload(tier: str = "host", **kwargs) -> Offloader:
     """Offload saved activations inside a ``with`` block; see :class:`Offloader` for the options.
 
-    Calls with the same settings reuse one offloader (its spill files, host pool and learned
-    prefetch order), so a training loop can write ``with tt.offload(...):`` every step. Changing
+    Calls with the same settings from one thread reuse one offloader (its spill files, host pool
+    and learned prefetch order), so a training loop can write ``with tt.offload(...):`` every
+    step; each thread has its own (saved-tensor hooks are per thread). Changing
     the settings closes the previous one (at once if nothing it saved is still alive, else once
     its graphs are gone).
     """
@@ -1214,15 +1222,26 @@ def offload(tier: str = "host", **kwargs) -> Offloader:
             "offloader's own settings (tier=, min_bytes=, prefetch_budget=, ...)"
         )
     key = (tier, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
-    cached = _CACHE.get(key)
+    cache = _thread_cache()
+    cached = cache.get(key)
     if cached is None or cached._hooks is not None or cached.closed:
         cached = Offloader(tier, **kwargs)
-        old = list(_CACHE.values())
-        _CACHE.clear()  # one cached configuration: switching settings releases the old one
-        _CACHE[key] = cached
+        old = list(cache.values())
+        cache.clear()  # one cached configuration: switching settings releases the old one
+        cache[key] = cached
         for o in old:
             o._release_if_idle()
     return cached
+
+
+def _thread_cache() -> dict:
+    """This thread's cached offloader (by settings). Saved-tensor hooks are per thread, and so is
+    the cache: threads training at once each get their own offloader, and a thread's call never
+    closes or enters another thread's. A finished thread's offloader is closed once collected."""
+    cache = getattr(_CACHE, "offloaders", None)
+    if cache is None:
+        cache = _CACHE.offloaders = {}
+    return cache
 
 
 def _hashable(v: Any) -> Any:
@@ -1235,7 +1254,7 @@ def _hashable(v: Any) -> Any:
         return id(v)
 
 
-_CACHE: dict = {}
+_CACHE = threading.local()
 
 
 class _Blocks:
