@@ -2,7 +2,8 @@
 
 Mechanism (vDNN, FlashNeuron, in eager PyTorch). Inside ``with offloader:`` every tensor autograd
 saves for backward goes through :meth:`Offloader._pack`. Parameters, buffers and autocast's cached
-weight casts are returned as-is (saved by reference, never copied). Any other tensor's *storage* is
+weight casts are returned as-is (saved by reference, never copied), and so are leaves that
+require grad (the graph's ``AccumulateGrad`` holds them anyway). Any other tensor's *storage* is
 moved once to host, disk or remote memory by the :class:`TransferEngine` and the saved tensor becomes a handle
 (storage record + dtype, size, stride, offset); several tensors that share a storage (the same tensor
 saved twice, views of one base) share one record, so they come back as views of one storage with
@@ -232,11 +233,25 @@ def _view(storage_u8: torch.Tensor, h: _Handle) -> torch.Tensor:
     return out
 
 
-def _check_version(h: _Handle) -> None:
+class _Leaf:
+    """A leaf that requires grad, saved by reference (``_held_by_graph``), with its version: the
+    user may still change it in place before backward (a manual SGD step), which PyTorch's own
+    check, skipped when hooks are set, would refuse."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t, t._version
+
+
+def _check_version(h: _Handle | _Leaf) -> None:
     """Raise PyTorch's own error if the saved tensor was modified in place after it was packed."""
-    t = h.saved()
-    if t is None and h.base is not None:
-        t = h.base()
+    if isinstance(h, _Leaf):
+        t = h.tensor
+    else:
+        t = h.saved()
+        if t is None and h.base is not None:
+            t = h.base()
     if t is None or t._version == h.version:
         return
     size = ", ".join(str(s) for s in t.shape)
@@ -520,6 +535,9 @@ class Offloader:
             self.stats.pack_seconds += time.perf_counter() - t0
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Leaf):
+            _check_version(packed)
+            return packed.tensor
         if not isinstance(packed, _Handle):
             return packed
         _check_version(packed)
@@ -877,6 +895,13 @@ def _is_weight_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
     return leaf is not None and leaf.dtype == torch.float32
 
 
+def _held_by_graph(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a weight that is not an ``nn.Parameter``: the tensors given to
+    ``torch.func.functional_call``, a hand-written model's): the graph's ``AccumulateGrad`` node
+    holds it until the graph dies, so moving it (or a view of it) frees nothing."""
+    return t.requires_grad and t.is_leaf
+
+
 def _cudagraph_owned(t: torch.Tensor) -> bool:
     """A tensor recorded by a CUDA graph (torch.compile mode="reduce-overhead"): its memory is the
     graph's static pool, which offloading cannot free and the next replay rewrites."""
@@ -950,6 +975,8 @@ class _Pass:
         base = t._base
         if ptr in self.param_ptrs or (base is not None and isinstance(base, nn.Parameter)):
             return t  # a parameter, a view of one, or a buffer: saved by reference
+        if _held_by_graph(t if base is None else base):
+            return _Leaf(t)  # a weight that is no Parameter (or a view of one): by reference
         stats = self.off.stats
         nbytes = storage.nbytes()
         stats.tensors_packed += 1
