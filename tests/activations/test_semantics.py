@@ -202,3 +202,22 @@ def test_inplace_change_of_a_leaf_weight_saved_by_reference_still_raises(spill_d
             loss.backward()
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_strided_nested_tensors_are_saved_by_reference(spill_dir, tier):
+    def grads(off=None):
+        a = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        b = torch.randn(5, 4, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with off if off is not None else contextlib.nullcontext():
+            nt = torch.nested.as_nested_tensor([a * 1, b * 1])  # layout=torch.strided
+            y = torch.nested.to_padded_tensor(nt.sin() * nt, 0.0)
+        y.sum().backward()
+        return [y.detach(), a.grad, b.grad]
+
+    ref = grads()
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0)
+    try:  # before: the forward failed in pack ("NestedTensorImpl doesn't support sizes")
+        assert all(torch.equal(x, y) for x, y in zip(ref, grads(off)))
+    finally:
+        off.close()

@@ -524,6 +524,7 @@ class Offloader:
             p is None
             or type(t) is not torch.Tensor  # subclasses (DTensor, FakeTensor...) stay untouched
             or t.layout != torch.strided
+            or t.is_nested  # strided nested tensors have no sizes or strides to rebuild them from
             or t.is_quantized
             or t.device.type == "meta"
         ):
