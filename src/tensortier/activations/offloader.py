@@ -967,7 +967,10 @@ class _Pass:
         if id(module) not in self.seen_modules:
             self.seen_modules.add(id(module))
             for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                self.param_ptrs.add(t.untyped_storage().data_ptr())
+                # a tensor with no storage of its own (functorch's BatchedTensor: the weights
+                # vmap hands to functional_call in a model ensemble) has none to protect
+                if torch._C._has_storage(t):
+                    self.param_ptrs.add(t.untyped_storage().data_ptr())
 
     def pack(self, t: torch.Tensor) -> Any:
         """Pack a plain ``torch.Tensor`` (not a Parameter: ``_pack`` checked its exact type)."""
