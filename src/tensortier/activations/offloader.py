@@ -1297,29 +1297,70 @@ class _Blocks:
         self.off = off
         self.depth = 0
         self.active = False
+        self.frame: Any = None  # the outermost running block's Module._call_impl frame
+        self.thread: int | None = None  # and the thread running it
 
     def enter(self, module: nn.Module, args) -> None:
+        self.abandon_if_left()
         self.depth += 1
         if self.depth == 1:
             # a block re-run by checkpoint's recomputation inside backward is left alone
             in_backward = torch._C._current_graph_task_id() != -1
             self.active = not in_backward and self.off._begin_block(module)
+            self.frame, self.thread = _call_frame(), threading.get_ident()
 
     def leave(self, module: nn.Module, args, output) -> None:
         self.depth -= 1
-        if self.depth == 0 and self.active:
+        if self.depth == 0:
+            self.frame = None
+            if self.active:
+                self.active = False
+                self.off._end_block()
+
+    def abandon_if_left(self) -> None:
+        """A block still open whose call is no longer running was left by a BaseException
+        (KeyboardInterrupt): PyTorch runs ``always_call`` forward hooks for an ``Exception``
+        only, so its ``leave`` never ran. Turn its hooks off now, as ``leave`` would have."""
+        if self.depth == 0 or self.frame is None or self.thread != threading.get_ident():
+            return  # (one model's blocks run by two threads at once are not supported)
+        if _running(self.frame):
+            return
+        self.depth, self.frame = 0, None
+        if self.active:
             self.active = False
             self.off._end_block()
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _call_frame() -> Any:
+    """The frame of the ``Module._call_impl`` running the forward pre-hook that calls this."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    return frame
+
+
+def _running(frame: Any) -> bool:
+    """Whether ``frame`` is on this thread's call stack."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
 
 
 class OffloadHandle:
     """Returned by :func:`offload_module`; ``remove()`` detaches the hooks and closes the offloader
     that :func:`offload_module` made (at once if idle, else once its graphs are gone)."""
 
-    def __init__(self, offloader: Offloader, hooks: list, *, owned: bool):
+    def __init__(self, offloader: Offloader, hooks: list, *, owned: bool, blocks: _Blocks):
         self._offloader: Offloader | None = offloader
         self._ref = weakref.ref(offloader)
         self._hooks, self._owned = hooks, owned
+        self._blocks: _Blocks | None = blocks
 
     @property
     def offloader(self) -> Offloader | None:
@@ -1329,6 +1370,9 @@ class OffloadHandle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        blocks, self._blocks = self._blocks, None  # (it holds the offloader)
+        if blocks is not None:
+            blocks.abandon_if_left()  # a block interrupted by a BaseException: hooks off
         off, self._offloader = self._offloader, None
         if off is not None and self._owned:
             off._release_if_idle()
@@ -1363,7 +1407,7 @@ def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHa
     for m in targets:
         hooks.append(m.register_forward_pre_hook(enter))
         hooks.append(m.register_forward_hook(leave, always_call=True))
-    return OffloadHandle(off, hooks, owned=given is None)
+    return OffloadHandle(off, hooks, owned=given is None, blocks=blocks)
 
 
 def offload_stats() -> dict:
