@@ -20,10 +20,10 @@ def _model() -> nn.Module:
     )
 
 
-def _train(enter, seed: int, steps: int = 3) -> list[torch.Tensor]:
-    """``steps`` SGD steps of a fresh model, each forward inside ``enter()`` (None: plain);
-    returns the losses and the final parameters."""
-    model = _model()
+def _train(model: nn.Module, enter, seed: int, steps: int = 3) -> list[torch.Tensor]:
+    """``steps`` SGD steps of ``model``, each forward inside ``enter()`` (None: plain); returns
+    the losses and the final parameters. (Models are made beforehand, on the main thread: the
+    global RNG that initializes them is shared by every thread.)"""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(seed)
     losses = []
@@ -67,7 +67,8 @@ def _in_threads(work, n: int = 2) -> list:
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_two_threads_each_train_under_tt_offload_at_once(spill_dir, tier):
-    want = [_train(None, seed=i) for i in range(2)]
+    want = [_train(_model(), None, seed=i) for i in range(2)]
+    models = [_model() for _ in range(2)]
 
     def work(i: int, barrier: threading.Barrier) -> list:
         # both threads ask for the same settings before either enters: before the fix they got
@@ -75,7 +76,8 @@ def test_two_threads_each_train_under_tt_offload_at_once(spill_dir, tier):
         # the first thread's, or one pass mixing both threads' tensors)
         off = tt.offload(tier=tier, spill_dir=spill_dir, min_bytes=0)
         barrier.wait()
-        got = _train(lambda: tt.offload(tier=tier, spill_dir=spill_dir, min_bytes=0), seed=i)
+        enter = lambda: tt.offload(tier=tier, spill_dir=spill_dir, min_bytes=0)  # noqa: E731
+        got = _train(models[i], enter, seed=i)
         assert tt.offload(tier=tier, spill_dir=spill_dir, min_bytes=0) is off  # reused per thread
         assert off.stats.tensors_offloaded > 0
         off.close()
