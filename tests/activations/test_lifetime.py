@@ -50,7 +50,8 @@ def test_switching_offload_settings_every_step_releases_everything(spill_dir):
     assert all(p.stats.reserved == 0 for p in pools[:-1])
     assert len(os.listdir(spill_dir)) == 1  # the current offloader's directory only
     cache = O._thread_cache()
-    cache.pop(next(iter(cache))).close()
+    (current,) = cache.pop(next(iter(cache)))
+    current.close()
     _settle()
     assert engines[-1]._closed and os.listdir(spill_dir) == []
     assert threading.active_count() <= threads and open_fds() <= fds

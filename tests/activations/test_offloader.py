@@ -475,6 +475,30 @@ def test_offload_function_reuses_the_offloader_and_reports_stats(spill_dir):
     off.close()
 
 
+def test_offload_nested_in_one_of_the_same_settings_reuses_both_offloaders(spill_dir):
+    """A library's ``with tt.offload()`` inside the user's, same settings: before, every step
+    made a new offloader (new pool, spill directory and threads; the prefetch order learned by
+    the last step lost), since the cached one was busy with the outer block."""
+    model = mlp()
+    x = torch.randn(8, 64)
+    ref = _step(model, (x,))
+    made = []
+    for _ in range(3):
+        model.zero_grad()
+        with tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0) as outer:
+            h = model[:2](x)
+            with tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0) as inner:
+                loss = model[2:](h).square().mean()
+        loss.backward()
+        assert torch.equal(loss, ref[0])
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ref[1]))
+        made.append((outer, inner))
+    assert {id(o) for pair in made for o in pair} == {id(made[0][0]), id(made[0][1])}
+    assert made[0][0] is not made[0][1] and made[-1][1].stats.order_reused == 2
+    for o in made[0]:
+        o.close()
+
+
 def test_offload_module_only_offloads_inside_the_module(spill_dir):
     torch.manual_seed(0)
     model = gpt()

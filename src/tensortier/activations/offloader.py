@@ -1254,19 +1254,21 @@ def offload(tier: str = "host", **kwargs) -> Offloader:
         )
     key = (tier, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
     cache = _thread_cache()
-    cached = cache.get(key)
-    if cached is None or cached._hooks is not None or cached.closed:
-        cached = Offloader(tier, **kwargs)
-        old = list(cache.values())
-        cache.clear()  # one cached configuration: switching settings releases the old one
-        cache[key] = cached
-        for o in old:
-            o._release_if_idle()
-    return cached
+    same = [o for o in cache.get(key, []) if not o.closed]
+    for o in same:
+        if o._hooks is None:
+            return o
+    made = Offloader(tier, **kwargs)
+    old = [o for k, offs in cache.items() if k != key for o in offs]
+    cache.clear()  # one cached configuration: switching settings releases the old one
+    cache[key] = [*same, made]  # `with tt.offload()` nested in one of the same settings: one
+    for o in old:  # offloader per depth, each reused (and its prefetch order learned) every step
+        o._release_if_idle()
+    return made
 
 
-def _thread_cache() -> dict:
-    """This thread's cached offloader (by settings). Saved-tensor hooks are per thread, and so is
+def _thread_cache() -> dict[tuple, list[Offloader]]:
+    """This thread's cached offloaders (by settings). Saved-tensor hooks are per thread, and so is
     the cache: threads training at once each get their own offloader, and a thread's call never
     closes or enters another thread's. A finished thread's offloader is closed once collected."""
     cache = getattr(_CACHE, "offloaders", None)
