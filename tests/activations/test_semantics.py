@@ -221,3 +221,31 @@ def test_strided_nested_tensors_are_saved_by_reference(spill_dir, tier):
         assert all(torch.equal(x, y) for x, y in zip(ref, grads(off)))
     finally:
         off.close()
+
+
+def test_offload_inside_allow_mutation_on_saved_tensors_says_why_it_raises():
+    """PyTorch's ``allow_mutation_on_saved_tensors()`` clones a saved tensor its own hooks saved
+    before it is modified; inside it, tt.offload's hooks save instead. The in-place error says so
+    (save_on_cpu there gives a wrong gradient on a CPU machine, silently)."""
+
+    def run(ctx):
+        x = torch.randn(6, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            with ctx:
+                h = x * 1
+                y = h.sin()
+                h.add_(1)  # allowed by PyTorch's context
+            y.sum().backward()
+        return x.grad
+
+    assert torch.equal(
+        run(contextlib.nullcontext()),
+        torch.cos(torch.randn(6, generator=torch.Generator().manual_seed(0))),
+    )
+    off = tt.Offloader("host", min_bytes=0)
+    try:
+        with pytest.raises(RuntimeError, match=INPLACE) as err:
+            run(off)
+        assert "allow_mutation_on_saved_tensors() does not cover" in str(err.value)
+    finally:
+        off.close()

@@ -244,8 +244,21 @@ class _Leaf:
         self.tensor, self.version = t, t._version
 
 
-def _check_version(h: _Handle | _Leaf) -> None:
-    """Raise PyTorch's own error if the saved tensor was modified in place after it was packed."""
+def _amos_enabled() -> bool:
+    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is active."""
+    return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))
+
+
+_AMOS_HINT = (
+    " torch.autograd.graph.allow_mutation_on_saved_tensors() does not cover tensors saved inside "
+    "tt.offload (tensortier's saved-tensor hooks replace its own there): enter tt.offload "
+    "outside it, or do not modify saved tensors."
+)
+
+
+def _check_version(h: _Handle | _Leaf, under_amos: bool = False) -> None:
+    """Raise PyTorch's own error if the saved tensor was modified in place after it was packed
+    (saved inside ``allow_mutation_on_saved_tensors()``: with the reason it did not help)."""
     if isinstance(h, _Leaf):
         t = h.tensor
     else:
@@ -261,6 +274,7 @@ def _check_version(h: _Handle | _Leaf) -> None:
         f"{h.version} instead. Hint: enable anomaly detection to find the operation that failed "
         "to compute its gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False). "
         "(Detected by tensortier's offload hooks: the tensor was changed after it was saved.)"
+        + (_AMOS_HINT if under_amos else "")
     )
 
 
@@ -462,6 +476,7 @@ class Offloader:
         self._hooks = hooks
         # the module hooks below are global: they see every thread's modules, the pass only ours
         self._thread = p.thread = threading.get_ident()
+        p.under_amos = p.under_amos or _amos_enabled()  # its hooks are shadowed by ours
         self._module_hooks = [
             nn.modules.module.register_module_forward_pre_hook(p.enter_module),
             nn.modules.module.register_module_forward_hook(p.exit_module, always_call=True),
@@ -537,11 +552,11 @@ class Offloader:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Leaf):
-            _check_version(packed)
+            _check_version(packed, _amos_enabled())
             return packed.tensor
         if not isinstance(packed, _Handle):
             return packed
-        _check_version(packed)
+        _check_version(packed, packed.record.owner.under_amos)
         record = packed.record
         owner = record.owner
         task = torch._C._current_graph_task_id()
@@ -943,6 +958,7 @@ class _Pass:
         self.task: int | None = None  # autograd graph task now unpacking this pass
         self.blocks = 0  # offload_module: hooked blocks finished in this forward
         self.thread: int | None = None  # the thread running this forward (module tracking)
+        self.under_amos = False  # saved inside allow_mutation_on_saved_tensors() (error hint)
 
     def signature(self) -> tuple[int, ...]:
         return tuple(self.sizes)
