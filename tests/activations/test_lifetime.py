@@ -32,7 +32,7 @@ def _step(model, ctx):
 
 def test_switching_offload_settings_every_step_releases_everything(spill_dir):
     model = mlp()
-    O._CACHE.clear()
+    O._thread_cache().clear()
     _step(model, tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0))  # warm: reaper, pools
     _settle()
     threads, fds = threading.active_count(), open_fds()
@@ -49,7 +49,9 @@ def test_switching_offload_settings_every_step_releases_everything(spill_dir):
     assert all(e._closed for e in engines[:-1])
     assert all(p.stats.reserved == 0 for p in pools[:-1])
     assert len(os.listdir(spill_dir)) == 1  # the current offloader's directory only
-    O._CACHE.pop(next(iter(O._CACHE))).close()
+    cache = O._thread_cache()
+    (current,) = cache.pop(next(iter(cache)))
+    current.close()
     _settle()
     assert engines[-1]._closed and os.listdir(spill_dir) == []
     assert threading.active_count() <= threads and open_fds() <= fds
@@ -63,7 +65,7 @@ def test_switching_settings_inside_one_step_keeps_the_first_alive_until_backward
     model(x).square().mean().backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    O._CACHE.clear()
+    O._thread_cache().clear()
     with tt.offload(tier="host", min_bytes=0) as first:
         h = model[:2](x)
     with tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0) as second:
@@ -76,7 +78,7 @@ def test_switching_settings_inside_one_step_keeps_the_first_alive_until_backward
     _settle()
     assert engine._closed  # closed by its finalizer on the reaper, once nothing needed it
     second.close()
-    O._CACHE.clear()
+    O._thread_cache().clear()
 
 
 def test_dropped_offloader_is_closed_by_the_reaper(spill_dir):

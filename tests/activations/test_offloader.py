@@ -475,6 +475,30 @@ def test_offload_function_reuses_the_offloader_and_reports_stats(spill_dir):
     off.close()
 
 
+def test_offload_nested_in_one_of_the_same_settings_reuses_both_offloaders(spill_dir):
+    """A library's ``with tt.offload()`` inside the user's, same settings: before, every step
+    made a new offloader (new pool, spill directory and threads; the prefetch order learned by
+    the last step lost), since the cached one was busy with the outer block."""
+    model = mlp()
+    x = torch.randn(8, 64)
+    ref = _step(model, (x,))
+    made = []
+    for _ in range(3):
+        model.zero_grad()
+        with tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0) as outer:
+            h = model[:2](x)
+            with tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0) as inner:
+                loss = model[2:](h).square().mean()
+        loss.backward()
+        assert torch.equal(loss, ref[0])
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), ref[1]))
+        made.append((outer, inner))
+    assert {id(o) for pair in made for o in pair} == {id(made[0][0]), id(made[0][1])}
+    assert made[0][0] is not made[0][1] and made[-1][1].stats.order_reused == 2
+    for o in made[0]:
+        o.close()
+
+
 def test_offload_module_only_offloads_inside_the_module(spill_dir):
     torch.manual_seed(0)
     model = gpt()
@@ -490,6 +514,62 @@ def test_offload_module_only_offloads_inside_the_module(spill_dir):
     _step(model, (x, y))
     assert off.stats.tensors_packed == inside
     off.close()
+
+
+class _Interrupt(nn.Module):
+    """Raises KeyboardInterrupt (Ctrl-C in a notebook) while ``on``; else the identity."""
+
+    on = False
+
+    def forward(self, x):
+        if self.on:
+            raise KeyboardInterrupt
+        return x
+
+
+def test_offload_module_recovers_from_a_keyboard_interrupt_inside_a_block(spill_dir):
+    def steps(model, n=2):
+        g = torch.Generator().manual_seed(0)
+        return [_step(model, (torch.randn(8, 64, generator=g),)) for _ in range(n)]
+
+    stop = _Interrupt()
+    model = nn.Sequential(*mlp()[:2], stop, *mlp()[2:])
+    want = steps(model)
+    handle = tt.offload_module(model, tier="disk", spill_dir=spill_dir, min_bytes=0)
+    off = handle.offloader
+    try:
+        stop.on = True
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(8, 64))
+        stop.on = False
+        # PyTorch runs always_call forward hooks for an Exception only: the block's exit never
+        # ran, so the hooks are still on here; the next block's entry notices and recovers
+        got = steps(model)
+        for (loss_a, grads_a), (loss_b, grads_b) in zip(want, got):
+            assert torch.equal(loss_a, loss_b)
+            assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+        packed = off.stats.tensors_packed
+        a = torch.randn(64, requires_grad=True)
+        (a * 1).exp().sum().backward()  # outside the model: not offloaded (before: it was)
+        assert off.stats.tensors_packed == packed and off._hooks is None
+    finally:
+        handle.remove()
+        off.close()
+
+
+def test_offload_handle_remove_after_a_keyboard_interrupt_turns_the_hooks_off(spill_dir):
+    stop = _Interrupt()
+    model = nn.Sequential(*mlp()[:2], stop, *mlp()[2:])
+    handle = tt.offload_module(model, tier="disk", spill_dir=spill_dir, min_bytes=0)
+    off = handle.offloader
+    stop.on = True
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(8, 64))
+    handle.remove()  # before: the saved-tensor hooks stayed on in this thread for good
+    a = torch.randn(64, requires_grad=True)
+    y = (a * 1).exp()
+    assert y.grad_fn._saved_result.grad_fn is y.grad_fn and off._hooks is None
+    assert off.closed  # idle once its hooks are off: closed at once
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """Offloading keeps PyTorch's semantics: in-place checks, devices, autocast's cached weight casts."""
 
+import contextlib
 from concurrent.futures import Future
 
 import pytest
@@ -159,3 +160,92 @@ def test_restore_goes_to_the_records_device_through_the_one_call(spill_dir, monk
     finally:
         engine.close()
         engine.disk.close()
+
+
+def _hand_written_mlp_grads(off=None) -> list[torch.Tensor]:
+    """A model written with plain leaf weights (tensors that require grad, not Parameters, as
+    ``torch.func`` users and hand-written models have), inside ``off`` if given; its gradients."""
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(n, 64, generator=g).requires_grad_() for n in (64, 8))
+    x = torch.randn(16, 64, generator=g)
+    with off if off is not None else contextlib.nullcontext():
+        out = torch.tanh(x @ w1.t()) @ w2.t()  # saves x, tanh's output and a view of w2
+    out.square().mean().backward()
+    return [w1.grad, w2.grad]
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_leaf_weights_that_are_not_parameters_are_not_copied(spill_dir, tier):
+    ref = _hand_written_mlp_grads()
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0)
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(ref, _hand_written_mlp_grads(off)))
+        # x and tanh's output move; w2 is held by the graph's AccumulateGrad node anyway, so
+        # moving it freed nothing (before: it was copied out and read back too)
+        assert off.stats.tensors_offloaded == 2
+        assert off.stats.bytes_offloaded[tier] == 2 * 16 * 64 * 4
+    finally:
+        off.close()
+
+
+def test_inplace_change_of_a_leaf_weight_saved_by_reference_still_raises(spill_dir):
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(8, 32, requires_grad=True)
+    off = tt.Offloader("host", min_bytes=0)
+    try:
+        with off:
+            loss = (x @ w.t()).tanh().sum()  # saves x and a view of w: both leaves, kept
+        assert off.stats.bytes_offloaded["host"] == 8 * 32 * 4  # tanh's output only
+        with torch.no_grad():
+            w.sub_(0.1)  # a manual SGD step before backward: plain PyTorch refuses it
+        with pytest.raises(RuntimeError, match=INPLACE):
+            loss.backward()
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_strided_nested_tensors_are_saved_by_reference(spill_dir, tier):
+    def grads(off=None):
+        a = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        b = torch.randn(5, 4, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        with off if off is not None else contextlib.nullcontext():
+            nt = torch.nested.as_nested_tensor([a * 1, b * 1])  # layout=torch.strided
+            y = torch.nested.to_padded_tensor(nt.sin() * nt, 0.0)
+        y.sum().backward()
+        return [y.detach(), a.grad, b.grad]
+
+    ref = grads()
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0)
+    try:  # before: the forward failed in pack ("NestedTensorImpl doesn't support sizes")
+        assert all(torch.equal(x, y) for x, y in zip(ref, grads(off)))
+    finally:
+        off.close()
+
+
+def test_offload_inside_allow_mutation_on_saved_tensors_says_why_it_raises():
+    """PyTorch's ``allow_mutation_on_saved_tensors()`` clones a saved tensor its own hooks saved
+    before it is modified; inside it, tt.offload's hooks save instead. The in-place error says so
+    (save_on_cpu there gives a wrong gradient on a CPU machine, silently)."""
+
+    def run(ctx):
+        x = torch.randn(6, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            with ctx:
+                h = x * 1
+                y = h.sin()
+                h.add_(1)  # allowed by PyTorch's context
+            y.sum().backward()
+        return x.grad
+
+    assert torch.equal(
+        run(contextlib.nullcontext()),
+        torch.cos(torch.randn(6, generator=torch.Generator().manual_seed(0))),
+    )
+    off = tt.Offloader("host", min_bytes=0)
+    try:
+        with pytest.raises(RuntimeError, match=INPLACE) as err:
+            run(off)
+        assert "allow_mutation_on_saved_tensors() does not cover" in str(err.value)
+    finally:
+        off.close()

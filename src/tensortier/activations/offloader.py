@@ -2,7 +2,8 @@
 
 Mechanism (vDNN, FlashNeuron, in eager PyTorch). Inside ``with offloader:`` every tensor autograd
 saves for backward goes through :meth:`Offloader._pack`. Parameters, buffers and autocast's cached
-weight casts are returned as-is (saved by reference, never copied). Any other tensor's *storage* is
+weight casts are returned as-is (saved by reference, never copied), and so are leaves that
+require grad (the graph's ``AccumulateGrad`` holds them anyway). Any other tensor's *storage* is
 moved once to host, disk or remote memory by the :class:`TransferEngine` and the saved tensor becomes a handle
 (storage record + dtype, size, stride, offset); several tensors that share a storage (the same tensor
 saved twice, views of one base) share one record, so they come back as views of one storage with
@@ -232,11 +233,38 @@ def _view(storage_u8: torch.Tensor, h: _Handle) -> torch.Tensor:
     return out
 
 
-def _check_version(h: _Handle) -> None:
-    """Raise PyTorch's own error if the saved tensor was modified in place after it was packed."""
-    t = h.saved()
-    if t is None and h.base is not None:
-        t = h.base()
+class _Leaf:
+    """A leaf that requires grad, saved by reference (``_held_by_graph``), with its version: the
+    user may still change it in place before backward (a manual SGD step), which PyTorch's own
+    check, skipped when hooks are set, would refuse."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t, t._version
+
+
+def _amos_enabled() -> bool:
+    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is active."""
+    return bool(getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False))
+
+
+_AMOS_HINT = (
+    " torch.autograd.graph.allow_mutation_on_saved_tensors() does not cover tensors saved inside "
+    "tt.offload (tensortier's saved-tensor hooks replace its own there): enter tt.offload "
+    "outside it, or do not modify saved tensors."
+)
+
+
+def _check_version(h: _Handle | _Leaf, under_amos: bool = False) -> None:
+    """Raise PyTorch's own error if the saved tensor was modified in place after it was packed
+    (saved inside ``allow_mutation_on_saved_tensors()``: with the reason it did not help)."""
+    if isinstance(h, _Leaf):
+        t = h.tensor
+    else:
+        t = h.saved()
+        if t is None and h.base is not None:
+            t = h.base()
     if t is None or t._version == h.version:
         return
     size = ", ".join(str(s) for s in t.shape)
@@ -246,6 +274,7 @@ def _check_version(h: _Handle) -> None:
         f"{h.version} instead. Hint: enable anomaly detection to find the operation that failed "
         "to compute its gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False). "
         "(Detected by tensortier's offload hooks: the tensor was changed after it was saved.)"
+        + (_AMOS_HINT if under_amos else "")
     )
 
 
@@ -345,6 +374,7 @@ class Offloader:
         self.records: list[dict] = []
         self._lock = threading.RLock()
         self._hooks: Any = None
+        self._thread: int | None = None  # the thread whose saved-tensor hooks are ours
         self._module_hooks: list = []
         self._pass: _Pass | None = None
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()  # passes with live records
@@ -387,13 +417,17 @@ class Offloader:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> Offloader:
-        if self._hooks is not None:
-            raise RuntimeError(
-                "this Offloader is already active; nest a different one or exit first"
-            )
-        self._check_open()
-        self._new_pass()
-        self._activate()
+        with self._lock:  # two threads entering one offloader: exactly one gets it
+            if self._hooks is not None:
+                where = "" if self._thread == threading.get_ident() else " in another thread"
+                raise RuntimeError(
+                    f"this Offloader is already active{where}; nest a different one or exit "
+                    "first (saved-tensor hooks are per thread: give each thread its own "
+                    "Offloader, as tt.offload() does)"
+                )
+            self._check_open()
+            self._new_pass()
+            self._activate()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -440,6 +474,9 @@ class Offloader:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()  # raises inside disable_saved_tensors_hooks: stay inactive then
         self._hooks = hooks
+        # the module hooks below are global: they see every thread's modules, the pass only ours
+        self._thread = p.thread = threading.get_ident()
+        p.under_amos = p.under_amos or _amos_enabled()  # its hooks are shadowed by ours
         self._module_hooks = [
             nn.modules.module.register_module_forward_pre_hook(p.enter_module),
             nn.modules.module.register_module_forward_hook(p.exit_module, always_call=True),
@@ -502,6 +539,7 @@ class Offloader:
             p is None
             or type(t) is not torch.Tensor  # subclasses (DTensor, FakeTensor...) stay untouched
             or t.layout != torch.strided
+            or t.is_nested  # strided nested tensors have no sizes or strides to rebuild them from
             or t.is_quantized
             or t.device.type == "meta"
         ):
@@ -513,9 +551,12 @@ class Offloader:
             self.stats.pack_seconds += time.perf_counter() - t0
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Leaf):
+            _check_version(packed, _amos_enabled())
+            return packed.tensor
         if not isinstance(packed, _Handle):
             return packed
-        _check_version(packed)
+        _check_version(packed, packed.record.owner.under_amos)
         record = packed.record
         owner = record.owner
         task = torch._C._current_graph_task_id()
@@ -870,6 +911,13 @@ def _is_weight_cast(t: torch.Tensor, base: torch.Tensor | None) -> bool:
     return leaf is not None and leaf.dtype == torch.float32
 
 
+def _held_by_graph(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a weight that is not an ``nn.Parameter``: the tensors given to
+    ``torch.func.functional_call``, a hand-written model's): the graph's ``AccumulateGrad`` node
+    holds it until the graph dies, so moving it (or a view of it) frees nothing."""
+    return t.requires_grad and t.is_leaf
+
+
 def _cudagraph_owned(t: torch.Tensor) -> bool:
     """A tensor recorded by a CUDA graph (torch.compile mode="reduce-overhead"): its memory is the
     graph's static pool, which offloading cannot free and the next replay rewrites."""
@@ -909,15 +957,16 @@ class _Pass:
         self.backward_started = False
         self.task: int | None = None  # autograd graph task now unpacking this pass
         self.blocks = 0  # offload_module: hooked blocks finished in this forward
+        self.thread: int | None = None  # the thread running this forward (module tracking)
+        self.under_amos = False  # saved inside allow_mutation_on_saved_tensors() (error hint)
 
     def signature(self) -> tuple[int, ...]:
         return tuple(self.sizes)
 
     # module tracking: parameters/buffers are never moved; names feed the planner
     def enter_module(self, module: nn.Module, args) -> None:
-        if (
-            torch.compiler.is_dynamo_compiling()
-        ):  # traced by dynamo: leave no side effect in the graph
+        # traced by dynamo: leave no side effect in the graph; another thread's module: not ours
+        if torch.compiler.is_dynamo_compiling() or threading.get_ident() != self.thread:
             return
         if not self.modules and not self.names:
             self.names = {id(m): name for name, m in module.named_modules()}
@@ -925,7 +974,7 @@ class _Pass:
         self.track(module)
 
     def exit_module(self, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_dynamo_compiling():
+        if torch.compiler.is_dynamo_compiling() or threading.get_ident() != self.thread:
             return
         if self.modules and self.modules[-1] is module:
             self.modules.pop()
@@ -934,7 +983,10 @@ class _Pass:
         if id(module) not in self.seen_modules:
             self.seen_modules.add(id(module))
             for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                self.param_ptrs.add(t.untyped_storage().data_ptr())
+                # a tensor with no storage of its own (functorch's BatchedTensor: the weights
+                # vmap hands to functional_call in a model ensemble) has none to protect
+                if torch._C._has_storage(t):
+                    self.param_ptrs.add(t.untyped_storage().data_ptr())
 
     def pack(self, t: torch.Tensor) -> Any:
         """Pack a plain ``torch.Tensor`` (not a Parameter: ``_pack`` checked its exact type)."""
@@ -943,6 +995,8 @@ class _Pass:
         base = t._base
         if ptr in self.param_ptrs or (base is not None and isinstance(base, nn.Parameter)):
             return t  # a parameter, a view of one, or a buffer: saved by reference
+        if _held_by_graph(t if base is None else base):
+            return _Leaf(t)  # a weight that is no Parameter (or a view of one): by reference
         stats = self.off.stats
         nbytes = storage.nbytes()
         stats.tensors_packed += 1
@@ -1201,8 +1255,9 @@ class _Pass:
 def offload(tier: str = "host", **kwargs) -> Offloader:
     """Offload saved activations inside a ``with`` block; see :class:`Offloader` for the options.
 
-    Calls with the same settings reuse one offloader (its spill files, host pool and learned
-    prefetch order), so a training loop can write ``with tt.offload(...):`` every step. Changing
+    Calls with the same settings from one thread reuse one offloader (its spill files, host pool
+    and learned prefetch order), so a training loop can write ``with tt.offload(...):`` every
+    step; each thread has its own (saved-tensor hooks are per thread). Changing
     the settings closes the previous one (at once if nothing it saved is still alive, else once
     its graphs are gone).
     """
@@ -1214,15 +1269,28 @@ def offload(tier: str = "host", **kwargs) -> Offloader:
             "offloader's own settings (tier=, min_bytes=, prefetch_budget=, ...)"
         )
     key = (tier, tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
-    cached = _CACHE.get(key)
-    if cached is None or cached._hooks is not None or cached.closed:
-        cached = Offloader(tier, **kwargs)
-        old = list(_CACHE.values())
-        _CACHE.clear()  # one cached configuration: switching settings releases the old one
-        _CACHE[key] = cached
-        for o in old:
-            o._release_if_idle()
-    return cached
+    cache = _thread_cache()
+    same = [o for o in cache.get(key, []) if not o.closed]
+    for o in same:
+        if o._hooks is None:
+            return o
+    made = Offloader(tier, **kwargs)
+    old = [o for k, offs in cache.items() if k != key for o in offs]
+    cache.clear()  # one cached configuration: switching settings releases the old one
+    cache[key] = [*same, made]  # `with tt.offload()` nested in one of the same settings: one
+    for o in old:  # offloader per depth, each reused (and its prefetch order learned) every step
+        o._release_if_idle()
+    return made
+
+
+def _thread_cache() -> dict[tuple, list[Offloader]]:
+    """This thread's cached offloaders (by settings). Saved-tensor hooks are per thread, and so is
+    the cache: threads training at once each get their own offloader, and a thread's call never
+    closes or enters another thread's. A finished thread's offloader is closed once collected."""
+    cache = getattr(_CACHE, "offloaders", None)
+    if cache is None:
+        cache = _CACHE.offloaders = {}
+    return cache
 
 
 def _hashable(v: Any) -> Any:
@@ -1235,7 +1303,7 @@ def _hashable(v: Any) -> Any:
         return id(v)
 
 
-_CACHE: dict = {}
+_CACHE = threading.local()
 
 
 class _Blocks:
@@ -1247,29 +1315,70 @@ class _Blocks:
         self.off = off
         self.depth = 0
         self.active = False
+        self.frame: Any = None  # the outermost running block's Module._call_impl frame
+        self.thread: int | None = None  # and the thread running it
 
     def enter(self, module: nn.Module, args) -> None:
+        self.abandon_if_left()
         self.depth += 1
         if self.depth == 1:
             # a block re-run by checkpoint's recomputation inside backward is left alone
             in_backward = torch._C._current_graph_task_id() != -1
             self.active = not in_backward and self.off._begin_block(module)
+            self.frame, self.thread = _call_frame(), threading.get_ident()
 
     def leave(self, module: nn.Module, args, output) -> None:
         self.depth -= 1
-        if self.depth == 0 and self.active:
+        if self.depth == 0:
+            self.frame = None
+            if self.active:
+                self.active = False
+                self.off._end_block()
+
+    def abandon_if_left(self) -> None:
+        """A block still open whose call is no longer running was left by a BaseException
+        (KeyboardInterrupt): PyTorch runs ``always_call`` forward hooks for an ``Exception``
+        only, so its ``leave`` never ran. Turn its hooks off now, as ``leave`` would have."""
+        if self.depth == 0 or self.frame is None or self.thread != threading.get_ident():
+            return  # (one model's blocks run by two threads at once are not supported)
+        if _running(self.frame):
+            return
+        self.depth, self.frame = 0, None
+        if self.active:
             self.active = False
             self.off._end_block()
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _call_frame() -> Any:
+    """The frame of the ``Module._call_impl`` running the forward pre-hook that calls this."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    return frame
+
+
+def _running(frame: Any) -> bool:
+    """Whether ``frame`` is on this thread's call stack."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
 
 
 class OffloadHandle:
     """Returned by :func:`offload_module`; ``remove()`` detaches the hooks and closes the offloader
     that :func:`offload_module` made (at once if idle, else once its graphs are gone)."""
 
-    def __init__(self, offloader: Offloader, hooks: list, *, owned: bool):
+    def __init__(self, offloader: Offloader, hooks: list, *, owned: bool, blocks: _Blocks):
         self._offloader: Offloader | None = offloader
         self._ref = weakref.ref(offloader)
         self._hooks, self._owned = hooks, owned
+        self._blocks: _Blocks | None = blocks
 
     @property
     def offloader(self) -> Offloader | None:
@@ -1279,6 +1388,9 @@ class OffloadHandle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        blocks, self._blocks = self._blocks, None  # (it holds the offloader)
+        if blocks is not None:
+            blocks.abandon_if_left()  # a block interrupted by a BaseException: hooks off
         off, self._offloader = self._offloader, None
         if off is not None and self._owned:
             off._release_if_idle()
@@ -1313,7 +1425,7 @@ def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHa
     for m in targets:
         hooks.append(m.register_forward_pre_hook(enter))
         hooks.append(m.register_forward_hook(leave, always_call=True))
-    return OffloadHandle(off, hooks, owned=given is None)
+    return OffloadHandle(off, hooks, owned=given is None, blocks=blocks)
 
 
 def offload_stats() -> dict:
