@@ -447,6 +447,7 @@ class Checkpointer:
         Returns whether a checkpoint was started. Raises the error of a failed background persist.
         """
         self._check_open()
+        step = _check_step(step, "maybe_save")
         self._raise_pending()
         now = time.monotonic()
         if self._auto is not None:
@@ -488,6 +489,7 @@ class Checkpointer:
     ) -> None:
         """Start a checkpoint of ``step`` now (waiting for the previous persist if needed)."""
         self._check_open()
+        step = _check_step(step, "save")
         self._raise_pending()
         self._start(step, model, optimizer, scheduler, extra, entered=time.monotonic())
 
@@ -547,6 +549,7 @@ class Checkpointer:
         a warning naming the defect; if every checkpoint is damaged, :class:`CorruptDataError`.
         """
         self._check_open()
+        step = None if step is None else _check_step(step, "restore")
         self.wait()
         steps = self._candidates(step)
         problems = []
@@ -1114,6 +1117,20 @@ def _decode_state(body: dict, tensors: dict[str, torch.Tensor], path: str) -> di
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         # a net under the explicit checks: a crafted manifest never escapes as a raw error
         raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _check_step(step: object, verb: str) -> int:
+    """``step`` as an int >= 0: a checkpoint is the directory ``step-<int>``, so a float, bool,
+    str or negative step would be written where restore never looks (a silent fresh start)."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = step.item()  # a step counter kept as a tensor (0-dim, integer)
+    return check_int(
+        step,
+        f"{verb}(step={step!r}): pass the step as an int >= 0 (the checkpoint is the directory "
+        f"step-<int>), e.g. {verb}(int(step))",
+        minimum=0,
+        numpy=True,
+    )
 
 
 def _before_any_step(ref: weakref.ref, *_args, **_kwargs) -> None:

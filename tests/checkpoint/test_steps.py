@@ -1,0 +1,38 @@
+"""The ``step`` a user passes names the checkpoint directory (``step-<int>``): anything that is
+not an int >= 0 must be refused at the call, never written where ``restore`` does not look."""
+
+import numpy as np
+import pytest
+import torch
+
+from tensortier.checkpoint import Checkpointer
+from tensortier.errors import ConfigError
+
+
+def _linear() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 2)
+
+
+@pytest.mark.parametrize("step", [5.0, -1, True, "3"])
+def test_a_step_that_is_not_an_int_is_refused_before_anything_is_written(tmp_path, step):
+    with Checkpointer(tmp_path, every=1) as ck:
+        with pytest.raises(ConfigError, match=r"step=.*int >= 0"):
+            ck.save(step, model=_linear())
+        with pytest.raises(ConfigError, match=r"step=.*int >= 0"):
+            ck.maybe_save(step, model=_linear())
+        with pytest.raises(ConfigError, match=r"step=.*int >= 0"):
+            ck.restore(model=_linear(), step=step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tensortier-checkpoint.lock"]
+
+
+@pytest.mark.parametrize("step", [np.int64(3), torch.tensor(3)])
+def test_numpy_and_tensor_step_counters_save_and_restore(tmp_path, step):
+    model = _linear()
+    with Checkpointer(tmp_path, every=1) as ck:
+        ck.save(step, model=model)
+    restored = torch.nn.Linear(3, 2)
+    with Checkpointer(tmp_path, every=1) as ck:
+        state = ck.restore(model=restored, step=step)
+    assert (state.step, state.saved_step, state.path.endswith("step-3")) == (4, 3, True)
+    assert torch.equal(restored.weight, model.weight)
