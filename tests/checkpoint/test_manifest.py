@@ -172,3 +172,42 @@ def test_numpy_arrays_with_nan_and_inf_round_trip_exactly(tmp_path):
         got = ck.restore().extra
     assert got["metrics"].dtype == np.float32 and got["metrics"].tobytes() == values.tobytes()
     assert np.array_equal(got["ints"], extra["ints"]) and got["ints"].dtype == np.int64
+
+
+def _key_order(obj):
+    """Every dict's keys in order, nested (what ``==`` on dicts ignores)."""
+    if isinstance(obj, dict):
+        return [(k, _key_order(v)) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [_key_order(v) for v in obj]
+    return None
+
+
+def test_extra_comes_back_with_its_keys_in_the_order_saved(tmp_path):
+    scaler = torch.amp.GradScaler("cpu")
+    extra = {
+        "zeta": {"y": 1, "b": [{"q": 0, "c": 1}], "a": 2.5},
+        "scaler": scaler.state_dict(),
+        "alpha": {"step": torch.tensor(3), "mid": None},
+    }
+    with Checkpointer(tmp_path, every=1) as ck:
+        ck.save(0, model=torch.nn.Linear(2, 2), extra=extra)
+    with Checkpointer(tmp_path, every=1) as ck:
+        got = ck.restore(model=torch.nn.Linear(2, 2)).extra
+    assert _key_order(got) == _key_order(extra)  # as torch.save gives it back
+
+
+def test_a_manifest_written_with_sorted_keys_still_verifies(saved, tmp_path):
+    def sort_all(body):  # earlier versions wrote every object's keys sorted
+        sorted_body = json.loads(json.dumps(body, sort_keys=True))
+        body.clear()
+        body.update(sorted_body)
+
+    root = _edited(saved, tmp_path, sort_all)
+    model, opt, sched = _train.make(seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: step 1 verifies
+        with Checkpointer(root, every=1) as ck:
+            state = ck.restore(model=model, optimizer=opt, scheduler=sched)
+    assert state.saved_step == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved[1][1].items())

@@ -133,14 +133,16 @@ def write_header(shard: Shard, image: torch.Tensor) -> None:
 
 
 def canonical(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    """The checksummed bytes of a body. Keys keep their order (a user's ``extra`` and any
+    state dict come back in the order saved, as from ``torch.save``); a body parsed from a
+    manifest has the file's order, so this re-encodes it exactly (manifests written with sorted
+    keys by earlier versions included)."""
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
 
 
 def manifest_bytes(body: dict) -> bytes:
     data = canonical(body)
-    return json.dumps(
-        {"crc32c": crc32c.crc32c(data), "body": body}, sort_keys=True, allow_nan=False
-    ).encode()
+    return json.dumps({"crc32c": crc32c.crc32c(data), "body": body}, allow_nan=False).encode()
 
 
 def _reject_constant(name: str) -> None:
