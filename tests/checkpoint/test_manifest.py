@@ -4,6 +4,7 @@ with nothing loaded from it (issue 18 #17). A checkpoint that does not fit the o
 ``restore`` is a ConfigError raised before anything is loaded."""
 
 import json
+import os
 import shutil
 import warnings
 
@@ -129,6 +130,23 @@ def test_bad_rng_state_alone_leaves_everything_untouched(saved, tmp_path, label)
     assert _train.same_state(model.state_dict(), before)  # before the fix: model overwritten
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert opt.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("kind", ["link to /dev/zero", "fifo"])
+def test_a_manifest_that_is_not_a_regular_file_is_damage_not_a_hang(saved, tmp_path, kind):
+    root = tmp_path / "ck"
+    shutil.copytree(saved[0], root)
+    manifest = root / "step-1" / "manifest.json"
+    manifest.unlink()
+    if kind == "fifo":
+        os.mkfifo(manifest)  # before the fix: open() blocked for a writer, forever
+    else:
+        manifest.symlink_to("/dev/zero")  # before the fix: read until memory ran out
+    model, opt, sched = _train.make(seed=7)
+    with Checkpointer(root) as ck, pytest.warns(UserWarning, match="not a regular file"):
+        state = ck.restore(model=model, optimizer=opt, scheduler=sched)
+    assert state.saved_step == 0
+    assert _train.same_state(model.state_dict(), saved[1][0])
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(saved, tmp_path):

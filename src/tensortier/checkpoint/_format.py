@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 import crc32c
@@ -153,13 +154,19 @@ def read_manifest(path: str) -> dict:
     """Parse and check ``path/manifest.json``; raises :class:`CorruptDataError` on any defect."""
     file = os.path.join(path, MANIFEST)
     try:
-        size = os.path.getsize(file)
-        if size > _MAX_MANIFEST:
-            raise CorruptDataError(f"manifest is {size} bytes, larger than any we write", path=file)
-        with open(file, "rb") as f:
-            raw = f.read()
+        # O_NONBLOCK: a FIFO in its place must not block the open; only a regular file is read,
+        # and never past the limit (a link to /dev/zero reports size 0 and never ends)
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise CorruptDataError("manifest is not a regular file", path=file)
+            raw = f.read(_MAX_MANIFEST + 1)
     except OSError as exc:
         raise CorruptDataError(f"cannot read manifest: {exc}", path=file) from exc
+    if len(raw) > _MAX_MANIFEST:
+        raise CorruptDataError(
+            f"manifest is over {_MAX_MANIFEST} bytes, larger than any we write", path=file
+        )
     return parse_manifest(raw, file)
 
 

@@ -1,0 +1,61 @@
+"""2 gloo ranks: a rank whose disk fails mid-save must leave no manifest claiming a complete
+checkpoint, no debris, and the previous checkpoint the newest for every rank."""
+
+import errno
+import os
+
+import torch
+
+from tensortier.checkpoint import Checkpointer, _persist
+from tensortier.errors import TierFullError
+from tests import distributed
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+
+
+def _one_rank_full(rank: int, world: int, root: str) -> dict:
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    ck = Checkpointer(root, keep=2, every=1000, commit_timeout=60)
+    ck.save(1, model=m, optimizer=opt, extra={"rank": rank})
+    ck.wait()
+    good = {k: v.clone() for k, v in m.state_dict().items()}
+    real = _persist._pwrite
+    if rank == 1:
+
+        def full(*_args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        _persist._pwrite = full
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    error = None
+    try:
+        ck.save(2, model=m, optimizer=opt, extra={"rank": rank})
+        ck.wait()
+    except (TierFullError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    _persist._pwrite = real
+    listing = sorted(os.listdir(root))
+    ck.close()
+    fresh = _model()
+    with Checkpointer(root, keep=2, every=1000) as ck2:
+        state = ck2.restore(model=fresh)
+    same = all(torch.equal(fresh.state_dict()[k], v) for k, v in good.items())
+    return {"error": error, "listing": listing, "saved_step": state.saved_step, "same": same}
+
+
+def test_a_rank_with_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_last_good(tmp_path):
+    root = str(tmp_path / "ck")
+    reports = distributed.run(_one_rank_full, 2, root, timeout=120)
+    assert reports[1]["error"].startswith("TierFullError"), reports
+    assert reports[0]["error"] is not None and "rank 1" in reports[0]["error"], reports
+    for r in reports:
+        assert r["listing"] == [".tensortier-checkpoint.lock", "step-1"], r
+        assert (r["saved_step"], r["same"]) == (1, True), r
