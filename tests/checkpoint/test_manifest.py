@@ -132,16 +132,23 @@ def test_bad_rng_state_alone_leaves_everything_untouched(saved, tmp_path, label)
     assert opt.state_dict()["state"] == {}
 
 
-@pytest.mark.parametrize("kind", ["link to /dev/zero", "fifo"])
-def test_a_manifest_that_is_not_a_regular_file_is_damage_not_a_hang(saved, tmp_path, kind):
+@pytest.mark.parametrize(
+    "file, kind",
+    [
+        ("manifest.json", "link to /dev/zero"),  # before the fix: read until memory ran out
+        ("manifest.json", "fifo"),  # before the fix: open() blocked for a writer, forever
+        ("shard-00000.safetensors", "fifo"),  # the same, in safetensors' open
+    ],
+)
+def test_a_file_that_is_not_a_regular_file_is_damage_not_a_hang(saved, tmp_path, file, kind):
     root = tmp_path / "ck"
     shutil.copytree(saved[0], root)
-    manifest = root / "step-1" / "manifest.json"
-    manifest.unlink()
+    target = root / "step-1" / file
+    target.unlink()
     if kind == "fifo":
-        os.mkfifo(manifest)  # before the fix: open() blocked for a writer, forever
+        os.mkfifo(target)
     else:
-        manifest.symlink_to("/dev/zero")  # before the fix: read until memory ran out
+        target.symlink_to("/dev/zero")
     model, opt, sched = _train.make(seed=7)
     with Checkpointer(root) as ck, pytest.warns(UserWarning, match="not a regular file"):
         state = ck.restore(model=model, optimizer=opt, scheduler=sched)

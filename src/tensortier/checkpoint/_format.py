@@ -210,6 +210,8 @@ def read_tensors(path: str, body: dict, allow_ranks: bool = False) -> dict[str, 
     for file, items in sorted(by_file.items()):
         full = os.path.join(path, file)
         try:
+            if not stat.S_ISREG(os.stat(full).st_mode):  # a FIFO would block safe_open forever
+                raise CorruptDataError(f"{file} is not a regular file", path=full)
             with safe_open(full, framework="pt") as f:
                 keys = set(f.keys())
                 for name, info in items:
