@@ -4,8 +4,9 @@ not an int >= 0 must be refused at the call, never written where ``restore`` doe
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from tensortier.checkpoint import Checkpointer
+from tensortier.checkpoint import Checkpointer, export_dcp, import_dcp
 from tensortier.errors import ConfigError
 
 
@@ -36,3 +37,17 @@ def test_numpy_and_tensor_step_counters_save_and_restore(tmp_path, step):
         state = ck.restore(model=restored, step=step)
     assert (state.step, state.saved_step, state.path.endswith("step-3")) == (4, 3, True)
     assert torch.equal(restored.weight, model.weight)
+
+
+@pytest.mark.parametrize("step", [5.0, -1])
+def test_dcp_conversions_refuse_a_step_that_is_not_an_int(tmp_path, step):
+    dcp_dir = str(tmp_path / "dcp")
+    dcp.save({"model": _linear().state_dict()}, checkpoint_id=dcp_dir, no_dist=True)
+    with pytest.raises(ConfigError, match=r"import_dcp: step=.*int >= 0"):
+        import_dcp(dcp_dir, str(tmp_path / "ck"), step=step)
+    assert not (tmp_path / "ck").exists() or not any(
+        p.name.startswith("step-") for p in (tmp_path / "ck").iterdir()
+    )
+    import_dcp(dcp_dir, str(tmp_path / "ck"), step=5)
+    with pytest.raises(ConfigError, match=r"export_dcp: step=.*int >= 0"):
+        export_dcp(str(tmp_path / "ck"), str(tmp_path / "out"), step=step)

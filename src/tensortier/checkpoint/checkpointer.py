@@ -1078,6 +1078,7 @@ def read_checkpoint(directory: str, step: int | None = None) -> tuple[dict, int]
     """(state tree with full tensors, step) of the newest checkpoint in ``directory`` that
     verifies (or of ``step``), saved by any number of ranks; read-only (no lock is taken)."""
     root = os.path.abspath(os.fspath(directory))
+    step = None if step is None else _check_step(step, "export_dcp")
     steps = _complete_steps(root) if os.path.isdir(root) else []
     if not steps:
         raise ConfigError(
@@ -1126,8 +1127,8 @@ def _check_step(step: object, verb: str) -> int:
         step = step.item()  # a step counter kept as a tensor (0-dim, integer)
     return check_int(
         step,
-        f"{verb}(step={step!r}): pass the step as an int >= 0 (the checkpoint is the directory "
-        f"step-<int>), e.g. {verb}(int(step))",
+        f"{verb}: step={step!r} is not an int >= 0; pass int(step) (a checkpoint is the "
+        f"directory step-<int>)",
         minimum=0,
         numpy=True,
     )
