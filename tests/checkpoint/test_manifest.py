@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import tensortier as tt
 from tensortier.checkpoint import Checkpointer
 from tensortier.checkpoint._format import canonical
 from tensortier.checkpoint._tree import MAX_DEPTH
@@ -177,6 +178,29 @@ def test_an_optimizer_with_other_groups_is_refused_before_the_model_loads(saved,
     with Checkpointer(root) as ck, pytest.raises(ConfigError, match="parameter groups"):
         ck.restore(model=model, optimizer=opt)
     assert _train.same_state(model.state_dict(), before)
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "OffloadedAdamW"])
+def test_another_optimizers_state_is_refused_before_the_model_loads(tmp_path, kind):
+    model, _, _ = _train.make()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 16)).sum().backward()
+    sgd.step()
+    with Checkpointer(tmp_path, every=1) as ck:
+        ck.save(0, model=model, optimizer=sgd)
+    fresh, _, _ = _train.make(seed=7)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    opt = (torch.optim.AdamW if kind == "AdamW" else tt.OffloadedAdamW)(fresh.parameters())
+    # before the fix: KeyError('step') / TypeError from load_state_dict, the model already loaded
+    with Checkpointer(tmp_path) as ck, pytest.raises(ConfigError, match=f"the {kind} passed"):
+        ck.restore(model=fresh, optimizer=opt)
+    assert _train.same_state(fresh.state_dict(), before)
+    assert opt.state_dict()["state"] == {}
+    if kind == "AdamW":  # the optimizer is untouched and still steps
+        fresh(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    else:
+        opt.close()
 
 
 def test_state_nested_deeper_than_the_limit_is_refused_at_save(tmp_path):

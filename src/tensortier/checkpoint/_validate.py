@@ -75,6 +75,34 @@ def check_fits(tree: dict, path: str, model, optimizer, scheduler) -> None:
                 f"{[len(g['params']) for g in optimizer.param_groups]}; build the optimizer "
                 f"over the same parameters and groups as the saved run"
             )
+        check_optimizer_loads(tree["optimizer"], optimizer, path)
+
+
+def check_optimizer_loads(state: dict, optimizer, path: str) -> None:
+    """ConfigError if ``optimizer.load_state_dict(state)`` would fail, with nothing changed.
+
+    The model loads before the optimizer (OffloadedAdamW takes its fp32 masters from the
+    loaded parameters), so a state the optimizer refuses only then (SGD's momentum into AdamW:
+    torch's ``load_state_dict`` checks group sizes, then fails in ``__setstate__``) would leave
+    the model loaded and the error untyped. torch.optim's own ``load_state_dict`` is run on a
+    shallow twin (its ``__setstate__`` replaces the twin's state and groups, never the
+    optimizer's); OffloadedAdamW checks a state dict whole before it changes anything.
+    """
+    from tensortier.optim.adamw import OffloadedAdamW
+
+    try:
+        if isinstance(optimizer, OffloadedAdamW):
+            optimizer._dicts.parse(state)
+        elif type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict:
+            twin = object.__new__(type(optimizer))
+            twin.__dict__.update(optimizer.__dict__)
+            twin.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
+        raise ConfigError(
+            f"checkpoint {path} holds an optimizer state that the {type(optimizer).__name__} "
+            f"passed cannot load ({exc!r}); nothing was loaded. Restore with the optimizer the "
+            f"saved run used"
+        ) from exc
 
 
 def _check_model(saved: dict, own: dict, path: str) -> None:
