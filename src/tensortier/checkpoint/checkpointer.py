@@ -332,7 +332,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, process_group=None, **settings):
         self.config = CheckpointConfig(**settings)
-        self.directory = os.path.abspath(os.fspath(directory))  # absolute, as given
+        self.directory = _check_directory(directory)  # absolute, as given
         self._group = (
             Group.create(process_group, self.config.commit_timeout)
             if _dist.active(process_group)
@@ -1118,6 +1118,19 @@ def _decode_state(body: dict, tensors: dict[str, torch.Tensor], path: str) -> di
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         # a net under the explicit checks: a crafted manifest never escapes as a raw error
         raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _check_directory(directory: object) -> str:
+    """The absolute path of ``directory``: a ``str`` or path-like naming a directory. An empty
+    string (an unset environment variable) would otherwise mean the current directory, whose
+    ``step-N`` folders a rollback or retention then removes."""
+    path = os.fspath(directory) if isinstance(directory, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(
+            f"Checkpointer(directory={directory!r}): pass the checkpoint directory as a "
+            f"non-empty str or pathlib.Path, e.g. Checkpointer('ckpts/')"
+        )
+    return os.path.abspath(path)
 
 
 def _check_step(step: object, verb: str) -> int:

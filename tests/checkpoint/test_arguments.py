@@ -1,5 +1,8 @@
-"""The ``step`` a user passes names the checkpoint directory (``step-<int>``): anything that is
-not an int >= 0 must be refused at the call, never written where ``restore`` does not look."""
+"""Arguments that name where a checkpoint goes. The ``step`` names its directory (``step-<int>``):
+anything that is not an int >= 0 must be refused at the call, never written where ``restore``
+does not look. The directory must be a non-empty path: ``""`` meant the current directory."""
+
+import os
 
 import numpy as np
 import pytest
@@ -51,3 +54,11 @@ def test_dcp_conversions_refuse_a_step_that_is_not_an_int(tmp_path, step):
     import_dcp(dcp_dir, str(tmp_path / "ck"), step=5)
     with pytest.raises(ConfigError, match=r"export_dcp: step=.*int >= 0"):
         export_dcp(str(tmp_path / "ck"), str(tmp_path / "out"), step=step)
+
+
+@pytest.mark.parametrize("directory", ["", None, 123, b"ckpts"])
+def test_a_directory_that_is_not_a_path_is_refused(tmp_path, monkeypatch, directory):
+    monkeypatch.chdir(tmp_path)  # before the fix, "" wrote step-0/ and a lock file here
+    with pytest.raises(ConfigError, match=r"directory=.*non-empty str or pathlib.Path"):
+        Checkpointer(directory, every=1)
+    assert os.listdir(tmp_path) == []
