@@ -223,6 +223,33 @@ def test_numpy_arrays_with_nan_and_inf_round_trip_exactly(tmp_path):
     assert np.array_equal(got["ints"], extra["ints"]) and got["ints"].dtype == np.int64
 
 
+def test_numpy_scalars_keep_their_type_so_resumed_arithmetic_is_the_same(tmp_path):
+    extra = {"decay": np.float32(0.999), "seen": np.int64(7), "done": np.bool_(False)}
+    with Checkpointer(tmp_path, every=1) as ck:
+        ck.save(0, extra=extra)
+    with Checkpointer(tmp_path, every=1) as ck:
+        got = ck.restore().extra
+    # before the fix: Python float/int/bool, so float32 arithmetic became float64 after a resume
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in extra.items()}
+    assert got == extra
+    assert (got["decay"] * np.float32(0.3)).tobytes() == (
+        extra["decay"] * np.float32(0.3)
+    ).tobytes()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.eye(2).to_sparse(), torch.empty(2, device="meta")],
+    ids=["sparse", "meta"],
+)
+def test_a_tensor_without_dense_data_is_refused_at_save_with_its_path(tmp_path, tensor):
+    with Checkpointer(tmp_path, every=1) as ck:
+        with pytest.raises(ConfigError, match="extra/state/t: .* cannot be checkpointed"):
+            ck.save(0, extra={"state": {"t": tensor}})  # before: a TypeError naming no value
+        ck.save(1, extra={"ok": 1})
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step")) == ["step-1"]
+
+
 def _key_order(obj):
     """Every dict's keys in order, nested (what ``==`` on dicts ignores)."""
     if isinstance(obj, dict):
