@@ -4,10 +4,11 @@ A state tree (a model/optimizer/scheduler ``state_dict``, RNG states, the user's
 turned into plain JSON in which every tensor is replaced by ``{"$tt": "tensor", "name": ...}`` and
 stored separately (in safetensors files). Values JSON cannot hold exactly get a tag from a short
 allow-list (tuples, non-string dict keys, non-finite floats, numpy arrays and scalars as raw
-little-endian bytes, dtypes, bytes); only dense tensors with data are stored. Decoding resolves only those tags: nothing is imported, evaluated or
-unpickled, so a crafted manifest can at worst be rejected (:class:`CorruptDataError`, never a raw
-``TypeError`` or ``RecursionError``: nesting is bounded by ``MAX_DEPTH`` both ways). Anything else
-is refused at save time with the path to the offending value.
+little-endian bytes, dtypes, bytes); only dense tensors with data are stored. Decoding resolves
+only those tags: nothing is imported, evaluated or unpickled, so a crafted manifest can at worst
+be rejected (:class:`CorruptDataError`, never a raw ``TypeError`` or ``RecursionError``: nesting
+is bounded by ``MAX_DEPTH`` both ways). Anything else is refused at save time with the path to
+the offending value.
 """
 
 from __future__ import annotations
