@@ -1,5 +1,6 @@
-"""2 gloo ranks: a rank whose disk fails mid-save must leave no manifest claiming a complete
-checkpoint, no debris, and the previous checkpoint the newest for every rank."""
+"""2 gloo ranks: a rank whose save fails (its disk full, a value it cannot save) must leave no
+manifest claiming a complete checkpoint, no debris, the previous checkpoint the newest for every
+rank, no rank waiting for it until commit_timeout, and the group able to save the next step."""
 
 import errno
 import os
@@ -7,7 +8,7 @@ import os
 import torch
 
 from tensortier.checkpoint import Checkpointer, _persist
-from tensortier.errors import TierFullError
+from tensortier.errors import ConfigError, TierFullError
 from tests import distributed
 
 
@@ -59,3 +60,30 @@ def test_a_rank_with_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_last
     for r in reports:
         assert r["listing"] == [".tensortier-checkpoint.lock", "step-1"], r
         assert (r["saved_step"], r["same"]) == (1, True), r
+
+
+def _one_rank_bad_extra(rank: int, world: int, root: str) -> dict:
+    m = _model()
+    ck = Checkpointer(root, keep=2, every=1000, commit_timeout=5)
+    ck.save(1, model=m)
+    ck.wait()
+    error = None
+    try:
+        ck.save(2, model=m, extra={"hook": print} if rank == 1 else {"ok": 1})
+    except ConfigError as exc:  # before the fix rank 0 raised gloo's timeout (a RuntimeError)
+        error = str(exc)
+    listing = sorted(os.listdir(root))
+    ck.save(3, model=m, extra={"rank": rank})  # before the fix: the group was out of step
+    ck.close()
+    return {"error": error, "listing": listing, "after": sorted(os.listdir(root))}
+
+
+def test_a_rank_that_cannot_capture_its_state_fails_the_save_everywhere_at_once(tmp_path):
+    root = str(tmp_path / "ck")
+    reports = distributed.run(_one_rank_bad_extra, 2, root, timeout=120)
+    assert "extra/hook" in reports[1]["error"], reports
+    assert "rank 1 could not capture its state" in reports[0]["error"], reports
+    assert "extra/hook" in reports[0]["error"], reports
+    for r in reports:
+        assert r["listing"] == [".tensortier-checkpoint.lock", "step-1"], r
+        assert r["after"] == [".tensortier-checkpoint.lock", "step-1", "step-3"], r

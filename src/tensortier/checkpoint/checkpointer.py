@@ -728,14 +728,9 @@ class Checkpointer:
         # the same step and parts on every rank, or nothing is written
         self._group.agree_save(step, parts, self.config.commit_timeout)
         abandoned = self._group.decide(lambda: self._abandoned(step))  # rank 0 owns the dir
-        captured = _Captured(self._group, model)
-        state = captured.tree(model, optimizer, scheduler, extra, rng)
-        held = [
-            (n, n in captured.chunks, t.numel() * t.element_size()) for n, t, _ in captured.tensors
-        ]
-        mine, replicated = self._group.plan_writes(held)  # many ranks: this rank's share only
-        tensors = [item for item in captured.tensors if item[0] in mine]
-        self._layout(tensors)
+        captured, state, tensors, replicated = self._capture(
+            model, optimizer, scheduler, extra, rng
+        )
         t_copy = time.monotonic()
         snapshot, cuda_done, clock = self._copy(step, tensors)
         body = {
@@ -772,6 +767,32 @@ class Checkpointer:
         log.debug(
             "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
         )
+
+    def _capture(self, model, optimizer, scheduler, extra, rng: bool):
+        """(captured, state tree, the tensors this rank writes, the writer of each replicated
+        one), laid out in the images. Many ranks: a rank that fails here (a value that cannot be
+        saved, a host_budget too small) tells the others before anything is written, so every
+        rank raises at once instead of waiting in the next collective until commit_timeout
+        with its group out of step."""
+        captured = _Captured(self._group, model)
+        error: Exception | None = None
+        state: dict = {}
+        try:
+            state = captured.tree(model, optimizer, scheduler, extra, rng)
+        except Exception as exc:
+            error = exc
+        held = [
+            (n, n in captured.chunks, t.numel() * t.element_size()) for n, t, _ in captured.tensors
+        ]
+        mine, replicated = self._group.plan_writes([] if error else held)  # many: this rank's share
+        tensors = [item for item in captured.tensors if item[0] in mine]
+        if error is None:
+            try:
+                self._layout(tensors)
+            except Exception as exc:
+                error = exc
+        self._group.all_ok(error, "capture its state")
+        return captured, state, tensors, replicated
 
     def _copy(self, step: int, tensors: list[tuple[str, torch.Tensor, bool]]):
         """Start the snapshot copies into the images: host tensors copied now (early) or on the
