@@ -87,3 +87,38 @@ def test_a_rank_that_cannot_capture_its_state_fails_the_save_everywhere_at_once(
     for r in reports:
         assert r["listing"] == [".tensortier-checkpoint.lock", "step-1"], r
         assert r["after"] == [".tensortier-checkpoint.lock", "step-1", "step-3"], r
+
+
+def _rank0_manifest_full(rank: int, world: int, root: str) -> dict:
+    m = _model()
+    ck = Checkpointer(root, keep=2, every=1000, commit_timeout=60)
+    ck.save(1, model=m)
+    ck.wait()
+    real = _persist._pwrite
+
+    def full(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("manifest.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    if rank == 0:
+        _persist._pwrite = full  # every shard is written; rank 0's manifest is not
+    error = None
+    try:
+        ck.save(2, model=m)
+        ck.wait()
+    except (TierFullError, RuntimeError) as exc:
+        error = type(exc).__name__
+    _persist._pwrite = real
+    listing = sorted(os.listdir(root))
+    ck.close()
+    return {"error": error, "listing": listing}
+
+
+def test_rank_0_out_of_space_for_the_manifest_raises_tier_full_like_one_process(tmp_path):
+    root = str(tmp_path / "ck")
+    reports = distributed.run(_rank0_manifest_full, 2, root, timeout=120)
+    # before the fix: RuntimeError on rank 0 too, so `except TierFullError` missed its own disk
+    assert [r["error"] for r in reports] == ["TierFullError", "RuntimeError"], reports
+    for r in reports:
+        assert r["listing"] == [".tensortier-checkpoint.lock", "step-1"], r

@@ -31,7 +31,7 @@ import torch
 from tensortier import _dist
 from tensortier.checkpoint import _faults
 from tensortier.checkpoint._format import MANIFEST, read_tensors
-from tensortier.checkpoint._persist import commit, fsync_dir, retire
+from tensortier.checkpoint._persist import commit, disk_full, fsync_dir, retire
 from tensortier.errors import ConfigError, CorruptDataError
 
 log = logging.getLogger("tensortier.checkpoint")
@@ -184,6 +184,7 @@ def commit_ranks(
     _faults.point("rank-reported")
     reports = _dist.gather_objects(report, ranks.bg)
     outcome = None
+    own: BaseException | None = None  # rank 0's commit error, raised as itself there
     final = os.path.join(root, f"step-{step}")
     tmp = final + ".incomplete"
     if ranks.rank == 0:
@@ -207,9 +208,14 @@ def commit_ranks(
                 retain(step)
             except BaseException as exc:  # noqa: BLE001 - sent to every rank, raised below
                 outcome = f"rank 0 could not commit: {exc!r}"
+                own = disk_full(exc, step, root)  # a full disk is TierFullError, as in one process
+                if own is not exc:
+                    own.__cause__ = exc
         if outcome is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     outcome = _dist.broadcast_object(outcome, 0, ranks.bg)
+    if own is not None:
+        raise own
     if outcome is not None:
         raise RuntimeError(
             f"checkpoint of step {step} was not committed: {outcome}. The previous checkpoint "
