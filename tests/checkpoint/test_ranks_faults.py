@@ -122,3 +122,28 @@ def test_rank_0_out_of_space_for_the_manifest_raises_tier_full_like_one_process(
     assert [r["error"] for r in reports] == ["TierFullError", "RuntimeError"], reports
     for r in reports:
         assert r["listing"] == [".tensortier-checkpoint.lock", "step-1"], r
+
+
+def _restore_other_steps(rank: int, world: int, root: str) -> dict:
+    m = _model()
+    with Checkpointer(root, keep=3, every=1000, commit_timeout=60) as ck:
+        for step in (1, 2):
+            with torch.no_grad():
+                m[0].weight.fill_(float(step))
+            ck.save(step, model=m)
+            ck.wait()
+    fresh = _model()
+    error = None
+    with Checkpointer(root, keep=3, every=1000, commit_timeout=60) as ck:
+        try:  # before the fix: rank 0 loaded step 1 and rank 1 step 2, silently
+            ck.restore(model=fresh, step=1 + rank)
+        except ConfigError as exc:
+            error = str(exc)
+    return {"error": error, "untouched": torch.equal(fresh[0].weight, _model()[0].weight)}
+
+
+def test_ranks_restoring_different_steps_are_refused_before_anything_loads(tmp_path):
+    reports = distributed.run(_restore_other_steps, 2, str(tmp_path / "ck"), timeout=120)
+    for r in reports:
+        assert "ranks disagree on step: rank 0 has 1, rank 1 has 2" in r["error"], r
+        assert r["untouched"] is True, r

@@ -551,6 +551,9 @@ class Checkpointer:
         self._check_open()
         step = None if step is None else _check_step(step, "restore")
         self.wait()
+        self._group.agree(  # else each rank would load the step it named: a mixed state
+            {"step": step}, "restore", fix="pass the same restore(step=) everywhere, or none"
+        )
         steps = self._candidates(step)
         problems = []
         replica = _ReplicaTry()
