@@ -5,7 +5,9 @@ rank, no rank waiting for it until commit_timeout, and the group able to save th
 import errno
 import os
 
+import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tensortier.checkpoint import Checkpointer, _persist
 from tensortier.errors import ConfigError, TierFullError
@@ -147,3 +149,26 @@ def test_ranks_restoring_different_steps_are_refused_before_anything_loads(tmp_p
     for r in reports:
         assert "ranks disagree on step: rank 0 has 1, rank 1 has 2" in r["error"], r
         assert r["untouched"] is True, r
+
+
+def _save_ddp(rank: int, world: int, root: str) -> list[str]:
+    ddp = DDP(_model())  # the README's pattern: the wrapped model is passed
+    with Checkpointer(root, every=1000) as ck:
+        ck.save(0, model=ddp)
+    return list(ddp.state_dict())
+
+
+def test_a_ddp_checkpoint_restores_into_the_bare_model_in_one_process(tmp_path):
+    root = str(tmp_path / "ck")
+    keys = distributed.run(_save_ddp, 2, root, timeout=120)[0]
+    assert keys[0].startswith("module.")
+    bare = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    with Checkpointer(root) as ck:  # before the fix: ConfigError, missing 0.weight ...
+        ck.restore(model=bare)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(bare.state_dict().values(), _model().state_dict().values())
+    )
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))
+    with Checkpointer(root) as ck, pytest.raises(ConfigError, match="other shapes"):
+        ck.restore(model=other)  # a different model is still refused, naming the keys

@@ -54,6 +54,29 @@ def _check_optimizer(state: object) -> None:
             raise CorruptDataError("a per-parameter optimizer state in manifest is not a mapping")
 
 
+# wrappers that prefix a module's state_dict keys: DDP, torch.compile, FSDP1, checkpoint_wrapper
+_WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _bare(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part not in _WRAPPERS)
+
+
+def align_model_keys(tree: dict, own: dict) -> dict:
+    """``tree`` with its model keys renamed to ``own``'s where the two differ only by wrapper
+    prefixes (saved from ``DDP(model)``, restored into the bare model in one process, or
+    back), as DCP's ``get_model_state_dict`` names parameters; otherwise ``tree`` unchanged
+    (``check_fits`` then names the keys that differ)."""
+    saved = tree.get("model")
+    if not isinstance(saved, dict) or saved.keys() == own.keys():
+        return tree
+    by_bare = {_bare(k): k for k in own}
+    renamed = {by_bare.get(_bare(k)): v for k, v in saved.items()}
+    if len(by_bare) != len(own) or len(renamed) != len(saved) or renamed.keys() != own.keys():
+        return tree  # not a one-to-one match: a different model
+    return {**tree, "model": {k: renamed[k] for k in own}}
+
+
 def check_fits(tree: dict, path: str, model, optimizer, scheduler) -> None:
     """Raise ConfigError (before anything is loaded) if the checkpoint does not fit the objects."""
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):

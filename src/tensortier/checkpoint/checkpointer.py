@@ -65,7 +65,7 @@ from tensortier.checkpoint._persist import (
 from tensortier.checkpoint._policy import AutoInterval
 from tensortier.checkpoint._rng import rng_state, set_rng_state
 from tensortier.checkpoint._tree import decode, encode
-from tensortier.checkpoint._validate import check_tree
+from tensortier.checkpoint._validate import align_model_keys, check_tree
 from tensortier.errors import BudgetError, ClosedError, ConfigError, CorruptDataError, SpillDirError
 from tensortier.tiers.disk import _probe_direct, as_bytes
 from tensortier.tiers.host import aligned_empty
@@ -572,6 +572,8 @@ class Checkpointer:
                     stacklevel=2,
                 )
                 continue
+            if model is not None:  # DDP(model) saved, bare model restored (or back)
+                tree = align_model_keys(tree, model.state_dict())
             self._group.fits(tree, path, model, optimizer, scheduler)  # before anything loads
             self._apply(tree, model, optimizer, scheduler, rng)
             self._last_saved = s
