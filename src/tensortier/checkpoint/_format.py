@@ -29,7 +29,9 @@ from tensortier.tiers.host import PAGE
 FORMAT = "tensortier.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+# exactly the names step_dir() writes: "step-007" or "step-٣" would be listed as step 7 or 3,
+# then read, retired or rolled back under the name "step-7" that is not there
+STEP_DIR = re.compile(r"^step-(0|[1-9][0-9]*)$", re.ASCII)
 SHARD_NAME = re.compile(r"^shard-\d{5}\.safetensors$")
 RANK_SHARD_NAME = re.compile(r"^rank-\d{5}/shard-\d{5}\.safetensors$")  # many ranks (v2)
 VERSIONS = (VERSION, 2)  # 2: many ranks, see _ranks.py
