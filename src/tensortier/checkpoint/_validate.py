@@ -119,6 +119,11 @@ def check_optimizer_loads(state: dict, optimizer, path: str) -> None:
         elif type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict:
             twin = object.__new__(type(optimizer))
             twin.__dict__.update(optimizer.__dict__)
+            # over data-less stand-ins of the parameters: torch moves each loaded state tensor
+            # to its parameter's device and dtype, which for the twin then copies nothing
+            twin.param_groups = [
+                {**g, "params": [_ghost(p) for p in g["params"]]} for g in optimizer.param_groups
+            ]
             twin.load_state_dict(state)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
         raise ConfigError(
@@ -126,6 +131,13 @@ def check_optimizer_loads(state: dict, optimizer, path: str) -> None:
             f"passed cannot load ({exc!r}); nothing was loaded. Restore with the optimizer the "
             f"saved run used"
         ) from exc
+
+
+def _ghost(p: torch.Tensor) -> torch.Tensor:
+    """A meta tensor like ``p`` (a DTensor or other subclass is kept: it has its own rules)."""
+    if type(p) in (torch.Tensor, torch.nn.Parameter):
+        return torch.empty_like(p, device="meta")
+    return p
 
 
 def _check_model(saved: dict, own: dict, path: str) -> None:
