@@ -1079,6 +1079,7 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
         like: dict = {}
         if model is not None:
             like["model"] = model.state_dict()
+            tree = align_model_keys(tree, like["model"])  # before DTensor targets are looked up
         opt = tree.get("optimizer")
         if isinstance(opt, dict):
             merged: dict = {}
