@@ -3,14 +3,18 @@ manifest claiming a complete checkpoint, no debris, the previous checkpoint the 
 rank, no rank waiting for it until commit_timeout, and the group able to save the next step."""
 
 import errno
+import json
 import os
+import shutil
 
+import crc32c
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tensortier.checkpoint import Checkpointer, _persist
-from tensortier.errors import ConfigError, TierFullError
+from tensortier.checkpoint._format import canonical
+from tensortier.errors import ConfigError, CorruptDataError, TierFullError
 from tests import distributed
 
 
@@ -172,3 +176,41 @@ def test_a_ddp_checkpoint_restores_into_the_bare_model_in_one_process(tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 5))
     with Checkpointer(root) as ck, pytest.raises(ConfigError, match="other shapes"):
         ck.restore(model=other)  # a different model is still refused, naming the keys
+
+
+def _save_two(rank: int, world: int, root: str) -> None:
+    with Checkpointer(root, every=1000) as ck:
+        ck.save(0, model=_model())
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("two") / "ck")
+    distributed.run(_save_two, 2, root, timeout=120)
+    return root
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [{"shape": [16, 8]}, {"offsets": [9, 9], "shape": [16, 8]}, ["offsets"], {"offsets": [0]}],
+    ids=["no offsets", "outside the tensor", "not a mapping", "wrong rank"],
+)
+def test_a_crafted_chunk_entry_is_damage_not_a_raw_error(two_rank_checkpoint, tmp_path, chunk):
+    root = tmp_path / "ck"
+    shutil.copytree(two_rank_checkpoint, root)
+    manifest = root / "step-0" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    for r in doc["body"]["ranks"]:
+        r["chunks"] = {n: chunk for n, info in r["tensors"].items() if len(info["shape"]) == 2}
+    doc["crc32c"] = crc32c.crc32c(canonical(doc["body"]))  # the checksum is valid
+    manifest.write_text(json.dumps(doc))
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    # before the fix: a raw KeyError / TypeError out of restore()
+    with (
+        Checkpointer(root) as ck,
+        pytest.warns(UserWarning, match="bad chunk entry"),
+        pytest.raises(CorruptDataError, match="bad chunk entry"),
+    ):
+        ck.restore(model=model)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

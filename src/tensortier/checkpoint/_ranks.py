@@ -244,6 +244,25 @@ class Chunk:
     shape: tuple[int, ...]
 
 
+def _chunk_place(chunk: object, shape: tuple) -> tuple[tuple | None, tuple]:
+    """(offsets, global shape) of a saved chunk of local ``shape``; (None, ()) if the manifest's
+    entry is malformed: not a mapping of int lists of the tensor's rank, or not inside the
+    global tensor (a crafted manifest with a valid checksum must fail as damage, typed)."""
+    if not chunk:
+        return (0,) * len(shape), shape
+    if not isinstance(chunk, dict):
+        return None, ()
+    offsets, full = chunk.get("offsets"), chunk.get("shape")
+    values = [offsets, full, list(shape)]
+    if not all(isinstance(v, list) and len(v) == len(shape) for v in values) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for v in values for n in v
+    ):
+        return None, ()
+    if any(o + n > f for o, n, f in zip(offsets, shape, full)):
+        return None, ()
+    return tuple(offsets), tuple(full)
+
+
 class Index:
     """Where every saved tensor's chunks are, for a v1 (one process) or v2 (many ranks) body."""
 
@@ -279,10 +298,8 @@ class Index:
                 if self.world > 1 and not RANK_FILE.match(str(info.get("file", ""))):
                     raise CorruptDataError(f"tensor {name!r}: bad file entry", path=path)
                 shape = tuple(info["shape"])
-                chunk = entry["chunks"].get(name)
-                offsets = tuple(chunk["offsets"]) if chunk else (0,) * len(shape)
-                full = tuple(chunk["shape"]) if chunk else shape
-                if len(offsets) != len(shape) or len(full) != len(shape):
+                offsets, full = _chunk_place(entry["chunks"].get(name), shape)
+                if offsets is None:
                     raise CorruptDataError(f"tensor {name!r}: bad chunk entry", path=path)
                 self.chunks.setdefault(name, []).append(Chunk(r, info, offsets, shape))
                 self.meta.setdefault(name, (info.get("dtype"), full))
