@@ -132,8 +132,10 @@ def test_a_folder_named_like_a_step_but_not_written_by_us_is_ignored(tmp_path):
     with Checkpointer(tmp_path, every=1) as ck:
         ck.save(5, model=model)
     shutil.copytree(tmp_path / "step-5", tmp_path / "step-007")  # a user's renamed copy
+    shutil.copytree(tmp_path / "step-5", tmp_path / "step-007.incomplete")  # not our debris
     with Checkpointer(tmp_path, every=1) as ck:
         assert ck.restore(model=_linear()).saved_step == 5
         ck.save(6, model=model)  # before the fix: FileNotFoundError retiring "step-7"
         ck.wait()
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-007", "step-5", "step-6"]
+    names = sorted(p.name for p in tmp_path.glob("step-*"))
+    assert names == ["step-007", "step-007.incomplete", "step-5", "step-6"]

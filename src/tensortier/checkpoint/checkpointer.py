@@ -72,7 +72,8 @@ from tensortier.tiers.host import aligned_empty
 from tensortier.transfer.streams import COMPUTE, SideStreams, consume
 
 log = logging.getLogger("tensortier.checkpoint")
-_STALE = re.compile(r"^step-\d+\.(incomplete|deleting-\d+)$")
+# debris of our own writes only (removed at start): the step names step_dir() makes
+_STALE = re.compile(r"^step-(0|[1-9][0-9]*)\.(incomplete|deleting-[0-9]+)$", re.ASCII)
 LOCK_FILE = ".tensortier-checkpoint.lock"
 MAX_IO_THREADS = 256
 PROGRESS_SECONDS = 60.0  # a wait for a persist logs a warning this often, so a stall shows
