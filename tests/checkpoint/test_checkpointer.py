@@ -1,6 +1,7 @@
 import errno
 import json
 import os
+import resource
 import threading
 import warnings
 
@@ -385,3 +386,20 @@ def test_offloaded_adamw_resumes_exactly(tmp_path):
         assert state.step == 6
         assert steps(model, opt, ck, 6, 10) == expected[6:]
     opt.close()
+
+
+def test_thousands_of_small_shards_do_not_run_out_of_file_descriptors(tmp_path):
+    model = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(100)])  # 200+ shards
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 150, hard))
+    try:  # before the fix every shard was opened at once: EMFILE on every save
+        with Checkpointer(tmp_path, every=1, shard_size="1KiB") as ck:
+            ck.save(0, model=model)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(list((tmp_path / "step-0").glob("shard-*.safetensors"))) > 200
+    restored = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(100)])
+    with Checkpointer(tmp_path) as ck:
+        ck.restore(model=restored)
+    assert _train.same_state(restored.state_dict(), model.state_dict())

@@ -4,6 +4,7 @@ with nothing loaded from it (issue 18 #17). A checkpoint that does not fit the o
 ``restore`` is a ConfigError raised before anything is loaded."""
 
 import json
+import os
 import shutil
 import warnings
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import tensortier as tt
 from tensortier.checkpoint import Checkpointer
 from tensortier.checkpoint._format import canonical
 from tensortier.checkpoint._tree import MAX_DEPTH
@@ -131,6 +133,30 @@ def test_bad_rng_state_alone_leaves_everything_untouched(saved, tmp_path, label)
     assert opt.state_dict()["state"] == {}
 
 
+@pytest.mark.parametrize(
+    "file, kind",
+    [
+        ("manifest.json", "link to /dev/zero"),  # before the fix: read until memory ran out
+        ("manifest.json", "fifo"),  # before the fix: open() blocked for a writer, forever
+        ("shard-00000.safetensors", "fifo"),  # the same, in safetensors' open
+    ],
+)
+def test_a_file_that_is_not_a_regular_file_is_damage_not_a_hang(saved, tmp_path, file, kind):
+    root = tmp_path / "ck"
+    shutil.copytree(saved[0], root)
+    target = root / "step-1" / file
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/zero")
+    model, opt, sched = _train.make(seed=7)
+    with Checkpointer(root) as ck, pytest.warns(UserWarning, match="not a regular file"):
+        state = ck.restore(model=model, optimizer=opt, scheduler=sched)
+    assert state.saved_step == 0
+    assert _train.same_state(model.state_dict(), saved[1][0])
+
+
 def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(saved, tmp_path):
     root = tmp_path / "ck"
     shutil.copytree(saved[0], root)
@@ -154,6 +180,29 @@ def test_an_optimizer_with_other_groups_is_refused_before_the_model_loads(saved,
     assert _train.same_state(model.state_dict(), before)
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "OffloadedAdamW"])
+def test_another_optimizers_state_is_refused_before_the_model_loads(tmp_path, kind):
+    model, _, _ = _train.make()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 16)).sum().backward()
+    sgd.step()
+    with Checkpointer(tmp_path, every=1) as ck:
+        ck.save(0, model=model, optimizer=sgd)
+    fresh, _, _ = _train.make(seed=7)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    opt = (torch.optim.AdamW if kind == "AdamW" else tt.OffloadedAdamW)(fresh.parameters())
+    # before the fix: KeyError('step') / TypeError from load_state_dict, the model already loaded
+    with Checkpointer(tmp_path) as ck, pytest.raises(ConfigError, match=f"the {kind} passed"):
+        ck.restore(model=fresh, optimizer=opt)
+    assert _train.same_state(fresh.state_dict(), before)
+    assert opt.state_dict()["state"] == {}
+    if kind == "AdamW":  # the optimizer is untouched and still steps
+        fresh(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    else:
+        opt.close()
+
+
 def test_state_nested_deeper_than_the_limit_is_refused_at_save(tmp_path):
     with Checkpointer(tmp_path, every=1) as ck, pytest.raises(ConfigError, match="levels deep"):
         ck.save(0, extra=_deep(MAX_DEPTH + 5))
@@ -172,3 +221,69 @@ def test_numpy_arrays_with_nan_and_inf_round_trip_exactly(tmp_path):
         got = ck.restore().extra
     assert got["metrics"].dtype == np.float32 and got["metrics"].tobytes() == values.tobytes()
     assert np.array_equal(got["ints"], extra["ints"]) and got["ints"].dtype == np.int64
+
+
+def test_numpy_scalars_keep_their_type_so_resumed_arithmetic_is_the_same(tmp_path):
+    extra = {"decay": np.float32(0.999), "seen": np.int64(7), "done": np.bool_(False)}
+    with Checkpointer(tmp_path, every=1) as ck:
+        ck.save(0, extra=extra)
+    with Checkpointer(tmp_path, every=1) as ck:
+        got = ck.restore().extra
+    # before the fix: Python float/int/bool, so float32 arithmetic became float64 after a resume
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in extra.items()}
+    assert got == extra
+    assert (got["decay"] * np.float32(0.3)).tobytes() == (
+        extra["decay"] * np.float32(0.3)
+    ).tobytes()
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.eye(2).to_sparse(), torch.empty(2, device="meta")],
+    ids=["sparse", "meta"],
+)
+def test_a_tensor_without_dense_data_is_refused_at_save_with_its_path(tmp_path, tensor):
+    with Checkpointer(tmp_path, every=1) as ck:
+        with pytest.raises(ConfigError, match="extra/state/t: .* cannot be checkpointed"):
+            ck.save(0, extra={"state": {"t": tensor}})  # before: a TypeError naming no value
+        ck.save(1, extra={"ok": 1})
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step")) == ["step-1"]
+
+
+def _key_order(obj):
+    """Every dict's keys in order, nested (what ``==`` on dicts ignores)."""
+    if isinstance(obj, dict):
+        return [(k, _key_order(v)) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [_key_order(v) for v in obj]
+    return None
+
+
+def test_extra_comes_back_with_its_keys_in_the_order_saved(tmp_path):
+    scaler = torch.amp.GradScaler("cpu")
+    extra = {
+        "zeta": {"y": 1, "b": [{"q": 0, "c": 1}], "a": 2.5},
+        "scaler": scaler.state_dict(),
+        "alpha": {"step": torch.tensor(3), "mid": None},
+    }
+    with Checkpointer(tmp_path, every=1) as ck:
+        ck.save(0, model=torch.nn.Linear(2, 2), extra=extra)
+    with Checkpointer(tmp_path, every=1) as ck:
+        got = ck.restore(model=torch.nn.Linear(2, 2)).extra
+    assert _key_order(got) == _key_order(extra)  # as torch.save gives it back
+
+
+def test_a_manifest_written_with_sorted_keys_still_verifies(saved, tmp_path):
+    def sort_all(body):  # earlier versions wrote every object's keys sorted
+        sorted_body = json.loads(json.dumps(body, sort_keys=True))
+        body.clear()
+        body.update(sorted_body)
+
+    root = _edited(saved, tmp_path, sort_all)
+    model, opt, sched = _train.make(seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: step 1 verifies
+        with Checkpointer(root, every=1) as ck:
+            state = ck.restore(model=model, optimizer=opt, scheduler=sched)
+    assert state.saved_step == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved[1][1].items())

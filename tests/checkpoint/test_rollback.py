@@ -6,6 +6,7 @@ points of the retirement are in PROTOCOL.md ("Rollback"); they are killed here o
 
 import multiprocessing
 import os
+import shutil
 import signal
 import warnings
 
@@ -124,3 +125,17 @@ def test_sigkill_while_retiring_never_mixes_the_two_runs(tmp_path, point, expect
         state = ck.restore(model=_crash_child.rollback_model())
     assert (state.extra["run"], state.saved_step) == expected
     assert state.extra["step"] == state.saved_step
+
+
+def test_a_folder_named_like_a_step_but_not_written_by_us_is_ignored(tmp_path):
+    model = _linear()
+    with Checkpointer(tmp_path, every=1) as ck:
+        ck.save(5, model=model)
+    shutil.copytree(tmp_path / "step-5", tmp_path / "step-007")  # a user's renamed copy
+    shutil.copytree(tmp_path / "step-5", tmp_path / "step-007.incomplete")  # not our debris
+    with Checkpointer(tmp_path, every=1) as ck:
+        assert ck.restore(model=_linear()).saved_step == 5
+        ck.save(6, model=model)  # before the fix: FileNotFoundError retiring "step-7"
+        ck.wait()
+    names = sorted(p.name for p in tmp_path.glob("step-*"))
+    assert names == ["step-007", "step-007.incomplete", "step-5", "step-6"]

@@ -85,8 +85,9 @@ def import_dcp(
     is refused (:class:`CorruptDataError`) instead of running code; so is a damaged one.
     """
     from tensortier.checkpoint._dcp_read import read_dcp
-    from tensortier.checkpoint.checkpointer import Checkpointer
+    from tensortier.checkpoint.checkpointer import Checkpointer, _check_step
 
+    step = _check_step(step, "import_dcp")  # before reading: step-5.0 would never be restored
     state = read_dcp(os.fspath(dcp_dir))
     if not state:
         raise ConfigError(f"{os.fspath(dcp_dir)!r} holds no DCP state; pass a DCP checkpoint")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 
 import crc32c
@@ -28,7 +29,9 @@ from tensortier.tiers.host import PAGE
 FORMAT = "tensortier.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+# exactly the names step_dir() writes: "step-007" or "step-٣" would be listed as step 7 or 3,
+# then read, retired or rolled back under the name "step-7" that is not there
+STEP_DIR = re.compile(r"^step-(0|[1-9][0-9]*)$", re.ASCII)
 SHARD_NAME = re.compile(r"^shard-\d{5}\.safetensors$")
 RANK_SHARD_NAME = re.compile(r"^rank-\d{5}/shard-\d{5}\.safetensors$")  # many ranks (v2)
 VERSIONS = (VERSION, 2)  # 2: many ranks, see _ranks.py
@@ -133,14 +136,16 @@ def write_header(shard: Shard, image: torch.Tensor) -> None:
 
 
 def canonical(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    """The checksummed bytes of a body. Keys keep their order (a user's ``extra`` and any
+    state dict come back in the order saved, as from ``torch.save``); a body parsed from a
+    manifest has the file's order, so this re-encodes it exactly (manifests written with sorted
+    keys by earlier versions included)."""
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
 
 
 def manifest_bytes(body: dict) -> bytes:
     data = canonical(body)
-    return json.dumps(
-        {"crc32c": crc32c.crc32c(data), "body": body}, sort_keys=True, allow_nan=False
-    ).encode()
+    return json.dumps({"crc32c": crc32c.crc32c(data), "body": body}, allow_nan=False).encode()
 
 
 def _reject_constant(name: str) -> None:
@@ -151,13 +156,19 @@ def read_manifest(path: str) -> dict:
     """Parse and check ``path/manifest.json``; raises :class:`CorruptDataError` on any defect."""
     file = os.path.join(path, MANIFEST)
     try:
-        size = os.path.getsize(file)
-        if size > _MAX_MANIFEST:
-            raise CorruptDataError(f"manifest is {size} bytes, larger than any we write", path=file)
-        with open(file, "rb") as f:
-            raw = f.read()
+        # O_NONBLOCK: a FIFO in its place must not block the open; only a regular file is read,
+        # and never past the limit (a link to /dev/zero reports size 0 and never ends)
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise CorruptDataError("manifest is not a regular file", path=file)
+            raw = f.read(_MAX_MANIFEST + 1)
     except OSError as exc:
         raise CorruptDataError(f"cannot read manifest: {exc}", path=file) from exc
+    if len(raw) > _MAX_MANIFEST:
+        raise CorruptDataError(
+            f"manifest is over {_MAX_MANIFEST} bytes, larger than any we write", path=file
+        )
     return parse_manifest(raw, file)
 
 
@@ -201,6 +212,8 @@ def read_tensors(path: str, body: dict, allow_ranks: bool = False) -> dict[str, 
     for file, items in sorted(by_file.items()):
         full = os.path.join(path, file)
         try:
+            if not stat.S_ISREG(os.stat(full).st_mode):  # a FIFO would block safe_open forever
+                raise CorruptDataError(f"{file} is not a regular file", path=full)
             with safe_open(full, framework="pt") as f:
                 keys = set(f.keys())
                 for name, info in items:

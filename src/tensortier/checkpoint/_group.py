@@ -53,6 +53,12 @@ class Solo:
     def agree_save(self, step: int, parts: list[str], timeout_s: float) -> None:
         """Every rank saves ``step`` with the same parts, or ``ConfigError`` everywhere."""
 
+    def all_ok(self, error: Exception | None, what: str) -> None:
+        """Raise on every rank if one failed to ``what``: its own error on that rank, a
+        ConfigError naming it on the others (one process: the error, if any)."""
+        if error is not None:
+            raise error
+
     def held(self, t: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
         """(what this rank writes of ``t``, its chunk of the global tensor or None)."""
         return t, None
@@ -121,6 +127,19 @@ class Group(Solo):
 
     def agree_save(self, step: int, parts: list[str], timeout_s: float) -> None:
         _ranks.agree_save(self.ranks, step, parts, timeout_s)
+
+    def all_ok(self, error: Exception | None, what: str) -> None:
+        told = _dist.gather_objects(
+            None if error is None else f"{type(error).__name__}: {error}", self.ranks.main
+        )
+        if error is not None:
+            raise error
+        bad = next(((r, e) for r, e in enumerate(told) if e is not None), None)
+        if bad is not None:
+            raise ConfigError(
+                f"rank {bad[0]} could not {what}, so no rank saved this step (the last "
+                f"checkpoint is unchanged): {bad[1]}"
+            )
 
     def held(self, t: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
         return _ranks.dtensor_local(t)

@@ -25,6 +25,7 @@ from tensortier.checkpoint._format import MANIFEST, Shard, crc, entry_info, mani
 from tensortier.errors import TierFullError
 
 CHUNK = 16 << 20
+MAX_OPEN = 64  # shard files a save holds open at once
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _pwrite = os.pwrite  # module-level so tests can simulate a full disk
 
@@ -142,8 +143,30 @@ def write_shards(
 ) -> tuple[dict, int]:
     """Write and fsync every shard file into ``folder`` (which exists); returns the manifest's
     tensor table (file names prefixed with ``prefix``) and the bytes written. On an error every
-    job is waited for and the error re-raised (the caller removes the folder)."""
+    job is waited for and the error re-raised (the caller removes the folder). At most
+    ``MAX_OPEN`` files are open at once: a small ``shard_size`` makes thousands of shards, more
+    than the process may open (EMFILE on every save)."""
     clock = clock or CpuClock()
+    tensors: dict = {}
+    written = 0
+    for at in range(0, len(shards), MAX_OPEN):
+        part = slice(at, at + MAX_OPEN)
+        table, n = _write_group(folder, shards[part], images[part], pool, direct, clock, prefix)
+        tensors.update(table)
+        written += n
+    return tensors, written
+
+
+def _write_group(
+    folder: str,
+    shards: list[Shard],
+    images: list[torch.Tensor],
+    pool: ThreadPoolExecutor,
+    direct: bool,
+    clock: CpuClock,
+    prefix: str,
+) -> tuple[dict, int]:
+    """``write_shards`` for a group of files open together, written in parallel."""
     fds: list[int] = []
     jobs: list = []  # every pool job, waited for before an error leaves
     written = 0

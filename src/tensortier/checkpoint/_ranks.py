@@ -31,7 +31,7 @@ import torch
 from tensortier import _dist
 from tensortier.checkpoint import _faults
 from tensortier.checkpoint._format import MANIFEST, read_tensors
-from tensortier.checkpoint._persist import commit, fsync_dir, retire
+from tensortier.checkpoint._persist import commit, disk_full, fsync_dir, retire
 from tensortier.errors import ConfigError, CorruptDataError
 
 log = logging.getLogger("tensortier.checkpoint")
@@ -184,6 +184,7 @@ def commit_ranks(
     _faults.point("rank-reported")
     reports = _dist.gather_objects(report, ranks.bg)
     outcome = None
+    own: BaseException | None = None  # rank 0's commit error, raised as itself there
     final = os.path.join(root, f"step-{step}")
     tmp = final + ".incomplete"
     if ranks.rank == 0:
@@ -207,9 +208,14 @@ def commit_ranks(
                 retain(step)
             except BaseException as exc:  # noqa: BLE001 - sent to every rank, raised below
                 outcome = f"rank 0 could not commit: {exc!r}"
+                own = disk_full(exc, step, root)  # a full disk is TierFullError, as in one process
+                if own is not exc:
+                    own.__cause__ = exc
         if outcome is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     outcome = _dist.broadcast_object(outcome, 0, ranks.bg)
+    if own is not None:
+        raise own
     if outcome is not None:
         raise RuntimeError(
             f"checkpoint of step {step} was not committed: {outcome}. The previous checkpoint "
@@ -236,6 +242,25 @@ class Chunk:
     info: dict
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
+
+
+def _chunk_place(chunk: object, shape: tuple) -> tuple[tuple | None, tuple]:
+    """(offsets, global shape) of a saved chunk of local ``shape``; (None, ()) if the manifest's
+    entry is malformed: not a mapping of int lists of the tensor's rank, or not inside the
+    global tensor (a crafted manifest with a valid checksum must fail as damage, typed)."""
+    if not chunk:
+        return (0,) * len(shape), shape
+    if not isinstance(chunk, dict):
+        return None, ()
+    offsets, full = chunk.get("offsets"), chunk.get("shape")
+    values = [offsets, full, list(shape)]
+    if not all(isinstance(v, list) and len(v) == len(shape) for v in values) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for v in values for n in v
+    ):
+        return None, ()
+    if any(o + n > f for o, n, f in zip(offsets, shape, full)):
+        return None, ()
+    return tuple(offsets), tuple(full)
 
 
 class Index:
@@ -273,10 +298,8 @@ class Index:
                 if self.world > 1 and not RANK_FILE.match(str(info.get("file", ""))):
                     raise CorruptDataError(f"tensor {name!r}: bad file entry", path=path)
                 shape = tuple(info["shape"])
-                chunk = entry["chunks"].get(name)
-                offsets = tuple(chunk["offsets"]) if chunk else (0,) * len(shape)
-                full = tuple(chunk["shape"]) if chunk else shape
-                if len(offsets) != len(shape) or len(full) != len(shape):
+                offsets, full = _chunk_place(entry["chunks"].get(name), shape)
+                if offsets is None:
                     raise CorruptDataError(f"tensor {name!r}: bad chunk entry", path=path)
                 self.chunks.setdefault(name, []).append(Chunk(r, info, offsets, shape))
                 self.meta.setdefault(name, (info.get("dtype"), full))

@@ -3,11 +3,12 @@
 A state tree (a model/optimizer/scheduler ``state_dict``, RNG states, the user's ``extra``) is
 turned into plain JSON in which every tensor is replaced by ``{"$tt": "tensor", "name": ...}`` and
 stored separately (in safetensors files). Values JSON cannot hold exactly get a tag from a short
-allow-list (tuples, non-string dict keys, non-finite floats, numpy arrays as raw little-endian
-bytes, dtypes, bytes). Decoding resolves only those tags: nothing is imported, evaluated or
-unpickled, so a crafted manifest can at worst be rejected (:class:`CorruptDataError`, never a raw
-``TypeError`` or ``RecursionError``: nesting is bounded by ``MAX_DEPTH`` both ways). Anything else
-is refused at save time with the path to the offending value.
+allow-list (tuples, non-string dict keys, non-finite floats, numpy arrays and scalars as raw
+little-endian bytes, dtypes, bytes); only dense tensors with data are stored. Decoding resolves
+only those tags: nothing is imported, evaluated or unpickled, so a crafted manifest can at worst
+be rejected (:class:`CorruptDataError`, never a raw ``TypeError`` or ``RecursionError``: nesting
+is bounded by ``MAX_DEPTH`` both ways). Anything else is refused at save time with the path to
+the offending value.
 """
 
 from __future__ import annotations
@@ -77,7 +78,15 @@ def encode(
             return float(obj)
         return {TAG: "float", "value": repr(obj)}
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.is_nested or obj.is_meta:
+            raise ConfigError(
+                f"{path}: a {'meta' if obj.is_meta else obj.layout} tensor cannot be "
+                f"checkpointed; only dense tensors with data are (call .to_dense() first)"
+            )
         return {TAG: "tensor", "name": add_tensor(path, obj)}
+    if isinstance(obj, np.generic) and obj.dtype.name in _NP_DTYPES:
+        # kept a numpy scalar: np.float32 arithmetic after a resume must stay float32
+        return {**encode(np.asarray(obj), path, add_tensor, depth), "scalar": True}
     if isinstance(obj, np.generic):
         return encode(obj.item(), path, add_tensor, depth)
     if isinstance(obj, np.ndarray):
@@ -178,7 +187,8 @@ def decode(obj: object, tensors: Mapping[str, torch.Tensor], depth: int = 0) -> 
             if "hex" in obj:  # written by this version: raw little-endian bytes
                 little = np.dtype(dtype).newbyteorder("<")
                 flat = np.frombuffer(bytes.fromhex(obj["hex"]), dtype=little)
-                return flat.astype(np.dtype(dtype)).reshape(shape)
+                array = flat.astype(np.dtype(dtype)).reshape(shape)
+                return array[()] if obj.get("scalar") is True and not shape else array
             return np.asarray(data, dtype=np.dtype(dtype)).reshape(shape)  # nested lists (older)
         except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise CorruptDataError(f"bad ndarray in manifest: {exc}") from exc

@@ -54,6 +54,29 @@ def _check_optimizer(state: object) -> None:
             raise CorruptDataError("a per-parameter optimizer state in manifest is not a mapping")
 
 
+# wrappers that prefix a module's state_dict keys: DDP, torch.compile, FSDP1, checkpoint_wrapper
+_WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _bare(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part not in _WRAPPERS)
+
+
+def align_model_keys(tree: dict, own: dict) -> dict:
+    """``tree`` with its model keys renamed to ``own``'s where the two differ only by wrapper
+    prefixes (saved from ``DDP(model)``, restored into the bare model in one process, or
+    back), as DCP's ``get_model_state_dict`` names parameters; otherwise ``tree`` unchanged
+    (``check_fits`` then names the keys that differ)."""
+    saved = tree.get("model")
+    if not isinstance(saved, dict) or saved.keys() == own.keys():
+        return tree
+    by_bare = {_bare(k): k for k in own}
+    renamed = {by_bare.get(_bare(k)): v for k, v in saved.items()}
+    if len(by_bare) != len(own) or len(renamed) != len(saved) or renamed.keys() != own.keys():
+        return tree  # not a one-to-one match: a different model
+    return {**tree, "model": {k: renamed[k] for k in own}}
+
+
 def check_fits(tree: dict, path: str, model, optimizer, scheduler) -> None:
     """Raise ConfigError (before anything is loaded) if the checkpoint does not fit the objects."""
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
@@ -75,6 +98,46 @@ def check_fits(tree: dict, path: str, model, optimizer, scheduler) -> None:
                 f"{[len(g['params']) for g in optimizer.param_groups]}; build the optimizer "
                 f"over the same parameters and groups as the saved run"
             )
+        check_optimizer_loads(tree["optimizer"], optimizer, path)
+
+
+def check_optimizer_loads(state: dict, optimizer, path: str) -> None:
+    """ConfigError if ``optimizer.load_state_dict(state)`` would fail, with nothing changed.
+
+    The model loads before the optimizer (OffloadedAdamW takes its fp32 masters from the
+    loaded parameters), so a state the optimizer refuses only then (SGD's momentum into AdamW:
+    torch's ``load_state_dict`` checks group sizes, then fails in ``__setstate__``) would leave
+    the model loaded and the error untyped. torch.optim's own ``load_state_dict`` is run on a
+    shallow twin (its ``__setstate__`` replaces the twin's state and groups, never the
+    optimizer's); OffloadedAdamW checks a state dict whole before it changes anything.
+    """
+    from tensortier.optim.adamw import OffloadedAdamW
+
+    try:
+        if isinstance(optimizer, OffloadedAdamW):
+            optimizer._dicts.parse(state)
+        elif type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict:
+            twin = object.__new__(type(optimizer))
+            twin.__dict__.update(optimizer.__dict__)
+            # over data-less stand-ins of the parameters: torch moves each loaded state tensor
+            # to its parameter's device and dtype, which for the twin then copies nothing
+            twin.param_groups = [
+                {**g, "params": [_ghost(p) for p in g["params"]]} for g in optimizer.param_groups
+            ]
+            twin.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
+        raise ConfigError(
+            f"checkpoint {path} holds an optimizer state that the {type(optimizer).__name__} "
+            f"passed cannot load ({exc!r}); nothing was loaded. Restore with the optimizer the "
+            f"saved run used"
+        ) from exc
+
+
+def _ghost(p: torch.Tensor) -> torch.Tensor:
+    """A meta tensor like ``p`` (a DTensor or other subclass is kept: it has its own rules)."""
+    if type(p) in (torch.Tensor, torch.nn.Parameter):
+        return torch.empty_like(p, device="meta")
+    return p
 
 
 def _check_model(saved: dict, own: dict, path: str) -> None:

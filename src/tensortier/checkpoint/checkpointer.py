@@ -65,14 +65,15 @@ from tensortier.checkpoint._persist import (
 from tensortier.checkpoint._policy import AutoInterval
 from tensortier.checkpoint._rng import rng_state, set_rng_state
 from tensortier.checkpoint._tree import decode, encode
-from tensortier.checkpoint._validate import check_tree
+from tensortier.checkpoint._validate import align_model_keys, check_tree
 from tensortier.errors import BudgetError, ClosedError, ConfigError, CorruptDataError, SpillDirError
 from tensortier.tiers.disk import _probe_direct, as_bytes
 from tensortier.tiers.host import aligned_empty
 from tensortier.transfer.streams import COMPUTE, SideStreams, consume
 
 log = logging.getLogger("tensortier.checkpoint")
-_STALE = re.compile(r"^step-\d+\.(incomplete|deleting-\d+)$")
+# debris of our own writes only (removed at start): the step names step_dir() makes
+_STALE = re.compile(r"^step-(0|[1-9][0-9]*)\.(incomplete|deleting-[0-9]+)$", re.ASCII)
 LOCK_FILE = ".tensortier-checkpoint.lock"
 MAX_IO_THREADS = 256
 PROGRESS_SECONDS = 60.0  # a wait for a persist logs a warning this often, so a stall shows
@@ -332,7 +333,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, process_group=None, **settings):
         self.config = CheckpointConfig(**settings)
-        self.directory = os.path.abspath(os.fspath(directory))  # absolute, as given
+        self.directory = _check_directory(directory)  # absolute, as given
         self._group = (
             Group.create(process_group, self.config.commit_timeout)
             if _dist.active(process_group)
@@ -447,6 +448,7 @@ class Checkpointer:
         Returns whether a checkpoint was started. Raises the error of a failed background persist.
         """
         self._check_open()
+        step = _check_step(step, "maybe_save")
         self._raise_pending()
         now = time.monotonic()
         if self._auto is not None:
@@ -488,6 +490,7 @@ class Checkpointer:
     ) -> None:
         """Start a checkpoint of ``step`` now (waiting for the previous persist if needed)."""
         self._check_open()
+        step = _check_step(step, "save")
         self._raise_pending()
         self._start(step, model, optimizer, scheduler, extra, entered=time.monotonic())
 
@@ -547,7 +550,11 @@ class Checkpointer:
         a warning naming the defect; if every checkpoint is damaged, :class:`CorruptDataError`.
         """
         self._check_open()
+        step = None if step is None else _check_step(step, "restore")
         self.wait()
+        self._group.agree(  # else each rank would load the step it named: a mixed state
+            {"step": step}, "restore", fix="pass the same restore(step=) everywhere, or none"
+        )
         steps = self._candidates(step)
         problems = []
         replica = _ReplicaTry()
@@ -566,6 +573,8 @@ class Checkpointer:
                     stacklevel=2,
                 )
                 continue
+            if model is not None:  # DDP(model) saved, bare model restored (or back)
+                tree = align_model_keys(tree, model.state_dict())
             self._group.fits(tree, path, model, optimizer, scheduler)  # before anything loads
             self._apply(tree, model, optimizer, scheduler, rng)
             self._last_saved = s
@@ -725,14 +734,9 @@ class Checkpointer:
         # the same step and parts on every rank, or nothing is written
         self._group.agree_save(step, parts, self.config.commit_timeout)
         abandoned = self._group.decide(lambda: self._abandoned(step))  # rank 0 owns the dir
-        captured = _Captured(self._group, model)
-        state = captured.tree(model, optimizer, scheduler, extra, rng)
-        held = [
-            (n, n in captured.chunks, t.numel() * t.element_size()) for n, t, _ in captured.tensors
-        ]
-        mine, replicated = self._group.plan_writes(held)  # many ranks: this rank's share only
-        tensors = [item for item in captured.tensors if item[0] in mine]
-        self._layout(tensors)
+        captured, state, tensors, replicated = self._capture(
+            model, optimizer, scheduler, extra, rng
+        )
         t_copy = time.monotonic()
         snapshot, cuda_done, clock = self._copy(step, tensors)
         body = {
@@ -769,6 +773,32 @@ class Checkpointer:
         log.debug(
             "checkpoint of step %d started (%s, blocked %.3fs)", step, format_size(nbytes), blocked
         )
+
+    def _capture(self, model, optimizer, scheduler, extra, rng: bool):
+        """(captured, state tree, the tensors this rank writes, the writer of each replicated
+        one), laid out in the images. Many ranks: a rank that fails here (a value that cannot be
+        saved, a host_budget too small) tells the others before anything is written, so every
+        rank raises at once instead of waiting in the next collective until commit_timeout
+        with its group out of step."""
+        captured = _Captured(self._group, model)
+        error: Exception | None = None
+        state: dict = {}
+        try:
+            state = captured.tree(model, optimizer, scheduler, extra, rng)
+        except Exception as exc:
+            error = exc
+        held = [
+            (n, n in captured.chunks, t.numel() * t.element_size()) for n, t, _ in captured.tensors
+        ]
+        mine, replicated = self._group.plan_writes([] if error else held)  # many: this rank's share
+        tensors = [item for item in captured.tensors if item[0] in mine]
+        if error is None:
+            try:
+                self._layout(tensors)
+            except Exception as exc:
+                error = exc
+        self._group.all_ok(error, "capture its state")
+        return captured, state, tensors, replicated
 
     def _copy(self, step: int, tensors: list[tuple[str, torch.Tensor, bool]]):
         """Start the snapshot copies into the images: host tensors copied now (early) or on the
@@ -1050,6 +1080,7 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
         like: dict = {}
         if model is not None:
             like["model"] = model.state_dict()
+            tree = align_model_keys(tree, like["model"])  # before DTensor targets are looked up
         opt = tree.get("optimizer")
         if isinstance(opt, dict):
             merged: dict = {}
@@ -1075,6 +1106,7 @@ def read_checkpoint(directory: str, step: int | None = None) -> tuple[dict, int]
     """(state tree with full tensors, step) of the newest checkpoint in ``directory`` that
     verifies (or of ``step``), saved by any number of ranks; read-only (no lock is taken)."""
     root = os.path.abspath(os.fspath(directory))
+    step = None if step is None else _check_step(step, "export_dcp")
     steps = _complete_steps(root) if os.path.isdir(root) else []
     if not steps:
         raise ConfigError(
@@ -1114,6 +1146,33 @@ def _decode_state(body: dict, tensors: dict[str, torch.Tensor], path: str) -> di
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         # a net under the explicit checks: a crafted manifest never escapes as a raw error
         raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _check_directory(directory: object) -> str:
+    """The absolute path of ``directory``: a ``str`` or path-like naming a directory. An empty
+    string (an unset environment variable) would otherwise mean the current directory, whose
+    ``step-N`` folders a rollback or retention then removes."""
+    path = os.fspath(directory) if isinstance(directory, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(
+            f"Checkpointer(directory={directory!r}): pass the checkpoint directory as a "
+            f"non-empty str or pathlib.Path, e.g. Checkpointer('ckpts/')"
+        )
+    return os.path.abspath(path)
+
+
+def _check_step(step: object, verb: str) -> int:
+    """``step`` as an int >= 0: a checkpoint is the directory ``step-<int>``, so a float, bool,
+    str or negative step would be written where restore never looks (a silent fresh start)."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = step.item()  # a step counter kept as a tensor (0-dim, integer)
+    return check_int(
+        step,
+        f"{verb}: step={step!r} is not an int >= 0; pass int(step) (a checkpoint is the "
+        f"directory step-<int>)",
+        minimum=0,
+        numpy=True,
+    )
 
 
 def _before_any_step(ref: weakref.ref, *_args, **_kwargs) -> None:
