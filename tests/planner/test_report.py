@@ -229,3 +229,39 @@ def test_the_report_shows_the_plan_the_trials_kept_and_their_measured_steps(
     (mark,) = [r for r in body if r["kept"] == "yes"]
     assert mark["compared_s"] == min((r["compared_s"] for r in body), key=float)
     assert all(r["measured steps_s"] != "-" for r in body)
+
+
+def test_a_report_that_cannot_be_written_warns_and_training_goes_on(spill_dir, tmp_path):
+    """``report=`` under a missing directory raised FileNotFoundError out of the fifth step's
+    ``with`` (the first plan), ending the run; now one warning, and the gradients are still
+    those of plain PyTorch."""
+    import torch
+    from torch import nn
+
+    from tensortier.planner.runtime import planned_offload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
+    x = torch.randn(64, 256)
+    model(x).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    path = tmp_path / "missing" / "plan.html"
+    off = planned_offload(
+        "64MiB",
+        spill_dir=spill_dir,
+        policy="capuchin",
+        options=Options(search_iters=60, search_seconds=5),
+        report=str(path),
+    )
+    try:
+        with pytest.warns(UserWarning, match="could not be written"):
+            for _ in range(6):  # warm-up, probe, two timing passes, the plan twice
+                model.zero_grad(set_to_none=True)
+                with off:
+                    loss = model(x).sum()
+                loss.backward()
+        assert off.choice is not None
+    finally:
+        off.close()
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
+    assert not path.parent.exists()

@@ -798,7 +798,14 @@ class PlannedOffload:
         if not cfg.report or _dist.rank() != 0:
             return
         before = self._process_bytes() if self._window is not None else None
-        self._draw_report(trials)
+        try:
+            self._draw_report(trials)
+        except OSError as e:  # a report is not worth a training run: the plan runs all the same
+            warnings.warn(
+                f"tt.offload: report={cfg.report!r} could not be written ({e}); training goes "
+                "on without it: pass report= a path in a writable directory that exists",
+                stacklevel=2,
+            )
         if before is not None and self._window is not None:
             start, counted = self._window
             self._window = (start + max(0, self._process_bytes() - before), counted)
