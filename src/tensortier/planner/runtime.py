@@ -1258,6 +1258,25 @@ def bounded_choice(
     return Choice(plan, best.result, choice.plan_s, considered=choice.considered)
 
 
+def _check_settings(policy: str, warmup: int, timing_iters: int) -> None:
+    """Fail at ``tt.offload(...)``, not at the first plan four steps into training (an unknown
+    policy) or in a comparison inside a step (a count that is not an int)."""
+    from tensortier.errors import ConfigError
+    from tensortier.planner.policies import POLICIES
+
+    if policy not in POLICIES:
+        raise ConfigError(
+            f"tt.offload: unknown policy={policy!r}; choose one of {', '.join(POLICIES)} "
+            "(policy='auto' compares them all)"
+        )
+    for name, value in (("warmup", warmup), ("timing_iters", timing_iters)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(
+                f"tt.offload: {name}={value!r} must be an int >= 0 (the number of iterations); "
+                f"leave it out for the default"
+            )
+
+
 def _tier_options(tier: str, remote, opts: Options) -> Options:
     """The options with the tiers ``tier`` and ``remote`` allow (ConfigError for a tier that does
     not exist or a remote pool that is missing or closed)."""
@@ -1322,6 +1341,7 @@ def planned_offload(
     is ignored: the planner decides per tensor. Calls with the same settings return the same
     object, so a training loop can write ``with tt.offload(budget=...):`` every step.
     """
+    _check_settings(policy, warmup, timing_iters)
     opts = _tier_options(tier, remote, options or Options())
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
