@@ -98,3 +98,38 @@ def test_the_printed_peak_the_report_header_and_its_table_agree(make_profile, tm
     table = page.split("Every policy")[1].split("</table>")[0]
     row = next(r for r in table.split("</tr>") if f"<td>{policy}</td>" in r)
     assert re.findall(r"<td>(.*?)</td>", row)[1] == printed
+
+
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("policy", "--policy 'capucin'"),
+        ("report", "directory"),
+        ("save", "--save-profile"),
+        ("missing", "cannot be read"),
+        ("foreign", "not a tensortier profile"),
+        ("truncated", "not a tensortier profile"),
+        ("folder", "cannot be read"),
+    ],
+)
+def test_a_bad_flag_or_profile_is_one_line_and_exit_code_2(
+    make_profile, tmp_path, capsys, case, named
+):
+    """Each of these raised a traceback (ConfigError, FileNotFoundError, KeyError,
+    JSONDecodeError, IsADirectoryError) out of `tensortier plan`."""
+    good = tmp_path / "prof.json"
+    make_profile(n_units=2, per_unit=1).save(good)
+    (tmp_path / "foreign.json").write_text('{"model": "gpt"}')
+    (tmp_path / "truncated.json").write_text(good.read_text()[:100])
+    profile = {"missing": "nope.json", "foreign": "foreign.json", "truncated": "truncated.json"}
+    path = str(tmp_path / profile[case]) if case in profile else str(good)
+    path = str(tmp_path) if case == "folder" else path
+    extra = {
+        "policy": ["--policy", "capucin"],
+        "report": ["--report", str(tmp_path / "no" / "plan.html")],
+        "save": ["--save-profile", str(tmp_path / "no" / "prof.json")],
+    }.get(case, [])
+    rc, _, err = _cli(["--profile", path, "--budget", "6GB", *extra], capsys)
+    assert rc == 2 and err.startswith("tensortier plan: error: ") and named in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "no").exists()

@@ -7,12 +7,13 @@ tensortier plan --profile prof.json --budget 2GiB          # no model: plan from
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import textwrap
 
 from tensortier._units import format_size, format_size_up, parse_size, print_table
-from tensortier.errors import BudgetError
+from tensortier.errors import BudgetError, ConfigError, TensortierError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +88,34 @@ def profile_gpt(args, budget: int | None = None) -> object:
 
 
 def run(args) -> int:
+    """`tensortier plan`; a bad flag or file is one line naming it and exit code 2."""
+    try:
+        return _run(args)
+    except (TensortierError, OSError) as exc:
+        print(f"tensortier plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _check_args(args) -> int:
+    """The budget; the flags checked before minutes of profiling, not after."""
+    from tensortier.planner.policies import POLICIES
+
+    budget = parse_size(args.budget, name="--budget", allow_zero=False)
+    if args.policy not in POLICIES:
+        raise ConfigError(
+            f"--policy {args.policy!r} is unknown; choose one of {', '.join(POLICIES)}"
+        )
+    for flag, path in (("--report", args.report), ("--save-profile", args.save_profile)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):
+            raise ConfigError(
+                f"{flag} {path!r}: directory {folder!r} does not exist; create it "
+                "(mkdir -p) or pass a path in an existing directory"
+            )
+    return budget
+
+
+def _run(args) -> int:
     from tensortier.planner.policies import Options, choose, plan_all, planning_budget
     from tensortier.planner.profile import CHANNELS, Profile
     from tensortier.planner.report import (
@@ -98,7 +127,7 @@ def run(args) -> int:
         write_report,
     )
 
-    budget = parse_size(args.budget, name="--budget", allow_zero=False)
+    budget = _check_args(args)
     profile = Profile.load(args.profile) if args.profile else profile_gpt(args, budget)
     if args.save_profile:
         profile.save(args.save_profile)
