@@ -994,17 +994,42 @@ class PlannedOffload:
         if hit is None:
             return
         profile, plan, data = hit
+        checked = self._check_cached(profile, plan, data)
+        if checked is None:
+            return
         self._shapes = shapes
-        from tensortier.planner.simulator import simulate_worst
-
         self.profile = profile
-        self._overhead = int(data.get("overhead_bytes", 0))  # as measured when it was planned
-        self.choice = Choice(plan, simulate_worst(profile, plan))
+        self._overhead, self.choice = checked
         self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(key, shapes, profile, self.choice)
         self.cached = True
         self._first = False  # this first step runs the plan: checked as planned steps are
         log.info("tensortier plan %s from the cache (%s)", plan.policy, self.config.plan_cache)
         self._install(json.dumps(key, sort_keys=True))
+
+    def _check_cached(self, profile: Profile, plan: Plan, data: dict) -> tuple[int, Choice] | None:
+        """The overhead and simulated choice of a cached entry whose key matched, or None (a
+        warning, then profiling) where its contents are damaged or edited: a value of the wrong
+        type, a codec that does not exist or is lossy without ``allow_lossy``. Such a file
+        raised mid-run, or ran a lossy codec the settings forbid."""
+        from tensortier.planner.simulator import simulate_worst
+
+        lossy = (self.config.options or Options()).allow_lossy
+        allowed = LOSSLESS_CODECS + (LOSSY_CODECS if lossy else ())
+        try:
+            overhead = data.get("overhead_bytes", 0)  # as measured when it was planned
+            if isinstance(overhead, bool) or not isinstance(overhead, int) or overhead < 0:
+                raise ValueError(f"overhead_bytes={overhead!r} is not a byte count")
+            bad = sorted({str(c) for c in plan.codecs.values()} - set(allowed))
+            if bad:
+                raise ValueError(f"codecs {bad} are not among {', '.join(allowed)}")
+            return overhead, Choice(plan, simulate_worst(profile, plan))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning(
+                "tensortier plan cache %s: a plan for this key is unusable (%s): profiling again",
+                self.config.plan_cache,
+                exc,
+            )
+            return None
 
     def _select(self, shapes) -> None:
         """A forward with other input shapes: the plan of their bucket (made now from the
