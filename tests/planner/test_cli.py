@@ -133,3 +133,24 @@ def test_a_bad_flag_or_profile_is_one_line_and_exit_code_2(
     assert rc == 2 and err.startswith("tensortier plan: error: ") and named in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--layers", "0"], "--layers: must be an int >= 1, got 0"),
+        (["--batch", "-1"], "--batch: must be an int >= 1, got -1"),
+        (["--heads", "5"], "not a multiple of --heads 5"),
+        (["--model", "llama", "--embd", "60", "--heads", "4"], "even head size"),
+    ],
+)
+def test_a_model_size_that_cannot_be_profiled_is_refused_before_profiling(args, named, capsys):
+    """--layers 0 or --batch -1 profiled an empty model and printed a plan; --heads that do not
+    divide --embd (or give Llama an odd head size) raised a RuntimeError traceback from torch."""
+    small = ["--embd", "64", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64"]
+    try:
+        rc = main(["plan", *small, "--budget", "64MiB", *args])
+    except SystemExit as exc:  # argparse's own error: usage, one line, exit code 2
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and named in err and "Traceback" not in err, err

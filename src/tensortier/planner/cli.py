@@ -16,14 +16,25 @@ from tensortier._units import format_size, format_size_up, parse_size, print_tab
 from tensortier.errors import BudgetError, ConfigError, TensortierError
 
 
+def _positive(text: str) -> int:
+    """argparse type of the model's sizes: 0 or a negative number profiled an empty model."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt", choices=["gpt", "llama"], help="model to profile")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--embd", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--layers", type=_positive, default=6)
+    p.add_argument("--embd", type=_positive, default=384, help="a multiple of --heads")
+    p.add_argument("--heads", type=_positive, default=6)
+    p.add_argument("--seq", type=_positive, default=256)
+    p.add_argument("--batch", type=_positive, default=8)
+    p.add_argument("--vocab", type=_positive, default=4096)
     p.add_argument("--budget", required=True, help="memory budget, e.g. 2GiB")
     p.add_argument(
         "--policy",
@@ -101,6 +112,16 @@ def _check_args(args) -> int:
     from tensortier.planner.policies import POLICIES
 
     budget = parse_size(args.budget, name="--budget", allow_zero=False)
+    if not args.profile and args.embd % args.heads:
+        raise ConfigError(
+            f"--embd {args.embd} is not a multiple of --heads {args.heads}; "
+            f"pass e.g. --embd {args.heads * max(1, args.embd // args.heads)}"
+        )
+    if not args.profile and args.model == "llama" and (args.embd // args.heads) % 2:
+        raise ConfigError(
+            f"--model llama needs an even head size (rotary embedding); --embd {args.embd} / "
+            f"--heads {args.heads} is odd: pass e.g. --embd {2 * args.embd}"
+        )
     if args.policy not in POLICIES:
         raise ConfigError(
             f"--policy {args.policy!r} is unknown; choose one of {', '.join(POLICIES)}"
