@@ -1283,6 +1283,21 @@ def bounded_choice(
     return Choice(plan, best.result, choice.plan_s, considered=choice.considered)
 
 
+def _path_or_none(name: str, value) -> str | None:
+    """``report=``/``plan_cache=`` as a str: an int or a list raised TypeError mid-run (the
+    report at the first plan, four steps in)."""
+    from tensortier.errors import ConfigError
+
+    if value is None or value == "":  # "": none, as before
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    raise ConfigError(
+        f"tt.offload: {name}={value!r} ({type(value).__name__}) is not a path; pass a str or "
+        f"os.PathLike, e.g. {name}='plans/', or leave it out"
+    )
+
+
 def _check_settings(policy: str, warmup: int, timing_iters: int) -> None:
     """Fail at ``tt.offload(...)``, not at the first plan four steps into training (an unknown
     policy) or in a comparison inside a step (a count that is not an int)."""
@@ -1339,7 +1354,7 @@ def planned_offload(
     inflight_budget: SizeLike | None = None,
     host_budget: SizeLike = "8GiB",
     options: Options | None = None,
-    report: str | None = None,
+    report: str | os.PathLike | None = None,
     plan_cache: str | os.PathLike | None = None,
     min_bytes: SizeLike | None = None,
     remote=None,
@@ -1383,8 +1398,8 @@ def planned_offload(
         else parse_size(inflight_budget, name="inflight_budget", allow_zero=False),
         host_budget=parse_size(host_budget, name="host_budget", allow_zero=False),
         options=opts,
-        report=report,
-        plan_cache=None if plan_cache is None else os.fspath(plan_cache),
+        report=_path_or_none("report", report),
+        plan_cache=_path_or_none("plan_cache", plan_cache),
         remote=remote,
     )
     key = (repr(config), id(remote))
