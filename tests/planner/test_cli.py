@@ -110,6 +110,7 @@ def test_the_printed_peak_the_report_header_and_its_table_agree(make_profile, tm
         ("foreign", "not a tensortier profile"),
         ("truncated", "not a tensortier profile"),
         ("folder", "cannot be read"),
+        ("report-folder", "is a directory"),
     ],
 )
 def test_a_bad_flag_or_profile_is_one_line_and_exit_code_2(
@@ -128,6 +129,7 @@ def test_a_bad_flag_or_profile_is_one_line_and_exit_code_2(
         "policy": ["--policy", "capucin"],
         "report": ["--report", str(tmp_path / "no" / "plan.html")],
         "save": ["--save-profile", str(tmp_path / "no" / "prof.json")],
+        "report-folder": ["--report", str(tmp_path)],
     }.get(case, [])
     rc, _, err = _cli(["--profile", path, "--budget", "6GB", *extra], capsys)
     assert rc == 2 and err.startswith("tensortier plan: error: ") and named in err, err

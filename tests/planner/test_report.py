@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import html
+import os
 import re
 
 import pytest
@@ -17,6 +18,8 @@ from tensortier.planner.policies import (  # noqa: E402
 )
 from tensortier.planner.report import LEGEND, legend, write_report  # noqa: E402
 from tensortier.planner.simulator import Mode, Plan, UnitAction, simulate  # noqa: E402
+
+GB = 10**9
 
 
 def test_report_writes_html_and_a_png(make_profile, tmp_path):
@@ -265,3 +268,17 @@ def test_a_report_that_cannot_be_written_warns_and_training_goes_on(spill_dir, t
         off.close()
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
     assert not path.parent.exists()
+
+
+@pytest.mark.parametrize("slash", ["", "/"])
+def test_a_report_path_that_is_a_directory_is_refused_before_anything_is_written(
+    make_profile, tmp_path, slash
+):
+    """It wrote ``<dir>.png`` beside the directory (or ``.png`` inside it), then failed opening
+    the directory as the HTML file."""
+    p = make_profile(n_units=2, per_unit=1)
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match="pass a file name"):
+        write_report(str(folder) + slash, p, choose(p, 10 * GB, "keep"), budget=10 * GB)
+    assert sorted(os.listdir(tmp_path)) == ["reports"] and not os.listdir(folder)

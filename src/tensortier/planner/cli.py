@@ -127,6 +127,8 @@ def _check_args(args) -> int:
             f"--policy {args.policy!r} is unknown; choose one of {', '.join(POLICIES)}"
         )
     for flag, path in (("--report", args.report), ("--save-profile", args.save_profile)):
+        if path and os.path.isdir(path):
+            raise ConfigError(f"{flag} {path!r} is a directory; pass a file name such as plan.html")
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder is not None and not os.path.isdir(folder):
             raise ConfigError(
