@@ -874,12 +874,14 @@ def test_cuda_budget_under_compiled_autograd_is_bit_identical_and_metered_in_bac
         ({"timing_iters": True}, "timing_iters=True"),
         ({"report": 123}, "report=123"),
         ({"plan_cache": ["plans"]}, "plan_cache=['plans']"),
+        ({"options": {"margin": 0.2}}, "options={'margin': 0.2} (dict) is not an Options"),
     ],
 )
 def test_a_bad_setting_fails_at_the_call_and_names_itself(kw, named):
     """An unknown policy was accepted and raised only at the first plan, after four profiled
     steps; a negative or non-int count was accepted (a str failed inside a step); a report path
-    that is not a path raised TypeError at the first plan, a plan_cache one a raw TypeError."""
+    that is not a path raised TypeError at the first plan, a plan_cache one (or options= a dict)
+    a raw TypeError."""
     import tensortier as tt
     from tensortier.errors import ConfigError
 

@@ -1298,7 +1298,7 @@ def _path_or_none(name: str, value) -> str | None:
     )
 
 
-def _check_settings(policy: str, warmup: int, timing_iters: int) -> None:
+def _check_settings(policy: str, warmup: int, timing_iters: int, options) -> None:
     """Fail at ``tt.offload(...)``, not at the first plan four steps into training (an unknown
     policy) or in a comparison inside a step (a count that is not an int)."""
     from tensortier.errors import ConfigError
@@ -1308,6 +1308,11 @@ def _check_settings(policy: str, warmup: int, timing_iters: int) -> None:
         raise ConfigError(
             f"tt.offload: unknown policy={policy!r}; choose one of {', '.join(POLICIES)} "
             "(policy='auto' compares them all)"
+        )
+    if options is not None and not isinstance(options, Options):
+        raise ConfigError(
+            f"tt.offload: options={options!r} ({type(options).__name__}) is not an Options; pass "
+            "tensortier.planner.policies.Options(...), e.g. Options(margin=0.2), or leave it out"
         )
     for name, value in (("warmup", warmup), ("timing_iters", timing_iters)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -1381,7 +1386,7 @@ def planned_offload(
     is ignored: the planner decides per tensor. Calls with the same settings return the same
     object, so a training loop can write ``with tt.offload(budget=...):`` every step.
     """
-    _check_settings(policy, warmup, timing_iters)
+    _check_settings(policy, warmup, timing_iters, options)
     opts = _tier_options(tier, remote, options or Options())
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
