@@ -889,3 +889,17 @@ def test_a_bad_setting_fails_at_the_call_and_names_itself(kw, named):
         tt.offload(budget="64MiB", **kw)
     off = tt.offload(budget="64MiB", warmup=0, timing_iters=0)  # 0 is valid
     off.close()
+
+
+@pytest.mark.parametrize(
+    "kw", [{"plan_cache": "plans/"}, {"report": "plan.html", "policy": "fine"}]
+)
+def test_a_planner_setting_without_a_budget_names_budget(kw):
+    """tt.offload(plan_cache=...) without budget= raised Offloader's TypeError "unexpected
+    keyword argument", with no word that budget= is missing."""
+    import tensortier as tt
+    from tensortier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="pass budget= too") as e:
+        tt.offload(**kw)
+    assert all(f"{k}=" in str(e.value) for k in kw)
