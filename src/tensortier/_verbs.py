@@ -8,6 +8,9 @@ from typing import Any
 
 from tensortier._renamed import OFFLOAD_RENAMES, renamed
 
+# settings only tt.offload(budget=...) takes (planner/runtime.py: planned_offload)
+PLANNER_ONLY = frozenset({"policy", "warmup", "timing_iters", "options", "report", "plan_cache"})
+
 
 @renamed(**OFFLOAD_RENAMES)
 def offload(tier: str | None = None, *, budget: Any = None, **kwargs: Any):
@@ -25,6 +28,15 @@ def offload(tier: str | None = None, *, budget: Any = None, **kwargs: Any):
         from tensortier.planner.runtime import planned_offload
 
         return planned_offload(budget, tier=tier or "auto", **kwargs)
+    planner_only = sorted(set(kwargs) & PLANNER_ONLY)
+    if planner_only:  # else Offloader's "unexpected keyword argument", with no word of budget=
+        from tensortier.errors import ConfigError
+
+        raise ConfigError(
+            f"tt.offload({', '.join(f'{k}=' for k in planner_only)}...) without budget=: "
+            f"{'these are settings' if len(planner_only) > 1 else 'this is a setting'} of the "
+            "planner; pass budget= too, e.g. tt.offload(budget='6GiB', plan_cache='plans/')"
+        )
     from tensortier.activations.offloader import offload as offload_mechanism
 
     return offload_mechanism(tier or "host", **kwargs)

@@ -227,3 +227,37 @@ def test_a_shared_read_only_cache_is_used_and_new_lengths_still_train():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "cached=True same=True warnings=1", proc.stderr[-3000:]
+
+
+def _no_codec(d: dict) -> None:
+    d["plan"]["codecs"] = {"0": "rot13"}
+
+
+def _lossy_codec(d: dict) -> None:
+    d["plan"]["codecs"] = {str(i): "bf16" for i in range(len(d["profile"]["tensors"]))}
+    d["plan"]["actions"] = {u: "disk+codec" if u else "keep" for u in d["plan"]["actions"]}
+
+
+def _text_overhead(d: dict) -> None:
+    d["overhead_bytes"] = "12MiB"
+
+
+def _text_timing(d: dict) -> None:
+    d["profile"]["units"][0]["fwd_s"] = "slow"
+
+
+@pytest.mark.parametrize("edit", [_no_codec, _lossy_codec, _text_overhead, _text_timing])
+def test_an_edited_cache_file_with_the_right_key_means_profiling_again(
+    tmp_path, spill_dir, edit, caplog
+):
+    """A file whose key matches but whose contents do not hold (an unknown codec, a lossy codec
+    the settings forbid, a value of the wrong type) raised ConfigError/ValueError/TypeError out
+    of the first step, or ran a lossy codec; now a warning, profiling, gradients bit-identical."""
+    cache = tmp_path / "plans"
+    _run(cache, spill_dir)
+    (path,) = list(cache.iterdir())
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    again = _run(cache, spill_dir)  # asserts gradients bit-identical to plain PyTorch
+    assert not again.cached and "unusable" in caplog.text

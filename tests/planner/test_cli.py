@@ -98,3 +98,61 @@ def test_the_printed_peak_the_report_header_and_its_table_agree(make_profile, tm
     table = page.split("Every policy")[1].split("</table>")[0]
     row = next(r for r in table.split("</tr>") if f"<td>{policy}</td>" in r)
     assert re.findall(r"<td>(.*?)</td>", row)[1] == printed
+
+
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("policy", "--policy 'capucin'"),
+        ("report", "directory"),
+        ("save", "--save-profile"),
+        ("missing", "cannot be read"),
+        ("foreign", "not a tensortier profile"),
+        ("truncated", "not a tensortier profile"),
+        ("folder", "cannot be read"),
+        ("report-folder", "is a directory"),
+    ],
+)
+def test_a_bad_flag_or_profile_is_one_line_and_exit_code_2(
+    make_profile, tmp_path, capsys, case, named
+):
+    """Each of these raised a traceback (ConfigError, FileNotFoundError, KeyError,
+    JSONDecodeError, IsADirectoryError) out of `tensortier plan`."""
+    good = tmp_path / "prof.json"
+    make_profile(n_units=2, per_unit=1).save(good)
+    (tmp_path / "foreign.json").write_text('{"model": "gpt"}')
+    (tmp_path / "truncated.json").write_text(good.read_text()[:100])
+    profile = {"missing": "nope.json", "foreign": "foreign.json", "truncated": "truncated.json"}
+    path = str(tmp_path / profile[case]) if case in profile else str(good)
+    path = str(tmp_path) if case == "folder" else path
+    extra = {
+        "policy": ["--policy", "capucin"],
+        "report": ["--report", str(tmp_path / "no" / "plan.html")],
+        "save": ["--save-profile", str(tmp_path / "no" / "prof.json")],
+        "report-folder": ["--report", str(tmp_path)],
+    }.get(case, [])
+    rc, _, err = _cli(["--profile", path, "--budget", "6GB", *extra], capsys)
+    assert rc == 2 and err.startswith("tensortier plan: error: ") and named in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--layers", "0"], "--layers: must be an int >= 1, got 0"),
+        (["--batch", "-1"], "--batch: must be an int >= 1, got -1"),
+        (["--heads", "5"], "not a multiple of --heads 5"),
+        (["--model", "llama", "--embd", "60", "--heads", "4"], "even head size"),
+    ],
+)
+def test_a_model_size_that_cannot_be_profiled_is_refused_before_profiling(args, named, capsys):
+    """--layers 0 or --batch -1 profiled an empty model and printed a plan; --heads that do not
+    divide --embd (or give Llama an odd head size) raised a RuntimeError traceback from torch."""
+    small = ["--embd", "64", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64"]
+    try:
+        rc = main(["plan", *small, "--budget", "64MiB", *args])
+    except SystemExit as exc:  # argparse's own error: usage, one line, exit code 2
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and named in err and "Traceback" not in err, err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tensortier.errors import BudgetError, ConfigError
@@ -122,3 +124,18 @@ def test_the_smallest_plan_is_no_higher_than_one_action_for_every_unit(make_prof
     with pytest.raises(BudgetError) as caught:  # the floor a single policy's error names
         choose(p, 1, "recompute_all", opts)
     assert caught.value.minimum == floor.result.peak_bytes
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        ({"margin": -0.5}, "margin=-0.5"),
+        ({"margin": 1.0}, "margin=1.0"),
+        ({"tiers": ("hots", "disk")}, "['hots']"),
+    ],
+)
+def test_options_that_cannot_plan_are_refused(kw, named):
+    """A negative margin planned for more than the budget, a margin of 1 for nothing, and a
+    misspelled tier was silently never used: all were accepted."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        Options(**kw)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import html
+import os
 import re
 
 import pytest
@@ -17,6 +18,8 @@ from tensortier.planner.policies import (  # noqa: E402
 )
 from tensortier.planner.report import LEGEND, legend, write_report  # noqa: E402
 from tensortier.planner.simulator import Mode, Plan, UnitAction, simulate  # noqa: E402
+
+GB = 10**9
 
 
 def test_report_writes_html_and_a_png(make_profile, tmp_path):
@@ -229,3 +232,53 @@ def test_the_report_shows_the_plan_the_trials_kept_and_their_measured_steps(
     (mark,) = [r for r in body if r["kept"] == "yes"]
     assert mark["compared_s"] == min((r["compared_s"] for r in body), key=float)
     assert all(r["measured steps_s"] != "-" for r in body)
+
+
+def test_a_report_that_cannot_be_written_warns_and_training_goes_on(spill_dir, tmp_path):
+    """``report=`` under a missing directory raised FileNotFoundError out of the fifth step's
+    ``with`` (the first plan), ending the run; now one warning, and the gradients are still
+    those of plain PyTorch."""
+    import torch
+    from torch import nn
+
+    from tensortier.planner.runtime import planned_offload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
+    x = torch.randn(64, 256)
+    model(x).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    path = tmp_path / "missing" / "plan.html"
+    off = planned_offload(
+        "64MiB",
+        spill_dir=spill_dir,
+        policy="capuchin",
+        options=Options(search_iters=60, search_seconds=5),
+        report=str(path),
+    )
+    try:
+        with pytest.warns(UserWarning, match="could not be written"):
+            for _ in range(6):  # warm-up, probe, two timing passes, the plan twice
+                model.zero_grad(set_to_none=True)
+                with off:
+                    loss = model(x).sum()
+                loss.backward()
+        assert off.choice is not None
+    finally:
+        off.close()
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
+    assert not path.parent.exists()
+
+
+@pytest.mark.parametrize("slash", ["", "/"])
+def test_a_report_path_that_is_a_directory_is_refused_before_anything_is_written(
+    make_profile, tmp_path, slash
+):
+    """It wrote ``<dir>.png`` beside the directory (or ``.png`` inside it), then failed opening
+    the directory as the HTML file."""
+    p = make_profile(n_units=2, per_unit=1)
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match="pass a file name"):
+        write_report(str(folder) + slash, p, choose(p, 10 * GB, "keep"), budget=10 * GB)
+    assert sorted(os.listdir(tmp_path)) == ["reports"] and not os.listdir(folder)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import textwrap
 from dataclasses import replace
@@ -860,3 +861,45 @@ def test_cuda_budget_under_compiled_autograd_is_bit_identical_and_metered_in_bac
         return compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager"))
 
     _under_compiled_autograd("64MiB", str(tmp_path), monkeypatch, backward, "cuda")
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        ({"policy": "capucin"}, "policy='capucin'"),
+        ({"policy": None}, "policy=None"),
+        ({"warmup": -1}, "warmup=-1"),
+        ({"warmup": "1"}, "warmup='1'"),
+        ({"timing_iters": -2}, "timing_iters=-2"),
+        ({"timing_iters": True}, "timing_iters=True"),
+        ({"report": 123}, "report=123"),
+        ({"plan_cache": ["plans"]}, "plan_cache=['plans']"),
+        ({"options": {"margin": 0.2}}, "options={'margin': 0.2} (dict) is not an Options"),
+    ],
+)
+def test_a_bad_setting_fails_at_the_call_and_names_itself(kw, named):
+    """An unknown policy was accepted and raised only at the first plan, after four profiled
+    steps; a negative or non-int count was accepted (a str failed inside a step); a report path
+    that is not a path raised TypeError at the first plan, a plan_cache one (or options= a dict)
+    a raw TypeError."""
+    import tensortier as tt
+    from tensortier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        tt.offload(budget="64MiB", **kw)
+    off = tt.offload(budget="64MiB", warmup=0, timing_iters=0)  # 0 is valid
+    off.close()
+
+
+@pytest.mark.parametrize(
+    "kw", [{"plan_cache": "plans/"}, {"report": "plan.html", "policy": "fine"}]
+)
+def test_a_planner_setting_without_a_budget_names_budget(kw):
+    """tt.offload(plan_cache=...) without budget= raised Offloader's TypeError "unexpected
+    keyword argument", with no word that budget= is missing."""
+    import tensortier as tt
+    from tensortier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="pass budget= too") as e:
+        tt.offload(**kw)
+    assert all(f"{k}=" in str(e.value) for k in kw)

@@ -7,22 +7,34 @@ tensortier plan --profile prof.json --budget 2GiB          # no model: plan from
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import textwrap
 
 from tensortier._units import format_size, format_size_up, parse_size, print_table
-from tensortier.errors import BudgetError
+from tensortier.errors import BudgetError, ConfigError, TensortierError
+
+
+def _positive(text: str) -> int:
+    """argparse type of the model's sizes: 0 or a negative number profiled an empty model."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt", choices=["gpt", "llama"], help="model to profile")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--embd", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--layers", type=_positive, default=6)
+    p.add_argument("--embd", type=_positive, default=384, help="a multiple of --heads")
+    p.add_argument("--heads", type=_positive, default=6)
+    p.add_argument("--seq", type=_positive, default=256)
+    p.add_argument("--batch", type=_positive, default=8)
+    p.add_argument("--vocab", type=_positive, default=4096)
     p.add_argument("--budget", required=True, help="memory budget, e.g. 2GiB")
     p.add_argument(
         "--policy",
@@ -87,6 +99,46 @@ def profile_gpt(args, budget: int | None = None) -> object:
 
 
 def run(args) -> int:
+    """`tensortier plan`; a bad flag or file is one line naming it and exit code 2."""
+    try:
+        return _run(args)
+    except (TensortierError, OSError) as exc:
+        print(f"tensortier plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _check_args(args) -> int:
+    """The budget; the flags checked before minutes of profiling, not after."""
+    from tensortier.planner.policies import POLICIES
+
+    budget = parse_size(args.budget, name="--budget", allow_zero=False)
+    if not args.profile and args.embd % args.heads:
+        raise ConfigError(
+            f"--embd {args.embd} is not a multiple of --heads {args.heads}; "
+            f"pass e.g. --embd {args.heads * max(1, args.embd // args.heads)}"
+        )
+    if not args.profile and args.model == "llama" and (args.embd // args.heads) % 2:
+        raise ConfigError(
+            f"--model llama needs an even head size (rotary embedding); --embd {args.embd} / "
+            f"--heads {args.heads} is odd: pass e.g. --embd {2 * args.embd}"
+        )
+    if args.policy not in POLICIES:
+        raise ConfigError(
+            f"--policy {args.policy!r} is unknown; choose one of {', '.join(POLICIES)}"
+        )
+    for flag, path in (("--report", args.report), ("--save-profile", args.save_profile)):
+        if path and os.path.isdir(path):
+            raise ConfigError(f"{flag} {path!r} is a directory; pass a file name such as plan.html")
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not os.path.isdir(folder):
+            raise ConfigError(
+                f"{flag} {path!r}: directory {folder!r} does not exist; create it "
+                "(mkdir -p) or pass a path in an existing directory"
+            )
+    return budget
+
+
+def _run(args) -> int:
     from tensortier.planner.policies import Options, choose, plan_all, planning_budget
     from tensortier.planner.profile import CHANNELS, Profile
     from tensortier.planner.report import (
@@ -98,7 +150,7 @@ def run(args) -> int:
         write_report,
     )
 
-    budget = parse_size(args.budget, name="--budget", allow_zero=False)
+    budget = _check_args(args)
     profile = Profile.load(args.profile) if args.profile else profile_gpt(args, budget)
     if args.save_profile:
         profile.save(args.save_profile)

@@ -75,6 +75,21 @@ class Options:
     fine: bool = True  # finer decisions: partial swaps and selective recompute
     plan_seconds: float = 30.0  # wall-clock bound on planning (every policy of auto together)
 
+    def __post_init__(self) -> None:
+        """A negative margin planned above the budget, a margin of 1 for nothing; a tier
+        misspelled was silently never used."""
+        if not 0 <= self.margin < 1:
+            raise ConfigError(
+                f"Options(margin={self.margin!r}): the share of the budget kept free must be in "
+                "[0, 1), e.g. margin=0.1"
+            )
+        unknown = [t for t in self.tiers if t not in ("host", "disk", "remote")]
+        if unknown:
+            raise ConfigError(
+                f"Options(tiers={self.tiers!r}): unknown tier(s) {unknown}; use 'host', 'disk' "
+                "or 'remote'"
+            )
+
 
 @dataclass
 class Choice:

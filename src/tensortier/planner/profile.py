@@ -196,8 +196,31 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """The profile :meth:`save` wrote at ``path``; a file that cannot be read or is not a
+        profile (truncated, foreign JSON) is a typed error naming it, not a bare KeyError."""
+        from tensortier.errors import ConfigError, CorruptDataError, TensortierError
+
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ConfigError(
+                f"profile {path!r} cannot be read ({exc.strerror or exc}); pass the JSON file "
+                "that Profile.save or `tensortier plan --save-profile` wrote"
+            ) from exc
+        except ValueError as exc:  # not UTF-8
+            raise CorruptDataError(f"profile {path!r} is not text ({exc})", path=path) from exc
+        try:
+            return cls.from_json(text)
+        except TensortierError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptDataError(
+                f"profile {path!r} is not a tensortier profile or is damaged "
+                f"({type(exc).__name__}: {exc}); profile again and save it with --save-profile",
+                path=path,
+            ) from exc
 
 
 def measure_bandwidth(

@@ -8,6 +8,7 @@ with the Agg backend, so ``import tensortier`` never pays for it.
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import io
 import os
@@ -272,6 +273,10 @@ def write_report(
     theirs, so the chosen row and the header are the same numbers. ``trials``: the rows of the
     plans run for real (:meth:`.trials.Trials.rows`), ``choice`` being the one they kept."""
     path = os.fspath(path)
+    if os.path.isdir(path):  # else a stray PNG beside it (or ".png" inside it), then a failure
+        raise IsADirectoryError(
+            errno.EISDIR, "the report path is a directory; pass a file name such as plan.html", path
+        )
     png_path = os.path.splitext(path)[0] + ".png"
     png = render_png(profile, choice, budget)
     with open(png_path, "wb") as f:

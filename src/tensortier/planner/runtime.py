@@ -798,7 +798,14 @@ class PlannedOffload:
         if not cfg.report or _dist.rank() != 0:
             return
         before = self._process_bytes() if self._window is not None else None
-        self._draw_report(trials)
+        try:
+            self._draw_report(trials)
+        except OSError as e:  # a report is not worth a training run: the plan runs all the same
+            warnings.warn(
+                f"tt.offload: report={cfg.report!r} could not be written ({e}); training goes "
+                "on without it: pass report= a path in a writable directory that exists",
+                stacklevel=2,
+            )
         if before is not None and self._window is not None:
             start, counted = self._window
             self._window = (start + max(0, self._process_bytes() - before), counted)
@@ -987,17 +994,42 @@ class PlannedOffload:
         if hit is None:
             return
         profile, plan, data = hit
+        checked = self._check_cached(profile, plan, data)
+        if checked is None:
+            return
         self._shapes = shapes
-        from tensortier.planner.simulator import simulate_worst
-
         self.profile = profile
-        self._overhead = int(data.get("overhead_bytes", 0))  # as measured when it was planned
-        self.choice = Choice(plan, simulate_worst(profile, plan))
+        self._overhead, self.choice = checked
         self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(key, shapes, profile, self.choice)
         self.cached = True
         self._first = False  # this first step runs the plan: checked as planned steps are
         log.info("tensortier plan %s from the cache (%s)", plan.policy, self.config.plan_cache)
         self._install(json.dumps(key, sort_keys=True))
+
+    def _check_cached(self, profile: Profile, plan: Plan, data: dict) -> tuple[int, Choice] | None:
+        """The overhead and simulated choice of a cached entry whose key matched, or None (a
+        warning, then profiling) where its contents are damaged or edited: a value of the wrong
+        type, a codec that does not exist or is lossy without ``allow_lossy``. Such a file
+        raised mid-run, or ran a lossy codec the settings forbid."""
+        from tensortier.planner.simulator import simulate_worst
+
+        lossy = (self.config.options or Options()).allow_lossy
+        allowed = LOSSLESS_CODECS + (LOSSY_CODECS if lossy else ())
+        try:
+            overhead = data.get("overhead_bytes", 0)  # as measured when it was planned
+            if isinstance(overhead, bool) or not isinstance(overhead, int) or overhead < 0:
+                raise ValueError(f"overhead_bytes={overhead!r} is not a byte count")
+            bad = sorted({str(c) for c in plan.codecs.values()} - set(allowed))
+            if bad:
+                raise ValueError(f"codecs {bad} are not among {', '.join(allowed)}")
+            return overhead, Choice(plan, simulate_worst(profile, plan))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning(
+                "tensortier plan cache %s: a plan for this key is unusable (%s): profiling again",
+                self.config.plan_cache,
+                exc,
+            )
+            return None
 
     def _select(self, shapes) -> None:
         """A forward with other input shapes: the plan of their bucket (made now from the
@@ -1251,6 +1283,45 @@ def bounded_choice(
     return Choice(plan, best.result, choice.plan_s, considered=choice.considered)
 
 
+def _path_or_none(name: str, value) -> str | None:
+    """``report=``/``plan_cache=`` as a str: an int or a list raised TypeError mid-run (the
+    report at the first plan, four steps in)."""
+    from tensortier.errors import ConfigError
+
+    if value is None or value == "":  # "": none, as before
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    raise ConfigError(
+        f"tt.offload: {name}={value!r} ({type(value).__name__}) is not a path; pass a str or "
+        f"os.PathLike, e.g. {name}='plans/', or leave it out"
+    )
+
+
+def _check_settings(policy: str, warmup: int, timing_iters: int, options) -> None:
+    """Fail at ``tt.offload(...)``, not at the first plan four steps into training (an unknown
+    policy) or in a comparison inside a step (a count that is not an int)."""
+    from tensortier.errors import ConfigError
+    from tensortier.planner.policies import POLICIES
+
+    if policy not in POLICIES:
+        raise ConfigError(
+            f"tt.offload: unknown policy={policy!r}; choose one of {', '.join(POLICIES)} "
+            "(policy='auto' compares them all)"
+        )
+    if options is not None and not isinstance(options, Options):
+        raise ConfigError(
+            f"tt.offload: options={options!r} ({type(options).__name__}) is not an Options; pass "
+            "tensortier.planner.policies.Options(...), e.g. Options(margin=0.2), or leave it out"
+        )
+    for name, value in (("warmup", warmup), ("timing_iters", timing_iters)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(
+                f"tt.offload: {name}={value!r} must be an int >= 0 (the number of iterations); "
+                f"leave it out for the default"
+            )
+
+
 def _tier_options(tier: str, remote, opts: Options) -> Options:
     """The options with the tiers ``tier`` and ``remote`` allow (ConfigError for a tier that does
     not exist or a remote pool that is missing or closed)."""
@@ -1288,7 +1359,7 @@ def planned_offload(
     inflight_budget: SizeLike | None = None,
     host_budget: SizeLike = "8GiB",
     options: Options | None = None,
-    report: str | None = None,
+    report: str | os.PathLike | None = None,
     plan_cache: str | os.PathLike | None = None,
     min_bytes: SizeLike | None = None,
     remote=None,
@@ -1315,6 +1386,7 @@ def planned_offload(
     is ignored: the planner decides per tensor. Calls with the same settings return the same
     object, so a training loop can write ``with tt.offload(budget=...):`` every step.
     """
+    _check_settings(policy, warmup, timing_iters, options)
     opts = _tier_options(tier, remote, options or Options())
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
@@ -1331,8 +1403,8 @@ def planned_offload(
         else parse_size(inflight_budget, name="inflight_budget", allow_zero=False),
         host_budget=parse_size(host_budget, name="host_budget", allow_zero=False),
         options=opts,
-        report=report,
-        plan_cache=None if plan_cache is None else os.fspath(plan_cache),
+        report=_path_or_none("report", report),
+        plan_cache=_path_or_none("plan_cache", plan_cache),
         remote=remote,
     )
     key = (repr(config), id(remote))
