@@ -169,7 +169,7 @@ class StateDicts:
                     "loaded state dict contains a parameter group that doesn't match the size "
                     f"of optimizer's group ({len(sg['params'])} vs {len(g['params'])} parameters)"
                 )
-            check_group(dict(sg), "the loaded state dict's param group")
+            check_group(dict(sg), "the loaded state dict's param group", loaded=True)
         ids = [i for sg in groups for i in sg["params"]]
         pos = {id(p): k for k, p in enumerate(self._params())}
         loaded: Loaded = {}

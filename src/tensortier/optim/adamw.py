@@ -68,7 +68,7 @@ from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError
-from tensortier.optim._layout import TORCH_KEYS, Bucket, Layout
+from tensortier.optim._layout import TORCH_KEYS, Bucket, Layout, check_group, check_params
 from tensortier.optim._readers import DeferredWriteBack
 from tensortier.optim._speculation import VALIDATE, Speculator
 from tensortier.optim._staging import Staging
@@ -101,17 +101,6 @@ def _shutdown(worker, states, hooks: list, deferred, staging) -> None:
     states.close()
 
 
-def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if not float(lr) >= 0.0:
-        raise ConfigError(f"invalid learning rate {lr}: must be >= 0")
-    if not eps >= 0.0:
-        raise ConfigError(f"invalid eps {eps}: must be >= 0")
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ConfigError(f"invalid betas {betas}: each must be in [0, 1)")
-    if not weight_decay >= 0.0:
-        raise ConfigError(f"invalid weight_decay {weight_decay}: must be >= 0")
-
-
 class OffloadedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with fp32 master weights and moments off the device.
 
@@ -142,8 +131,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     a speculation's gradients: ``"auto"`` (default) by device-side digests for CUDA gradients
     (a change goes unseen with probability 2^-64; nothing is copied back to the host) and bit
     for bit for CPU ones; ``"bits"``: always bit for bit (CUDA: the gradients are copied to the
-    host again in ``step()``); ``"digest"``: digests on every device. ``amsgrad`` is not
-    offered.
+    host again in ``step()``); ``"digest"``: digests on every device. ``amsgrad``,
+    ``capturable``, ``differentiable``, ``foreach=True`` and ``fused=False`` are refused with a
+    ``ConfigError`` (their defaults are accepted, as in ``torch.optim.AdamW``), as are bad
+    hyper-parameters in any param group and a parameter listed twice.
 
     Data parallel (DDP): with ``torch.distributed`` initialised and more than one rank in
     ``process_group`` (default: the world), the state is *sharded* (``shard=None`` -> on; pass
@@ -190,6 +181,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         maximize: bool = False,
+        amsgrad: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         tier: StateTier | str = StateTier.HOST,
         spill_dir: str | None = None,
         disk_budget: SizeLike | None = None,
@@ -205,7 +201,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         defer_gather: bool = False,
         defer_write_back: bool = False,
     ):
-        _check_hyper(lr, betas, eps, weight_decay)
+        torch_keys = dict(
+            amsgrad=amsgrad,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+        )
+        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        check_group({**hyper, **torch_keys}, "OffloadedAdamW's arguments")  # refused, not ignored
         self.tier = parse_tier(tier)
         placement = states_placement(self.tier, spill_dir, disk_budget, remote)
         self._bucket_bytes = parse_size(bucket_size, name="bucket_size", allow_zero=False)
@@ -327,8 +331,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._sharding.agree(settings, groups, what)
 
     def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``; a group refused leaves the optimizer as it was."""
+        if getattr(self, "_ready", False):
+            self._check_open()
         super().add_param_group(param_group)
         if getattr(self, "_ready", False):
+            try:  # before the ranks agree or a bucket is made
+                check_group(self.param_groups[-1])
+                check_params(len(self.param_groups) - 1, self.param_groups[-1]["params"])
+            except ConfigError:
+                self.param_groups.pop()
+                raise
             if self._sharding.agreeing:
                 self._agree(self.param_groups[-1:], "OffloadedAdamW.add_param_group")
             self._spec.discard()
