@@ -128,3 +128,32 @@ def test_add_param_group_after_close_is_a_closed_error():
     opt.close()
     with pytest.raises(ClosedError):
         opt.add_param_group({"params": ps[4:]})
+
+
+def test_state_dict_hooks_run_as_in_torch():
+    """``register_(load_)state_dict_(pre|post)_hook`` are torch.optim API (DCP, accelerate and
+    user code use them to rename or move state); they were silently not run."""
+    m = _model()
+    calls = {}
+    for opt in (torch.optim.AdamW(m.parameters(), fused=True), OffloadedAdamW(m.parameters())):
+        seen = calls.setdefault(type(opt).__name__, [])
+        opt.register_state_dict_pre_hook(lambda o, seen=seen: seen.append("save_pre"))
+
+        def save_post(o, sd, seen=seen):
+            seen.append("save_post")
+            return {**sd, "extra": 1}
+
+        def load_pre(o, sd, seen=seen):
+            seen.append(("load_pre", sd.pop("extra")))
+            return sd
+
+        opt.register_state_dict_post_hook(save_post)
+        opt.register_load_state_dict_pre_hook(load_pre)
+        opt.register_load_state_dict_post_hook(lambda o, seen=seen: seen.append("load_post"))
+        _train(m, opt, 1)
+        sd = opt.state_dict()
+        assert sd["extra"] == 1
+        opt.load_state_dict(sd)
+        assert "extra" in sd  # the hook edited a shallow copy, as torch's does
+    assert calls["OffloadedAdamW"] == calls["AdamW"]
+    assert calls["AdamW"] == ["save_pre", "save_post", ("load_pre", 1), "load_post"]

@@ -517,6 +517,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Same layout and param-group keys as ``torch.optim.AdamW(fused=True)``: tensors and plain
         values only (no pickle needed). Between backward and step it is the state before the step.
+        Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as in torch.
 
         Per parameter: ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master_param`` when the master
         weights differ in dtype from the parameter.
@@ -530,9 +531,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective).
         """
         self._check_open()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim runs them
+            pre_hook(self)
         self.synchronize()  # the step is over when its state is read
         self._spec.wait()
-        return self._dicts.local()
+        state_dict = self._dicts.local()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def full_state_dict(self) -> dict:
         """The state in ``torch.optim.AdamW``'s full layout (parameter-shaped plain tensors).
@@ -561,6 +569,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         no communication. Entries with ``step`` 0 are fresh state.
         """
         self._check_open()
+        state_dict = state_dict.copy()  # shallow, as torch.optim: a hook may edit its keys
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self.synchronize()  # pending gathers read the masters that are about to be replaced
         loaded = self._dicts.parse(state_dict)  # every check, before anything changes
         self._spec.discard()
@@ -569,6 +582,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._states.drop_prefetch()
         self._dicts.write(loaded)
         self._dicts.adopt(loaded, state_dict["param_groups"])
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
