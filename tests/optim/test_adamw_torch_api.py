@@ -4,6 +4,8 @@ Each refusal is a ``ConfigError`` naming the value and the fix, raised before an
 what is accepted gives the bits of ``torch.optim.AdamW(fused=True)``.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -157,3 +159,20 @@ def test_state_dict_hooks_run_as_in_torch():
         assert "extra" in sd  # the hook edited a shallow copy, as torch's does
     assert calls["OffloadedAdamW"] == calls["AdamW"]
     assert calls["AdamW"] == ["save_pre", "save_post", ("load_pre", 1), "load_post"]
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_pickling_the_optimizer_is_refused_naming_state_dict(how, tmp_path):
+    """torch.optim pickles ``state``, which is empty here: ``torch.save(opt)`` kept no moments
+    and the copy raised AttributeError at its first use."""
+    m = _model()
+    opt = OffloadedAdamW(m.parameters())
+    _train(m, opt, 1)
+    with pytest.raises(ConfigError, match=r"state_dict\(\)"):
+        if how == "torch.save":
+            torch.save(opt, tmp_path / "opt.pt")
+        else:
+            copy.deepcopy(opt)
+    _train(m, opt, 1)  # still usable
+    assert opt.state_dict()["state"][0]["step"] == 2
+    opt.close()

@@ -590,6 +590,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Wait for updates, remove the gradient hooks, and delete any spill files."""
         self._finalizer()
 
+    def __getstate__(self) -> dict:
+        """Refused: torch.optim's pickles only ``state``, empty here (the moments live in this
+        process's buffers or spill files), so ``torch.save(opt)`` kept nothing and the copy
+        could not step."""
+        raise ConfigError(
+            "OffloadedAdamW cannot be pickled or copied (its state lives in this process's "
+            "buffers or spill files): save opt.state_dict() instead (torch.save(opt.state_dict(), "
+            "path)) and load it into a new OffloadedAdamW with load_state_dict()"
+        )
+
     def __enter__(self) -> OffloadedAdamW:
         return self
 
