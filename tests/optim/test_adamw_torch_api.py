@@ -176,3 +176,25 @@ def test_pickling_the_optimizer_is_refused_naming_state_dict(how, tmp_path):
     _train(m, opt, 1)  # still usable
     assert opt.state_dict()["state"][0]["step"] == 2
     opt.close()
+
+
+def test_opt_state_reads_like_torch_and_dcp_get_state_dict_changes_nothing():
+    """``opt.state`` was always empty: ``opt.state[p]["exp_avg"]`` raised KeyError, and DCP's
+    ``get_optimizer_state_dict`` took its initialising step (zero gradients, lr 0) on every
+    call: step counters advanced and the moments decayed."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    a, b = _model(), _model()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    opt = OffloadedAdamW(b.parameters(), lr=1e-2)
+    assert not opt.state and len(opt.state) == 0 and opt.state[next(b.parameters())] == {}
+    for m, o in ((a, ref), (b, opt)):
+        _train(m, o, 2)
+        get_optimizer_state_dict(m, o)
+        _train(m, o, 1, seed=2)
+    assert _same(a, b)
+    assert len(opt.state) == len(ref.state) == 6
+    for p, q in zip(a.parameters(), b.parameters()):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref.state[p][key], opt.state[q][key]), key
+    opt.close()

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,6 +99,38 @@ def _shutdown(worker, states, hooks: list, deferred, staging) -> None:
     worker.shutdown(wait=True, cancel_futures=True)  # jobs are finite CPU work (see PROTOCOL.md)
     staging.close()  # joins the comparison threads
     states.close()
+
+
+class _StateView(Mapping):
+    """``opt.state`` as torch users read it: ``opt.state[p]["exp_avg"]`` (copies: the state
+    lives off the device; change it with ``load_state_dict``), ``len``, ``bool``. An always
+    empty ``state`` made ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+    take a "first" step with zero gradients, advancing every step counter and decaying the
+    moments."""
+
+    def __init__(self, ref: weakref.ref):
+        self._ref = ref  # the optimizer holds this view: no cycle
+
+    def _params(self) -> list[torch.Tensor]:
+        opt = self._ref()
+        if opt is None or not getattr(opt, "_ready", False):
+            return []
+        return [s.param for s in opt._layout.slots() if s.has_state]
+
+    def __getitem__(self, param: torch.Tensor) -> dict:
+        opt = self._ref()
+        if opt is None or not getattr(opt, "_ready", False):
+            return {}
+        opt._check_open()
+        opt.synchronize()
+        opt._spec.wait()
+        return opt._dicts.entry(param)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._params())
+
+    def __len__(self) -> int:
+        return len(self._params())
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -226,6 +258,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize
         )
         super().__init__(params, {**defaults, **TORCH_KEYS})
+        self.state = _StateView(weakref.ref(self))  # type: ignore[assignment]
         self._step_supports_amp_scaling = True  # GradScaler: grad_scale / found_inf, as fused AdamW
         self._sharding = Sharding(list(self._all_params()), process_group, shard)
         self._defer_gather = bool(defer_gather)
