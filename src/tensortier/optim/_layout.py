@@ -39,20 +39,71 @@ TORCH_KEYS = {
 }
 
 
-def check_group(group: dict, where: str = "param group") -> None:
-    """Refuse what the fused CPU AdamW cannot do; then state what it is (``TORCH_KEYS``)."""
+def check_hyper(group: dict, where: str = "param group") -> None:
+    """Refuse what ``torch.optim.AdamW`` refuses (lr, betas, eps, weight_decay), in every group:
+    torch checks only its defaults, and a group's negative lr would quietly climb the loss."""
+    for key in ("lr", "eps", "weight_decay"):
+        value = group.get(key, 0.0)
+        if not _real(value) or not float(value) >= 0.0:
+            what = "learning rate lr" if key == "lr" else key
+            raise ConfigError(f"{where}: invalid {what}={value!r}: pass a number >= 0")
+    betas = group.get("betas", (0.0, 0.0))
+    if (
+        isinstance(betas, (str, bytes))
+        or len(betas) != 2
+        or not all(_real(b) and 0.0 <= float(b) < 1.0 for b in betas)
+    ):
+        raise ConfigError(f"{where}: invalid betas={betas!r}: pass two numbers, each in [0, 1)")
+
+
+def _real(value: object) -> bool:
+    """A real number or a one-element tensor (torch allows a tensor lr), not a str or a bool."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_group(group: dict, where: str = "param group", *, loaded: bool = False) -> None:
+    """Refuse what the fused CPU AdamW cannot do; then state what it is (``TORCH_KEYS``).
+
+    A group the user passes may not ask for another implementation (``foreach=True``,
+    ``fused=False``): its results would not be what was asked for. A loaded state dict's groups
+    may (any ``torch.optim.AdamW`` variant's state loads)."""
+    check_hyper(group, where)
     for key in ("amsgrad", "capturable", "differentiable"):
         if group.get(key):
             raise ConfigError(
                 f"{where} has {key}=True; OffloadedAdamW does not offer {key} (it runs the "
                 f"fused AdamW kernel on CPU state): use torch.optim.AdamW for that run"
             )
+    if not loaded and (group.get("foreach") or group.get("fused", True) is False):
+        raise ConfigError(
+            f"{where} has foreach={group.get('foreach')!r}, fused={group.get('fused')!r}; "
+            "OffloadedAdamW always runs the fused AdamW kernel (the results of "
+            "torch.optim.AdamW(fused=True)): pass foreach=None and fused=None or True, or use "
+            "torch.optim.AdamW for another implementation"
+        )
     if group.get("decoupled_weight_decay") is False and group.get("weight_decay", 0) != 0:
         raise ConfigError(
             f"{where} has decoupled_weight_decay=False (torch.optim.Adam's L2 penalty); "
             "OffloadedAdamW is AdamW: use torch.optim.Adam, or weight_decay=0"
         )
     group.update(TORCH_KEYS)
+
+
+def check_params(gi: int, params: list[torch.Tensor]) -> None:
+    """Refuse parameters the kernel cannot update, and one listed twice (torch only warns, then
+    steps it twice per ``step()``; it would get two states here)."""
+    if len({id(p) for p in params}) != len(params):
+        raise ConfigError(
+            f"param group {gi} lists a parameter more than once: pass each parameter once "
+            "(e.g. list(dict.fromkeys(params)))"
+        )
+    for p in params:
+        if not p.is_floating_point():
+            raise ConfigError(f"OffloadedAdamW optimizes floating-point tensors, got {p.dtype}")
+        if p.is_sparse:
+            raise ConfigError("OffloadedAdamW does not support sparse parameters")
 
 
 @dataclass(frozen=True)
@@ -185,11 +236,7 @@ class Layout:
         """Check param group ``gi`` and lay its parameters out in new buckets of ``states``."""
         check_group(group)
         params = group["params"]
-        for p in params:
-            if not p.is_floating_point():
-                raise ConfigError(f"OffloadedAdamW optimizes floating-point tensors, got {p.dtype}")
-            if p.is_sparse:
-                raise ConfigError("OffloadedAdamW does not support sparse parameters")
+        check_params(gi, params)
         for chunk in self._chunks(params):
             b = self._bucket(gi, chunk)
             b.in_place = (

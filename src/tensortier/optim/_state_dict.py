@@ -57,23 +57,35 @@ class StateDicts:
         for b in self.layout.buckets:
             if not any(s.has_state or local_form for s in b.slots):
                 continue
-            master, m, v = self.states.read(b.id)
+            read = self.states.read(b.id)
             for s in b.slots:
-                if not (s.has_state or local_form):
-                    continue
-                sl = slice(s.offset, s.offset + s.numel)
-                stepped = s.has_state
-                entry = {
-                    "step": s.step.clone() if stepped else torch.zeros((), dtype=torch.float32),
-                    "exp_avg": self._shaped(s, m[sl].clone()),
-                    "exp_avg_sq": self._shaped(s, v[sl].clone()),
-                }
-                if b.dtype != s.param.dtype:
-                    seeded = s.version != -1
-                    src = master[sl] if seeded else s.tensor().reshape(-1)
-                    entry["master_param"] = self._shaped(s, src.to("cpu", b.dtype, copy=True))
-                state[pos[id(s.param)]] = entry
+                if s.has_state or local_form:
+                    state[pos[id(s.param)]] = self._entry(s, b, read)
         return {"state": state, "param_groups": self.packed_groups()}
+
+    def entry(self, param: torch.Tensor) -> dict:
+        """``param``'s state as ``local()`` has it (copies), reading only its bucket; ``{}``
+        before its first step, as ``torch.optim``'s ``state[param]``."""
+        found = self.layout.where.get(id(param))
+        if found is None or not found[0].has_state:
+            return {}
+        s, b = found
+        return self._entry(s, b, self.states.read(b.id))
+
+    def _entry(self, s: Slot, b, read) -> dict:
+        master, m, v = read
+        sl = slice(s.offset, s.offset + s.numel)
+        stepped = s.has_state
+        entry = {
+            "step": s.step.clone() if stepped else torch.zeros((), dtype=torch.float32),
+            "exp_avg": self._shaped(s, m[sl].clone()),
+            "exp_avg_sq": self._shaped(s, v[sl].clone()),
+        }
+        if b.dtype != s.param.dtype:
+            seeded = s.version != -1
+            src = master[sl] if seeded else s.tensor().reshape(-1)
+            entry["master_param"] = self._shaped(s, src.to("cpu", b.dtype, copy=True))
+        return entry
 
     def _shaped(self, s: Slot, flat: torch.Tensor) -> torch.Tensor:
         """A slot's flat state as the parameter's shape, or its ``Shard(0)`` DTensor (sharded)."""
@@ -169,7 +181,7 @@ class StateDicts:
                     "loaded state dict contains a parameter group that doesn't match the size "
                     f"of optimizer's group ({len(sg['params'])} vs {len(g['params'])} parameters)"
                 )
-            check_group(dict(sg), "the loaded state dict's param group")
+            check_group(dict(sg), "the loaded state dict's param group", loaded=True)
         ids = [i for sg in groups for i in sg["params"]]
         pos = {id(p): k for k, p in enumerate(self._params())}
         loaded: Loaded = {}

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,7 +68,7 @@ from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError
-from tensortier.optim._layout import TORCH_KEYS, Bucket, Layout
+from tensortier.optim._layout import TORCH_KEYS, Bucket, Layout, check_group, check_params
 from tensortier.optim._readers import DeferredWriteBack
 from tensortier.optim._speculation import VALIDATE, Speculator
 from tensortier.optim._staging import Staging
@@ -101,15 +101,36 @@ def _shutdown(worker, states, hooks: list, deferred, staging) -> None:
     states.close()
 
 
-def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if not float(lr) >= 0.0:
-        raise ConfigError(f"invalid learning rate {lr}: must be >= 0")
-    if not eps >= 0.0:
-        raise ConfigError(f"invalid eps {eps}: must be >= 0")
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ConfigError(f"invalid betas {betas}: each must be in [0, 1)")
-    if not weight_decay >= 0.0:
-        raise ConfigError(f"invalid weight_decay {weight_decay}: must be >= 0")
+class _StateView(Mapping):
+    """``opt.state`` as torch users read it: ``opt.state[p]["exp_avg"]`` (copies: the state
+    lives off the device; change it with ``load_state_dict``), ``len``, ``bool``. An always
+    empty ``state`` made ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+    take a "first" step with zero gradients, advancing every step counter and decaying the
+    moments."""
+
+    def __init__(self, ref: weakref.ref):
+        self._ref = ref  # the optimizer holds this view: no cycle
+
+    def _params(self) -> list[torch.Tensor]:
+        opt = self._ref()
+        if opt is None or not getattr(opt, "_ready", False):
+            return []
+        return [s.param for s in opt._layout.slots() if s.has_state]
+
+    def __getitem__(self, param: torch.Tensor) -> dict:
+        opt = self._ref()
+        if opt is None or not getattr(opt, "_ready", False):
+            return {}
+        opt._check_open()
+        opt.synchronize()
+        opt._spec.wait()
+        return opt._dicts.entry(param)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._params())
+
+    def __len__(self) -> int:
+        return len(self._params())
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -142,8 +163,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     a speculation's gradients: ``"auto"`` (default) by device-side digests for CUDA gradients
     (a change goes unseen with probability 2^-64; nothing is copied back to the host) and bit
     for bit for CPU ones; ``"bits"``: always bit for bit (CUDA: the gradients are copied to the
-    host again in ``step()``); ``"digest"``: digests on every device. ``amsgrad`` is not
-    offered.
+    host again in ``step()``); ``"digest"``: digests on every device. ``amsgrad``,
+    ``capturable``, ``differentiable``, ``foreach=True`` and ``fused=False`` are refused with a
+    ``ConfigError`` (their defaults are accepted, as in ``torch.optim.AdamW``), as are bad
+    hyper-parameters in any param group and a parameter listed twice.
 
     Data parallel (DDP): with ``torch.distributed`` initialised and more than one rank in
     ``process_group`` (default: the world), the state is *sharded* (``shard=None`` -> on; pass
@@ -190,6 +213,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         maximize: bool = False,
+        amsgrad: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         tier: StateTier | str = StateTier.HOST,
         spill_dir: str | None = None,
         disk_budget: SizeLike | None = None,
@@ -205,7 +233,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         defer_gather: bool = False,
         defer_write_back: bool = False,
     ):
-        _check_hyper(lr, betas, eps, weight_decay)
+        torch_keys = dict(
+            amsgrad=amsgrad,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+        )
+        hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        check_group({**hyper, **torch_keys}, "OffloadedAdamW's arguments")  # refused, not ignored
         self.tier = parse_tier(tier)
         placement = states_placement(self.tier, spill_dir, disk_budget, remote)
         self._bucket_bytes = parse_size(bucket_size, name="bucket_size", allow_zero=False)
@@ -222,6 +258,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize
         )
         super().__init__(params, {**defaults, **TORCH_KEYS})
+        self.state = _StateView(weakref.ref(self))  # type: ignore[assignment]
         self._step_supports_amp_scaling = True  # GradScaler: grad_scale / found_inf, as fused AdamW
         self._sharding = Sharding(list(self._all_params()), process_group, shard)
         self._defer_gather = bool(defer_gather)
@@ -327,8 +364,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._sharding.agree(settings, groups, what)
 
     def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``; a group refused leaves the optimizer as it was."""
+        if getattr(self, "_ready", False):
+            self._check_open()
         super().add_param_group(param_group)
         if getattr(self, "_ready", False):
+            try:  # before the ranks agree or a bucket is made
+                check_group(self.param_groups[-1])
+                check_params(len(self.param_groups) - 1, self.param_groups[-1]["params"])
+            except ConfigError:
+                self.param_groups.pop()
+                raise
             if self._sharding.agreeing:
                 self._agree(self.param_groups[-1:], "OffloadedAdamW.add_param_group")
             self._spec.discard()
@@ -504,6 +550,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Same layout and param-group keys as ``torch.optim.AdamW(fused=True)``: tensors and plain
         values only (no pickle needed). Between backward and step it is the state before the step.
+        Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as in torch.
 
         Per parameter: ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master_param`` when the master
         weights differ in dtype from the parameter.
@@ -517,9 +564,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective).
         """
         self._check_open()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim runs them
+            pre_hook(self)
         self.synchronize()  # the step is over when its state is read
         self._spec.wait()
-        return self._dicts.local()
+        state_dict = self._dicts.local()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def full_state_dict(self) -> dict:
         """The state in ``torch.optim.AdamW``'s full layout (parameter-shaped plain tensors).
@@ -548,6 +602,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         no communication. Entries with ``step`` 0 are fresh state.
         """
         self._check_open()
+        state_dict = state_dict.copy()  # shallow, as torch.optim: a hook may edit its keys
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self.synchronize()  # pending gathers read the masters that are about to be replaced
         loaded = self._dicts.parse(state_dict)  # every check, before anything changes
         self._spec.discard()
@@ -556,11 +615,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._states.drop_prefetch()
         self._dicts.write(loaded)
         self._dicts.adopt(loaded, state_dict["param_groups"])
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Wait for updates, remove the gradient hooks, and delete any spill files."""
         self._finalizer()
+
+    def __getstate__(self) -> dict:
+        """Refused: torch.optim's pickles only ``state``, empty here (the moments live in this
+        process's buffers or spill files), so ``torch.save(opt)`` kept nothing and the copy
+        could not step."""
+        raise ConfigError(
+            "OffloadedAdamW cannot be pickled or copied (its state lives in this process's "
+            "buffers or spill files): save opt.state_dict() instead (torch.save(opt.state_dict(), "
+            "path)) and load it into a new OffloadedAdamW with load_state_dict()"
+        )
 
     def __enter__(self) -> OffloadedAdamW:
         return self
