@@ -126,6 +126,9 @@ class _StateView(Mapping):
         opt._spec.wait()
         return opt._dicts.entry(param)
 
+    def __contains__(self, param: object) -> bool:  # without reading the state (Mapping's would)
+        return any(p is param for p in self._params())
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._params())
 
