@@ -94,6 +94,7 @@ class CheckpointConfig:
     commit_timeout: float = 600.0  # many ranks: seconds a rank waits for the others to commit
     replicas: int = 0  # other Ray nodes that keep the newest checkpoint in RAM (0, 1 or 2)
     replica_timeout: float = 60.0  # seconds any one Ray call of a replica push or read may take
+    read_only: bool = False  # restore only: no lock taken, nothing written (a read-only mount)
 
     def __post_init__(self) -> None:
         self.keep = check_int(
@@ -127,6 +128,11 @@ class CheckpointConfig:
             minimum=1,
             maximum=MAX_IO_THREADS,
         )
+        if not isinstance(self.read_only, bool):
+            raise ConfigError(
+                f"read_only={self.read_only!r}: pass True (restore only) or False (save and "
+                f"restore)"
+            )
         if self.direct is not None and not isinstance(self.direct, bool):
             raise ConfigError(
                 f"direct={self.direct!r}: pass True, False, or None (O_DIRECT when the filesystem "
@@ -345,20 +351,7 @@ class Checkpointer:
             "Checkpointer",
             fix="pass the same directory and settings everywhere",
         )
-        try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise SpillDirError(
-                f"cannot create checkpoint directory {self.directory!r} ({exc.strerror}); pass a "
-                f"writable directory",
-                path=self.directory,
-            ) from exc
-        if not os.path.isdir(self.directory) or not os.access(self.directory, os.W_OK | os.X_OK):
-            raise SpillDirError(
-                f"checkpoint directory {self.directory!r} is not a writable directory; fix its "
-                f"permissions or pass another one",
-                path=self.directory,
-            )
+        _prepare_directory(self.directory, self.config)
         cfg = self.config
         _replica.check_replicas(cfg.replicas, many_ranks=self._group.many)
         self._replicas = (
@@ -405,6 +398,8 @@ class Checkpointer:
         the lock, removes the debris of crashed runs and probes O_DIRECT; every rank raises if
         that failed, and uses rank 0's probe (one probe file, no race between ranks)."""
         lock, error, direct = None, None, self.config.direct
+        if self.config.read_only:  # a reader: no lock, no debris removed, no probe file
+            return None, False
         if self._group.rank == 0:
             try:
                 lock = DirLock(self.directory, name=LOCK_FILE, what="Checkpointer")
@@ -447,7 +442,7 @@ class Checkpointer:
 
         Returns whether a checkpoint was started. Raises the error of a failed background persist.
         """
-        self._check_open()
+        self._check_writer("maybe_save")
         step = _check_step(step, "maybe_save")
         self._raise_pending()
         now = time.monotonic()
@@ -489,7 +484,7 @@ class Checkpointer:
         extra: object = None,
     ) -> None:
         """Start a checkpoint of ``step`` now (waiting for the previous persist if needed)."""
-        self._check_open()
+        self._check_writer("save")
         step = _check_step(step, "save")
         self._raise_pending()
         self._start(step, model, optimizer, scheduler, extra, entered=time.monotonic())
@@ -708,6 +703,14 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError(f"Checkpointer {self.directory!r} is closed")
+
+    def _check_writer(self, verb: str) -> None:
+        self._check_open()
+        if self.config.read_only:
+            raise ConfigError(
+                f"{verb}: Checkpointer({self.directory!r}, read_only=True) only restores; save "
+                f"into a Checkpointer of a writable directory (without read_only=True)"
+            )
 
     def _raise_pending(self) -> None:
         """Raise (once) the error of a background persist that failed."""
@@ -1146,6 +1149,32 @@ def _decode_state(body: dict, tensors: dict[str, torch.Tensor], path: str) -> di
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         # a net under the explicit checks: a crafted manifest never escapes as a raw error
         raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _prepare_directory(directory: str, config: CheckpointConfig) -> None:
+    """A writer's directory exists (made private if new) and is writable; a reader's is readable."""
+    if config.read_only:
+        if not os.path.isdir(directory) or not os.access(directory, os.R_OK | os.X_OK):
+            raise SpillDirError(
+                f"checkpoint directory {directory!r} is not a readable directory; pass the "
+                f"directory a Checkpointer saved into",
+                path=directory,
+            )
+        return
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise SpillDirError(
+            f"cannot create checkpoint directory {directory!r} ({exc.strerror}); pass a writable "
+            f"directory, or read_only=True to only restore from it",
+            path=directory,
+        ) from exc
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        raise SpillDirError(
+            f"checkpoint directory {directory!r} is not a writable directory; fix its "
+            f"permissions, pass another one, or pass read_only=True to only restore from it",
+            path=directory,
+        )
 
 
 def _check_directory(directory: object) -> str:
