@@ -79,9 +79,9 @@ class Solo:
         """Why a restore candidate is unusable on some rank (None: usable on every rank)."""
         return error
 
-    def fits(self, tree: dict, path: str, model, optimizer, scheduler) -> None:
+    def fits(self, tree: dict, path: str, model, optimizer, scheduler, strict: bool) -> None:
         """``check_fits`` for every rank's objects, before any rank loads anything."""
-        check_fits(tree, path, model, optimizer, scheduler)
+        check_fits(tree, path, model, optimizer, scheduler, strict)
 
 
 class Group(Solo):
@@ -160,11 +160,11 @@ class Group(Solo):
         bad = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
         return None if bad is None else f"{bad[1]} (found by rank {bad[0]})"
 
-    def fits(self, tree: dict, path: str, model, optimizer, scheduler) -> None:
+    def fits(self, tree: dict, path: str, model, optimizer, scheduler, strict: bool) -> None:
         """A checkpoint that does not fit one rank's objects is refused on every rank, never
         loaded on some only."""
         try:
-            check_fits(tree, path, model, optimizer, scheduler)
+            check_fits(tree, path, model, optimizer, scheduler, strict)
             misfit = None
         except ConfigError as exc:
             misfit = exc

@@ -10,6 +10,8 @@ so nothing falls back and nothing is loaded.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from tensortier.checkpoint._rng import check_rng_state
@@ -65,27 +67,38 @@ def _bare(key: str) -> str:
 def align_model_keys(tree: dict, own: dict) -> dict:
     """``tree`` with its model keys renamed to ``own``'s where the two differ only by wrapper
     prefixes (saved from ``DDP(model)``, restored into the bare model in one process, or
-    back), as DCP's ``get_model_state_dict`` names parameters; otherwise ``tree`` unchanged
-    (``check_fits`` then names the keys that differ)."""
+    back), as DCP's ``get_model_state_dict`` names parameters. A key is renamed only when its
+    bare name matches exactly one of ``own``'s and no other saved key does; the rest stay as
+    saved (``check_fits`` then names the keys that differ, ``strict=False`` skips them)."""
     saved = tree.get("model")
     if not isinstance(saved, dict) or saved.keys() == own.keys():
         return tree
-    by_bare = {_bare(k): k for k in own}
-    renamed = {by_bare.get(_bare(k)): v for k, v in saved.items()}
-    if len(by_bare) != len(own) or len(renamed) != len(saved) or renamed.keys() != own.keys():
-        return tree  # not a one-to-one match: a different model
-    return {**tree, "model": {k: renamed[k] for k in own}}
+    owners: dict[str, str | None] = {}  # bare name -> own key; None when two share it
+    for k in own:
+        owners[_bare(k)] = None if _bare(k) in owners else k
+    targets = [k if k in own else owners.get(_bare(k)) for k in saved]
+    counts = Counter(t for t in targets if t is not None)
+    renamed = {
+        (t if t is not None and counts[t] == 1 else k): v
+        for (k, v), t in zip(saved.items(), targets)
+    }
+    if renamed.keys() == own.keys():
+        renamed = {k: renamed[k] for k in own}  # the model's own order
+    return {**tree, "model": renamed}
 
 
-def check_fits(tree: dict, path: str, model, optimizer, scheduler) -> None:
-    """Raise ConfigError (before anything is loaded) if the checkpoint does not fit the objects."""
+def check_fits(tree: dict, path: str, model, optimizer, scheduler, strict: bool = True) -> None:
+    """Raise ConfigError (before anything is loaded) if the checkpoint does not fit the objects.
+
+    ``strict=False`` allows model keys missing on either side, as ``load_state_dict(strict=False)``
+    does; a key both have must still have the same shape."""
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
         if obj is not None and tree.get(name) is None:
             raise ConfigError(
                 f"checkpoint {path} holds no {name} state, but a {name} was passed to restore"
             )
     if model is not None:
-        _check_model(tree["model"], model.state_dict(), path)
+        _check_model(tree["model"], model.state_dict(), path, strict)
     if optimizer is not None:
         groups = tree["optimizer"]["param_groups"]
         if len(groups) != len(optimizer.param_groups) or any(
@@ -140,9 +153,9 @@ def _ghost(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
-def _check_model(saved: dict, own: dict, path: str) -> None:
-    missing = [k for k in own if k not in saved]
-    unexpected = [k for k in saved if k not in own]
+def _check_model(saved: dict, own: dict, path: str, strict: bool) -> None:
+    missing = [k for k in own if k not in saved] if strict else []
+    unexpected = [k for k in saved if k not in own] if strict else []
     shapes = [
         f"{k}: {_shape(saved[k])} vs {tuple(v.shape)}"
         for k, v in own.items()
@@ -161,6 +174,7 @@ def _check_model(saved: dict, own: dict, path: str) -> None:
         raise ConfigError(
             f"checkpoint {path} does not fit the model passed to restore: {'; '.join(parts)}. "
             f"Build the model with the saved run's configuration, or restore into one that has it"
+            + ("" if shapes else " (restore(strict=False) loads the keys both have)")
         )
 
 

@@ -175,6 +175,8 @@ class CheckpointState:
     extra: object = None
     source: str = "disk"  # "replica": read from another node's RAM (replicas=), else "disk"
     fallback: str | None = None  # replicas=: why the replica was not used (None if it was)
+    missing_keys: tuple[str, ...] = ()  # restore(strict=False): model keys the checkpoint lacks
+    unexpected_keys: tuple[str, ...] = ()  # restore(strict=False): saved keys the model lacks
 
 
 @dataclass
@@ -538,17 +540,24 @@ class Checkpointer:
         scheduler: object | None = None,
         step: int | None = None,
         rng: bool = True,
+        strict: bool = True,
     ) -> CheckpointState | None:
         """Load the newest checkpoint that verifies; ``None`` when there is none.
 
         Every checksum is checked before anything is loaded. A damaged checkpoint is skipped with
         a warning naming the defect; if every checkpoint is damaged, :class:`CorruptDataError`.
+        ``strict=False`` loads the model keys both sides have, as ``load_state_dict(strict=False)``
+        (fine-tuning with a new head); the state names the others. Shapes must still match.
         """
         self._check_open()
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict={strict!r}: pass True or False, as to load_state_dict")
         step = None if step is None else _check_step(step, "restore")
         self.wait()
         self._group.agree(  # else each rank would load the step it named: a mixed state
-            {"step": step}, "restore", fix="pass the same restore(step=) everywhere, or none"
+            {"step": step, "strict": strict},
+            "restore",
+            fix="pass the same restore(step=, strict=) everywhere",
         )
         steps = self._candidates(step)
         problems = []
@@ -570,8 +579,8 @@ class Checkpointer:
                 continue
             if model is not None:  # DDP(model) saved, bare model restored (or back)
                 tree = align_model_keys(tree, model.state_dict())
-            self._group.fits(tree, path, model, optimizer, scheduler)  # before anything loads
-            self._apply(tree, model, optimizer, scheduler, rng)
+            self._group.fits(tree, path, model, optimizer, scheduler, strict)  # before any load
+            keys = self._apply(tree, model, optimizer, scheduler, rng, strict)
             self._last_saved = s
             log.info("rank %d restored %s from %s", self._group.rank, path, source)
             return CheckpointState(
@@ -581,6 +590,8 @@ class Checkpointer:
                 extra=tree.get("extra"),
                 source=source,
                 fallback=self._count_replica_restore(source, replica),
+                missing_keys=tuple(keys.missing_keys) if keys else (),
+                unexpected_keys=tuple(keys.unexpected_keys) if keys else (),
             )
         if problems:
             raise CorruptDataError(
@@ -1044,16 +1055,19 @@ class Checkpointer:
             shutil.rmtree(doomed, ignore_errors=True)
             _faults.point("retention-deleted")
 
-    def _apply(self, tree, model, optimizer, scheduler, rng) -> None:
-        """Load a checkpoint that passed check_tree and check_fits (nothing left to fail on)."""
+    def _apply(self, tree, model, optimizer, scheduler, rng, strict: bool):
+        """Load a checkpoint that passed check_tree and check_fits (nothing left to fail on);
+        the model's missing and unexpected keys (None without a model)."""
+        keys = None
         if model is not None:
-            model.load_state_dict(tree["model"])
+            keys = model.load_state_dict(tree["model"], strict=strict)
         if optimizer is not None:
             optimizer.load_state_dict(tree["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(tree["scheduler"])
         if rng and tree.get("rng") is not None:
             set_rng_state(tree["rng"])
+        return keys
 
 
 def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
