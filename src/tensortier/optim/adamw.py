@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,6 +73,7 @@ from tensortier.optim._readers import DeferredWriteBack
 from tensortier.optim._speculation import VALIDATE, Speculator
 from tensortier.optim._staging import Staging
 from tensortier.optim._state_dict import StateDicts
+from tensortier.optim._state_view import StateView
 from tensortier.optim._states import DiskStates
 from tensortier.optim._stats import OptimizerStats, record_memory
 from tensortier.optim._step import Step
@@ -99,41 +100,6 @@ def _shutdown(worker, states, hooks: list, deferred, staging) -> None:
     worker.shutdown(wait=True, cancel_futures=True)  # jobs are finite CPU work (see PROTOCOL.md)
     staging.close()  # joins the comparison threads
     states.close()
-
-
-class _StateView(Mapping):
-    """``opt.state`` as torch users read it: ``opt.state[p]["exp_avg"]`` (copies: the state
-    lives off the device; change it with ``load_state_dict``), ``len``, ``bool``. An always
-    empty ``state`` made ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
-    take a "first" step with zero gradients, advancing every step counter and decaying the
-    moments."""
-
-    def __init__(self, ref: weakref.ref):
-        self._ref = ref  # the optimizer holds this view: no cycle
-
-    def _params(self) -> list[torch.Tensor]:
-        opt = self._ref()
-        if opt is None or not getattr(opt, "_ready", False):
-            return []
-        return [s.param for s in opt._layout.slots() if s.has_state]
-
-    def __getitem__(self, param: torch.Tensor) -> dict:
-        opt = self._ref()
-        if opt is None or not getattr(opt, "_ready", False):
-            return {}
-        opt._check_open()
-        opt.synchronize()
-        opt._spec.wait()
-        return opt._dicts.entry(param)
-
-    def __contains__(self, param: object) -> bool:  # without reading the state (Mapping's would)
-        return any(p is param for p in self._params())
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self._params())
-
-    def __len__(self) -> int:
-        return len(self._params())
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -261,7 +227,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize
         )
         super().__init__(params, {**defaults, **TORCH_KEYS})
-        self.state = _StateView(weakref.ref(self))  # type: ignore[assignment]
+        self.state = StateView(weakref.ref(self))  # type: ignore[assignment]
         self._step_supports_amp_scaling = True  # GradScaler: grad_scale / found_inf, as fused AdamW
         self._sharding = Sharding(list(self._all_params()), process_group, shard)
         self._defer_gather = bool(defer_gather)
@@ -474,6 +440,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open()
+        self._apply_state_edits()  # edits of opt.state[p] copies, before the update reads it
         self.synchronize()  # the last step's gathers read the masters this one updates
         refused = self._refused_gradient()
         sparse = refused is not None  # sparse, or not shaped like its parameter: nothing runs
@@ -569,6 +536,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._check_open()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim runs them
             pre_hook(self)
+        self._apply_state_edits()
         self.synchronize()  # the step is over when its state is read
         self._spec.wait()
         state_dict = self._dicts.local()
@@ -589,6 +557,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not self._sharding.local_form:
             return self.state_dict()
         self._check_open()
+        self._apply_state_edits()
         self.synchronize()
         self._spec.wait()
         if self._sharding.fsdp:
@@ -610,6 +579,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self._load(state_dict)
+        self.state.forget()  # copies handed out are of the state just replaced
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load(self, state_dict: dict) -> None:
+        """Replace the state (every check first: on an error nothing has changed)."""
         self.synchronize()  # pending gathers read the masters that are about to be replaced
         loaded = self._dicts.parse(state_dict)  # every check, before anything changes
         self._spec.discard()
@@ -618,8 +594,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._states.drop_prefetch()
         self._dicts.write(loaded)
         self._dicts.adopt(loaded, state_dict["param_groups"])
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+
+    def _apply_state_edits(self) -> None:
+        """Load the ``opt.state[p]`` copies changed since they were read (``_state_view.py``)."""
+        edits = self.state.take_edits()
+        if not edits:
+            return
+        self.synchronize()
+        self._spec.wait()
+        state_dict = self._dicts.local()
+        pos = {id(p): i for i, p in enumerate(self._all_params())}
+        for p, entry in edits:
+            state_dict["state"][pos[id(p)]] = entry
+        try:
+            self._load(state_dict)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(
+                f"an edited opt.state[p] cannot be loaded ({exc}); nothing was changed. Keep "
+                f"its keys (step, exp_avg, exp_avg_sq) and each tensor's shape"
+            ) from exc
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
