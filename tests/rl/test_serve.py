@@ -10,9 +10,17 @@ import torch
 ray = pytest.importorskip("ray")
 
 from tensortier.errors import ClosedError, ConfigError, RateLimitTimeout  # noqa: E402
-from tensortier.rl import ParamStore, Prioritized, RateLimit, ReplayBuffer, serve  # noqa: E402
+from tensortier.rl import (  # noqa: E402
+    MemoryBank,
+    ParamStore,
+    Prioritized,
+    RateLimit,
+    ReplayBuffer,
+    serve,
+)
 from tensortier.rl._actors import call as _call  # noqa: E402
 from tensortier.rl.serve import _PARAM_THREADS  # noqa: E402
+from tensortier.tiers.remote import RemoteStore  # noqa: E402
 from tests.conftest import in_thread  # noqa: E402
 
 
@@ -287,3 +295,66 @@ def test_served_rate_limited_buffer_waits_on_the_callers_side(ray_session):
         assert (st["samples"], st["sample_timeouts"]) == (12, 1)
     finally:
         remote.close()
+
+
+# ---------------------------------------------------------------------- settings carried over
+def _actor_config(remote):
+    """(durable, fsync) of the store inside the actor."""
+    return ray.get(
+        remote.actor.__ray_call__.remote(lambda a: (a.obj._store.durable, a.obj._store.fsync))
+    )
+
+
+def test_a_durable_bank_is_served_with_its_items_and_stays_durable(ray_session, tmp_path):
+    """serve(MemoryBank(durable=True)) used to start a bank that was neither durable nor given
+    the items: what collectors appended through it was gone once the actor ended."""
+    d = tmp_path / "bank"
+    bank = MemoryBank(100, spill_dir=d, durable=True, fsync=True)
+    first = {"key": torch.randn(128, dtype=torch.bfloat16), "label": 0}
+    k0 = bank.append(first)
+    remote = serve(bank)  # closes `bank`: the actor owns the directory now
+    try:
+        assert _actor_config(remote) == (True, True)
+        got = remote[k0]
+        assert torch.equal(got["key"], first["key"]) and got["label"] == 0
+        later = {"key": torch.randn(128, dtype=torch.bfloat16), "label": 1}
+        k1 = remote.add(later)
+    finally:
+        remote.close()
+    with MemoryBank(100, spill_dir=d, durable=True) as reopened:
+        assert reopened.indices().tolist() == [k0, k1]
+        assert torch.equal(reopened[k1]["key"], later["key"]) and reopened[k1]["label"] == 1
+
+
+def test_a_non_durable_bank_with_items_is_refused(ray_session):
+    with MemoryBank(10) as bank:
+        bank.append({"x": 1})
+        with pytest.raises(ConfigError, match="durable"):
+            serve(bank)
+
+
+def test_a_durable_buffer_keeps_fsync_in_its_actor(ray_session, tmp_path):
+    remote = serve(ReplayBuffer(10, spill_dir=tmp_path / "rb", durable=True, fsync=True))
+    try:
+        assert _actor_config(remote) == (True, True)  # fsync was dropped: power loss lost adds
+    finally:
+        remote.close()
+
+
+def test_stores_spilling_to_a_remote_pool_are_refused(ray_session):
+    """The pool is this process's; the actor's store used to spill to disk instead, silently."""
+    pool = RemoteStore(budget="2MiB")
+    try:
+        for store in (
+            ReplayBuffer(10, tier="remote", remote=pool),
+            MemoryBank(10, tier=["remote"], remote=pool),
+        ):
+            with store, pytest.raises(ConfigError, match="tier="):
+                serve(store)
+        with (
+            ReplayBuffer(10, tier="remote", remote=pool) as store,
+            pytest.raises(ConfigError, match="tier="),
+        ):
+            serve(store, shards=2)
+    finally:
+        pool.close()

@@ -163,6 +163,20 @@ class BufferActor:
 
 
 # ---------------------------------------------------------------------- start
+def check_local_tiers(obj: ReplayBuffer | MemoryBank, how: str) -> None:
+    """ConfigError for a store that spills to a ``RemoteStore`` pool: the pool is this process's
+    (its objects are owned here), so an actor could only spill to disk, which is not what the
+    store was made for."""
+    tiers = obj._store.tiers
+    if "remote" in tiers:
+        what = type(obj).__name__
+        raise ConfigError(
+            f"{how} cannot carry tier={list(tiers)!r} over to its actor: the RemoteStore pool "
+            f"belongs to this process, and the actor's {what} would spill to disk instead. "
+            f"Serve a {what} made with tier='disk' (the default), or keep this one in-process"
+        )
+
+
 def check_num_cpus(num_cpus: object) -> None:
     if (
         isinstance(num_cpus, bool)

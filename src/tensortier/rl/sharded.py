@@ -56,6 +56,7 @@ from tensortier.rl._actors import (
     START_TIMEOUT,
     BufferActor,
     actor_class,
+    check_local_tiers,
     check_num_cpus,
     check_resources,
     import_ray,
@@ -884,6 +885,7 @@ def _check_sharded_args(obj: object, shards: Any, num_cpus: object, name: object
         raise ConfigError(f"serve(shards=K) takes a ReplayBuffer, got {type(obj).__name__}")
     if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
         raise ConfigError(f"shards must be an int >= 1 (buffer actors), got {shards!r}")
+    check_local_tiers(obj, f"serve(shards={shards})")
     if len(obj):
         raise ConfigError(
             f"serve(shards={shards}) takes an empty ReplayBuffer as a template (its settings are "
