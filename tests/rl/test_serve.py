@@ -358,3 +358,29 @@ def test_stores_spilling_to_a_remote_pool_are_refused(ray_session):
             serve(store, shards=2)
     finally:
         pool.close()
+
+
+@ray.remote(num_cpus=0)
+def add_later(buf, delay: float) -> int:
+    time.sleep(delay)
+    return buf.add({"obs": np.arange(4.0)})
+
+
+def test_served_sample_waits_for_collectors_up_to_its_timeout(ray_session):
+    """sample(n, timeout=t) on a served buffer without a rate limit used to ignore ``t`` and
+    raise IndexError at once, so a learner started before its collectors failed."""
+    remote = serve(ReplayBuffer(100))
+    try:
+        with pytest.raises(IndexError, match="empty ReplayBuffer"):
+            remote.sample(2)  # default: at once, as a local buffer
+        with pytest.raises(IndexError, match="after waiting 0.2 s"):
+            remote.sample(2, timeout=0.2)
+        with pytest.raises(ConfigError, match="timeout"):
+            remote.sample(2, timeout="1")
+        pending = add_later.remote(remote, 0.5)  # the learner is already waiting then
+        batch = remote.sample(2, timeout=60)
+        assert batch.indices.tolist() == [ray.get(pending)] * 2
+        assert (batch.items["obs"] == np.arange(4.0)).all()
+        assert remote.sample(3, timeout=None).indices.shape == (3,)  # drawable: no wait
+    finally:
+        remote.close()

@@ -120,14 +120,21 @@ class BufferActor:
             return buf._extend_blobs(blobs)
 
     def try_sample(self, n: int, first: bool):
+        """A batch, or None while nothing can be drawn (empty, or the rate limit says wait)."""
         buf, lim = self.obj, self.obj._limiter
         with buf._cond:
             buf._check()
+            if lim is None:
+                return buf._draw(n, 0.0) if len(buf) else None
             lim.check_sample(n)
             if not lim.can_sample(n, len(buf)):
                 lim.stats.sample_waits += first
                 return None
             return buf._draw(n, 0.0)
+
+    def empty_error(self, timeout: float | None) -> IndexError:
+        """The IndexError a caller raises after polling an empty buffer ``timeout`` seconds."""
+        return self.obj._empty(timeout)
 
     def limit_timeout(self, op: str, n: int, timeout: float | None):
         """The RateLimitTimeout a caller raises after polling ``timeout`` seconds (counted)."""

@@ -135,15 +135,22 @@ class RemoteReplayBuffer:
         return self._do("extend", blobs)
 
     def sample(self, batch_size: int, *, timeout: float | None = DEFAULT) -> Batch:
-        """Draw a batch; with a rate limit, waits on this side up to ``timeout`` (default: the
-        RateLimit's) while inserting is behind, then raises RateLimitTimeout."""
+        """Draw a batch. Empty buffer: waits on this side up to ``timeout`` seconds (default 0;
+        ``None``: until an add) for collectors, then raises IndexError, as ReplayBuffer.sample.
+        With a rate limit, waits up to ``timeout`` (default: the RateLimit's) while inserting is
+        behind, then raises RateLimitTimeout. The actor never waits: adds go on meanwhile."""
         n = check_batch_size(batch_size)  # before the remote call: a typed error, no round trip
         if self.kind != "replay":
             raise TypeError("a served MemoryBank has no sample(); read items by index (bank[i])")
         if self.rate_limit is not None:
             blobs, keys, weights = self._limited("sample", n, timeout, n)
         else:
-            blobs, keys, weights = self._do("sample", n)
+            wait = 0.0 if timeout is DEFAULT else check_timeout(timeout)
+            blobs, keys, weights = poll(
+                lambda: self._do("try_sample", n, False),
+                wait,
+                lambda: self._do("empty_error", wait),
+            )
         items, collated = _codec.decode_batch(blobs)
         return Batch(items, keys, weights, collated)
 
