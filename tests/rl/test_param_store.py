@@ -278,3 +278,41 @@ def test_sigkilled_publisher_is_detected_and_its_directory_reclaimed(tmp_path):
         assert os.listdir(tmp_path) == [os.path.basename(fresh.directory)]
     assert (held["w"] == 7).all()  # the mapping outlives the files
     assert isinstance(in_thread(lambda: reader.get(timeout=5)), ClosedError)
+
+
+def _publish_fsdp2(rank: int, world: int) -> dict:
+    """A learner under FSDP2 (2 gloo ranks): its state_dict() holds DTensor shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)).bfloat16()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    full = get_model_state_dict(  # what the error names: full tensors on rank 0 (a collective)
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank != 0:
+        return {}
+    with ParamStore() as params:
+        try:
+            params.publish(model.state_dict())
+            refused = ""
+        except TypeError as exc:
+            refused = str(exc)
+        got = params.get(params.publish(full))
+        return {"refused": refused, "got": {k: t.float().tolist() for k, t in got.items()}}
+
+
+def test_an_fsdp2_learner_is_told_to_publish_a_full_state_dict():
+    """FSDP2's state_dict() holds DTensors (this rank's shard only): publish raised an untyped
+    RuntimeError from inside the copy (uneven shards: a sharding error), now a TypeError that
+    names the tensor and the fix, and the fix publishes the whole model bit for bit."""
+    from tests import distributed
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)).bfloat16()
+    result = distributed.run(_publish_fsdp2, 2)[0]
+    assert "'0.weight' is a DTensor" in result["refused"]
+    assert "full_state_dict=True" in result["refused"]
+    assert result["got"] == {k: t.float().tolist() for k, t in plain.state_dict().items()}

@@ -43,6 +43,7 @@ import torch
 
 from tensortier.errors import ClosedError, CorruptDataError
 from tensortier.rl.param_store import checked_tensors
+from tensortier.tiers.disk import as_bytes
 from tensortier.tiers.itemcodec import TORCH_DTYPES
 
 _MAGIC = "tt-params-1"
@@ -56,8 +57,7 @@ def encode(state_dict: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
     """``[header, tensor bytes...]`` as flat ``uint8`` arrays: views of CPU tensors, no copy."""
     entries, arrays = [], []
     for name, dtype, t in checked_tensors(state_dict):
-        t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        raw = as_bytes(t.detach().cpu())  # as ParamStore.publish: any strides, conj/neg views
         entries.append([name, dtype, list(t.shape), raw.numel()])
         arrays.append(raw.numpy())
     header = json.dumps({"magic": _MAGIC, "tensors": entries}).encode()

@@ -36,6 +36,7 @@ import numbers
 import os
 import re
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -110,11 +111,26 @@ def checked_tensors(state_dict: object) -> list[tuple[str, str, torch.Tensor]]:
             raise TypeError(f"publish: state_dict keys must be str names, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"publish: {name!r} is a {type(t).__name__}, expected a tensor")
+        if _is_dtensor(t):
+            raise TypeError(
+                f"publish: {name!r} is a DTensor sharded as {t.placements} (FSDP2 or tensor "
+                f"parallel): this rank holds only its shard. Gather a full state dict on every "
+                f"rank first, get_model_state_dict(model, options=StateDictOptions("
+                f"full_state_dict=True, cpu_offload=True)) from "
+                f"torch.distributed.checkpoint.state_dict, and publish it from rank 0"
+            )
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
             raise TypeError(f"publish: {name!r} has unsupported dtype {t.dtype}")
         out.append((name, dtype, t))
     return out
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (only possible once ``torch.distributed.tensor`` is imported,
+    so publishing never imports it)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _publisher_alive(path: str) -> bool:
