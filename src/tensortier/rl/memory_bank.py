@@ -103,8 +103,12 @@ class MemoryBank:
             blobs = self._store.blobs(self._slots(keys))
         return [_codec.decode(b) for b in blobs]
 
-    def __getitem__(self, index: int) -> Any:
-        return self.get_many([index])[0]
+    def __getitem__(self, index: int | Sequence[int] | np.ndarray) -> Any:
+        """The item at ``index``, or a list of items for a sequence of indices (as
+        ``ReplayBuffer`` and a served bank)."""
+        single = isinstance(index, int) or getattr(index, "ndim", None) == 0  # 0-d: one index
+        items = self.get_many([index] if single else index)
+        return items[0] if single else items
 
     def __setitem__(self, index: int, item: Any) -> None:
         blob = _codec.encode(item)
