@@ -53,3 +53,23 @@ def test_indexing_with_many_indices_returns_their_items(spill_dir):
             assert torch.equal(bank[one], keys[4])
         with pytest.raises(TypeError, match="indices"):
             bank[[[int(live[0])]]]
+
+
+def test_extend_refuses_a_dict_or_text_instead_of_storing_its_keys(spill_dir):
+    """extend({"obs": batch, ...}) (a TorchRL-style batch) stored one item per key, the str
+    "obs" and so on, and returned their indices as if the batch had been added."""
+    from tensortier.rl import ReplayBuffer
+
+    batch = {"obs": np.zeros((4, 3), np.float32), "action": np.arange(4)}
+    with (
+        MemoryBank(10, spill_dir=spill_dir) as bank,
+        ReplayBuffer(10, spill_dir=spill_dir) as buf,
+    ):
+        for store in (bank, buf):
+            for wrong in (batch, "obs", b"obs"):
+                with pytest.raises(TypeError, match=r"extend takes a list .* add\(item\)"):
+                    store.extend(wrong)
+            assert len(store) == 0
+            rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]  # the batch's items
+            keys = store.extend(iter(rows))
+            assert [int(store[int(k)]["action"]) for k in keys] == [0, 1, 2, 3]

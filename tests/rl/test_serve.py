@@ -384,3 +384,14 @@ def test_served_sample_waits_for_collectors_up_to_its_timeout(ray_session):
         assert remote.sample(3, timeout=None).indices.shape == (3,)  # drawable: no wait
     finally:
         remote.close()
+
+
+@pytest.mark.parametrize("shards", [None, 2])
+def test_served_extend_refuses_a_dict_instead_of_storing_its_keys(ray_session, shards):
+    remote = serve(ReplayBuffer(10), shards=shards)
+    try:
+        with pytest.raises(TypeError, match="extend takes a list"):
+            remote.extend({"obs": np.zeros((4, 3)), "action": np.arange(4)})
+        assert len(remote) == 0
+    finally:
+        remote.close()

@@ -32,7 +32,7 @@ import json
 import operator
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -85,6 +85,19 @@ def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
     return index_array(
         indices, f"{name} must be an int or a 1-D sequence of ints (as returned by add())"
     )
+
+
+def check_items(items: Any, what: str) -> Any:
+    """``items`` for ``extend``; TypeError for one whose iteration is not its items: a dict (a
+    TorchRL-style batch) gives its keys and a str or bytes its characters, which were stored as
+    items."""
+    if isinstance(items, (Mapping, str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"{what}.extend takes a list (or any iterable) of items, got a "
+            f"{type(items).__name__}, whose iteration would store its keys or characters; pass "
+            f"add(item) for one item, or a list of items"
+        )
+    return items
 
 
 _TIERS = {("disk",), ("remote",), ("remote", "disk")}

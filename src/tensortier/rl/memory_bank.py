@@ -18,7 +18,7 @@ from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError
-from tensortier.rl._store import ItemStore, as_index_array, check_args, check_tier
+from tensortier.rl._store import ItemStore, as_index_array, check_args, check_items, check_tier
 from tensortier.tiers import itemcodec as _codec
 
 
@@ -90,7 +90,7 @@ class MemoryBank:
         return int(self.extend([item])[0])
 
     def extend(self, items: Iterable[Any]) -> np.ndarray:
-        blobs = [_codec.encode_parts(it) for it in items]  # copied once, into the store
+        blobs = [_codec.encode_parts(it) for it in check_items(items, "MemoryBank")]  # one copy
         with self._lock:
             self._check()
             return self._store.add(blobs)[0]

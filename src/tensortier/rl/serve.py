@@ -47,7 +47,7 @@ from tensortier.rl._actors import (
 )
 from tensortier.rl._api import DEFAULT, Batch, check_batch_size, check_timeout
 from tensortier.rl._backoff import poll
-from tensortier.rl._store import as_index_array
+from tensortier.rl._store import as_index_array, check_items
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import Params, ParamStore, check_version, deadline_of
 from tensortier.rl.rate_limiter import RateLimit
@@ -129,7 +129,7 @@ class RemoteReplayBuffer:
         )
 
     def extend(self, items, *, timeout: float | None = DEFAULT) -> np.ndarray:
-        blobs = [_codec.encode(it) for it in items]
+        blobs = [_codec.encode(it) for it in check_items(items, self._what)]
         if self.rate_limit is not None:
             return self._limited("extend", len(blobs), timeout, blobs)
         return self._do("extend", blobs)

@@ -72,7 +72,7 @@ from tensortier.rl._api import (
     check_timeout,
     priority_array,
 )
-from tensortier.rl._store import as_index_array
+from tensortier.rl._store import as_index_array, check_items
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.replay import ReplayBuffer
 from tensortier.rl.sampler import Prioritized, PrioritizedState, check_priority, is_weights
@@ -442,7 +442,7 @@ class ShardedReplayBuffer:
             raise ConfigError(
                 f"shard must be None (pick one) or an int in [0, {self.shards}), got {shard!r}"
             )
-        blobs = [_codec.encode(it) for it in items]
+        blobs = [_codec.encode(it) for it in check_items(items, "ShardedReplayBuffer")]
         if not blobs:
             return np.empty(0, np.int64)
         cap = self._spawn["kwargs"][0]["max_items"]
