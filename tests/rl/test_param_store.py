@@ -316,3 +316,42 @@ def test_an_fsdp2_learner_is_told_to_publish_a_full_state_dict():
     assert "'0.weight' is a DTensor" in result["refused"]
     assert "full_state_dict=True" in result["refused"]
     assert result["got"] == {k: t.float().tolist() for k, t in plain.state_dict().items()}
+
+
+class _TiedPolicy(torch.nn.Module):
+    """A small language-model policy whose output layer is its embedding (GPT-2, Qwen, T5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(512, 64)
+        self.norm = torch.nn.LayerNorm(64)
+        self.head = torch.nn.Linear(64, 512, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.emb(tokens)))
+
+
+def test_tied_weights_are_published_once_and_read_back_tied():
+    """Tied weights were written twice per version (twice the shared memory and the copy) and
+    read back as two tensors; now once, and a reader's assign=True load stays tied."""
+    torch.manual_seed(0)
+    learner = _TiedPolicy().bfloat16()
+    sd = learner.state_dict()
+    untied = {k: t.clone() for k, t in sd.items()}
+    tokens = torch.randint(0, 512, (4, 8))
+    with ParamStore() as params:
+        params.publish(untied)
+        one = params.stats["bytes_published"]
+        got = params.get(params.publish(sd))
+        tied_bytes = params.stats["bytes_published"] - one
+        assert one - tied_bytes >= sd["emb.weight"].nbytes  # the embedding's bytes: once
+        assert got["emb.weight"].data_ptr() == got["head.weight"].data_ptr()
+        collector = _TiedPolicy().bfloat16()
+        collector.load_state_dict(got, assign=True)  # zero-copy load into the collector
+        assert collector.head.weight.data_ptr() == collector.emb.weight.data_ptr()
+        for name, t in sd.items():
+            assert bit_equal(got[name], t), name
+        with torch.no_grad():
+            assert bit_equal(collector(tokens), learner(tokens))
+        del got, collector

@@ -395,3 +395,15 @@ def test_served_extend_refuses_a_dict_instead_of_storing_its_keys(ray_session, s
         assert len(remote) == 0
     finally:
         remote.close()
+
+
+def test_served_tied_weights_travel_once_and_arrive_tied(ray_session):
+    emb = torch.randn(512, 128, dtype=torch.bfloat16)  # 128 KiB: through the object store
+    sd = {"emb.weight": emb.detach(), "head.weight": emb.detach(), "bias": torch.zeros(512)}
+    remote = serve(ParamStore())
+    try:
+        got = remote.get(remote.publish(sd), timeout=60)
+        assert got["emb.weight"].data_ptr() == got["head.weight"].data_ptr()
+        assert all(torch.equal(got[k], t) for k, t in sd.items())
+    finally:
+        remote.close()
