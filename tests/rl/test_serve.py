@@ -407,3 +407,24 @@ def test_served_tied_weights_travel_once_and_arrive_tied(ray_session):
         assert all(torch.equal(got[k], t) for k, t in sd.items())
     finally:
         remote.close()
+
+
+@ray.remote(num_cpus=0)
+def read_version(reader) -> tuple[int, float]:
+    p = reader.get(min_version=1, timeout=30)
+    return p.version, float(p["w"].sum())
+
+
+def test_collectors_get_a_reader_and_local_stores_say_how_to_share(ray_session):
+    """A ParamReader given to a Ray task failed with "cannot pickle 'mmap.mmap' object", and a
+    local store with "cannot pickle '_thread.RLock' object"; a reader now attaches where it is
+    unpickled, and a store's error names what to pass instead."""
+    with ParamStore() as params:
+        params.publish({"w": torch.ones(8)})
+        assert ray.get(read_version.remote(ParamStore.attach(params.directory))) == (1, 8.0)
+        with pytest.raises(TypeError, match=r"ParamStore\.attach"):
+            pickle.dumps(params)
+    with ReplayBuffer(10) as buf, MemoryBank(10) as bank:
+        for store in (buf, bank):
+            with pytest.raises(TypeError, match=r"tt\.rl\.serve"):
+                pickle.dumps(store)

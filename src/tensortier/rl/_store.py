@@ -100,6 +100,16 @@ def check_items(items: Any, what: str) -> Any:
     return items
 
 
+def not_picklable(what: str) -> TypeError:
+    """The error for pickling a store (to a Ray task or actor, another process): its locks,
+    files and threads belong to this process."""
+    return TypeError(
+        f"a {what} belongs to the process that made it and cannot be pickled (for a Ray task or "
+        f"actor, or another process); pass the handle of tt.rl.serve({what.lower()}) instead, "
+        f"which pickles and reaches the store from any process or node"
+    )
+
+
 _TIERS = {("disk",), ("remote",), ("remote", "disk")}
 
 

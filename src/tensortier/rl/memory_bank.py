@@ -18,7 +18,14 @@ from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError
-from tensortier.rl._store import ItemStore, as_index_array, check_args, check_items, check_tier
+from tensortier.rl._store import (
+    ItemStore,
+    as_index_array,
+    check_args,
+    check_items,
+    check_tier,
+    not_picklable,
+)
 from tensortier.tiers import itemcodec as _codec
 
 
@@ -146,6 +153,9 @@ class MemoryBank:
             if not self._closed:
                 self._closed = True
                 self._store.close()
+
+    def __reduce__(self):
+        raise not_picklable("MemoryBank")
 
     def __enter__(self) -> MemoryBank:
         return self

@@ -399,6 +399,11 @@ class ParamReader:
             tensors[name] = raw.view(TORCH_DTYPES[dtype]).reshape(shape)
         return Params(hversion, tensors)
 
+    def __reduce__(self):
+        """A reader pickles as its directory: unpickled in a process on this machine (a Ray
+        task or actor, a subprocess) it attaches there; elsewhere it raises ConfigError."""
+        return (ParamReader, (self.directory,))
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._ctrl.close()
@@ -585,6 +590,14 @@ class ParamStore:
             self._closed = True
             self._reader.close()
             self._finalizer()
+
+    def __reduce__(self):
+        raise TypeError(
+            "a ParamStore belongs to its publisher's process and cannot be pickled (for a Ray "
+            "task or actor, or another process); pass ParamStore.attach(params.directory), a "
+            "reader that pickles, on this machine, or publish through tt.rl.serve(ParamStore()) "
+            "for readers on any node"
+        )
 
     def __enter__(self) -> ParamStore:
         return self
