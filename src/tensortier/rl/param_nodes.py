@@ -56,8 +56,9 @@ class _Pinned(mmap.mmap):
 def encode(state_dict: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
     """``[header, tensor bytes...]`` as flat ``uint8`` arrays: views of CPU tensors, no copy."""
     entries, arrays = [], []
-    placed: dict[tuple, np.ndarray] = {}  # tied weights: the same array object, which Ray's
-    for name, dtype, t in checked_tensors(state_dict):  # pickle sends once (memo)
+    # tied weights repeat one array object in the list, which Ray's pickle sends once (memo)
+    placed: dict[tuple, np.ndarray] = {}
+    for name, dtype, t in checked_tensors(state_dict):
         key = tied_key(t)
         raw = placed.get(key) if key is not None else None
         if raw is None:  # as ParamStore.publish: any strides, conj/neg views
