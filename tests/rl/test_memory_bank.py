@@ -35,3 +35,41 @@ def test_fifo_index_access_and_variable_sizes_on_ram_and_disk(spill_dir):
 def test_bad_max_items():
     with pytest.raises(ConfigError, match="MemoryBank: max_items must be an int >= 1"):
         MemoryBank(0)
+
+
+def test_indexing_with_many_indices_returns_their_items(spill_dir):
+    """bank[[i, j]] (a MoCo-style read of negatives) raised TypeError ("must be ... a 1-D
+    sequence") although it is one; it now returns a list, as ReplayBuffer and a served bank do."""
+    torch = pytest.importorskip("torch")
+    keys = torch.randn(12, 16, dtype=torch.bfloat16)
+    with MemoryBank(8, host_budget="256B", spill_dir=spill_dir) as bank:
+        bank.extend(keys[:4])  # one item per row; evicted by the next 8
+        live = bank.extend(keys[4:])
+        for many in (live.tolist(), live, torch.from_numpy(live)):
+            got = bank[many]
+            assert isinstance(got, list) and len(got) == 8
+            assert all(torch.equal(g, keys[4 + i]) for i, g in enumerate(got))
+        for one in (int(live[0]), live[0], torch.tensor(int(live[0]))):
+            assert torch.equal(bank[one], keys[4])
+        with pytest.raises(TypeError, match="indices"):
+            bank[[[int(live[0])]]]
+
+
+def test_extend_refuses_a_dict_or_text_instead_of_storing_its_keys(spill_dir):
+    """extend({"obs": batch, ...}) (a TorchRL-style batch) stored one item per key, the str
+    "obs" and so on, and returned their indices as if the batch had been added."""
+    from tensortier.rl import ReplayBuffer
+
+    batch = {"obs": np.zeros((4, 3), np.float32), "action": np.arange(4)}
+    with (
+        MemoryBank(10, spill_dir=spill_dir) as bank,
+        ReplayBuffer(10, spill_dir=spill_dir) as buf,
+    ):
+        for store in (bank, buf):
+            for wrong in (batch, "obs", b"obs"):
+                with pytest.raises(TypeError, match=r"extend takes a list .* add\(item\)"):
+                    store.extend(wrong)
+            assert len(store) == 0
+            rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]  # the batch's items
+            keys = store.extend(iter(rows))
+            assert [int(store[int(k)]["action"]) for k in keys] == [0, 1, 2, 3]

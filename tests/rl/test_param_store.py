@@ -278,3 +278,80 @@ def test_sigkilled_publisher_is_detected_and_its_directory_reclaimed(tmp_path):
         assert os.listdir(tmp_path) == [os.path.basename(fresh.directory)]
     assert (held["w"] == 7).all()  # the mapping outlives the files
     assert isinstance(in_thread(lambda: reader.get(timeout=5)), ClosedError)
+
+
+def _publish_fsdp2(rank: int, world: int) -> dict:
+    """A learner under FSDP2 (2 gloo ranks): its state_dict() holds DTensor shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)).bfloat16()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    full = get_model_state_dict(  # what the error names: full tensors on rank 0 (a collective)
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank != 0:
+        return {}
+    with ParamStore() as params:
+        try:
+            params.publish(model.state_dict())
+            refused = ""
+        except TypeError as exc:
+            refused = str(exc)
+        got = params.get(params.publish(full))
+        return {"refused": refused, "got": {k: t.float().tolist() for k, t in got.items()}}
+
+
+def test_an_fsdp2_learner_is_told_to_publish_a_full_state_dict():
+    """FSDP2's state_dict() holds DTensors (this rank's shard only): publish raised an untyped
+    RuntimeError from inside the copy (uneven shards: a sharding error), now a TypeError that
+    names the tensor and the fix, and the fix publishes the whole model bit for bit."""
+    from tests import distributed
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)).bfloat16()
+    result = distributed.run(_publish_fsdp2, 2)[0]
+    assert "'0.weight' is a DTensor" in result["refused"]
+    assert "full_state_dict=True" in result["refused"]
+    assert result["got"] == {k: t.float().tolist() for k, t in plain.state_dict().items()}
+
+
+class _TiedPolicy(torch.nn.Module):
+    """A small language-model policy whose output layer is its embedding (GPT-2, Qwen, T5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(512, 64)
+        self.norm = torch.nn.LayerNorm(64)
+        self.head = torch.nn.Linear(64, 512, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.emb(tokens)))
+
+
+def test_tied_weights_are_published_once_and_read_back_tied():
+    """Tied weights were written twice per version (twice the shared memory and the copy) and
+    read back as two tensors; now once, and a reader's assign=True load stays tied."""
+    torch.manual_seed(0)
+    learner = _TiedPolicy().bfloat16()
+    sd = learner.state_dict()
+    untied = {k: t.clone() for k, t in sd.items()}
+    tokens = torch.randint(0, 512, (4, 8))
+    with ParamStore() as params:
+        params.publish(untied)
+        one = params.stats["bytes_published"]
+        got = params.get(params.publish(sd))
+        tied_bytes = params.stats["bytes_published"] - one
+        assert one - tied_bytes >= sd["emb.weight"].nbytes  # the embedding's bytes: once
+        assert got["emb.weight"].data_ptr() == got["head.weight"].data_ptr()
+        collector = _TiedPolicy().bfloat16()
+        collector.load_state_dict(got, assign=True)  # zero-copy load into the collector
+        assert collector.head.weight.data_ptr() == collector.emb.weight.data_ptr()
+        for name, t in sd.items():
+            assert bit_equal(got[name], t), name
+        with torch.no_grad():
+            assert bit_equal(collector(tokens), learner(tokens))
+        del got, collector

@@ -282,3 +282,26 @@ def test_payloads_are_checked_and_copied_where_no_mapping_can_be_made():
     ):
         with pytest.raises(CorruptDataError):
             param_nodes.views(wrong, None, 4)
+
+
+def test_any_tensor_local_publish_takes_travels_through_serve_bit_exactly():
+    """serve(ParamStore).publish encoded tensors by hand and raised RuntimeError on a one-element
+    view with stride != 1, which ParamStore.publish takes; both now encode through as_bytes."""
+    wide = torch.randn(4, 6, dtype=torch.bfloat16)
+    sd = {
+        "scale": torch.arange(2.0)[::2],  # one element, stride 2
+        "wt": wide.t(),  # transposed bf16
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "neg": torch.randn(2, 2, dtype=torch.complex64).conj().imag,  # a negative view
+        "empty": torch.empty(0, 5)[:, ::2],
+        "step": torch.tensor(7),
+        "mask": torch.tensor([True, False, True]),
+    }
+    tensors, _ = param_nodes.views(param_nodes.encode(sd), None, 1)
+    with ParamStore() as local:
+        published = local.get(local.publish(sd))
+        for name, t in sd.items():
+            want = t.resolve_conj().resolve_neg()
+            for got in (tensors[name], published[name]):
+                assert got.dtype == t.dtype and got.shape == t.shape, name
+                assert torch.equal(got, want), name

@@ -10,9 +10,17 @@ import torch
 ray = pytest.importorskip("ray")
 
 from tensortier.errors import ClosedError, ConfigError, RateLimitTimeout  # noqa: E402
-from tensortier.rl import ParamStore, Prioritized, RateLimit, ReplayBuffer, serve  # noqa: E402
+from tensortier.rl import (  # noqa: E402
+    MemoryBank,
+    ParamStore,
+    Prioritized,
+    RateLimit,
+    ReplayBuffer,
+    serve,
+)
 from tensortier.rl._actors import call as _call  # noqa: E402
 from tensortier.rl.serve import _PARAM_THREADS  # noqa: E402
+from tensortier.tiers.remote import RemoteStore  # noqa: E402
 from tests.conftest import in_thread  # noqa: E402
 
 
@@ -287,3 +295,136 @@ def test_served_rate_limited_buffer_waits_on_the_callers_side(ray_session):
         assert (st["samples"], st["sample_timeouts"]) == (12, 1)
     finally:
         remote.close()
+
+
+# ---------------------------------------------------------------------- settings carried over
+def _actor_config(remote):
+    """(durable, fsync) of the store inside the actor."""
+    return ray.get(
+        remote.actor.__ray_call__.remote(lambda a: (a.obj._store.durable, a.obj._store.fsync))
+    )
+
+
+def test_a_durable_bank_is_served_with_its_items_and_stays_durable(ray_session, tmp_path):
+    """serve(MemoryBank(durable=True)) used to start a bank that was neither durable nor given
+    the items: what collectors appended through it was gone once the actor ended."""
+    d = tmp_path / "bank"
+    bank = MemoryBank(100, spill_dir=d, durable=True, fsync=True)
+    first = {"key": torch.randn(128, dtype=torch.bfloat16), "label": 0}
+    k0 = bank.append(first)
+    remote = serve(bank)  # closes `bank`: the actor owns the directory now
+    try:
+        assert _actor_config(remote) == (True, True)
+        got = remote[k0]
+        assert torch.equal(got["key"], first["key"]) and got["label"] == 0
+        later = {"key": torch.randn(128, dtype=torch.bfloat16), "label": 1}
+        k1 = remote.add(later)
+    finally:
+        remote.close()
+    with MemoryBank(100, spill_dir=d, durable=True) as reopened:
+        assert reopened.indices().tolist() == [k0, k1]
+        assert torch.equal(reopened[k1]["key"], later["key"]) and reopened[k1]["label"] == 1
+
+
+def test_a_non_durable_bank_with_items_is_refused(ray_session):
+    with MemoryBank(10) as bank:
+        bank.append({"x": 1})
+        with pytest.raises(ConfigError, match="durable"):
+            serve(bank)
+
+
+def test_a_durable_buffer_keeps_fsync_in_its_actor(ray_session, tmp_path):
+    remote = serve(ReplayBuffer(10, spill_dir=tmp_path / "rb", durable=True, fsync=True))
+    try:
+        assert _actor_config(remote) == (True, True)  # fsync was dropped: power loss lost adds
+    finally:
+        remote.close()
+
+
+def test_stores_spilling_to_a_remote_pool_are_refused(ray_session):
+    """The pool is this process's; the actor's store used to spill to disk instead, silently."""
+    pool = RemoteStore(budget="2MiB")
+    try:
+        for store in (
+            ReplayBuffer(10, tier="remote", remote=pool),
+            MemoryBank(10, tier=["remote"], remote=pool),
+        ):
+            with store, pytest.raises(ConfigError, match="tier="):
+                serve(store)
+        with (
+            ReplayBuffer(10, tier="remote", remote=pool) as store,
+            pytest.raises(ConfigError, match="tier="),
+        ):
+            serve(store, shards=2)
+    finally:
+        pool.close()
+
+
+@ray.remote(num_cpus=0)
+def add_later(buf, delay: float) -> int:
+    time.sleep(delay)
+    return buf.add({"obs": np.arange(4.0)})
+
+
+def test_served_sample_waits_for_collectors_up_to_its_timeout(ray_session):
+    """sample(n, timeout=t) on a served buffer without a rate limit used to ignore ``t`` and
+    raise IndexError at once, so a learner started before its collectors failed."""
+    remote = serve(ReplayBuffer(100))
+    try:
+        with pytest.raises(IndexError, match="empty ReplayBuffer"):
+            remote.sample(2)  # default: at once, as a local buffer
+        with pytest.raises(IndexError, match="after waiting 0.2 s"):
+            remote.sample(2, timeout=0.2)
+        with pytest.raises(ConfigError, match="timeout"):
+            remote.sample(2, timeout="1")
+        pending = add_later.remote(remote, 0.5)  # the learner is already waiting then
+        batch = remote.sample(2, timeout=60)
+        assert batch.indices.tolist() == [ray.get(pending)] * 2
+        assert (batch.items["obs"] == np.arange(4.0)).all()
+        assert remote.sample(3, timeout=None).indices.shape == (3,)  # drawable: no wait
+    finally:
+        remote.close()
+
+
+@pytest.mark.parametrize("shards", [None, 2])
+def test_served_extend_refuses_a_dict_instead_of_storing_its_keys(ray_session, shards):
+    remote = serve(ReplayBuffer(10), shards=shards)
+    try:
+        with pytest.raises(TypeError, match="extend takes a list"):
+            remote.extend({"obs": np.zeros((4, 3)), "action": np.arange(4)})
+        assert len(remote) == 0
+    finally:
+        remote.close()
+
+
+def test_served_tied_weights_travel_once_and_arrive_tied(ray_session):
+    emb = torch.randn(512, 128, dtype=torch.bfloat16)  # 128 KiB: through the object store
+    sd = {"emb.weight": emb.detach(), "head.weight": emb.detach(), "bias": torch.zeros(512)}
+    remote = serve(ParamStore())
+    try:
+        got = remote.get(remote.publish(sd), timeout=60)
+        assert got["emb.weight"].data_ptr() == got["head.weight"].data_ptr()
+        assert all(torch.equal(got[k], t) for k, t in sd.items())
+    finally:
+        remote.close()
+
+
+@ray.remote(num_cpus=0)
+def read_version(reader) -> tuple[int, float]:
+    p = reader.get(min_version=1, timeout=30)
+    return p.version, float(p["w"].sum())
+
+
+def test_collectors_get_a_reader_and_local_stores_say_how_to_share(ray_session):
+    """A ParamReader given to a Ray task failed with "cannot pickle 'mmap.mmap' object", and a
+    local store with "cannot pickle '_thread.RLock' object"; a reader now attaches where it is
+    unpickled, and a store's error names what to pass instead."""
+    with ParamStore() as params:
+        params.publish({"w": torch.ones(8)})
+        assert ray.get(read_version.remote(ParamStore.attach(params.directory))) == (1, 8.0)
+        with pytest.raises(TypeError, match=r"ParamStore\.attach"):
+            pickle.dumps(params)
+    with ReplayBuffer(10) as buf, MemoryBank(10) as bank:
+        for store in (buf, bank):
+            with pytest.raises(TypeError, match=r"tt\.rl\.serve"):
+                pickle.dumps(store)

@@ -120,14 +120,21 @@ class BufferActor:
             return buf._extend_blobs(blobs)
 
     def try_sample(self, n: int, first: bool):
+        """A batch, or None while nothing can be drawn (empty, or the rate limit says wait)."""
         buf, lim = self.obj, self.obj._limiter
         with buf._cond:
             buf._check()
+            if lim is None:
+                return buf._draw(n, 0.0) if len(buf) else None
             lim.check_sample(n)
             if not lim.can_sample(n, len(buf)):
                 lim.stats.sample_waits += first
                 return None
             return buf._draw(n, 0.0)
+
+    def empty_error(self, timeout: float | None) -> IndexError:
+        """The IndexError a caller raises after polling an empty buffer ``timeout`` seconds."""
+        return self.obj._empty(timeout)
 
     def limit_timeout(self, op: str, n: int, timeout: float | None):
         """The RateLimitTimeout a caller raises after polling ``timeout`` seconds (counted)."""
@@ -163,6 +170,20 @@ class BufferActor:
 
 
 # ---------------------------------------------------------------------- start
+def check_local_tiers(obj: ReplayBuffer | MemoryBank, how: str) -> None:
+    """ConfigError for a store that spills to a ``RemoteStore`` pool: the pool is this process's
+    (its objects are owned here), so an actor could only spill to disk, which is not what the
+    store was made for."""
+    tiers = obj._store.tiers
+    if "remote" in tiers:
+        what = type(obj).__name__
+        raise ConfigError(
+            f"{how} cannot carry tier={list(tiers)!r} over to its actor: the RemoteStore pool "
+            f"belongs to this process, and the actor's {what} would spill to disk instead. "
+            f"Serve a {what} made with tier='disk' (the default), or keep this one in-process"
+        )
+
+
 def check_num_cpus(num_cpus: object) -> None:
     if (
         isinstance(num_cpus, bool)

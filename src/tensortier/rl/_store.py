@@ -32,7 +32,7 @@ import json
 import operator
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,6 +84,29 @@ def as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
         return indices  # what sample() returns: nothing to convert or check
     return index_array(
         indices, f"{name} must be an int or a 1-D sequence of ints (as returned by add())"
+    )
+
+
+def check_items(items: Any, what: str) -> Any:
+    """``items`` for ``extend``; TypeError for one whose iteration is not its items: a dict (a
+    TorchRL-style batch) gives its keys and a str or bytes its characters, which were stored as
+    items."""
+    if isinstance(items, (Mapping, str, bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"{what}.extend takes a list (or any iterable) of items, got a "
+            f"{type(items).__name__}, whose iteration would store its keys or characters; pass "
+            f"add(item) for one item, or a list of items"
+        )
+    return items
+
+
+def not_picklable(what: str) -> TypeError:
+    """The error for pickling a store (to a Ray task or actor, another process): its locks,
+    files and threads belong to this process."""
+    return TypeError(
+        f"a {what} belongs to the process that made it and cannot be pickled (for a Ray task or "
+        f"actor, or another process); pass the handle of tt.rl.serve({what.lower()}) instead, "
+        f"which pickles and reaches the store from any process or node"
     )
 
 

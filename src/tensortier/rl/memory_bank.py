@@ -18,7 +18,14 @@ from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, parse_size
 from tensortier.errors import ClosedError
-from tensortier.rl._store import ItemStore, as_index_array, check_args, check_tier
+from tensortier.rl._store import (
+    ItemStore,
+    as_index_array,
+    check_args,
+    check_items,
+    check_tier,
+    not_picklable,
+)
 from tensortier.tiers import itemcodec as _codec
 
 
@@ -90,7 +97,7 @@ class MemoryBank:
         return int(self.extend([item])[0])
 
     def extend(self, items: Iterable[Any]) -> np.ndarray:
-        blobs = [_codec.encode_parts(it) for it in items]  # copied once, into the store
+        blobs = [_codec.encode_parts(it) for it in check_items(items, "MemoryBank")]  # one copy
         with self._lock:
             self._check()
             return self._store.add(blobs)[0]
@@ -103,8 +110,12 @@ class MemoryBank:
             blobs = self._store.blobs(self._slots(keys))
         return [_codec.decode(b) for b in blobs]
 
-    def __getitem__(self, index: int) -> Any:
-        return self.get_many([index])[0]
+    def __getitem__(self, index: int | Sequence[int] | np.ndarray) -> Any:
+        """The item at ``index``, or a list of items for a sequence of indices (as
+        ``ReplayBuffer`` and a served bank)."""
+        single = isinstance(index, int) or getattr(index, "ndim", None) == 0  # 0-d: one index
+        items = self.get_many([index] if single else index)
+        return items[0] if single else items
 
     def __setitem__(self, index: int, item: Any) -> None:
         blob = _codec.encode(item)
@@ -142,6 +153,9 @@ class MemoryBank:
             if not self._closed:
                 self._closed = True
                 self._store.close()
+
+    def __reduce__(self):
+        raise not_picklable("MemoryBank")
 
     def __enter__(self) -> MemoryBank:
         return self

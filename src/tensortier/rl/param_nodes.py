@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from tensortier.errors import ClosedError, CorruptDataError
-from tensortier.rl.param_store import checked_tensors
+from tensortier.rl.param_store import checked_tensors, tied_key
+from tensortier.tiers.disk import as_bytes
 from tensortier.tiers.itemcodec import TORCH_DTYPES
 
 _MAGIC = "tt-params-1"
@@ -55,11 +56,17 @@ class _Pinned(mmap.mmap):
 def encode(state_dict: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
     """``[header, tensor bytes...]`` as flat ``uint8`` arrays: views of CPU tensors, no copy."""
     entries, arrays = [], []
+    # tied weights repeat one array object in the list, which Ray's pickle sends once (memo)
+    placed: dict[tuple, np.ndarray] = {}
     for name, dtype, t in checked_tensors(state_dict):
-        t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        entries.append([name, dtype, list(t.shape), raw.numel()])
-        arrays.append(raw.numpy())
+        key = tied_key(t)
+        raw = placed.get(key) if key is not None else None
+        if raw is None:  # as ParamStore.publish: any strides, conj/neg views
+            raw = as_bytes(t.detach().cpu()).numpy()
+            if key is not None:
+                placed[key] = raw
+        entries.append([name, dtype, list(t.shape), raw.size])
+        arrays.append(raw)
     header = json.dumps({"magic": _MAGIC, "tensors": entries}).encode()
     return [np.frombuffer(header, dtype=np.uint8), *arrays]
 
@@ -177,6 +184,7 @@ def views(payload: object, ref, version: int) -> tuple[dict[str, torch.Tensor], 
         mm, base = mapped
         mm._pin = (payload, ref)  # the buffer stays pinned in the store while any view lives
     tensors = {}
+    copies: dict[int, torch.Tensor] = {}  # tied weights arrive as one array: one copy of it
     for (name, dtype, shape, nbytes), a in zip(entries, arrays):
         if nbytes == 0:
             tensors[name] = torch.empty(shape, dtype=TORCH_DTYPES[dtype])
@@ -184,6 +192,8 @@ def views(payload: object, ref, version: int) -> tuple[dict[str, torch.Tensor], 
         if mapped is not None:
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=a.ctypes.data - base)
         else:
-            raw = torch.from_numpy(a.copy())
+            raw = copies.get(id(a))
+            if raw is None:
+                raw = copies[id(a)] = torch.from_numpy(a.copy())
         tensors[name] = raw.view(TORCH_DTYPES[dtype]).reshape(shape)
     return tensors, mapped is not None

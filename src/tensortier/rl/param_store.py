@@ -36,6 +36,7 @@ import numbers
 import os
 import re
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -110,11 +111,73 @@ def checked_tensors(state_dict: object) -> list[tuple[str, str, torch.Tensor]]:
             raise TypeError(f"publish: state_dict keys must be str names, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"publish: {name!r} is a {type(t).__name__}, expected a tensor")
+        if _is_dtensor(t):
+            raise TypeError(
+                f"publish: {name!r} is a DTensor sharded as {t.placements} (FSDP2 or tensor "
+                f"parallel): this rank holds only its shard. Gather a full state dict on every "
+                f"rank first, get_model_state_dict(model, options=StateDictOptions("
+                f"full_state_dict=True, cpu_offload=True)) from "
+                f"torch.distributed.checkpoint.state_dict, and publish it from rank 0"
+            )
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
             raise TypeError(f"publish: {name!r} has unsupported dtype {t.dtype}")
         out.append((name, dtype, t))
     return out
+
+
+def tied_key(t: torch.Tensor) -> tuple | None:
+    """What ``t``'s values are: the same key for two entries means one tensor under two names.
+
+    ``model.state_dict()`` of tied weights (an embedding shared with the output layer) holds two
+    detached views of one storage; they are published once, and readers get two names for the
+    same bytes, as ``torch.load`` gives them. None when there is nothing to share."""
+    if t.numel() == 0:
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own
+        return None
+    return (
+        t.device,
+        t.dtype,
+        ptr,
+        t.storage_offset(),
+        t.shape,
+        t.stride(),
+        t.is_conj(),
+        t.is_neg(),
+    )
+
+
+def _layout(
+    checked: list[tuple[str, str, torch.Tensor]],
+) -> tuple[list[list], list[tuple[int, torch.Tensor]], int]:
+    """(header entries, (offset, bytes) of each distinct tensor, data size) of one version;
+    tied entries share their offset."""
+    entries, writes, off = [], [], 0
+    placed: dict[tuple, list] = {}
+    for name, dtype, t in checked:
+        key = tied_key(t)
+        same = placed.get(key) if key is not None else None
+        if same is not None:
+            entries.append([name, dtype, list(t.shape), same[3], same[4]])
+            continue
+        data = as_bytes(t.detach().cpu())
+        entry = [name, dtype, list(t.shape), off, data.numel()]
+        entries.append(entry)
+        writes.append((off, data))
+        if key is not None:
+            placed[key] = entry
+        off = align_up(off + data.numel(), _ALIGN)
+    return entries, writes, off
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (only possible once ``torch.distributed.tensor`` is imported,
+    so publishing never imports it)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _publisher_alive(path: str) -> bool:
@@ -336,6 +399,11 @@ class ParamReader:
             tensors[name] = raw.view(TORCH_DTYPES[dtype]).reshape(shape)
         return Params(hversion, tensors)
 
+    def __reduce__(self):
+        """A reader pickles as its directory: unpickled in a process on this machine (a Ray
+        task or actor, a subprocess) it attaches there; elsewhere it raises ConfigError."""
+        return (ParamReader, (self.directory,))
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._ctrl.close()
@@ -403,16 +471,13 @@ class ParamStore:
             raise ClosedError("this ParamStore is closed; make a new ParamStore to publish again")
 
     def publish(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Copy ``state_dict`` (tensors on any device) into a new version; returns its number."""
+        """Copy ``state_dict`` (tensors on any device) into a new version; returns its number.
+
+        Tied weights (two names, one tensor) are stored once and read back as one tensor."""
         checked = checked_tensors(state_dict)
         self._check_open()
         t0 = time.perf_counter()
-        entries, datas, off = [], [], 0
-        for name, dtype, t in checked:
-            data = as_bytes(t.detach().cpu())
-            entries.append([name, dtype, list(t.shape), off, data.numel()])
-            datas.append(data)
-            off = align_up(off + data.numel(), _ALIGN)
+        entries, writes, off = _layout(checked)
         with self._lock:
             self._check_open()
             version = self._version + 1
@@ -430,10 +495,10 @@ class ParamStore:
                 with mmap.mmap(fd, total) as mm:
                     _HEAD.pack_into(mm, 0, _MAGIC, len(header))
                     mm[_HEAD.size : _HEAD.size + len(header)] = header
-                    for e, data in zip(entries, datas):
-                        if e[4]:
+                    for rel, data in writes:
+                        if data.numel():
                             dst = torch.frombuffer(
-                                mm, dtype=torch.uint8, count=e[4], offset=start + e[3]
+                                mm, dtype=torch.uint8, count=data.numel(), offset=start + rel
                             )
                             dst.copy_(data)
                             del dst
@@ -525,6 +590,14 @@ class ParamStore:
             self._closed = True
             self._reader.close()
             self._finalizer()
+
+    def __reduce__(self):
+        raise TypeError(
+            "a ParamStore belongs to its publisher's process and cannot be pickled (for a Ray "
+            "task or actor, or another process); pass ParamStore.attach(params.directory), a "
+            "reader that pickles, on this machine, or publish through tt.rl.serve(ParamStore()) "
+            "for readers on any node"
+        )
 
     def __enter__(self) -> ParamStore:
         return self

@@ -52,7 +52,7 @@ from tensortier.rl._api import (
 )
 from tensortier.rl._prefetch import STOP, Prefetcher
 from tensortier.rl._slot_meta import SlotMeta
-from tensortier.rl._store import ItemStore, as_index_array
+from tensortier.rl._store import ItemStore, as_index_array, check_items, not_picklable
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.sampler import Prioritized, Uniform, make_state
 from tensortier.tiers import itemcodec as _codec
@@ -248,7 +248,7 @@ class ReplayBuffer:
         ``rate_limit`` the batch is admitted whole (see :meth:`add`). ``episode``, ``step`` and
         ``version`` are each an int for all items or a sequence with one int per item.
         """
-        blobs = [_codec.encode_parts(it) for it in items]
+        blobs = [_codec.encode_parts(it) for it in check_items(items, "ReplayBuffer")]
         return self._extend_blobs(blobs, timeout, item_meta(len(blobs), episode, step, version))
 
     def _extend_blobs(
@@ -728,6 +728,9 @@ class ReplayBuffer:
                 self._closed = True
                 self._store.close()
                 self._cond.notify_all()  # samplers waiting for items get ClosedError
+
+    def __reduce__(self):
+        raise not_picklable("ReplayBuffer")
 
     def __enter__(self) -> ReplayBuffer:
         return self

@@ -37,6 +37,7 @@ from tensortier.rl._actors import (
     BufferActor,
     actor_class,
     call,
+    check_local_tiers,
     check_num_cpus,
     check_resources,
     end_actor,
@@ -46,7 +47,7 @@ from tensortier.rl._actors import (
 )
 from tensortier.rl._api import DEFAULT, Batch, check_batch_size, check_timeout
 from tensortier.rl._backoff import poll
-from tensortier.rl._store import as_index_array
+from tensortier.rl._store import as_index_array, check_items
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import Params, ParamStore, check_version, deadline_of
 from tensortier.rl.rate_limiter import RateLimit
@@ -128,21 +129,28 @@ class RemoteReplayBuffer:
         )
 
     def extend(self, items, *, timeout: float | None = DEFAULT) -> np.ndarray:
-        blobs = [_codec.encode(it) for it in items]
+        blobs = [_codec.encode(it) for it in check_items(items, self._what)]
         if self.rate_limit is not None:
             return self._limited("extend", len(blobs), timeout, blobs)
         return self._do("extend", blobs)
 
     def sample(self, batch_size: int, *, timeout: float | None = DEFAULT) -> Batch:
-        """Draw a batch; with a rate limit, waits on this side up to ``timeout`` (default: the
-        RateLimit's) while inserting is behind, then raises RateLimitTimeout."""
+        """Draw a batch. Empty buffer: waits on this side up to ``timeout`` seconds (default 0;
+        ``None``: until an add) for collectors, then raises IndexError, as ReplayBuffer.sample.
+        With a rate limit, waits up to ``timeout`` (default: the RateLimit's) while inserting is
+        behind, then raises RateLimitTimeout. The actor never waits: adds go on meanwhile."""
         n = check_batch_size(batch_size)  # before the remote call: a typed error, no round trip
         if self.kind != "replay":
             raise TypeError("a served MemoryBank has no sample(); read items by index (bank[i])")
         if self.rate_limit is not None:
             blobs, keys, weights = self._limited("sample", n, timeout, n)
         else:
-            blobs, keys, weights = self._do("sample", n)
+            wait = 0.0 if timeout is DEFAULT else check_timeout(timeout)
+            blobs, keys, weights = poll(
+                lambda: self._do("try_sample", n, False),
+                wait,
+                lambda: self._do("empty_error", wait),
+            )
         items, collated = _codec.decode_batch(blobs)
         return Batch(items, keys, weights, collated)
 
@@ -259,7 +267,9 @@ def serve(
 
     A ReplayBuffer's items, priorities and indices are carried over (through ``save``/``load`` on
     this machine; the temporary copy is deleted whatever happens) and ``obj`` stays usable and
-    independent; a durable buffer is closed here and reopened by the actor from its directory.
+    independent. A durable buffer or MemoryBank is closed here and reopened by the actor from its
+    directory (items, ``fsync`` and all); any other MemoryBank must be empty. A store that spills
+    to a RemoteStore pool (``tier="remote"``) is refused: the pool belongs to this process.
 
     The actor reserves no CPU by default (``num_cpus=0``, as Ray advises for actors that mostly
     wait on I/O), so stores never take the CPUs their collectors need. A request no node of the
@@ -322,8 +332,14 @@ def _check_serve_args(obj: object, num_cpus: object, start_timeout: object, name
         deadline_of(start_timeout)  # validates: None or seconds >= 0
     if name is not None and not isinstance(name, str):
         raise ConfigError(f"name must be a str (the Ray actor's name) or None, got {name!r}")
-    if isinstance(obj, MemoryBank) and len(obj):
-        raise ConfigError("serve an empty MemoryBank (its items are not carried over)")
+    if isinstance(obj, (ReplayBuffer, MemoryBank)):
+        check_local_tiers(obj, "serve")
+    if isinstance(obj, MemoryBank) and len(obj) and not obj._store.durable:
+        raise ConfigError(
+            f"serve an empty MemoryBank (the {len(obj)} items of this one are not carried over), "
+            f"or a durable one (MemoryBank(durable=True, spill_dir=...)): its actor reopens the "
+            f"directory with every item"
+        )
 
 
 def _actor_args(
@@ -339,8 +355,12 @@ def _actor_args(
             "max_items": s.cap,
             "host_budget": s.budget,
             "spill_dir": s.spill_dir,
+            "durable": s.durable,
+            "fsync": s.fsync,
             "segment_size": s.segment_size,
         }
+        if s.durable:
+            obj.close()  # the actor reopens the same directory, items and all (one owner)
         return ("bank", kwargs, None), None
     c = obj.config
     kwargs = {
@@ -350,6 +370,7 @@ def _actor_args(
         "sampler": c.sampler,
         "max_uses": c.max_uses,
         "durable": c.durable,
+        "fsync": c.fsync,
         "seed": c.seed,
         "segment_size": c.segment_size,
         "rate_limit": limit,

@@ -56,6 +56,7 @@ from tensortier.rl._actors import (
     START_TIMEOUT,
     BufferActor,
     actor_class,
+    check_local_tiers,
     check_num_cpus,
     check_resources,
     import_ray,
@@ -71,7 +72,7 @@ from tensortier.rl._api import (
     check_timeout,
     priority_array,
 )
-from tensortier.rl._store import as_index_array
+from tensortier.rl._store import as_index_array, check_items
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
 from tensortier.rl.replay import ReplayBuffer
 from tensortier.rl.sampler import Prioritized, PrioritizedState, check_priority, is_weights
@@ -441,7 +442,7 @@ class ShardedReplayBuffer:
             raise ConfigError(
                 f"shard must be None (pick one) or an int in [0, {self.shards}), got {shard!r}"
             )
-        blobs = [_codec.encode(it) for it in items]
+        blobs = [_codec.encode(it) for it in check_items(items, "ShardedReplayBuffer")]
         if not blobs:
             return np.empty(0, np.int64)
         cap = self._spawn["kwargs"][0]["max_items"]
@@ -884,6 +885,7 @@ def _check_sharded_args(obj: object, shards: Any, num_cpus: object, name: object
         raise ConfigError(f"serve(shards=K) takes a ReplayBuffer, got {type(obj).__name__}")
     if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
         raise ConfigError(f"shards must be an int >= 1 (buffer actors), got {shards!r}")
+    check_local_tiers(obj, f"serve(shards={shards})")
     if len(obj):
         raise ConfigError(
             f"serve(shards={shards}) takes an empty ReplayBuffer as a template (its settings are "
