@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from tensortier._device import normalize_device
+from tensortier._device import check_device
 from tensortier._lifetime import Finalizer
 from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
@@ -410,7 +410,7 @@ class TransferEngine:
             minimum=1,
         )
         limit = parse_size(inflight_budget, name="inflight_budget", allow_zero=False)
-        self.device = normalize_device(device)
+        self.device = check_device(device)
         self._owns_host = host is None
         self.host = host if host is not None else HostPool(default_budget())
         self.disk = disk
@@ -684,7 +684,7 @@ class TransferEngine:
         )
 
     def _target(self, device: torch.device | str | None) -> torch.device:
-        return self.device if device is None else normalize_device(device)
+        return self.device if device is None else check_device(device)
 
     @staticmethod
     def _consumer(target: torch.device):
