@@ -148,11 +148,65 @@ def test_to_store_takes_any_store_and_refuses_what_is_not_one(spill_dir):
         e.synchronize(timeout=30)
 
 
+@pytest.mark.parametrize("bad", [None, 42, "handle"], ids=repr)
+def test_from_store_names_a_handle_that_is_not_one(engine, bad):
+    """from_store(None, "disk") said "'NoneType' object has no attribute 'nbytes'"."""
+    with pytest.raises(TypeError, match=r"from_store\(handle\): expected the handle"):
+        engine.from_store(bad, "disk")
+    assert _idle(engine)
+
+
 def test_closed_engine_refuses(spill_dir):
     e = TransferEngine(host=HostPool("1MiB", pin=False))
     e.close()
     with pytest.raises(ClosedError):
         e.to_host(torch.zeros(4))
+
+
+def test_a_call_waiting_for_bytes_when_close_begins_is_refused(spill_dir):
+    """A call blocked in the byte throttle when close() began went on once bytes came back,
+    after close()'s wait: its copy found the workers shut down (a raw RuntimeError) or, on CUDA,
+    the completion thread stopped (a future that never resolved). It is refused now, and close()
+    still waits for the transfer that was in flight."""
+    engine = TransferEngine(host=HostPool("8MiB", pin=False), io_threads=1, inflight_budget="1MiB")
+    gate = _gate(engine)
+    x = torch.randn(1 << 18)  # the whole inflight budget
+    first = engine.to_host(x)  # queued behind the gate
+    outcome = []
+
+    def second():
+        try:
+            outcome.append(engine.to_host(torch.ones(1 << 10)))  # waits for first's bytes
+        except Exception as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    time.sleep(0.3)  # in the throttle by now (and refused all the same if not yet)
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert isinstance(outcome[0], ClosedError), outcome
+    assert closer.is_alive()  # still waiting for the transfer in flight
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert bit_equal(first.result(timeout=10).tensor, x)
+    assert engine._throttle.inflight == 0
+    with pytest.raises(ClosedError):
+        engine.to_host(x)
+
+
+def test_a_device_copy_queued_after_close_fails_instead_of_waiting_forever():
+    """The completion thread is gone after close(): an item queued then used to wait forever
+    (on CPU it even started a new completion thread that nothing stopped)."""
+    engine = TransferEngine(host=HostPool("1MiB", pin=False))
+    engine.close()
+    failed = []
+    engine._enqueue(_Event(), _Source(), lambda: failed.append("done"), failed.append)
+    assert len(failed) == 1 and isinstance(failed[0], ClosedError), failed
+    assert not any(t.name == "tt-cuda-events" for t in threading.enumerate())
 
 
 def test_wait_time_is_accounted(engine):

@@ -232,22 +232,36 @@ class _Throttle:
 
     def __init__(self, limit: int, stats: TransferStats):
         self.limit, self.inflight, self.stats = limit, 0, stats
+        self.closing = False
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> _Ticket:
+        releasing = getattr(_local, "releasing", 0)
         with self._cond:
-            if (
-                self.inflight
-                and self.inflight + nbytes > self.limit
-                and not getattr(_local, "releasing", 0)
-            ):
+            self._check_closing(releasing)
+            if self.inflight and self.inflight + nbytes > self.limit and not releasing:
                 t0 = time.perf_counter()
-                while self.inflight and self.inflight + nbytes > self.limit:
+                while self.inflight and self.inflight + nbytes > self.limit and not self.closing:
                     self._cond.wait()
                 self.stats.throttle_seconds += time.perf_counter() - t0
+                self._check_closing(releasing)
             self.inflight += nbytes
             self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.inflight)
         return _Ticket(self, nbytes)
+
+    def _check_closing(self, releasing: int) -> None:
+        """Once ``close()`` began, only work chained from transfers in flight (on releasing
+        threads, whose bytes ``close`` is waiting for) is taken: a new call would start after
+        ``close``'s wait and find the engine's threads gone (a CUDA copy whose future never
+        resolves)."""
+        if self.closing and not releasing:
+            raise ClosedError("TransferEngine is closed (close() was called); make a new one")
+
+    def refuse_new(self) -> None:
+        """``close()`` began: new calls raise ClosedError, callers waiting for bytes too."""
+        with self._cond:
+            self.closing = True
+            self._cond.notify_all()
 
     def release(self, ticket: _Ticket) -> None:
         with self._cond:
@@ -302,23 +316,29 @@ class _Completer:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self.stopped = False
+        self._lock = threading.Lock()
 
     def put(self, item: _Pending) -> None:
-        if self.thread is None:
-            with self._start_lock:
+        with self._lock:  # never after stop's None: nobody would wait for the item
+            if not self.stopped:
                 if self.thread is None:
                     self.thread = threading.Thread(
                         target=_complete_events, args=(self,), name="tt-cuda-events", daemon=True
                     )
                     self.thread.start()
-        self.queue.put(item)
+                self.queue.put(item)
+                return
+        item.fail(ClosedError("TransferEngine is closed; a copy issued now would never finish"))
 
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
-        thread = self.thread
+        with self._lock:
+            self.stopped = True
+            thread = self.thread
+            if thread is not None:
+                self.queue.put(None)
         if thread is None:
             return
-        self.queue.put(None)
         if thread is not threading.current_thread():
             thread.join(timeout)  # bounded: a wedged device must not hang close() or the reaper
             if thread.is_alive():
@@ -348,6 +368,14 @@ def _complete_events(completer: _Completer) -> None:
         except BaseException:  # a bug in a continuation must not stop the thread
             log.exception("tensortier: a transfer continuation failed")
         del item  # nothing of a finished transfer stays referenced while the thread waits
+
+
+def _refuse_in_callback() -> None:
+    if getattr(_local, "releasing", 0):
+        raise RuntimeError(
+            "synchronize()/close() called from a transfer's callback would wait for itself; "
+            "call it from your own thread"
+        )
 
 
 def _shutdown(completer: _Completer, executor: ThreadPoolExecutor) -> None:
@@ -601,6 +629,11 @@ class TransferEngine:
         self._check_open()
         if to not in ("host", "device"):
             raise ConfigError(f"to must be 'host' or 'device', got {to!r}")
+        if not isinstance(handle, Encoded) and not isinstance(getattr(handle, "nbytes", None), int):
+            raise TypeError(
+                f"TransferEngine.from_store(handle): expected the handle (or Encoded) that "
+                f"to_store returned, got {type(handle).__name__} {handle!r:.60}"
+            )
         store = self._store(store)
         target = self._target(device) if to == "device" else torch.device("cpu")
         consumer = self._consumer(target) if to == "device" else None
@@ -623,11 +656,7 @@ class TransferEngine:
         copies included). Raises ``TimeoutError`` after ``timeout`` seconds (None: no bound; every
         transfer gives its bytes back when it finishes or fails, so this returns while the device
         and the disk make progress)."""
-        if getattr(_local, "releasing", 0):
-            raise RuntimeError(
-                "synchronize()/close() called from a transfer's callback would wait for itself; "
-                "call it from your own thread"
-            )
+        _refuse_in_callback()
         if not self._throttle.wait_idle(timeout):
             raise TimeoutError(
                 f"{self._throttle.inflight} bytes still in flight after {timeout}s; the device or "
@@ -638,6 +667,8 @@ class TransferEngine:
         """Wait for transfers in flight, then stop the engine's threads (and its own host pool)."""
         if self._closed:
             return
+        _refuse_in_callback()
+        self._throttle.refuse_new()  # calls made from now on raise; those in flight finish
         self.synchronize()
         self._closed = True
         self._finalizer()
