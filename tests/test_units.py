@@ -155,3 +155,14 @@ def test_format_size_reads_back():
         text = format_size(n)
         assert "e" not in text, text  # no unit has an "e"
         assert abs(parse_size(text) - n) <= 0.005 * n + 1, (n, text)
+
+
+def test_numpy_integers_are_byte_counts():
+    """np.int64(4096) (np.prod(shape) * 4, say) was refused as "expected an integer number of
+    bytes" while np.float64(4096.0) was taken."""
+    assert parse_size(np.int64(4096)) == 4096
+    assert parse_size(np.uint32(7)) == 7
+    with pytest.raises(ConfigError, match="negative"):
+        parse_size(np.int32(-1))
+    with pytest.raises(ConfigError):
+        parse_size(np.bool_(True))

@@ -40,8 +40,8 @@ def parse_size(value: SizeLike, *, name: str = "size", allow_zero: bool = True) 
     """
     if isinstance(value, bool):
         raise ConfigError(f"{name}: got {value!r}; expected {ACCEPTED}")
-    if isinstance(value, int):
-        nbytes = value
+    if is_int(value, numpy=True):  # np.prod(shape) * 4 is a numpy integer, and a byte count
+        nbytes = int(value)
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
             raise ConfigError(
