@@ -156,6 +156,22 @@ def test_from_store_names_a_handle_that_is_not_one(engine, bad):
     assert _idle(engine)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"host": "8GiB"}, r"host='8GiB'\): pass a HostPool, e.g. host=tt.HostPool"),
+        ({"disk": "/tmp"}, r"disk='/tmp'\): pass a Store, e.g. disk=tt.DiskStore"),
+        ({"remote": {"budget": "1GiB"}}, r"remote=\{'budget': '1GiB'\}\): pass a Store"),
+    ],
+    ids=["host-size", "disk-path", "remote-args"],
+)
+def test_constructor_refuses_tiers_that_are_not_tiers(kwargs, says):
+    """TransferEngine(host="8GiB") was made, then its first to_host said "'str' object has no
+    attribute 'alloc'" (disk="/tmp": "... no attribute 'put'")."""
+    with pytest.raises(ConfigError, match=says):
+        TransferEngine(**kwargs)
+
+
 def test_closed_engine_refuses(spill_dir):
     e = TransferEngine(host=HostPool("1MiB", pin=False))
     e.close()

@@ -404,6 +404,24 @@ def _check_tensor(where: str, value: object, *also: type) -> None:
             )
 
 
+def _check_tiers(host: object, disk: object, remote: object) -> None:
+    """At construction, not at the first transfer: ``host="8GiB"`` (the pool's budget where the
+    pool belongs) used to fail later as "'str' object has no attribute 'alloc'"."""
+    if host is not None and not isinstance(host, HostPool):
+        raise ConfigError(
+            f"TransferEngine(host={host!r}): pass a HostPool, e.g. host=tt.HostPool('8GiB'), "
+            f"or None for a pool of the default size that the engine owns"
+        )
+    for name, store, example in (
+        ("disk", disk, "disk=tt.DiskStore('/mnt/nvme/tt')"),
+        ("remote", remote, "remote=tt.tiers.RemoteStore(budget='8GiB') (after ray.init)"),
+    ):
+        if store is not None and not isinstance(store, (StoreBase, Store)):
+            raise ConfigError(
+                f"TransferEngine({name}={store!r}): pass a Store, e.g. {example}, or None"
+            )
+
+
 class TransferEngine:
     """Moves tensors between tiers asynchronously.
 
@@ -438,6 +456,7 @@ class TransferEngine:
             minimum=1,
         )
         limit = parse_size(inflight_budget, name="inflight_budget", allow_zero=False)
+        _check_tiers(host, disk, remote)
         self.device = check_device(device)
         self._owns_host = host is None
         self.host = host if host is not None else HostPool(default_budget())
