@@ -254,6 +254,54 @@ def _idle(engine) -> bool:
     return engine._throttle.inflight == 0 and _finishes(engine.synchronize)
 
 
+class _Abort(BaseException):
+    """What pytest.fail(), sys.exit() or a framework's cancellation raise: not an Exception."""
+
+
+@pytest.mark.parametrize("path", ["to_host", "to_store", "from_store", "to_device"])
+def test_a_callback_that_raises_a_base_exception_gives_the_bytes_back(spill_dir, path):
+    """Future runs callbacks inside set_result and catches only Exception: a callback raising
+    pytest.fail()'s or sys.exit()'s exception skipped the ticket's release, so synchronize() and
+    close() waited forever for bytes nobody held (to_store, from_store)."""
+    disk = DiskStore(spill_dir, slab_size="4MiB")
+    engine = TransferEngine(host=HostPool("64MiB", pin=None), disk=disk)
+    try:
+        _raise_in_callback(engine, path)
+    finally:
+        if _idle(engine):  # a leak must fail the test, not hang it in close()
+            engine.close()
+            disk.close()
+
+
+def _raise_in_callback(engine, path):
+    x = torch.randn(5000)
+    stored = engine.to_store(x, "disk").result() if path == "from_store" else None
+    calls = []
+
+    def callback(fut):
+        calls.append(fut)
+        raise _Abort
+
+    fut = {
+        "to_host": lambda: engine.to_host(x),
+        "to_store": lambda: engine.to_store(x, "disk"),
+        "from_store": lambda: engine.from_store(stored, "disk", free=True),
+        "to_device": lambda: engine.to_device(x, device="cpu"),
+    }[path]()
+    try:
+        fut.add_done_callback(callback)  # runs here if already done
+    except _Abort:
+        pass
+    engine.synchronize(timeout=10)
+    assert calls == [fut] and engine._throttle.inflight == 0
+    out = fut.result()
+    if path == "to_host":
+        assert bit_equal(out.tensor, x)
+        out.free()
+    elif path != "to_store":
+        assert bit_equal(out, x)
+
+
 def test_stale_handle_raises_and_gives_its_bytes_back(engine):
     """Issue 18 #7: a synchronous KeyError used to keep its bytes in the throttle forever, so
     synchronize() and close() hung."""

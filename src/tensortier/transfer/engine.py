@@ -759,10 +759,12 @@ class TransferEngine:
         """Finish a transfer: its future first (so ``synchronize`` implies resolved), then bytes."""
         if on_result is not None:
             fut._on_result = on_result
-        with _releasing():
-            if not fut.done():
-                fut.set_result(value)
-        ticket.release()
+        try:
+            with _releasing():
+                if not fut.done():
+                    fut.set_result(value)  # runs the callbacks: a BaseException escapes Future's
+        finally:
+            ticket.release()
 
     @staticmethod
     def _failer(fut: Transfer, ticket: _Ticket, undo=None) -> Callable[[BaseException], None]:
@@ -873,10 +875,12 @@ class TransferEngine:
         """``to_device`` of a raw host tensor: resolve ``fut`` when issued, bytes back when done."""
 
         def then() -> None:
-            self._count("h2d", _nbytes(src))
-            if release is not None:
-                release()
-            ticket.release()
+            try:
+                self._count("h2d", _nbytes(src))
+                if release is not None:
+                    release()  # raises if the caller freed it too: the bytes still go back
+            finally:
+                ticket.release()
 
         def fail(error: BaseException) -> None:
             # after a device error the host block may still be read by a dead copy: not reused
