@@ -302,6 +302,42 @@ def _raise_in_callback(engine, path):
         assert bit_equal(out, x)
 
 
+@pytest.mark.parametrize("to", ["device", "host"])
+def test_a_callback_that_raises_on_a_failed_read_gives_the_bytes_back(spill_dir, to):
+    """The failure path too: a read that fails on the disk's thread (a flipped bit) fails the
+    future; a callback raising a BaseException there kept the bytes."""
+    from tensortier.errors import CorruptDataError
+
+    disk = DiskStore(spill_dir, slab_size="4MiB")
+    engine = TransferEngine(host=HostPool("64MiB", pin=None), disk=disk)
+    try:
+        h = engine.to_store(torch.randn(300_000), "disk").result()
+        (slab,) = [
+            os.path.join(disk.directory, n) for n in os.listdir(disk.directory) if "slab" in n
+        ]
+        fd = os.open(slab, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, h.offset + 5000)[0] ^ 0x04]), h.offset + 5000)
+        finally:
+            os.close(fd)
+        fut = engine.from_store(h, "disk", to=to)
+        try:
+            fut.add_done_callback(lambda f: (_ for _ in ()).throw(_Abort()))
+        except _Abort:
+            pass  # it had already failed: the callback ran here
+        engine.synchronize(timeout=10)
+        with pytest.raises(CorruptDataError):
+            fut.result()
+        del fut  # its error's traceback holds the memory the read went into
+        gc.collect()
+        _until(lambda: engine.host.stats.in_use == 0)
+        assert engine.host.stats.in_use == 0
+    finally:
+        if _idle(engine):  # a leak must fail the test, not hang it in close()
+            engine.close()
+            disk.close()
+
+
 def test_stale_handle_raises_and_gives_its_bytes_back(engine):
     """Issue 18 #7: a synchronous KeyError used to keep its bytes in the throttle forever, so
     synchronize() and close() hung."""

@@ -370,6 +370,16 @@ def _complete_events(completer: _Completer) -> None:
         del item  # nothing of a finished transfer stays referenced while the thread waits
 
 
+def _fail_then_release(fut: Transfer, ticket: _Ticket, error: BaseException) -> None:
+    """Fail ``fut`` (unless done), then give the bytes back, even if a callback raises."""
+    try:
+        with _releasing():
+            if not fut.done():
+                fut.set_exception(error)
+    finally:
+        ticket.release()
+
+
 def _refuse_in_callback() -> None:
     if getattr(_local, "releasing", 0):
         raise RuntimeError(
@@ -781,10 +791,7 @@ class TransferEngine:
                 elif undo is not None:
                     undo()
             finally:
-                with _releasing():
-                    if not fut.done():
-                        fut.set_exception(error)
-                ticket.release()
+                _fail_then_release(fut, ticket, error)
 
         return fail
 
@@ -884,10 +891,7 @@ class TransferEngine:
 
         def fail(error: BaseException) -> None:
             # after a device error the host block may still be read by a dead copy: not reused
-            with _releasing():
-                if not fut.done():
-                    fut.set_exception(error)
-            ticket.release()
+            _fail_then_release(fut, ticket, error)
 
         issue = lambda dst, on: self._issue(fut, dst, on)  # noqa: E731
         self._h2d(src, target, consumer, issue, then, fail, block)
