@@ -103,3 +103,66 @@ def test_check_int_refuses_bools_and_out_of_range_values_with_the_callers_messag
     assert (
         not is_int(True) and not is_int(True, numpy=True) and not is_int(np.bool_(True), numpy=True)
     )
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1.001KB", 1001),  # a float product was 1000.9999999999999: 1000 bytes
+        ("4.35MB", 4_350_000),
+        ("9007199254740993B", 2**53 + 1),  # past a float's 53 bits, every byte still counts
+        ("9007199254740993", 2**53 + 1),
+        ("1.000000000000001GB", 1_000_000_000),
+        ("0.1KiB", 102),  # whole bytes of a larger unit: rounded down
+        ("3PiB", 3 * 2**50),
+        ("2PB", 2 * 10**15),
+    ],
+)
+def test_decimal_sizes_are_exact(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["4.5B", "0.5b", "1.", "1" * 5000, "1" * 5000 + "KiB"])
+def test_fractions_of_a_byte_and_endless_digits_are_refused(bad):
+    """'4.5B' was silently 4 bytes; a 5000-digit size raised a raw OverflowError or ValueError."""
+    with pytest.raises(ConfigError, match="budget") as err:
+        parse_size(bad, name="budget")
+    assert "GiB" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "nbytes, text",
+    [
+        (2**20 - 1, "1024KiB"),  # was "1.02e+03KiB"
+        (1000 * 1024, "1000KiB"),  # was "1e+03KiB"
+        (2**30 - 2**20, "1023MiB"),
+        (999 * 1024, "999KiB"),
+        (5000 * 2**40, "4.88PiB"),  # was "5e+03TiB"
+        (2**70, "1048576PiB"),
+        (-(2**20 - 1), "-1024KiB"),
+    ],
+)
+def test_format_size_never_writes_an_exponent(nbytes, text):
+    assert format_size(nbytes) == text
+
+
+def test_format_size_reads_back():
+    """Every size it prints (in messages such as TierFullError's) is one parse_size accepts,
+    within the rounding of three significant digits."""
+    rng = np.random.default_rng(0)
+    sizes = [int(x) for x in rng.integers(1, 2**62, 2000)] + [2**k - 1 for k in range(1, 62)]
+    for n in sizes:
+        text = format_size(n)
+        assert "e" not in text, text  # no unit has an "e"
+        assert abs(parse_size(text) - n) <= 0.005 * n + 1, (n, text)
+
+
+def test_numpy_integers_are_byte_counts():
+    """np.int64(4096) (np.prod(shape) * 4, say) was refused as "expected an integer number of
+    bytes" while np.float64(4096.0) was taken."""
+    assert parse_size(np.int64(4096)) == 4096
+    assert parse_size(np.uint32(7)) == 7
+    with pytest.raises(ConfigError, match="negative"):
+        parse_size(np.int32(-1))
+    with pytest.raises(ConfigError):
+        parse_size(np.bool_(True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 import numpy as np
 
@@ -24,7 +25,7 @@ _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 ACCEPTED = (
     "an integer number of bytes (e.g. 1048576) or a number followed by a unit: "
-    "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000), "
+    "B, KiB, MiB, GiB, TiB, PiB (powers of 1024) or KB, MB, GB, TB, PB (powers of 1000), "
     "e.g. '512MiB', '4GiB', '1.5GB'"
 )
 
@@ -39,8 +40,8 @@ def parse_size(value: SizeLike, *, name: str = "size", allow_zero: bool = True) 
     """
     if isinstance(value, bool):
         raise ConfigError(f"{name}: got {value!r}; expected {ACCEPTED}")
-    if isinstance(value, int):
-        nbytes = value
+    if is_int(value, numpy=True):  # np.prod(shape) * 4 is a numpy integer, and a byte count
+        nbytes = int(value)
     elif isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
             raise ConfigError(
@@ -52,20 +53,7 @@ def parse_size(value: SizeLike, *, name: str = "size", allow_zero: bool = True) 
         match = _PATTERN.match(value)
         if match is None:
             raise ConfigError(f"{name}: cannot parse {value!r}; expected {ACCEPTED}")
-        number, unit = match.group(1), match.group(2).lower()
-        if unit == "":
-            if "." in number:
-                raise ConfigError(
-                    f"{name}: {value!r} has a fraction but no unit; expected {ACCEPTED}"
-                )
-            nbytes = int(number)
-        elif unit in _UNITS:
-            nbytes = int(float(number) * _UNITS[unit])
-        else:
-            raise ConfigError(
-                f"{name}: unknown or ambiguous unit {match.group(2)!r} in {value!r}; "
-                f"expected {ACCEPTED}"
-            )
+        nbytes = _parse_text(value, match.group(1), match.group(2), name)
     else:
         raise ConfigError(f"{name}: got {type(value).__name__} {value!r}; expected {ACCEPTED}")
     if nbytes < 0:
@@ -73,6 +61,28 @@ def parse_size(value: SizeLike, *, name: str = "size", allow_zero: bool = True) 
     if nbytes == 0 and not allow_zero:
         raise ConfigError(f"{name}: got {value!r}; it must be larger than 0 bytes")
     return nbytes
+
+
+def _parse_text(value: str, number: str, unit: str, name: str) -> int:
+    """Bytes of ``number`` ``unit``, computed exactly (a float would make "1.001KB" 1000 bytes
+    and lose the last digits of a large count): whole bytes of a fraction of a larger unit
+    (rounded down, "0.1KiB" is 102), never a fraction of a byte ("4.5B", "1.5")."""
+    scale = _UNITS.get(unit.lower(), 1) if unit else 1
+    if unit and unit.lower() not in _UNITS:
+        raise ConfigError(
+            f"{name}: unknown or ambiguous unit {unit!r} in {value!r}; expected {ACCEPTED}"
+        )
+    if "." in number and scale == 1:
+        raise ConfigError(
+            f"{name}: {value!r} is a fraction of a byte; write a whole number of bytes or use a "
+            f"larger unit. Expected {ACCEPTED}"
+        )
+    try:
+        return math.floor(Fraction(number) * scale)
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(
+            f"{name}: {value[:40]!r}... has too many digits; expected {ACCEPTED}"
+        ) from None
 
 
 def is_int(value: object, *, numpy: bool = False) -> bool:
@@ -118,12 +128,15 @@ def index_array(indices: object, message: str, *, copy: bool = False) -> np.ndar
 
 
 def format_size(nbytes: float) -> str:
-    """Human-readable binary size: 1536 -> '1.5KiB'."""
+    """Human-readable binary size: 1536 -> '1.5KiB'; three significant digits, never an exponent
+    (1023.9 KiB is '1024KiB', not '1.02e+03KiB'), so :func:`parse_size` reads it back."""
     sign = "-" if nbytes < 0 else ""
     value = float(abs(nbytes))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            text = f"{value:.0f}" if unit == "B" else f"{value:.3g}"
+    if not math.isfinite(value):
+        return f"{nbytes}B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            text = f"{value:.3g}" if unit != "B" and value < 999.5 else f"{value:.0f}"
             return f"{sign}{text}{unit}"
         value /= 1024
     raise AssertionError("unreachable")

@@ -148,11 +148,81 @@ def test_to_store_takes_any_store_and_refuses_what_is_not_one(spill_dir):
         e.synchronize(timeout=30)
 
 
+@pytest.mark.parametrize("bad", [None, 42, "handle"], ids=repr)
+def test_from_store_names_a_handle_that_is_not_one(engine, bad):
+    """from_store(None, "disk") said "'NoneType' object has no attribute 'nbytes'"."""
+    with pytest.raises(TypeError, match=r"from_store\(handle\): expected the handle"):
+        engine.from_store(bad, "disk")
+    assert _idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"host": "8GiB"}, r"host='8GiB'\): pass a HostPool, e.g. host=tt.HostPool"),
+        ({"disk": "/tmp"}, r"disk='/tmp'\): pass a Store, e.g. disk=tt.DiskStore"),
+        ({"remote": {"budget": "1GiB"}}, r"remote=\{'budget': '1GiB'\}\): pass a Store"),
+    ],
+    ids=["host-size", "disk-path", "remote-args"],
+)
+def test_constructor_refuses_tiers_that_are_not_tiers(kwargs, says):
+    """TransferEngine(host="8GiB") was made, then its first to_host said "'str' object has no
+    attribute 'alloc'" (disk="/tmp": "... no attribute 'put'")."""
+    with pytest.raises(ConfigError, match=says):
+        TransferEngine(**kwargs)
+
+
 def test_closed_engine_refuses(spill_dir):
     e = TransferEngine(host=HostPool("1MiB", pin=False))
     e.close()
     with pytest.raises(ClosedError):
         e.to_host(torch.zeros(4))
+
+
+def test_a_call_waiting_for_bytes_when_close_begins_is_refused(spill_dir):
+    """A call blocked in the byte throttle when close() began went on once bytes came back,
+    after close()'s wait: its copy found the workers shut down (a raw RuntimeError) or, on CUDA,
+    the completion thread stopped (a future that never resolved). It is refused now, and close()
+    still waits for the transfer that was in flight."""
+    engine = TransferEngine(host=HostPool("8MiB", pin=False), io_threads=1, inflight_budget="1MiB")
+    gate = _gate(engine)
+    x = torch.randn(1 << 18)  # the whole inflight budget
+    first = engine.to_host(x)  # queued behind the gate
+    outcome = []
+
+    def second():
+        try:
+            outcome.append(engine.to_host(torch.ones(1 << 10)))  # waits for first's bytes
+        except Exception as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    time.sleep(0.3)  # in the throttle by now (and refused all the same if not yet)
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert isinstance(outcome[0], ClosedError), outcome
+    assert closer.is_alive()  # still waiting for the transfer in flight
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert bit_equal(first.result(timeout=10).tensor, x)
+    assert engine._throttle.inflight == 0
+    with pytest.raises(ClosedError):
+        engine.to_host(x)
+
+
+def test_a_device_copy_queued_after_close_fails_instead_of_waiting_forever():
+    """The completion thread is gone after close(): an item queued then used to wait forever
+    (on CPU it even started a new completion thread that nothing stopped)."""
+    engine = TransferEngine(host=HostPool("1MiB", pin=False))
+    engine.close()
+    failed = []
+    engine._enqueue(_Event(), _Source(), lambda: failed.append("done"), failed.append)
+    assert len(failed) == 1 and isinstance(failed[0], ClosedError), failed
+    assert not any(t.name == "tt-cuda-events" for t in threading.enumerate())
 
 
 def test_wait_time_is_accounted(engine):
@@ -182,6 +252,90 @@ def _finishes(fn, seconds: float = 10.0) -> bool:
 
 def _idle(engine) -> bool:
     return engine._throttle.inflight == 0 and _finishes(engine.synchronize)
+
+
+class _Abort(BaseException):
+    """What pytest.fail(), sys.exit() or a framework's cancellation raise: not an Exception."""
+
+
+@pytest.mark.parametrize("path", ["to_host", "to_store", "from_store", "to_device"])
+def test_a_callback_that_raises_a_base_exception_gives_the_bytes_back(spill_dir, path):
+    """Future runs callbacks inside set_result and catches only Exception: a callback raising
+    pytest.fail()'s or sys.exit()'s exception skipped the ticket's release, so synchronize() and
+    close() waited forever for bytes nobody held (to_store, from_store)."""
+    disk = DiskStore(spill_dir, slab_size="4MiB")
+    engine = TransferEngine(host=HostPool("64MiB", pin=None), disk=disk)
+    try:
+        _raise_in_callback(engine, path)
+    finally:
+        if _idle(engine):  # a leak must fail the test, not hang it in close()
+            engine.close()
+            disk.close()
+
+
+def _raise_in_callback(engine, path):
+    x = torch.randn(5000)
+    stored = engine.to_store(x, "disk").result() if path == "from_store" else None
+    calls = []
+
+    def callback(fut):
+        calls.append(fut)
+        raise _Abort
+
+    fut = {
+        "to_host": lambda: engine.to_host(x),
+        "to_store": lambda: engine.to_store(x, "disk"),
+        "from_store": lambda: engine.from_store(stored, "disk", free=True),
+        "to_device": lambda: engine.to_device(x, device="cpu"),
+    }[path]()
+    try:
+        fut.add_done_callback(callback)  # runs here if already done
+    except _Abort:
+        pass
+    engine.synchronize(timeout=10)
+    assert calls == [fut] and engine._throttle.inflight == 0
+    out = fut.result()
+    if path == "to_host":
+        assert bit_equal(out.tensor, x)
+        out.free()
+    elif path != "to_store":
+        assert bit_equal(out, x)
+
+
+@pytest.mark.parametrize("to", ["device", "host"])
+def test_a_callback_that_raises_on_a_failed_read_gives_the_bytes_back(spill_dir, to):
+    """The failure path too: a read that fails on the disk's thread (a flipped bit) fails the
+    future; a callback raising a BaseException there kept the bytes."""
+    from tensortier.errors import CorruptDataError
+
+    disk = DiskStore(spill_dir, slab_size="4MiB")
+    engine = TransferEngine(host=HostPool("64MiB", pin=None), disk=disk)
+    try:
+        h = engine.to_store(torch.randn(300_000), "disk").result()
+        (slab,) = [
+            os.path.join(disk.directory, n) for n in os.listdir(disk.directory) if "slab" in n
+        ]
+        fd = os.open(slab, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, h.offset + 5000)[0] ^ 0x04]), h.offset + 5000)
+        finally:
+            os.close(fd)
+        fut = engine.from_store(h, "disk", to=to)
+        try:
+            fut.add_done_callback(lambda f: (_ for _ in ()).throw(_Abort()))
+        except _Abort:
+            pass  # it had already failed: the callback ran here
+        engine.synchronize(timeout=10)
+        with pytest.raises(CorruptDataError):
+            fut.result()
+        del fut  # its error's traceback holds the memory the read went into
+        gc.collect()
+        _until(lambda: engine.host.stats.in_use == 0)
+        assert engine.host.stats.in_use == 0
+    finally:
+        if _idle(engine):  # a leak must fail the test, not hang it in close()
+            engine.close()
+            disk.close()
 
 
 def test_stale_handle_raises_and_gives_its_bytes_back(engine):

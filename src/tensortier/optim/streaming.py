@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensortier._device import cuda_available, normalize_device
+from tensortier._device import check_device, normalize_device
 from tensortier._lifetime import Finalizer
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
@@ -160,6 +160,12 @@ class ParameterStreamer:
             raise ConfigError(
                 f"tier={tier!r} is not a parameter tier; pass one of {[t.value for t in ParamTier]}"
             ) from None
+        if not isinstance(model, nn.Module):  # stream_parameters("cuda:0"): the model is first
+            raise ConfigError(
+                f"stream_parameters: model must be a torch.nn.Module, got "
+                f"{type(model).__name__} {model!r}; call stream_parameters(model, budget, "
+                f"device=...)"
+            )
         self.model = model
         self.units, slots = _build_units(model)
         if not self.units:
@@ -538,12 +544,9 @@ def _refuse_streamed(slots: list[_Slot]) -> None:
 
 def _target_device(device: torch.device | str | None, first: nn.Parameter) -> torch.device:
     # a tensor's .device is always "cuda:<i>" / "cpu": compare against the normalised form
-    if device is not None and torch.device(device).type == "cuda" and not cuda_available():
-        raise ConfigError(
-            f"device={device!r} but CUDA is not available; pass device='cpu' or leave it "
-            f"None (the parameters' device)"
-        )
-    return normalize_device(device if device is not None else first.device)
+    if device is not None:
+        return check_device(device)
+    return normalize_device(first.device)
 
 
 def _check_budget(budget: SizeLike | None, largest: int) -> int:

@@ -243,7 +243,7 @@ def measure_bandwidth(
     offloader whose moves the bandwidth prices: four threads measured 4 MiB chunks faster than
     the one thread a small CPU budget runs with (issue 27).
     """
-    from tensortier._device import normalize_device
+    from tensortier._device import check_device
     from tensortier.tiers.disk import DiskStore
     from tensortier.tiers.host import HostPool
     from tensortier.transfer import TransferEngine
@@ -254,7 +254,7 @@ def measure_bandwidth(
     keep = n if resident is None else parse_size(resident, name="resident", allow_zero=False)
     k = max(1, min(n, keep // size))  # chunks alive at once
     rounds = max(1, n // k)
-    dev = normalize_device(device)
+    dev = check_device(device)
     gen = torch.Generator(device=dev).manual_seed(0)  # never the training's RNG (dropout masks)
     src = [
         torch.randint(0, 255, (size,), dtype=torch.uint8, device=dev, generator=gen)

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from tensortier._device import normalize_device
+from tensortier._device import check_device
 from tensortier._lifetime import Finalizer
 from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
@@ -232,22 +232,36 @@ class _Throttle:
 
     def __init__(self, limit: int, stats: TransferStats):
         self.limit, self.inflight, self.stats = limit, 0, stats
+        self.closing = False
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> _Ticket:
+        releasing = getattr(_local, "releasing", 0)
         with self._cond:
-            if (
-                self.inflight
-                and self.inflight + nbytes > self.limit
-                and not getattr(_local, "releasing", 0)
-            ):
+            self._check_closing(releasing)
+            if self.inflight and self.inflight + nbytes > self.limit and not releasing:
                 t0 = time.perf_counter()
-                while self.inflight and self.inflight + nbytes > self.limit:
+                while self.inflight and self.inflight + nbytes > self.limit and not self.closing:
                     self._cond.wait()
                 self.stats.throttle_seconds += time.perf_counter() - t0
+                self._check_closing(releasing)
             self.inflight += nbytes
             self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.inflight)
         return _Ticket(self, nbytes)
+
+    def _check_closing(self, releasing: int) -> None:
+        """Once ``close()`` began, only work chained from transfers in flight (on releasing
+        threads, whose bytes ``close`` is waiting for) is taken: a new call would start after
+        ``close``'s wait and find the engine's threads gone (a CUDA copy whose future never
+        resolves)."""
+        if self.closing and not releasing:
+            raise ClosedError("TransferEngine is closed (close() was called); make a new one")
+
+    def refuse_new(self) -> None:
+        """``close()`` began: new calls raise ClosedError, callers waiting for bytes too."""
+        with self._cond:
+            self.closing = True
+            self._cond.notify_all()
 
     def release(self, ticket: _Ticket) -> None:
         with self._cond:
@@ -302,23 +316,29 @@ class _Completer:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self.stopped = False
+        self._lock = threading.Lock()
 
     def put(self, item: _Pending) -> None:
-        if self.thread is None:
-            with self._start_lock:
+        with self._lock:  # never after stop's None: nobody would wait for the item
+            if not self.stopped:
                 if self.thread is None:
                     self.thread = threading.Thread(
                         target=_complete_events, args=(self,), name="tt-cuda-events", daemon=True
                     )
                     self.thread.start()
-        self.queue.put(item)
+                self.queue.put(item)
+                return
+        item.fail(ClosedError("TransferEngine is closed; a copy issued now would never finish"))
 
     def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
-        thread = self.thread
+        with self._lock:
+            self.stopped = True
+            thread = self.thread
+            if thread is not None:
+                self.queue.put(None)
         if thread is None:
             return
-        self.queue.put(None)
         if thread is not threading.current_thread():
             thread.join(timeout)  # bounded: a wedged device must not hang close() or the reaper
             if thread.is_alive():
@@ -350,6 +370,24 @@ def _complete_events(completer: _Completer) -> None:
         del item  # nothing of a finished transfer stays referenced while the thread waits
 
 
+def _fail_then_release(fut: Transfer, ticket: _Ticket, error: BaseException) -> None:
+    """Fail ``fut`` (unless done), then give the bytes back, even if a callback raises."""
+    try:
+        with _releasing():
+            if not fut.done():
+                fut.set_exception(error)
+    finally:
+        ticket.release()
+
+
+def _refuse_in_callback() -> None:
+    if getattr(_local, "releasing", 0):
+        raise RuntimeError(
+            "synchronize()/close() called from a transfer's callback would wait for itself; "
+            "call it from your own thread"
+        )
+
+
 def _shutdown(completer: _Completer, executor: ThreadPoolExecutor) -> None:
     """The engine's cleanup: ``close()``, or the reaper once the engine was collected."""
     completer.stop()
@@ -373,6 +411,24 @@ def _check_tensor(where: str, value: object, *also: type) -> None:
             raise ValueError(
                 f"TransferEngine.{where}: a meta tensor holds no data to move; materialize it "
                 f"first, e.g. torch.empty_like(t, device='cpu')"
+            )
+
+
+def _check_tiers(host: object, disk: object, remote: object) -> None:
+    """At construction, not at the first transfer: ``host="8GiB"`` (the pool's budget where the
+    pool belongs) used to fail later as "'str' object has no attribute 'alloc'"."""
+    if host is not None and not isinstance(host, HostPool):
+        raise ConfigError(
+            f"TransferEngine(host={host!r}): pass a HostPool, e.g. host=tt.HostPool('8GiB'), "
+            f"or None for a pool of the default size that the engine owns"
+        )
+    for name, store, example in (
+        ("disk", disk, "disk=tt.DiskStore('/mnt/nvme/tt')"),
+        ("remote", remote, "remote=tt.tiers.RemoteStore(budget='8GiB') (after ray.init)"),
+    ):
+        if store is not None and not isinstance(store, (StoreBase, Store)):
+            raise ConfigError(
+                f"TransferEngine({name}={store!r}): pass a Store, e.g. {example}, or None"
             )
 
 
@@ -410,7 +466,8 @@ class TransferEngine:
             minimum=1,
         )
         limit = parse_size(inflight_budget, name="inflight_budget", allow_zero=False)
-        self.device = normalize_device(device)
+        _check_tiers(host, disk, remote)
+        self.device = check_device(device)
         self._owns_host = host is None
         self.host = host if host is not None else HostPool(default_budget())
         self.disk = disk
@@ -601,6 +658,11 @@ class TransferEngine:
         self._check_open()
         if to not in ("host", "device"):
             raise ConfigError(f"to must be 'host' or 'device', got {to!r}")
+        if not isinstance(handle, Encoded) and not isinstance(getattr(handle, "nbytes", None), int):
+            raise TypeError(
+                f"TransferEngine.from_store(handle): expected the handle (or Encoded) that "
+                f"to_store returned, got {type(handle).__name__} {handle!r:.60}"
+            )
         store = self._store(store)
         target = self._target(device) if to == "device" else torch.device("cpu")
         consumer = self._consumer(target) if to == "device" else None
@@ -623,11 +685,7 @@ class TransferEngine:
         copies included). Raises ``TimeoutError`` after ``timeout`` seconds (None: no bound; every
         transfer gives its bytes back when it finishes or fails, so this returns while the device
         and the disk make progress)."""
-        if getattr(_local, "releasing", 0):
-            raise RuntimeError(
-                "synchronize()/close() called from a transfer's callback would wait for itself; "
-                "call it from your own thread"
-            )
+        _refuse_in_callback()
         if not self._throttle.wait_idle(timeout):
             raise TimeoutError(
                 f"{self._throttle.inflight} bytes still in flight after {timeout}s; the device or "
@@ -638,6 +696,8 @@ class TransferEngine:
         """Wait for transfers in flight, then stop the engine's threads (and its own host pool)."""
         if self._closed:
             return
+        _refuse_in_callback()
+        self._throttle.refuse_new()  # calls made from now on raise; those in flight finish
         self.synchronize()
         self._closed = True
         self._finalizer()
@@ -684,7 +744,7 @@ class TransferEngine:
         )
 
     def _target(self, device: torch.device | str | None) -> torch.device:
-        return self.device if device is None else normalize_device(device)
+        return self.device if device is None else check_device(device)
 
     @staticmethod
     def _consumer(target: torch.device):
@@ -709,10 +769,12 @@ class TransferEngine:
         """Finish a transfer: its future first (so ``synchronize`` implies resolved), then bytes."""
         if on_result is not None:
             fut._on_result = on_result
-        with _releasing():
-            if not fut.done():
-                fut.set_result(value)
-        ticket.release()
+        try:
+            with _releasing():
+                if not fut.done():
+                    fut.set_result(value)  # runs the callbacks: a BaseException escapes Future's
+        finally:
+            ticket.release()
 
     @staticmethod
     def _failer(fut: Transfer, ticket: _Ticket, undo=None) -> Callable[[BaseException], None]:
@@ -729,10 +791,7 @@ class TransferEngine:
                 elif undo is not None:
                     undo()
             finally:
-                with _releasing():
-                    if not fut.done():
-                        fut.set_exception(error)
-                ticket.release()
+                _fail_then_release(fut, ticket, error)
 
         return fail
 
@@ -823,17 +882,16 @@ class TransferEngine:
         """``to_device`` of a raw host tensor: resolve ``fut`` when issued, bytes back when done."""
 
         def then() -> None:
-            self._count("h2d", _nbytes(src))
-            if release is not None:
-                release()
-            ticket.release()
+            try:
+                self._count("h2d", _nbytes(src))
+                if release is not None:
+                    release()  # raises if the caller freed it too: the bytes still go back
+            finally:
+                ticket.release()
 
         def fail(error: BaseException) -> None:
             # after a device error the host block may still be read by a dead copy: not reused
-            with _releasing():
-                if not fut.done():
-                    fut.set_exception(error)
-            ticket.release()
+            _fail_then_release(fut, ticket, error)
 
         issue = lambda dst, on: self._issue(fut, dst, on)  # noqa: E731
         self._h2d(src, target, consumer, issue, then, fail, block)
