@@ -655,3 +655,27 @@ def test_the_staging_buffer_grows_to_the_pieces_it_carries(spill_dir):
             assert torch.equal(out[:n], t)
             assert s.stats.staging_bytes == held + PAGE, (n, s.stats.staging_bytes)
             s.free(h)
+
+
+def _put_dtensor(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = distribute_tensor(
+        torch.arange(12.0).reshape(3, 4), init_device_mesh("cpu", (world,)), [Shard(0)]
+    )
+    with DiskStore(budget="1MiB") as s:
+        try:
+            s.put(x)
+        except TypeError as exc:
+            return str(exc)
+        return "stored"
+
+
+def test_a_dtensor_is_refused_naming_its_local_and_full_tensors():
+    """An FSDP2/DTensor shard given to put() raised torch's raw "numpy() is not supported for
+    tensor subclasses" (RuntimeError)."""
+    from tests import distributed
+
+    (told,) = distributed.run(_put_dtensor, 1)
+    assert "DTensor" in told and "to_local()" in told and "full_tensor()" in told, told

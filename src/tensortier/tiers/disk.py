@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import crc32c
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tensortier._lifetime import Finalizer, private_dir, remove_private_dir
 from tensortier._renamed import renamed, renamed_attribute
@@ -266,6 +267,14 @@ def check_storable(tensor: torch.Tensor) -> None:
         raise TypeError(
             "quantized tensors cannot be stored; call .dequantize() or .int_repr() first"
         )
+    if is_traceable_wrapper_subclass(tensor):  # its storage is not its values
+        name = type(tensor).__name__
+        fix = (
+            "store t.to_local() (this rank's shard) or t.full_tensor() (every rank's, gathered)"
+            if name == "DTensor"
+            else "store the plain tensors it wraps"
+        )
+        raise TypeError(f"a {name} (a tensor subclass) cannot be stored as it is; {fix}")
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
