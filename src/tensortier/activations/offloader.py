@@ -56,7 +56,7 @@ from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
 from tensortier.tiers.base import failed, gather
-from tensortier.tiers.codecs import accepts
+from tensortier.tiers.codecs import accepts, as_codec
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
 from tensortier.tiers.placement import Placement
@@ -104,6 +104,7 @@ class Action:
             raise ConfigError(
                 f"Action tier must be 'keep', 'host', 'disk' or 'remote', got {self.tier!r}"
             )
+        object.__setattr__(self, "codec", as_codec(self.codec, name="Action codec"))
 
 
 _KEEP = Action("keep")
@@ -301,8 +302,9 @@ class Offloader:
     saved tensor is read when backward asks for it), ``inflight_budget`` the bytes being
     written (their sources still in memory); ``disk_budget`` the bytes the disk tier may
     preallocate, ``io_threads`` its I/O threads. ``decide`` (the planner's hook) overrides
-    ``min_bytes``/``tier`` per tensor. ``record=True`` keeps per-tensor timings in ``records``
-    for profiling. ``offload_weight_casts=True`` also moves
+    ``min_bytes``/``tier`` per tensor. ``codec`` (a name such as ``"zstd"`` or
+    :func:`~tensortier.get_codec`'s codec) encodes what goes to the host and disk tiers.
+    ``record=True`` keeps per-tensor timings in ``records`` for profiling. ``offload_weight_casts=True`` also moves
     autocast's low-precision weight casts, which by default stay on the device: the autocast cache
     holds them until autocast exits, so moving them frees nothing before backward and costs their
     size over the bus both ways (it only lowers memory during backward).
@@ -325,13 +327,14 @@ class Offloader:
         disk_budget: SizeLike | None = None,
         io_threads: int = 4,
         decide: Callable[[SavedTensorInfo], Action | str] | None = None,
-        codec: Codec | None = None,
+        codec: Codec | str | None = None,
         record: bool = False,
         offload_weight_casts: bool = False,
         remote: RemoteStore | dict | None = None,
     ):
         if tier not in TIERS:
             raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
+        codec = as_codec(codec)
         if tier == "remote" and codec is not None:
             raise ConfigError(
                 f"tier='remote' with codec={getattr(codec, 'name', codec)!r}: codecs apply to the "
