@@ -475,6 +475,27 @@ def test_offload_function_reuses_the_offloader_and_reports_stats(spill_dir):
     off.close()
 
 
+def test_offload_stats_are_the_last_used_offloaders_not_the_last_made(spill_dir):
+    """Making an offloader (not yet used) replaced ``tt.offload_stats()`` with its zeros, although
+    its docstring promises the most recently used one's."""
+    model = mlp()
+    with tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0) as used:
+        loss = model(torch.randn(8, 64)).sum()
+    loss.backward()
+    idle = tt.Offloader("host", min_bytes=0)
+    assert tt.offload_stats() == used.stats.as_dict()
+    assert tt.offload_stats()["bytes_offloaded"]["disk"] > 0
+    with idle:
+        loss = model(torch.randn(8, 64)).sum()
+    loss.backward()
+    assert tt.offload_stats()["bytes_offloaded"] == {
+        "host": used.stats.bytes_offloaded["disk"],
+        "disk": 0,
+        "remote": 0,
+    }
+    used.close(), idle.close()
+
+
 def test_offload_nested_in_one_of_the_same_settings_reuses_both_offloaders(spill_dir):
     """A library's ``with tt.offload()`` inside the user's, same settings: before, every step
     made a new offloader (new pool, spill directory and threads; the prefetch order learned by

@@ -112,6 +112,14 @@ _KEEP = Action("keep")
 
 @dataclass
 class OffloadStats:
+    """One offloader's counters over all its passes (``off.stats``; ``print`` gives a summary).
+
+    ``bytes_offloaded`` per tier; what stayed (``bytes_kept``: under ``min_bytes``, kept by the
+    plan, or CPU tensors in a CUDA run); what came back ahead of need (``bytes_prefetched``) or
+    only when backward asked (``bytes_on_demand``); ``pack_seconds`` forward spent saving and
+    ``wait_seconds`` backward spent waiting for data.
+    """
+
     tensors_packed: int = 0  # saved tensors seen (excluding parameters and buffers)
     tensors_offloaded: int = 0
     bytes_offloaded: dict[str, int] = field(
@@ -385,8 +393,6 @@ class Offloader:
         self._learned: tuple[tuple[int, ...], list[int]] | None = None
         self._learned_blocks = 0  # offload_module: hooked blocks per forward seen last time
         self._traced = False  # set when torch.compile traced the pack hook (see _COMPILED_HOOKS)
-        global _last_stats
-        _last_stats = self.stats
         register_stats("offloader", self)  # tt.stats() lists it while it is open
 
     def _attach_disk(self) -> None:
@@ -1432,5 +1438,7 @@ def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHa
 
 
 def offload_stats() -> dict:
-    """Stats of the most recently used offloader (cumulative over its passes)."""
+    """Stats of the offloader that ran the latest forward (cumulative over its passes), as
+    :meth:`OffloadStats.as_dict`; all zeros before any has. ``off.stats`` is one offloader's,
+    :func:`tensortier.stats` every live one's."""
     return (_last_stats or OffloadStats()).as_dict()
