@@ -9,7 +9,9 @@ from typing import Any
 from tensortier._renamed import OFFLOAD_RENAMES, renamed
 
 # settings only tt.offload(budget=...) takes (planner/runtime.py: planned_offload)
-PLANNER_ONLY = frozenset({"policy", "warmup", "timing_iters", "options", "report", "plan_cache"})
+PLANNER_ONLY = frozenset(
+    {"policy", "warmup", "timing_iters", "options", "report", "plan_cache", "trial_plans"}
+)
 
 
 @renamed(**OFFLOAD_RENAMES)
@@ -24,7 +26,8 @@ def offload(tier: str | None = None, *, budget: Any = None, **kwargs: Any):
     CPU-only machine, where host RAM is the device memory (a host copy frees nothing), so the
     plan still keeps the budget. Its settings: ``spill_dir``, ``policy``, ``warmup``,
     ``timing_iters``, ``prefetch_budget``, ``inflight_budget``, ``host_budget``, ``options``,
-    ``report``, ``plan_cache``, ``remote`` (``help(tensortier.planner.runtime.planned_offload)``).
+    ``report``, ``plan_cache``, ``remote``, ``trial_plans``
+    (``help(tensortier.planner.runtime.planned_offload)``).
     """
     if budget is not None:
         from tensortier.planner.runtime import planned_offload

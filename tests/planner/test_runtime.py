@@ -872,6 +872,7 @@ def test_cuda_budget_under_compiled_autograd_is_bit_identical_and_metered_in_bac
         ({"warmup": "1"}, "warmup='1'"),
         ({"timing_iters": -2}, "timing_iters=-2"),
         ({"timing_iters": True}, "timing_iters=True"),
+        ({"trial_plans": -1}, "trial_plans=-1 must be an int >= 0 (the number of plans)"),
         ({"report": 123}, "report=123"),
         ({"plan_cache": ["plans"]}, "plan_cache=['plans']"),
         ({"options": {"margin": 0.2}}, "options={'margin': 0.2} (dict) is not an Options"),
