@@ -56,7 +56,7 @@ from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
 from tensortier.tiers.base import failed, gather
-from tensortier.tiers.codecs import accepts, as_codec
+from tensortier.tiers.codecs import accepts, as_codec, codec_key
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
 from tensortier.tiers.placement import Placement
@@ -1305,6 +1305,7 @@ def _thread_cache() -> dict[tuple, list[Offloader]]:
 def _hashable(v: Any) -> Any:
     if isinstance(v, dict):  # e.g. remote={"budget": ...}: same settings, same offloader
         return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    v = codec_key(v)  # codec=tt.get_codec("sparse") each step: one offloader, not one a step
     try:
         hash(v)
         return v

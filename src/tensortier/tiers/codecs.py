@@ -336,6 +336,14 @@ def as_codec(value: Codec | str | None, *, name: str = "codec") -> Codec | None:
     )
 
 
+def codec_key(codec: Codec) -> object:
+    """What makes two codecs the same setting: a built-in codec by its class and configuration
+    (``get_codec("zstd")`` twice is one setting), any other by identity."""
+    if type(codec) in (SparseCodec, ZstdCodec, Lz4Codec, CastCodec):
+        return (type(codec).__name__, codec.name, getattr(codec, "_threads", None))
+    return codec
+
+
 LOSSLESS_CODECS = ("sparse", "zstd", "lz4")
 LOSSY_CODECS = ("fp16", "bf16")
 
