@@ -1180,10 +1180,11 @@ def _check_step(step: object, verb: str) -> int:
     str or negative step would be written where restore never looks (a silent fresh start)."""
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
         step = step.item()  # a step counter kept as a tensor (0-dim, integer)
+    fix = "count steps from 0" if isinstance(step, int) and step < 0 else "pass int(step)"
     return check_int(
         step,
-        f"{verb}: step={step!r} is not an int >= 0; pass int(step) (a checkpoint is the "
-        f"directory step-<int>)",
+        f"{verb}: step={step!r} is not an int >= 0; {fix} (a checkpoint is the directory "
+        f"step-<int>)",
         minimum=0,
         numpy=True,
     )
