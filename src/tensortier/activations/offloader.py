@@ -1145,8 +1145,7 @@ class _Pass:
             self.decided, nbytes, t.dtype, tuple(t.shape), self._module_name(), node
         )
         self.decided += 1
-        action = off.decide(info)
-        return Action(action) if isinstance(action, str) else action
+        return _checked_action(off, off.decide(info))
 
     def _module_name(self) -> str:
         return self.names.get(id(self.modules[-1]), "") if self.modules else ""
@@ -1314,6 +1313,26 @@ def _hashable(v: Any) -> Any:
 
 
 _CACHE = threading.local()
+
+
+def _checked_action(off: Offloader, action: Any) -> Action:
+    """What ``decide`` returned, as an Action this offloader can carry out: a value that is none
+    failed inside the pack hook with an AttributeError, and ``"disk"`` on an offloader without a
+    disk tier with the transfer engine's advice to pass it a DiskStore, which users never make."""
+    if isinstance(action, str):
+        action = Action(action)
+    elif not isinstance(action, Action):
+        raise ConfigError(
+            f"decide returned {action!r}; return an Action or one of 'keep', 'host', 'disk', "
+            f"'remote'"
+        )
+    if action.tier == "disk" and off._disk is None:
+        raise ConfigError(
+            f"a saved tensor was sent to tier 'disk' (decide returned it), but this "
+            f"Offloader(tier={off.tier!r}) has no disk tier; make it with tier='auto' (host, "
+            f"then disk) or tier='disk', and spill_dir="
+        )
+    return action
 
 
 class _Blocks:
