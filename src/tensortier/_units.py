@@ -123,7 +123,12 @@ def format_size(nbytes: float) -> str:
     value = float(abs(nbytes))
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
-            text = f"{value:.0f}" if unit == "B" else f"{value:.3g}"
+            # three significant digits, never an exponent: "{:.3g}" gave "1e+03KiB" for
+            # 1000-1023 KiB, which parse_size cannot read back
+            decimals = 0 if unit == "B" else max(0, 3 - len(str(int(value))))
+            text = f"{value:.{decimals}f}"
+            if decimals:
+                text = text.rstrip("0").rstrip(".")
             return f"{sign}{text}{unit}"
         value /= 1024
     raise AssertionError("unreachable")
