@@ -304,7 +304,8 @@ class Offloader:
 
     ``tier``: ``"host"`` (pinned RAM; the default, the mode for GPUs), ``"disk"`` (NVMe; the mode
     that saves memory on a CPU-only machine, where device memory *is* RAM) or ``"auto"`` (host up
-    to ``host_budget``, then disk). Tensors smaller than ``min_bytes`` stay put, and so do CPU
+    to ``host_budget``, then disk), spilling under ``spill_dir`` (``None``: the system temporary
+    directory, as :class:`DiskStore`). Tensors smaller than ``min_bytes`` stay put, and so do CPU
     tensors saved in a CUDA run (they hold no device memory). ``prefetch_budget`` bounds the bytes
     read back ahead of backward (a record larger than it is read ahead alone; 0: none, every
     saved tensor is read when backward asks for it), ``inflight_budget`` the bytes being
