@@ -511,7 +511,8 @@ class Checkpointer:
     def before_optimizer_step(self) -> None:
         """Wait until the snapshot has copied the parameters and optimizer state.
 
-        Also runs automatically as a step pre-hook of every optimizer passed to ``maybe_save``.
+        Also runs automatically before every optimizer's ``step()`` (a global step pre-hook, so
+        an optimizer never passed to ``maybe_save``, an EMA's for one, waits too).
         The CPU copy is a bounded memcpy (no I/O), so it is waited for without a timeout; CUDA
         copies are waited for on each device's current stream (the host does not block).
         """
