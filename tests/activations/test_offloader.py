@@ -616,3 +616,18 @@ def test_cuda_gradients_match_and_pack_does_not_sync(spill_dir, tier):
     torch.cuda.synchronize()
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
     off.close()
+
+
+def test_offload_module_with_an_offloader_refuses_settings_it_would_ignore(spill_dir):
+    """``offload_module(m, tier="disk", offloader=mine)`` ran ``mine``'s settings (host) and
+    dropped ``tier`` and every other keyword without a word."""
+    mine = tt.Offloader("host", min_bytes=0)
+    model = mlp()
+    for kw in ({"tier": "disk"}, {"min_bytes": "1MiB"}):
+        with pytest.raises(tt.ConfigError, match="pass either offloader= or the settings"):
+            tt.offload_module(model, offloader=mine, **kw)
+    handle = tt.offload_module(model, offloader=mine)
+    model(torch.randn(8, 64)).sum().backward()
+    handle.remove()
+    assert mine.stats.bytes_offloaded["host"] > 0
+    mine.close()

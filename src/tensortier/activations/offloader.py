@@ -1430,13 +1430,21 @@ class OffloadHandle:
 def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHandle:
     """Offload the activations saved inside ``module``'s forward only (each child of a ModuleList).
 
-    >>> tt.offload_module(model.transformer.h, tier="host")
+    >>> handle = tt.offload_module(model.transformer.h, tier="host")   # handle.remove() undoes it
+
+    ``tier`` and ``kwargs``: the settings of the :class:`Offloader` it makes (closed by
+    ``remove()``); ``offloader=`` uses one of yours instead (left open; then no other setting).
 
     Not for ``torch.compile``: dynamo compiles the hooks away (ConfigError when tensortier sees
     it), and does not guard on hooks added after compiling (they never fire). Call a compiled
     model inside ``with tt.offload(...)`` instead.
     """
     given = kwargs.pop("offloader", None)
+    if given is not None and (kwargs or tier != "host"):  # they would be silently ignored
+        raise ConfigError(
+            f"offload_module(offloader=...) also got {sorted(kwargs) or ['tier']}: the offloader "
+            "given has its own settings; pass either offloader= or the settings"
+        )
     targets = list(module) if isinstance(module, nn.ModuleList | nn.ModuleDict) else [module]
     if isinstance(module, nn.ModuleDict):
         targets = list(module.values())
