@@ -27,7 +27,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "user-facing",
-        ("benchmarks/", "tensortier/bench/", "tensortier/cli.py", "tensortier/demo.py"),
+        (
+            "benchmarks/",
+            "tensortier/bench/",
+            "tensortier/__main__.py",
+            "tensortier/cli.py",
+            "tensortier/demo.py",
+        ),
     ),
     ("public API", ("tensortier/__init__.py", "tensortier/_verbs.py")),
     ("planner", ("tensortier/planner/",)),

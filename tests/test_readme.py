@@ -16,6 +16,7 @@ its comment names. After each block the spill directories must be empty again.
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import re
@@ -87,6 +88,30 @@ def python_blocks() -> list[tuple[int, str]]:
     return out
 
 
+def printed_literals(code: str) -> list:
+    """The values a block shows as ``print(...)  # <a Python literal>`` (a list may end in
+    ``...``: its other items must be printed); the block must print each so."""
+    shown = []
+    for line in code.splitlines():
+        m = re.match(r"\s*print\(.*\)\s*#\s*(.+)$", line)
+        if m is None:
+            continue
+        try:
+            value = ast.literal_eval(m.group(1))
+        except (ValueError, SyntaxError):  # prose, not an output
+            continue
+        if value is not ...:
+            shown.append(value)
+    return shown
+
+
+def test_printed_literals_reads_only_outputs():
+    code = "print(a)   # ['x:0', 'y:0']\nprint(b)  # ['x', ...]\nprint(c)  # bytes per tier\n"
+    assert printed_literals(code) == [["x:0", "y:0"], ["x", ...]]
+    code = 'print(d)  # {"kind": "offloader", "n": ..., ...}\n'
+    assert printed_literals(code) == []
+
+
 def _sandboxed(code: str, tmp: pathlib.Path) -> str:
     paths = set(re.findall(r"""["'](/[^"']*)["']""", code))
     assert paths <= set(PATHS), f"absolute paths {paths - set(PATHS)}: add them to PATHS"
@@ -144,5 +169,9 @@ def test_readme_block_runs(line, code, tmp_path, request):
         cmd += ["--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"README.md block at line {line} failed:\n{proc.stderr[-4000:]}"
+    for shown in printed_literals(code):  # `print(x)  # [...]`: the output the README shows
+        parts = [p for p in shown if p is not ...] if ... in shown else [shown]  # elided list
+        missing = [p for p in parts if repr(p) not in proc.stdout]
+        assert not missing, f"line {line} shows {shown!r}, printed:\n{proc.stdout}"
     for rel in SPILL_DIRS:
         assert os.listdir(tmp_path / rel) == [], f"block at line {line} left files in {rel}"

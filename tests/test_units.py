@@ -72,6 +72,25 @@ def test_format_size():
     assert format_size(12) == "12B"
 
 
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (1_024_000, "1000KiB"),
+        (1_048_000, "1023KiB"),
+        (1023 * 2**20, "1023MiB"),
+        (2**30 - 1, "1024MiB"),
+        (1 << 60, "1048576TiB"),
+        (1_250_000, "1.19MiB"),
+        (12_900_000, "12.3MiB"),
+    ],
+)
+def test_format_size_never_prints_an_exponent(n, text):
+    """1000-1023 of a unit printed as "1e+03KiB" / "1.02e+03MiB" (in stats, plans and messages),
+    which parse_size cannot read back."""
+    assert format_size(n) == text
+    assert abs(parse_size(text) - n) <= 0.01 * n
+
+
 def test_format_size_up_is_a_size_that_suffices():
     """Issue 23 #6: "raise the budget to at least 1.03GiB" was printed for 1.035 GiB, and that
     budget was refused again; a minimum is printed rounded up."""

@@ -58,8 +58,15 @@ def register(kind: str, obj: object) -> str:
 
 
 def stats() -> dict[str, dict[str, Any]]:
-    """One flat, JSON-serialisable dict per live client, keyed ``"<kind>:<n>"`` (module
-    docstring). Closed clients, and clients whose stats raise, are left out. Thread-safe."""
+    """One flat, JSON-serialisable dict per live client of this process, keyed ``"<kind>:<n>"``.
+
+    >>> tt.stats()["offloader:0"]["bytes_offloaded.host"]
+
+    ``kind`` is ``offloader``, ``optimizer``, ``host_pool``, ``transfer_engine``, ``disk_store``,
+    ``checkpointer``, ``replay_buffer``, ...; ``n`` counts that kind in creation order. Each value
+    is ``{"kind": kind, **fields}``, nested fields as dotted keys. A client that owns others (an
+    offloader's pool, engine and disk store) is listed beside them: do not add bytes across
+    kinds. Closed clients, and clients whose stats raise, are left out. Thread-safe."""
     with _lock:
         entries = list(_live.items())
     out: dict[str, dict[str, Any]] = {}

@@ -18,13 +18,20 @@ COMMANDS = {  # subcommand -> (module with add_args(parser) and run(args) -> int
 }
 
 
+DESCRIPTION = (
+    "Move PyTorch tensors across device, host RAM and NVMe. `tensortier COMMAND --help` shows a "
+    "command's options (also `python -m tensortier`). Benchmarks run from a checkout: "
+    "`python -m benchmarks <area>`."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="tensortier", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tensortier", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = None
     for name, (module, text) in COMMANDS.items():
-        p = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         if argv[:1] == [name]:  # the subcommand asked for: its own arguments
             chosen = importlib.import_module(module)
             chosen.add_args(p)

@@ -42,13 +42,19 @@ MIN_BYTES = "64KiB"  # smaller saved tensors stay where they are
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
-    p.add_argument("--spill-dir", default=tempfile.gettempdir(), help="where tier='disk' spills")
+    p.add_argument("--layers", type=int, default=8, help="GPT blocks (default: %(default)s)")
+    p.add_argument("--d-model", type=int, default=512, help="width (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sample (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=16, help="samples per step (default: %(default)s)")
+    p.add_argument(
+        "--steps", type=int, default=2, help="timed steps after one warm-up (default: %(default)s)"
+    )
+    p.add_argument(
+        "--spill-dir",
+        default=tempfile.gettempdir(),
+        help="where tier='disk' spills (default: %(default)s)",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny GPT (seconds per way)")
     p.add_argument("--worker", choices=sorted(WAYS), default=None, help=argparse.SUPPRESS)
 

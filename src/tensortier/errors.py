@@ -113,7 +113,8 @@ class NodeLostError(TensortierError):
 
 
 class ClosedError(TensortierError):
-    """An operation was attempted on a store or engine after ``close()``."""
+    """An operation was attempted on an object after its ``close()`` (a store, engine,
+    offloader, optimizer, checkpointer, buffer or catalog), or on a Ray service that is gone."""
 
 
 class RateLimitTimeout(TensortierError, TimeoutError):

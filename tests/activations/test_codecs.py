@@ -271,3 +271,42 @@ def test_cuda_conjugate_views_come_back_with_their_bits(spill_dir):
         assert torch.equal(c.grad, ref)
         c.grad = None
         off.close()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_codec_passed_by_name_encodes_like_get_codec(spill_dir, tier):
+    """``codec="zstd"`` (what a user types after reading ``get_codec``'s names) is that codec; it
+    failed with ``AttributeError: 'str' object has no attribute 'name'`` inside the forward."""
+    model, x = _model(), torch.randn(128, 64)
+    ref = _grads(model, x)
+    with tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0, codec="zstd") as off:
+        assert off.codec.name == "zstd"
+    got = _grads(model, x, off)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert off.stats.bytes_offloaded[tier] > 0
+    off.close()
+    assert tt.Action("disk", "lz4").codec.name == "lz4"
+
+
+def test_a_codec_that_is_no_codec_is_refused_at_construction(spill_dir):
+    with pytest.raises(tt.ConfigError, match="codec=3"):
+        tt.Offloader("disk", spill_dir=spill_dir, codec=3)
+    with pytest.raises(tt.ConfigError, match="unknown codec 'gzip'"):
+        tt.offload(tier="disk", spill_dir=spill_dir, codec="gzip")
+
+
+def test_offload_with_a_fresh_get_codec_each_step_reuses_one_offloader(spill_dir):
+    """``with tt.offload(codec=tt.get_codec("sparse")):`` in a loop (the README's form) made a new
+    offloader every step: the codec object was part of the cache key by identity, so each step
+    opened a new spill directory and host pool and lost the learned prefetch order."""
+    model, x = _model(), torch.randn(128, 64)
+    ref = _grads(model, x)
+    made = set()
+    for _ in range(3):
+        off = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0, codec=get_codec("sparse"))
+        assert torch.equal(_grads(model, x, off)[0], ref[0])
+        made.add(id(off))
+    assert len(made) == 1 and off.stats.passes == 3
+    other = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0, codec=get_codec("zstd"))
+    assert other is not off and other.codec.name == "zstd"  # another codec: another setting
+    other.close()

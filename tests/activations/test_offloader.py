@@ -475,6 +475,27 @@ def test_offload_function_reuses_the_offloader_and_reports_stats(spill_dir):
     off.close()
 
 
+def test_offload_stats_are_the_last_used_offloaders_not_the_last_made(spill_dir):
+    """Making an offloader (not yet used) replaced ``tt.offload_stats()`` with its zeros, although
+    its docstring promises the most recently used one's."""
+    model = mlp()
+    with tt.Offloader("disk", spill_dir=spill_dir, min_bytes=0) as used:
+        loss = model(torch.randn(8, 64)).sum()
+    loss.backward()
+    idle = tt.Offloader("host", min_bytes=0)
+    assert tt.offload_stats() == used.stats.as_dict()
+    assert tt.offload_stats()["bytes_offloaded"]["disk"] > 0
+    with idle:
+        loss = model(torch.randn(8, 64)).sum()
+    loss.backward()
+    assert tt.offload_stats()["bytes_offloaded"] == {
+        "host": used.stats.bytes_offloaded["disk"],
+        "disk": 0,
+        "remote": 0,
+    }
+    used.close(), idle.close()
+
+
 def test_offload_nested_in_one_of_the_same_settings_reuses_both_offloaders(spill_dir):
     """A library's ``with tt.offload()`` inside the user's, same settings: before, every step
     made a new offloader (new pool, spill directory and threads; the prefetch order learned by
@@ -595,3 +616,18 @@ def test_cuda_gradients_match_and_pack_does_not_sync(spill_dir, tier):
     torch.cuda.synchronize()
     assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
     off.close()
+
+
+def test_offload_module_with_an_offloader_refuses_settings_it_would_ignore(spill_dir):
+    """``offload_module(m, tier="disk", offloader=mine)`` ran ``mine``'s settings (host) and
+    dropped ``tier`` and every other keyword without a word."""
+    mine = tt.Offloader("host", min_bytes=0)
+    model = mlp()
+    for kw in ({"tier": "disk"}, {"min_bytes": "1MiB"}):
+        with pytest.raises(tt.ConfigError, match="pass either offloader= or the settings"):
+            tt.offload_module(model, offloader=mine, **kw)
+    handle = tt.offload_module(model, offloader=mine)
+    model(torch.randn(8, 64)).sum().backward()
+    handle.remove()
+    assert mine.stats.bytes_offloaded["host"] > 0
+    mine.close()

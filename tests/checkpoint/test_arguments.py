@@ -3,6 +3,7 @@ anything that is not an int >= 0 must be refused at the call, never written wher
 does not look. The directory must be a non-empty path: ``""`` meant the current directory."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -28,6 +29,13 @@ def test_a_step_that_is_not_an_int_is_refused_before_anything_is_written(tmp_pat
         with pytest.raises(ConfigError, match=r"step=.*int >= 0"):
             ck.restore(model=_linear(), step=step)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tensortier-checkpoint.lock"]
+
+
+@pytest.mark.parametrize("step, fix", [(-1, "count steps from 0"), (5.0, "pass int(step)")])
+def test_a_bad_step_is_refused_with_a_fix_that_works(tmp_path, step, fix):
+    """-1 was told "pass int(step)", which gives -1 again."""
+    with Checkpointer(tmp_path, every=1) as ck, pytest.raises(ConfigError, match=re.escape(fix)):
+        ck.save(step, model=_linear())
 
 
 @pytest.mark.parametrize("step", [np.int64(3), torch.tensor(3)])

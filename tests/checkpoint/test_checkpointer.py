@@ -57,6 +57,23 @@ def test_bad_settings_refused_with_the_fix(tmp_path, kwargs, words):
         Checkpointer(tmp_path, **kwargs)
 
 
+def test_a_misspelt_setting_names_the_checkpointer_and_its_settings(tmp_path):
+    """``Checkpointer(dir, kep=3)`` said "CheckpointConfig.__init__() got an unexpected keyword
+    argument", a class the user never met, and ``help(Checkpointer)`` showed only ``**settings``."""
+    with pytest.raises(
+        TypeError,
+        match=r"Checkpointer\(\) got an unexpected keyword argument 'kep'; its settings are keep, every",
+    ):
+        Checkpointer(tmp_path / "ck", kep=3)
+    assert not os.path.exists(tmp_path / "ck")  # refused before anything was made
+    doc = Checkpointer.__doc__
+    for name, default in [("keep", "3"), ("every", '"auto"'), ("io_threads", "4")]:
+        assert f"``{name}={default}``" in doc
+        assert repr(getattr(tt.checkpoint.CheckpointConfig(), name)).replace("'", '"') == default
+    for f in __import__("dataclasses").fields(tt.checkpoint.CheckpointConfig):
+        assert f"``{f.name}=" in doc, f.name
+
+
 def test_resume_reproduces_the_uninterrupted_losses_bit_for_bit(tmp_path):
     _, _, _, expected = _train.reference(20)
     model, opt, sched = _train.make()

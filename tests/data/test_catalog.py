@@ -381,6 +381,18 @@ def test_epochs_after_close_and_a_loader_running_across_close_raise_closed_error
     assert catalog_fds(path) == 0  # no descriptor outlives close
 
 
+def test_refusals_name_the_directory_argument_by_its_name(tmp_path):
+    """The messages said ``path=``, the old name that now warns as deprecated."""
+    Catalog.build(tmp_path / "a", [b"x"]).close()
+    with pytest.raises(tt.ConfigError, match=r"already exists in directory='.*a'"):
+        Catalog.build(tmp_path / "a", [b"y"])
+    (tmp_path / "f").write_bytes(b"")
+    for call in (Catalog.build, lambda d, r: Catalog.open(d)):
+        with pytest.raises(tt.ConfigError, match=r"directory='.*f' is a file") as err:
+            call(tmp_path / "f", [b"y"])
+        assert "path=" not in str(err.value)
+
+
 def test_old_keywords_still_work_with_a_warning(tmp_path):
     """One vocabulary (issue 26): directory, io_threads; the old names map to them with a
     DeprecationWarning for 0.1."""

@@ -35,6 +35,17 @@ def test_plan_with_an_impossible_budget_states_the_minimum(make_profile, tmp_pat
     assert rc == 2 and "at least" in err
 
 
+@pytest.mark.parametrize(
+    "budget", ["1000MB", "2GiB", "1.5GB", "1234567", "3000000000", "700MiB", "2.5KiB"]
+)
+def test_the_printed_snippet_runs_the_budget_that_was_planned(budget):
+    from tensortier import parse_size
+    from tensortier.planner.report import apply_hint
+
+    printed = re.search(r'budget="([^"]+)"', apply_hint(parse_size(budget))).group(1)
+    assert parse_size(printed) == parse_size(budget), printed
+
+
 def _cli(args: list[str], capsys) -> tuple[int, str, str]:
     rc = main(["plan", *args])
     out, err = capsys.readouterr()
@@ -75,7 +86,9 @@ def test_the_printed_plan_explains_its_notation_and_how_to_apply_it(make_profile
             assert "+codec: compressed" in out
     code = out.split("to run your model under this budget:\n")[1]
     code = textwrap.dedent(code.split("\n\n")[0].rstrip())
-    assert 'tt.offload(budget="6.52GiB"' in code and 'plan_cache="plans/"' in code
+    # the budget planned, exactly: 7GB, not format_size's 6.52GiB (7000796692 bytes)
+    assert 'tt.offload(budget="7GB"' in code and 'plan_cache="plans/"' in code
+    assert code.startswith("import tensortier as tt\n")
     compile(code, "apply", "exec")
 
 

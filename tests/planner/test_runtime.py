@@ -872,6 +872,7 @@ def test_cuda_budget_under_compiled_autograd_is_bit_identical_and_metered_in_bac
         ({"warmup": "1"}, "warmup='1'"),
         ({"timing_iters": -2}, "timing_iters=-2"),
         ({"timing_iters": True}, "timing_iters=True"),
+        ({"trial_plans": -1}, "trial_plans=-1 must be an int >= 0 (the number of plans)"),
         ({"report": 123}, "report=123"),
         ({"plan_cache": ["plans"]}, "plan_cache=['plans']"),
         ({"options": {"margin": 0.2}}, "options={'margin': 0.2} (dict) is not an Options"),
@@ -903,3 +904,15 @@ def test_a_planner_setting_without_a_budget_names_budget(kw):
     with pytest.raises(ConfigError, match="pass budget= too") as e:
         tt.offload(**kw)
     assert all(f"{k}=" in str(e.value) for k in kw)
+
+
+@pytest.mark.parametrize("kw, why", [({"codec": "zstd"}, True), ({"plan_cach": "p/"}, False)])
+def test_a_setting_the_planner_does_not_take_names_tt_offload_and_its_settings(kw, why):
+    """With budget= an unknown setting said "planned_offload() got an unexpected keyword
+    argument", a function the user never called, and nothing about what it does take."""
+    import tensortier as tt
+
+    with pytest.raises(TypeError, match=r"tt\.offload\(budget=\.\.\.\) got an") as e:
+        tt.offload(budget="64MiB", **kw)
+    assert "plan_cache, " in str(e.value) and "planned_offload" not in str(e.value)
+    assert ("a setting of tt.offload without budget=" in str(e.value)) is why

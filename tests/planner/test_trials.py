@@ -79,10 +79,15 @@ def test_measured_trials_overturn_the_simulators_order(tmp_path, monkeypatch):
     assert max(off.measured_peaks) <= budget and off.replans == 0
 
 
-def test_without_trials_the_simulators_choice_runs(tmp_path):
-    """A named policy: the plan chosen from the profile runs, no trials."""
+@pytest.mark.parametrize("settings", [{"policy": "fine"}, {"trial_plans": 0}])
+def test_without_trials_the_simulators_choice_runs(tmp_path, settings):
+    """A named policy, or ``tt.offload(budget=..., trial_plans=0)`` (the README's way to turn the
+    trials off, which tt.offload refused as an unexpected keyword): the plan chosen from the
+    profile runs, no trials."""
+    import tensortier as tt
+
     m, x = _mlp(depth=3), torch.randn(512, 512)
-    off = runtime.planned_offload(32 * MiB, spill_dir=str(tmp_path), options=FAST, policy="fine")
+    off = tt.offload(budget=32 * MiB, spill_dir=str(tmp_path), options=FAST, **settings)
     try:
         for _ in range(8):
             with off:

@@ -144,6 +144,18 @@ def test_max_uses_removes_items_after_n_draws():
     buf.close()
 
 
+def test_an_empty_buffer_names_the_fix_that_applies():
+    """After waiting ``timeout`` seconds the error still said "pass sample(..., timeout=seconds)",
+    the argument the caller had just passed."""
+    buf = ReplayBuffer(10)
+    with pytest.raises(IndexError, match=r"pass sample\(\.\.\., timeout=seconds\)"):
+        buf.sample(1)
+    with pytest.raises(IndexError, match="after waiting 0.05 s; .*pass a longer timeout") as e:
+        buf.sample(1, timeout=0.05)
+    assert "timeout=seconds" not in str(e.value)
+    buf.close()
+
+
 def test_max_uses_exact_with_batch_of_one():
     buf = ReplayBuffer(10, max_uses=2, seed=0)
     k = buf.add(item(0))

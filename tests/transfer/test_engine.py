@@ -889,3 +889,20 @@ def test_to_disk_and_from_disk_are_the_store_path_to_the_engines_disk(spill_dir)
         assert torch.equal(eng.from_disk(h, free=True).result(), x)
         with pytest.raises(KeyError):
             eng.from_disk(h).result()
+
+
+def test_codec_by_name_round_trips_and_a_bad_codec_fails_at_the_call(tmp_path):
+    """``to_host/to_store(codec="zstd")`` encode with that codec (a name raised TypeError from a
+    copy thread); a value that is no codec is a ConfigError before anything is queued."""
+    x = torch.zeros(1000, 100)
+    x[::7] = torch.randn(100)
+    with TransferEngine(disk=DiskStore(tmp_path)) as engine:
+        enc = engine.to_host(x, codec="zstd").result()
+        assert enc.codec.name == "zstd"
+        assert torch.equal(engine.to_device(enc).result(), x)
+        enc = engine.to_store(x, "disk", codec="sparse").result()
+        assert enc.codec.name == "sparse"
+        assert torch.equal(engine.from_store(enc, "disk", to="device").result(), x)
+        for call in (engine.to_host, lambda t, codec: engine.to_store(t, "disk", codec=codec)):
+            with pytest.raises(ConfigError, match="codec=3"):
+                call(x, codec=3)

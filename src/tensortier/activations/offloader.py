@@ -56,7 +56,7 @@ from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
 from tensortier.tiers.base import failed, gather
-from tensortier.tiers.codecs import accepts
+from tensortier.tiers.codecs import accepts, as_codec, codec_key
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool, size_class
 from tensortier.tiers.placement import Placement
@@ -104,6 +104,7 @@ class Action:
             raise ConfigError(
                 f"Action tier must be 'keep', 'host', 'disk' or 'remote', got {self.tier!r}"
             )
+        object.__setattr__(self, "codec", as_codec(self.codec, name="Action codec"))
 
 
 _KEEP = Action("keep")
@@ -111,6 +112,14 @@ _KEEP = Action("keep")
 
 @dataclass
 class OffloadStats:
+    """One offloader's counters over all its passes (``off.stats``; ``print`` gives a summary).
+
+    ``bytes_offloaded`` per tier; what stayed (``bytes_kept``: under ``min_bytes``, kept by the
+    plan, or CPU tensors in a CUDA run); what came back ahead of need (``bytes_prefetched``) or
+    only when backward asked (``bytes_on_demand``); ``pack_seconds`` forward spent saving and
+    ``wait_seconds`` backward spent waiting for data.
+    """
+
     tensors_packed: int = 0  # saved tensors seen (excluding parameters and buffers)
     tensors_offloaded: int = 0
     bytes_offloaded: dict[str, int] = field(
@@ -295,14 +304,16 @@ class Offloader:
 
     ``tier``: ``"host"`` (pinned RAM; the default, the mode for GPUs), ``"disk"`` (NVMe; the mode
     that saves memory on a CPU-only machine, where device memory *is* RAM) or ``"auto"`` (host up
-    to ``host_budget``, then disk). Tensors smaller than ``min_bytes`` stay put, and so do CPU
+    to ``host_budget``, then disk), spilling under ``spill_dir`` (``None``: the system temporary
+    directory, as :class:`DiskStore`). Tensors smaller than ``min_bytes`` stay put, and so do CPU
     tensors saved in a CUDA run (they hold no device memory). ``prefetch_budget`` bounds the bytes
     read back ahead of backward (a record larger than it is read ahead alone; 0: none, every
     saved tensor is read when backward asks for it), ``inflight_budget`` the bytes being
     written (their sources still in memory); ``disk_budget`` the bytes the disk tier may
     preallocate, ``io_threads`` its I/O threads. ``decide`` (the planner's hook) overrides
-    ``min_bytes``/``tier`` per tensor. ``record=True`` keeps per-tensor timings in ``records``
-    for profiling. ``offload_weight_casts=True`` also moves
+    ``min_bytes``/``tier`` per tensor. ``codec`` (a name such as ``"zstd"`` or
+    :func:`~tensortier.get_codec`'s codec) encodes what goes to the host and disk tiers.
+    ``record=True`` keeps per-tensor timings in ``records`` for profiling. ``offload_weight_casts=True`` also moves
     autocast's low-precision weight casts, which by default stay on the device: the autocast cache
     holds them until autocast exits, so moving them frees nothing before backward and costs their
     size over the bus both ways (it only lowers memory during backward).
@@ -325,13 +336,14 @@ class Offloader:
         disk_budget: SizeLike | None = None,
         io_threads: int = 4,
         decide: Callable[[SavedTensorInfo], Action | str] | None = None,
-        codec: Codec | None = None,
+        codec: Codec | str | None = None,
         record: bool = False,
         offload_weight_casts: bool = False,
         remote: RemoteStore | dict | None = None,
     ):
         if tier not in TIERS:
             raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
+        codec = as_codec(codec)
         if tier == "remote" and codec is not None:
             raise ConfigError(
                 f"tier='remote' with codec={getattr(codec, 'name', codec)!r}: codecs apply to the "
@@ -382,8 +394,6 @@ class Offloader:
         self._learned: tuple[tuple[int, ...], list[int]] | None = None
         self._learned_blocks = 0  # offload_module: hooked blocks per forward seen last time
         self._traced = False  # set when torch.compile traced the pack hook (see _COMPILED_HOOKS)
-        global _last_stats
-        _last_stats = self.stats
         register_stats("offloader", self)  # tt.stats() lists it while it is open
 
     def _attach_disk(self) -> None:
@@ -1136,8 +1146,7 @@ class _Pass:
             self.decided, nbytes, t.dtype, tuple(t.shape), self._module_name(), node
         )
         self.decided += 1
-        action = off.decide(info)
-        return Action(action) if isinstance(action, str) else action
+        return _checked_action(off, off.decide(info))
 
     def _module_name(self) -> str:
         return self.names.get(id(self.modules[-1]), "") if self.modules else ""
@@ -1296,6 +1305,7 @@ def _thread_cache() -> dict[tuple, list[Offloader]]:
 def _hashable(v: Any) -> Any:
     if isinstance(v, dict):  # e.g. remote={"budget": ...}: same settings, same offloader
         return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    v = codec_key(v)  # codec=tt.get_codec("sparse") each step: one offloader, not one a step
     try:
         hash(v)
         return v
@@ -1304,6 +1314,26 @@ def _hashable(v: Any) -> Any:
 
 
 _CACHE = threading.local()
+
+
+def _checked_action(off: Offloader, action: Any) -> Action:
+    """What ``decide`` returned, as an Action this offloader can carry out: a value that is none
+    failed inside the pack hook with an AttributeError, and ``"disk"`` on an offloader without a
+    disk tier with the transfer engine's advice to pass it a DiskStore, which users never make."""
+    if isinstance(action, str):
+        action = Action(action)
+    elif not isinstance(action, Action):
+        raise ConfigError(
+            f"decide returned {action!r}; return an Action or one of 'keep', 'host', 'disk', "
+            f"'remote'"
+        )
+    if action.tier == "disk" and off._disk is None:
+        raise ConfigError(
+            f"a saved tensor was sent to tier 'disk' (decide returned it), but this "
+            f"Offloader(tier={off.tier!r}) has no disk tier; make it with tier='auto' (host, "
+            f"then disk) or tier='disk', and spill_dir="
+        )
+    return action
 
 
 class _Blocks:
@@ -1400,13 +1430,21 @@ class OffloadHandle:
 def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHandle:
     """Offload the activations saved inside ``module``'s forward only (each child of a ModuleList).
 
-    >>> tt.offload_module(model.transformer.h, tier="host")
+    >>> handle = tt.offload_module(model.transformer.h, tier="host")   # handle.remove() undoes it
+
+    ``tier`` and ``kwargs``: the settings of the :class:`Offloader` it makes (closed by
+    ``remove()``); ``offloader=`` uses one of yours instead (left open; then no other setting).
 
     Not for ``torch.compile``: dynamo compiles the hooks away (ConfigError when tensortier sees
     it), and does not guard on hooks added after compiling (they never fire). Call a compiled
     model inside ``with tt.offload(...)`` instead.
     """
     given = kwargs.pop("offloader", None)
+    if given is not None and (kwargs or tier != "host"):  # they would be silently ignored
+        raise ConfigError(
+            f"offload_module(offloader=...) also got {sorted(kwargs) or ['tier']}: the offloader "
+            "given has its own settings; pass either offloader= or the settings"
+        )
     targets = list(module) if isinstance(module, nn.ModuleList | nn.ModuleDict) else [module]
     if isinstance(module, nn.ModuleDict):
         targets = list(module.values())
@@ -1429,5 +1467,7 @@ def offload_module(module: nn.Module, tier: str = "host", **kwargs) -> OffloadHa
 
 
 def offload_stats() -> dict:
-    """Stats of the most recently used offloader (cumulative over its passes)."""
+    """Stats of the offloader that ran the latest forward (cumulative over its passes), as
+    :meth:`OffloadStats.as_dict`; all zeros before any has. ``off.stats`` is one offloader's,
+    :func:`tensortier.stats` every live one's."""
     return (_last_stats or OffloadStats()).as_dict()

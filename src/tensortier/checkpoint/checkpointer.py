@@ -29,7 +29,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -335,11 +335,25 @@ class Checkpointer:
     also held in the RAM of that many other Ray nodes, by detached actors that outlive this
     process; ``restore`` reads a verified replica of the newest step and falls back to disk
     otherwise (``CheckpointState.source``/``fallback``). See ``_replica.py``.
+
+    Settings (the fields of :class:`CheckpointConfig`, with their defaults): ``keep=3``
+    checkpoints kept (at least 2); ``every="auto"`` (or a number of steps: ``maybe_save`` saves
+    when ``(step + 1) % every == 0``); ``max_overhead=0.035``, the slowdown ``"auto"`` allows;
+    ``host_budget=None`` (the host image: exactly what the state needs); ``shard_size="256MiB"``;
+    ``io_threads=4`` parallel writes; ``direct=None`` (O_DIRECT where the filesystem supports
+    it); ``warmup=3`` iterations measured before the first ``"auto"`` checkpoint;
+    ``commit_timeout=600.0`` seconds (many ranks); ``replicas=0`` and ``replica_timeout=60.0``.
     """
 
     root = renamed_attribute("root", "directory")  # the vocabulary's name; goes in 0.2
 
     def __init__(self, directory: str | os.PathLike, *, process_group=None, **settings):
+        unknown = sorted(set(settings) - {f.name for f in fields(CheckpointConfig)})
+        if unknown:
+            raise TypeError(
+                f"Checkpointer() got an unexpected keyword argument {unknown[0]!r}; its settings "
+                f"are {', '.join(f.name for f in fields(CheckpointConfig))} (help(Checkpointer))"
+            )
         self.config = CheckpointConfig(**settings)
         self.directory = _check_directory(directory)  # absolute, as given
         self._group = (
@@ -494,7 +508,8 @@ class Checkpointer:
     def before_optimizer_step(self) -> None:
         """Wait until the snapshot has copied the parameters and optimizer state.
 
-        Also runs automatically as a step pre-hook of every optimizer passed to ``maybe_save``.
+        Also runs automatically before every optimizer's ``step()`` (a global step pre-hook, so
+        an optimizer never passed to ``maybe_save``, an EMA's for one, waits too).
         The CPU copy is a bounded memcpy (no I/O), so it is waited for without a timeout; CUDA
         copies are waited for on each device's current stream (the host does not block).
         """
@@ -1209,10 +1224,11 @@ def _check_step(step: object, verb: str) -> int:
     str or negative step would be written where restore never looks (a silent fresh start)."""
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
         step = step.item()  # a step counter kept as a tensor (0-dim, integer)
+    fix = "count steps from 0" if isinstance(step, int) and step < 0 else "pass int(step)"
     return check_int(
         step,
-        f"{verb}: step={step!r} is not an int >= 0; pass int(step) (a checkpoint is the "
-        f"directory step-<int>)",
+        f"{verb}: step={step!r} is not an int >= 0; {fix} (a checkpoint is the directory "
+        f"step-<int>)",
         minimum=0,
         numpy=True,
     )

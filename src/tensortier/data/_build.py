@@ -119,7 +119,7 @@ def _prepare(root: str) -> tuple[DirLock, bool]:
         raise
     try:
         if os.path.exists(os.path.join(root, _format.MANIFEST)):  # finished while we waited
-            raise ConfigError(f"Catalog.build: a catalog already exists at path={root!r}")
+            raise ConfigError(f"Catalog.build: a catalog already exists in directory={root!r}")
         _check_entries(root)
         _remove_build_files(root, keep_lock=True)  # a dead build's leftovers
     except BaseException:
@@ -140,13 +140,13 @@ def _make(root: str) -> bool:
         if os.path.lexists(root):
             return False
         raise SpillDirError(
-            f"Catalog.build: cannot create path={root!r}: a parent is a file; pass a path under "
+            f"Catalog.build: cannot create directory={root!r}: a parent is a file; pass a path under "
             f"a directory",
             path=root,
         ) from None
     except OSError as exc:
         raise SpillDirError(
-            f"Catalog.build: cannot create path={root!r} ({exc.strerror}); pass a writable "
+            f"Catalog.build: cannot create directory={root!r} ({exc.strerror}); pass a writable "
             f"location",
             path=root,
         ) from exc
@@ -155,23 +155,23 @@ def _make(root: str) -> bool:
 def _check_existing(root: str) -> None:
     """Refuse an existing ``root`` that is not ours to build in (see :func:`_prepare`)."""
     if not os.path.isdir(root):
-        raise ConfigError(f"Catalog.build: path={root!r} is a file; pass a directory")
+        raise ConfigError(f"Catalog.build: directory={root!r} is a file; pass a directory")
     if os.path.exists(os.path.join(root, _format.MANIFEST)):
         raise ConfigError(
-            f"Catalog.build: a catalog already exists at path={root!r}; catalogs are "
+            f"Catalog.build: a catalog already exists in directory={root!r}; catalogs are "
             f"immutable: build into a new directory, or delete this one first"
         )
     me = os.geteuid()
     for st in (os.lstat(root), os.stat(root)):  # the link (if any) and the directory
         if st.st_uid != me:
             raise ConfigError(
-                f"Catalog.build: path={root!r} already exists and belongs to uid {st.st_uid}, "
+                f"Catalog.build: directory={root!r} already exists and belongs to uid {st.st_uid}, "
                 f"not to this process (uid {me}); build into a new path (it is made "
                 f"exclusively) or into a directory you own"
             )
     if os.stat(root).st_mode & 0o002:
         raise ConfigError(
-            f"Catalog.build: path={root!r} is writable by every user, who could plant files in "
+            f"Catalog.build: directory={root!r} is writable by every user, who could plant files in "
             f"the catalog; build into a new path, or remove the write bit for others (chmod o-w)"
         )
     _check_entries(root)
@@ -182,7 +182,7 @@ def _check_entries(root: str) -> None:
     foreign = [n for n in os.listdir(root) if not _format.BUILD_FILES.match(n)]
     if foreign:
         raise ConfigError(
-            f"Catalog.build: path={root!r} is not empty ({len(foreign)} other entries, e.g. "
+            f"Catalog.build: directory={root!r} is not empty ({len(foreign)} other entries, e.g. "
             f"{sorted(foreign)[0]!r}); build into a new or empty directory"
         )
     me = os.geteuid()
@@ -197,7 +197,7 @@ def _check_entries(root: str) -> None:
         else:
             continue
         raise ConfigError(
-            f"Catalog.build: path={root!r} holds {name!r}, which is {what}: not the leftover "
+            f"Catalog.build: directory={root!r} holds {name!r}, which is {what}: not the leftover "
             f"of a build of yours; remove it, or build into a new path"
         )
 

@@ -90,7 +90,7 @@ def read_manifest(root: str) -> Manifest:
     try:
         with open(path, "rb") as f:
             meta = json.loads(f.read())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise
     except PermissionError as exc:
         raise _modes.denied(path, exc, "Catalog.open") from exc
@@ -214,7 +214,7 @@ def refuse_incomplete(root: str) -> None:
             root,
         )
     if not os.path.isdir(root):
-        raise ConfigError(f"path={root!r} is a file, not a catalog directory")
+        raise ConfigError(f"directory={root!r} is a file, not a catalog directory")
     pid = builder_pid(root)
     if os.path.exists(os.path.join(root, MANIFEST)):
         return  # the build finished between the caller's look and ours

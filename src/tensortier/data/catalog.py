@@ -106,7 +106,7 @@ class Catalog:
         self._max_open = max_open
         try:
             self.manifest: Manifest = _format.read_manifest(self.directory)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # none, or a file: say which
             _format.refuse_incomplete(self.directory)  # raises why, unless it just completed
             self.manifest = _format.read_manifest(self.directory)
         n = self.manifest.records

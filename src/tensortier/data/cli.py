@@ -33,8 +33,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--parquet", nargs="+", help="Parquet files or glob patterns; a dict per row")
     src.add_argument("--npy", help="folder of .npy files (a record each) or one .npy (per row)")
     src.add_argument("--files", nargs="+", help="glob patterns ('**' recurses); one record each")
-    build.add_argument("--segment-size", default="1GiB", help="bytes per segment file")
-    build.add_argument("--io-threads", type=int, default=2, help="threads writing segments at once")
+    build.add_argument(
+        "--segment-size", default="1GiB", help="bytes per segment file (default: %(default)s)"
+    )
+    build.add_argument(
+        "--io-threads",
+        type=int,
+        default=2,
+        help="threads writing segments at once (default: %(default)s)",
+    )
     build.add_argument(
         "--mode",
         choices=sorted(MODES),

@@ -28,20 +28,23 @@ def _positive(text: str) -> int:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt", choices=["gpt", "llama"], help="model to profile")
-    p.add_argument("--layers", type=_positive, default=6)
-    p.add_argument("--embd", type=_positive, default=384, help="a multiple of --heads")
-    p.add_argument("--heads", type=_positive, default=6)
-    p.add_argument("--seq", type=_positive, default=256)
-    p.add_argument("--batch", type=_positive, default=8)
-    p.add_argument("--vocab", type=_positive, default=4096)
+    d = " (default: %(default)s)"
+    p.add_argument("--model", default="gpt", choices=["gpt", "llama"], help="model to profile" + d)
+    p.add_argument("--layers", type=_positive, default=6, help="blocks" + d)
+    p.add_argument("--embd", type=_positive, default=384, help="width, a multiple of --heads" + d)
+    p.add_argument("--heads", type=_positive, default=6, help="attention heads" + d)
+    p.add_argument("--seq", type=_positive, default=256, help="tokens per sample" + d)
+    p.add_argument("--batch", type=_positive, default=8, help="samples per step" + d)
+    p.add_argument("--vocab", type=_positive, default=4096, help="vocabulary size" + d)
     p.add_argument("--budget", required=True, help="memory budget, e.g. 2GiB")
     p.add_argument(
         "--policy",
         default="auto",
-        help="keep, swap_all, recompute_all, flashneuron, capuchin, fine, search or auto",
+        help="keep, swap_all, recompute_all, flashneuron, capuchin, fine, search or auto" + d,
     )
-    p.add_argument("--spill-dir", default=tempfile.gettempdir(), help="directory for the disk tier")
+    p.add_argument(
+        "--spill-dir", default=tempfile.gettempdir(), help="directory for the disk tier" + d
+    )
     p.add_argument("--profile", default=None, help="plan from this profile JSON instead of a model")
     p.add_argument("--save-profile", default=None, help="write the measured profile to this JSON")
     p.add_argument("--report", default=None, help="write an HTML report (and PNG) here")

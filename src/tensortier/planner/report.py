@@ -13,7 +13,7 @@ import html
 import io
 import os
 
-from tensortier._units import format_size
+from tensortier._units import format_size, parse_size
 from tensortier.errors import ConfigError
 from tensortier.planner.policies import Choice
 from tensortier.planner.profile import Profile
@@ -183,12 +183,26 @@ def legend(plan: Plan) -> list[str]:
     return [text for key, text in LEGEND.items() if key in used]
 
 
+def _exact_size(nbytes: int) -> str:
+    """``nbytes`` as a size string that parses back to exactly it: ``format_size`` rounds
+    (``7GB`` prints as 6.52GiB, 0.01% more), and the hint must run the budget that was planned."""
+    decimal = [f"{nbytes // f}{u}" for u, f in _DECIMAL if nbytes and nbytes % f == 0]
+    for text in (format_size(nbytes), *decimal):
+        if parse_size(text) == nbytes:
+            return text
+    return str(nbytes)
+
+
+_DECIMAL = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
+
+
 def apply_hint(budget: int, policy: str = "auto") -> str:
     """How to run a model under this budget: the verb that profiles the model it wraps at its
     first step and plans like this (``plan_cache=`` keeps the plan for the next run)."""
     extra = "" if policy.split(":")[0] == "auto" else f', policy="{policy.split(":")[0]}"'
     return (
-        f'with tt.offload(budget="{format_size(budget)}"{extra}, spill_dir="/path/on/nvme",\n'
+        f"import tensortier as tt\n"
+        f'with tt.offload(budget="{_exact_size(budget)}"{extra}, spill_dir="/path/on/nvme",\n'
         f'                plan_cache="plans/"):   # profiles your model at its first step\n'
         f"    loss = model(batch)\n"
         f"loss.backward()"

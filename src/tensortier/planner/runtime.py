@@ -1298,7 +1298,9 @@ def _path_or_none(name: str, value) -> str | None:
     )
 
 
-def _check_settings(policy: str, warmup: int, timing_iters: int, options) -> None:
+def _check_settings(
+    policy: str, warmup: int, timing_iters: int, options, trial_plans: int = 4
+) -> None:
     """Fail at ``tt.offload(...)``, not at the first plan four steps into training (an unknown
     policy) or in a comparison inside a step (a count that is not an int)."""
     from tensortier.errors import ConfigError
@@ -1314,10 +1316,12 @@ def _check_settings(policy: str, warmup: int, timing_iters: int, options) -> Non
             f"tt.offload: options={options!r} ({type(options).__name__}) is not an Options; pass "
             "tensortier.planner.policies.Options(...), e.g. Options(margin=0.2), or leave it out"
         )
-    for name, value in (("warmup", warmup), ("timing_iters", timing_iters)):
+    counts = (("warmup", warmup), ("timing_iters", timing_iters), ("trial_plans", trial_plans))
+    for name, value in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            what = "plans" if name == "trial_plans" else "iterations"
             raise ConfigError(
-                f"tt.offload: {name}={value!r} must be an int >= 0 (the number of iterations); "
+                f"tt.offload: {name}={value!r} must be an int >= 0 (the number of {what}); "
                 f"leave it out for the default"
             )
 
@@ -1363,6 +1367,7 @@ def planned_offload(
     plan_cache: str | os.PathLike | None = None,
     min_bytes: SizeLike | None = None,
     remote=None,
+    trial_plans: int = 4,
 ) -> PlannedOffload:
     """``tt.offload(budget=...)``: profile, plan and run under a memory budget.
 
@@ -1383,10 +1388,13 @@ def planned_offload(
     tiers' and a block goes there only where the simulator says that is faster under the budget
     (where the transfer hides); ``tier="remote"`` restricts swaps to it. ``plan_cache`` is a directory
     where profiles and plans are kept as JSON, so a restarted job skips profiling. ``min_bytes``
-    is ignored: the planner decides per tensor. Calls with the same settings return the same
-    object, so a training loop can write ``with tt.offload(budget=...):`` every step.
+    is ignored: the planner decides per tensor. ``trial_plans``: with ``policy="auto"`` on one
+    rank, at most this many of the fastest predicted plans run for real before the measured
+    fastest is kept (``planner/trials.py``); 0 runs the simulator's choice. Calls with the same
+    settings return the same object, so a training loop can write ``with tt.offload(budget=...):``
+    every step.
     """
-    _check_settings(policy, warmup, timing_iters, options)
+    _check_settings(policy, warmup, timing_iters, options, trial_plans)
     opts = _tier_options(tier, remote, options or Options())
     config = PlanConfig(
         budget=parse_size(budget, name="budget", allow_zero=False),
@@ -1405,6 +1413,7 @@ def planned_offload(
         options=opts,
         report=_path_or_none("report", report),
         plan_cache=_path_or_none("plan_cache", plan_cache),
+        trial_plans=trial_plans,
         remote=remote,
     )
     key = (repr(config), id(remote))

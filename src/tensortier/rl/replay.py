@@ -381,9 +381,10 @@ class ReplayBuffer:
     def _empty(self, timeout: float | None) -> IndexError:
         waited = f" after waiting {timeout:g} s" if timeout else ""
         drained = " (drained by max_uses)" if self.config.max_uses is not None else ""
+        wait = "a longer timeout" if timeout else "sample(..., timeout=seconds)"
         return IndexError(
             f"cannot sample from an empty ReplayBuffer{drained}{waited}; add items first, or pass "
-            f"sample(..., timeout=seconds) to wait for collectors"
+            f"{wait} to wait for collectors"
         )
 
     def _wait_items(self, timeout: float | None) -> bool:

@@ -323,6 +323,27 @@ def get_codec(name: str) -> Codec:
     return factories[name]()
 
 
+def as_codec(value: Codec | str | None, *, name: str = "codec") -> Codec | None:
+    """``codec=`` as users pass it: a codec, its name (``"zstd"``, as :func:`get_codec` takes) or
+    None; anything else is a ``ConfigError`` at the call, not a failure inside a copy thread."""
+    if value is None or isinstance(value, Codec):
+        return value
+    if isinstance(value, str):
+        return get_codec(value)
+    raise ConfigError(
+        f"{name}={value!r}: pass a codec name ('sparse', 'zstd', 'lz4', 'fp16', 'bf16'), "
+        f"tt.get_codec(name) or None"
+    )
+
+
+def codec_key(codec: Codec) -> object:
+    """What makes two codecs the same setting: a built-in codec by its class and configuration
+    (``get_codec("zstd")`` twice is one setting), any other by identity."""
+    if type(codec) in (SparseCodec, ZstdCodec, Lz4Codec, CastCodec):
+        return (type(codec).__name__, codec.name, getattr(codec, "_threads", None))
+    return codec
+
+
 LOSSLESS_CODECS = ("sparse", "zstd", "lz4")
 LOSSY_CODECS = ("fp16", "bf16")
 

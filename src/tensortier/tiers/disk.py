@@ -291,6 +291,8 @@ class DiskStore(StoreBase):
     ...     y = store.get(h).result()      # bit-identical to x
     ...     store.free(h)
 
+    ``spill_dir``: the directory its private directory is made in (``None``: the system temporary
+    directory, ``tempfile.gettempdir()``, which may be RAM-backed tmpfs: pass the NVMe's path).
     ``budget``: the bytes its files may take (``None``: no limit); ``io_threads``: its I/O threads.
     ``direct=None`` uses O_DIRECT if the filesystem supports it; ``False`` forces buffered I/O.
     ``slab_size`` is the preallocation unit; larger tensors get a slab of their own size.

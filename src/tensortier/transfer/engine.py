@@ -56,7 +56,7 @@ from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, parse_size
 from tensortier.errors import ClosedError, ConfigError
 from tensortier.tiers.base import Handle, Store, StoreBase, failed, gather
-from tensortier.tiers.codecs import Codec
+from tensortier.tiers.codecs import Codec, as_codec
 from tensortier.tiers.disk import DiskStore, as_bytes, check_storable
 from tensortier.tiers.host import HostBlock, HostPool, aligned_empty, default_budget
 from tensortier.transfer.streams import SideStreams, consume
@@ -486,15 +486,17 @@ class TransferEngine:
 
     # ---------------------------------------------------------------- public API
     def to_host(
-        self, tensor: torch.Tensor, *, codec: Codec | None = None
+        self, tensor: torch.Tensor, *, codec: Codec | str | None = None
     ) -> Transfer[HostTensor] | Transfer[Encoded]:
         """Copy a device (or CPU) tensor into a host pool block.
 
-        With ``codec``: the result is an :class:`Encoded` whose payloads sit in pool blocks; the
-        raw bytes are copied asynchronously and encoded on the engine's host threads.
+        With ``codec`` (a codec or its name, e.g. ``"zstd"``): the result is an :class:`Encoded`
+        whose payloads sit in pool blocks; the raw bytes are copied asynchronously and encoded on
+        the engine's host threads.
         """
         self._check_open()
         _check_tensor("to_host(tensor)", tensor)
+        codec = as_codec(codec)
         src = tensor.detach()
         nbytes = _nbytes(src)
         fut = self._new()
@@ -585,7 +587,7 @@ class TransferEngine:
         store: Store | str,
         *,
         free: bool = False,
-        codec: Codec | None = None,
+        codec: Codec | str | None = None,
     ) -> Transfer[Handle] | Transfer[Encoded]:
         """Write a device, CPU or host-pool tensor to ``store``: a :class:`Store` (a
         :class:`DiskStore`, a :class:`~tensortier.tiers.remote.RemoteStore`), or ``"disk"`` /
@@ -593,12 +595,13 @@ class TransferEngine:
 
         Device tensors are staged through a host block, which is returned to the pool once
         written. ``free=True`` frees a given :class:`HostTensor` once written (or once the write
-        failed). With ``codec`` the result is an :class:`Encoded` whose payloads are handles of
-        ``store``. A full store raises ``TierFullError`` here for CPU and host tensors, and fails
+        failed). With ``codec`` (a codec or its name) the result is an :class:`Encoded` whose
+        payloads are handles of ``store``. A full store raises ``TierFullError`` here for CPU and host tensors, and fails
         the future for device tensors (known only once staged).
         """
         self._check_open()
         _check_tensor("to_store(tensor)", tensor, HostTensor)
+        codec = as_codec(codec)
         store = self._store(store)
         is_host = isinstance(tensor, HostTensor)
         _check_live("to_store(tensor)", [tensor])
