@@ -27,7 +27,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(128, 1))
 
 
-def _train(rank: int, world: int, spill: str, budget: str) -> dict:
+def _train(rank: int, world: int, spill: str, budget: str, rows: tuple = (256, 256)) -> dict:
     if rank != 0:  # only rank 0 may plan: the others must receive its choice
 
         def refuse(*args, **kwargs):
@@ -42,7 +42,7 @@ def _train(rank: int, world: int, spill: str, budget: str) -> dict:
     g = torch.Generator().manual_seed(rank)
     dirs: set[str] = set()
     for _ in range(6):  # warm-up, profile, timing passes, then the plan
-        x = torch.randn(256, 128, generator=g)
+        x = torch.randn(rows[rank], 128, generator=g)
         with off:
             loss = ddp(x).sum()
             dirs |= set(os.listdir(spill))
@@ -58,6 +58,7 @@ def _train(rank: int, world: int, spill: str, budget: str) -> dict:
         "plan": repr(plan),
         "dirs": sorted(d for d in dirs if d.startswith("tt-act")),
         "own": [d for d in dirs if d.startswith(f"tt-act-rank{rank}-")],
+        "profiled_rows": sorted({t.shape[0] for t in off.profile.tensors if len(t.shape) == 2}),
     }
     off.close()
     return report
@@ -84,6 +85,15 @@ def test_budget_plan_made_on_rank_zero_runs_on_every_rank(tmp_path):
     assert os.listdir(spill) == [] or all(not os.listdir(tmp_path / d) for d in os.listdir(spill))
     for p in (a, b):
         assert p["error"] and "budget" in p["error"] and "rank 1" in p["error"]
+
+
+def test_ranks_whose_batches_differ_while_profiling_plan_for_the_largest(tmp_path):
+    """A rank with a smaller batch (dynamic padding, a short last batch) ran the same model: the
+    ranks agree on its structure, and rank 0 plans with the larger rank's profile (it was a
+    ConfigError on every rank: the saved tensors' sizes were compared)."""
+    a, b = distributed.run(_train, 2, str(tmp_path), "64MiB", (192, 320), timeout=180)
+    assert a["plan"] == b["plan"]
+    assert a["profiled_rows"] == b["profiled_rows"] == [320]  # rank 1's inputs, the larger
 
 
 def _cached(rank: int, world: int, spill: str, cache: str) -> dict:
