@@ -96,6 +96,33 @@ def test_ranks_whose_batches_differ_while_profiling_plan_for_the_largest(tmp_pat
     assert a["profiled_rows"] == b["profiled_rows"] == [320]  # rank 1's inputs, the larger
 
 
+def _recompute_all(rank: int, world: int, spill: str) -> list[str]:
+    m, ref = _mlp(), _mlp()
+    ddp, ref_ddp = DDP(m), DDP(ref)
+    off = tt.offload(budget="64MiB", spill_dir=spill, options=FAST, policy="recompute_all")
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x = torch.randn(256, 128, generator=g)
+        with off:
+            loss = ddp(x).sum()
+        loss.backward()
+        ref_ddp(x).sum().backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
+        m.zero_grad()
+        ref.zero_grad()
+    recomputed = sorted(off.choice.plan.recomputed())
+    off.close()
+    return recomputed
+
+
+def test_a_ddp_model_is_planned_per_layer_not_as_one_unit(tmp_path):
+    """DDP(model) is planned as the model inside (its layers ``module.0``, ...), not as one unit
+    ``module`` that could only be recomputed or kept whole; recomputing under DDP gives DDP's
+    gradients bit for bit."""
+    for recomputed in distributed.run(_recompute_all, 2, str(tmp_path), timeout=180):
+        assert recomputed == [f"module.{i}" for i in range(5)]
+
+
 def _cached(rank: int, world: int, spill: str, cache: str) -> dict:
     """Two jobs with one plan cache, then a step where rank 1's batch is larger."""
     if rank != 0:  # rank 0 alone plans and reads and writes the cache
