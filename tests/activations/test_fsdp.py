@@ -42,8 +42,10 @@ def _fsdp(model: nn.Module, world: int) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    for block in model[:-1]:
-        fully_shard(block, mesh=mesh)
+    # the head too: a module holding parameters itself, which the offloader's forward pre-hook
+    # sees as sharded DTensors (before FSDP2 gathers them; reading their storage raised)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 

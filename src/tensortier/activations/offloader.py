@@ -918,6 +918,20 @@ def _held_by_graph(t: torch.Tensor) -> bool:
     return t.requires_grad and t.is_leaf
 
 
+def _storage_ptrs(t: torch.Tensor) -> list[int]:
+    """Data pointers of the storages holding parameter or buffer ``t``. A wrapper subclass has no
+    storage of its own (FSDP2's sharded DTensor parameter, as its module's forward pre-hooks see
+    it before FSDP gathers it: reading it raised), its inner tensors do; a tensor with no storage
+    at all (functorch's BatchedTensor: the weights vmap hands to functional_call in a model
+    ensemble) has none to protect."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+        return [ptr for x in inner if torch.is_tensor(x) for ptr in _storage_ptrs(x)]
+    return [t.untyped_storage().data_ptr()] if torch._C._has_storage(t) else []
+
+
 def _cudagraph_owned(t: torch.Tensor) -> bool:
     """A tensor recorded by a CUDA graph (torch.compile mode="reduce-overhead"): its memory is the
     graph's static pool, which offloading cannot free and the next replay rewrites."""
@@ -983,10 +997,7 @@ class _Pass:
         if id(module) not in self.seen_modules:
             self.seen_modules.add(id(module))
             for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                # a tensor with no storage of its own (functorch's BatchedTensor: the weights
-                # vmap hands to functional_call in a model ensemble) has none to protect
-                if torch._C._has_storage(t):
-                    self.param_ptrs.add(t.untyped_storage().data_ptr())
+                self.param_ptrs.update(_storage_ptrs(t))
 
     def pack(self, t: torch.Tensor) -> Any:
         """Pack a plain ``torch.Tensor`` (not a Parameter: ``_pack`` checked its exact type)."""
