@@ -123,6 +123,43 @@ def test_a_ddp_model_is_planned_per_layer_not_as_one_unit(tmp_path):
         assert recomputed == [f"module.{i}" for i in range(5)]
 
 
+def _fsdp(model: nn.Module, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:  # the blocks and the head, a Linear holding its parameters itself
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp_recompute_all(rank: int, world: int, spill: str) -> list[str]:
+    m, ref = _fsdp(_mlp(), world), _fsdp(_mlp(), world)
+    off = tt.offload(budget="64MiB", spill_dir=spill, options=FAST, policy="recompute_all")
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x = torch.randn(256, 128, generator=g)
+        with off:
+            loss = m(x).sum()
+        loss.backward()
+        ref(x).sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local())
+        m.zero_grad()
+        ref.zero_grad()
+    recomputed = sorted(off.choice.plan.recomputed())
+    off.close()
+    return recomputed
+
+
+def test_a_budget_plan_under_fsdp2_recomputes_and_matches_fsdp2(tmp_path):
+    """The profiler sized each unit's gradients from its parameters as the unit's forward
+    pre-hook sees them: sharded DTensors for a module FSDP2 shards itself, whose storage cannot
+    be read (it raised); recomputing under FSDP2 gives FSDP2's gradients bit for bit."""
+    for recomputed in distributed.run(_fsdp_recompute_all, 2, str(tmp_path), timeout=180):
+        assert recomputed == [str(i) for i in range(5)]
+
+
 def _cached(rank: int, world: int, spill: str, cache: str) -> dict:
     """Two jobs with one plan cache, then a step where rank 1's batch is larger."""
     if rank != 0:  # rank 0 alone plans and reads and writes the cache

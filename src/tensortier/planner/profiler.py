@@ -95,6 +95,16 @@ def _wrapped(module: nn.Module) -> tuple[str, nn.Module] | None:
     return children[0] if isinstance(module, wrappers) and len(children) == 1 else None
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """FSDP2's sharded parameter (a DTensor, as forward pre-hooks see it before FSDP2 gathers
+    it; it has no storage of its own): its local shard, the size of the gradient it keeps;
+    any other parameter: itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whoever made one
+    if dtensor is not None and isinstance(p, dtensor.DTensor):
+        return p.to_local()
+    return p
+
+
 def plan_units(root: nn.Module) -> dict[str, nn.Module]:
     """Qualified name -> module of every planning unit under ``root`` (definition order).
 
@@ -383,7 +393,7 @@ class Profiler:
             seen: set[int] = set()
             for name in reversed(list(named)):  # grads are allocated by the first backward
                 ptrs = []
-                for p in named[name].parameters():
+                for p in map(_local, named[name].parameters()):
                     if p.requires_grad and p.untyped_storage().data_ptr() not in seen:
                         seen.add(p.untyped_storage().data_ptr())
                         ptrs.append(p.numel() * p.element_size())
