@@ -42,8 +42,10 @@ def _fsdp(model: nn.Module, world: int) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    for block in model[:-1]:
-        fully_shard(block, mesh=mesh)
+    # the head too: a module holding parameters itself, which the offloader's forward pre-hook
+    # sees as sharded DTensors (before FSDP2 gathers them; reading their storage raised)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -97,3 +99,36 @@ def test_offload_to_disk_around_fsdp2_moves_activations_only(tmp_path):
 
 def test_offload_to_host_with_recompute_under_fsdp2_regathers(tmp_path):
     _check(tmp_path, "host", ckpt=True)
+
+
+class _Regathered(nn.Module):
+    """Moves a buffer to new storage inside its forward and writes an activation into the
+    storage it left: as when FSDP2 frees the parameters it gathered for a block once the block's
+    forward ends (``reshard_after_forward=True``) and the allocator hands that memory to an
+    activation (made deterministic here: the same block, without depending on malloc)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.ones(n))
+
+    def forward(self, x):
+        left = self.w.untyped_storage()
+        self.w.set_(torch.ones(self.w.numel()))
+        h = torch.empty(0).set_(left).copy_(x * 2)  # an activation where the buffer was
+        return h.sin()
+
+
+def test_an_activation_at_the_address_of_a_freed_parameter_is_offloaded():
+    """The offloader remembered the addresses of the parameters its modules held and kept any
+    tensor found there by reference: once FSDP2 had freed a gathered parameter, an activation
+    the allocator placed at its address stayed on the device (at random per rank, so the ranks
+    profiled different saved tensors and a planned offload failed with ConfigError)."""
+    n = 1 << 14
+    x = torch.randn(n, requires_grad=True)
+    off = tt.offload("host", min_bytes=0)
+    with off:
+        y = _Regathered(n)(x)
+    y.sum().backward()
+    assert off.stats.bytes_offloaded["host"] == n * 4  # h, saved by sin, moved
+    assert torch.equal(x.grad, 2 * (2 * x.detach()).cos())
+    off.close()

@@ -293,3 +293,31 @@ def test_cuda_streaming_on_a_side_compute_stream_without_syncs():
                 assert torch.equal(p.grad, q.grad), f"{name}: {(p.grad - q.grad).abs().max()}"
     finally:
         streamer.close()
+
+
+def _streamed_under_ddp(rank: int, world: int) -> bool:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ref, m = _model(), _model()
+    ref_ddp = DDP(ref)
+    ddp = DDP(m)  # first: DDP's constructor broadcasts the parameters
+    streamer = tt.stream_parameters(m)
+    opts = [torch.optim.AdamW(x.parameters(), lr=1e-2) for x in (ref, m)]
+    g = torch.Generator().manual_seed(rank)  # each rank its own data: DDP averages
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        ref_ddp(x).sum().backward()
+        ddp(x).sum().backward()
+        opts[0].step()
+        with streamer.resident():
+            opts[1].step()
+        for opt in opts:
+            opt.zero_grad()
+    streamer.close()
+    return all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+
+
+def test_a_model_streamed_inside_ddp_trains_as_ddp():
+    from tests import distributed
+
+    assert distributed.run(_streamed_under_ddp, 2) == [True, True]

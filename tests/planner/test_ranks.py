@@ -27,7 +27,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(128, 1))
 
 
-def _train(rank: int, world: int, spill: str, budget: str) -> dict:
+def _train(rank: int, world: int, spill: str, budget: str, rows: tuple = (256, 256)) -> dict:
     if rank != 0:  # only rank 0 may plan: the others must receive its choice
 
         def refuse(*args, **kwargs):
@@ -42,7 +42,7 @@ def _train(rank: int, world: int, spill: str, budget: str) -> dict:
     g = torch.Generator().manual_seed(rank)
     dirs: set[str] = set()
     for _ in range(6):  # warm-up, profile, timing passes, then the plan
-        x = torch.randn(256, 128, generator=g)
+        x = torch.randn(rows[rank], 128, generator=g)
         with off:
             loss = ddp(x).sum()
             dirs |= set(os.listdir(spill))
@@ -58,6 +58,7 @@ def _train(rank: int, world: int, spill: str, budget: str) -> dict:
         "plan": repr(plan),
         "dirs": sorted(d for d in dirs if d.startswith("tt-act")),
         "own": [d for d in dirs if d.startswith(f"tt-act-rank{rank}-")],
+        "profiled_rows": sorted({t.shape[0] for t in off.profile.tensors if len(t.shape) == 2}),
     }
     off.close()
     return report
@@ -84,6 +85,79 @@ def test_budget_plan_made_on_rank_zero_runs_on_every_rank(tmp_path):
     assert os.listdir(spill) == [] or all(not os.listdir(tmp_path / d) for d in os.listdir(spill))
     for p in (a, b):
         assert p["error"] and "budget" in p["error"] and "rank 1" in p["error"]
+
+
+def test_ranks_whose_batches_differ_while_profiling_plan_for_the_largest(tmp_path):
+    """A rank with a smaller batch (dynamic padding, a short last batch) ran the same model: the
+    ranks agree on its structure, and rank 0 plans with the larger rank's profile (it was a
+    ConfigError on every rank: the saved tensors' sizes were compared)."""
+    a, b = distributed.run(_train, 2, str(tmp_path), "64MiB", (192, 320), timeout=180)
+    assert a["plan"] == b["plan"]
+    assert a["profiled_rows"] == b["profiled_rows"] == [320]  # rank 1's inputs, the larger
+
+
+def _recompute_all(rank: int, world: int, spill: str) -> list[str]:
+    m, ref = _mlp(), _mlp()
+    ddp, ref_ddp = DDP(m), DDP(ref)
+    off = tt.offload(budget="64MiB", spill_dir=spill, options=FAST, policy="recompute_all")
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x = torch.randn(256, 128, generator=g)
+        with off:
+            loss = ddp(x).sum()
+        loss.backward()
+        ref_ddp(x).sum().backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
+        m.zero_grad()
+        ref.zero_grad()
+    recomputed = sorted(off.choice.plan.recomputed())
+    off.close()
+    return recomputed
+
+
+def test_a_ddp_model_is_planned_per_layer_not_as_one_unit(tmp_path):
+    """DDP(model) is planned as the model inside (its layers ``module.0``, ...), not as one unit
+    ``module`` that could only be recomputed or kept whole; recomputing under DDP gives DDP's
+    gradients bit for bit."""
+    for recomputed in distributed.run(_recompute_all, 2, str(tmp_path), timeout=180):
+        assert recomputed == [f"module.{i}" for i in range(5)]
+
+
+def _fsdp(model: nn.Module, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:  # the blocks and the head, a Linear holding its parameters itself
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp_recompute_all(rank: int, world: int, spill: str) -> list[str]:
+    m, ref = _fsdp(_mlp(), world), _fsdp(_mlp(), world)
+    off = tt.offload(budget="64MiB", spill_dir=spill, options=FAST, policy="recompute_all")
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x = torch.randn(256, 128, generator=g)
+        with off:
+            loss = m(x).sum()
+        loss.backward()
+        ref(x).sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local())
+        m.zero_grad()
+        ref.zero_grad()
+    recomputed = sorted(off.choice.plan.recomputed())
+    off.close()
+    return recomputed
+
+
+def test_a_budget_plan_under_fsdp2_recomputes_and_matches_fsdp2(tmp_path):
+    """The profiler sized each unit's gradients from its parameters as the unit's forward
+    pre-hook sees them: sharded DTensors for a module FSDP2 shards itself, whose storage cannot
+    be read (it raised); recomputing under FSDP2 gives FSDP2's gradients bit for bit."""
+    for recomputed in distributed.run(_fsdp_recompute_all, 2, str(tmp_path), timeout=180):
+        assert recomputed == [str(i) for i in range(5)]
 
 
 def _cached(rank: int, world: int, spill: str, cache: str) -> dict:

@@ -42,6 +42,16 @@ def test_plan_units_and_unit_of():
     assert unit_of("", ["0"]) == ""
 
 
+def test_plan_units_see_through_data_parallel_and_compile_wrappers():
+    """DDP/DataParallel (``module``) and torch.compile (``_orig_mod``) add no layer: planned as
+    the root, the wrapper made the whole model one unit (keep, swap or recompute it whole)."""
+    m = _mlp(depth=3)
+    assert list(plan_units(nn.DataParallel(m))) == [f"module.{i}" for i in range(4)]
+    assert list(plan_units(torch.compile(m))) == [f"_orig_mod.{i}" for i in range(4)]
+    both = nn.DataParallel(torch.compile(m))
+    assert list(plan_units(both)) == [f"module._orig_mod.{i}" for i in range(4)]
+
+
 def test_plan_units_open_nested_stacks_but_never_a_block():
     class Block(nn.Module):
         def __init__(self):

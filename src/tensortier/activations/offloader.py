@@ -928,6 +928,20 @@ def _held_by_graph(t: torch.Tensor) -> bool:
     return t.requires_grad and t.is_leaf
 
 
+def _with_storage(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold parameter or buffer ``t``: itself, or for a wrapper
+    subclass, which has no storage of its own (FSDP2's sharded DTensor parameter, as its
+    module's forward pre-hooks see it before FSDP2 gathers it: reading it raised), its inner
+    tensors; none for a tensor with no storage at all (functorch's BatchedTensor: the weights
+    vmap hands to functional_call in a model ensemble)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+        return [x for i in inner if torch.is_tensor(i) for x in _with_storage(i)]
+    return [t] if torch._C._has_storage(t) else []
+
+
 def _cudagraph_owned(t: torch.Tensor) -> bool:
     """A tensor recorded by a CUDA graph (torch.compile mode="reduce-overhead"): its memory is the
     graph's static pool, which offloading cannot free and the next replay rewrites."""
@@ -952,7 +966,8 @@ class _Pass:
         self.sizes: list[int] = []
         # ptr -> (storage, record); record None: the storage was kept
         self.by_storage: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
-        self.param_ptrs: set[int] = set()
+        # storage address -> the parameter or buffer there when its module ran
+        self.param_ptrs: dict[int, weakref.ref] = {}
         self.modules: list[nn.Module] = []
         self.names: dict[int, str] = {}
         self.seen_modules: set[int] = set()
@@ -993,17 +1008,24 @@ class _Pass:
         if id(module) not in self.seen_modules:
             self.seen_modules.add(id(module))
             for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                # a tensor with no storage of its own (functorch's BatchedTensor: the weights
-                # vmap hands to functional_call in a model ensemble) has none to protect
-                if torch._C._has_storage(t):
-                    self.param_ptrs.add(t.untyped_storage().data_ptr())
+                for x in _with_storage(t):
+                    self.param_ptrs[x.untyped_storage().data_ptr()] = weakref.ref(x)
+
+    def _is_param(self, ptr: int) -> bool:
+        """A parameter's or buffer's storage is at ``ptr`` now. Not just was: FSDP2 frees the
+        parameters it gathered for a module once its forward ends (``reshard_after_forward``),
+        and an activation allocated at that address was kept on the device as a parameter (at
+        random: a rank whose allocator reused it profiled another plan than its peers)."""
+        ref = self.param_ptrs.get(ptr)
+        held = ref() if ref is not None else None
+        return held is not None and held.untyped_storage().data_ptr() == ptr
 
     def pack(self, t: torch.Tensor) -> Any:
         """Pack a plain ``torch.Tensor`` (not a Parameter: ``_pack`` checked its exact type)."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         base = t._base
-        if ptr in self.param_ptrs or (base is not None and isinstance(base, nn.Parameter)):
+        if self._is_param(ptr) or (base is not None and isinstance(base, nn.Parameter)):
             return t  # a parameter, a view of one, or a buffer: saved by reference
         if _held_by_graph(t if base is None else base):
             return _Leaf(t)  # a weight that is no Parameter (or a view of one): by reference

@@ -23,6 +23,7 @@ inside a Hugging Face model). Recompute works at that granularity through
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -81,10 +82,34 @@ def _is_stack(module: nn.Module, memo: dict[int, tuple]) -> bool:
     return all(_structure(b, memo) == first for b in blocks[1:])
 
 
+def _wrapped(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The model inside a wrapper that adds no layer of its own (``DistributedDataParallel`` and
+    ``DataParallel``: ``module``; ``torch.compile``'s ``OptimizedModule``: ``_orig_mod``), else
+    None. Planned as the root, the wrapper made the whole model one unit (a plain ``Sequential``
+    under DDP could only be kept, swapped or recomputed whole)."""
+    wrappers: tuple[type, ...] = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # loaded by torch.compile, never here
+    if dynamo is not None and hasattr(dynamo, "OptimizedModule"):
+        wrappers += (dynamo.OptimizedModule,)
+    children = list(module.named_children())
+    return children[0] if isinstance(module, wrappers) and len(children) == 1 else None
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """FSDP2's sharded parameter (a DTensor, as forward pre-hooks see it before FSDP2 gathers
+    it; it has no storage of its own): its local shard, the size of the gradient it keeps;
+    any other parameter: itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whoever made one
+    if dtensor is not None and isinstance(p, dtensor.DTensor):
+        return p.to_local()
+    return p
+
+
 def plan_units(root: nn.Module) -> dict[str, nn.Module]:
     """Qualified name -> module of every planning unit under ``root`` (definition order).
 
-    The root's children are units, except that ``ModuleList``/``ModuleDict`` containers, stacks
+    A wrapper root (DDP, ``torch.compile``) is planned as the model it wraps, with its prefix
+    (``module.0``, ...). The root's children are units, except that ``ModuleList``/``ModuleDict`` containers, stacks
     of repeated blocks and every module that holds a stack somewhere below it are opened: their
     children become units instead. A Hugging Face model (``GPT2LMHeadModel``: ``transformer``
     and ``lm_head``) thus plans per layer (``transformer.h.0``, ...) and keeps its embeddings,
@@ -115,7 +140,11 @@ def plan_units(root: nn.Module) -> dict[str, nn.Module]:
         elif not top:
             out[prefix] = module
 
-    walk(root, "", True)
+    prefix = ""
+    while (inner := _wrapped(root)) is not None:  # DDP(torch.compile(model)): both
+        name, root = inner
+        prefix = f"{prefix}.{name}" if prefix else name
+    walk(root, prefix, True)
     return out
 
 
@@ -364,7 +393,7 @@ class Profiler:
             seen: set[int] = set()
             for name in reversed(list(named)):  # grads are allocated by the first backward
                 ptrs = []
-                for p in named[name].parameters():
+                for p in map(_local, named[name].parameters()):
                     if p.requires_grad and p.untyped_storage().data_ptr() not in seen:
                         seen.add(p.untyped_storage().data_ptr())
                         ptrs.append(p.numel() * p.element_size())

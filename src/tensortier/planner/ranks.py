@@ -3,7 +3,8 @@
 With ``torch.distributed`` initialised and a world above one, ranks that ran different plans
 would run different collectives (FSDP's all-gathers in a recomputed forward) and deadlock. So
 the ranks agree on the settings at the first step (:func:`agree_settings`) and on the profiled
-structure before planning (:func:`agree_structure`); inputs are planned for their largest shape
+structure before planning (:func:`agree_structure`), planning with the profile of the rank whose
+saved tensors are largest (:func:`largest_profile`); inputs are planned for their largest shape
 on any rank (:func:`agreed_shapes`), peaks and resident overheads for the highest of any rank
 (:func:`highest`, :func:`over_anywhere`); and rank 0 alone makes each decision and broadcasts it
 (:func:`on_rank0`). Every helper is one collective that every rank calls in the same order; a
@@ -120,12 +121,25 @@ def agree_settings(cfg: PlanConfig) -> None:
 
 def agree_structure(profile: Profile) -> None:
     """Every rank profiled the same units and saved tensors (else one plan cannot fit all):
-    ConfigError on every rank otherwise, naming the rank."""
+    ConfigError on every rank otherwise, naming the rank. Sizes may differ (a rank's batch or
+    sequence is shorter: :func:`largest_profile` picks the profile planned for)."""
     _dist.agree(
         {
             "planning units": [u.name for u in profile.units],
-            "saved tensors": [(t.unit, t.nbytes) for t in profile.tensors],
+            "saved tensors": [(t.unit, t.dtype, len(t.shape)) for t in profile.tensors],
         },
         "tt.offload(budget=...)",
-        fix="run the same model, batch shapes and offload settings on every rank",
+        fix="run the same model and offload settings on every rank",
     )
+
+
+def largest_profile(profile: Profile, shapes: list | None) -> tuple[Profile, list | None]:
+    """The profile (and the input shapes it was profiled with) of the rank whose saved tensors
+    are largest, on every rank: rank 0 plans with it, so a rank whose inputs are larger than
+    rank 0's is not planned for smaller ones (one all-gather, and a broadcast when that rank is
+    not rank 0; the lowest such rank on a tie)."""
+    totals = _dist.gather_objects(sum(t.nbytes for t in profile.tensors))
+    src = max(range(len(totals)), key=lambda r: (totals[r], -r))
+    if src == 0:
+        return profile, shapes
+    return _dist.broadcast_object((profile, shapes), src)

@@ -132,6 +132,7 @@ from tensortier.planner.ranks import (
     agree_structure,
     agreed_shapes,
     highest,
+    largest_profile,
     on_rank0,
     over_anywhere,
 )
@@ -772,6 +773,7 @@ class PlannedOffload:
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
         if _dist.active():
             agree_structure(self.profile)
+            self.profile, self._shapes = largest_profile(self.profile, self._shapes)
             # rank 0 plans for the largest resident overhead, with its profile and shapes
             self._overhead = highest(self._overhead)
         self.profile, self.choice, self._shapes = on_rank0(
