@@ -201,3 +201,28 @@ def test_plan_cache_and_shape_buckets_are_rank_zeros(tmp_path):
     assert a["cached"] and b["cached"] and a["again"] == b["again"] == a["first"] == b["first"]
     assert a["bucket"] == b["bucket"] and '"inputs": [[[512, 128]' in a["bucket"]
     assert a["plan"] == b["plan"]
+
+
+def _another_model_on_rank1(rank: int, world: int, spill: str) -> str | None:
+    torch.manual_seed(0)
+    width = 128 if rank == 0 else 160  # same layers, saved tensors of the same ranks
+    m = nn.Sequential(nn.Linear(128, width), nn.ReLU(), nn.Linear(width, 1))
+    off = tt.offload(budget="64MiB", spill_dir=spill, options=FAST)
+    try:
+        for _ in range(6):
+            with off:
+                loss = m(torch.randn(64, 128)).sum()
+            loss.backward()
+        return None
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        off.close()
+
+
+def test_ranks_with_other_parameters_fail_on_every_rank_without_ddp(tmp_path):
+    """Without DDP nothing else compares the models: once saved tensors' sizes could differ
+    (ranks with other batch sizes), a rank with another layer width got rank 0's plan."""
+    told = distributed.run(_another_model_on_rank1, 2, str(tmp_path), timeout=180)
+    for error in told:
+        assert error and "parameters" in error and "rank 1" in error, told

@@ -15,10 +15,14 @@ disagreement raises ConfigError on every rank, naming the rank. Without ``torch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tensortier import _dist
 from tensortier.planner.config import PlanConfig
 from tensortier.planner.profile import Profile
+
+if TYPE_CHECKING:
+    import torch
 
 
 def on_rank0(make: Callable[[], object], what: str = "planning") -> object:
@@ -119,12 +123,16 @@ def agree_settings(cfg: PlanConfig) -> None:
     )
 
 
-def agree_structure(profile: Profile) -> None:
-    """Every rank profiled the same units and saved tensors (else one plan cannot fit all):
-    ConfigError on every rank otherwise, naming the rank. Sizes may differ (a rank's batch or
-    sequence is shorter: :func:`largest_profile` picks the profile planned for)."""
+def agree_structure(profile: Profile, root: torch.nn.Module | None) -> None:
+    """Every rank has the same parameters and profiled the same units and saved tensors (else
+    one plan cannot fit all): ConfigError on every rank otherwise, naming the rank. Sizes of
+    saved tensors may differ (a rank's batch or sequence is shorter: :func:`largest_profile`
+    picks the profile planned for); parameters are compared by name, shape (a DTensor's global
+    one) and dtype, since without DDP nothing else would notice a rank with another model."""
+    params = [] if root is None else root.named_parameters()
     _dist.agree(
         {
+            "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in params],
             "planning units": [u.name for u in profile.units],
             "saved tensors": [(t.unit, t.dtype, len(t.shape)) for t in profile.tensors],
         },

@@ -772,7 +772,7 @@ class PlannedOffload:
         self._measure_overhead()  # the profiling passes left more resident than the warm-up
         self.profile = calibrate(prof.finish(offload_overhead=self._overhead))
         if _dist.active():
-            agree_structure(self.profile)
+            agree_structure(self.profile, self._root)
             self.profile, self._shapes = largest_profile(self.profile, self._shapes)
             # rank 0 plans for the largest resident overhead, with its profile and shapes
             self._overhead = highest(self._overhead)
