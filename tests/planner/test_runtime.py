@@ -926,3 +926,24 @@ def test_a_setting_the_planner_does_not_take_names_tt_offload_and_its_settings(k
         tt.offload(budget="64MiB", **kw)
     assert "plan_cache, " in str(e.value) and "planned_offload" not in str(e.value)
     assert ("a setting of tt.offload without budget=" in str(e.value)) is why
+
+
+@pytest.mark.parametrize("where", ["model", "layer"])
+def test_a_compiled_model_under_a_budget_is_refused_at_the_first_step(tmp_path, where):
+    """The plan's hooks ran inside dynamo's tracing: dynamo failed its own mutation tracking
+    (AssertionError "already tracked for mutation"), or the saved-tensor hooks were traced into
+    the graph (an error blaming offload_module)."""
+    import tensortier as tt
+    from tensortier.errors import ConfigError
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)])
+    if where == "layer":
+        m[1].compile(backend="eager")
+    model = torch.compile(m, backend="eager") if where == "model" else m
+    off = tt.offload(budget="64MiB", spill_dir=str(tmp_path))
+    name = "the model" if where == "model" else "its layer '1'"
+    match = rf"{name} is torch.compile'd.*tt.offload\(tier="
+    with pytest.raises(ConfigError, match=match), off:
+        model(torch.randn(4, 16)).sum().backward()
+    off.close()

@@ -455,8 +455,9 @@ class Profiler:
         self._close_pass()
         cur = self._cur = _Pass(kind, kept=kept, parts=parts or {}, sync_units=sync_units)
         self._hooks = [
-            nn.modules.module.register_module_forward_pre_hook(self._pre),
-            nn.modules.module.register_module_forward_hook(self._post),
+            # eager inside a torch.compile'd model: dynamo cannot trace the timing bookkeeping
+            nn.modules.module.register_module_forward_pre_hook(eager(self._pre)),
+            nn.modules.module.register_module_forward_hook(eager(self._post)),
         ]
         cur.meter = PeakMeter(self.device).__enter__()  # CUDA: synchronizes first
         if self.device.type == "cuda" and not sync_units:

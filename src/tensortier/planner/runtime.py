@@ -402,10 +402,11 @@ class PlannedOffload:
     # with keywords, its embedding's) are the inputs that choose the shape bucket
     def _catch_root(self, module: nn.Module, args) -> None:
         if self._root is None:
+            _check_not_compiled(module)
             self._root = module
             self._signature = model_signature(module)
             self._cache_hooks = [
-                unit.register_forward_pre_hook(self._drop_kv_cache, with_kwargs=True)
+                unit.register_forward_pre_hook(eager(self._drop_kv_cache), with_kwargs=True)
                 for unit in plan_units(module).values()
             ]
         if self._step_shapes is not None:
@@ -455,7 +456,9 @@ class PlannedOffload:
             self._finish_profile()
         self._step_trials()
         self._step_shapes = None
-        self._root_hook = nn.modules.module.register_module_forward_pre_hook(self._catch_root)
+        self._root_hook = nn.modules.module.register_module_forward_pre_hook(
+            eager(self._catch_root)  # traced, its bookkeeping failed dynamo's mutation tracking
+        )
         try:
             self._enter()
         except BaseException:
@@ -1283,6 +1286,26 @@ def bounded_choice(
     plan = Plan(name, dict(best.plan.actions), dict(best.plan.codecs))
     log.info("tensortier plan %s: under the measured bound, %s was not", name, choice.plan.policy)
     return Choice(plan, best.result, choice.plan_s, considered=choice.considered)
+
+
+def _check_not_compiled(root: nn.Module) -> None:
+    """ConfigError for a model whose layers torch.compile runs: a plan acts per layer from module
+    hooks (saved-tensor hooks switched at layer boundaries, recomputed layers), which dynamo
+    traces into the compiled graph, where they offload nothing (or failed its tracing)."""
+    from tensortier.errors import ConfigError
+
+    compiled = [
+        f"its layer {name!r}" if name else "the model"
+        for name, m in root.named_modules()
+        if hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+    ]
+    if compiled:
+        raise ConfigError(
+            f"tt.offload(budget=...) plans layer by layer, and {compiled[0]} is torch.compile'd: "
+            f"its layers run inside a compiled graph, where the plan's hooks cannot act. Pass the "
+            f"uncompiled model, or keep it compiled and offload its whole forward with "
+            f"tt.offload(tier='host') or tt.offload(tier='disk') (no budget)"
+        )
 
 
 def _path_or_none(name: str, value) -> str | None:
