@@ -1,6 +1,8 @@
 """Known-order epochs: batches follow the order, resume exactly (also across worker counts),
 ranks get equal shares, DataLoader workers (fork and spawn) yield the same stream."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -92,6 +94,24 @@ def test_breaking_out_and_iterating_again_continues_the_epoch(cat):
     assert np.array_equal(indices(got), ref)
     loader.set_epoch(0)
     assert np.array_equal(indices(list(loader)), ref)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_taking_exactly_an_epochs_batches_then_iterating_again_gives_the_next_epoch(
+    cat, num_workers
+):
+    # islice(loader, len(loader)) (or a loop that breaks after its last step) takes the epoch's
+    # last batch without the final next(): the next iteration is still a whole epoch, not empty
+    loader = cat.epochs(batch=500, seed=4, num_workers=num_workers)
+    ref = cat.epochs(batch=500, seed=4)
+    first, second = list(ref), list(ref)
+    got = list(itertools.islice(loader, len(loader)))
+    assert np.array_equal(indices(got), indices(first))
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["position"] == 0
+    again = list(loader)
+    assert len(again) == len(loader) and {b.epoch for b in again} == {1}
+    assert np.array_equal(indices(again), indices(second))
+    loader.close()
 
 
 def test_ranks_get_equal_disjoint_shares_that_cover_the_epoch(cat):

@@ -93,6 +93,10 @@ class Loader:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[EpochBatch]:
         self._stop()
+        if self.position >= self.records_per_epoch > 0:
+            # the epoch's last batch was taken without the final next() (islice, a step count
+            # that breaks at the end): this iteration is the next epoch, as state_dict() says
+            self.epoch, self.position = self.epoch + 1, 0
         gen = self._run(self.epoch, self.position)
         self._active = weakref.ref(gen)
         return gen
