@@ -216,6 +216,23 @@ def test_epoch_dataset_in_a_plain_dataloader_shards_batches_across_workers(cat):
     assert all(isinstance(b, EpochBatch) for b in got) and np.array_equal(indices(got), ref)
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_dataloader_workers(cat, context):
+    # persistent workers keep the dataset copy they started with: set_epoch (and a resumed
+    # start) must still reach them, or every epoch repeats epoch 0's order
+    ds = EpochDataset(cat, batch=250, seed=6)
+    dl = DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
+    )
+    for epoch, start in ((0, 0), (1, 0), (2, 0), (3, 1000)):
+        ds.set_epoch(epoch, start)
+        want = indices(list(EpochDataset(cat, batch=250, seed=6).iterate(epoch, start)))
+        got = list(dl)
+        assert {b.epoch for b in got} == {epoch}
+        assert np.array_equal(indices(got), want), (epoch, start)
+    del dl
+
+
 def test_map_style_dataset_reads_batches_through_getitems(cat):
     ds = CatalogDataset(cat.directory, transform=lambda r: type(r).__name__)
     dl = DataLoader(ds, batch_size=7, num_workers=2, multiprocessing_context="fork",
