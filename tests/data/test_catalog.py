@@ -84,6 +84,26 @@ def test_catalog_pickles_as_its_path_and_reopens(mixed):
     clone.close()
 
 
+def test_a_catalog_rebuilt_under_a_spawned_worker_is_refused_not_read(tmp_path):
+    # a spawned DataLoader worker reopens the catalog by its path: one deleted and rebuilt there
+    # (same record count, other records) must not be read under the parent's order
+    import shutil
+
+    from torch.utils.data import DataLoader
+
+    path = tmp_path / "cat"
+    cat = Catalog.build(path, [np.array([i], np.int64) for i in range(40)])
+    ds = tt.data.EpochDataset(cat, batch=8, seed=0)
+    shutil.rmtree(path)
+    Catalog.build(path, [np.array([1000 + i], np.int64) for i in range(40)]).close()
+    with pytest.raises(CorruptDataError, match="was replaced after it was opened"):
+        pickle.loads(pickle.dumps(cat))
+    dl = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):  # the worker refused it
+        list(dl)
+    cat.close()
+
+
 def test_lazy_subpackage_and_info(mixed):
     cat, n = mixed
     assert tt.data.Catalog is Catalog

@@ -390,10 +390,29 @@ class Catalog:
         self.close()
 
     def __getstate__(self) -> dict:
-        return {"directory": self.directory, "direct": self._direct_arg, "max_open": self._max_open}
+        m = self.manifest
+        return {"directory": self.directory, "direct": self._direct_arg, "max_open": self._max_open,
+                "records": m.records, "index_crc": m.index_crc}  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
+        """Reopen the directory (a spawned DataLoader worker does) and check that it still holds
+        the catalog that was pickled: one rebuilt there since would be read under the parent's
+        orders and positions, silently other records."""
         self.__init__(state["directory"], direct=state["direct"], max_open=state["max_open"])
+        was = (
+            state.get("records", self.manifest.records),
+            state.get("index_crc", self.manifest.index_crc),
+        )
+        now = (self.manifest.records, self.manifest.index_crc)
+        if was != now:
+            self.close()
+            raise CorruptDataError(
+                f"the catalog at {self.directory!r} was replaced after it was opened (it held "
+                f"{was[0]} records with index checksum {was[1]:#010x}, now {now[0]} with "
+                f"{now[1]:#010x}); open the new catalog again and make new loaders (a saved "
+                f"loader state belongs to the old one)",
+                path=self.directory,
+            )
 
     def __repr__(self) -> str:
         return (
