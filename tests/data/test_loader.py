@@ -2,6 +2,8 @@
 ranks get equal shares, DataLoader workers (fork and spawn) yield the same stream."""
 
 import itertools
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from tensortier.data import (
     Loader,
 )
 from tensortier.data._order import Order
-from tensortier.errors import ConfigError
+from tensortier.errors import ClosedError, ConfigError
 from tests.data._records import record, same
 
 N = 3000
@@ -112,6 +114,32 @@ def test_taking_exactly_an_epochs_batches_then_iterating_again_gives_the_next_ep
     assert len(again) == len(loader) and {b.epoch for b in again} == {1}
     assert np.array_equal(indices(again), indices(second))
     loader.close()
+
+
+def _slow(record):
+    time.sleep(0.002)
+    return record
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_close_from_another_thread_stops_the_running_iteration(cat, num_workers):
+    # a watchdog or signal-handling thread closes the loader while the training thread is
+    # inside next(): close() returns, and the iteration raises ClosedError instead of going on
+    loader = cat.epochs(batch=20, seed=1, transform=_slow, io_threads=2, num_workers=num_workers,
+                        multiprocessing_context="fork" if num_workers else None)  # fmt: skip
+    it = iter(loader)
+    next(it)
+    closed = []
+    closer = threading.Thread(target=lambda: closed.append(loader.close() or "ok"))
+    got = 1
+    with pytest.raises(ClosedError):
+        for _ in it:
+            got += 1
+            if got == 3:
+                closer.start()
+    closer.join(timeout=60)
+    assert closed == ["ok"] and got < len(loader)
+    assert loader.state_dict()["position"] <= got * 20
 
 
 def test_ranks_get_equal_disjoint_shares_that_cover_the_epoch(cat):
