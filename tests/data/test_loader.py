@@ -2,6 +2,7 @@
 ranks get equal shares, DataLoader workers (fork and spawn) yield the same stream."""
 
 import itertools
+import signal
 import threading
 import time
 
@@ -140,6 +141,35 @@ def test_close_from_another_thread_stops_the_running_iteration(cat, num_workers)
     closer.join(timeout=60)
     assert closed == ["ok"] and got < len(loader)
     assert loader.state_dict()["position"] <= got * 20
+
+
+class _Interrupt(Exception):
+    """What a SIGALRM handler raises here, as SIGINT's raises KeyboardInterrupt."""
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupt
+
+
+def test_ctrl_c_while_waiting_for_a_read_interrupts_the_iteration(cat):
+    # the consumer waits on the read-ahead's futures: an exception from a signal handler
+    # (KeyboardInterrupt) raised during that wait must propagate, not be swallowed
+    loader = cat.epochs(batch=1, seed=1, transform=_slow, io_threads=1, prefetch_budget=4096)
+    previous = signal.signal(signal.SIGALRM, _raise_interrupt)
+    got = 0
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Interrupt):
+            for _ in loader:  # N records at 2 ms each on one thread: ~6 s
+                got += 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert 0 < got < N and loader.position == got
+    rest = list(itertools.islice(loader, 5))  # the next iteration resumes after the last batch
+    ref = indices(list(cat.epochs(batch=1, seed=1)))
+    assert np.array_equal(indices(rest), ref[got : got + 5])
+    loader.close()
 
 
 def test_ranks_get_equal_disjoint_shares_that_cover_the_epoch(cat):
