@@ -12,7 +12,7 @@ import torch
 
 import tensortier as tt
 from tensortier.data import Catalog
-from tensortier.errors import ConfigError, CorruptDataError
+from tensortier.errors import ClosedError, ConfigError, CorruptDataError
 from tests.data._records import record, same
 
 
@@ -102,6 +102,23 @@ def test_a_catalog_rebuilt_under_a_spawned_worker_is_refused_not_read(tmp_path):
     with pytest.raises(RuntimeError, match="exited unexpectedly"):  # the worker refused it
         list(dl)
     cat.close()
+
+
+def test_a_closed_catalog_stays_closed_in_spawned_workers(tmp_path):
+    # README: after cat.close() every read and loader raises ClosedError -- forked workers did,
+    # spawned ones reopened the directory and read on
+    from torch.utils.data import DataLoader
+
+    cat = Catalog.build(tmp_path / "cat", [np.array([i], np.int64) for i in range(40)])
+    ds = tt.data.CatalogDataset(cat)
+    cat.close()
+    clone = pickle.loads(pickle.dumps(cat))
+    with pytest.raises(ClosedError):
+        clone[0]
+    dl = DataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context="spawn",
+                    collate_fn=list)  # fmt: skip
+    with pytest.raises(ClosedError):
+        list(dl)
 
 
 def test_lazy_subpackage_and_info(mixed):

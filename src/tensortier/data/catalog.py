@@ -392,7 +392,8 @@ class Catalog:
     def __getstate__(self) -> dict:
         m = self.manifest
         return {"directory": self.directory, "direct": self._direct_arg, "max_open": self._max_open,
-                "records": m.records, "index_crc": m.index_crc}  # fmt: skip
+                "records": m.records, "index_crc": m.index_crc,
+                "closed": self._index is None}  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
         """Reopen the directory (a spawned DataLoader worker does) and check that it still holds
@@ -413,6 +414,10 @@ class Catalog:
                 f"loader state belongs to the old one)",
                 path=self.directory,
             )
+        if state.get(
+            "closed"
+        ):  # a closed catalog stays closed in a worker: reads raise ClosedError
+            self.close()
 
     def __repr__(self) -> str:
         return (
