@@ -97,6 +97,18 @@ def test_an_iterable_dataset_is_read_as_arrow_too(tmp_path, hf):
     assert all(equal(g, w) for g, w in zip(cat[:], hf_rows(hf)))
 
 
+@needs_hf
+def test_a_dataset_dict_of_splits_is_refused_naming_them(tmp_path, hf):
+    # load_dataset(name) without split= gives a DatasetDict: say which splits, before any file
+    from tensortier.errors import ConfigError
+
+    splits = datasets.DatasetDict({"train": hf, "test": hf.select(range(3))})
+    for dd in (splits, datasets.IterableDatasetDict({"train": hf.to_iterable_dataset()})):
+        with pytest.raises(ConfigError, match=r"of splits \['train'.*ds\['train'\]"):
+            Catalog.build(tmp_path / "c", dd)
+        assert not (tmp_path / "c").exists()
+
+
 @needs_arrow
 def test_arrow_tables_structs_fixed_lists_dictionaries_and_sliced_lists(tmp_path):
     ids = pa.array([[1, 2, 3], [], [4], [5, 6]], pa.list_(pa.int32())).slice(1, 3)

@@ -95,6 +95,11 @@ def _is_hf(obj: Any) -> bool:
 
 def source(records: Any) -> tuple[Any, int | None]:
     """(iterable of records, number of records or None) for what ``Catalog.build`` was given."""
+    if _is_hf(records) and isinstance(records, Mapping):  # what load_dataset gives without split=
+        raise ConfigError(
+            f"Catalog.build: records is a {type(records).__name__} of splits {list(records)}; "
+            f"build a catalog of one split: Catalog.build(directory, ds[{next(iter(records), 'train')!r}])"
+        )
     if _is_hf(records):
         batches = records.with_format("arrow").iter(batch_size=ARROW_BATCH)
         total = records.num_rows if hasattr(records, "num_rows") else None
