@@ -117,6 +117,22 @@ def test_taking_exactly_an_epochs_batches_then_iterating_again_gives_the_next_ep
     loader.close()
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_closing_the_catalog_stops_a_running_loader(tmp_path, num_workers):
+    # README: after cat.close() every read and loader raises ClosedError; DataLoader workers
+    # hold their own copy of the catalog, so they read on unless the loader checks
+    c = Catalog.build(tmp_path / "cat", [np.array([i], np.int64) for i in range(400)])
+    loader = c.epochs(batch=8, seed=0, num_workers=num_workers,
+                      multiprocessing_context="fork" if num_workers else None)  # fmt: skip
+    it = iter(loader)
+    next(it)
+    c.close()
+    with pytest.raises(ClosedError):
+        next(it)
+    assert loader.position == 8
+    loader.close()
+
+
 def _slow(record):
     time.sleep(0.002)
     return record

@@ -131,6 +131,7 @@ class Loader:
                         "Loader: this iteration was stopped by close(), set_epoch(), "
                         "load_state_dict() or a new iteration of the loader in another thread"
                     )
+                ds.catalog._check_open()  # closed since: workers' copies would read on
                 self.position = b.position
                 if self.num_workers:
                     ds._stats.batches += 1
