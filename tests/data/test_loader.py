@@ -368,6 +368,19 @@ def test_rank_and_world_size_come_from_torch_distributed_each_when_omitted(tmp_p
     assert not a & b and a | b == set(range(100))
 
 
+def test_a_torchrun_launch_before_init_process_group_is_refused(cat, monkeypatch):
+    # torchrun sets WORLD_SIZE; a loader made before init_process_group would read the whole
+    # catalog in the same order on every rank (DistributedSampler raises there too)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2.*init_process_group"):
+        cat.epochs(batch=100)
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2"):
+        EpochDataset(cat, batch=100)
+    assert cat.epochs(batch=100, rank=1, world_size=2).dataset.rank == 1
+    assert cat.epochs(batch=100, world_size=1).records_per_epoch == N
+
+
 def test_a_world_size_without_a_rank_outside_torch_distributed_is_refused(cat):
     with pytest.raises(ConfigError, match="world_size=2 but no rank.*pass rank="):
         cat.epochs(batch=8, world_size=2)
