@@ -159,6 +159,29 @@ def test_close_from_another_thread_stops_the_running_iteration(cat, num_workers)
     assert loader.state_dict()["position"] <= got * 20
 
 
+def test_close_while_a_prefetch_thread_is_inside_next(cat):
+    # a prefetching wrapper: the iterator is made here and consumed by a background thread;
+    # close() here while that thread waits inside next() returns, and the thread gets ClosedError
+    loader = cat.epochs(batch=20, seed=1, transform=_slow, io_threads=1, prefetch_budget=4096)
+    it = iter(loader)
+    outcome = []
+
+    def consume():
+        try:
+            for _ in it:
+                outcome.append("batch")
+        except ClosedError:
+            outcome.append("closed")
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    while not outcome:
+        time.sleep(0.01)
+    loader.close()
+    consumer.join(timeout=60)
+    assert outcome[-1] == "closed" and len(outcome) < len(loader)
+
+
 class _Interrupt(Exception):
     """What a SIGALRM handler raises here, as SIGINT's raises KeyboardInterrupt."""
 

@@ -74,7 +74,7 @@ class Loader:
         # would then run the abandoned iterator's cleanup on its parent's worker processes
         self._active: weakref.ref | None = None
         self._token: object | None = None  # the running iteration's; close() clears it
-        self._owner = 0  # the thread that made the running iteration
+        self._runner = 0  # the thread that last ran the active iteration's next()
 
     # ------------------------------------------------------------------ shape
     @property
@@ -101,7 +101,7 @@ class Loader:
             # that breaks at the end): this iteration is the next epoch, as state_dict() says
             self.epoch, self.position = self.epoch + 1, 0
         self._token = token = object()
-        self._owner = threading.get_ident()
+        self._runner = threading.get_ident()
         gen = self._run(self.epoch, self.position, token)
         self._active = weakref.ref(gen)
         return gen
@@ -137,6 +137,7 @@ class Loader:
                     ds._stats.batches += 1
                     ds._stats.records += len(b)
                 yield b
+                self._runner = threading.get_ident()
             self.epoch, self.position = epoch + 1, 0
         finally:
             if os.getpid() == pid:  # a forked child's copy owns neither threads nor workers
@@ -152,7 +153,7 @@ class Loader:
         ref, self._active = self._active, None
         gen = ref() if ref is not None else None
         self._token = None  # an iteration of another thread stops at its next batch
-        if gen is not None and self._owner == threading.get_ident():
+        if gen is not None and self._runner == threading.get_ident() and not gen.gi_running:
             gen.close()  # closing another thread's generator races with its next() (ValueError)
         self.dataset.cancel_abandoned()
 
