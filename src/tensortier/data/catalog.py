@@ -212,6 +212,9 @@ class Catalog:
 
     def _check_open(self) -> None:
         if self._index is None:
+            replaced = getattr(self, "_replaced", None)
+            if replaced is not None:
+                raise CorruptDataError(replaced, path=self.directory)
             raise ClosedError(f"Catalog {self.directory!r} is closed")
 
     def direct_io(self) -> bool:
@@ -398,7 +401,8 @@ class Catalog:
     def __setstate__(self, state: dict) -> None:
         """Reopen the directory (a spawned DataLoader worker does) and check that it still holds
         the catalog that was pickled: one rebuilt there since would be read under the parent's
-        orders and positions, silently other records."""
+        orders and positions, silently other records. It is refused at the first read (raising
+        here would kill a worker before the DataLoader can report why)."""
         self.__init__(state["directory"], direct=state["direct"], max_open=state["max_open"])
         was = (
             state.get("records", self.manifest.records),
@@ -407,12 +411,11 @@ class Catalog:
         now = (self.manifest.records, self.manifest.index_crc)
         if was != now:
             self.close()
-            raise CorruptDataError(
+            self._replaced = (
                 f"the catalog at {self.directory!r} was replaced after it was opened (it held "
                 f"{was[0]} records with index checksum {was[1]:#010x}, now {now[0]} with "
                 f"{now[1]:#010x}); open the new catalog again and make new loaders (a saved "
-                f"loader state belongs to the old one)",
-                path=self.directory,
+                f"loader state belongs to the old one)"
             )
         if state.get(
             "closed"
