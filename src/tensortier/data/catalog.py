@@ -60,6 +60,15 @@ def as_indices(indices: Any, n: int, what: str = "indices") -> np.ndarray:
     return arr
 
 
+def _replaced(directory: str, records: int, index_crc: int, found: str) -> str:
+    """Why a catalog opened as (records, index_crc) is no longer the one at ``directory``."""
+    return (
+        f"the catalog at {directory!r} was deleted or replaced after it was opened (it held "
+        f"{records} records with index checksum {index_crc:#010x}, {found}); open the new "
+        f"catalog again and make new loaders (a saved loader state belongs to the old one)"
+    )
+
+
 @dataclass
 class VerifyReport:
     """What :meth:`Catalog.verify` found: every record's checksum, the index, the file sizes."""
@@ -206,9 +215,23 @@ class Catalog:
     def _fds(self) -> Descriptors:
         files = self._files
         if files.pid != os.getpid():  # a forked worker: its own table, never the parent's lock
+            self._check_same()  # it opens the files by path, under the parent's mapped index
             files = self._files = Descriptors(self.directory, self._max_open)
             self._finalizers.append(Finalizer(self, files.close))
         return files
+
+    def _check_same(self) -> None:
+        """CorruptDataError if the directory no longer holds this catalog (deleted, or rebuilt:
+        another record count or index checksum)."""
+        try:
+            now = _format.read_manifest(self.directory)
+            found = f"now {now.records} with {now.index_crc:#010x}"
+        except FileNotFoundError:
+            now, found = None, "now no catalog"
+        m = self.manifest
+        if now is None or (now.records, now.index_crc) != (m.records, m.index_crc):
+            self._replaced = _replaced(self.directory, m.records, m.index_crc, found)
+            raise CorruptDataError(self._replaced, path=self.directory)
 
     def _check_open(self) -> None:
         if self._index is None:
@@ -404,19 +427,14 @@ class Catalog:
         orders and positions, silently other records. It is refused at the first read (raising
         here would kill a worker before the DataLoader can report why)."""
         self.__init__(state["directory"], direct=state["direct"], max_open=state["max_open"])
-        was = (
-            state.get("records", self.manifest.records),
-            state.get("index_crc", self.manifest.index_crc),
-        )
-        now = (self.manifest.records, self.manifest.index_crc)
-        if was != now:
+        now = self.manifest
+        if (state.get("records", now.records), state.get("index_crc", now.index_crc)) != (
+            now.records,
+            now.index_crc,
+        ):
             self.close()
-            self._replaced = (
-                f"the catalog at {self.directory!r} was replaced after it was opened (it held "
-                f"{was[0]} records with index checksum {was[1]:#010x}, now {now[0]} with "
-                f"{now[1]:#010x}); open the new catalog again and make new loaders (a saved "
-                f"loader state belongs to the old one)"
-            )
+            found = f"now {now.records} with {now.index_crc:#010x}"
+            self._replaced = _replaced(self.directory, state["records"], state["index_crc"], found)
         if state.get(
             "closed"
         ):  # a closed catalog stays closed in a worker: reads raise ClosedError
