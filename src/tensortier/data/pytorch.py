@@ -96,7 +96,11 @@ class EpochDataset(IterableDataset):
         self._stats = LoaderStats()
         # (epoch, start) in shared memory: DataLoader workers get it shared (fork and spawn), so
         # set_epoch reaches persistent workers, which keep the copy of the dataset they started with
-        self._where = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._where = torch.zeros(2, dtype=torch.int64)
+        try:
+            self._where.share_memory_()
+        except RuntimeError:  # no shared memory here (/dev/shm): workers get copies, as before
+            pass
         self.set_epoch(self.config.epoch, start)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
