@@ -12,7 +12,7 @@ import torch
 
 import tensortier as tt
 from tensortier.data import Catalog
-from tensortier.errors import ConfigError, CorruptDataError
+from tensortier.errors import ClosedError, ConfigError, CorruptDataError
 from tests.data._records import record, same
 
 
@@ -82,6 +82,49 @@ def test_catalog_pickles_as_its_path_and_reopens(mixed):
         clone.directory == cat.directory and len(clone) == len(cat) and same(clone[12], record(12))
     )
     clone.close()
+
+
+def test_a_catalog_rebuilt_under_a_worker_is_refused_not_read(tmp_path):
+    # a DataLoader worker opens the catalog's files by path: one deleted and rebuilt there
+    # (same record count, other records) must not be read under the parent's order
+    import shutil
+
+    from torch.utils.data import DataLoader
+
+    path = tmp_path / "cat"
+    cat = Catalog.build(path, [np.array([i], np.int64) for i in range(40)])
+    ds = tt.data.EpochDataset(cat, batch=8, seed=0)
+    shutil.rmtree(path)
+    Catalog.build(path, [np.array([1000 + i], np.int64) for i in range(40)]).close()
+    clone = pickle.loads(pickle.dumps(cat))
+    with pytest.raises(CorruptDataError, match="replaced after it was opened"):
+        clone[0]
+    for context in ("spawn", "fork"):  # fork: the parent's mapped index, the new files
+        dl = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=context)
+        with pytest.raises(CorruptDataError, match="replaced after it was opened"):
+            list(dl)
+    maps = tt.data.CatalogDataset(cat)
+    dl = DataLoader(maps, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(CorruptDataError, match="replaced after it was opened"):
+        list(dl)
+    cat.close()
+
+
+def test_a_closed_catalog_stays_closed_in_spawned_workers(tmp_path):
+    # README: after cat.close() every read and loader raises ClosedError -- forked workers did,
+    # spawned ones reopened the directory and read on
+    from torch.utils.data import DataLoader
+
+    cat = Catalog.build(tmp_path / "cat", [np.array([i], np.int64) for i in range(40)])
+    ds = tt.data.CatalogDataset(cat)
+    cat.close()
+    clone = pickle.loads(pickle.dumps(cat))
+    with pytest.raises(ClosedError):
+        clone[0]
+    dl = DataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context="spawn",
+                    collate_fn=list)  # fmt: skip
+    with pytest.raises(ClosedError):
+        list(dl)
 
 
 def test_lazy_subpackage_and_info(mixed):

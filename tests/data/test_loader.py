@@ -1,6 +1,11 @@
 """Known-order epochs: batches follow the order, resume exactly (also across worker counts),
 ranks get equal shares, DataLoader workers (fork and spawn) yield the same stream."""
 
+import itertools
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +21,7 @@ from tensortier.data import (
     Loader,
 )
 from tensortier.data._order import Order
-from tensortier.errors import ConfigError
+from tensortier.errors import ClosedError, ConfigError
 from tests.data._records import record, same
 
 N = 3000
@@ -92,6 +97,118 @@ def test_breaking_out_and_iterating_again_continues_the_epoch(cat):
     assert np.array_equal(indices(got), ref)
     loader.set_epoch(0)
     assert np.array_equal(indices(list(loader)), ref)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_taking_exactly_an_epochs_batches_then_iterating_again_gives_the_next_epoch(
+    cat, num_workers
+):
+    # islice(loader, len(loader)) (or a loop that breaks after its last step) takes the epoch's
+    # last batch without the final next(): the next iteration is still a whole epoch, not empty
+    loader = cat.epochs(batch=500, seed=4, num_workers=num_workers)
+    ref = cat.epochs(batch=500, seed=4)
+    first, second = list(ref), list(ref)
+    got = list(itertools.islice(loader, len(loader)))
+    assert np.array_equal(indices(got), indices(first))
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["position"] == 0
+    again = list(loader)
+    assert len(again) == len(loader) and {b.epoch for b in again} == {1}
+    assert np.array_equal(indices(again), indices(second))
+    loader.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_closing_the_catalog_stops_a_running_loader(tmp_path, num_workers):
+    # README: after cat.close() every read and loader raises ClosedError; DataLoader workers
+    # hold their own copy of the catalog, so they read on unless the loader checks
+    c = Catalog.build(tmp_path / "cat", [np.array([i], np.int64) for i in range(400)])
+    loader = c.epochs(batch=8, seed=0, num_workers=num_workers,
+                      multiprocessing_context="fork" if num_workers else None)  # fmt: skip
+    it = iter(loader)
+    next(it)
+    c.close()
+    with pytest.raises(ClosedError):
+        next(it)
+    assert loader.position == 8
+    loader.close()
+
+
+def _slow(record):
+    time.sleep(0.002)
+    return record
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_close_from_another_thread_stops_the_running_iteration(cat, num_workers):
+    # a watchdog or signal-handling thread closes the loader while the training thread is
+    # inside next(): close() returns, and the iteration raises ClosedError instead of going on
+    loader = cat.epochs(batch=20, seed=1, transform=_slow, io_threads=2, num_workers=num_workers,
+                        multiprocessing_context="fork" if num_workers else None)  # fmt: skip
+    it = iter(loader)
+    next(it)
+    closed = []
+    closer = threading.Thread(target=lambda: closed.append(loader.close() or "ok"))
+    got = 1
+    with pytest.raises(ClosedError):
+        for _ in it:
+            got += 1
+            if got == 3:
+                closer.start()
+    closer.join(timeout=60)
+    assert closed == ["ok"] and got < len(loader)
+    assert loader.state_dict()["position"] <= got * 20
+
+
+def test_close_while_a_prefetch_thread_is_inside_next(cat):
+    # a prefetching wrapper: the iterator is made here and consumed by a background thread;
+    # close() here while that thread waits inside next() returns, and the thread gets ClosedError
+    loader = cat.epochs(batch=20, seed=1, transform=_slow, io_threads=1, prefetch_budget=4096)
+    it = iter(loader)
+    outcome = []
+
+    def consume():
+        try:
+            for _ in it:
+                outcome.append("batch")
+        except ClosedError:
+            outcome.append("closed")
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    while not outcome:
+        time.sleep(0.01)
+    loader.close()
+    consumer.join(timeout=60)
+    assert outcome[-1] == "closed" and len(outcome) < len(loader)
+
+
+class _Interrupt(Exception):
+    """What a SIGALRM handler raises here, as SIGINT's raises KeyboardInterrupt."""
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupt
+
+
+def test_ctrl_c_while_waiting_for_a_read_interrupts_the_iteration(cat):
+    # the consumer waits on the read-ahead's futures: an exception from a signal handler
+    # (KeyboardInterrupt) raised during that wait must propagate, not be swallowed
+    loader = cat.epochs(batch=1, seed=1, transform=_slow, io_threads=1, prefetch_budget=4096)
+    previous = signal.signal(signal.SIGALRM, _raise_interrupt)
+    got = 0
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Interrupt):
+            for _ in loader:  # N records at 2 ms each on one thread: ~6 s
+                got += 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert 0 < got < N and loader.position == got
+    rest = list(itertools.islice(loader, 5))  # the next iteration resumes after the last batch
+    ref = indices(list(cat.epochs(batch=1, seed=1)))
+    assert np.array_equal(indices(rest), ref[got : got + 5])
+    loader.close()
 
 
 def test_ranks_get_equal_disjoint_shares_that_cover_the_epoch(cat):
@@ -196,6 +313,23 @@ def test_epoch_dataset_in_a_plain_dataloader_shards_batches_across_workers(cat):
     assert all(isinstance(b, EpochBatch) for b in got) and np.array_equal(indices(got), ref)
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_dataloader_workers(cat, context):
+    # persistent workers keep the dataset copy they started with: set_epoch (and a resumed
+    # start) must still reach them, or every epoch repeats epoch 0's order
+    ds = EpochDataset(cat, batch=250, seed=6)
+    dl = DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
+    )
+    for epoch, start in ((0, 0), (1, 0), (2, 0), (3, 1000)):
+        ds.set_epoch(epoch, start)
+        want = indices(list(EpochDataset(cat, batch=250, seed=6).iterate(epoch, start)))
+        got = list(dl)
+        assert {b.epoch for b in got} == {epoch}
+        assert np.array_equal(indices(got), want), (epoch, start)
+    del dl
+
+
 def test_map_style_dataset_reads_batches_through_getitems(cat):
     ds = CatalogDataset(cat.directory, transform=lambda r: type(r).__name__)
     dl = DataLoader(ds, batch_size=7, num_workers=2, multiprocessing_context="fork",
@@ -255,6 +389,19 @@ def test_rank_and_world_size_come_from_torch_distributed_each_when_omitted(tmp_p
         assert r["world_only"] == r["rank_only"] == r["neither"] == r["explicit"]
     a, b = set(results[0]["explicit"]), set(results[1]["explicit"])
     assert not a & b and a | b == set(range(100))
+
+
+def test_a_torchrun_launch_before_init_process_group_is_refused(cat, monkeypatch):
+    # torchrun sets WORLD_SIZE; a loader made before init_process_group would read the whole
+    # catalog in the same order on every rank (DistributedSampler raises there too)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2.*init_process_group"):
+        cat.epochs(batch=100)
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2"):
+        EpochDataset(cat, batch=100)
+    assert cat.epochs(batch=100, rank=1, world_size=2).dataset.rank == 1
+    assert cat.epochs(batch=100, world_size=1).records_per_epoch == N
 
 
 def test_a_world_size_without_a_rank_outside_torch_distributed_is_refused(cat):

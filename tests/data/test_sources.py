@@ -97,6 +97,34 @@ def test_an_iterable_dataset_is_read_as_arrow_too(tmp_path, hf):
     assert all(equal(g, w) for g, w in zip(cat[:], hf_rows(hf)))
 
 
+@needs_hf
+def test_a_datasets_format_columns_are_kept_and_a_transform_is_refused(tmp_path, hf):
+    # what ds[i] gives: with_format(columns=) selects columns; with_transform would be skipped
+    # by the Arrow read, so it is refused (apply it with map) instead of silently not applied
+    from tensortier.errors import ConfigError
+
+    picked = hf.with_format("torch", columns=["label"])
+    cat = Catalog.build(tmp_path / "c", picked)
+    assert [set(r) for r in cat[:3]] == [{"label"}] * 3
+    assert [r["label"] for r in cat[:]] == [int(r["label"]) for r in picked]
+    tokens = hf.with_transform(lambda b: {"n": [x * 2 for x in b["label"]]})
+    with pytest.raises(ConfigError, match="with_transform.*ds.map"):
+        Catalog.build(tmp_path / "d", tokens)
+    assert not (tmp_path / "d").exists()
+
+
+@needs_hf
+def test_a_dataset_dict_of_splits_is_refused_naming_them(tmp_path, hf):
+    # load_dataset(name) without split= gives a DatasetDict: say which splits, before any file
+    from tensortier.errors import ConfigError
+
+    splits = datasets.DatasetDict({"train": hf, "test": hf.select(range(3))})
+    for dd in (splits, datasets.IterableDatasetDict({"train": hf.to_iterable_dataset()})):
+        with pytest.raises(ConfigError, match=r"of splits \['train'.*ds\['train'\]"):
+            Catalog.build(tmp_path / "c", dd)
+        assert not (tmp_path / "c").exists()
+
+
 @needs_arrow
 def test_arrow_tables_structs_fixed_lists_dictionaries_and_sliced_lists(tmp_path):
     ids = pa.array([[1, 2, 3], [], [4], [5, 6]], pa.list_(pa.int32())).slice(1, 3)

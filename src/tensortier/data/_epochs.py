@@ -11,6 +11,7 @@ block size from the mean record size, the read-ahead budget in bytes.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +151,13 @@ def rank_and_world(what: str, rank: int | None, world_size: int | None) -> tuple
             rank, source["rank"] = dist.get_rank(), " (from torch.distributed)"
         if world_size is None:
             world_size, source["world_size"] = dist.get_world_size(), " (from torch.distributed)"
+    elif rank is None and world_size is None and _launched_world() > 1:
+        raise ConfigError(
+            f"{what}: the launcher set WORLD_SIZE={_launched_world()} (torchrun) but "
+            f"torch.distributed is not initialised yet, so every rank would read the whole "
+            f"catalog in the same order; call torch.distributed.init_process_group() before "
+            f"making the loader, or pass rank= and world_size= (world_size=1 to read it all here)"
+        )
     elif rank is None and world_size not in (None, 1):
         raise ConfigError(
             f"{what}: world_size={world_size!r} but no rank, and torch.distributed is not "
@@ -166,3 +174,9 @@ def rank_and_world(what: str, rank: int | None, world_size: int | None) -> tuple
             f"{source['world_size']}; pass rank= and world_size= of the data-parallel group"
         )
     return rank, world_size
+
+
+def _launched_world() -> int:
+    """WORLD_SIZE that torchrun (or any env:// launcher) set for this process; 1 if none."""
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 1

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -171,14 +171,16 @@ class _ReadAhead:
         self._fill()
         if not self.inflight:
             return None
-        piece, fut = self.inflight.popleft()
+        piece, fut = self.inflight[0]
         if not fut.done():
             t0 = time.perf_counter()
             try:
-                fut.result()
-            except BaseException:
-                pass
-            self.stats.wait_seconds += time.perf_counter() - t0
+                # wait, not result(): the piece's own error is raised below; what a signal
+                # handler raises here (KeyboardInterrupt) goes on, the piece left in flight
+                wait([fut])
+            finally:
+                self.stats.wait_seconds += time.perf_counter() - t0
+        self.inflight.popleft()
         try:
             got, read_stats = fut.result()
         except CancelledError as exc:

@@ -95,8 +95,13 @@ def _is_hf(obj: Any) -> bool:
 
 def source(records: Any) -> tuple[Any, int | None]:
     """(iterable of records, number of records or None) for what ``Catalog.build`` was given."""
+    if _is_hf(records) and isinstance(records, Mapping):  # what load_dataset gives without split=
+        raise ConfigError(
+            f"Catalog.build: records is a {type(records).__name__} of splits {list(records)}; "
+            f"build a catalog of one split: Catalog.build(directory, ds[{next(iter(records), 'train')!r}])"
+        )
     if _is_hf(records):
-        batches = records.with_format("arrow").iter(batch_size=ARROW_BATCH)
+        batches = _hf_arrow(records).iter(batch_size=ARROW_BATCH)
         total = records.num_rows if hasattr(records, "num_rows") else None
         return arrow_rows(batches), total
     if _is_arrow(records):
@@ -104,6 +109,24 @@ def source(records: Any) -> tuple[Any, int | None]:
             return arrow_rows([records]), records.num_rows
         return arrow_rows(records.to_batches(max_chunksize=ARROW_BATCH)), records.num_rows
     return records, len(records) if hasattr(records, "__len__") else None
+
+
+def _hf_arrow(ds: Any) -> Any:
+    """``ds`` formatted as Arrow, keeping the columns its format selects (``with_format(...,
+    columns=)``); a ``with_transform`` is refused, as the Arrow columns would skip it."""
+    fmt = getattr(ds, "format", None)  # a Dataset's; an IterableDataset selects no columns
+    if not isinstance(fmt, dict):
+        return ds.with_format("arrow")
+    if fmt.get("type") == "custom":
+        raise ConfigError(
+            f"Catalog.build: the dataset has a transform (with_transform or set_transform: "
+            f"{fmt.get('format_kwargs', {}).get('transform')!r}) that the catalog would skip, "
+            f"storing the columns it reads from Arrow instead; apply it with ds.map(fn, "
+            f"batched=True) first, or drop it with ds.with_format(None)"
+        )
+    return ds.with_format(
+        "arrow", columns=fmt.get("columns"), output_all_columns=fmt.get("output_all_columns", False)
+    )
 
 
 def arrow_rows(batches: Iterable) -> Iterator[dict]:

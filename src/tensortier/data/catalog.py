@@ -60,6 +60,15 @@ def as_indices(indices: Any, n: int, what: str = "indices") -> np.ndarray:
     return arr
 
 
+def _replaced(directory: str, records: int, index_crc: int, found: str) -> str:
+    """Why a catalog opened as (records, index_crc) is no longer the one at ``directory``."""
+    return (
+        f"the catalog at {directory!r} was deleted or replaced after it was opened (it held "
+        f"{records} records with index checksum {index_crc:#010x}, {found}); open the new "
+        f"catalog again and make new loaders (a saved loader state belongs to the old one)"
+    )
+
+
 @dataclass
 class VerifyReport:
     """What :meth:`Catalog.verify` found: every record's checksum, the index, the file sizes."""
@@ -206,12 +215,29 @@ class Catalog:
     def _fds(self) -> Descriptors:
         files = self._files
         if files.pid != os.getpid():  # a forked worker: its own table, never the parent's lock
+            self._check_same()  # it opens the files by path, under the parent's mapped index
             files = self._files = Descriptors(self.directory, self._max_open)
             self._finalizers.append(Finalizer(self, files.close))
         return files
 
+    def _check_same(self) -> None:
+        """CorruptDataError if the directory no longer holds this catalog (deleted, or rebuilt:
+        another record count or index checksum)."""
+        try:
+            now = _format.read_manifest(self.directory)
+            found = f"now {now.records} with {now.index_crc:#010x}"
+        except FileNotFoundError:
+            now, found = None, "now no catalog"
+        m = self.manifest
+        if now is None or (now.records, now.index_crc) != (m.records, m.index_crc):
+            self._replaced = _replaced(self.directory, m.records, m.index_crc, found)
+            raise CorruptDataError(self._replaced, path=self.directory)
+
     def _check_open(self) -> None:
         if self._index is None:
+            replaced = getattr(self, "_replaced", None)
+            if replaced is not None:
+                raise CorruptDataError(replaced, path=self.directory)
             raise ClosedError(f"Catalog {self.directory!r} is closed")
 
     def direct_io(self) -> bool:
@@ -390,10 +416,29 @@ class Catalog:
         self.close()
 
     def __getstate__(self) -> dict:
-        return {"directory": self.directory, "direct": self._direct_arg, "max_open": self._max_open}
+        m = self.manifest
+        return {"directory": self.directory, "direct": self._direct_arg, "max_open": self._max_open,
+                "records": m.records, "index_crc": m.index_crc,
+                "closed": self._index is None}  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
+        """Reopen the directory (a spawned DataLoader worker does) and check that it still holds
+        the catalog that was pickled: one rebuilt there since would be read under the parent's
+        orders and positions, silently other records. It is refused at the first read (raising
+        here would kill a worker before the DataLoader can report why)."""
         self.__init__(state["directory"], direct=state["direct"], max_open=state["max_open"])
+        now = self.manifest
+        if (state.get("records", now.records), state.get("index_crc", now.index_crc)) != (
+            now.records,
+            now.index_crc,
+        ):
+            self.close()
+            found = f"now {now.records} with {now.index_crc:#010x}"
+            self._replaced = _replaced(self.directory, state["records"], state["index_crc"], found)
+        if state.get(
+            "closed"
+        ):  # a closed catalog stays closed in a worker: reads raise ClosedError
+            self.close()
 
     def __repr__(self) -> str:
         return (

@@ -15,6 +15,7 @@ stream, which every worker count yields in the same order: ``pytorch.py``).
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from tensortier.data._epochs import EpochConfig
 from tensortier.data._pipeline import EpochBatch, LoaderStats
 from tensortier.data.catalog import Catalog, register_loader
 from tensortier.data.pytorch import EpochDataset
-from tensortier.errors import ConfigError
+from tensortier.errors import ClosedError, ConfigError
 
 STATE_FORMAT = "tensortier-catalog-loader"
 STATE_VERSION = 1
@@ -72,6 +73,8 @@ class Loader:
         # cycle that only the cyclic GC frees -- maybe inside a forked DataLoader worker, which
         # would then run the abandoned iterator's cleanup on its parent's worker processes
         self._active: weakref.ref | None = None
+        self._token: object | None = None  # the running iteration's; close() clears it
+        self._runner = 0  # the thread that last ran the active iteration's next()
 
     # ------------------------------------------------------------------ shape
     @property
@@ -93,11 +96,17 @@ class Loader:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[EpochBatch]:
         self._stop()
-        gen = self._run(self.epoch, self.position)
+        if self.position >= self.records_per_epoch > 0:
+            # the epoch's last batch was taken without the final next() (islice, a step count
+            # that breaks at the end): this iteration is the next epoch, as state_dict() says
+            self.epoch, self.position = self.epoch + 1, 0
+        self._token = token = object()
+        self._runner = threading.get_ident()
+        gen = self._run(self.epoch, self.position, token)
         self._active = weakref.ref(gen)
         return gen
 
-    def _run(self, epoch: int, start: int) -> Iterator[EpochBatch]:
+    def _run(self, epoch: int, start: int, token: object) -> Iterator[EpochBatch]:
         ds = self.dataset
         pid = os.getpid()
         if self.num_workers == 0:
@@ -117,11 +126,18 @@ class Loader:
             batches = iter(loader)
         try:
             for b in batches:
+                if self._token is not token:  # closed (or iterated again) by another thread
+                    raise ClosedError(
+                        "Loader: this iteration was stopped by close(), set_epoch(), "
+                        "load_state_dict() or a new iteration of the loader in another thread"
+                    )
+                ds.catalog._check_open()  # closed since: workers' copies would read on
                 self.position = b.position
                 if self.num_workers:
                     ds._stats.batches += 1
                     ds._stats.records += len(b)
                 yield b
+                self._runner = threading.get_ident()
             self.epoch, self.position = epoch + 1, 0
         finally:
             if os.getpid() == pid:  # a forked child's copy owns neither threads nor workers
@@ -136,8 +152,9 @@ class Loader:
     def _stop(self) -> None:
         ref, self._active = self._active, None
         gen = ref() if ref is not None else None
-        if gen is not None:
-            gen.close()
+        self._token = None  # an iteration of another thread stops at its next batch
+        if gen is not None and self._runner == threading.get_ident() and not gen.gi_running:
+            gen.close()  # closing another thread's generator races with its next() (ValueError)
         self.dataset.cancel_abandoned()
 
     def set_epoch(self, epoch: int) -> None:

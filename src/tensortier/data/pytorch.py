@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from tensortier._lifetime import Finalizer
@@ -93,6 +94,13 @@ class EpochDataset(IterableDataset):
         self.rank: int = self.config.rank  # type: ignore[assignment]
         self.batch = self.config.batch
         self._stats = LoaderStats()
+        # (epoch, start) in shared memory: DataLoader workers get it shared (fork and spawn), so
+        # set_epoch reaches persistent workers, which keep the copy of the dataset they started with
+        self._where = torch.zeros(2, dtype=torch.int64)
+        try:
+            self._where.share_memory_()
+        except RuntimeError:  # no shared memory here (/dev/shm): workers get copies, as before
+            pass
         self.set_epoch(self.config.epoch, start)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
@@ -122,7 +130,17 @@ class EpochDataset(IterableDataset):
                 f"start={start} is not a batch boundary of this epoch ({self.records_per_epoch} "
                 f"records in batches of {self.batch})"
             )
-        self.epoch, self.start = epoch, start
+        self._where[0], self._where[1] = epoch, start
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads (:meth:`set_epoch`)."""
+        return int(self._where[0])
+
+    @property
+    def start(self) -> int:
+        """Records of :attr:`epoch` the next iteration skips (:meth:`set_epoch`)."""
+        return int(self._where[1])
 
     # ------------------------------------------------------------------ iteration
     def _executor(self, threads: int) -> ThreadPoolExecutor:
@@ -187,7 +205,7 @@ class EpochDataset(IterableDataset):
         state = self.__dict__.copy()
         state["_pool"], state["_pool_pid"], state["_pool_fin"] = None, 0, None
         state["_abandoned"] = deque()
-        state["stats"] = LoaderStats()
+        state["_stats"] = LoaderStats()  # a worker counts its own reads
         return state
 
 
