@@ -342,7 +342,9 @@ class Checkpointer:
     ``host_budget=None`` (the host image: exactly what the state needs); ``shard_size="256MiB"``;
     ``io_threads=4`` parallel writes; ``direct=None`` (O_DIRECT where the filesystem supports
     it); ``warmup=3`` iterations measured before the first ``"auto"`` checkpoint;
-    ``commit_timeout=600.0`` seconds (many ranks); ``replicas=0`` and ``replica_timeout=60.0``.
+    ``commit_timeout=600.0`` seconds (many ranks); ``replicas=0`` and ``replica_timeout=60.0``;
+    ``read_only=False`` (``True``: restore only, from a directory it must not write: no lock
+    taken, nothing written, ``save`` refused).
     """
 
     root = renamed_attribute("root", "directory")  # the vocabulary's name; goes in 0.2
