@@ -903,3 +903,64 @@ def test_a_planner_setting_without_a_budget_names_budget(kw):
     with pytest.raises(ConfigError, match="pass budget= too") as e:
         tt.offload(**kw)
     assert all(f"{k}=" in str(e.value) for k in kw)
+
+
+def _sgd_steps(model: nn.Module, xs: list[torch.Tensor], ctx=None, step_done=None) -> list:
+    """Plain SGD steps over ``xs`` (each forward inside ``ctx()`` when given): the losses, then
+    the parameters, for a bit-for-bit comparison."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = []
+    for x in xs:
+        opt.zero_grad(set_to_none=True)
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        out.append(loss.detach())
+        if step_done is not None:
+            step_done()
+    return out + [p.detach().clone() for p in model.parameters()]
+
+
+def test_two_threads_with_their_own_budgets_each_reach_a_plan(tmp_path):
+    """tt.offload(budget=...) kept one planned offload per process: a thread's call with its own
+    budget closed the other thread's between its steps (so neither ever planned, each warming
+    up again every step) or while it entered (ClosedError), and the global module hooks caught
+    the other thread's model as the root and its modules as units."""
+    import copy
+    import threading
+
+    import tensortier as tt
+
+    gen = torch.Generator().manual_seed(0)
+    setups = {"a": (_mlp(width=128, depth=4), "64MiB"), "b": (_mlp(width=96, depth=2), "48MiB")}
+    widths = {"a": 128, "b": 96}
+    data = {k: [torch.randn(32, w, generator=gen) for _ in range(7)] for k, w in widths.items()}
+    plain = {k: _sgd_steps(copy.deepcopy(m), data[k]) for k, (m, _) in setups.items()}
+    together = threading.Barrier(2, timeout=120)  # the threads' steps interleave
+    got, offs, errors = {}, {}, []
+
+    def train(k: str) -> None:
+        model, budget = setups[k]
+        kw = dict(budget=budget, spill_dir=str(tmp_path), options=FAST)
+        try:
+            got[k] = _sgd_steps(model, data[k], lambda: tt.offload(**kw), together.wait)
+            offs[k] = tt.offload(**kw)
+        except BaseException as e:  # noqa: BLE001 - reported below, with the thread's name
+            errors.append((k, repr(e)))
+            together.abort()
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in setups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    try:
+        assert not errors, errors
+        for k, (model, _) in setups.items():
+            assert all(torch.equal(a, b) for a, b in zip(plain[k], got[k])), k
+            assert offs[k].choice is not None, k  # planned: not closed by the other thread
+            assert [u.name for u in offs[k].profile.units if u.name] == list(plan_units(model))
+    finally:
+        for off in offs.values():
+            off.close()

@@ -353,7 +353,7 @@ class Profiler:
 
     def _pre(self, module: nn.Module, args) -> None:
         cur = self._cur
-        if cur is None:
+        if cur is None or threading.get_ident() != cur.thread:  # global hook: not our thread's
             return
         if self.root is None:
             self.root = module
@@ -385,6 +385,8 @@ class Profiler:
         cur = self._cur
         name = self.units.get(id(module))
         if cur is None or name is None or name not in cur.fwd or cur.fwd[name][1]:
+            return
+        if threading.get_ident() != cur.thread:
             return
         cur.fwd[name][1] = self._now(cur)
         self._unit_now = None
@@ -774,6 +776,7 @@ class _Pass:
     end: BackwardEnd | None = None  # its backward's end, once a gradient accumulated
     start_event: torch.cuda.Event | None = None  # CUDA passes that do not time units
     end_event: torch.cuda.Event | None = None
+    thread: int = field(default_factory=threading.get_ident)  # whose forward the pass records
 
 
 def _read_pass_meter(p: _Pass) -> None:

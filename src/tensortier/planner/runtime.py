@@ -93,6 +93,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -370,6 +371,7 @@ class PlannedOffload:
         self._root: nn.Module | None = None
         self._active = None
         self._root_hook = None
+        self._thread: int | None = None  # the thread whose forward runs inside ``with`` now
         self._cache_hooks: list = []  # per unit: no KV cache while planned (_drop_kv_cache)
         self._profiled = 0  # profiler passes run: the probe, then the timing passes
         self._closed = False
@@ -400,6 +402,8 @@ class PlannedOffload:
     # first tensors a module of the forward is called with (the root's, or for a model called
     # with keywords, its embedding's) are the inputs that choose the shape bucket
     def _catch_root(self, module: nn.Module, args) -> None:
+        if threading.get_ident() != self._thread:  # the hook is global: another thread's model
+            return
         if self._root is None:
             self._root = module
             self._signature = model_signature(module)
@@ -454,6 +458,7 @@ class PlannedOffload:
             self._finish_profile()
         self._step_trials()
         self._step_shapes = None
+        self._thread = threading.get_ident()
         self._root_hook = nn.modules.module.register_module_forward_pre_hook(self._catch_root)
         try:
             self._enter()
@@ -1238,7 +1243,17 @@ class PlannedOffload:
                 closed.append(off)
 
 
-_CACHE: dict = {}
+_CACHE = threading.local()  # per thread: planned offloads by settings (see _thread_planned)
+
+
+def _thread_planned() -> dict:
+    """This thread's planned offloads by settings. Saved-tensor hooks are per thread, and so is
+    this cache (as :func:`tensortier.activations.offload`'s): a thread switching its settings
+    releases its own previous planned offload, never one another thread is training with."""
+    cache = getattr(_CACHE, "planned", None)
+    if cache is None:
+        cache = _CACHE.planned = {}
+    return cache
 
 
 def bounded_choice(
@@ -1383,9 +1398,9 @@ def planned_offload(
     tiers' and a block goes there only where the simulator says that is faster under the budget
     (where the transfer hides); ``tier="remote"`` restricts swaps to it. ``plan_cache`` is a directory
     where profiles and plans are kept as JSON, so a restarted job skips profiling. ``min_bytes``
-    is ignored: the planner decides per tensor. Calls with the same settings return the same
-    object, so a training loop can write ``with tt.offload(budget=...):`` every step.
-    """
+    is ignored: the planner decides per tensor. Calls with the same settings from one thread return
+    the same object, so a training loop can write ``with tt.offload(budget=...):`` every step;
+    each thread has its own (a thread's other settings never close another thread's)."""
     _check_settings(policy, warmup, timing_iters, options)
     opts = _tier_options(tier, remote, options or Options())
     config = PlanConfig(
@@ -1408,14 +1423,15 @@ def planned_offload(
         remote=remote,
     )
     key = (repr(config), id(remote))
-    cached = _CACHE.get(key)
+    cache = _thread_planned()
+    cached = cache.get(key)
     if cached is None or cached._active is not None or cached._closed:
         cached = PlannedOffload(config)
-        # one cached configuration: switching settings releases the old one (its pinned host
-        # pool, spill files and threads), unless it is running right now (nested use)
-        for old in _CACHE.values():
+        # one cached configuration per thread: switching settings releases the old one (its
+        # pinned host pool, spill files and threads), unless it is running right now (nested use)
+        for old in cache.values():
             if old._active is None:
                 old.close()
-        _CACHE.clear()
-        _CACHE[key] = cached
+        cache.clear()
+        cache[key] = cached
     return cached
