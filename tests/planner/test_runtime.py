@@ -964,3 +964,34 @@ def test_two_threads_with_their_own_budgets_each_reach_a_plan(tmp_path):
     finally:
         for off in offs.values():
             off.close()
+
+
+def test_an_evaluation_under_no_grad_inside_the_block_is_not_an_iteration(spill_dir):
+    """A validation forward under ``torch.no_grad()`` inside ``with tt.offload(budget=...)``
+    counted as an iteration: right after the warm-up it was the probe, which profiled no saved
+    tensor at all (the plan then kept every activation), later a timing pass or a checked step
+    without activations or backward."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 256, generator=gen) for _ in range(7)]
+    plain = _sgd_steps(_mlp(), xs)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    evals = []
+
+    def evaluate_after_the_warm_up() -> None:
+        if off.iteration == 1:
+            with torch.no_grad(), off:
+                evals.append(model(xs[0]).sum())
+            with torch.inference_mode(), off:
+                evals.append(model(xs[0]).sum())
+
+    model = _mlp()
+    try:
+        planned = _sgd_steps(model, xs, lambda: off, evaluate_after_the_warm_up)
+        assert off.iteration == len(xs) and len(evals) == 2
+        assert off.choice is not None
+        # the probe saw a training step: each block's input (the last Linear's is block 3's
+        # ReLU output) and the output the loss squares
+        assert {t.unit for t in off.profile.tensors} == {"0", "1", "2", "3", ""}
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))

@@ -372,6 +372,7 @@ class PlannedOffload:
         self._active = None
         self._root_hook = None
         self._thread: int | None = None  # the thread whose forward runs inside ``with`` now
+        self._bypassed: list[bool] = []  # per open ``with``: entered without autograd (__enter__)
         self._cache_hooks: list = []  # per unit: no KV cache while planned (_drop_kv_cache)
         self._profiled = 0  # profiler passes run: the probe, then the timing passes
         self._closed = False
@@ -443,6 +444,12 @@ class PlannedOffload:
                 "with other settings, which releases the previous one); call "
                 "tt.offload(budget=...) again"
             )
+        if not torch.is_grad_enabled():
+            # an evaluation under no_grad/inference_mode saves nothing: not an iteration (as the
+            # probe it profiled no tensor at all and the plan kept everything; as a timing pass
+            # or a checked step it measured a forward without activations or backward)
+            self._bypassed.append(True)
+            return self
         if not self._agreed:
             self._agreed = True
             agree_settings(cfg)
@@ -466,6 +473,7 @@ class PlannedOffload:
             self._root_hook.remove()
             self._root_hook = None
             raise
+        self._bypassed.append(False)
         return self
 
     def _enter(self) -> None:
@@ -519,6 +527,8 @@ class PlannedOffload:
         self._active.__enter__()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._bypassed.pop():
+            return
         active, self._active = self._active, None
         if self._root_hook is not None:
             self._root_hook.remove()
