@@ -995,3 +995,60 @@ def test_an_evaluation_under_no_grad_inside_the_block_is_not_an_iteration(spill_
     finally:
         off.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _RaisesWhenArmed(nn.Module):
+    """A layer whose forward raises while ``armed`` (a bad batch, a data-dependent assert)."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise _Interrupted("this batch is skipped")
+        return x
+
+
+@pytest.mark.parametrize("raise_at", [1, 2], ids=["probe", "timing-pass"])
+def test_a_forward_that_raises_while_profiling_is_profiled_again(spill_dir, raise_at):
+    """A forward that raised midway inside the probe left a profile of the units before the
+    raise only (the plan counted the others as saving nothing); inside a timing pass, the
+    partial pass's peak and times stayed among the measured passes that bound every plan."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 256, generator=gen) for _ in range(8)]
+
+    def model() -> nn.Module:
+        m = _mlp()
+        return nn.Sequential(*m[:2], _RaisesWhenArmed(), *m[2:])
+
+    def train(ctx) -> list:
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        out = []
+        for i, x in enumerate(xs):
+            opt.zero_grad(set_to_none=True)
+            m[2].armed = i == raise_at
+            try:
+                with ctx():
+                    loss = m(x).square().mean()
+            except _Interrupted:
+                continue  # the user skips the batch and trains on
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out + [p.detach().clone() for p in m.parameters()]
+
+    plain = train(contextlib.nullcontext)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    try:
+        planned = train(lambda: off)
+        assert off.choice is not None
+        assert {t.unit for t in off.profile.tensors} >= {"0", "1", "3", "4"}  # after the raise too
+        profiled = [p for p in off.profile.passes if p["kind"] != "trial"]
+        assert len(profiled) == 3  # the probe and two timing passes, none of them partial
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))

@@ -545,6 +545,21 @@ class Profiler:
         with self._pass("offload", self.offloader, kept=kept, parts=some, sync_units=sync_units):
             yield self
 
+    def abort(self) -> bool:
+        """The pass running now raised in its forward: drop it (its peak, times and records are
+        a part of an iteration). True when that was the probe, which leaves nothing to time
+        against: the caller profiles again with a new :class:`Profiler` (the parameter hooks
+        are removed here)."""
+        cur, self._cur = self._cur, None
+        if cur is not None:
+            _read_pass_meter(cur)
+        if self._passes:
+            return False
+        for h in self._param_hooks:
+            h.remove()
+        self._param_hooks = []
+        return True
+
     @property
     def unit_names(self) -> list[str]:
         return list(self.order)

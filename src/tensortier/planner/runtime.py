@@ -537,12 +537,27 @@ class PlannedOffload:
             active.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             self._window = None  # an aborted iteration measures nothing
+            self._abort_pass(active)
         elif self._meter is not None or self._window is not None:
             self._arm_check()
         if exc_type is None:
             self.iteration += 1
             if self.profile is None and self._profiler is not None and active is not self._warm:
                 self._profiled += 1
+
+    def _abort_pass(self, active) -> None:
+        """A forward that raised inside a profiling pass profiled part of an iteration: the pass
+        is dropped and run again at the next step (a partial probe planned the units after the
+        raise as saving nothing; a partial timing pass's peak bounded plans too low)."""
+        prof = self._profiler
+        if prof is None or self.profile is not None or active is self._warm:
+            return
+        if prof.abort():  # the probe: profile from scratch
+            if prof.offloader is not None and prof.offloader is not self._warm:
+                prof.offloader.close()
+            self._profiler = None
+        elif self._groups:
+            self._groups.pop()  # its units were not timed
 
     def _measure_overhead(self) -> None:
         """The machinery's resident memory (see :meth:`_resident`), measured again before each
