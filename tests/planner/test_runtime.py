@@ -1052,3 +1052,25 @@ def test_a_forward_that_raises_while_profiling_is_profiled_again(spill_dir, rais
     finally:
         off.close()
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_a_warm_up_batch_of_another_shape_does_not_mislabel_the_profile(spill_dir):
+    """The profile's shape bucket was taken from the first forward, the warm-up's, not from the
+    probe the profile measures: a first batch of 512 rows then batches of 64 filed the 64-row
+    profile as the 512-row bucket's (a later 512-row batch ran a plan that counted each
+    activation at an eighth of its size), and the 64-row steps ran a plan made from a scaled
+    copy, which has no measured passes to bound it."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(512 if i == 0 else 64, 256, generator=gen) for i in range(7)]
+    plain = _sgd_steps(_mlp(), xs)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    try:
+        planned = _sgd_steps(_mlp(), xs, lambda: off)
+        assert off.choice is not None
+        inputs = {
+            str(b.shapes): b.profile.tensors[0].nbytes for b in off._buckets.values()
+        }  # the first saved tensor: the model's input, as the plan of that bucket counts it
+    finally:
+        off.close()
+    assert inputs == {str([([64, 256], "float32")]): 64 * 256 * 4}
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))

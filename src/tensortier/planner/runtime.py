@@ -377,6 +377,7 @@ class PlannedOffload:
         self._profiled = 0  # profiler passes run: the probe, then the timing passes
         self._closed = False
         self._shapes: list | None = None  # of the profiled (or cached) iteration
+        self._probing = False  # the probe runs now: its inputs' shapes are the profile's
         self._step_shapes: list | None = None  # of this iteration
         self._signature: str | None = None
         self._buckets: dict[str, _Bucket] = {}
@@ -418,7 +419,9 @@ class PlannedOffload:
         if not shapes:
             return
         self._step_shapes = shapes
-        if self._shapes is None:
+        if self._probing:  # what the profile measures: its bucket (a warm-up's may differ)
+            self._shapes, self._probing = shapes, False
+        elif self._shapes is None:
             self._shapes = shapes  # what this rank profiles (rank 0's is sent with its plan)
             if self.config.plan_cache and self.offloader is None:
                 self._try_cache(agreed_shapes(shapes))
@@ -524,12 +527,14 @@ class PlannedOffload:
                 io_threads=self._io_threads(),
             )
             self._active = self._profiler.forward()
+            self._probing = True
         self._active.__enter__()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._bypassed.pop():
             return
         active, self._active = self._active, None
+        self._probing = False
         if self._root_hook is not None:
             self._root_hook.remove()
             self._root_hook = None
