@@ -1250,6 +1250,8 @@ class PlannedOffload:
         self._buckets[self._current].choice = choice
         self._save(self._current)
         self._install(self._current)
+        with own_rng(self.offloader.device):  # report=: the plan that runs now, not the first
+            self._write_report()
 
     @property
     def stats(self):
