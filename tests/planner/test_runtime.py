@@ -1074,3 +1074,23 @@ def test_a_warm_up_batch_of_another_shape_does_not_mislabel_the_profile(spill_di
         off.close()
     assert inputs == {str([([64, 256], "float32")]): 64 * 256 * 4}
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_a_planned_step_that_raises_is_not_one_of_the_checked_steps(spill_dir):
+    """The meter of a forward that raised stayed open to the next step's start and its reading,
+    a part of a step, became one of the few checked steps a plan is held to the budget by."""
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(*_mlp()[:2], _RaisesWhenArmed(), *_mlp()[2:])
+    off = planned_offload("64MiB", spill_dir=spill_dir, policy="capuchin", options=FAST)
+    try:
+        for step in range(7):  # warm-up, probe, two timing passes, the plan, a raise, the plan
+            model.zero_grad(set_to_none=True)
+            model[2].armed = step == 5
+            with contextlib.suppress(_Interrupted):
+                with off:
+                    loss = model(torch.randn(64, 256, generator=gen)).square().mean()
+                loss.backward()
+        assert off.choice is not None
+        assert len(off.measured_peaks) == 2  # the steps that ran whole: 4 and 6
+    finally:
+        off.close()

@@ -542,6 +542,7 @@ class PlannedOffload:
             active.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             self._window = None  # an aborted iteration measures nothing
+            self._drop_meter()
             self._abort_pass(active)
         elif self._meter is not None or self._window is not None:
             self._arm_check()
@@ -549,6 +550,15 @@ class PlannedOffload:
             self.iteration += 1
             if self.profile is None and self._profiler is not None and active is not self._warm:
                 self._profiled += 1
+
+    def _drop_meter(self) -> None:
+        """A forward that raised: its meter read a part of a step (a peak too low to check the
+        plan by, counted as one of the checked steps, or as a trial's); the next step is
+        metered instead (the first step's check, too)."""
+        meter, self._meter = self._meter, None
+        if meter is not None:
+            meter.__exit__(None, None, None)
+        self._trial_t0 = None
 
     def _abort_pass(self, active) -> None:
         """A forward that raised inside a profiling pass profiled part of an iteration: the pass
