@@ -84,6 +84,12 @@ the user's own steps (a plain model's, an evaluation) can grow glibc's heap ahea
 ``with``. That heap never shrinks, and the profiled passes fault its free pages back in and keep
 them; the free chunks of a heap grown earlier (a process that trained before ``tt.offload()``)
 are taken out of use then.
+An iteration is a ``with`` block entered while autograd records and left without an exception:
+one entered under ``torch.no_grad()``/``inference_mode`` (an evaluation) runs plainly and counts
+for nothing, and a forward that raises measures nothing (a profiling pass it interrupted runs
+again at the next step). Each thread has its own planned offload (saved-tensor hooks are per
+thread); the budget still measures the whole process, so two threads training at once each count
+the other's memory.
 This module never moves bytes itself: the activation offloader does.
 """
 
