@@ -1094,3 +1094,26 @@ def test_a_planned_step_that_raises_is_not_one_of_the_checked_steps(spill_dir):
         assert len(off.measured_peaks) == 2  # the steps that ran whole: 4 and 6
     finally:
         off.close()
+
+
+def test_larger_inputs_of_the_profiled_bucket_get_a_plan_for_their_size(spill_dir):
+    """Inputs share a plan per bucket (dimensions rounded up to powers of two), and the profiled
+    bucket's plan counts the profiled sizes: profiled at 40 rows, batches of 64 ran it with 1.6x
+    the activations it planned for, after the checked steps, so unchecked."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(40 if i < 6 else 64, 256, generator=gen) for i in range(9)]
+    plain = _sgd_steps(_mlp(), xs)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    running = []
+    try:
+        planned = _sgd_steps(
+            _mlp(),
+            xs,
+            lambda: off,
+            lambda: running.append(off.profile and off.profile.tensors[0].nbytes),
+        )
+    finally:
+        off.close()
+    # the model's input as the running plan counts it: 40 rows, then 64 (not 40 again)
+    assert running[5:] == [40 * 256 * 4] + [64 * 256 * 4] * 3
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))

@@ -56,7 +56,9 @@ predicted peak, and warns (``warnings.warn``, naming the measured peak and the b
 structure, the inputs' shape bucket and dtypes, the budget and the settings: a restarted job
 with the same key runs the cached plan from its first step. Inputs whose shapes fall in another
 bucket (each dimension rounded up to a power of two) get a plan of their own at run time, from
-the same profile scaled to that bucket's shapes, without profiling again (:mod:`.buckets`).
+the same profile scaled to that bucket's shapes, without profiling again (:mod:`.buckets`); so
+do inputs of the profiled bucket larger than the profiled ones (scaled to the bucket's top: the
+profiled plan counts the profiled sizes).
 A cache that cannot be read or written (damaged, read-only, shared with another user) is
 warned about and planning goes on in memory: the cache is an optimization, never a failure
 (keys, files and warnings: :mod:`.cache`).
@@ -1048,14 +1050,17 @@ class PlannedOffload:
         checked = self._check_cached(profile, plan, data)
         if checked is None:
             return
-        self._shapes = shapes
+        profiled = _stored_shapes(data.get("shapes"), shapes)  # its profile's, not this batch's
+        self._shapes = profiled
         self.profile = profile
         self._overhead, self.choice = checked
-        self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(key, shapes, profile, self.choice)
+        name = json.dumps(key, sort_keys=True)
+        self._buckets[name] = _Bucket(key, profiled, profile, self.choice)
         self.cached = True
         self._first = False  # this first step runs the plan: checked as planned steps are
         log.info("tensortier plan %s from the cache (%s)", plan.policy, self.config.plan_cache)
-        self._install(json.dumps(key, sort_keys=True))
+        self._install(name)
+        self._select(shapes)  # a first batch larger than the profiled one: the bucket's top
 
     def _check_cached(self, profile: Profile, plan: Plan, data: dict) -> tuple[int, Choice] | None:
         """The overhead and simulated choice of a cached entry whose key matched, or None (a
@@ -1087,6 +1092,13 @@ class PlannedOffload:
         profile scaled to the bucket's shapes if there is none yet, never by profiling)."""
         key = self._key(shapes)
         name = json.dumps(key, sort_keys=True)
+        measured = self._buckets.get(name)
+        if measured is not None and not measured.sizes and _above(shapes, measured.shapes):
+            # larger inputs of the profiled bucket: its plan counts the profiled sizes (a batch
+            # of 64 ran the plan of 33 rows, twice the activations, unchecked), so they get the
+            # plan of the profile scaled to the bucket's largest shapes
+            key = {**key, "inputs_above_profiled": True}
+            name = json.dumps(key, sort_keys=True)
         if name == self._current:
             return
         if (
@@ -1289,6 +1301,26 @@ class PlannedOffload:
             if off is not None and all(off is not c for c in closed):
                 off.close()
                 closed.append(off)
+
+
+def _stored_shapes(stored, shapes: list) -> list:
+    """The input shapes a cached profile was measured at (as :func:`input_shapes` gives them),
+    or ``shapes`` where the file has none that match them in number and rank."""
+    try:
+        out = [(list(map(int, s)), str(d)) for s, d in stored]
+    except (TypeError, ValueError):
+        return shapes
+    if len(out) != len(shapes) or any(len(a) != len(b) for (a, _), (b, _) in zip(out, shapes)):
+        return shapes
+    return out
+
+
+def _above(shapes: list, profiled: list) -> bool:
+    """Whether any input dimension of ``shapes`` exceeds the ``profiled`` inputs' (same bucket)."""
+    return any(
+        len(a) == len(b) and any(x > y for x, y in zip(a, b))
+        for (a, _), (b, _) in zip(shapes, profiled)
+    )
 
 
 _CACHE = threading.local()  # per thread: planned offloads by settings (see _thread_planned)
