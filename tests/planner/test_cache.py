@@ -261,3 +261,32 @@ def test_an_edited_cache_file_with_the_right_key_means_profiling_again(
     path.write_text(json.dumps(data))
     again = _run(cache, spill_dir)  # asserts gradients bit-identical to plain PyTorch
     assert not again.cached and "unusable" in caplog.text
+
+
+def test_a_restart_whose_first_batch_is_larger_in_the_bucket_plans_for_its_size(
+    tmp_path, spill_dir
+):
+    """The cached profile was measured at 100 tokens (bucket 128); a restart whose first batch
+    had 128 ran the 100-token plan on it, and took 128 as the profiled size, so later batches
+    up to it never got a plan for their size either."""
+    cache, model, gen = tmp_path / "plans", _Seq(), torch.Generator().manual_seed(1)
+    first = [torch.randn(8, 100, 256, generator=gen) for _ in range(STEPS)]
+    off = planned_offload("48MiB", spill_dir=spill_dir, options=FAST, plan_cache=cache)
+    try:
+        _grads(model, first, off)
+    finally:
+        off.close()
+    xs = [torch.randn(8, n, 256, generator=gen) for n in (128, 100, 120)]
+    plain = _grads(model, xs)
+    off = planned_offload("48MiB", spill_dir=spill_dir, options=FAST, plan_cache=cache)
+    running = []
+    try:
+        for x in xs:
+            got = _grads(model, [x], off)
+            assert all(torch.equal(a, b) for a, b in zip(plain[: len(got)], got))
+            plain = plain[len(got) :]
+            running.append(off.profile.tensors[0].nbytes)  # the input, as the plan counts it
+        assert off.cached
+    finally:
+        off.close()
+    assert running == [8 * 128 * 256 * 4, 8 * 100 * 256 * 4, 8 * 128 * 256 * 4]

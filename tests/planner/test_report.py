@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import re
@@ -283,3 +284,41 @@ def test_a_report_path_that_is_a_directory_is_refused_before_anything_is_written
     with pytest.raises(IsADirectoryError, match="pass a file name"):
         write_report(str(folder) + slash, p, choose(p, 10 * GB, "keep"), budget=10 * GB)
     assert sorted(os.listdir(tmp_path)) == ["reports"] and not os.listdir(folder)
+
+
+def test_a_replan_mid_training_rewrites_the_report(spill_dir, tmp_path):
+    """A checked step over the budget re-plans with a wider margin; the report kept showing the
+    first plan (its peak, its margin) while another plan ran."""
+    import torch
+    from torch import nn
+
+    from tensortier.planner.runtime import planned_offload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
+    x = torch.randn(64, 256)
+    path = tmp_path / "plan.html"
+    off = planned_offload(
+        "64MiB",
+        spill_dir=spill_dir,
+        policy="capuchin",
+        options=Options(search_iters=60, search_seconds=5),
+        report=str(path),
+    )
+    try:
+        for step in range(6):  # warm-up, probe, two timing passes, the plan, the re-plan
+            if step == 5:  # as if the first planned step had peaked at twice the budget
+                off.measured_peaks.append(2 * (64 << 20))
+                off._over = True
+            model.zero_grad(set_to_none=True)
+            with pytest.warns(UserWarning) if step == 5 else contextlib.nullcontext(), off:
+                loss = model(x).sum()
+            loss.backward()
+        assert off.replans == 1
+        planned_for = format_size(off._planning_budget())
+        peak = format_size(off.choice.result.peak_bytes)
+    finally:
+        off.close()
+    text = _page_text(path)
+    assert f"planned for {planned_for}" in text  # the wider margin's
+    assert re.search(rf"predicted peak {re.escape(peak)},", text)

@@ -947,3 +947,217 @@ def test_a_compiled_model_under_a_budget_is_refused_at_the_first_step(tmp_path, 
     with pytest.raises(ConfigError, match=match), off:
         model(torch.randn(4, 16)).sum().backward()
     off.close()
+
+
+def _sgd_steps(model: nn.Module, xs: list[torch.Tensor], ctx=None, step_done=None) -> list:
+    """Plain SGD steps over ``xs`` (each forward inside ``ctx()`` when given): the losses, then
+    the parameters, for a bit-for-bit comparison."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = []
+    for x in xs:
+        opt.zero_grad(set_to_none=True)
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        out.append(loss.detach())
+        if step_done is not None:
+            step_done()
+    return out + [p.detach().clone() for p in model.parameters()]
+
+
+def test_two_threads_with_their_own_budgets_each_reach_a_plan(tmp_path):
+    """tt.offload(budget=...) kept one planned offload per process: a thread's call with its own
+    budget closed the other thread's between its steps (so neither ever planned, each warming
+    up again every step) or while it entered (ClosedError), and the global module hooks caught
+    the other thread's model as the root and its modules as units."""
+    import copy
+    import threading
+
+    import tensortier as tt
+
+    gen = torch.Generator().manual_seed(0)
+    setups = {"a": (_mlp(width=128, depth=4), "64MiB"), "b": (_mlp(width=96, depth=2), "48MiB")}
+    widths = {"a": 128, "b": 96}
+    data = {k: [torch.randn(32, w, generator=gen) for _ in range(7)] for k, w in widths.items()}
+    plain = {k: _sgd_steps(copy.deepcopy(m), data[k]) for k, (m, _) in setups.items()}
+    together = threading.Barrier(2, timeout=120)  # the threads' steps interleave
+    got, offs, errors = {}, {}, []
+
+    def train(k: str) -> None:
+        model, budget = setups[k]
+        kw = dict(budget=budget, spill_dir=str(tmp_path), options=FAST)
+        try:
+            got[k] = _sgd_steps(model, data[k], lambda: tt.offload(**kw), together.wait)
+            offs[k] = tt.offload(**kw)
+        except BaseException as e:  # noqa: BLE001 - reported below, with the thread's name
+            errors.append((k, repr(e)))
+            together.abort()
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in setups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    try:
+        assert not errors, errors
+        for k, (model, _) in setups.items():
+            assert all(torch.equal(a, b) for a, b in zip(plain[k], got[k])), k
+            assert offs[k].choice is not None, k  # planned: not closed by the other thread
+            assert [u.name for u in offs[k].profile.units if u.name] == list(plan_units(model))
+    finally:
+        for off in offs.values():
+            off.close()
+
+
+def test_an_evaluation_under_no_grad_inside_the_block_is_not_an_iteration(spill_dir):
+    """A validation forward under ``torch.no_grad()`` inside ``with tt.offload(budget=...)``
+    counted as an iteration: right after the warm-up it was the probe, which profiled no saved
+    tensor at all (the plan then kept every activation), later a timing pass or a checked step
+    without activations or backward."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 256, generator=gen) for _ in range(7)]
+    plain = _sgd_steps(_mlp(), xs)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    evals = []
+
+    def evaluate_after_the_warm_up() -> None:
+        if off.iteration == 1:
+            with torch.no_grad(), off:
+                evals.append(model(xs[0]).sum())
+            with torch.inference_mode(), off:
+                evals.append(model(xs[0]).sum())
+
+    model = _mlp()
+    try:
+        planned = _sgd_steps(model, xs, lambda: off, evaluate_after_the_warm_up)
+        assert off.iteration == len(xs) and len(evals) == 2
+        assert off.choice is not None
+        # the probe saw a training step: each block's input (the last Linear's is block 3's
+        # ReLU output) and the output the loss squares
+        assert {t.unit for t in off.profile.tensors} == {"0", "1", "2", "3", ""}
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _RaisesWhenArmed(nn.Module):
+    """A layer whose forward raises while ``armed`` (a bad batch, a data-dependent assert)."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise _Interrupted("this batch is skipped")
+        return x
+
+
+@pytest.mark.parametrize("raise_at", [1, 2], ids=["probe", "timing-pass"])
+def test_a_forward_that_raises_while_profiling_is_profiled_again(spill_dir, raise_at):
+    """A forward that raised midway inside the probe left a profile of the units before the
+    raise only (the plan counted the others as saving nothing); inside a timing pass, the
+    partial pass's peak and times stayed among the measured passes that bound every plan."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 256, generator=gen) for _ in range(8)]
+
+    def model() -> nn.Module:
+        m = _mlp()
+        return nn.Sequential(*m[:2], _RaisesWhenArmed(), *m[2:])
+
+    def train(ctx) -> list:
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        out = []
+        for i, x in enumerate(xs):
+            opt.zero_grad(set_to_none=True)
+            m[2].armed = i == raise_at
+            try:
+                with ctx():
+                    loss = m(x).square().mean()
+            except _Interrupted:
+                continue  # the user skips the batch and trains on
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out + [p.detach().clone() for p in m.parameters()]
+
+    plain = train(contextlib.nullcontext)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    try:
+        planned = train(lambda: off)
+        assert off.choice is not None
+        assert {t.unit for t in off.profile.tensors} >= {"0", "1", "3", "4"}  # after the raise too
+        profiled = [p for p in off.profile.passes if p["kind"] != "trial"]
+        assert len(profiled) == 3  # the probe and two timing passes, none of them partial
+    finally:
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_a_warm_up_batch_of_another_shape_does_not_mislabel_the_profile(spill_dir):
+    """The profile's shape bucket was taken from the first forward, the warm-up's, not from the
+    probe the profile measures: a first batch of 512 rows then batches of 64 filed the 64-row
+    profile as the 512-row bucket's (a later 512-row batch ran a plan that counted each
+    activation at an eighth of its size), and the 64-row steps ran a plan made from a scaled
+    copy, which has no measured passes to bound it."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(512 if i == 0 else 64, 256, generator=gen) for i in range(7)]
+    plain = _sgd_steps(_mlp(), xs)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    try:
+        planned = _sgd_steps(_mlp(), xs, lambda: off)
+        assert off.choice is not None
+        inputs = {
+            str(b.shapes): b.profile.tensors[0].nbytes for b in off._buckets.values()
+        }  # the first saved tensor: the model's input, as the plan of that bucket counts it
+    finally:
+        off.close()
+    assert inputs == {str([([64, 256], "float32")]): 64 * 256 * 4}
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_a_planned_step_that_raises_is_not_one_of_the_checked_steps(spill_dir):
+    """The meter of a forward that raised stayed open to the next step's start and its reading,
+    a part of a step, became one of the few checked steps a plan is held to the budget by."""
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(*_mlp()[:2], _RaisesWhenArmed(), *_mlp()[2:])
+    off = planned_offload("64MiB", spill_dir=spill_dir, policy="capuchin", options=FAST)
+    try:
+        for step in range(7):  # warm-up, probe, two timing passes, the plan, a raise, the plan
+            model.zero_grad(set_to_none=True)
+            model[2].armed = step == 5
+            with contextlib.suppress(_Interrupted):
+                with off:
+                    loss = model(torch.randn(64, 256, generator=gen)).square().mean()
+                loss.backward()
+        assert off.choice is not None
+        assert len(off.measured_peaks) == 2  # the steps that ran whole: 4 and 6
+    finally:
+        off.close()
+
+
+def test_larger_inputs_of_the_profiled_bucket_get_a_plan_for_their_size(spill_dir):
+    """Inputs share a plan per bucket (dimensions rounded up to powers of two), and the profiled
+    bucket's plan counts the profiled sizes: profiled at 40 rows, batches of 64 ran it with 1.6x
+    the activations it planned for, after the checked steps, so unchecked."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(40 if i < 6 else 64, 256, generator=gen) for i in range(9)]
+    plain = _sgd_steps(_mlp(), xs)
+    off = planned_offload("64MiB", spill_dir=spill_dir, options=FAST)
+    running = []
+    try:
+        planned = _sgd_steps(
+            _mlp(),
+            xs,
+            lambda: off,
+            lambda: running.append(off.profile and off.profile.tensors[0].nbytes),
+        )
+    finally:
+        off.close()
+    # the model's input as the running plan counts it: 40 rows, then 64 (not 40 again)
+    assert running[5:] == [40 * 256 * 4] + [64 * 256 * 4] * 3
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))

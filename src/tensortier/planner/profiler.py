@@ -382,7 +382,7 @@ class Profiler:
 
     def _pre(self, module: nn.Module, args) -> None:
         cur = self._cur
-        if cur is None:
+        if cur is None or threading.get_ident() != cur.thread:  # global hook: not our thread's
             return
         if self.root is None:
             self.root = module
@@ -414,6 +414,8 @@ class Profiler:
         cur = self._cur
         name = self.units.get(id(module))
         if cur is None or name is None or name not in cur.fwd or cur.fwd[name][1]:
+            return
+        if threading.get_ident() != cur.thread:
             return
         cur.fwd[name][1] = self._now(cur)
         self._unit_now = None
@@ -572,6 +574,21 @@ class Profiler:
         self.offloader.record, self.offloader.records = True, []
         with self._pass("offload", self.offloader, kept=kept, parts=some, sync_units=sync_units):
             yield self
+
+    def abort(self) -> bool:
+        """The pass running now raised in its forward: drop it (its peak, times and records are
+        a part of an iteration). True when that was the probe, which leaves nothing to time
+        against: the caller profiles again with a new :class:`Profiler` (the parameter hooks
+        are removed here)."""
+        cur, self._cur = self._cur, None
+        if cur is not None:
+            _read_pass_meter(cur)
+        if self._passes:
+            return False
+        for h in self._param_hooks:
+            h.remove()
+        self._param_hooks = []
+        return True
 
     @property
     def unit_names(self) -> list[str]:
@@ -804,6 +821,7 @@ class _Pass:
     end: BackwardEnd | None = None  # its backward's end, once a gradient accumulated
     start_event: torch.cuda.Event | None = None  # CUDA passes that do not time units
     end_event: torch.cuda.Event | None = None
+    thread: int = field(default_factory=threading.get_ident)  # whose forward the pass records
 
 
 def _read_pass_meter(p: _Pass) -> None:

@@ -56,7 +56,9 @@ predicted peak, and warns (``warnings.warn``, naming the measured peak and the b
 structure, the inputs' shape bucket and dtypes, the budget and the settings: a restarted job
 with the same key runs the cached plan from its first step. Inputs whose shapes fall in another
 bucket (each dimension rounded up to a power of two) get a plan of their own at run time, from
-the same profile scaled to that bucket's shapes, without profiling again (:mod:`.buckets`).
+the same profile scaled to that bucket's shapes, without profiling again (:mod:`.buckets`); so
+do inputs of the profiled bucket larger than the profiled ones (scaled to the bucket's top: the
+profiled plan counts the profiled sizes).
 A cache that cannot be read or written (damaged, read-only, shared with another user) is
 warned about and planning goes on in memory: the cache is an optimization, never a failure
 (keys, files and warnings: :mod:`.cache`).
@@ -84,6 +86,12 @@ the user's own steps (a plain model's, an evaluation) can grow glibc's heap ahea
 ``with``. That heap never shrinks, and the profiled passes fault its free pages back in and keep
 them; the free chunks of a heap grown earlier (a process that trained before ``tt.offload()``)
 are taken out of use then.
+An iteration is a ``with`` block entered while autograd records and left without an exception:
+one entered under ``torch.no_grad()``/``inference_mode`` (an evaluation) runs plainly and counts
+for nothing, and a forward that raises measures nothing (a profiling pass it interrupted runs
+again at the next step). Each thread has its own planned offload (saved-tensor hooks are per
+thread); the budget still measures the whole process, so two threads training at once each count
+the other's memory.
 This module never moves bytes itself: the activation offloader does.
 """
 
@@ -93,6 +101,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -371,10 +380,13 @@ class PlannedOffload:
         self._root: nn.Module | None = None
         self._active = None
         self._root_hook = None
+        self._thread: int | None = None  # the thread whose forward runs inside ``with`` now
+        self._bypassed: list[bool] = []  # per open ``with``: entered without autograd (__enter__)
         self._cache_hooks: list = []  # per unit: no KV cache while planned (_drop_kv_cache)
         self._profiled = 0  # profiler passes run: the probe, then the timing passes
         self._closed = False
         self._shapes: list | None = None  # of the profiled (or cached) iteration
+        self._probing = False  # the probe runs now: its inputs' shapes are the profile's
         self._step_shapes: list | None = None  # of this iteration
         self._signature: str | None = None
         self._buckets: dict[str, _Bucket] = {}
@@ -401,6 +413,8 @@ class PlannedOffload:
     # first tensors a module of the forward is called with (the root's, or for a model called
     # with keywords, its embedding's) are the inputs that choose the shape bucket
     def _catch_root(self, module: nn.Module, args) -> None:
+        if threading.get_ident() != self._thread:  # the hook is global: another thread's model
+            return
         if self._root is None:
             _check_not_compiled(module)
             self._root = module
@@ -415,7 +429,9 @@ class PlannedOffload:
         if not shapes:
             return
         self._step_shapes = shapes
-        if self._shapes is None:
+        if self._probing:  # what the profile measures: its bucket (a warm-up's may differ)
+            self._shapes, self._probing = shapes, False
+        elif self._shapes is None:
             self._shapes = shapes  # what this rank profiles (rank 0's is sent with its plan)
             if self.config.plan_cache and self.offloader is None:
                 self._try_cache(agreed_shapes(shapes))
@@ -441,6 +457,12 @@ class PlannedOffload:
                 "with other settings, which releases the previous one); call "
                 "tt.offload(budget=...) again"
             )
+        if not torch.is_grad_enabled():
+            # an evaluation under no_grad/inference_mode saves nothing: not an iteration (as the
+            # probe it profiled no tensor at all and the plan kept everything; as a timing pass
+            # or a checked step it measured a forward without activations or backward)
+            self._bypassed.append(True)
+            return self
         if not self._agreed:
             self._agreed = True
             agree_settings(cfg)
@@ -456,6 +478,7 @@ class PlannedOffload:
             self._finish_profile()
         self._step_trials()
         self._step_shapes = None
+        self._thread = threading.get_ident()
         self._root_hook = nn.modules.module.register_module_forward_pre_hook(
             eager(self._catch_root)  # traced, its bookkeeping failed dynamo's mutation tracking
         )
@@ -465,6 +488,7 @@ class PlannedOffload:
             self._root_hook.remove()
             self._root_hook = None
             raise
+        self._bypassed.append(False)
         return self
 
     def _enter(self) -> None:
@@ -515,10 +539,14 @@ class PlannedOffload:
                 io_threads=self._io_threads(),
             )
             self._active = self._profiler.forward()
+            self._probing = True
         self._active.__enter__()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._bypassed.pop():
+            return
         active, self._active = self._active, None
+        self._probing = False
         if self._root_hook is not None:
             self._root_hook.remove()
             self._root_hook = None
@@ -526,12 +554,37 @@ class PlannedOffload:
             active.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             self._window = None  # an aborted iteration measures nothing
+            self._drop_meter()
+            self._abort_pass(active)
         elif self._meter is not None or self._window is not None:
             self._arm_check()
         if exc_type is None:
             self.iteration += 1
             if self.profile is None and self._profiler is not None and active is not self._warm:
                 self._profiled += 1
+
+    def _drop_meter(self) -> None:
+        """A forward that raised: its meter read a part of a step (a peak too low to check the
+        plan by, counted as one of the checked steps, or as a trial's); the next step is
+        metered instead (the first step's check, too)."""
+        meter, self._meter = self._meter, None
+        if meter is not None:
+            meter.__exit__(None, None, None)
+        self._trial_t0 = None
+
+    def _abort_pass(self, active) -> None:
+        """A forward that raised inside a profiling pass profiled part of an iteration: the pass
+        is dropped and run again at the next step (a partial probe planned the units after the
+        raise as saving nothing; a partial timing pass's peak bounded plans too low)."""
+        prof = self._profiler
+        if prof is None or self.profile is not None or active is self._warm:
+            return
+        if prof.abort():  # the probe: profile from scratch
+            if prof.offloader is not None and prof.offloader is not self._warm:
+                prof.offloader.close()
+            self._profiler = None
+        elif self._groups:
+            self._groups.pop()  # its units were not timed
 
     def _measure_overhead(self) -> None:
         """The machinery's resident memory (see :meth:`_resident`), measured again before each
@@ -1002,14 +1055,17 @@ class PlannedOffload:
         checked = self._check_cached(profile, plan, data)
         if checked is None:
             return
-        self._shapes = shapes
+        profiled = _stored_shapes(data.get("shapes"), shapes)  # its profile's, not this batch's
+        self._shapes = profiled
         self.profile = profile
         self._overhead, self.choice = checked
-        self._buckets[json.dumps(key, sort_keys=True)] = _Bucket(key, shapes, profile, self.choice)
+        name = json.dumps(key, sort_keys=True)
+        self._buckets[name] = _Bucket(key, profiled, profile, self.choice)
         self.cached = True
         self._first = False  # this first step runs the plan: checked as planned steps are
         log.info("tensortier plan %s from the cache (%s)", plan.policy, self.config.plan_cache)
-        self._install(json.dumps(key, sort_keys=True))
+        self._install(name)
+        self._select(shapes)  # a first batch larger than the profiled one: the bucket's top
 
     def _check_cached(self, profile: Profile, plan: Plan, data: dict) -> tuple[int, Choice] | None:
         """The overhead and simulated choice of a cached entry whose key matched, or None (a
@@ -1041,6 +1097,13 @@ class PlannedOffload:
         profile scaled to the bucket's shapes if there is none yet, never by profiling)."""
         key = self._key(shapes)
         name = json.dumps(key, sort_keys=True)
+        measured = self._buckets.get(name)
+        if measured is not None and not measured.sizes and _above(shapes, measured.shapes):
+            # larger inputs of the profiled bucket: its plan counts the profiled sizes (a batch
+            # of 64 ran the plan of 33 rows, twice the activations, unchecked), so they get the
+            # plan of the profile scaled to the bucket's largest shapes
+            key = {**key, "inputs_above_profiled": True}
+            name = json.dumps(key, sort_keys=True)
         if name == self._current:
             return
         if (
@@ -1220,6 +1283,8 @@ class PlannedOffload:
         self._buckets[self._current].choice = choice
         self._save(self._current)
         self._install(self._current)
+        with own_rng(self.offloader.device):  # report=: the plan that runs now, not the first
+            self._write_report()
 
     @property
     def stats(self):
@@ -1243,7 +1308,37 @@ class PlannedOffload:
                 closed.append(off)
 
 
-_CACHE: dict = {}
+def _stored_shapes(stored, shapes: list) -> list:
+    """The input shapes a cached profile was measured at (as :func:`input_shapes` gives them),
+    or ``shapes`` where the file has none that match them in number and rank."""
+    try:
+        out = [(list(map(int, s)), str(d)) for s, d in stored]
+    except (TypeError, ValueError):
+        return shapes
+    if len(out) != len(shapes) or any(len(a) != len(b) for (a, _), (b, _) in zip(out, shapes)):
+        return shapes
+    return out
+
+
+def _above(shapes: list, profiled: list) -> bool:
+    """Whether any input dimension of ``shapes`` exceeds the ``profiled`` inputs' (same bucket)."""
+    return any(
+        len(a) == len(b) and any(x > y for x, y in zip(a, b))
+        for (a, _), (b, _) in zip(shapes, profiled)
+    )
+
+
+_CACHE = threading.local()  # per thread: planned offloads by settings (see _thread_planned)
+
+
+def _thread_planned() -> dict:
+    """This thread's planned offloads by settings. Saved-tensor hooks are per thread, and so is
+    this cache (as :func:`tensortier.activations.offload`'s): a thread switching its settings
+    releases its own previous planned offload, never one another thread is training with."""
+    cache = getattr(_CACHE, "planned", None)
+    if cache is None:
+        cache = _CACHE.planned = {}
+    return cache
 
 
 def bounded_choice(
@@ -1416,8 +1511,9 @@ def planned_offload(
     is ignored: the planner decides per tensor. ``trial_plans``: with ``policy="auto"`` on one
     rank, at most this many of the fastest predicted plans run for real before the measured
     fastest is kept (``planner/trials.py``); 0 runs the simulator's choice. Calls with the same
-    settings return the same object, so a training loop can write ``with tt.offload(budget=...):``
-    every step.
+    settings from one thread return the same object, so a training loop can write
+    ``with tt.offload(budget=...):`` every step; each thread has its own (a thread's other
+    settings never close another thread's).
     """
     _check_settings(policy, warmup, timing_iters, options, trial_plans)
     opts = _tier_options(tier, remote, options or Options())
@@ -1442,14 +1538,15 @@ def planned_offload(
         remote=remote,
     )
     key = (repr(config), id(remote))
-    cached = _CACHE.get(key)
+    cache = _thread_planned()
+    cached = cache.get(key)
     if cached is None or cached._active is not None or cached._closed:
         cached = PlannedOffload(config)
-        # one cached configuration: switching settings releases the old one (its pinned host
-        # pool, spill files and threads), unless it is running right now (nested use)
-        for old in _CACHE.values():
+        # one cached configuration per thread: switching settings releases the old one (its
+        # pinned host pool, spill files and threads), unless it is running right now (nested use)
+        for old in cache.values():
             if old._active is None:
                 old.close()
-        _CACHE.clear()
-        _CACHE[key] = cached
+        cache.clear()
+        cache[key] = cached
     return cached
