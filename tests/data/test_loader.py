@@ -517,3 +517,46 @@ def test_a_piece_is_read_and_checked_without_python_work_per_record(tmp_path, mo
     assert calls["acquire"] <= stats.pieces * 2
     assert calls["item_ok"] == 0
     assert calls["header"] == stats.pieces  # one schema (bytes): parsed once per piece
+
+
+def _tensors(data) -> list[torch.Tensor]:
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, dict):
+        return [t for v in data.values() for t in _tensors(v)]
+    if isinstance(data, (list, tuple)):
+        return [t for v in data for t in _tensors(v)]
+    return []
+
+
+def test_dataloader_pin_memory_pins_the_batch_data(cat, monkeypatch):
+    """``DataLoader(pin_memory=True)``'s pinning thread left an ``EpochBatch`` as it was (torch
+    pins only the types it knows, or what has a ``pin_memory()``): every record stayed pageable,
+    so each host-to-device copy was synchronous. No pinned memory on this CPU: torch's own
+    function is run with ``Tensor.pin_memory`` recording what it is asked to pin."""
+    from torch.utils.data._utils.pin_memory import pin_memory  # what DataLoader's thread runs
+
+    asked: list[torch.Tensor] = []
+
+    def pin(t, device=None):
+        asked.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    batch = next(iter(EpochDataset(cat, batch=40, seed=1)))
+    out = pin_memory(batch)
+    assert isinstance(out, EpochBatch) and np.array_equal(out.indices, batch.indices)
+    assert (out.epoch, out.position) == (batch.epoch, batch.position)
+    originals = _tensors(batch.data)
+    assert len(originals) > 5 and [id(t) for t in asked] == [id(t) for t in originals]
+    for a, b in zip(_tensors(out.data), originals):
+        assert a is not b and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_dataloader_pin_memory_yields_pinned_records(cat):
+    dl = DataLoader(EpochDataset(cat, batch=40, seed=1), batch_size=None, pin_memory=True)
+    batch = next(iter(dl))
+    tensors = _tensors(batch.data)
+    assert isinstance(batch, EpochBatch) and tensors and all(t.is_pinned() for t in tensors)

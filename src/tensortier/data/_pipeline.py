@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,14 @@ class EpochBatch:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def pin_memory(self, device: str | None = None) -> EpochBatch:
+        """``DataLoader(pin_memory=True)`` calls this on a type it does not know: the batch with
+        its data's tensors in pinned memory, by torch's own rules (the records stayed pageable,
+        so every host-to-device copy of them was synchronous)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return replace(self, data=pin_memory(self.data, device))
 
 
 @dataclass
