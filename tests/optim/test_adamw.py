@@ -690,3 +690,34 @@ def test_a_gradient_not_shaped_like_its_parameter_is_refused_and_nothing_changes
     for p, q in zip(m.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     opt.close()
+
+
+@pytest.mark.parametrize("bucket_size", ["16MiB", "64KiB", "600KiB"])
+def test_a_disk_budget_too_small_names_one_that_suffices(spill_dir, bucket_size):
+    """The disk store's "Free tensors or raise the budget" named nothing the optimizer's user
+    can free, nor how much budget a step needs (it writes a fresh copy of each bucket before it
+    frees the old one). The size it names now trains on."""
+    import re
+
+    def train(budget) -> str | None:
+        torch.manual_seed(0)
+        widths = [(128, 256), (256, 256), (256, 10), (10, 300)]
+        m = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in widths])
+        opt = OffloadedAdamW(
+            m.parameters(), lr=1e-3, tier="disk", spill_dir=spill_dir,
+            disk_budget=budget, bucket_size=bucket_size,
+        )  # fmt: skip
+        try:
+            for _ in range(4):
+                m(torch.randn(4, 128)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            return None
+        except TierFullError as exc:
+            return str(exc)
+        finally:
+            opt.close()
+
+    told = train("1MiB")
+    assert told and "disk_budget must hold the state" in told, told
+    assert train(re.search(r"pass at least (\S+)$", told).group(1)) is None

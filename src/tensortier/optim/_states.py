@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tensortier._units import align_up
-from tensortier.errors import ConfigError
+from tensortier._units import align_up, format_size, format_size_up
+from tensortier.errors import ConfigError, TierFullError
 from tensortier.tiers.disk import DiskHandle, DiskStore
 from tensortier.tiers.host import PAGE, aligned_empty
 
@@ -420,6 +420,9 @@ class DiskStates:
                     lambda f: f.exception() is None and self.store.free(f.result())
                 )
                 raise
+        except TierFullError as exc:
+            self._release(buf)
+            raise self._too_small(exc) from exc
         except BaseException:
             self._release(buf)
             raise
@@ -439,6 +442,25 @@ class DiskStates:
         if previous is not None:  # superseded within the step: its reads are over, free it
             for h in (f.result() for f in previous):
                 self.store.free(h)
+
+    def _too_small(self, exc: TierFullError) -> TierFullError:
+        """The store's "free tensors or raise the budget" names nothing the optimizer's user can
+        free: say what the budget must hold (a step writes a fresh copy of every bucket before it
+        frees the old ones, so a failed step changes nothing; free space also fragments, hence
+        the largest bucket on top)."""
+        sizes = [layout.total for layout in self._layouts.values()]
+        need = 2 * sum(sizes) + max(sizes)
+        what = "disk_budget" if isinstance(self.store, DiskStore) else "the RemoteStore's budget"
+        return TierFullError(
+            f"OffloadedAdamW's states do not fit: {exc} A step writes a fresh copy of each "
+            f"bucket's state before it frees the old one (a failed step changes nothing), so "
+            f"{what} must hold the state ({format_size(sum(sizes))}) twice plus its largest "
+            f"bucket: pass at least {format_size_up(need)}",
+            tier=exc.tier,
+            requested=exc.requested,
+            in_use=exc.in_use,
+            limit=exc.limit,
+        )
 
     def drop(self, bucket_id: int) -> None:
         """Forget this bucket's pending save; its fresh extents are freed once their writes end."""
