@@ -397,3 +397,17 @@ def test_a_failed_rank_fails_the_step_on_every_rank(states, tmp_path, unfaulted_
             assert p2[layer][:rows] == ok[layer][:rows]  # rank 0's piece: updated, bit for bit
         else:
             assert p2[layer] == ok[layer]
+
+
+def _shard_on_one_rank(rank: int, world: int) -> str:
+    try:
+        OffloadedAdamW(torch.nn.Linear(2, 2).parameters(), shard=True).close()
+    except ConfigError as exc:
+        return str(exc)
+    return "made"
+
+
+def test_shard_true_on_a_one_rank_group_says_there_is_nothing_to_shard():
+    """It told a job that had called init_process_group to call init_process_group first."""
+    (told,) = distributed.run(_shard_on_one_rank, 1)
+    assert "one rank: there is nothing to shard" in told and "init_process_group" not in told

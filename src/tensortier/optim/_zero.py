@@ -49,10 +49,16 @@ class Sharding:
                 "leave shard=None and each rank updates its local shards"
             )
         if shard and not group_active:
+            import torch.distributed as dist
+
+            why = (
+                "the process group has one rank: there is nothing to shard across"
+                if dist.is_available() and dist.is_initialized()
+                else "call torch.distributed.init_process_group() first"
+            )
             raise ConfigError(
                 f"shard={shard!r} needs torch.distributed initialised with more than one rank in "
-                f"process_group; call torch.distributed.init_process_group() first, or pass "
-                f"shard=False"
+                f"process_group; {why}, or pass shard=False"
             )
         self.sharded = bool(shard)
         self.pg = process_group
