@@ -411,3 +411,37 @@ def test_shard_true_on_a_one_rank_group_says_there_is_nothing_to_shard():
     """It told a job that had called init_process_group to call init_process_group first."""
     (told,) = distributed.run(_shard_on_one_rank, 1)
     assert "one rank: there is nothing to shard" in told and "init_process_group" not in told
+
+
+def _edit_state_sharded(rank: int, world: int) -> list[bool]:
+    def mk():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.Linear(8, 3), torch.nn.Linear(3, 2)
+        )
+
+    a, b = DDP(mk()), DDP(mk())
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    opt = OffloadedAdamW(b.parameters(), lr=1e-2, shard=True, bucket_size="64")
+    out = {}
+    for model, o in ((a, ref), (b, opt)):
+        g = torch.Generator().manual_seed(rank)
+        for i in range(4):
+            model(torch.randn(4, 6, generator=g)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+            if i == 1:  # each rank edits what it holds (a cut parameter: its Shard(0) piece)
+                for p in model.parameters():
+                    if o is ref or p in o.state:
+                        o.state[p]["exp_avg"].zero_()
+        out[o is ref] = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return [torch.equal(x, y) for x, y in zip(out[True], out[False])]
+
+
+def test_edits_of_opt_state_apply_on_every_rank_as_in_ddp_with_fused_adamw():
+    """``opt.state[p]`` under sharding (``optim/_state_view.py``): a parameter cut across ranks
+    reads as its Shard(0) DTensor; zeroing each rank's moments trains as DDP + fused AdamW with
+    the same edit."""
+    for same in distributed.run(_edit_state_sharded, 2, timeout=120):
+        assert all(same), same
