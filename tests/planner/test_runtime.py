@@ -343,7 +343,7 @@ def test_host_tier_profiles_through_host_not_disk(spill_dir):
         off.close()
 
 
-def test_switching_settings_closes_the_replaced_planned_offload(spill_dir):
+def test_switching_settings_twice_closes_the_oldest_planned_offload(spill_dir):
     from tensortier.errors import ClosedError
 
     m, x = _mlp(width=128, depth=2), torch.randn(32, 128)
@@ -352,12 +352,51 @@ def test_switching_settings_closes_the_replaced_planned_offload(spill_dir):
         loss = m(x).sum()
     loss.backward()
     assert len(os.listdir(spill_dir)) == 1
-    new = planned_offload("32MiB", spill_dir=spill_dir, options=FAST)
-    assert new is not old
+    second = planned_offload("32MiB", spill_dir=spill_dir, options=FAST)
+    assert second is not old and len(os.listdir(spill_dir)) == 1  # two settings are kept
+    assert planned_offload("64MiB", spill_dir=spill_dir, options=FAST) is old
+    third = planned_offload("16MiB", spill_dir=spill_dir, options=FAST)  # 32MiB is the oldest
+    assert planned_offload("64MiB", spill_dir=spill_dir, options=FAST) is old
+    with pytest.raises(ClosedError, match="tt.offload"):
+        second.__enter__()
+    newest = planned_offload("8MiB", spill_dir=spill_dir, options=FAST)  # now 16MiB is
+    with pytest.raises(ClosedError, match="tt.offload"):
+        third.__enter__()
+    newest.close()
+    planned_offload("4MiB", spill_dir=spill_dir, options=FAST).close()  # and then 64MiB
     assert os.listdir(spill_dir) == []  # released now, not whenever the GC gets to it
     with pytest.raises(ClosedError, match="tt.offload"):
         old.__enter__()
-    new.close()
+
+
+def test_a_gan_with_a_budget_per_model_plans_both_bit_for_bit(spill_dir):
+    """A generator and a discriminator trained in turn, each under its own budget: the second
+    ``tt.offload(budget=...)`` closed the first every step, so neither ever reached a plan and
+    every step offloaded everything, with no warning."""
+    import tensortier as tt
+
+    g_model, d_model = _mlp(width=128, depth=3), _mlp(width=96, depth=2)
+    g_ref, d_ref = _mlp(width=128, depth=3), _mlp(width=96, depth=2)
+    gen = torch.Generator().manual_seed(0)
+    offs = []
+    for _ in range(7):
+        x, y = torch.randn(64, 128, generator=gen), torch.randn(64, 96, generator=gen)
+        for model, ref, inp, budget in ((g_model, g_ref, x, "48MiB"), (d_model, d_ref, y, "40MiB")):
+            off = tt.offload(budget=budget, spill_dir=spill_dir, options=FAST)
+            offs.append(off)
+            with off:
+                loss = model(inp).square().mean()
+            loss.backward()
+            ref(inp).square().mean().backward()
+    for model, ref in ((g_model, g_ref), (d_model, d_ref)):
+        assert all(
+            torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())
+        )
+    g_off, d_off = offs[-2], offs[-1]
+    assert len({id(o) for o in offs}) == 2  # the same two objects every step
+    assert g_off.choice is not None and d_off.choice is not None  # each reached its plan
+    g_off.close()
+    d_off.close()
 
 
 @pytest.mark.gpu

@@ -454,7 +454,7 @@ class PlannedOffload:
 
             raise ClosedError(
                 "this planned offload is closed (close() was called, or tt.offload() was called "
-                "with other settings, which releases the previous one); call "
+                "with two other settings since, which releases the oldest); call "
                 "tt.offload(budget=...) again"
             )
         if not torch.is_grad_enabled():
@@ -1329,12 +1329,14 @@ def _above(shapes: list, profiled: list) -> bool:
 
 
 _CACHE = threading.local()  # per thread: planned offloads by settings (see _thread_planned)
+_KEPT = 2  # planned offloads a thread keeps: two models trained in turn (a GAN), each its own
 
 
 def _thread_planned() -> dict:
-    """This thread's planned offloads by settings. Saved-tensor hooks are per thread, and so is
-    this cache (as :func:`tensortier.activations.offload`'s): a thread switching its settings
-    releases its own previous planned offload, never one another thread is training with."""
+    """This thread's planned offloads by settings, least recently asked for first. Saved-tensor
+    hooks are per thread, and so is this cache (as :func:`tensortier.activations.offload`'s): a
+    thread's third settings release its own oldest planned offload, never one another thread is
+    training with."""
     cache = getattr(_CACHE, "planned", None)
     if cache is None:
         cache = _CACHE.planned = {}
@@ -1512,8 +1514,9 @@ def planned_offload(
     rank, at most this many of the fastest predicted plans run for real before the measured
     fastest is kept (``planner/trials.py``); 0 runs the simulator's choice. Calls with the same
     settings from one thread return the same object, so a training loop can write
-    ``with tt.offload(budget=...):`` every step; each thread has its own (a thread's other
-    settings never close another thread's).
+    ``with tt.offload(budget=...):`` every step; each thread keeps its two most recent settings
+    (two models trained in turn, each with its budget) and releases older ones; a thread's
+    settings never close another thread's.
     """
     _check_settings(policy, warmup, timing_iters, options, trial_plans)
     opts = _tier_options(tier, remote, options or Options())
@@ -1539,14 +1542,15 @@ def planned_offload(
     )
     key = (repr(config), id(remote))
     cache = _thread_planned()
-    cached = cache.get(key)
+    cached = cache.pop(key, None)
     if cached is None or cached._active is not None or cached._closed:
         cached = PlannedOffload(config)
-        # one cached configuration per thread: switching settings releases the old one (its
-        # pinned host pool, spill files and threads), unless it is running right now (nested use)
-        for old in cache.values():
-            if old._active is None:
-                old.close()
-        cache.clear()
-        cache[key] = cached
+    cache[key] = cached  # the most recently asked for last
+    # the thread's _KEPT most recent settings stay (a GAN's generator and discriminator budgets,
+    # used in turn, each reach their plan); older ones are released now (their pinned host
+    # pool, spill files and threads), unless running right now (nested use)
+    while len(cache) > _KEPT:
+        old = cache.pop(next(iter(cache)))
+        if old._active is None:
+            old.close()
     return cached
