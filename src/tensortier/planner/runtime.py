@@ -1541,14 +1541,19 @@ def planned_offload(
         remote=remote,
     )
     key = (repr(config), id(remote))
+    return _kept_or_new(key, config)
+
+
+def _kept_or_new(key: tuple, config: PlanConfig) -> PlannedOffload:
+    """This thread's planned offload of these settings, or a new one. The thread's ``_KEPT`` most
+    recent settings stay (a GAN's generator and discriminator budgets, used in turn, each reach
+    their plan); older ones are released now (their pinned host pool, spill files and threads),
+    unless running right now (nested use)."""
     cache = _thread_planned()
     cached = cache.pop(key, None)
     if cached is None or cached._active is not None or cached._closed:
         cached = PlannedOffload(config)
     cache[key] = cached  # the most recently asked for last
-    # the thread's _KEPT most recent settings stay (a GAN's generator and discriminator budgets,
-    # used in turn, each reach their plan); older ones are released now (their pinned host
-    # pool, spill files and threads), unless running right now (nested use)
     while len(cache) > _KEPT:
         old = cache.pop(next(iter(cache)))
         if old._active is None:
