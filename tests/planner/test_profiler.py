@@ -363,6 +363,67 @@ def test_cuda_peak_meter_reads_reserved_memory():
     assert meter.peak >= meter.peak_allocated
 
 
+def test_cuda_operator_events_are_recorded_on_the_profiled_devices_stream(monkeypatch):
+    """The per-operator timing events were recorded on the *current* device's stream: a model
+    profiled on cuda:1 while cuda:0 is current timed an idle stream (every operator ~0 s, so
+    recomputing looked free). They go on the profiled device's current stream, where the
+    operator runs."""
+    from tensortier.planner.ops import OpRecorder
+
+    recorded = []
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+        def elapsed_time(self, end):
+            return 2.0
+
+    def current_stream(device=None):
+        return ("stream", None if device is None else torch.device(device))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    rec = OpRecorder(lambda: "0", torch.device("cuda", 1))
+    with rec:
+        torch.ones(4).mul(2)
+    rec.resolve()
+    assert recorded and set(recorded) == {("stream", torch.device("cuda", 1))}, recorded
+    assert [r["seconds"] for r in rec.ops["0"]] == [2e-3] * len(rec.ops["0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+def test_cuda_operator_times_on_a_device_that_is_not_current():
+    """Profiling a model on cuda:1 with cuda:0 current: the recorded matmul time is the
+    kernel's (events on cuda:1's stream), not the gap between two events on idle cuda:0."""
+    from tensortier.planner.ops import OpRecorder
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    a = torch.randn(4096, 4096, device=dev)
+    a @ a  # warm-up: cuBLAS handle and workspace of cuda:1
+    torch.cuda.synchronize(dev)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(torch.cuda.current_stream(dev))
+    a @ a
+    end.record(torch.cuda.current_stream(dev))
+    torch.cuda.synchronize(dev)
+    kernel_s = start.elapsed_time(end) / 1e3
+    rec = OpRecorder(lambda: "0", dev)
+    with rec:
+        a @ a
+    torch.cuda.synchronize(dev)
+    rec.resolve()
+    (mm,) = [r for r in rec.ops["0"] if "mm" in r["name"]]
+    assert 0.5 * kernel_s < mm["seconds"] < 2 * kernel_s, (mm["seconds"], kernel_s)
+
+
 def test_a_timing_pass_keeps_part_of_the_units_it_does_not_keep_whole(spill_dir):
     """A unit too large to keep whole was never kept in a timing pass, so the fit only knew
     passes that offloaded nearly everything (issue 23): a pass can keep the tensors ``parts``

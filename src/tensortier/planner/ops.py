@@ -88,10 +88,11 @@ class OpRecorder(TorchDispatchMode):
         if unit is None or func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
         cuda = self.device.type == "cuda"
-        if cuda:
+        if cuda:  # on the profiled device's stream, where ``func`` runs (not the current device's)
+            stream = torch.cuda.current_stream(self.device)
             start = timing_event()
             end = timing_event()
-            start.record()
+            start.record(stream)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         dt = time.perf_counter() - t0
@@ -136,7 +137,7 @@ class OpRecorder(TorchDispatchMode):
         for ptr in new:
             self.producer[ptr] = (unit, row["index"])
         if cuda:
-            end.record()
+            end.record(stream)
             self._events.append((row, start, end))
         return out
 
