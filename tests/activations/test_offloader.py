@@ -1,3 +1,4 @@
+import contextlib
 import gc
 import os
 
@@ -631,3 +632,98 @@ def test_offload_module_with_an_offloader_refuses_settings_it_would_ignore(spill
     handle.remove()
     assert mine.stats.bytes_offloaded["host"] > 0
     mine.close()
+
+
+class _OnStream(torch.autograd.Function):
+    """``h * 2`` whose backward unpacks ``h`` after naming its stream (``stream[0] = name``):
+    stands in for an op that ran on a stream of its own (autograd runs its node there)."""
+
+    @staticmethod
+    def forward(ctx, h, name, stream):
+        ctx.save_for_backward(h)
+        ctx.name, ctx.stream = name, stream
+        return h * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.stream[0] = ctx.name
+        (h,) = ctx.saved_tensors
+        return g * h, None, None
+
+
+def test_a_storage_unpacked_on_a_second_stream_waits_for_the_first(monkeypatch):
+    """One storage saved by ops on two streams is one record, restored once, by the first
+    node that unpacks it and on its stream; the node on the other stream was served the same
+    restored storage with no wait for that copy (a read racing the host-to-device copy on a
+    GPU). It must wait for the first stream (``streams.share``). CPU: the plumbing, with the
+    streams named by the unpacking node."""
+    from tensortier.activations import offloader as mod
+
+    stream = [None]
+    shared = []
+    monkeypatch.setattr(mod, "_current_stream", lambda t: stream[0])
+    monkeypatch.setattr(mod, "share", lambda t, made_on, now: shared.append((made_on, now)))
+    x = torch.randn(256, 256, requires_grad=True)
+
+    def run(off):
+        x.grad = None
+        with off:
+            h = x.sin()
+            a = _OnStream.apply(h, "side", stream)  # made first: its node runs last
+            b = _OnStream.apply(h, "compute", stream)
+        (a * b).sum().backward()
+        return x.grad.clone()
+
+    ref = run(contextlib.nullcontext())
+    off = tt.Offloader("host", min_bytes=0, prefetch_budget=0)
+    assert torch.equal(run(off), ref)
+    off.close()
+    assert [(m, n) for m, n in shared if m != n] == [("compute", "side")], shared
+
+
+@pytest.mark.gpu
+def test_cuda_a_storage_saved_on_two_streams_is_waited_for_on_both():
+    """The gpu twin: the first unpack's stream holds ~1 s of work, so its host-to-device copy
+    (queued behind it) has not run when the node on the idle stream reads the storage; the
+    side stream's pool is filled with NaN first, which that read would see."""
+    side = torch.cuda.Stream()
+    compute = torch.cuda.current_stream()
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+
+    class Slow(torch.autograd.Function):  # its backward unpacks after ~1 s of queued work
+        @staticmethod
+        def forward(ctx, h):
+            ctx.save_for_backward(h)
+            return h * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            torch.cuda._sleep(2_000_000_000)
+            (h,) = ctx.saved_tensors
+            return g * h
+
+    def run(off):
+        x.grad = None
+        with off:
+            h = x.sin()
+            b = h.pow(2)  # saves h on the compute stream; its node runs after Slow's
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                a = Slow.apply(h)  # saves h on the side stream
+            h.record_stream(side)
+            compute.wait_stream(side)
+            loss = a.sum() + b.sum()
+        with torch.cuda.stream(side):  # NaN in the side stream's pool: what a racing read sees
+            torch.full((1 << 22,), float("nan"), device="cuda")
+        torch.cuda.synchronize()
+        if isinstance(off, tt.Offloader):  # written: backward reads the copy, not the source
+            off._engine.synchronize()
+        loss.backward()
+        torch.cuda.synchronize()
+        return x.grad.clone()
+
+    ref = run(contextlib.nullcontext())
+    off = tt.Offloader("host", min_bytes=0, prefetch_budget=0)
+    got = run(off)
+    off.close()
+    assert torch.equal(got, ref), (got - ref).abs().max()

@@ -62,6 +62,8 @@ from tensortier.tiers.host import HostPool, size_class
 from tensortier.tiers.placement import Placement
 from tensortier.tiers.remote import RemoteHandle, RemoteStore
 from tensortier.transfer import Encoded, HostTensor, TransferEngine
+from tensortier.transfer.streams import current as _current_stream
+from tensortier.transfer.streams import share
 
 TIERS = ("host", "disk", "remote", "auto")
 # the tiers each ``tier=`` may place bytes on, in spill order
@@ -165,6 +167,7 @@ class _Record:
         "keep_source",
         "fetched",
         "materialized",
+        "stream",
         "handles",
         "served",
         "in_window",
@@ -185,6 +188,7 @@ class _Record:
         self.keep_source = False
         self.fetched: Future | None = None  # future of the payloads read back
         self.materialized: torch.Tensor | None = None  # restored uint8 storage, while in use
+        self.stream = None  # CUDA: the stream that waited for ``materialized`` (made it usable)
         self.handles = 0  # saved tensors (views) pointing at this record
         self.served = 0  # unpacks since the last fetch
         self.in_window = False  # counted in its pass's prefetch window
@@ -574,15 +578,18 @@ class Offloader:
             owner.begin_backward(task)
         t0 = time.perf_counter()
         with self._lock:
-            storage = record.materialized
+            storage, made_on = record.materialized, record.stream
         if storage is None:
-            storage = self._materialize(record)
+            storage, made_on = self._materialize(record)
+        # a storage saved by ops on two streams is unpacked by backward nodes on both (autograd
+        # runs a node on its forward's stream): the second waits for the first's copy and decode
+        share(storage, made_on, _current_stream(storage))
         waited = time.perf_counter() - t0
         with self._lock:
             self.stats.wait_seconds += waited
             record.served += 1
             if record.served >= record.handles:  # every view of it has been handed out: let it go
-                record.fetched = record.materialized = None
+                record.fetched = record.materialized = record.stream = None
                 record.served = 0
                 record.used = True
         owner.consumed(record)
@@ -591,10 +598,10 @@ class Offloader:
             timing["unpack_s"] += waited
         return _view(storage, packed)
 
-    def _materialize(self, record: _Record) -> torch.Tensor:
+    def _materialize(self, record: _Record) -> tuple[torch.Tensor, Any]:
         """Finish the record's read on this (the consumer's) thread: on CUDA, ``Transfer.result()``
         makes the current stream wait for the host->device copy; then decode. One storage per
-        record, shared by all of its views.
+        record, shared by all of its views; returned with the stream that waited for it.
 
         No timeout: the future resolves (value or exception) once the engine resolves the futures
         it returned, and every branch of ``_read``/``_restore`` passes failures on."""
@@ -615,8 +622,8 @@ class Offloader:
             value = value.reshape(-1).view(torch.uint8)  # else the engine decoded it
         with self._lock:
             if record.materialized is None:
-                record.materialized = value
-            return record.materialized
+                record.materialized, record.stream = value, _current_stream(value)
+            return record.materialized, record.stream
 
     # ------------------------------------------------------------------ data movement
     def _store(self, record: _Record, data: torch.Tensor) -> None:
@@ -1241,7 +1248,7 @@ class _Pass:
             if r.in_window:
                 r.in_window = False
                 unused += r.nbytes
-            r.fetched = r.materialized = r.source = None
+            r.fetched = r.materialized = r.source = r.stream = None
             r.keep_source = r.used = False
             r.served = 0
         self.off.stats.bytes_prefetch_unused += unused

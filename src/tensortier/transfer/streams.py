@@ -62,6 +62,21 @@ def consume(done: torch.cuda.Event, stream, tensors: Iterable[torch.Tensor] = ()
         t.record_stream(stream)
 
 
+def current(t: torch.Tensor):
+    """The current stream of ``t``'s device, or None for a CPU tensor (nothing to order)."""
+    return torch.cuda.current_stream(t.device) if t.device.type == "cuda" else None
+
+
+def share(t: torch.Tensor, made_on, stream) -> None:
+    """``t`` was made (or waited for) on ``made_on`` and is read on ``stream`` too: ``stream``
+    waits for the work queued on ``made_on`` so far (device-side), and ``t``'s memory is reused
+    only after ``stream``'s work queued so far. Nothing to do on the same stream, or on a CPU."""
+    if stream is None or made_on is None or stream == made_on:
+        return
+    stream.wait_stream(made_on)
+    t.record_stream(stream)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` queued on the current (side) stream; an H2D into another dtype crosses
     PCIe in the source's dtype and converts on the device (a temporary of the side stream)."""
