@@ -412,6 +412,50 @@ def test_cuda_dropout_training_is_bit_identical_through_profiling_and_plan(tmp_p
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
 
 
+def test_a_model_on_a_gpu_that_is_not_current_is_refused_naming_set_device():
+    """The planner meters, times and budgets the current CUDA device: a model on cuda:1 with
+    cuda:0 current was measured on an idle GPU (peaks ~0, every plan fits, nothing enforced)."""
+    from tensortier.errors import ConfigError
+    from tensortier.planner.runtime import _check_metered_device
+
+    cuda0, cuda1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    _check_metered_device([cuda0, cpu, cuda0], current=cuda0)  # its own device, CPU weights
+    with pytest.raises(ConfigError, match=r"on cuda:1 .*set_device\(1\)"):
+        _check_metered_device([cuda1], current=cuda0)
+    with pytest.raises(ConfigError, match="several GPUs"):
+        _check_metered_device([cuda0, cuda1], current=cuda0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+def test_cuda_budget_for_a_model_on_another_gpu_is_refused_then_plans_after_set_device(tmp_path):
+    from tensortier.errors import ConfigError
+
+    dev = torch.device("cuda", 1)
+    x = torch.randn(256, 256, device=dev)
+    torch.cuda.set_device(0)
+    off = planned_offload("64MiB", spill_dir=str(tmp_path), options=FAST)
+    try:
+        with pytest.raises(ConfigError, match=r"set_device\(1\)"):
+            _train(_dropout_mlp().to(dev), x, 1, off)
+    finally:
+        off.close()
+    plain = _train(_dropout_mlp().to(dev), x, 6)
+    torch.cuda.set_device(1)
+    try:
+        off = planned_offload("64MiB", spill_dir=str(tmp_path), options=FAST)
+        try:
+            planned = _train(_dropout_mlp().to(dev), x, 6, off)
+            assert off.choice is not None
+        finally:
+            off.close()
+    finally:
+        torch.cuda.set_device(0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only rule")
 def test_a_budget_without_a_tier_plans_with_the_disk_on_a_cpu_only_machine(spill_dir):
     """Issue 26 #4: the offloader's default tier is host, but host copies of CPU tensors free

@@ -417,6 +417,7 @@ class PlannedOffload:
             return
         if self._root is None:
             _check_not_compiled(module)
+            _check_metered_device(p.device for p in module.parameters())
             self._root = module
             self._signature = model_signature(module)
             self._cache_hooks = [
@@ -1383,6 +1384,26 @@ def bounded_choice(
     plan = Plan(name, dict(best.plan.actions), dict(best.plan.codecs))
     log.info("tensortier plan %s: under the measured bound, %s was not", name, choice.plan.policy)
     return Choice(plan, best.result, choice.plan_s, considered=choice.considered)
+
+
+def _check_metered_device(devices, current: torch.device | None = None) -> None:
+    """ConfigError for a model with parameters on a CUDA device that is not the current one:
+    the planner meters, times and budgets the current device (its offloader's, its profiler's),
+    so it would measure an idle GPU, see every plan fit and enforce nothing."""
+    from tensortier.errors import ConfigError
+
+    if current is None:
+        if not torch.cuda.is_available():
+            return
+        current = torch.device("cuda", torch.cuda.current_device())
+    other = next((d for d in devices if d.type == "cuda" and d != current), None)
+    if other is not None:
+        raise ConfigError(
+            f"tt.offload(budget=...): the model has parameters on {other} but the current CUDA "
+            f"device is {current}, the one the planner meters and budgets; call "
+            f"torch.cuda.set_device({other.index}) before the first iteration (a model spread "
+            f"over several GPUs in one process cannot be planned: one budget is one device)"
+        )
 
 
 def _check_not_compiled(root: nn.Module) -> None:
