@@ -245,6 +245,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         measurement=measurement,
         malloc="release (MALLOC_MMAP_THRESHOLD_=131072)" if args.malloc_release else "default",
     )
+    harness.require(
+        {f"{r['variant']}: gradients bit-identical to plain's": r["grads_match"] for r in rows}
+    )
     return rows
 
 

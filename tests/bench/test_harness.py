@@ -141,3 +141,11 @@ def test_the_median_run_is_a_whole_row():
     assert h.median_run(runs, "t") == {"t": 2, "x": "b"}
     assert h.median_run([{"t": 1}, {"t": 2}], "t") == {"t": 1}
     assert h.median_run([{"error": "e"}], "t") == {"error": "e"}
+
+
+def test_a_failed_correctness_check_exits_non_zero_and_names_it():
+    h.require({"a matches": True, "b matches": True})  # all held: nothing happens
+    with pytest.raises(SystemExit) as got:
+        h.require({"a matches": True, "b gradients bit-identical to plain": False})
+    assert "b gradients bit-identical to plain" in str(got.value)
+    assert "a matches" not in str(got.value) and got.value.code != 0
