@@ -123,6 +123,15 @@ class Records:
     def total(self) -> int:
         return int(self.sizes.sum())
 
+    def match(self, indices, got: list) -> bool:
+        """Whether ``got`` holds exactly records ``indices``, byte for byte (not only their
+        lengths: a store returning another record of the same size must not pass)."""
+        pool, high, sizes = self.pool, self.high, self.sizes
+        return len(got) == len(indices) and all(
+            len(g) == sizes[i] and g == pool[(i * 7919) % high : (i * 7919) % high + sizes[i]]
+            for i, g in zip(np.asarray(indices).tolist(), got)
+        )
+
 
 def scale(args, free: int, mean: float) -> tuple[int, str]:
     if args.records:
@@ -224,15 +233,13 @@ def read_tt(root: str, args, order: str, recs: Records) -> dict:
         io_threads=args.io_threads,
         prefetch_budget=args.prefetch_budget,
     )
-    sizes = recs.sizes
     total = n = 0
     ok = True
     t0 = time.perf_counter()
     for b in loader:
-        got = [len(r) for r in b.data]
-        ok = ok and got == sizes[b.indices].tolist()
-        total += sum(got)
-        n += len(got)
+        ok = ok and recs.match(b.indices, b.data)
+        total += sum(len(r) for r in b.data)
+        n += len(b.data)
     seconds = time.perf_counter() - t0
     stats = loader.stats().as_dict()
     loader.close()
@@ -262,14 +269,13 @@ def _load_hf_cold(root: str):
 
 def read_hf(root: str, args, idx: np.ndarray, recs: Records) -> dict:
     ds = _load_hf_cold(root)
-    sizes = recs.sizes
     total, ok = 0, True
     t0 = time.perf_counter()
     for a in range(0, len(idx), args.batch):
         part = idx[a : a + args.batch]
-        got = [len(r) for r in ds[part.tolist()]["data"]]
-        ok = ok and got == sizes[part].tolist()
-        total += sum(got)
+        got = ds[part.tolist()]["data"]
+        ok = ok and recs.match(part, got)
+        total += sum(len(r) for r in got)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "records": len(idx), "bytes": total, "intact": ok}
 
@@ -278,15 +284,14 @@ def read_lmdb(root: str, args, idx: np.ndarray, recs: Records) -> dict:
     import lmdb
 
     env = lmdb.open(root, readonly=True, lock=False)
-    sizes = recs.sizes
     total, ok = 0, True
     t0 = time.perf_counter()
     with env.begin() as txn:
         for a in range(0, len(idx), args.batch):
             part = idx[a : a + args.batch].tolist()
-            got = [len(txn.get(struct.pack(">Q", i))) for i in part]
-            ok = ok and got == sizes[part].tolist()
-            total += sum(got)
+            got = [txn.get(struct.pack(">Q", i)) for i in part]
+            ok = ok and recs.match(part, got)
+            total += sum(len(r) for r in got)
     seconds = time.perf_counter() - t0
     env.close()
     return {"seconds": seconds, "records": len(idx), "bytes": total, "intact": ok}
@@ -637,6 +642,13 @@ def run(args: argparse.Namespace) -> dict:
     print("ratios:", json.dumps({k: v and round(v, 3) for k, v in result["ratios"].items()}))
     print(harness.summary_line(result["measurement"]))
     write_json(args.json, "catalog", rows, **result)
+    harness.require(
+        {
+            f"{r['peer']} read every record back byte for byte ({r['order']})": r["intact"]
+            for r in rows
+            if r["phase"] == "read"
+        }  # fmt: skip
+    )
     return result
 
 
