@@ -43,3 +43,16 @@ def test_bench_checkpoint_replica_restores_from_both_sources(tmp_path):
         ["copy_verify", "fetch", "find", "total_s"]
     ] * 2
     assert [p.name for p in tmp_path.iterdir()] == ["replica.json"]  # scratch removed
+
+
+def test_the_replica_run_takes_its_rounds_from_rounds():
+    """``checkpoint --replica --rounds 5`` ran 3 rounds: only ``--checkpoints`` was read."""
+    import argparse
+
+    from benchmarks import checkpoint, checkpoint_replica
+
+    p = argparse.ArgumentParser()
+    checkpoint.add_args(p)
+    rounds = lambda *argv: checkpoint_replica.rounds_of(p.parse_args(["--replica", *argv]))  # noqa: E731
+    assert rounds("--rounds", "5") == 5 and rounds("--checkpoints", "4") == 4
+    assert rounds() == 3 and rounds("--quick") == 2
