@@ -87,8 +87,11 @@ def _fsync_tree(path: str) -> None:
 class _Variant(abc.ABC):
     """Checkpoint every ``every`` steps with one method; records stall and time-to-durable.
 
-    ``stalls``: seconds the loop was blocked per checkpoint. ``persists``: seconds from the end of
-    the blocking part (or of the snapshot, for tensortier) until the files were durable.
+    ``stalls``: seconds the loop was blocked per checkpoint. ``persists``: seconds the write
+    took, from when the state was ready to write (DCP: ``async_save`` returned, its staging
+    copy done; tensortier: its snapshot done; ``torch.save``: the call began, as it serializes
+    while it writes) until the files were durable. ``durables``: from the checkpoint's start
+    until durable (the time a crash would lose it).
     """
 
     name = ""
@@ -97,6 +100,7 @@ class _Variant(abc.ABC):
         self.root, self.every = root, every
         self.stalls: list[float] = []
         self.persists: list[float] = []
+        self.durables: list[float] = []
         self.nbytes = 0
 
     def before_step(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
@@ -123,6 +127,7 @@ class TorchSave(_Variant):
         _fsync_tree(self.root)  # what durability costs on top (not counted as the loop's stall)
         self.stalls.append(t1 - t0)
         self.persists.append(time.perf_counter() - t0)
+        self.durables.append(self.persists[-1])
         self.nbytes = os.path.getsize(path)
         os.unlink(path)
 
@@ -137,9 +142,11 @@ class DcpAsync(_Variant):
         self.pg = False
 
     def _collect(self) -> None:
-        """The previous save is done: record its time-to-durable and size, remove its files."""
-        t0, done_box, path = self.pending
-        self.persists.append(done_box[0] - t0 if done_box else float("nan"))
+        """The previous save is done: record its write and time-to-durable and its size, remove
+        its files."""
+        t0, t_ready, done_box, path = self.pending
+        self.persists.append(done_box[0] - t_ready if done_box else float("nan"))
+        self.durables.append(done_box[0] - t0 if done_box else float("nan"))
         self.nbytes = sum(
             os.path.getsize(os.path.join(b, f)) for b, _, fs in os.walk(path) for f in fs
         )
@@ -166,10 +173,11 @@ class DcpAsync(_Variant):
                 raise
             self._init_gloo(exc)
             future = dcp.async_save(state, checkpoint_id=path)
-        self.stalls.append(waited + time.perf_counter() - t0)
+        t_ready = time.perf_counter()  # staged: the write starts (tensortier: its snapshot done)
+        self.stalls.append(waited + t_ready - t0)
         done_box: list[float] = []
         future.add_done_callback(lambda _f: done_box.append(time.perf_counter()))
-        self.future, self.pending = future, (t0, done_box, path)
+        self.future, self.pending = future, (t0, t_ready, done_box, path)
 
     def _init_gloo(self, exc: BaseException) -> None:
         import torch.distributed as dist
@@ -271,7 +279,7 @@ def _one_variant(variant_fn, model, opt, width, args, steps, device) -> dict:
         "nbytes": variant.nbytes,
         "stall_s": med(variant.stalls),
         "persist_s": med(variant.persists),
-        "durable_s": med(getattr(variant, "durables", variant.persists)),
+        "durable_s": med(variant.durables),
         "loop_s": loop,
         "peak": peak,
     }

@@ -56,3 +56,35 @@ def test_the_replica_run_takes_its_rounds_from_rounds():
     rounds = lambda *argv: checkpoint_replica.rounds_of(p.parse_args(["--replica", *argv]))  # noqa: E731
     assert rounds("--rounds", "5") == 5 and rounds("--checkpoints", "4") == 4
     assert rounds() == 3 and rounds("--quick") == 2
+
+
+def test_dcp_persist_starts_when_its_staging_is_done_like_tensortiers_after_its_snapshot(
+    monkeypatch, tmp_path
+):
+    """DCP's persist time included its staging copy (tensortier's starts after its snapshot),
+    so its persist bandwidth was understated; the staging now counts in its durable time."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from benchmarks import checkpoint
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(checkpoint, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    futures = []
+
+    def async_save(state, checkpoint_id):
+        clock.now += 2.0  # the staging copy: async_save returns when it is done
+        futures.append(Future())
+        return futures[-1]
+
+    monkeypatch.setattr(dcp, "async_save", async_save)
+    v = checkpoint.DcpAsync(str(tmp_path), every=1)
+    model = torch.nn.Linear(2, 2)
+    v.after_step(model, torch.optim.AdamW(model.parameters()), 0)
+    clock.now += 3.0  # the write
+    futures[-1].set_result(None)
+    v.finish()
+    assert v.stalls == [2.0] and v.persists == [3.0] and v.durables == [5.0]
