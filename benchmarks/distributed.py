@@ -201,6 +201,21 @@ def _rank(rank: int, world: int, variant: str, args: dict, port: int, out: str) 
         json.dump(row, f)
 
 
+def _timed(fwd_bwd, step, device: torch.device) -> tuple[float, float]:
+    """``(forward+backward, step)`` seconds of one iteration. On CUDA each boundary synchronizes:
+    kernels (and NCCL's all-reduce) run asynchronously, so without it the times were the
+    launches' and the work showed up in whichever phase synchronized first."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fwd_bwd()
+    sync()
+    t1 = time.perf_counter()
+    step()
+    sync()
+    return t1 - t0, time.perf_counter() - t1
+
+
 def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
     from tensortier.models.gpt import GPT, random_batch
 
@@ -219,23 +234,17 @@ def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
         engine, opt, state_bytes = _deepspeed(model, args)
 
         def train(x, y):
-            t0 = time.perf_counter()
-            loss = engine(x, y)
-            engine.backward(loss)
-            t1 = time.perf_counter()
-            engine.step()
-            return t1 - t0, time.perf_counter() - t1
+            return _timed(lambda: engine.backward(engine(x, y)), engine.step, device)
 
     else:
         module, opt, state_bytes = _build(variant, model, rank, world, args, device)
 
-        def train(x, y):
-            t0 = time.perf_counter()
-            module(x, y).backward()
-            t1 = time.perf_counter()
+        def step() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return t1 - t0, time.perf_counter() - t1
+
+        def train(x, y):
+            return _timed(lambda: module(x, y).backward(), step, device)
 
     fb, st = [], []
     for i, (x, y) in enumerate(batches):

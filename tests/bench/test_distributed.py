@@ -52,3 +52,18 @@ def test_each_rank_keeps_its_median_round_and_the_slowest_rank_is_judged():
     assert timed["ddp-tt"]["iter_ms"] == harness.spread_stats([12, 30, 20])
     assert by[("ddp-tt", 0)]["noisy"] and by[("ddp-tt", 0)]["iter_ms_stats"]["spread"] == 1.5
     assert by[("f", 0)]["error"] == "x"  # failed in every round: its error row stays
+
+
+def test_cuda_iterations_are_timed_between_synchronizations(monkeypatch):
+    """On CUDA the phases' times were taken without synchronizing: launch times, not work."""
+    import torch
+
+    from benchmarks.distributed import _timed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    _timed(lambda: calls.append("fwd_bwd"), lambda: calls.append("step"), torch.device("cuda", 0))
+    assert calls == ["sync", "fwd_bwd", "sync", "step", "sync"]
+    calls.clear()
+    _timed(lambda: calls.append("fwd_bwd"), lambda: calls.append("step"), torch.device("cpu"))
+    assert calls == ["fwd_bwd", "step"]
