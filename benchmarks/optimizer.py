@@ -384,15 +384,32 @@ def _rows(session: harness.Session, per_round: list[dict], variants: list[str], 
             row.update(session.row_fields(harness.variant_stats(per_round, v, TIMED)))
             row["peak_rss_bytes"] = max(r.get("peak_rss_bytes", 0) for r in runs)
         rows.append(row)
-    ref_path = os.path.join(tmp, "torch-foreach.npy")
-    ref = np.load(ref_path, allow_pickle=False) if os.path.exists(ref_path) else None
-    for r in rows:
-        path = os.path.join(tmp, f"{r['variant']}.npy")
-        if ref is not None and "error" not in r and os.path.exists(path):
-            r["max_abs_diff_vs_torch"] = float(
-                np.abs(np.load(path, allow_pickle=False) - ref).max()
-            )
+    _compare(rows, tmp)
     return rows
+
+
+def _compare(rows: list[dict], tmp: str) -> None:
+    """Each row's final parameters against torch AdamW's: the largest difference from the
+    foreach one (``max_abs_diff_vs_torch``), and, for tensortier, whether they equal the fused
+    one bit for bit (``bit_identical_to_torch_fused``: it runs the same kernel, so a difference
+    there is a defect a small ``max_abs_diff`` would hide)."""
+
+    def load(variant: str) -> np.ndarray | None:
+        path = os.path.join(tmp, f"{variant}.npy")
+        return np.load(path, allow_pickle=False) if os.path.exists(path) else None
+
+    foreach, fused = load("torch-foreach"), load("torch-fused")
+    for r in rows:
+        got = load(r["variant"]) if "error" not in r else None
+        if got is None:
+            continue
+        if foreach is not None:
+            r["max_abs_diff_vs_torch"] = float(np.abs(got - foreach).max())
+        if fused is not None and r["variant"].startswith("tt-"):
+            r["bit_identical_to_torch_fused"] = bool(
+                got.shape == fused.shape
+                and np.array_equal(got.view(np.uint32), fused.view(np.uint32))
+            )
 
 
 COLUMNS = [
@@ -406,6 +423,7 @@ COLUMNS = [
     "step_vs_update",
     "optimizer_rss_bytes",
     "max_abs_diff_vs_torch",
+    "bit_identical_to_torch_fused",
     "error",
 ]
 NOTE = (
@@ -512,6 +530,14 @@ def run(args) -> list[dict]:
         params=int(args.params),
         steps=args.steps,
         note=NOTE,
+    )
+    harness.require(
+        {
+            f"{r['variant']}: parameters bit-identical to torch AdamW(fused=True)'s": r[key]
+            for r in rows
+            for key in ["bit_identical_to_torch_fused"]
+            if key in r
+        }  # fmt: skip
     )
     return rows
 
