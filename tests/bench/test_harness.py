@@ -149,3 +149,12 @@ def test_a_failed_correctness_check_exits_non_zero_and_names_it():
         h.require({"a matches": True, "b gradients bit-identical to plain": False})
     assert "b gradients bit-identical to plain" in str(got.value)
     assert "a matches" not in str(got.value) and got.value.code != 0
+
+
+def test_every_result_names_the_versions_that_produced_it():
+    """The JSON named torch's version only: not tensortier's, its commit, nor the peers'."""
+    from benchmarks._common import environment
+
+    v = environment()["versions"]
+    assert v["tensortier"] and v["numpy"]
+    assert len(v.get("commit", "").split("-")[0]) == 40  # this checkout's HEAD
