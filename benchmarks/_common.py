@@ -65,6 +65,34 @@ def environment() -> dict:
     }
 
 
+class PeakRSS:
+    """This process's peak RSS, exact: the kernel's high-water mark (``VmHWM``), reset on demand
+    through ``/proc/self/clear_refs``. Every area measures peaks this way, so variants compare.
+
+    Why not a thread sampling RSS every few ms: it misses peaks shorter than its period (or
+    while it waits for the GIL). Why not ``ru_maxrss``: it cannot be reset, and a child started
+    by vfork + exec inherits its parent's high-water mark in it.
+    """
+
+    @staticmethod
+    def _status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{field} not in /proc/self/status")
+
+    def reset(self) -> int:
+        """Lowers the high-water mark to the RSS now, and returns that RSS."""
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return self._status("VmRSS")
+
+    def peak(self) -> int:
+        """The highest RSS since the last :meth:`reset` (or the process's start)."""
+        return self._status("VmHWM")
+
+
 def child_env(**extra: str) -> dict:
     """This process's environment for a worker ``python -m benchmarks.X``, plus ``extra``.
 
