@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -29,8 +28,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import _harness as harness
-from benchmarks._common import child_env, write_json
-from tensortier._device import rss_bytes
+from benchmarks._common import PeakRSS, child_env, write_json
 from tensortier._units import parse_size, print_table
 
 # tt-host / tt-disk run OffloadedAdamW's defaults (overlap="auto": no speculation on CPU);
@@ -111,28 +109,6 @@ def _optimizer(variant: str, params, args):
     )
 
 
-class _PeakRSS:
-    """Samples RSS every 5 ms on a thread: the peak a variant reaches while stepping."""
-
-    def __init__(self):
-        self.peak = rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
-
-    def __enter__(self) -> _PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-
-
 def _child(args) -> dict:
     """Train one variant; returns its measurements and writes final parameters to --out."""
     variant = args.child
@@ -140,31 +116,31 @@ def _child(args) -> dict:
     n = sum(p.numel() for p in model.parameters())
     data = _batches(args.width, args.batch, args.steps + 1)
     twin = _model(int(args.params), args.width)  # same model, no optimizer: the baseline
-    rss_model = rss_bytes()
+    peak = PeakRSS()  # exact (VmHWM), as every area measures peaks; a 5 ms sampler missed spikes
+    rss_model = peak.reset()
     row: dict = {"variant": variant, "params": n}
     t0 = time.perf_counter()
     opt = _optimizer(variant, model.parameters(), args)
     row["setup_s"] = time.perf_counter() - t0
     fwdbwd, steps, iters, plain = [], [], [], []
     kernel0 = 0.0
-    with _PeakRSS() as peak:
-        for i, x in enumerate(data):
-            if i == 1 and variant.startswith("tt-"):
-                kernel0 = opt.stats().kernel_seconds
-            t0 = time.perf_counter()  # plain forward+backward right before, same load
-            twin(x).square().mean().backward()
-            plain.append(time.perf_counter() - t0)
-            twin.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            model(x).square().mean().backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            if i > 0:  # step 0 warms up (and lets OffloadedAdamW learn the loop)
-                fwdbwd.append(t1 - t0)
-                steps.append(t2 - t1)
-                iters.append(t2 - t0)
+    for i, x in enumerate(data):
+        if i == 1 and variant.startswith("tt-"):
+            kernel0 = opt.stats().kernel_seconds
+        t0 = time.perf_counter()  # plain forward+backward right before, same load
+        twin(x).square().mean().backward()
+        plain.append(time.perf_counter() - t0)
+        twin.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if i > 0:  # step 0 warms up (and lets OffloadedAdamW learn the loop)
+            fwdbwd.append(t1 - t0)
+            steps.append(t2 - t1)
+            iters.append(t2 - t0)
     med = lambda xs: float(np.min(xs)) * 1e3  # noqa: E731  best of N: other processes share the cores
     row.update(
         fwdbwd_ms=med(fwdbwd),
@@ -172,8 +148,8 @@ def _child(args) -> dict:
         iter_ms=med(iters),
         plain_fwdbwd_ms=med(plain[1:]),
         exposed_ms=float(np.median(np.array(iters) - np.array(plain[1:]))) * 1e3,
-        peak_rss_bytes=peak.peak,
-        optimizer_rss_bytes=peak.peak - rss_model,
+        peak_rss_bytes=peak.peak(),
+        optimizer_rss_bytes=peak.peak() - rss_model,
     )
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     np.save(args.out, flat, allow_pickle=False)
