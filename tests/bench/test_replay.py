@@ -53,3 +53,22 @@ def test_a_peer_reports_its_own_peak_rss_not_its_parents(tmp_path):
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0 < row["peak_rss"] < 300 << 20  # numpy + psutil + 50 items: tens of MiB
+
+
+@pytest.mark.parametrize("module", ["replay_sharded", "params_nodes"])
+def test_a_section_run_alone_records_the_load(module, tmp_path, monkeypatch):
+    """``python -m benchmarks.replay_sharded`` / ``.params_nodes`` wrote no load (the first only
+    its end's load average): no measurement block, no noise verdict."""
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.{module}")
+    row = {"section": "s", "peer": "p"}
+    if module == "replay_sharded":
+        monkeypatch.setattr(mod, "sharded_section", lambda *a: ([row], {"r": 1.0}))
+    else:
+        monkeypatch.setattr(mod, "section", lambda sizes, rounds: [row])
+    out = tmp_path / "s.json"
+    mod.main(["--quiet-wait", "0", "--json", str(out)])
+    m = json.loads(out.read_text())["measurement"]
+    assert m["load_before"]["cpus"] > 0 and m["load_after"] and m["noisy"] is True
+    assert "1 round: spread unknown" in m["noisy_reasons"]
