@@ -67,3 +67,30 @@ def test_cuda_iterations_are_timed_between_synchronizations(monkeypatch):
     calls.clear()
     _timed(lambda: calls.append("fwd_bwd"), lambda: calls.append("step"), torch.device("cpu"))
     assert calls == ["fwd_bwd", "step"]
+
+
+def _async_stall(rank, world, root):
+    import torch
+
+    from benchmarks.distributed import _dcp_async_stall
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    return _dcp_async_stall(model, opt, root)
+
+
+def test_the_checkpoint_stall_is_also_compared_with_dcp_async_save(tmp_path):
+    """The only DCP peer was the blocking ``save``; the one a user who wants training to go on
+    picks is ``async_save`` (the single-process area measures it): its stall is now beside it."""
+    from benchmarks.distributed import _summary
+    from tests.distributed import run
+
+    got = run(_async_stall, 2, str(tmp_path))
+    assert all(r["dcp_async_save_stall_s"] > 0 for r in got), got
+    rows = [
+        _row("checkpoint", r, stall_vs_dcp_save=0.05, persist_vs_dd=1, stall_vs_dcp_async_save=x)
+        for r, x in enumerate((0.5, 0.7))
+    ]
+    assert _summary(rows)["stall_vs_dcp_async_save"] == 0.7  # the worst rank
