@@ -70,8 +70,10 @@ def test_a_read_returning_another_record_of_the_same_size_is_not_intact(tmp_path
     bench.build_lmdb(root, recs)
     args, idx = argparse.Namespace(batch=8), np.arange(20)
     assert bench.read_lmdb(root, args, idx, recs)["intact"] is True
+    assert bench.random_reads("lmdb", root, recs, count=200)["intact"] is True
     env = lmdb.open(root)
     with env.begin(write=True) as txn:
         txn.put(struct.pack(">Q", 3), txn.get(struct.pack(">Q", 4)))
     env.close()
     assert bench.read_lmdb(root, args, idx, recs)["intact"] is False
+    assert bench.random_reads("lmdb", root, recs, count=200)["intact"] is False  # unchecked before
