@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -259,10 +260,40 @@ def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
         "iter_ms": float(np.median(np.array(fb) + np.array(st))) * 1e3,
         "optimizer_state_bytes": int(state_bytes()),
         "optimizer_rss_bytes": int(rss_bytes() - rss0),
+        "params_sha256": _params_digest(model, opt),
     }
     if hasattr(opt, "close"):
         opt.close()
     return row
+
+
+def _params_digest(model, opt) -> str:
+    """SHA-256 of the parameters after training (a deferred gather finished first): the
+    tensortier variants must end bit-identical to DDP + fused AdamW, which runs the same kernel."""
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    h = hashlib.sha256()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
+        h.update(local.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+SAME_AS_FUSED = ("ddp-tt", "ddp-tt-defer", "ddp-tt-unsharded")  # DDP, OffloadedAdamW: same bits
+
+
+def _same_params(per_round: list[dict]) -> dict[str, bool]:
+    """Per round and rank, whether each DDP + OffloadedAdamW variant ended with DDP + fused
+    AdamW's parameters bit for bit (rounds where either failed are left out)."""
+    checks = {}
+    for r, got in enumerate(per_round):
+        ref = got.get("ddp-torch-fused", {})
+        for v in SAME_AS_FUSED:
+            if v in got and "error" not in got[v] and "error" not in ref and ref:
+                for a, b in zip(got[v]["ranks"], ref["ranks"]):
+                    name = f"round {r} rank {a['rank']}: {v} parameters bit-identical to DDP + fused AdamW's"
+                    checks[name] = a["params_sha256"] == b["params_sha256"]
+    return checks
 
 
 def _dd(path: str, nbytes: int) -> float:
@@ -455,7 +486,17 @@ def run(args) -> list[dict]:
     print_table(rows, cols)
     print("summary:", json.dumps(summary, indent=1))
     print(harness.summary_line(measurement))
-    write_json(args.json, "distributed", rows, settings=a, summary=summary, measurement=measurement)
+    same = _same_params(per_round)
+    write_json(
+        args.json,
+        "distributed",
+        rows,
+        settings=a,
+        summary=summary,
+        measurement=measurement,
+        params_bit_identical_to_ddp_fused=same,
+    )
+    harness.require(same)
     return rows
 
 

@@ -94,3 +94,23 @@ def test_the_checkpoint_stall_is_also_compared_with_dcp_async_save(tmp_path):
         for r, x in enumerate((0.5, 0.7))
     ]
     assert _summary(rows)["stall_vs_dcp_async_save"] == 0.7  # the worst rank
+
+
+def test_tensortier_variants_must_end_with_ddp_fused_adamws_parameters():
+    """Nothing compared the variants' results: OffloadedAdamW runs fused AdamW's kernel, so its
+    parameters after training must equal DDP + fused AdamW's bit for bit, on every rank."""
+    from benchmarks.distributed import _same_params
+
+    def rnd(v, *digests):
+        return _worst_rank([_row(v, r, iter_ms=1, params_sha256=d) for r, d in enumerate(digests)])
+
+    per_round = [
+        {"ddp-torch-fused": rnd("f", "a", "a"), "ddp-tt": rnd("t", "a", "b"),
+         "fsdp2-tt": rnd("s", "c", "d")},
+        {"ddp-torch-fused": _worst_rank([_row("f", 0, error="x")]), "ddp-tt": rnd("t", "z", "z")},
+    ]  # fmt: skip
+    checks = _same_params(per_round)
+    assert checks == {
+        "round 0 rank 0: ddp-tt parameters bit-identical to DDP + fused AdamW's": True,
+        "round 0 rank 1: ddp-tt parameters bit-identical to DDP + fused AdamW's": False,
+    }
