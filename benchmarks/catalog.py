@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from benchmarks import _harness as harness
-from benchmarks._common import child_env, write_json
+from benchmarks._common import PeakRSS, child_env, write_json
 from benchmarks.tiers import dd_bandwidth, tier_bandwidth
 from tensortier._units import format_size, parse_size, print_table
 
@@ -425,19 +425,10 @@ def job(spec: dict) -> dict:
     else:
         out = random_reads(peer, root, recs)
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    out["peak_rss"] = _peak_rss()
+    out["peak_rss"] = PeakRSS().peak()  # this fresh process's own high-water mark
     # CPU of the measured phase (user + system): what the machine's load cannot change
     out["cpu_seconds"] = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
     return out
-
-
-def _peak_rss() -> int:
-    """This process's peak RSS (VmHWM: ru_maxrss would include the parent's before exec)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run_job(**spec) -> dict:
