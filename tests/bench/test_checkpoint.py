@@ -75,7 +75,7 @@ def test_dcp_persist_starts_when_its_staging_is_done_like_tensortiers_after_its_
     monkeypatch.setattr(checkpoint, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     futures = []
 
-    def async_save(state, checkpoint_id):
+    def async_save(state, checkpoint_id, storage_writer):
         clock.now += 2.0  # the staging copy: async_save returns when it is done
         futures.append(Future())
         return futures[-1]
@@ -105,3 +105,28 @@ def test_a_variants_extra_peak_does_not_depend_on_what_ran_before_it(tmp_path):
     for make in (lambda r: checkpoint.DcpAsync(r, 2), lambda r: checkpoint.Tensortier(r, 2)):
         _, _, peak = checkpoint._measure(make, model, opt, width, args, 2, dev, None)
     assert peak > 0.75 * state
+
+
+def test_dcp_on_a_gpu_keeps_one_caching_writer_as_its_recipe_recommends(monkeypatch, tmp_path):
+    """DCP made a fresh staging copy every save; its async recipe keeps one writer with
+    ``cache_staged_state_dict=True`` across saves (pinned, so only with an accelerator)."""
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from benchmarks import checkpoint
+
+    writers = []
+
+    def async_save(state, checkpoint_id, storage_writer):
+        writers.append(storage_writer)
+        return Future()
+
+    monkeypatch.setattr(dcp, "async_save", async_save)
+    assert checkpoint.DcpAsync(str(tmp_path), every=1).writer is None  # CPU: default stager
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    v = checkpoint.DcpAsync(str(tmp_path), every=2)
+    model = torch.nn.Linear(2, 2)
+    v.after_step(model, torch.optim.AdamW(model.parameters()), 1)
+    assert isinstance(writers[0], FileSystemWriter) and writers[0].cache_staged_state_dict
