@@ -350,15 +350,17 @@ TIMED = ("step_ms", "iter_ms", "exposed_ms")  # the child's timed metrics the ha
 
 
 def _rows(session: harness.Session, per_round: list[dict], variants: list[str], tmp: str):
-    """Per variant its median round (a whole row) plus the harness fields, and the parameter
-    difference against torch AdamW(foreach) (the last round's final parameters)."""
+    """Per variant its median round (a whole row) plus the harness fields, its memory from its
+    worst round (both figures: the peak and the optimizer's part of it came from different
+    rounds), and the parameter check against torch AdamW (the last round's parameters)."""
     rows = []
     for v in variants:
         runs = [got[v] for got in per_round]
         row = dict(harness.median_run(runs, "step_ms"))
         if "error" not in row:
             row.update(session.row_fields(harness.variant_stats(per_round, v, TIMED)))
-            row["peak_rss_bytes"] = max(r.get("peak_rss_bytes", 0) for r in runs)
+            for key in ("peak_rss_bytes", "optimizer_rss_bytes"):
+                row[key] = max(r[key] for r in runs if key in r)
         rows.append(row)
     _compare(rows, tmp)
     return rows

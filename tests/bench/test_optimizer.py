@@ -51,3 +51,21 @@ def test_parameters_that_differ_from_fused_adamw_by_one_bit_fail_the_check(tmp_p
     assert by["tt-disk"]["bit_identical_to_torch_fused"] is False
     assert 0 < by["tt-host"]["max_abs_diff_vs_torch"] < 1e-6  # the old check passed both
     assert "bit_identical_to_torch_fused" not in by["torch-foreach"]
+
+
+def test_a_rows_memory_figures_come_from_the_same_worst_round(tmp_path):
+    """``peak_rss_bytes`` was the worst round's and ``optimizer_rss_bytes`` the median round's:
+    a row whose optimizer share did not belong to its peak."""
+    from benchmarks import _harness as harness
+    from benchmarks.optimizer import _rows
+
+    def run(step, peak, opt):
+        return {"variant": "tt-host", "step_ms": step, "iter_ms": step, "exposed_ms": 1.0,
+                "peak_rss_bytes": peak, "optimizer_rss_bytes": opt}  # fmt: skip
+
+    per_round = [{"tt-host": run(1.0, 900, 500)}, {"tt-host": run(2.0, 700, 300)},
+                 {"tt-host": run(3.0, 800, 400)}]  # fmt: skip
+    session = harness.Session("t", 3, poll=None, loadavg=lambda: (0.1, 0.1, 0.1), cpus=2)
+    (row,) = _rows(session, per_round, ["tt-host"], str(tmp_path))
+    assert row["step_ms"] == 2.0  # the median round
+    assert row["peak_rss_bytes"] == 900 and row["optimizer_rss_bytes"] == 500
