@@ -8,10 +8,12 @@ plan`` prints its tables too, and nothing in ``src`` may import ``benchmarks``.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import platform
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,6 +24,34 @@ import torch
 from tensortier._device import device_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+# the peers' distributions whose versions a result names (those installed)
+PEER_PACKAGES = (
+    "numpy", "deepspeed", "datasets", "pyarrow", "lmdb", "ray", "torchrl", "tensordict",
+    "gymnasium",
+)  # fmt: skip
+
+
+def versions() -> dict:
+    """What produced a result: tensortier's version and commit (``-dirty`` with uncommitted
+    edits), and the version of every installed peer, read from its metadata (nothing imported)."""
+    import tensortier
+
+    out = {"tensortier": getattr(tensortier, "__version__", "unknown")}
+    try:
+        git = ["git", "-C", ROOT]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True)  # fmt: skip
+        if head.returncode == 0:
+            out["commit"] = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except OSError:  # no git: the version alone
+        pass
+    for name in PEER_PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
 
 
 def environment() -> dict:
@@ -31,7 +61,36 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": versions(),
     }
+
+
+class PeakRSS:
+    """This process's peak RSS, exact: the kernel's high-water mark (``VmHWM``), reset on demand
+    through ``/proc/self/clear_refs``. Every area measures peaks this way, so variants compare.
+
+    Why not a thread sampling RSS every few ms: it misses peaks shorter than its period (or
+    while it waits for the GIL). Why not ``ru_maxrss``: it cannot be reset, and a child started
+    by vfork + exec inherits its parent's high-water mark in it.
+    """
+
+    @staticmethod
+    def _status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{field} not in /proc/self/status")
+
+    def reset(self) -> int:
+        """Lowers the high-water mark to the RSS now, and returns that RSS."""
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return self._status("VmRSS")
+
+    def peak(self) -> int:
+        """The highest RSS since the last :meth:`reset` (or the process's start)."""
+        return self._status("VmHWM")
 
 
 def child_env(**extra: str) -> dict:

@@ -302,6 +302,17 @@ def median_run(runs: Sequence[dict], key: str) -> dict:
     return ok[(len(ok) - 1) // 2]
 
 
+def require(checks: dict[str, bool]) -> None:
+    """Exits non-zero naming every correctness check that failed (``checks``: what was checked
+    -> whether it held). Called once the JSON is written: variants whose results differ did
+    not do the same work, so their figures cannot be compared, and a table alone hides that."""
+    failed = [name for name, ok in checks.items() if not ok]
+    if failed:
+        raise SystemExit(
+            "correctness check failed (the figures above are not comparable): " + "; ".join(failed)
+        )
+
+
 def summary_line(measurement: dict) -> str:
     load = measurement["load_before"].get("load_1m", float("nan"))
     head = (

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import _harness as harness
-from benchmarks._common import child_env, environment, write_json
+from benchmarks._common import PeakRSS, child_env, environment, write_json
 from tensortier._units import print_table
 
 VARIANTS = ("plain", "checkpoint", "save_on_cpu", "tt-host", "tt-disk")
@@ -80,26 +80,6 @@ def _config(args: argparse.Namespace) -> dict:
     )
 
 
-class _PeakRSS:
-    """Kernel-tracked peak RSS (VmHWM), reset on demand through /proc/self/clear_refs."""
-
-    @staticmethod
-    def _status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(f"{field} not in /proc/self/status")
-
-    def reset(self) -> int:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak RSS to the current RSS
-        return self._status("VmRSS")
-
-    def peak(self) -> int:
-        return self._status("VmHWM")
-
-
 def _worker(args: argparse.Namespace) -> dict:
     """Runs one variant in this (fresh) process and returns its measurements."""
     import tensortier as tt
@@ -131,7 +111,7 @@ def _worker(args: argparse.Namespace) -> dict:
             return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
         return offloader if offloader is not None else _null()
 
-    rss = _PeakRSS()
+    rss = PeakRSS()
     times, grad_hash, peaks = [], None, []
     if cuda:
         torch.cuda.synchronize()
@@ -244,6 +224,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         rounds=session.rounds,
         measurement=measurement,
         malloc="release (MALLOC_MMAP_THRESHOLD_=131072)" if args.malloc_release else "default",
+    )
+    harness.require(
+        {f"{r['variant']}: gradients bit-identical to plain's": r["grads_match"] for r in rows}
     )
     return rows
 

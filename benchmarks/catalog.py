@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from benchmarks import _harness as harness
-from benchmarks._common import child_env, write_json
+from benchmarks._common import PeakRSS, child_env, write_json
 from benchmarks.tiers import dd_bandwidth, tier_bandwidth
 from tensortier._units import format_size, parse_size, print_table
 
@@ -122,6 +122,15 @@ class Records:
     @property
     def total(self) -> int:
         return int(self.sizes.sum())
+
+    def match(self, indices, got: list) -> bool:
+        """Whether ``got`` holds exactly records ``indices``, byte for byte (not only their
+        lengths: a store returning another record of the same size must not pass)."""
+        pool, high, sizes = self.pool, self.high, self.sizes
+        return len(got) == len(indices) and all(
+            len(g) == sizes[i] and g == pool[(i * 7919) % high : (i * 7919) % high + sizes[i]]
+            for i, g in zip(np.asarray(indices).tolist(), got)
+        )
 
 
 def scale(args, free: int, mean: float) -> tuple[int, str]:
@@ -224,15 +233,13 @@ def read_tt(root: str, args, order: str, recs: Records) -> dict:
         io_threads=args.io_threads,
         prefetch_budget=args.prefetch_budget,
     )
-    sizes = recs.sizes
     total = n = 0
     ok = True
     t0 = time.perf_counter()
     for b in loader:
-        got = [len(r) for r in b.data]
-        ok = ok and got == sizes[b.indices].tolist()
-        total += sum(got)
-        n += len(got)
+        ok = ok and recs.match(b.indices, b.data)
+        total += sum(len(r) for r in b.data)
+        n += len(b.data)
     seconds = time.perf_counter() - t0
     stats = loader.stats().as_dict()
     loader.close()
@@ -262,14 +269,13 @@ def _load_hf_cold(root: str):
 
 def read_hf(root: str, args, idx: np.ndarray, recs: Records) -> dict:
     ds = _load_hf_cold(root)
-    sizes = recs.sizes
     total, ok = 0, True
     t0 = time.perf_counter()
     for a in range(0, len(idx), args.batch):
         part = idx[a : a + args.batch]
-        got = [len(r) for r in ds[part.tolist()]["data"]]
-        ok = ok and got == sizes[part].tolist()
-        total += sum(got)
+        got = ds[part.tolist()]["data"]
+        ok = ok and recs.match(part, got)
+        total += sum(len(r) for r in got)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "records": len(idx), "bytes": total, "intact": ok}
 
@@ -278,37 +284,35 @@ def read_lmdb(root: str, args, idx: np.ndarray, recs: Records) -> dict:
     import lmdb
 
     env = lmdb.open(root, readonly=True, lock=False)
-    sizes = recs.sizes
     total, ok = 0, True
     t0 = time.perf_counter()
     with env.begin() as txn:
         for a in range(0, len(idx), args.batch):
             part = idx[a : a + args.batch].tolist()
-            got = [len(txn.get(struct.pack(">Q", i))) for i in part]
-            ok = ok and got == sizes[part].tolist()
-            total += sum(got)
+            got = [txn.get(struct.pack(">Q", i)) for i in part]
+            ok = ok and recs.match(part, got)
+            total += sum(len(r) for r in got)
     seconds = time.perf_counter() - t0
     env.close()
     return {"seconds": seconds, "records": len(idx), "bytes": total, "intact": ok}
 
 
-def random_reads(kind: str, root: str, n: int, count: int = 2000) -> float:
-    """Single records read at random indices, per second (page cache dropped by the caller)."""
-    picks = np.random.default_rng(5).integers(0, n, count).tolist()
+def random_reads(kind: str, root: str, recs: Records, count: int = 2000) -> dict:
+    """Single records read at random indices: per second (page cache dropped by the caller),
+    and whether each was the right record, byte for byte (checked after the clock stops)."""
+    picks = np.random.default_rng(5).integers(0, len(recs), count).tolist()
     if kind == "tensortier":
         from tensortier.data import Catalog
 
         cat = Catalog.open(root)
         t0 = time.perf_counter()
-        for i in picks:
-            cat[i]
+        got = [cat[i] for i in picks]
         dt = time.perf_counter() - t0
         cat.close()
     elif kind == "datasets":
         ds = _load_hf_cold(root)
         t0 = time.perf_counter()
-        for i in picks:
-            ds[i]["data"]
+        got = [ds[i]["data"] for i in picks]
         dt = time.perf_counter() - t0
     else:
         import lmdb
@@ -316,11 +320,10 @@ def random_reads(kind: str, root: str, n: int, count: int = 2000) -> float:
         env = lmdb.open(root, readonly=True, lock=False)
         t0 = time.perf_counter()
         with env.begin() as txn:
-            for i in picks:
-                txn.get(struct.pack(">Q", i))
+            got = [txn.get(struct.pack(">Q", i)) for i in picks]
         dt = time.perf_counter() - t0
         env.close()
-    return count / dt
+    return {"records_per_s": count / dt, "intact": recs.match(picks, got)}
 
 
 _OPEN_PROBE = r"""
@@ -420,21 +423,12 @@ def job(spec: dict) -> dict:
             idx = np.load(spec["order_file"])
             out = (read_hf if peer == "datasets" else read_lmdb)(root, args, idx, recs)
     else:
-        out = {"records_per_s": random_reads(peer, root, spec["n"])}
+        out = random_reads(peer, root, recs)
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    out["peak_rss"] = _peak_rss()
+    out["peak_rss"] = PeakRSS().peak()  # this fresh process's own high-water mark
     # CPU of the measured phase (user + system): what the machine's load cannot change
     out["cpu_seconds"] = usage.ru_utime + usage.ru_stime - before.ru_utime - before.ru_stime
     return out
-
-
-def _peak_rss() -> int:
-    """This process's peak RSS (VmHWM: ru_maxrss would include the parent's before exec)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run_job(**spec) -> dict:
@@ -580,7 +574,9 @@ def _randoms(ctx: _Ctx) -> list[dict]:
     rows = []
     for peer in ["tensortier", *ctx.peers]:
         rate = harness.spread_stats(g[peer]["records_per_s"] for g in per_round)["median"]
+        intact = all(g[peer]["intact"] for g in per_round)
         rows.append({"phase": "random", "peer": peer, "order": "uniform", "records_per_s": rate,
+                     "intact": intact,
                      **ctx.stats("random", per_round, peer, "records_per_s")})  # fmt: skip
     for peer in ctx.peers:
         ctx.ratio(f"random_vs_{peer}", per_round, "tensortier", peer, "records_per_s")
@@ -637,6 +633,13 @@ def run(args: argparse.Namespace) -> dict:
     print("ratios:", json.dumps({k: v and round(v, 3) for k, v in result["ratios"].items()}))
     print(harness.summary_line(result["measurement"]))
     write_json(args.json, "catalog", rows, **result)
+    harness.require(
+        {
+            f"{r['peer']} {r['phase']} ({r['order']}): every record byte for byte": r["intact"]
+            for r in rows
+            if "intact" in r
+        }  # fmt: skip
+    )
     return result
 
 

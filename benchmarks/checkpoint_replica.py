@@ -167,13 +167,19 @@ def _rows(session: harness.Session, sec: _Seconds, nbytes: int):
     return rows, timed, ratios
 
 
+def rounds_of(args: argparse.Namespace) -> int:
+    """Rounds of save + both restores: ``--rounds`` (every area's option; it was ignored here),
+    else ``--checkpoints``, else 3 (2 with ``--quick``)."""
+    return args.rounds or args.checkpoints or (2 if args.quick else 3)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     import ray
 
     from benchmarks._mlp import build, train
 
     state = parse_size(args.state_size or ("64MiB" if args.quick else "1GiB"), name="--state-size")
-    rounds = args.checkpoints or (2 if args.quick else 3)
+    rounds = rounds_of(args)
     device = torch.device("cpu")
     model, opt, width = build(state, device)
     train(model, opt, width, args.batch, 2, device)  # the optimizer state exists
@@ -228,6 +234,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         dir=args.dir,
         cpus=environment()["cpus"],
     )
+    harness.require({"the replica and the disk restored the same bits as were saved": intact})
     return rows
 
 

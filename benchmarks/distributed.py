@@ -14,9 +14,9 @@ time (fresh processes, so memory figures are each variant's own):
 - ``deepspeed-zero2-offload``: DeepSpeed ZeRO stage 2 with ``offload_optimizer: cpu`` (its CPU
   accelerator on a CPU-only machine); an error row says why when it cannot run.
 - ``checkpoint``: DDP + sharded OffloadedAdamW; per rank the stall of ``Checkpointer.save`` and its
-  persist bandwidth, against the blocking time of ``torch.distributed.checkpoint.save`` of the
-  same model and optimizer state and against ``dd`` (O_DIRECT, fsync) of the same bytes run by
-  every rank at once on the same disk.
+  persist bandwidth, against the blocking time of ``torch.distributed.checkpoint.save`` and of
+  ``async_save`` (its staging) of the same model and optimizer state, and against ``dd``
+  (O_DIRECT, fsync) of the same bytes run by every rank at once on the same disk.
 
 Per rank: median ``opt.step()`` and iteration times, the optimizer's host state bytes (accounted:
 our stats, torch/DeepSpeed state tensors) and its RSS growth. Run:
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -201,6 +202,21 @@ def _rank(rank: int, world: int, variant: str, args: dict, port: int, out: str) 
         json.dump(row, f)
 
 
+def _timed(fwd_bwd, step, device: torch.device) -> tuple[float, float]:
+    """``(forward+backward, step)`` seconds of one iteration. On CUDA each boundary synchronizes:
+    kernels (and NCCL's all-reduce) run asynchronously, so without it the times were the
+    launches' and the work showed up in whichever phase synchronized first."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fwd_bwd()
+    sync()
+    t1 = time.perf_counter()
+    step()
+    sync()
+    return t1 - t0, time.perf_counter() - t1
+
+
 def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
     from tensortier.models.gpt import GPT, random_batch
 
@@ -219,23 +235,17 @@ def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
         engine, opt, state_bytes = _deepspeed(model, args)
 
         def train(x, y):
-            t0 = time.perf_counter()
-            loss = engine(x, y)
-            engine.backward(loss)
-            t1 = time.perf_counter()
-            engine.step()
-            return t1 - t0, time.perf_counter() - t1
+            return _timed(lambda: engine.backward(engine(x, y)), engine.step, device)
 
     else:
         module, opt, state_bytes = _build(variant, model, rank, world, args, device)
 
-        def train(x, y):
-            t0 = time.perf_counter()
-            module(x, y).backward()
-            t1 = time.perf_counter()
+        def step() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return t1 - t0, time.perf_counter() - t1
+
+        def train(x, y):
+            return _timed(lambda: module(x, y).backward(), step, device)
 
     fb, st = [], []
     for i, (x, y) in enumerate(batches):
@@ -250,10 +260,40 @@ def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
         "iter_ms": float(np.median(np.array(fb) + np.array(st))) * 1e3,
         "optimizer_state_bytes": int(state_bytes()),
         "optimizer_rss_bytes": int(rss_bytes() - rss0),
+        "params_sha256": _params_digest(model, opt),
     }
     if hasattr(opt, "close"):
         opt.close()
     return row
+
+
+def _params_digest(model, opt) -> str:
+    """SHA-256 of the parameters after training (a deferred gather finished first): the
+    tensortier variants must end bit-identical to DDP + fused AdamW, which runs the same kernel."""
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    h = hashlib.sha256()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
+        h.update(local.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+SAME_AS_FUSED = ("ddp-tt", "ddp-tt-defer", "ddp-tt-unsharded")  # DDP, OffloadedAdamW: same bits
+
+
+def _same_params(per_round: list[dict]) -> dict[str, bool]:
+    """Per round and rank, whether each DDP + OffloadedAdamW variant ended with DDP + fused
+    AdamW's parameters bit for bit (rounds where either failed are left out)."""
+    checks = {}
+    for r, got in enumerate(per_round):
+        ref = got.get("ddp-torch-fused", {})
+        for v in SAME_AS_FUSED:
+            if v in got and "error" not in got[v] and "error" not in ref and ref:
+                for a, b in zip(got[v]["ranks"], ref["ranks"]):
+                    name = f"round {r} rank {a['rank']}: {v} parameters bit-identical to DDP + fused AdamW's"
+                    checks[name] = a["params_sha256"] == b["params_sha256"]
+    return checks
 
 
 def _dd(path: str, nbytes: int) -> float:
@@ -308,6 +348,7 @@ def _checkpoint(rank, world, model, batches, args, device, rss0) -> dict:
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         dcp.save(state, checkpoint_id=os.path.join(root, f"dcp-{i}"))
         dcp_s.append(time.perf_counter() - t0)
+    dcp_async = _dcp_async_stall(model, opt, root)
     torch.distributed.barrier()
     dd = _dd(os.path.join(root, f"dd-{rank}"), max(nbytes, 64 << 20))  # all ranks at once
     torch.distributed.barrier()
@@ -315,16 +356,43 @@ def _checkpoint(rank, world, model, batches, args, device, rss0) -> dict:
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     stall, dcp_stall, bw = min(stalls), min(dcp_s), max(gbps)
+    if "dcp_async_save_stall_s" in dcp_async:
+        dcp_async["stall_vs_dcp_async_save"] = stall / dcp_async["dcp_async_save_stall_s"]
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "persist_bytes": nbytes,
         "stall_s": stall,
         "dcp_save_s": dcp_stall,
         "stall_vs_dcp_save": stall / dcp_stall,
+        **dcp_async,
         "persist_gbps": bw,
         "dd_gbps": dd,
         "persist_vs_dd": bw / dd,
     }
+
+
+def _dcp_async_stall(model, opt, root: str) -> dict:
+    """The peer a user who wants training to go on picks: DCP ``async_save``; the seconds it
+    blocks (its staging copy; best of 2), each save awaited before the next as DCP's docs ask.
+    An error names why it cannot run (on NCCL it needs a CPU backend in the process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    from benchmarks.checkpoint import dcp_async_writer
+
+    seconds = []
+    try:
+        writer = dcp_async_writer(root)  # one kept across saves, as DCP's async recipe says
+        for i in range(2):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            path = os.path.join(root, f"dcp-async-{i}")
+            future = dcp.async_save(state, checkpoint_id=path, storage_writer=writer)
+            seconds.append(time.perf_counter() - t0)
+            future.result()
+    except Exception as exc:  # a peer that cannot run here: say why, keep the other figures
+        return {"dcp_async_save_error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"dcp_async_save_stall_s": min(seconds)}
 
 
 def _spawn(variant: str, args: dict) -> list[dict]:
@@ -414,6 +482,7 @@ def run(args) -> list[dict]:
         "optimizer_rss_bytes",
         "stall_s",
         "dcp_save_s",
+        "dcp_async_save_stall_s",
         "persist_gbps",
         "dd_gbps",
         "error",
@@ -421,7 +490,17 @@ def run(args) -> list[dict]:
     print_table(rows, cols)
     print("summary:", json.dumps(summary, indent=1))
     print(harness.summary_line(measurement))
-    write_json(args.json, "distributed", rows, settings=a, summary=summary, measurement=measurement)
+    same = _same_params(per_round)
+    write_json(
+        args.json,
+        "distributed",
+        rows,
+        settings=a,
+        summary=summary,
+        measurement=measurement,
+        params_bit_identical_to_ddp_fused=same,
+    )
+    harness.require(same)
     return rows
 
 
@@ -489,6 +568,8 @@ def _summary(rows: list[dict]) -> dict:
             )
     if "checkpoint" in by:
         out["stall_vs_dcp_save"] = worst("checkpoint", "stall_vs_dcp_save")
+        if all("stall_vs_dcp_async_save" in r for r in by["checkpoint"]):
+            out["stall_vs_dcp_async_save"] = worst("checkpoint", "stall_vs_dcp_async_save")
         out["persist_vs_dd"] = worst("checkpoint", "persist_vs_dd", min)
     errors = {r["variant"]: r["error"] for r in rows if "error" in r}
     if errors:

@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -29,8 +28,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import _harness as harness
-from benchmarks._common import child_env, write_json
-from tensortier._device import rss_bytes
+from benchmarks._common import PeakRSS, child_env, write_json
 from tensortier._units import parse_size, print_table
 
 # tt-host / tt-disk run OffloadedAdamW's defaults (overlap="auto": no speculation on CPU);
@@ -111,28 +109,6 @@ def _optimizer(variant: str, params, args):
     )
 
 
-class _PeakRSS:
-    """Samples RSS every 5 ms on a thread: the peak a variant reaches while stepping."""
-
-    def __init__(self):
-        self.peak = rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
-
-    def __enter__(self) -> _PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-
-
 def _child(args) -> dict:
     """Train one variant; returns its measurements and writes final parameters to --out."""
     variant = args.child
@@ -140,31 +116,31 @@ def _child(args) -> dict:
     n = sum(p.numel() for p in model.parameters())
     data = _batches(args.width, args.batch, args.steps + 1)
     twin = _model(int(args.params), args.width)  # same model, no optimizer: the baseline
-    rss_model = rss_bytes()
+    peak = PeakRSS()  # exact (VmHWM), as every area measures peaks; a 5 ms sampler missed spikes
+    rss_model = peak.reset()
     row: dict = {"variant": variant, "params": n}
     t0 = time.perf_counter()
     opt = _optimizer(variant, model.parameters(), args)
     row["setup_s"] = time.perf_counter() - t0
     fwdbwd, steps, iters, plain = [], [], [], []
     kernel0 = 0.0
-    with _PeakRSS() as peak:
-        for i, x in enumerate(data):
-            if i == 1 and variant.startswith("tt-"):
-                kernel0 = opt.stats().kernel_seconds
-            t0 = time.perf_counter()  # plain forward+backward right before, same load
-            twin(x).square().mean().backward()
-            plain.append(time.perf_counter() - t0)
-            twin.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            model(x).square().mean().backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            if i > 0:  # step 0 warms up (and lets OffloadedAdamW learn the loop)
-                fwdbwd.append(t1 - t0)
-                steps.append(t2 - t1)
-                iters.append(t2 - t0)
+    for i, x in enumerate(data):
+        if i == 1 and variant.startswith("tt-"):
+            kernel0 = opt.stats().kernel_seconds
+        t0 = time.perf_counter()  # plain forward+backward right before, same load
+        twin(x).square().mean().backward()
+        plain.append(time.perf_counter() - t0)
+        twin.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if i > 0:  # step 0 warms up (and lets OffloadedAdamW learn the loop)
+            fwdbwd.append(t1 - t0)
+            steps.append(t2 - t1)
+            iters.append(t2 - t0)
     med = lambda xs: float(np.min(xs)) * 1e3  # noqa: E731  best of N: other processes share the cores
     row.update(
         fwdbwd_ms=med(fwdbwd),
@@ -172,8 +148,8 @@ def _child(args) -> dict:
         iter_ms=med(iters),
         plain_fwdbwd_ms=med(plain[1:]),
         exposed_ms=float(np.median(np.array(iters) - np.array(plain[1:]))) * 1e3,
-        peak_rss_bytes=peak.peak,
-        optimizer_rss_bytes=peak.peak - rss_model,
+        peak_rss_bytes=peak.peak(),
+        optimizer_rss_bytes=peak.peak() - rss_model,
     )
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     np.save(args.out, flat, allow_pickle=False)
@@ -374,25 +350,44 @@ TIMED = ("step_ms", "iter_ms", "exposed_ms")  # the child's timed metrics the ha
 
 
 def _rows(session: harness.Session, per_round: list[dict], variants: list[str], tmp: str):
-    """Per variant its median round (a whole row) plus the harness fields, and the parameter
-    difference against torch AdamW(foreach) (the last round's final parameters)."""
+    """Per variant its median round (a whole row) plus the harness fields, its memory from its
+    worst round (both figures: the peak and the optimizer's part of it came from different
+    rounds), and the parameter check against torch AdamW (the last round's parameters)."""
     rows = []
     for v in variants:
         runs = [got[v] for got in per_round]
         row = dict(harness.median_run(runs, "step_ms"))
         if "error" not in row:
             row.update(session.row_fields(harness.variant_stats(per_round, v, TIMED)))
-            row["peak_rss_bytes"] = max(r.get("peak_rss_bytes", 0) for r in runs)
+            for key in ("peak_rss_bytes", "optimizer_rss_bytes"):
+                row[key] = max(r[key] for r in runs if key in r)
         rows.append(row)
-    ref_path = os.path.join(tmp, "torch-foreach.npy")
-    ref = np.load(ref_path, allow_pickle=False) if os.path.exists(ref_path) else None
-    for r in rows:
-        path = os.path.join(tmp, f"{r['variant']}.npy")
-        if ref is not None and "error" not in r and os.path.exists(path):
-            r["max_abs_diff_vs_torch"] = float(
-                np.abs(np.load(path, allow_pickle=False) - ref).max()
-            )
+    _compare(rows, tmp)
     return rows
+
+
+def _compare(rows: list[dict], tmp: str) -> None:
+    """Each row's final parameters against torch AdamW's: the largest difference from the
+    foreach one (``max_abs_diff_vs_torch``), and, for tensortier, whether they equal the fused
+    one bit for bit (``bit_identical_to_torch_fused``: it runs the same kernel, so a difference
+    there is a defect a small ``max_abs_diff`` would hide)."""
+
+    def load(variant: str) -> np.ndarray | None:
+        path = os.path.join(tmp, f"{variant}.npy")
+        return np.load(path, allow_pickle=False) if os.path.exists(path) else None
+
+    foreach, fused = load("torch-foreach"), load("torch-fused")
+    for r in rows:
+        got = load(r["variant"]) if "error" not in r else None
+        if got is None:
+            continue
+        if foreach is not None:
+            r["max_abs_diff_vs_torch"] = float(np.abs(got - foreach).max())
+        if fused is not None and r["variant"].startswith("tt-"):
+            r["bit_identical_to_torch_fused"] = bool(
+                got.shape == fused.shape
+                and np.array_equal(got.view(np.uint32), fused.view(np.uint32))
+            )
 
 
 COLUMNS = [
@@ -406,6 +401,7 @@ COLUMNS = [
     "step_vs_update",
     "optimizer_rss_bytes",
     "max_abs_diff_vs_torch",
+    "bit_identical_to_torch_fused",
     "error",
 ]
 NOTE = (
@@ -512,6 +508,14 @@ def run(args) -> list[dict]:
         params=int(args.params),
         steps=args.steps,
         note=NOTE,
+    )
+    harness.require(
+        {
+            f"{r['variant']}: parameters bit-identical to torch AdamW(fused=True)'s": r[key]
+            for r in rows
+            for key in ["bit_identical_to_torch_fused"]
+            if key in r
+        }  # fmt: skip
     )
     return rows
 

@@ -32,6 +32,7 @@ import warnings
 
 import torch
 
+from benchmarks import _harness as harness
 from benchmarks._common import write_json
 from tensortier._units import format_size, parse_size, print_table
 
@@ -263,14 +264,20 @@ def section(sizes: list[int], rounds: int = 2, paths=PATHS) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--sizes", default="5MB,50MB,500MB", help="comma list of parameter sizes")
     p.add_argument("--rounds", type=int, default=3, help="timed publishes per size (+1 warm-up)")
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    p.add_argument("--quiet-wait", type=float, default=harness.QUIET_WAIT_S)
+    p.add_argument("--quiet-load", type=float, default=None)
+    args = p.parse_args(argv)
     sizes = [parse_size(s, name="--sizes") for s in args.sizes.split(",")]
-    rows = section(sizes, args.rounds)
+    # best of --rounds inside one cluster per path: the load envelope only (as tiers --remote)
+    session = harness.Session("params-nodes", 1, args.quiet_wait, args.quiet_load)
+    with session:
+        rows = section(sizes, args.rounds)
+    measurement = session.report({})
     print_table(
         rows, ["peer", "bytes", "latency_s", "latency_median_s", "copies_per_node", "error"]
     )
@@ -278,8 +285,10 @@ def main() -> None:
         args.json,
         "params-nodes",
         rows,
+        measurement=measurement,
         settings={"sizes": sizes, "rounds": args.rounds, "readers": list(READERS_PER_NODE)},
     )
+    print(harness.summary_line(measurement))
 
 
 if __name__ == "__main__":

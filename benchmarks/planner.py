@@ -577,6 +577,13 @@ def run(args) -> list[dict]:
         from tensortier.planner.report import write_sweep_report
 
         print(f"wrote {write_sweep_report(args.report, rows, summary)}")
+    harness.require(  # lossless plans only: a lossy codec's grads_match is None
+        {
+            f"{r['model']}@{r['frac']} {r['policy']}: gradients bit-identical to plain's": False
+            for r in rows
+            if r.get("grads_match") is False
+        }  # fmt: skip
+    )
     return rows
 
 

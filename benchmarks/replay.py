@@ -370,7 +370,7 @@ def _other_sections(args, skip, n, item_bytes, rounds, spill_n, spill_budget, ro
         from benchmarks.tiers import tier_bandwidth
 
         size = min(max(res.get("spill_bytes", 0), 64 << 20), 1 << 30)
-        disk_w, _, intact = tier_bandwidth(args.dir, size, 16 << 20)
+        disk_w, _, intact, _ = tier_bandwidth(args.dir, size, 16 << 20)
         rows.append(
             {
                 "section": "spill",

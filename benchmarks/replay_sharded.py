@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from benchmarks import _harness as harness
 from benchmarks._common import environment, one_ray_node, write_json
 from tensortier._units import parse_size, print_table
 
@@ -162,16 +163,22 @@ def _rate_limited_row(
     return row, within
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dir", default=tempfile.gettempdir(), help="spill directory")
     p.add_argument("--item-bytes", default="10KB")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--seconds", type=float, default=10.0, help="length of each timed phase")
     p.add_argument("--json", default=None, help="write rows to this JSON file")
-    args = p.parse_args()
+    harness.add_args(p, rounds=1)
+    args = p.parse_args(argv)
     item_bytes = parse_size(args.item_bytes, name="--item-bytes")
-    rows, ratios = sharded_section(args.dir, item_bytes, args.batch, args.seconds)
+    # one run of each phase: the load envelope only (as tiers --remote), always noisy
+    session = harness.Session("replay-sharded", 1, args.quiet_wait, args.quiet_load)
+    with session:
+        rows, ratios = sharded_section(args.dir, item_bytes, args.batch, args.seconds)
+    measurement = session.report({})
+    print(harness.summary_line(measurement))
     cols = ["section", "peer", "add_per_s", "add_mb_per_s", "sample_items_per_s"]
     cols += ["samples_per_insert", "diff_low", "diff_high", "min_diff", "max_diff"]
     print_table(rows, cols)
@@ -182,6 +189,7 @@ def main() -> None:
         "replay-sharded",
         rows,
         ratios=ratios,
+        measurement=measurement,
         settings={
             "item_bytes": item_bytes,
             "batch": args.batch,

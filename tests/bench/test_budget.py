@@ -4,6 +4,8 @@ tests/planner/test_runtime.py::test_every_step_from_the_first_is_under_the_budge
 import json
 from argparse import Namespace
 
+import pytest
+
 import benchmarks.budget as budget
 
 
@@ -18,5 +20,19 @@ def test_a_step_over_the_budget_is_counted_and_written(monkeypatch, tmp_path):
     monkeypatch.setattr(budget, "_spawn", fake_spawn)
     out = tmp_path / "b.json"
     budget.run(Namespace(runs=1, models="a,b", budget_frac=0.6, json=str(out)))
-    s = json.loads(out.read_text())["summary"]
+    data = json.loads(out.read_text())
+    s = data["summary"]
     assert s["runs"] == 2 and s["over_budget_runs"] == 1 and s["max_over_budget"] == 1.01
+    assert "device" in data["env"] and "tensortier" in data["env"]["versions"]
+
+
+def test_gradients_that_differ_from_plain_fail_the_run_after_the_json(monkeypatch, tmp_path):
+    """The JSON had no device or versions, and ``grads_match: false`` passed silently."""
+    row = {"budget_bytes": 100, "peak_bytes": 50, "grads_match": False}
+    monkeypatch.setattr(
+        budget, "_spawn", lambda a, m: {"budgets": [{"rows": [row], "profiling_peaks": [60]}]}
+    )
+    out = tmp_path / "b.json"
+    with pytest.raises(SystemExit, match=r"run 0 \(a\): gradients bit-identical"):
+        budget.run(Namespace(runs=1, models="a", budget_frac=0.6, json=str(out)))
+    assert json.loads(out.read_text())["rows"][0]["grads_match"] is False

@@ -54,3 +54,26 @@ def test_a_job_runs_in_a_fresh_process(tmp_path):
     with Catalog.open(root) as cat:
         recs = bench.Records(50, 100, 2000)
         assert len(cat) == 50 and [bytes(cat[i]) for i in range(50)] == [bytes(r) for r in recs]
+
+
+def test_a_read_returning_another_record_of_the_same_size_is_not_intact(tmp_path):
+    """Reads are checked byte for byte: the length check alone passed a store that returned
+    the wrong record of the right size (here every record has the same size)."""
+    lmdb = pytest.importorskip("lmdb")
+    import argparse
+    import struct
+
+    import numpy as np
+
+    recs = bench.Records(20, 64, 64)
+    root = str(tmp_path / "lmdb")
+    bench.build_lmdb(root, recs)
+    args, idx = argparse.Namespace(batch=8), np.arange(20)
+    assert bench.read_lmdb(root, args, idx, recs)["intact"] is True
+    assert bench.random_reads("lmdb", root, recs, count=200)["intact"] is True
+    env = lmdb.open(root)
+    with env.begin(write=True) as txn:
+        txn.put(struct.pack(">Q", 3), txn.get(struct.pack(">Q", 4)))
+    env.close()
+    assert bench.read_lmdb(root, args, idx, recs)["intact"] is False
+    assert bench.random_reads("lmdb", root, recs, count=200)["intact"] is False  # unchecked before

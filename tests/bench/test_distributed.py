@@ -52,3 +52,65 @@ def test_each_rank_keeps_its_median_round_and_the_slowest_rank_is_judged():
     assert timed["ddp-tt"]["iter_ms"] == harness.spread_stats([12, 30, 20])
     assert by[("ddp-tt", 0)]["noisy"] and by[("ddp-tt", 0)]["iter_ms_stats"]["spread"] == 1.5
     assert by[("f", 0)]["error"] == "x"  # failed in every round: its error row stays
+
+
+def test_cuda_iterations_are_timed_between_synchronizations(monkeypatch):
+    """On CUDA the phases' times were taken without synchronizing: launch times, not work."""
+    import torch
+
+    from benchmarks.distributed import _timed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    _timed(lambda: calls.append("fwd_bwd"), lambda: calls.append("step"), torch.device("cuda", 0))
+    assert calls == ["sync", "fwd_bwd", "sync", "step", "sync"]
+    calls.clear()
+    _timed(lambda: calls.append("fwd_bwd"), lambda: calls.append("step"), torch.device("cpu"))
+    assert calls == ["fwd_bwd", "step"]
+
+
+def _async_stall(rank, world, root):
+    import torch
+
+    from benchmarks.distributed import _dcp_async_stall
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    return _dcp_async_stall(model, opt, root)
+
+
+def test_the_checkpoint_stall_is_also_compared_with_dcp_async_save(tmp_path):
+    """The only DCP peer was the blocking ``save``; the one a user who wants training to go on
+    picks is ``async_save`` (the single-process area measures it): its stall is now beside it."""
+    from benchmarks.distributed import _summary
+    from tests.distributed import run
+
+    got = run(_async_stall, 2, str(tmp_path))
+    assert all(r["dcp_async_save_stall_s"] > 0 for r in got), got
+    rows = [
+        _row("checkpoint", r, stall_vs_dcp_save=0.05, persist_vs_dd=1, stall_vs_dcp_async_save=x)
+        for r, x in enumerate((0.5, 0.7))
+    ]
+    assert _summary(rows)["stall_vs_dcp_async_save"] == 0.7  # the worst rank
+
+
+def test_tensortier_variants_must_end_with_ddp_fused_adamws_parameters():
+    """Nothing compared the variants' results: OffloadedAdamW runs fused AdamW's kernel, so its
+    parameters after training must equal DDP + fused AdamW's bit for bit, on every rank."""
+    from benchmarks.distributed import _same_params
+
+    def rnd(v, *digests):
+        return _worst_rank([_row(v, r, iter_ms=1, params_sha256=d) for r, d in enumerate(digests)])
+
+    per_round = [
+        {"ddp-torch-fused": rnd("f", "a", "a"), "ddp-tt": rnd("t", "a", "b"),
+         "fsdp2-tt": rnd("s", "c", "d")},
+        {"ddp-torch-fused": _worst_rank([_row("f", 0, error="x")]), "ddp-tt": rnd("t", "z", "z")},
+    ]  # fmt: skip
+    checks = _same_params(per_round)
+    assert checks == {
+        "round 0 rank 0: ddp-tt parameters bit-identical to DDP + fused AdamW's": True,
+        "round 0 rank 1: ddp-tt parameters bit-identical to DDP + fused AdamW's": False,
+    }

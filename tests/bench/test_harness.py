@@ -141,3 +141,23 @@ def test_the_median_run_is_a_whole_row():
     assert h.median_run(runs, "t") == {"t": 2, "x": "b"}
     assert h.median_run([{"t": 1}, {"t": 2}], "t") == {"t": 1}
     assert h.median_run([{"error": "e"}], "t") == {"error": "e"}
+
+
+def test_a_failed_correctness_check_exits_non_zero_and_names_it():
+    h.require({"a matches": True, "b matches": True})  # all held: nothing happens
+    with pytest.raises(SystemExit) as got:
+        h.require({"a matches": True, "b gradients bit-identical to plain": False})
+    assert "b gradients bit-identical to plain" in str(got.value)
+    assert "a matches" not in str(got.value) and got.value.code != 0
+
+
+def test_every_result_names_the_versions_that_produced_it():
+    """The JSON named torch's version only: not tensortier's, its commit, nor the peers'."""
+    import os
+
+    from benchmarks._common import ROOT, environment
+
+    v = environment()["versions"]
+    assert v["tensortier"] and v["numpy"]
+    if os.path.exists(os.path.join(ROOT, ".git")):  # a checkout (not an unpacked archive)
+        assert len(v["commit"].split("-")[0]) == 40  # its HEAD

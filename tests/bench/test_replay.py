@@ -1,5 +1,10 @@
+import json
+import subprocess
+import sys
+
 import pytest
 
+from benchmarks._common import child_env
 from tests._helpers import run_benchmark
 
 
@@ -23,3 +28,47 @@ def test_bench_replay_runs_peers_and_writes_ratios(tmp_path):
     ratio = m["ratios"]["vs_deque_add_per_s"]
     assert len(ratio["per_round"]) == 2 and data["ratios"]["vs_deque_add_per_s"] == ratio["median"]
     assert main_row["add_per_s"] == main_row["add_per_s_stats"]["median"]
+
+
+PARENT = """
+import json, sys
+from benchmarks.replay import _run_peer
+big = bytearray(600 << 20)
+for i in range(0, len(big), 4096):
+    big[i] = 1
+del big
+print(json.dumps(_run_peer(sys.executable, "deque", 50, 100, 8, 2, sys.argv[1])))
+"""
+
+
+def test_a_peer_reports_its_own_peak_rss_not_its_parents(tmp_path):
+    """A replay peer's ``peak_rss`` is its own process's: ``ru_maxrss`` after the driver's
+    vfork + exec was the driver's high-water mark (a deque of 50 small items read 600+ MiB)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PARENT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0 < row["peak_rss"] < 300 << 20  # numpy + psutil + 50 items: tens of MiB
+
+
+@pytest.mark.parametrize("module", ["replay_sharded", "params_nodes"])
+def test_a_section_run_alone_records_the_load(module, tmp_path, monkeypatch):
+    """``python -m benchmarks.replay_sharded`` / ``.params_nodes`` wrote no load (the first only
+    its end's load average): no measurement block, no noise verdict."""
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.{module}")
+    row = {"section": "s", "peer": "p"}
+    if module == "replay_sharded":
+        monkeypatch.setattr(mod, "sharded_section", lambda *a: ([row], {"r": 1.0}))
+    else:
+        monkeypatch.setattr(mod, "section", lambda sizes, rounds: [row])
+    out = tmp_path / "s.json"
+    mod.main(["--quiet-wait", "0", "--json", str(out)])
+    m = json.loads(out.read_text())["measurement"]
+    assert m["load_before"]["cpus"] > 0 and m["load_after"] and m["noisy"] is True
+    assert "1 round: spread unknown" in m["noisy_reasons"]

@@ -49,3 +49,25 @@ def test_bench_tiers_remote_writes_rows_against_ray(tmp_path):
     assert any("get_many" in p for p in paths) and any(", prefetch" in p for p in paths)
     for row in data["rows"][4:]:
         assert row["gbps"] > 0 and ("remote_vs_spilling" in row or "speedup_vs_each" in row)
+
+
+def test_bytes_read_back_wrong_fail_the_run_after_the_json(tmp_path, monkeypatch):
+    """Corrupted read-backs exit non-zero (they were a printed warning), and a missing O_DIRECT,
+    which changes what is measured but not the data, is reported apart from them."""
+    import argparse
+    import json
+
+    from benchmarks import tiers
+
+    monkeypatch.setattr(tiers, "dd_bandwidth", lambda d, n: (1.0, 1.0))
+    monkeypatch.setattr(tiers, "tier_bandwidth", lambda d, n, t: (1.0, 1.0, False, True))
+    p = argparse.ArgumentParser()
+    tiers.add_args(p)
+    out = tmp_path / "tiers.json"
+    args = p.parse_args(
+        ["--quick", "--dir", str(tmp_path), "--quiet-wait", "0", "--json", str(out)]
+    )
+    with pytest.raises(SystemExit, match="read back every byte"):
+        tiers.run(args)
+    data = json.loads(out.read_text())
+    assert data["intact"] is False and data["direct_io"] is True
