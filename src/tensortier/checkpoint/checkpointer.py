@@ -1126,6 +1126,8 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
                 template = optimizer.state_dict()["state"]  # what this rank holds
                 merged = {k: v for k, v in merged.items() if k in template}
                 like["optimizer"] = {"state": template}
+            elif optimizer is not None:
+                like["optimizer"] = {"state": _state_like_params(opt, merged, optimizer)}
             tree["optimizer"] = {**opt, "state": merged}
         tree = _ranks.materialize(tree, index, like)
         return check_tree(tree)
@@ -1134,6 +1136,26 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _state_like_params(saved: dict, state: dict, optimizer) -> dict:
+    """Targets for a torch optimizer's state: each entry of a DTensor parameter (FSDP2) is read
+    as that parameter's local shard, a DTensor like it, since torch.optim creates its state with
+    ``zeros_like(param)`` and ``load_state_dict`` keeps the type it is given (a full plain
+    tensor would fail the next step on mixed Tensor and DTensor). Saved ids map to parameters
+    by position in the param groups, as ``load_state_dict`` maps them; entries of another
+    shape (``step``) are read whole."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list):
+        return {}
+    like = {}
+    for saved_group, group in zip(groups, optimizer.param_groups):
+        ids = saved_group.get("params") if isinstance(saved_group, dict) else None
+        for i, p in zip(ids if isinstance(ids, list) else (), group["params"]):
+            entry = state.get(i) if isinstance(i, (int, str)) else None
+            if isinstance(entry, dict) and _ranks.dtensor_local(p)[1] is not None:
+                like[i] = dict.fromkeys(entry, p)
+    return like
 
 
 def read_checkpoint(directory: str, step: int | None = None) -> tuple[dict, int]:
