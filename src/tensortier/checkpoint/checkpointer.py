@@ -1123,9 +1123,10 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
                 for k, v in (st if isinstance(st, dict) else {}).items():
                     merged.setdefault(k, v)
             if optimizer is not None and getattr(optimizer, "_local_form", False):
-                template = optimizer.state_dict()["state"]  # what this rank holds
-                merged = {k: v for k, v in merged.items() if k in template}
-                like["optimizer"] = {"state": template}
+                held = optimizer.state_dict()["state"]  # what this rank holds, by position
+                place = _positions(opt)  # saved ids (ints, or DCP's FQNs) -> positions
+                merged = {k: v for k, v in merged.items() if place.get(k, k) in held}
+                like["optimizer"] = {"state": {k: held[place.get(k, k)] for k in merged}}
             elif optimizer is not None:
                 like["optimizer"] = {"state": _state_like_params(opt, merged, optimizer)}
             tree["optimizer"] = {**opt, "state": merged}
@@ -1136,6 +1137,20 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _positions(saved: dict) -> dict:
+    """Saved parameter id -> its position in the saved param groups: the id the optimizer's
+    own ``state_dict()`` gives it. A DCP checkpoint (``get_optimizer_state_dict``) keys the
+    state by parameter FQN; ``load_state_dict`` maps either kind by position."""
+    groups = saved.get("param_groups")
+    ids = [
+        i
+        for g in (groups if isinstance(groups, list) else ())
+        if isinstance(g, dict) and isinstance(g.get("params"), list)
+        for i in g["params"]
+    ]
+    return {i: k for k, i in enumerate(ids) if isinstance(i, (int, str))}
 
 
 def _state_like_params(saved: dict, state: dict, optimizer) -> dict:
