@@ -182,7 +182,12 @@ def commit_ranks(
     every rank if any rank failed (the previous checkpoint stays the newest).
     """
     _faults.point("rank-reported")
-    reports = _dist.gather_objects(report, ranks.bg)
+    try:
+        reports = _dist.gather_objects(report, ranks.bg)
+    except RuntimeError as exc:  # a rank's process ended or lost its connection
+        raise _lost(
+            step, "before every rank reported its shards: it was not committed", exc
+        ) from exc
     outcome = None
     own: BaseException | None = None  # rank 0's commit error, raised as itself there
     final = os.path.join(root, f"step-{step}")
@@ -213,7 +218,14 @@ def commit_ranks(
                     own.__cause__ = exc
         if outcome is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    outcome = _dist.broadcast_object(outcome, 0, ranks.bg)
+    try:
+        outcome = _dist.broadcast_object(outcome, 0, ranks.bg)
+    except RuntimeError as exc:
+        if ranks.rank != 0:
+            said = "before rank 0 said whether it was committed"
+        else:
+            said = "after rank 0 " + ("committed it" if outcome is None else "refused it")
+        raise _lost(step, said, exc) from exc
     if own is not None:
         raise own
     if outcome is not None:
@@ -221,6 +233,15 @@ def commit_ranks(
             f"checkpoint of step {step} was not committed: {outcome}. The previous checkpoint "
             f"is still the newest on every rank"
         )
+
+
+def _lost(step: int, when: str, exc: BaseException) -> RuntimeError:
+    """The commit's collective failed: gloo's own text only says a peer hung up."""
+    return RuntimeError(
+        f"checkpoint of step {step}: a rank left the commit {when} (its process ended or lost "
+        f"its connection; see that rank's log). This Checkpointer's process group is unusable "
+        f"now: restart the job; restore() takes the newest complete checkpoint (gloo: {exc})"
+    )
 
 
 def write_rank_dir(root: str, step: int, rank: int) -> str:
