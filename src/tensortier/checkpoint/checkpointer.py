@@ -248,6 +248,7 @@ class _Captured:
         self.group = group
         self.tensors: list[tuple[str, torch.Tensor, bool]] = []
         self.chunks: dict[str, dict] = {}  # many ranks: DTensor shards' place in the global tensor
+        self.elsewhere: set[str] = set()  # many ranks: DTensor chunks another rank writes
         self._names: set[str] = set()
         self._params = (
             {_ranks.dtensor_local(p)[0].data_ptr() for p in model.parameters()}
@@ -282,6 +283,8 @@ class _Captured:
             while name in self._names:
                 name += "'"
             self._names.add(name)
+            if self.group.many and _ranks.held_elsewhere(t):
+                self.elsewhere.add(name)
             t, chunk = self.group.held(t)
             if chunk is not None:
                 self.chunks[name] = chunk
@@ -822,7 +825,7 @@ class Checkpointer:
             (n, n in captured.chunks, t.numel() * t.element_size()) for n, t, _ in captured.tensors
         ]
         mine, replicated = self._group.plan_writes([] if error else held)  # many: this rank's share
-        tensors = [item for item in captured.tensors if item[0] in mine]
+        tensors = [i for i in captured.tensors if i[0] in mine and i[0] not in captured.elsewhere]
         if error is None:
             try:
                 self._layout(tensors)
