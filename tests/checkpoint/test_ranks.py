@@ -231,6 +231,9 @@ def test_killed_rank_and_corrupt_shard(tmp_path):
     payloads = distributed.run(_crash, 2, root, timeout=120, expect_errors=True)
     assert payloads[1]["ok"] is False  # SIGKILLed at the fault point
     assert payloads[0]["ok"] and payloads[0]["result"]["error"] is not None
+    # rank 0's error says which checkpoint and what to do, not only gloo's "connection closed"
+    assert "step 3" in payloads[0]["result"]["error"], payloads[0]
+    assert "not committed" in payloads[0]["result"]["error"], payloads[0]
     # the previous checkpoint is the newest, for one process and for every rank
     m, _, opt, _ = _setup(0)
     with Checkpointer(root) as ck:

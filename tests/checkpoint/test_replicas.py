@@ -124,6 +124,18 @@ def test_only_the_newest_replica_is_kept(killed_writer):
     assert set(files) == {p.name for p in pathlib.Path(directory, "step-5").glob("shard-*")}
 
 
+def test_read_only_reader_restores_from_the_replica_and_writes_nothing(killed_writer):
+    directory, _ = killed_writer
+    before = {e.name: e.stat().st_mtime_ns for e in os.scandir(directory)}
+    model, opt = make()
+    with Checkpointer(directory, read_only=True, replicas=1, replica_timeout=10) as ck:
+        state = ck.restore(model=model, optimizer=opt)
+    assert state.source == "replica" and state.saved_step == 5, state.fallback
+    assert {e.name: e.stat().st_mtime_ns for e in os.scandir(directory)} == before
+    _, _, expected = _restore(directory, replicas=0)  # a writer: it takes the lock
+    _assert_same(_state(model, opt), expected)
+
+
 def test_incomplete_replica_is_ignored(cluster, tmp_path, monkeypatch):
     directory = str(tmp_path / "run")
     model, opt = make()

@@ -26,7 +26,13 @@ PARTS = ("model", "optimizer", "scheduler", "extra")
 
 def export_dcp(directory: str | os.PathLike, dcp_dir: str | os.PathLike, *, step=None) -> int:
     """Write a tensortier checkpoint of ``directory`` (the newest that verifies, or ``step``) as
-    a DCP checkpoint in ``dcp_dir``; returns its step."""
+    a DCP checkpoint in ``dcp_dir``; returns its step.
+
+    The optimizer keeps the layout it was saved in: ``torch.optim``'s integer ids, which
+    ``dcp.load`` fills into a template of that layout (``dcp_to_torch_save`` reads it whole).
+    DCP's ``get_state_dict(model, optimizer)`` names parameters by FQN instead, and naming them
+    needs the objects: for that layout (torchtitan's), ``Checkpointer.restore`` into them, then
+    ``dcp.save`` what ``get_state_dict`` returns."""
     import torch.distributed.checkpoint as dcp
 
     from tensortier.checkpoint.checkpointer import read_checkpoint

@@ -78,6 +78,20 @@ def dtensor_local(t: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
     return local, {"shape": list(t.shape), "offsets": list(offsets)}
 
 
+def held_elsewhere(t: torch.Tensor) -> bool:
+    """A DTensor whose local chunk the rank at coordinate 0 of a replicated mesh dimension also
+    holds (tensor parallel's ``Replicate`` bias, HSDP's replica groups): that rank writes it, as
+    DCP deduplicates it. Written by every holder, its chunks would overlap."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    if not isinstance(t, DTensor):
+        return False
+    coordinate = t.device_mesh.get_coordinate() or ()
+    return any(not p.is_shard() and c != 0 for p, c in zip(t.placements, coordinate))
+
+
 def plan_writes(held: list[tuple[str, bool, int]], ranks: Ranks) -> tuple[set[str], dict[str, int]]:
     """Which of this rank's tensors it writes, and the writer of every replicated tensor.
 
@@ -182,7 +196,12 @@ def commit_ranks(
     every rank if any rank failed (the previous checkpoint stays the newest).
     """
     _faults.point("rank-reported")
-    reports = _dist.gather_objects(report, ranks.bg)
+    try:
+        reports = _dist.gather_objects(report, ranks.bg)
+    except RuntimeError as exc:  # a rank's process ended or lost its connection
+        raise _lost(
+            step, "before every rank reported its shards: it was not committed", exc
+        ) from exc
     outcome = None
     own: BaseException | None = None  # rank 0's commit error, raised as itself there
     final = os.path.join(root, f"step-{step}")
@@ -213,7 +232,14 @@ def commit_ranks(
                     own.__cause__ = exc
         if outcome is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    outcome = _dist.broadcast_object(outcome, 0, ranks.bg)
+    try:
+        outcome = _dist.broadcast_object(outcome, 0, ranks.bg)
+    except RuntimeError as exc:
+        if ranks.rank != 0:
+            said = "before rank 0 said whether it was committed"
+        else:
+            said = "after rank 0 " + ("committed it" if outcome is None else "refused it")
+        raise _lost(step, said, exc) from exc
     if own is not None:
         raise own
     if outcome is not None:
@@ -221,6 +247,15 @@ def commit_ranks(
             f"checkpoint of step {step} was not committed: {outcome}. The previous checkpoint "
             f"is still the newest on every rank"
         )
+
+
+def _lost(step: int, when: str, exc: BaseException) -> RuntimeError:
+    """The commit's collective failed: gloo's own text only says a peer hung up."""
+    return RuntimeError(
+        f"checkpoint of step {step}: a rank left the commit {when} (its process ended or lost "
+        f"its connection; see that rank's log). This Checkpointer's process group is unusable "
+        f"now: restart the job; restore() takes the newest complete checkpoint (gloo: {exc})"
+    )
 
 
 def write_rank_dir(root: str, step: int, rank: int) -> str:
@@ -327,8 +362,10 @@ class Index:
         offsets = offsets if offsets is not None else (0,) * len(full)
         shape = tuple(shape if shape is not None else full)
         out = torch.empty(shape, dtype=dtype)
-        covered = 0
+        covered, seen = 0, set()
         for c in self.chunks[name]:
+            if (c.offsets, c.shape) in seen:  # another holder's copy (replicated over a mesh
+                continue  # dimension: older checkpoints have one from every holder)
             lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
             hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, shape, c.offsets, c.shape)]
             if any(h <= a for a, h in zip(lo, hi)) and len(shape):
@@ -339,6 +376,7 @@ class Index:
             src = data[tuple(slice(a - co, h - co) for a, h, co in zip(lo, hi, c.offsets))]
             out[tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, offsets))] = src
             covered += src.numel()
+            seen.add((c.offsets, c.shape))
             if not len(shape):
                 break
         if covered != out.numel():

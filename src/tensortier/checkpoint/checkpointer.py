@@ -248,6 +248,7 @@ class _Captured:
         self.group = group
         self.tensors: list[tuple[str, torch.Tensor, bool]] = []
         self.chunks: dict[str, dict] = {}  # many ranks: DTensor shards' place in the global tensor
+        self.elsewhere: set[str] = set()  # many ranks: DTensor chunks another rank writes
         self._names: set[str] = set()
         self._params = (
             {_ranks.dtensor_local(p)[0].data_ptr() for p in model.parameters()}
@@ -282,6 +283,8 @@ class _Captured:
             while name in self._names:
                 name += "'"
             self._names.add(name)
+            if self.group.many and _ranks.held_elsewhere(t):
+                self.elsewhere.add(name)
             t, chunk = self.group.held(t)
             if chunk is not None:
                 self.chunks[name] = chunk
@@ -822,7 +825,7 @@ class Checkpointer:
             (n, n in captured.chunks, t.numel() * t.element_size()) for n, t, _ in captured.tensors
         ]
         mine, replicated = self._group.plan_writes([] if error else held)  # many: this rank's share
-        tensors = [item for item in captured.tensors if item[0] in mine]
+        tensors = [i for i in captured.tensors if i[0] in mine and i[0] not in captured.elsewhere]
         if error is None:
             try:
                 self._layout(tensors)
@@ -1123,9 +1126,12 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
                 for k, v in (st if isinstance(st, dict) else {}).items():
                     merged.setdefault(k, v)
             if optimizer is not None and getattr(optimizer, "_local_form", False):
-                template = optimizer.state_dict()["state"]  # what this rank holds
-                merged = {k: v for k, v in merged.items() if k in template}
-                like["optimizer"] = {"state": template}
+                held = optimizer.state_dict()["state"]  # what this rank holds, by position
+                place = _positions(opt)  # saved ids (ints, or DCP's FQNs) -> positions
+                merged = {k: v for k, v in merged.items() if place.get(k, k) in held}
+                like["optimizer"] = {"state": {k: held[place.get(k, k)] for k in merged}}
+            elif optimizer is not None:
+                like["optimizer"] = {"state": _state_like_params(opt, merged, optimizer)}
             tree["optimizer"] = {**opt, "state": merged}
         tree = _ranks.materialize(tree, index, like)
         return check_tree(tree)
@@ -1134,6 +1140,40 @@ def load_tree(body, path, model, optimizer, rank: int, share) -> dict:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         raise CorruptDataError(f"malformed manifest state: {exc!r}", path=path) from exc
+
+
+def _positions(saved: dict) -> dict:
+    """Saved parameter id -> its position in the saved param groups: the id the optimizer's
+    own ``state_dict()`` gives it. A DCP checkpoint (``get_optimizer_state_dict``) keys the
+    state by parameter FQN; ``load_state_dict`` maps either kind by position."""
+    groups = saved.get("param_groups")
+    ids = [
+        i
+        for g in (groups if isinstance(groups, list) else ())
+        if isinstance(g, dict) and isinstance(g.get("params"), list)
+        for i in g["params"]
+    ]
+    return {i: k for k, i in enumerate(ids) if isinstance(i, (int, str))}
+
+
+def _state_like_params(saved: dict, state: dict, optimizer) -> dict:
+    """Targets for a torch optimizer's state: each entry of a DTensor parameter (FSDP2) is read
+    as that parameter's local shard, a DTensor like it, since torch.optim creates its state with
+    ``zeros_like(param)`` and ``load_state_dict`` keeps the type it is given (a full plain
+    tensor would fail the next step on mixed Tensor and DTensor). Saved ids map to parameters
+    by position in the param groups, as ``load_state_dict`` maps them; entries of another
+    shape (``step``) are read whole."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list):
+        return {}
+    like = {}
+    for saved_group, group in zip(groups, optimizer.param_groups):
+        ids = saved_group.get("params") if isinstance(saved_group, dict) else None
+        for i, p in zip(ids if isinstance(ids, list) else (), group["params"]):
+            entry = state.get(i) if isinstance(i, (int, str)) else None
+            if isinstance(entry, dict) and _ranks.dtensor_local(p)[1] is not None:
+                like[i] = dict.fromkeys(entry, p)
+    return like
 
 
 def read_checkpoint(directory: str, step: int | None = None) -> tuple[dict, int]:
