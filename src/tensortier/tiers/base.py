@@ -20,10 +20,12 @@ import abc
 import collections
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from tensortier._lifetime import defer
 
 
 @runtime_checkable
@@ -87,6 +89,20 @@ class Store(Protocol):
     def __contains__(self, handle: object) -> bool: ...
 
     def __len__(self) -> int: ...
+
+
+def shut_down_io(
+    executor: ThreadPoolExecutor, cleanup: Callable[[ThreadPoolExecutor], None]
+) -> bool:
+    """End ``executor`` for a store's ``cleanup(executor)``: queued jobs are cancelled, running ones
+    finish. Returns False when the caller is one of its own I/O threads (``close()`` from a
+    done-callback of the store's future): joining would join itself ("cannot join current
+    thread"), so ``cleanup`` is handed to the reaper thread, which waits for that job too."""
+    if threading.current_thread() in getattr(executor, "_threads", ()):
+        defer(cleanup, executor)
+        return False
+    executor.shutdown(wait=True, cancel_futures=True)
+    return True
 
 
 def running() -> Future:
@@ -201,6 +217,13 @@ class StoreBase(Store):
 
     def __enter__(self):
         return self
+
+    def __reduce__(self):
+        raise TypeError(
+            f"a {type(self).__name__} belongs to the process that made it (its I/O threads and "
+            f"what it holds) and cannot be pickled, e.g. for a Ray task or actor; send the "
+            f"tensors (store.read(handle)), or make a store in the process that uses it"
+        )
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -57,7 +57,7 @@ from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
-from tensortier.tiers.base import StoreBase, running
+from tensortier.tiers.base import StoreBase, running, shut_down_io
 from tensortier.tiers.disk import as_bytes, check_storable
 
 _TIMEOUT = 60.0  # seconds one remote call may take (a 1 GiB tensor at ~0.5 GB/s takes ~2 s)
@@ -154,7 +154,8 @@ class _Pool:
 
     def cleanup(self, executor: ThreadPoolExecutor) -> None:
         # Running jobs end within the timeout; queued ones are cancelled (their futures fail).
-        executor.shutdown(wait=True, cancel_futures=True)
+        if not shut_down_io(executor, self.cleanup):
+            return
         self.refs.clear()  # Ray frees the objects once no reference is left
         self.batches.clear()
         require_ray("RemoteStore")
