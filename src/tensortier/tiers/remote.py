@@ -33,6 +33,10 @@ retried on another node. A call that times out on a node Ray still reports alive
 joins threads that finish within ``timeout``. ``free`` never blocks (lock-free queue, as the disk
 tier). ``close()`` (or GC, through ``_lifetime.Finalizer``) drops every object and ends the actors.
 
+Ray's session. A store lives in the Ray session it was made in: its actors and objects end with
+``ray.shutdown()``. A store used after that (or after a new ``ray.init()``) raises
+:class:`ClosedError` saying so, instead of letting Ray quietly connect again.
+
 Ray is imported only when a store is made, never by ``import tensortier``.
 """
 
@@ -215,6 +219,13 @@ def _padded(payload: np.ndarray) -> np.ndarray:
     return out
 
 
+def _session() -> str | None:
+    """This process's Ray connection (its driver or worker id; a new one after ray.shutdown() and
+    ray.init()), or None when Ray is not initialized."""
+    ray = require_ray("RemoteStore")
+    return ray.get_runtime_context().get_worker_id() if ray.is_initialized() else None
+
+
 def _check_seconds(value: object, name: str) -> float:
     if (
         isinstance(value, bool)
@@ -266,6 +277,7 @@ class RemoteStore(StoreBase):
         )
         if not ray.is_initialized():
             ray.init()  # what the first .remote() would do; placement needs the cluster
+        self._session = _session()
         chosen = self._choose_nodes(ray, nodes)
         per_node = self.budget // len(chosen)
         if per_node < 1:
@@ -524,6 +536,7 @@ class RemoteStore(StoreBase):
             tried.add(node.node_id)
             t0 = time.perf_counter()
             try:
+                self._check_session()
                 ack, ref = node.actor.hold.options(num_returns=2).remote(payload)
                 ray.get(ack, timeout=self.timeout)
             except ray.exceptions.GetTimeoutError as exc:
@@ -686,6 +699,7 @@ class RemoteStore(StoreBase):
         ray = require_ray("RemoteStore")
         t0 = time.perf_counter()
         nbytes = 0
+        self._check_session()
         for key, (node, ref) in where.items():
             what = f"{format_size(sum(h.nbytes for h in handles if h.key == key))}"
             try:
@@ -819,6 +833,15 @@ class RemoteStore(StoreBase):
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError("RemoteStore is closed")
+        self._check_session()
+
+    def _check_session(self) -> None:
+        if _session() != self._session:  # else the next Ray call would quietly ray.init() again
+            raise ClosedError(
+                "RemoteStore: Ray was shut down (ray.shutdown()) since this store was made, and "
+                "its memory nodes and every tensor they held went with it; close this store "
+                "before ray.shutdown(), and make a new one after ray.init()"
+            )
 
     def _submit_call(self, fn: Callable[[], Any], done: Future) -> None:
         """Run ``fn`` on the I/O thread; ``done`` gets its result or its exception."""
