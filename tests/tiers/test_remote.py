@@ -414,3 +414,19 @@ def test_a_put_in_flight_to_a_node_found_lost_is_counted_once(cluster):
         assert s.stats.used_bytes == 0
     finally:
         s.close()
+
+
+def test_a_small_tensor_refused_for_its_padding_says_so(store):
+    # The message named "a 104KiB tensor" for a 40-byte one: the minimum object, not the tensor.
+    per_node = store.stats.budget_bytes // 2
+    big = torch.zeros(per_node - MIN_OBJECT // 2, dtype=torch.uint8)  # each node: < MIN_OBJECT free
+    full = [store.write(big), store.write(big)]
+    try:
+        with pytest.raises(TierFullError, match=r"a 40B tensor \(104KiB .*put_many") as err:
+            store.put(torch.ones(10))
+        assert err.value.requested == MIN_OBJECT  # what it would take on its node
+        with pytest.raises(TierFullError, match=r"a 80B batch of 2 tensors \(104KiB "):
+            store.put_many([torch.ones(10), torch.ones(10)])
+    finally:
+        for h in full:
+            store.free(h)

@@ -211,6 +211,17 @@ def _stored(nbytes: int) -> int:
     return max(nbytes, MIN_OBJECT) if nbytes else 0
 
 
+def _what(nbytes: int, article: str, noun: str) -> str:
+    """A payload in a TierFullError: its size, and the size it takes when padded to MIN_OBJECT."""
+    if _stored(nbytes) == nbytes:
+        return f"{article} {format_size(nbytes)} {noun}"
+    return (
+        f"{article} {format_size(nbytes)} {noun} ({format_size(_stored(nbytes))} on its node: "
+        f"every object is at least {format_size(MIN_OBJECT)}, so batch small tensors with "
+        f"put_many)"
+    )
+
+
 def _padded(payload: np.ndarray) -> np.ndarray:
     if payload.nbytes >= MIN_OBJECT:
         return payload
@@ -370,7 +381,9 @@ class RemoteStore(StoreBase):
                     self.stats.used_bytes -= nbytes
             self.stats.live_tensors -= tensors
 
-    def _reserve(self, nbytes: int, exclude: set[str]) -> _Node:
+    def _reserve(self, nbytes: int, exclude: set[str], what: str = "") -> _Node:
+        """Reserve ``nbytes`` on the node with the most room outside ``exclude``.
+        ``what``: the payload as the caller sees it, for the message (``nbytes`` is padded)."""
         with self._lock:
             self._check_open()
             self._drain_freed_locked()
@@ -380,8 +393,9 @@ class RemoteStore(StoreBase):
             )
             if best is None or best.free < nbytes:
                 most = 0 if best is None else best.free
+                what = what or f"a {format_size(nbytes)} tensor"
                 raise TierFullError(
-                    f"remote tier budget exceeded: a {format_size(nbytes)} tensor needs room on "
+                    f"remote tier budget exceeded: {what} needs room on "
                     f"one memory node, but the most free on any of the {len(nodes)} usable nodes "
                     f"is {format_size(most)} ({format_size(self.stats.used_bytes)} of "
                     f"{format_size(self.stats.budget_bytes)} used). Free tensors, raise "
@@ -444,7 +458,8 @@ class RemoteStore(StoreBase):
             self._register([handle], None, 0, 0.0)
             done.set_result(handle)
             return done
-        node = self._reserve(_stored(nbytes), set())  # TierFullError here, before any byte moves
+        what = _what(nbytes, "a", "tensor")
+        node = self._reserve(_stored(nbytes), set(), what)  # TierFullError before any byte moves
 
         def send() -> RemoteHandle:
             node_id, ref, seconds = self._send(data.numpy(), node)
@@ -485,7 +500,8 @@ class RemoteStore(StoreBase):
             self._register(handles, None, 0, 0.0)
             done.set_result(handles)
             return done
-        node = self._reserve(_stored(total), set())  # TierFullError here, before any byte moves
+        what = _what(total, "a", f"batch of {len(datas)} tensors")
+        node = self._reserve(_stored(total), set(), what)  # TierFullError before any byte moves
 
         def send() -> list[RemoteHandle]:
             try:
