@@ -9,6 +9,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from tensortier._ray import end_actors  # noqa: E402
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError  # noqa: E402
 from tensortier.tiers.host import HostPool  # noqa: E402
 from tensortier.tiers.remote import MIN_OBJECT, RemoteHandle, RemoteStore  # noqa: E402
@@ -430,3 +431,23 @@ def test_a_small_tensor_refused_for_its_padding_says_so(store):
     finally:
         for h in full:
             store.free(h)
+
+
+def test_puts_after_every_memory_node_actor_died_say_so(cluster):
+    # The TierFullError said "the most free on any of the 0 usable nodes is 0B (1% used). Free
+    # tensors, raise the budget, or add nodes": none of which helps when the actors are gone.
+    s = RemoteStore("8MiB", timeout=30)
+    try:
+        t = torch.randn(1 << 16)
+        h = s.write(t)
+        end_actors([n.actor for n in s._pool.nodes.values()], lambda a: a.node_id.remote())
+        assert torch.equal(s.read(h), t)  # the objects outlive the actor that made them
+        with pytest.raises(
+            TierFullError,
+            match=r"2 of the 2 memory nodes take no more puts "
+            r"\(2 whose actor died.*make a new RemoteStore",
+        ):
+            s.write(torch.ones(1 << 16))
+        s.free(h)
+    finally:
+        s.close()

@@ -399,7 +399,7 @@ class RemoteStore(StoreBase):
                     f"one memory node, but the most free on any of the {len(nodes)} usable nodes "
                     f"is {format_size(most)} ({format_size(self.stats.used_bytes)} of "
                     f"{format_size(self.stats.budget_bytes)} used). Free tensors, raise "
-                    f"the budget, or add nodes.",
+                    f"the budget, or add nodes.{self._unusable_locked()}",
                     tier="remote",
                     requested=nbytes,
                     in_use=self.stats.used_bytes,
@@ -407,6 +407,18 @@ class RemoteStore(StoreBase):
                 )
             best.used += nbytes
             return best
+
+    def _unusable_locked(self) -> str:
+        """Why some memory nodes take no puts, for a TierFullError (lock held)."""
+        dead = sum(1 for n in self._pool.nodes.values() if not n.writable and not n.lost)
+        lost = sum(1 for n in self._pool.nodes.values() if n.lost)
+        if not dead and not lost:
+            return ""
+        return (
+            f" {dead + lost} of the {len(self._pool.nodes)} memory nodes take no more puts "
+            f"({dead} whose actor died, killed or crashed; {lost} lost): close this store and "
+            f"make a new RemoteStore to use their memory again."
+        )
 
     def _unreserve(self, node: _Node, nbytes: int) -> None:
         with self._lock:
