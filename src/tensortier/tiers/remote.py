@@ -35,7 +35,9 @@ tier). ``close()`` (or GC, through ``_lifetime.Finalizer``) drops every object a
 
 Ray's session. A store lives in the Ray session it was made in: its actors and objects end with
 ``ray.shutdown()``. A store used after that (or after a new ``ray.init()``) raises
-:class:`ClosedError` saying so, instead of letting Ray quietly connect again.
+:class:`ClosedError` saying so, instead of letting Ray quietly connect again. Close the store (or
+wait for its futures) before ``ray.shutdown()``: Ray 2.60 aborts the process (``Check failed:
+... Broken pipe``) when it is shut down while a thread is inside ``ray.get``.
 
 Ray is imported only when a store is made, never by ``import tensortier``.
 """
