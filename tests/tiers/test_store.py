@@ -245,3 +245,16 @@ def test_pickling_a_store_names_what_to_send_instead(kind, request, tmp_path):
     s = _open(kind, request, tmp_path)
     with s, pytest.raises(TypeError, match=r"cannot be pickled.*send the tensors"):
         pickle.dumps(s)
+
+
+def test_put_many_of_a_lone_tensor_or_get_many_of_a_lone_handle_is_refused(store):
+    # DiskStore.put_many(t) iterated the tensor and stored each row as its own tensor; its
+    # get_many(h) failed with "object is not iterable". RemoteStore refused both, naming the fix.
+    live = len(store)
+    with pytest.raises(TypeError, match=r"put_many\(tensors\): expected a list or tuple"):
+        store.put_many(torch.ones(3, 2))
+    assert len(store) == live
+    h = store.write(torch.ones(3))
+    with pytest.raises(TypeError, match=r"get_many\(handles\): expected a list or tuple"):
+        store.get_many(h)
+    store.free(h)

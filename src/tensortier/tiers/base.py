@@ -105,6 +105,13 @@ def shut_down_io(
     return True
 
 
+def check_many(items: object, where: str, what: str, single: type | tuple) -> None:
+    """``put_many``/``get_many``/``prefetch`` take a list or tuple: a lone tensor would otherwise be
+    iterated row by row (each row stored as its own tensor), and a lone handle fail obscurely."""
+    if isinstance(items, single) or not isinstance(items, (list, tuple)):
+        raise TypeError(f"{where}: expected a list or tuple of {what}, got {type(items).__name__}")
+
+
 def running() -> Future:
     """A future in the running state, for a store to resolve."""
     done: Future = Future()
@@ -183,6 +190,7 @@ class StoreBase(Store):
     def put_many(self, tensors: Sequence[torch.Tensor]) -> Future:
         """``put`` of each tensor; a future of their handles. A synchronous error (a full tier)
         is raised at once, and the tensors already started are freed once written."""
+        check_many(tensors, f"{type(self).__name__}.put_many(tensors)", "tensors", torch.Tensor)
         futures: list[Future] = []
         try:
             for t in tensors:
@@ -195,6 +203,9 @@ class StoreBase(Store):
 
     def get_many(self, handles: Sequence[Any]) -> Future:
         """``get`` of each handle; a future of the tensors, in order."""
+        kind = self._handle_type
+        single = () if kind is object else kind  # () matches nothing
+        check_many(handles, f"{type(self).__name__}.get_many(handles)", f"{kind.__name__}s", single)
         return gather([self.get(h) for h in handles])
 
     def write(self, tensor: torch.Tensor) -> Any:

@@ -63,7 +63,7 @@ from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
-from tensortier.tiers.base import StoreBase, running, shut_down_io
+from tensortier.tiers.base import StoreBase, check_many, running, shut_down_io
 from tensortier.tiers.disk import as_bytes, check_storable
 
 _TIMEOUT = 60.0  # seconds one remote call may take (a 1 GiB tensor at ~0.5 GB/s takes ~2 s)
@@ -498,11 +498,7 @@ class RemoteStore(StoreBase):
         for a while, so members read one after another move the bytes about once);
         :meth:`get_many` reads several members with one fetch per batch.
         """
-        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
-            raise TypeError(
-                f"RemoteStore.put_many(tensors): expected a list or tuple of tensors, got "
-                f"{type(tensors).__name__}"
-            )
+        check_many(tensors, "RemoteStore.put_many(tensors)", "tensors", torch.Tensor)
         datas = [self._bytes_of(t, f"put_many(tensors[{i}])") for i, t in enumerate(tensors)]
         self._check_open()
         total = sum(d.numel() for d in datas)
@@ -660,11 +656,7 @@ class RemoteStore(StoreBase):
 
         Does not use :meth:`prefetch`'s copies (use one or the other for the same handles). Fails
         with the first error (:class:`NodeLostError` naming a lost node)."""
-        if isinstance(handles, RemoteHandle) or not isinstance(handles, (list, tuple)):
-            raise TypeError(
-                f"RemoteStore.get_many(handles): expected a list or tuple of RemoteHandles, got "
-                f"{type(handles).__name__}"
-            )
+        check_many(handles, "RemoteStore.get_many(handles)", "RemoteHandles", RemoteHandle)
         for i, h in enumerate(handles):
             _check_handle(h, f"get_many(handles[{i}])")
         outs = [_landing(h, None) for h in handles]
@@ -770,11 +762,7 @@ class RemoteStore(StoreBase):
         most ``prefetch_budget`` bytes are read ahead and not yet taken (at least one tensor). A
         new call replaces the order and drops read-ahead copies of handles not in it; ``free``
         drops a handle's copy. Never blocks on a transfer."""
-        if isinstance(handles, RemoteHandle) or not isinstance(handles, (list, tuple)):
-            raise TypeError(
-                f"RemoteStore.prefetch(handles): expected a list or tuple of RemoteHandles, got "
-                f"{type(handles).__name__}"
-            )
+        check_many(handles, "RemoteStore.prefetch(handles)", "RemoteHandles", RemoteHandle)
         limit = parse_size(prefetch_budget, name="prefetch_budget", allow_zero=False)
         for i, h in enumerate(handles):
             _check_handle(h, f"prefetch(handles[{i}])")
