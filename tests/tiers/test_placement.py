@@ -73,3 +73,27 @@ def test_open_disk_makes_a_private_store_under_the_directory(tmp_path):
     finally:
         store.close()
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ({"budget": "8MiB", "bogus": 1}, r"names \['bogus'\], which RemoteStore does not take"),
+        ({"budget": "8MiB", "capacity": "8MiB"}, r"names \['capacity'\]"),
+        ({"budget": "8XB"}, "remote budget"),
+    ],
+    ids=["unknown", "old-name", "budget"],
+)
+def test_a_dict_of_arguments_is_checked_when_the_client_is_built(args, match):
+    # An unknown name was a raw "RemoteStore.__init__() got an unexpected keyword argument".
+    torch = pytest.importorskip("torch")
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    calls = {
+        "Offloader(tier='remote')": lambda: tt.Offloader("remote", remote=args),
+        "OffloadedAdamW(tier='remote')": lambda: OffloadedAdamW(params, tier="remote", remote=args),
+    }
+    for where, call in calls.items():
+        with pytest.raises(ConfigError, match=match) as info:
+            call()
+        if "bogus" in args:  # the client's own name leads, as in check_remote's other errors
+            assert str(info.value).startswith(where)

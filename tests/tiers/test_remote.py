@@ -9,6 +9,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from tensortier._ray import end_actors  # noqa: E402
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError  # noqa: E402
 from tensortier.tiers.host import HostPool  # noqa: E402
 from tensortier.tiers.remote import MIN_OBJECT, RemoteHandle, RemoteStore  # noqa: E402
@@ -412,5 +413,41 @@ def test_a_put_in_flight_to_a_node_found_lost_is_counted_once(cluster):
         for h in (kept, gone, moved):
             s.free(h)
         assert s.stats.used_bytes == 0
+    finally:
+        s.close()
+
+
+def test_a_small_tensor_refused_for_its_padding_says_so(store):
+    # The message named "a 104KiB tensor" for a 40-byte one: the minimum object, not the tensor.
+    per_node = store.stats.budget_bytes // 2
+    big = torch.zeros(per_node - MIN_OBJECT // 2, dtype=torch.uint8)  # each node: < MIN_OBJECT free
+    full = [store.write(big), store.write(big)]
+    try:
+        with pytest.raises(TierFullError, match=r"a 40B tensor \(104KiB .*put_many") as err:
+            store.put(torch.ones(10))
+        assert err.value.requested == MIN_OBJECT  # what it would take on its node
+        with pytest.raises(TierFullError, match=r"a 80B batch of 2 tensors \(104KiB "):
+            store.put_many([torch.ones(10), torch.ones(10)])
+    finally:
+        for h in full:
+            store.free(h)
+
+
+def test_puts_after_every_memory_node_actor_died_say_so(cluster):
+    # The TierFullError said "the most free on any of the 0 usable nodes is 0B (1% used). Free
+    # tensors, raise the budget, or add nodes": none of which helps when the actors are gone.
+    s = RemoteStore("8MiB", timeout=30)
+    try:
+        t = torch.randn(1 << 16)
+        h = s.write(t)
+        end_actors([n.actor for n in s._pool.nodes.values()], lambda a: a.node_id.remote())
+        assert torch.equal(s.read(h), t)  # the objects outlive the actor that made them
+        with pytest.raises(
+            TierFullError,
+            match=r"2 of the 2 memory nodes take no more puts "
+            r"\(2 whose actor died.*make a new RemoteStore",
+        ):
+            s.write(torch.ones(1 << 16))
+        s.free(h)
     finally:
         s.close()

@@ -4,9 +4,14 @@ one on a Ray cluster of simulated nodes on this machine)."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import threading
+
 import pytest
 import torch
 
+from tensortier._lifetime import quiesce
 from tensortier.errors import ClosedError
 from tensortier.tiers.base import Handle, Store, StoreBase, failed
 from tensortier.tiers.codecs import flat_values
@@ -188,3 +193,68 @@ def test_close_releases_and_refuses(kind, request, tmp_path):
     with pytest.raises(ClosedError):
         s.put(torch.ones(2))
     s.close()  # twice: fine
+
+
+def _released(s: Store) -> bool:
+    """Whether a closed store gave back what it held: the disk tier's directory, the remote
+    tier's objects and memory-node actors."""
+    if isinstance(s, DiskStore):
+        return not os.path.exists(s.directory)
+    import ray
+
+    if s._pool.refs:
+        return False
+    for node in s._pool.nodes.values():
+        try:
+            ray.get(node.actor.node_id.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            continue
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_from_a_done_callback_of_its_own_future_releases_everything(kind, request, tmp_path):
+    # The callback runs on the store's I/O thread: close() joined that thread and raised "cannot
+    # join current thread", leaving the files (or the remote objects and actors) behind.
+    s = _open(kind, request, tmp_path)
+    closed, errors = threading.Event(), []
+
+    def close_it(_) -> None:
+        try:
+            s.close()
+        except BaseException as exc:
+            errors.append(exc)
+        closed.set()
+
+    gate = threading.Event()
+    slow = s._executor.submit(gate.wait)  # so the put is still queued when the callback is added
+    f = s.put(torch.ones(8))
+    f.add_done_callback(close_it)
+    gate.set()
+    assert closed.wait(60) and not errors, errors
+    slow.result(timeout=10)
+    assert s.closed and len(s) == 0
+    assert quiesce(60) and _released(s)
+    with pytest.raises(ClosedError):
+        s.put(torch.ones(2))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pickling_a_store_names_what_to_send_instead(kind, request, tmp_path):
+    s = _open(kind, request, tmp_path)
+    with s, pytest.raises(TypeError, match=r"cannot be pickled.*send the tensors"):
+        pickle.dumps(s)
+
+
+def test_put_many_of_a_lone_tensor_or_get_many_of_a_lone_handle_is_refused(store):
+    # DiskStore.put_many(t) iterated the tensor and stored each row as its own tensor; its
+    # get_many(h) failed with "object is not iterable". RemoteStore refused both, naming the fix.
+    live = len(store)
+    with pytest.raises(TypeError, match=r"put_many\(tensors\): expected a list or tuple"):
+        store.put_many(torch.ones(3, 2))
+    assert len(store) == live
+    h = store.write(torch.ones(3))
+    with pytest.raises(TypeError, match=r"get_many\(handles\): expected a list or tuple"):
+        store.get_many(h)
+    store.free(h)

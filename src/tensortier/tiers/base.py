@@ -20,10 +20,12 @@ import abc
 import collections
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from tensortier._lifetime import defer
 
 
 @runtime_checkable
@@ -87,6 +89,27 @@ class Store(Protocol):
     def __contains__(self, handle: object) -> bool: ...
 
     def __len__(self) -> int: ...
+
+
+def shut_down_io(
+    executor: ThreadPoolExecutor, cleanup: Callable[[ThreadPoolExecutor], None]
+) -> bool:
+    """End ``executor`` for a store's ``cleanup(executor)``: queued jobs are cancelled, running ones
+    finish. Returns False when the caller is one of its own I/O threads (``close()`` from a
+    done-callback of the store's future): joining would join itself ("cannot join current
+    thread"), so ``cleanup`` is handed to the reaper thread, which waits for that job too."""
+    if threading.current_thread() in getattr(executor, "_threads", ()):
+        defer(cleanup, executor)
+        return False
+    executor.shutdown(wait=True, cancel_futures=True)
+    return True
+
+
+def check_many(items: object, where: str, what: str, single: type | tuple) -> None:
+    """``put_many``/``get_many``/``prefetch`` take a list or tuple: a lone tensor would otherwise be
+    iterated row by row (each row stored as its own tensor), and a lone handle fail obscurely."""
+    if isinstance(items, single) or not isinstance(items, (list, tuple)):
+        raise TypeError(f"{where}: expected a list or tuple of {what}, got {type(items).__name__}")
 
 
 def running() -> Future:
@@ -167,6 +190,7 @@ class StoreBase(Store):
     def put_many(self, tensors: Sequence[torch.Tensor]) -> Future:
         """``put`` of each tensor; a future of their handles. A synchronous error (a full tier)
         is raised at once, and the tensors already started are freed once written."""
+        check_many(tensors, f"{type(self).__name__}.put_many(tensors)", "tensors", torch.Tensor)
         futures: list[Future] = []
         try:
             for t in tensors:
@@ -179,6 +203,9 @@ class StoreBase(Store):
 
     def get_many(self, handles: Sequence[Any]) -> Future:
         """``get`` of each handle; a future of the tensors, in order."""
+        kind = self._handle_type
+        single = () if kind is object else kind  # () matches nothing
+        check_many(handles, f"{type(self).__name__}.get_many(handles)", f"{kind.__name__}s", single)
         return gather([self.get(h) for h in handles])
 
     def write(self, tensor: torch.Tensor) -> Any:
@@ -201,6 +228,13 @@ class StoreBase(Store):
 
     def __enter__(self):
         return self
+
+    def __reduce__(self):
+        raise TypeError(
+            f"a {type(self).__name__} belongs to the process that made it (its I/O threads and "
+            f"what it holds) and cannot be pickled, e.g. for a Ray task or actor; send the "
+            f"tensors (store.read(handle)), or make a store in the process that uses it"
+        )
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -66,7 +66,7 @@ from tensortier.errors import (
     SpillDirError,
     TierFullError,
 )
-from tensortier.tiers.base import StoreBase, running
+from tensortier.tiers.base import StoreBase, running, shut_down_io
 from tensortier.tiers.codecs import flat_values
 from tensortier.tiers.host import PAGE, aligned_empty
 
@@ -173,7 +173,8 @@ class _Files:
 
     def cleanup(self, executor: ThreadPoolExecutor) -> None:
         # Queued chunks are cancelled (their futures fail with ClosedError); running ones finish.
-        executor.shutdown(wait=True, cancel_futures=True)
+        if not shut_down_io(executor, self.cleanup):
+            return
         for slab in self.slabs.values():
             with contextlib.suppress(OSError):
                 os.close(slab.fd)

@@ -14,6 +14,7 @@ module never moves a byte.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ def check_remote(remote: Any, *, where: str, needed: bool, args: bool = True) ->
             raise ConfigError("remote=RemoteStore(...) is closed; pass an open store")
         return
     if args and isinstance(remote, dict) and "budget" in remote:
+        _check_remote_args(remote, where)
         return
     or_dict = ", or a dict of its arguments with a budget" if args else ""
     eg_dict = " or remote={'budget': '8GiB'}" if args else ""
@@ -44,6 +46,19 @@ def check_remote(remote: Any, *, where: str, needed: bool, args: bool = True) ->
         f"{where} needs remote=tt.tiers.RemoteStore(budget) (after ray.init){or_dict}; got "
         f"remote={remote!r}. E.g. remote=RemoteStore(budget='8GiB'){eg_dict}"
     )
+
+
+def _check_remote_args(args: dict, where: str) -> None:
+    """A dict of RemoteStore's arguments: its names and budget checked now, not when the client
+    first opens the pool (then a raw ``unexpected keyword argument``)."""
+    known = [n for n in inspect.signature(RemoteStore.__init__).parameters if n != "self"]
+    unknown = [k for k in args if k not in known]
+    if unknown:
+        raise ConfigError(
+            f"{where}: remote={args!r} names {unknown}, which RemoteStore does not take; pass a "
+            f"dict of its arguments ({', '.join(known)}), e.g. remote={{'budget': '8GiB'}}"
+        )
+    parse_size(args["budget"], name="remote budget", allow_zero=False)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,12 @@ retried on another node. A call that times out on a node Ray still reports alive
 joins threads that finish within ``timeout``. ``free`` never blocks (lock-free queue, as the disk
 tier). ``close()`` (or GC, through ``_lifetime.Finalizer``) drops every object and ends the actors.
 
+Ray's session. A store lives in the Ray session it was made in: its actors and objects end with
+``ray.shutdown()``. A store used after that (or after a new ``ray.init()``) raises
+:class:`ClosedError` saying so, instead of letting Ray quietly connect again. Close the store (or
+wait for its futures) before ``ray.shutdown()``: Ray 2.60 aborts the process (``Check failed:
+... Broken pipe``) when it is shut down while a thread is inside ``ray.get``.
+
 Ray is imported only when a store is made, never by ``import tensortier``.
 """
 
@@ -57,7 +63,7 @@ from tensortier._renamed import renamed
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, check_int, format_size, parse_size
 from tensortier.errors import ClosedError, ConfigError, NodeLostError, TierFullError
-from tensortier.tiers.base import StoreBase, running
+from tensortier.tiers.base import StoreBase, check_many, running, shut_down_io
 from tensortier.tiers.disk import as_bytes, check_storable
 
 _TIMEOUT = 60.0  # seconds one remote call may take (a 1 GiB tensor at ~0.5 GB/s takes ~2 s)
@@ -154,7 +160,8 @@ class _Pool:
 
     def cleanup(self, executor: ThreadPoolExecutor) -> None:
         # Running jobs end within the timeout; queued ones are cancelled (their futures fail).
-        executor.shutdown(wait=True, cancel_futures=True)
+        if not shut_down_io(executor, self.cleanup):
+            return
         self.refs.clear()  # Ray frees the objects once no reference is left
         self.batches.clear()
         require_ray("RemoteStore")
@@ -206,12 +213,30 @@ def _stored(nbytes: int) -> int:
     return max(nbytes, MIN_OBJECT) if nbytes else 0
 
 
+def _what(nbytes: int, article: str, noun: str) -> str:
+    """A payload in a TierFullError: its size, and the size it takes when padded to MIN_OBJECT."""
+    if _stored(nbytes) == nbytes:
+        return f"{article} {format_size(nbytes)} {noun}"
+    return (
+        f"{article} {format_size(nbytes)} {noun} ({format_size(_stored(nbytes))} on its node: "
+        f"every object is at least {format_size(MIN_OBJECT)}, so batch small tensors with "
+        f"put_many)"
+    )
+
+
 def _padded(payload: np.ndarray) -> np.ndarray:
     if payload.nbytes >= MIN_OBJECT:
         return payload
     out = np.zeros(MIN_OBJECT, np.uint8)
     out[: payload.nbytes] = payload
     return out
+
+
+def _session() -> str | None:
+    """This process's Ray connection (its driver or worker id; a new one after ray.shutdown() and
+    ray.init()), or None when Ray is not initialized."""
+    ray = require_ray("RemoteStore")
+    return ray.get_runtime_context().get_worker_id() if ray.is_initialized() else None
 
 
 def _check_seconds(value: object, name: str) -> float:
@@ -265,6 +290,7 @@ class RemoteStore(StoreBase):
         )
         if not ray.is_initialized():
             ray.init()  # what the first .remote() would do; placement needs the cluster
+        self._session = _session()
         chosen = self._choose_nodes(ray, nodes)
         per_node = self.budget // len(chosen)
         if per_node < 1:
@@ -357,7 +383,9 @@ class RemoteStore(StoreBase):
                     self.stats.used_bytes -= nbytes
             self.stats.live_tensors -= tensors
 
-    def _reserve(self, nbytes: int, exclude: set[str]) -> _Node:
+    def _reserve(self, nbytes: int, exclude: set[str], what: str = "") -> _Node:
+        """Reserve ``nbytes`` on the node with the most room outside ``exclude``.
+        ``what``: the payload as the caller sees it, for the message (``nbytes`` is padded)."""
         with self._lock:
             self._check_open()
             self._drain_freed_locked()
@@ -367,12 +395,13 @@ class RemoteStore(StoreBase):
             )
             if best is None or best.free < nbytes:
                 most = 0 if best is None else best.free
+                what = what or f"a {format_size(nbytes)} tensor"
                 raise TierFullError(
-                    f"remote tier budget exceeded: a {format_size(nbytes)} tensor needs room on "
+                    f"remote tier budget exceeded: {what} needs room on "
                     f"one memory node, but the most free on any of the {len(nodes)} usable nodes "
                     f"is {format_size(most)} ({format_size(self.stats.used_bytes)} of "
                     f"{format_size(self.stats.budget_bytes)} used). Free tensors, raise "
-                    f"the budget, or add nodes.",
+                    f"the budget, or add nodes.{self._unusable_locked()}",
                     tier="remote",
                     requested=nbytes,
                     in_use=self.stats.used_bytes,
@@ -380,6 +409,18 @@ class RemoteStore(StoreBase):
                 )
             best.used += nbytes
             return best
+
+    def _unusable_locked(self) -> str:
+        """Why some memory nodes take no puts, for a TierFullError (lock held)."""
+        dead = sum(1 for n in self._pool.nodes.values() if not n.writable and not n.lost)
+        lost = sum(1 for n in self._pool.nodes.values() if n.lost)
+        if not dead and not lost:
+            return ""
+        return (
+            f" {dead + lost} of the {len(self._pool.nodes)} memory nodes take no more puts "
+            f"({dead} whose actor died, killed or crashed; {lost} lost): close this store and "
+            f"make a new RemoteStore to use their memory again."
+        )
 
     def _unreserve(self, node: _Node, nbytes: int) -> None:
         with self._lock:
@@ -431,7 +472,8 @@ class RemoteStore(StoreBase):
             self._register([handle], None, 0, 0.0)
             done.set_result(handle)
             return done
-        node = self._reserve(_stored(nbytes), set())  # TierFullError here, before any byte moves
+        what = _what(nbytes, "a", "tensor")
+        node = self._reserve(_stored(nbytes), set(), what)  # TierFullError before any byte moves
 
         def send() -> RemoteHandle:
             node_id, ref, seconds = self._send(data.numpy(), node)
@@ -456,11 +498,7 @@ class RemoteStore(StoreBase):
         for a while, so members read one after another move the bytes about once);
         :meth:`get_many` reads several members with one fetch per batch.
         """
-        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
-            raise TypeError(
-                f"RemoteStore.put_many(tensors): expected a list or tuple of tensors, got "
-                f"{type(tensors).__name__}"
-            )
+        check_many(tensors, "RemoteStore.put_many(tensors)", "tensors", torch.Tensor)
         datas = [self._bytes_of(t, f"put_many(tensors[{i}])") for i, t in enumerate(tensors)]
         self._check_open()
         total = sum(d.numel() for d in datas)
@@ -472,7 +510,8 @@ class RemoteStore(StoreBase):
             self._register(handles, None, 0, 0.0)
             done.set_result(handles)
             return done
-        node = self._reserve(_stored(total), set())  # TierFullError here, before any byte moves
+        what = _what(total, "a", f"batch of {len(datas)} tensors")
+        node = self._reserve(_stored(total), set(), what)  # TierFullError before any byte moves
 
         def send() -> list[RemoteHandle]:
             try:
@@ -523,6 +562,7 @@ class RemoteStore(StoreBase):
             tried.add(node.node_id)
             t0 = time.perf_counter()
             try:
+                self._check_session()
                 ack, ref = node.actor.hold.options(num_returns=2).remote(payload)
                 ray.get(ack, timeout=self.timeout)
             except ray.exceptions.GetTimeoutError as exc:
@@ -616,11 +656,7 @@ class RemoteStore(StoreBase):
 
         Does not use :meth:`prefetch`'s copies (use one or the other for the same handles). Fails
         with the first error (:class:`NodeLostError` naming a lost node)."""
-        if isinstance(handles, RemoteHandle) or not isinstance(handles, (list, tuple)):
-            raise TypeError(
-                f"RemoteStore.get_many(handles): expected a list or tuple of RemoteHandles, got "
-                f"{type(handles).__name__}"
-            )
+        check_many(handles, "RemoteStore.get_many(handles)", "RemoteHandles", RemoteHandle)
         for i, h in enumerate(handles):
             _check_handle(h, f"get_many(handles[{i}])")
         outs = [_landing(h, None) for h in handles]
@@ -685,6 +721,7 @@ class RemoteStore(StoreBase):
         ray = require_ray("RemoteStore")
         t0 = time.perf_counter()
         nbytes = 0
+        self._check_session()
         for key, (node, ref) in where.items():
             what = f"{format_size(sum(h.nbytes for h in handles if h.key == key))}"
             try:
@@ -725,11 +762,7 @@ class RemoteStore(StoreBase):
         most ``prefetch_budget`` bytes are read ahead and not yet taken (at least one tensor). A
         new call replaces the order and drops read-ahead copies of handles not in it; ``free``
         drops a handle's copy. Never blocks on a transfer."""
-        if isinstance(handles, RemoteHandle) or not isinstance(handles, (list, tuple)):
-            raise TypeError(
-                f"RemoteStore.prefetch(handles): expected a list or tuple of RemoteHandles, got "
-                f"{type(handles).__name__}"
-            )
+        check_many(handles, "RemoteStore.prefetch(handles)", "RemoteHandles", RemoteHandle)
         limit = parse_size(prefetch_budget, name="prefetch_budget", allow_zero=False)
         for i, h in enumerate(handles):
             _check_handle(h, f"prefetch(handles[{i}])")
@@ -818,6 +851,15 @@ class RemoteStore(StoreBase):
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError("RemoteStore is closed")
+        self._check_session()
+
+    def _check_session(self) -> None:
+        if _session() != self._session:  # else the next Ray call would quietly ray.init() again
+            raise ClosedError(
+                "RemoteStore: Ray was shut down (ray.shutdown()) since this store was made, and "
+                "its memory nodes and every tensor they held went with it; close this store "
+                "before ray.shutdown(), and make a new one after ray.init()"
+            )
 
     def _submit_call(self, fn: Callable[[], Any], done: Future) -> None:
         """Run ``fn`` on the I/O thread; ``done`` gets its result or its exception."""
