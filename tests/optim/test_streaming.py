@@ -321,3 +321,60 @@ def test_a_model_streamed_inside_ddp_trains_as_ddp():
     from tests import distributed
 
     assert distributed.run(_streamed_under_ddp, 2) == [True, True]
+
+
+# ---------------------------------------------------------------- the model's own API while streamed
+def test_a_model_converted_while_streamed_is_refused_naming_close():
+    """``model.double()`` while streamed replaced the placeholders; the forward then installed
+    the streamer's float32 values and failed in a matmul, naming neither cause nor fix."""
+    m = _model()
+    streamer = tt.stream_parameters(m)
+    m.double()
+    with pytest.raises(ConfigError, match=r"0\.weight.*close\(\)"):
+        m(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="close"), streamer.resident():
+        pass
+    streamer.close()
+
+
+def test_tt_offload_around_a_streamed_model_still_offloads_activations():
+    """The streamer's saved-tensor hooks shadowed ``tt.offload``'s: under ``with tt.offload():``
+    no activation of a streamed model was offloaded (9 packed unstreamed, 1 streamed)."""
+    ref, m = _model(), _model()
+    x = torch.randn(5, 8)
+    with tt.offload(min_bytes=0) as off:
+        ref(x).square().sum().backward()
+    want = off.stats.tensors_offloaded
+    streamer = tt.stream_parameters(m)
+    try:
+        with tt.offload(min_bytes=0) as off:  # the same offloader: its stats go on counting
+            m(x).square().sum().backward()
+        # the same activations reached it (the parameters never do: it keeps those)
+        assert off.stats.tensors_offloaded == 2 * want > 2
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        streamer.close()
+
+
+def test_a_load_that_fails_in_the_pre_hook_leaves_the_next_forward_correct():
+    """torch runs ``always_call`` forward hooks when a pre-hook raised: the post-hook undid an
+    install that never happened (count -1), so the next forward kept the NaN placeholder."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m)
+    start, calls = streamer._start, []
+
+    def failing_once(u):
+        calls.append(u.index)
+        if len(calls) == 1:
+            raise OSError("a read failed")
+        return start(u)
+
+    streamer._start = failing_once
+    x = torch.randn(3, 8)
+    try:
+        with pytest.raises(OSError, match="read failed"):
+            m(x)
+        assert torch.equal(m(x), ref(x))
+    finally:
+        streamer.close()

@@ -29,6 +29,12 @@ never wait, they are skipped.
 
 Buffers are not streamed: they move to the device once, and stay there after ``close()``.
 
+Saved-tensor hooks already active around the forward (``tt.offload``) still get every saved
+tensor that is not a streamed parameter: the streamer's hooks, pushed on top of theirs, hand them
+down. Converting the model while streamed
+(``model.to(dtype)``, ``.half()``, ``p.data = ...``) replaces the placeholders: the next use
+raises :class:`ConfigError` (close first, convert, stream again).
+
 A model can be streamed by one streamer at a time: streaming it again would record the first
 streamer's NaN placeholders as weights, so it raises :class:`ConfigError`.
 
@@ -99,6 +105,7 @@ class _Unit:
     module: nn.Module
     slots: list[_Slot]
     nbytes: int
+    entered: int = 0  # forwards running whose pre-hook completed (its post-hook undoes them)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -114,6 +121,14 @@ class _Load:
     tensors: list[torch.Tensor] | None = None
     event: Any = None  # CUDA: recorded on the side stream after the copies
     streams: set = field(default_factory=set)  # consumer streams that waited on ``event``
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A saved tensor packed by the hooks that were active around the forward (``tt.offload``)."""
+
+    unpack: Any
+    packed: Any
 
 
 @dataclass(frozen=True)
@@ -182,6 +197,7 @@ class ParameterStreamer:
         self._live_bytes = 0
         self._hooks = []
         self._saved_ctx = None
+        self._outer: tuple[Any, Any] | None = None  # saved-tensor hooks active around the forward
         self._depth = 0
         self._last: _Load | None = None
         # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
@@ -333,7 +349,11 @@ class ParameterStreamer:
     # ------------------------------------------------------------ hooks
     def _make_pre(self, u: _Unit):
         def pre(module, args):
+            for s in u.slots:
+                if s.installs == 0:
+                    self._check_placeholder(s)
             tensors = self._load(u).tensors
+            u.entered += 1
             for pos, (s, t) in enumerate(zip(u.slots, tensors)):
                 if s.installs == 0:  # else an enclosing user of a shared parameter installed it
                     s.param.data = t
@@ -347,6 +367,9 @@ class ParameterStreamer:
 
     def _make_post(self, u: _Unit):
         def post(module, args, output):
+            if u.entered == 0:  # the pre-hook raised: it installed nothing
+                return
+            u.entered -= 1
             for s in u.slots:
                 s.installs -= 1
                 if s.installs == 0:
@@ -361,6 +384,7 @@ class ParameterStreamer:
         self._depth += 1
         if self._depth == 1:
             self._release_last()
+            self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
@@ -368,20 +392,24 @@ class ParameterStreamer:
         self._depth -= 1
         if self._depth == 0 and self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
-            self._saved_ctx = None
+            self._saved_ctx = self._outer = None
 
     def _pack(self, t: torch.Tensor):
-        if not self._installed or t.device != self.device:
-            return t
-        hit = self._installed.get(t.untyped_storage().data_ptr())
+        hit = None
+        if self._installed and t.device == self.device:
+            hit = self._installed.get(t.untyped_storage().data_ptr())
         if hit is None:
-            return t
+            if self._outer is None:
+                return t
+            return _Outer(self._outer[1], self._outer[0](t))  # e.g. tt.offload's
         unit, pos = hit
         base = self.units[unit].slots[pos].param.data
         rel = t.storage_offset() - base.storage_offset()
         return _Token(unit, pos, tuple(t.shape), tuple(t.stride()), rel)
 
     def _unpack(self, x):
+        if isinstance(x, _Outer):
+            return x.unpack(x.packed)
         if not isinstance(x, _Token):
             return x
         last = self._last
@@ -406,7 +434,22 @@ class ParameterStreamer:
             self._last = None
 
     # ------------------------------------------------------------ resident views
-    def _install_all(self) -> None:
+    def _check_placeholder(self, s: _Slot) -> None:
+        """A parameter between uses holds its placeholder; anything else came from outside."""
+        data = s.param.data
+        ph = s.placeholder
+        if data.data_ptr() != ph.data_ptr() or data.dtype != ph.dtype or data.shape != ph.shape:
+            raise ConfigError(
+                f"parameter {s.name!r} was replaced while streamed (model.to(), .half(), "
+                f"p.data = ...: now {data.dtype} {tuple(data.shape)} on {data.device}); the "
+                f"streamer keeps its own values: call streamer.close() first (the model is "
+                f"resident again), convert the model, then stream_parameters() again"
+            )
+
+    def _install_all(self, *, check: bool = True) -> None:
+        for s in self._slots:
+            if check and s.installs == 0:
+                self._check_placeholder(s)
         for u in self.units:
             for s, t in zip(u.slots, self._ready(self._start(u))):
                 if s.installs == 0:
@@ -429,15 +472,19 @@ class ParameterStreamer:
                 yield
             finally:
                 for s in self._slots:
-                    value = s.param.detach()
-                    if self._store is not None:
-                        new = self._store.write(value.cpu())
-                        self._store.free(s.home)
-                        s.home = new
-                    else:
-                        s.home.copy_(value)  # synchronous: the home is not read before it lands
-                    s.param.data = s.placeholder
+                    self._store_back(s)
                     s.installs = 0
+
+    def _store_back(self, s: _Slot) -> None:
+        """Write the installed (possibly updated) value of ``s`` to its tier; placeholder back."""
+        value = s.param.detach()
+        if self._store is not None:
+            new = self._store.write(value.cpu())
+            self._store.free(s.home)
+            s.home = new
+        else:
+            s.home.copy_(value)  # synchronous: the home is not read before it lands
+        s.param.data = s.placeholder
 
     def _drop_prefetch(self) -> None:
         for index, load in list(self._pending.items()):
@@ -459,7 +506,7 @@ class ParameterStreamer:
         with torch.no_grad():
             for s in self._slots:
                 s.installs = 0
-            self._install_all()
+            self._install_all(check=False)  # a converted model gets its streamed values back
         for s in self._slots:
             s.installs = 0
             with contextlib.suppress(AttributeError):
