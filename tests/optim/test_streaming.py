@@ -324,6 +324,72 @@ def test_a_model_streamed_inside_ddp_trains_as_ddp():
 
 
 # ---------------------------------------------------------------- the model's own API while streamed
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_state_dict_while_streamed_holds_the_real_values(tier, spill_dir):
+    """``torch.save(model.state_dict())`` (HF ``save_pretrained``, a checkpoint) between steps
+    saved the NaN placeholders: every weight was lost, silently."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    try:
+        got, want = m.state_dict(), ref.state_dict()
+        assert list(got) == list(want)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        sub = m[2].state_dict(prefix="b.")  # a submodule's own, with a prefix
+        assert torch.equal(sub["b.scale"], ref[2].scale)
+        got["0.weight"].add_(1)  # a copy: editing it leaves the streamed value alone
+        assert torch.equal(m(torch.ones(1, 8)), ref(torch.ones(1, 8)))
+        assert m.state_dict(keep_vars=True)["0.weight"] is m[0].weight
+    finally:
+        streamer.close()
+
+
+def test_state_dict_of_a_streamed_tied_model_shares_the_tied_tensor():
+    from tensortier.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    torch.manual_seed(0)
+    m = GPT(cfg)
+
+    def ptr(sd, key):
+        return sd[key].untyped_storage().data_ptr()
+
+    want = m.state_dict()
+    assert ptr(want, "lm_head.weight") == ptr(want, "transformer.wte.weight")
+    streamer = tt.stream_parameters(m)
+    try:
+        got = m.state_dict()
+        # one storage, as torch's: torch.save and safetensors write it once
+        assert ptr(got, "lm_head.weight") == ptr(got, "transformer.wte.weight")
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        again = m.state_dict()
+        assert ptr(again, "lm_head.weight") != ptr(got, "lm_head.weight")  # each call a copy
+    finally:
+        streamer.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_load_state_dict_while_streamed_loads_into_the_tier(tier, spill_dir):
+    """``load_state_dict`` copied into the expanded placeholders: torch's raw "more than one
+    element of the written-to tensor refers to a single memory location"."""
+    ref, m = _model(), _model()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(-2)
+    streamer = tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    x = torch.randn(3, 8)
+    try:
+        m[0](x)  # its pre-hook prefetched the next unit: values from before the load
+        assert streamer._pending
+        m.load_state_dict(ref.state_dict())
+        assert all(torch.isnan(p).all() for p in m.parameters())  # streamed again
+        assert torch.equal(m(x), ref(x))
+        m[2].load_state_dict(_model()[2].state_dict())  # a submodule alone
+        assert torch.equal(m.state_dict()["2.scale"], _model()[2].scale)
+    finally:
+        streamer.close()
+
+
 def test_a_model_converted_while_streamed_is_refused_naming_close():
     """``model.double()`` while streamed replaced the placeholders; the forward then installed
     the streamer's float32 values and failed in a matmul, naming neither cause nor fix."""

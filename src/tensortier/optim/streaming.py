@@ -29,6 +29,11 @@ never wait, they are skipped.
 
 Buffers are not streamed: they move to the device once, and stay there after ``close()``.
 
+The model's own API goes on working while streamed: ``state_dict()`` holds copies of the values
+read from the tier (on the host, not ``device``: gathering them on the device would defeat the
+budget), ``load_state_dict()`` installs each unit's values while torch copies into them and
+stores them back to the tier.
+
 Saved-tensor hooks already active around the forward (``tt.offload``) still get every saved
 tensor that is not a streamed parameter: the streamer's hooks, pushed on top of theirs, hand them
 down. Converting the model while streamed
@@ -198,6 +203,9 @@ class ParameterStreamer:
         self._hooks = []
         self._saved_ctx = None
         self._outer: tuple[Any, Any] | None = None  # saved-tensor hooks active around the forward
+        self._loading: set[int] = set()  # slots installed by load_state_dict (by id)
+        # the state dict being filled, and the values already given to it (by slot id)
+        self._given: tuple[Any, dict[int, Any]] = (lambda: None, {})
         self._depth = 0
         self._last: _Load | None = None
         # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
@@ -242,6 +250,9 @@ class ParameterStreamer:
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
+            self._hooks.append(u.module.register_state_dict_post_hook(self._make_state_dict(u)))
+            self._hooks.append(u.module.register_load_state_dict_pre_hook(self._make_load_pre(u)))
+            self._hooks.append(u.module.register_load_state_dict_post_hook(self._make_load_post(u)))
         self._hooks.append(self.model.register_forward_pre_hook(self._enter))
         self._hooks.append(self.model.register_forward_hook(self._exit, always_call=True))
 
@@ -486,6 +497,66 @@ class ParameterStreamer:
             s.home.copy_(value)  # synchronous: the home is not read before it lands
         s.param.data = s.placeholder
 
+    def _home_value(self, s: _Slot) -> torch.Tensor:
+        """A host copy of the value on the tier (the caller may keep or edit it)."""
+        if self._store is not None:
+            return self._store.get(s.home).result()  # bounded: one read
+        return s.home.clone()
+
+    # ------------------------------------------------------------ state_dict / load_state_dict
+    def _shared_value(self, state_dict: dict, s: _Slot) -> torch.Tensor:
+        """The value of ``s`` for ``state_dict``: one tensor for all its keys (tied weights), as
+        in the resident model's (weak references: the dict and its tensors are the caller's)."""
+        ref, given = self._given
+        if ref() is not state_dict:
+            given = {}
+            with contextlib.suppress(TypeError):  # a plain dict passed as ``destination=``
+                self._given = (weakref.ref(state_dict), given)
+        value = given[id(s)]() if id(s) in given else None
+        if value is None:
+            value = self._home_value(s)
+            given[id(s)] = weakref.ref(value)
+        return value
+
+    def _make_state_dict(self, u: _Unit):
+        slot_of = {id(s.param): s for s in u.slots}
+
+        def hook(module, state_dict, prefix, local_metadata) -> None:
+            for name, p in module._parameters.items():
+                s = slot_of.get(id(p))
+                key = prefix + name
+                if s is None or key not in state_dict or isinstance(state_dict[key], nn.Parameter):
+                    continue  # not ours, or keep_vars=True: the caller asked for the Parameter
+                if state_dict[key].data_ptr() == s.placeholder.data_ptr():
+                    state_dict[key] = self._shared_value(state_dict, s)
+
+        return hook
+
+    def _make_load_pre(self, u: _Unit):
+        def hook(module, state_dict, prefix, *args) -> None:
+            todo = [s for s in u.slots if s.installs == 0 and id(s) not in self._loading]
+            for s in todo:
+                self._check_placeholder(s)
+            if not todo:
+                return
+            self._drop_prefetch()  # they hold the values from before the load
+            for s, t in zip(u.slots, self._ready(self._start(u))):
+                if s in todo:
+                    s.param.data = t
+                    self._loading.add(id(s))
+
+        return hook
+
+    def _make_load_post(self, u: _Unit):
+        def hook(module, incompatible_keys) -> None:
+            with torch.no_grad():
+                for s in u.slots:
+                    if id(s) in self._loading:
+                        self._loading.discard(id(s))
+                        self._store_back(s)
+
+        return hook
+
     def _drop_prefetch(self) -> None:
         for index, load in list(self._pending.items()):
             if load.future is not None:
@@ -557,7 +628,8 @@ def stream_parameters(
     bytes of installed parameters (default: twice the largest module). Outputs and gradients are
     identical to the resident model; parameters shared by several modules (tied weights) are
     stored once. Buffers move to ``device`` and stay there. Wrap optimizer steps in
-    ``with streamer.resident():``. A model is streamed by one streamer at a time
+    ``with streamer.resident():``; ``state_dict()`` (host copies) and ``load_state_dict()``
+    work while streamed. A model is streamed by one streamer at a time
     (``ConfigError`` otherwise: close the first one).
     """
     return ParameterStreamer(model, budget=budget, tier=tier, device=device, spill_dir=spill_dir)
