@@ -444,3 +444,36 @@ def test_a_load_that_fails_in_the_pre_hook_leaves_the_next_forward_correct():
         assert torch.equal(m(x), ref(x))
     finally:
         streamer.close()
+
+
+def test_nested_resident_blocks_keep_the_weights():
+    """The inner block's exit put the placeholders back and the outer one stored those NaN
+    placeholders as the weights: every parameter was lost."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m)
+    with streamer.resident():
+        with torch.no_grad():
+            m[0].bias.add_(1)
+            ref[0].bias.add_(1)
+        with streamer.resident():  # e.g. a helper that saves or steps, called inside one
+            assert torch.equal(m[0].bias, ref[0].bias)
+        assert torch.equal(m[0].bias, ref[0].bias)  # still installed
+    x = torch.randn(2, 8)
+    assert torch.equal(m(x), ref(x))
+    streamer.close()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_backward_of_a_graph_made_before_close_matches_the_resident_model(tier, spill_dir):
+    """``close()`` between forward and backward: backward asked the shut-down loader for the
+    parameters ("cannot schedule new futures after shutdown"); they are resident again."""
+    ref, m = _model(), _model()
+    x = torch.randn(5, 8)
+    streamer = tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    loss = m(x).square().sum()
+    streamer.close()
+    loss.backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)

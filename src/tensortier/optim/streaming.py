@@ -207,6 +207,7 @@ class ParameterStreamer:
         # the state dict being filled, and the values already given to it (by slot id)
         self._given: tuple[Any, dict[int, Any]] = (lambda: None, {})
         self._depth = 0
+        self._resident = False  # inside ``resident()``
         self._last: _Load | None = None
         # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
         self._releasing: deque[tuple[Any, int]] = deque()
@@ -423,6 +424,9 @@ class ParameterStreamer:
             return x.unpack(x.packed)
         if not isinstance(x, _Token):
             return x
+        if self._closed:  # a graph from before close(): the parameters hold their values again
+            base = self.units[x.unit].slots[x.slot].param.data
+            return base.as_strided(x.shape, x.stride, base.storage_offset() + x.offset)
         last = self._last
         if last is not None and last.unit == x.unit:
             tensors = self._ready(last)  # another saved view of the unit just loaded
@@ -474,14 +478,22 @@ class ParameterStreamer:
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
         """Install every parameter for the block (e.g. around ``optimizer.step()``), then store
-        the possibly updated values back to their tier."""
+        the possibly updated values back to their tier. Nested blocks are the outer one (an
+        inner exit stored the values and put the placeholders back, and the outer one then
+        stored those NaN placeholders as the weights)."""
         self._check_open()
+        if self._resident:
+            with torch.no_grad():
+                yield
+            return
         self._drop_prefetch()  # they hold values from before the update
         with torch.no_grad():
             self._install_all()
+            self._resident = True
             try:
                 yield
             finally:
+                self._resident = False
                 for s in self._slots:
                     self._store_back(s)
                     s.installs = 0
