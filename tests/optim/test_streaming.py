@@ -477,3 +477,33 @@ def test_backward_of_a_graph_made_before_close_matches_the_resident_model(tier, 
     ref(x).square().sum().backward()
     for p, q in zip(m.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def _deferred_gather_of_streamed(rank: int, world: int) -> str:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    m = _model()
+    DDP(m)
+    streamer = tt.stream_parameters(m)
+    try:
+        tt.OffloadedAdamW(m.parameters(), defer_gather=True)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        streamer.close()
+    return "built"
+
+
+def test_deferred_writes_of_streamed_parameters_are_refused_naming_the_setting():
+    """``defer_gather=True`` on streamed parameters: ``resident()`` ended before the gathers
+    landed, every rank's next forward raised "a deferred parameter all-gather failed; ...
+    restore from a checkpoint"."""
+    from tests import distributed
+
+    for msg in distributed.run(_deferred_gather_of_streamed, 2):
+        assert "stream_parameters" in msg and "defer_gather=False" in msg
+    m = _model()
+    streamer = tt.stream_parameters(m)
+    with pytest.raises(ConfigError, match="pass defer_write_back=False"):
+        tt.OffloadedAdamW(m.parameters(), defer_write_back=True)
+    streamer.close()

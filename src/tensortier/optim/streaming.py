@@ -662,10 +662,15 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
             m._buffers[name] = moved[id(b)]
 
 
+def is_streamed(p: torch.Tensor) -> bool:
+    """Whether an open :class:`ParameterStreamer` holds ``p`` (its values are a placeholder)."""
+    owner = getattr(p, _OWNER_ATTR, None)
+    return owner is not None and owner() is not None
+
+
 def _refuse_streamed(slots: list[_Slot]) -> None:
     for s in slots:
-        owner = getattr(s.param, _OWNER_ATTR, None)
-        if owner is not None and owner() is not None:
+        if is_streamed(s.param):
             raise ConfigError(
                 f"parameter {s.name!r} is already streamed by another ParameterStreamer "
                 f"(its values are that streamer's NaN placeholders); call close() on it "
