@@ -507,3 +507,24 @@ def test_deferred_writes_of_streamed_parameters_are_refused_naming_the_setting()
     with pytest.raises(ConfigError, match="pass defer_write_back=False"):
         tt.OffloadedAdamW(m.parameters(), defer_write_back=True)
     streamer.close()
+
+
+def test_an_optimizer_step_outside_resident_names_resident():
+    """torch raised "more than one element of the written-to tensor refers to a single memory
+    location" from inside AdamW, naming neither the streamer nor ``resident()``."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m)
+    opt, opt_ref = (torch.optim.AdamW(x.parameters(), lr=1e-2) for x in (m, ref))
+    x = torch.randn(3, 8)
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    with pytest.raises(ConfigError, match=r"streamer\.resident\(\): opt\.step\(\)"):
+        opt.step()
+    with streamer.resident():  # nothing was changed: the step can be done as documented
+        opt.step()
+    opt_ref.step()
+    torch.optim.AdamW(_model().parameters()).step()  # other optimizers are not concerned
+    streamer.close()
+    opt.step()  # closed: resident again, steps as usual
+    opt_ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))

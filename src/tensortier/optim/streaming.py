@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import check_device, normalize_device
 from tensortier._lifetime import Finalizer
@@ -192,6 +193,7 @@ class ParameterStreamer:
             raise ConfigError("the model has no parameters to stream")
         _refuse_streamed(slots)
         self._slots = slots
+        self._slot_of = {id(s.param): s for s in slots}
         self.device = _target_device(device, slots[0].param)
         self.budget = _check_budget(budget, max(u.nbytes for u in self.units))
         self._cuda = self.device.type == "cuda"
@@ -256,6 +258,7 @@ class ParameterStreamer:
             self._hooks.append(u.module.register_load_state_dict_post_hook(self._make_load_post(u)))
         self._hooks.append(self.model.register_forward_pre_hook(self._enter))
         self._hooks.append(self.model.register_forward_hook(self._exit, always_call=True))
+        _guard_steps(self)
 
     def _store_homes(self) -> None:
         """Copy every parameter to its tier, before any parameter is touched."""
@@ -449,6 +452,12 @@ class ParameterStreamer:
             self._last = None
 
     # ------------------------------------------------------------ resident views
+    def _idle(self, p: nn.Parameter) -> bool:
+        """Whether ``p`` is one of ours and holds its placeholder now (not inside a forward or
+        a load)."""
+        s = self._slot_of.get(id(p))
+        return s is not None and s.installs == 0 and id(s) not in self._loading
+
     def _check_placeholder(self, s: _Slot) -> None:
         """A parameter between uses holds its placeholder; anything else came from outside."""
         data = s.param.data
@@ -597,6 +606,7 @@ class ParameterStreamer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        _OPEN.discard(self)
         self._closed = True
         self._finalizer()
 
@@ -660,6 +670,35 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
             if id(b) not in moved:
                 moved[id(b)] = b.to(device)
             m._buffers[name] = moved[id(b)]
+
+
+# open streamers, checked by one global optimizer step pre-hook (registered with the first one)
+_OPEN: weakref.WeakSet[ParameterStreamer] = weakref.WeakSet()
+_GUARD: list = []
+
+
+def _guard_steps(streamer: ParameterStreamer) -> None:
+    """A step on streamed parameters outside ``resident()`` failed in torch's kernel ("more than
+    one element of the written-to tensor refers to a single memory location"), naming neither
+    the streamer nor the fix. One hook for all streamers, never removed: a hook removed while
+    another thread's ``step()`` iterates torch's global hooks would break that step."""
+    _OPEN.add(streamer)
+    if not _GUARD:
+        _GUARD.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    for streamer in list(_OPEN):
+        if streamer._resident:
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and streamer._idle(p):
+                    raise ConfigError(
+                        f"{type(opt).__name__}.step() on parameters held by stream_parameters() "
+                        f"(their values are NaN placeholders between uses); call it inside "
+                        f"`with streamer.resident(): opt.step()`"
+                    )
 
 
 def is_streamed(p: torch.Tensor) -> bool:
