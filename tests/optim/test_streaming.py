@@ -384,6 +384,9 @@ def test_load_state_dict_while_streamed_loads_into_the_tier(tier, spill_dir):
         m.load_state_dict(ref.state_dict())
         assert all(torch.isnan(p).all() for p in m.parameters())  # streamed again
         assert torch.equal(m(x), ref(x))
+        with pytest.raises(ConfigError, match="without assign="):
+            m.load_state_dict(ref.state_dict(), assign=True)  # swapped in unstreamed tensors
+        assert all(tt.optim.streaming.is_streamed(p) for p in m.parameters())
         m[2].load_state_dict(_model()[2].state_dict())  # a submodule alone
         assert torch.equal(m.state_dict()["2.scale"], _model()[2].scale)
     finally:

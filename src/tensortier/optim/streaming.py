@@ -554,7 +554,14 @@ class ParameterStreamer:
         return hook
 
     def _make_load_pre(self, u: _Unit):
-        def hook(module, state_dict, prefix, *args) -> None:
+        def hook(module, state_dict, prefix, local_metadata, *args) -> None:
+            if local_metadata.get("assign_to_params_buffers"):
+                # torch would swap in the state dict's tensors as new, unstreamed Parameters
+                raise ConfigError(
+                    "load_state_dict(assign=True) on a streamed model would replace the "
+                    "streamed parameters by resident ones; load without assign= (the values "
+                    "are copied to the tier), or call streamer.close() first"
+                )
             todo = [s for s in u.slots if s.installs == 0 and id(s) not in self._loading]
             for s in todo:
                 self._check_placeholder(s)
