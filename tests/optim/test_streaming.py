@@ -531,3 +531,40 @@ def test_an_optimizer_step_outside_resident_names_resident():
     opt.step()  # closed: resident again, steps as usual
     opt_ref.step()
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList([Block(16), Block(16)])
+        self.out = torch.nn.Linear(16, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_of_a_streamed_model_matches_the_resident_model(reentrant):
+    """``use_reentrant=True`` (HF's ``gradient_checkpointing_enable()`` default): the recompute
+    in backward calls each block alone, outside the model's forward, so the streamer's hooks
+    were off, autograd kept the parameters themselves, and the block's post-hook had put the
+    NaN placeholders back before the inner backward read them: every gradient was NaN."""
+    ref, m = _Checkpointed(reentrant), _Checkpointed(reentrant)
+    streamer = tt.stream_parameters(m)
+    x = torch.randn(5, 8)
+    try:
+        for _ in range(2):
+            ref(x).square().sum().backward()
+            m(x).square().sum().backward()
+            for p, q in zip(m.parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad)
+    finally:
+        streamer.close()

@@ -112,6 +112,7 @@ class _Unit:
     slots: list[_Slot]
     nbytes: int
     entered: int = 0  # forwards running whose pre-hook completed (its post-hook undoes them)
+    pushed: list[bool] = field(default_factory=list)  # per running forward: it pushed the hooks
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -364,6 +365,15 @@ class ParameterStreamer:
     # ------------------------------------------------------------ hooks
     def _make_pre(self, u: _Unit):
         def pre(module, args):
+            # the hooks also when no root forward runs and no other hooks are active: a
+            # reentrant checkpoint's recompute in backward (HF's gradient checkpointing) calls
+            # the blocks alone, and the parameters it saved were the placeholders again by its
+            # inner backward: NaN gradients. (A non-reentrant recompute has its own hooks, which
+            # keep what they save: pushing ours would change what it counts.)
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            u.pushed.append(self._depth == 0 and top is None)
+            if u.pushed[-1]:
+                self._push()
             for s in u.slots:
                 if s.installs == 0:
                     self._check_placeholder(s)
@@ -382,6 +392,8 @@ class ParameterStreamer:
 
     def _make_post(self, u: _Unit):
         def post(module, args, output):
+            if u.pushed.pop():
+                self._pop()
             if u.entered == 0:  # the pre-hook raised: it installed nothing
                 return
             u.entered -= 1
@@ -396,14 +408,22 @@ class ParameterStreamer:
         return post
 
     def _enter(self, module, args) -> None:
+        if self._depth == 0:
+            self._release_last()
+        self._push()
+
+    def _push(self) -> None:
+        """Saved tensors of the forward go through ``_pack`` (outermost module only)."""
         self._depth += 1
         if self._depth == 1:
-            self._release_last()
             self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
     def _exit(self, module, args, output) -> None:
+        self._pop()
+
+    def _pop(self) -> None:
         self._depth -= 1
         if self._depth == 0 and self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
