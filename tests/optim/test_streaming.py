@@ -321,3 +321,250 @@ def test_a_model_streamed_inside_ddp_trains_as_ddp():
     from tests import distributed
 
     assert distributed.run(_streamed_under_ddp, 2) == [True, True]
+
+
+# ---------------------------------------------------------------- the model's own API while streamed
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_state_dict_while_streamed_holds_the_real_values(tier, spill_dir):
+    """``torch.save(model.state_dict())`` (HF ``save_pretrained``, a checkpoint) between steps
+    saved the NaN placeholders: every weight was lost, silently."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    try:
+        got, want = m.state_dict(), ref.state_dict()
+        assert list(got) == list(want)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        sub = m[2].state_dict(prefix="b.")  # a submodule's own, with a prefix
+        assert torch.equal(sub["b.scale"], ref[2].scale)
+        got["0.weight"].add_(1)  # a copy: editing it leaves the streamed value alone
+        assert torch.equal(m(torch.ones(1, 8)), ref(torch.ones(1, 8)))
+        assert m.state_dict(keep_vars=True)["0.weight"] is m[0].weight
+    finally:
+        streamer.close()
+
+
+def test_state_dict_of_a_streamed_tied_model_shares_the_tied_tensor():
+    from tensortier.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    torch.manual_seed(0)
+    m = GPT(cfg)
+
+    def ptr(sd, key):
+        return sd[key].untyped_storage().data_ptr()
+
+    want = m.state_dict()
+    assert ptr(want, "lm_head.weight") == ptr(want, "transformer.wte.weight")
+    streamer = tt.stream_parameters(m)
+    try:
+        got = m.state_dict()
+        # one storage, as torch's: torch.save and safetensors write it once
+        assert ptr(got, "lm_head.weight") == ptr(got, "transformer.wte.weight")
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        again = m.state_dict()
+        assert ptr(again, "lm_head.weight") != ptr(got, "lm_head.weight")  # each call a copy
+    finally:
+        streamer.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_load_state_dict_while_streamed_loads_into_the_tier(tier, spill_dir):
+    """``load_state_dict`` copied into the expanded placeholders: torch's raw "more than one
+    element of the written-to tensor refers to a single memory location"."""
+    ref, m = _model(), _model()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(-2)
+    streamer = tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    x = torch.randn(3, 8)
+    try:
+        m[0](x)  # its pre-hook prefetched the next unit: values from before the load
+        assert streamer._pending
+        m.load_state_dict(ref.state_dict())
+        assert all(torch.isnan(p).all() for p in m.parameters())  # streamed again
+        assert torch.equal(m(x), ref(x))
+        with pytest.raises(ConfigError, match="without assign="):
+            m.load_state_dict(ref.state_dict(), assign=True)  # swapped in unstreamed tensors
+        assert all(tt.optim.streaming.is_streamed(p) for p in m.parameters())
+        m[2].load_state_dict(_model()[2].state_dict())  # a submodule alone
+        assert torch.equal(m.state_dict()["2.scale"], _model()[2].scale)
+    finally:
+        streamer.close()
+
+
+def test_a_model_converted_while_streamed_is_refused_naming_close():
+    """``model.double()`` while streamed replaced the placeholders; the forward then installed
+    the streamer's float32 values and failed in a matmul, naming neither cause nor fix."""
+    m = _model()
+    streamer = tt.stream_parameters(m)
+    m.double()
+    with pytest.raises(ConfigError, match=r"0\.weight.*close\(\)"):
+        m(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="close"), streamer.resident():
+        pass
+    streamer.close()
+
+
+def test_tt_offload_around_a_streamed_model_still_offloads_activations():
+    """The streamer's saved-tensor hooks shadowed ``tt.offload``'s: under ``with tt.offload():``
+    no activation of a streamed model was offloaded (9 packed unstreamed, 1 streamed)."""
+    ref, m = _model(), _model()
+    x = torch.randn(5, 8)
+    with tt.offload(min_bytes=0) as off:
+        ref(x).square().sum().backward()
+    want = off.stats.tensors_offloaded
+    streamer = tt.stream_parameters(m)
+    try:
+        with tt.offload(min_bytes=0) as off:  # the same offloader: its stats go on counting
+            m(x).square().sum().backward()
+        # the same activations reached it (the parameters never do: it keeps those)
+        assert off.stats.tensors_offloaded == 2 * want > 2
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        streamer.close()
+
+
+def test_a_load_that_fails_in_the_pre_hook_leaves_the_next_forward_correct():
+    """torch runs ``always_call`` forward hooks when a pre-hook raised: the post-hook undid an
+    install that never happened (count -1), so the next forward kept the NaN placeholder."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m)
+    start, calls = streamer._start, []
+
+    def failing_once(u):
+        calls.append(u.index)
+        if len(calls) == 1:
+            raise OSError("a read failed")
+        return start(u)
+
+    streamer._start = failing_once
+    x = torch.randn(3, 8)
+    try:
+        with pytest.raises(OSError, match="read failed"):
+            m(x)
+        assert torch.equal(m(x), ref(x))
+    finally:
+        streamer.close()
+
+
+def test_nested_resident_blocks_keep_the_weights():
+    """The inner block's exit put the placeholders back and the outer one stored those NaN
+    placeholders as the weights: every parameter was lost."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m)
+    with streamer.resident():
+        with torch.no_grad():
+            m[0].bias.add_(1)
+            ref[0].bias.add_(1)
+        with streamer.resident():  # e.g. a helper that saves or steps, called inside one
+            assert torch.equal(m[0].bias, ref[0].bias)
+        assert torch.equal(m[0].bias, ref[0].bias)  # still installed
+    x = torch.randn(2, 8)
+    assert torch.equal(m(x), ref(x))
+    streamer.close()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_backward_of_a_graph_made_before_close_matches_the_resident_model(tier, spill_dir):
+    """``close()`` between forward and backward: backward asked the shut-down loader for the
+    parameters ("cannot schedule new futures after shutdown"); they are resident again."""
+    ref, m = _model(), _model()
+    x = torch.randn(5, 8)
+    streamer = tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    loss = m(x).square().sum()
+    streamer.close()
+    loss.backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def _deferred_gather_of_streamed(rank: int, world: int) -> str:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    m = _model()
+    DDP(m)
+    streamer = tt.stream_parameters(m)
+    try:
+        tt.OffloadedAdamW(m.parameters(), defer_gather=True)
+    except ConfigError as e:
+        return str(e)
+    finally:
+        streamer.close()
+    return "built"
+
+
+def test_deferred_writes_of_streamed_parameters_are_refused_naming_the_setting():
+    """``defer_gather=True`` on streamed parameters: ``resident()`` ended before the gathers
+    landed, every rank's next forward raised "a deferred parameter all-gather failed; ...
+    restore from a checkpoint"."""
+    from tests import distributed
+
+    for msg in distributed.run(_deferred_gather_of_streamed, 2):
+        assert "stream_parameters" in msg and "defer_gather=False" in msg
+    m = _model()
+    streamer = tt.stream_parameters(m)
+    with pytest.raises(ConfigError, match="pass defer_write_back=False"):
+        tt.OffloadedAdamW(m.parameters(), defer_write_back=True)
+    streamer.close()
+
+
+def test_an_optimizer_step_outside_resident_names_resident():
+    """torch raised "more than one element of the written-to tensor refers to a single memory
+    location" from inside AdamW, naming neither the streamer nor ``resident()``."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m)
+    opt, opt_ref = (torch.optim.AdamW(x.parameters(), lr=1e-2) for x in (m, ref))
+    x = torch.randn(3, 8)
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    with pytest.raises(ConfigError, match=r"streamer\.resident\(\): opt\.step\(\)"):
+        opt.step()
+    with streamer.resident():  # nothing was changed: the step can be done as documented
+        opt.step()
+    opt_ref.step()
+    torch.optim.AdamW(_model().parameters()).step()  # other optimizers are not concerned
+    streamer.close()
+    opt.step()  # closed: resident again, steps as usual
+    opt_ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList([Block(16), Block(16)])
+        self.out = torch.nn.Linear(16, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inp(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_of_a_streamed_model_matches_the_resident_model(reentrant):
+    """``use_reentrant=True`` (HF's ``gradient_checkpointing_enable()`` default): the recompute
+    in backward calls each block alone, outside the model's forward, so the streamer's hooks
+    were off, autograd kept the parameters themselves, and the block's post-hook had put the
+    NaN placeholders back before the inner backward read them: every gradient was NaN."""
+    ref, m = _Checkpointed(reentrant), _Checkpointed(reentrant)
+    streamer = tt.stream_parameters(m)
+    x = torch.randn(5, 8)
+    try:
+        for _ in range(2):
+            ref(x).square().sum().backward()
+            m(x).square().sum().backward()
+            for p, q in zip(m.parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad)
+    finally:
+        streamer.close()

@@ -16,12 +16,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from tensortier.errors import ConfigError
 from tensortier.models._config import DecoderConfig
 
 
 @dataclass
 class GPTConfig(DecoderConfig):
     dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"GPTConfig: dropout={self.dropout!r}; pass a probability in [0, 1)")
 
 
 class CausalSelfAttention(nn.Module):
@@ -96,6 +102,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the mean cross-entropy loss when ``targets`` is given, else the logits."""
         T = idx.size(1)
+        self.cfg.check_length(T)
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
@@ -119,6 +126,7 @@ def random_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids and next-token targets (no dataset download)."""
     seq = seq or cfg.block_size
+    cfg.check_length(seq)
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
     return data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensortier.errors import ConfigError
 from tensortier.models._config import DecoderConfig
 
 
@@ -24,6 +25,20 @@ class LlamaConfig(DecoderConfig):
     multiple_of: int = 64  # the MLP width is rounded up to this
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.n_embd // self.n_head) % 2:
+            raise ConfigError(
+                f"LlamaConfig: head size n_embd // n_head = {self.n_embd // self.n_head} is odd; "
+                f"rotary embeddings rotate pairs of channels: pass an even head size"
+            )
+        if self.multiple_of < 1 or not self.norm_eps > 0 or not self.rope_theta > 0:
+            raise ConfigError(
+                f"LlamaConfig: multiple_of={self.multiple_of!r}, norm_eps={self.norm_eps!r}, "
+                f"rope_theta={self.rope_theta!r}; pass multiple_of >= 1 and positive norm_eps "
+                f"and rope_theta"
+            )
 
     @property
     def hidden(self) -> int:
@@ -118,6 +133,7 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the mean cross-entropy loss when ``targets`` is given, else the logits."""
         T = idx.size(1)
+        self.cfg.check_length(T)
         cos, sin = self.cos[:T], self.sin[:T]
         x = self.tok_embeddings(idx)
         for layer in self.layers:

@@ -80,6 +80,7 @@ from tensortier.optim._step import Step
 from tensortier.optim._tiers import StateTier, open_states, parse_tier, states_placement
 from tensortier.optim._update import Updater
 from tensortier.optim._zero import DeferredWrites, ShardedStep, Sharding
+from tensortier.optim.streaming import is_streamed
 
 if TYPE_CHECKING:  # Ray is imported only when a RemoteStore is made
     from tensortier.tiers.remote import RemoteStore
@@ -294,6 +295,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """``defer_gather=True``: sharded host states over a CPU (gloo) group only."""
         if not defer_gather:
             return None
+        self._refuse_streamed_deferral("defer_gather")
         sh = self._sharding
         if not sh.sharded or self.tier is not StateTier.HOST:
             raise ConfigError(
@@ -312,6 +314,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """``defer_write_back=True``: host states of one process (or unsharded DDP) only."""
         if not defer:
             return None
+        self._refuse_streamed_deferral("defer_write_back")
         sh = self._sharding
         if self.tier is not StateTier.HOST or sh.sharded or sh.local_form:
             raise ConfigError(
@@ -321,6 +324,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 + (" (sharded host states: defer_gather=True)" if sh.sharded else "")
             )
         return DeferredWriteBack()  # parameters added with their group (_add_group)
+
+    def _refuse_streamed_deferral(self, setting: str) -> None:
+        """``streamer.resident()`` reads the parameters back to its tier when its block ends,
+        right after ``step()``: a deferred write would land after that read (a gather into the
+        placeholders failed, "restore from a checkpoint"), so deferring buys nothing there."""
+        if any(is_streamed(p) for p in self._all_params()):
+            raise ConfigError(
+                f"{setting}=True with parameters held by stream_parameters(): resident() stores "
+                f"them when its block ends, before a deferred write lands; pass {setting}=False"
+            )
 
     def _agree(self, groups: list[dict], what: str) -> None:
         """Every rank must build the same buckets: same parameters, groups and settings."""

@@ -29,6 +29,17 @@ never wait, they are skipped.
 
 Buffers are not streamed: they move to the device once, and stay there after ``close()``.
 
+The model's own API goes on working while streamed: ``state_dict()`` holds copies of the values
+read from the tier (on the host, not ``device``: gathering them on the device would defeat the
+budget), ``load_state_dict()`` installs each unit's values while torch copies into them and
+stores them back to the tier.
+
+Saved-tensor hooks already active around the forward (``tt.offload``) still get every saved
+tensor that is not a streamed parameter: the streamer's hooks, pushed on top of theirs, hand them
+down. Converting the model while streamed
+(``model.to(dtype)``, ``.half()``, ``p.data = ...``) replaces the placeholders: the next use
+raises :class:`ConfigError` (close first, convert, stream again).
+
 A model can be streamed by one streamer at a time: streaming it again would record the first
 streamer's NaN placeholders as weights, so it raises :class:`ConfigError`.
 
@@ -48,6 +59,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import check_device, normalize_device
 from tensortier._lifetime import Finalizer
@@ -99,6 +111,8 @@ class _Unit:
     module: nn.Module
     slots: list[_Slot]
     nbytes: int
+    entered: int = 0  # forwards running whose pre-hook completed (its post-hook undoes them)
+    pushed: list[bool] = field(default_factory=list)  # per running forward: it pushed the hooks
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -114,6 +128,14 @@ class _Load:
     tensors: list[torch.Tensor] | None = None
     event: Any = None  # CUDA: recorded on the side stream after the copies
     streams: set = field(default_factory=set)  # consumer streams that waited on ``event``
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A saved tensor packed by the hooks that were active around the forward (``tt.offload``)."""
+
+    unpack: Any
+    packed: Any
 
 
 @dataclass(frozen=True)
@@ -172,6 +194,7 @@ class ParameterStreamer:
             raise ConfigError("the model has no parameters to stream")
         _refuse_streamed(slots)
         self._slots = slots
+        self._slot_of = {id(s.param): s for s in slots}
         self.device = _target_device(device, slots[0].param)
         self.budget = _check_budget(budget, max(u.nbytes for u in self.units))
         self._cuda = self.device.type == "cuda"
@@ -182,7 +205,12 @@ class ParameterStreamer:
         self._live_bytes = 0
         self._hooks = []
         self._saved_ctx = None
+        self._outer: tuple[Any, Any] | None = None  # saved-tensor hooks active around the forward
+        self._loading: set[int] = set()  # slots installed by load_state_dict (by id)
+        # the state dict being filled, and the values already given to it (by slot id)
+        self._given: tuple[Any, dict[int, Any]] = (lambda: None, {})
         self._depth = 0
+        self._resident = False  # inside ``resident()``
         self._last: _Load | None = None
         # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
         self._releasing: deque[tuple[Any, int]] = deque()
@@ -226,8 +254,12 @@ class ParameterStreamer:
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
+            self._hooks.append(u.module.register_state_dict_post_hook(self._make_state_dict(u)))
+            self._hooks.append(u.module.register_load_state_dict_pre_hook(self._make_load_pre(u)))
+            self._hooks.append(u.module.register_load_state_dict_post_hook(self._make_load_post(u)))
         self._hooks.append(self.model.register_forward_pre_hook(self._enter))
         self._hooks.append(self.model.register_forward_hook(self._exit, always_call=True))
+        _guard_steps(self)
 
     def _store_homes(self) -> None:
         """Copy every parameter to its tier, before any parameter is touched."""
@@ -333,7 +365,20 @@ class ParameterStreamer:
     # ------------------------------------------------------------ hooks
     def _make_pre(self, u: _Unit):
         def pre(module, args):
+            # the hooks also when no root forward runs and no other hooks are active: a
+            # reentrant checkpoint's recompute in backward (HF's gradient checkpointing) calls
+            # the blocks alone, and the parameters it saved were the placeholders again by its
+            # inner backward: NaN gradients. (A non-reentrant recompute has its own hooks, which
+            # keep what they save: pushing ours would change what it counts.)
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            u.pushed.append(self._depth == 0 and top is None)
+            if u.pushed[-1]:
+                self._push()
+            for s in u.slots:
+                if s.installs == 0:
+                    self._check_placeholder(s)
             tensors = self._load(u).tensors
+            u.entered += 1
             for pos, (s, t) in enumerate(zip(u.slots, tensors)):
                 if s.installs == 0:  # else an enclosing user of a shared parameter installed it
                     s.param.data = t
@@ -347,6 +392,11 @@ class ParameterStreamer:
 
     def _make_post(self, u: _Unit):
         def post(module, args, output):
+            if u.pushed.pop():
+                self._pop()
+            if u.entered == 0:  # the pre-hook raised: it installed nothing
+                return
+            u.entered -= 1
             for s in u.slots:
                 s.installs -= 1
                 if s.installs == 0:
@@ -358,32 +408,48 @@ class ParameterStreamer:
         return post
 
     def _enter(self, module, args) -> None:
+        if self._depth == 0:
+            self._release_last()
+        self._push()
+
+    def _push(self) -> None:
+        """Saved tensors of the forward go through ``_pack`` (outermost module only)."""
         self._depth += 1
         if self._depth == 1:
-            self._release_last()
+            self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
     def _exit(self, module, args, output) -> None:
+        self._pop()
+
+    def _pop(self) -> None:
         self._depth -= 1
         if self._depth == 0 and self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
-            self._saved_ctx = None
+            self._saved_ctx = self._outer = None
 
     def _pack(self, t: torch.Tensor):
-        if not self._installed or t.device != self.device:
-            return t
-        hit = self._installed.get(t.untyped_storage().data_ptr())
+        hit = None
+        if self._installed and t.device == self.device:
+            hit = self._installed.get(t.untyped_storage().data_ptr())
         if hit is None:
-            return t
+            if self._outer is None:
+                return t
+            return _Outer(self._outer[1], self._outer[0](t))  # e.g. tt.offload's
         unit, pos = hit
         base = self.units[unit].slots[pos].param.data
         rel = t.storage_offset() - base.storage_offset()
         return _Token(unit, pos, tuple(t.shape), tuple(t.stride()), rel)
 
     def _unpack(self, x):
+        if isinstance(x, _Outer):
+            return x.unpack(x.packed)
         if not isinstance(x, _Token):
             return x
+        if self._closed:  # a graph from before close(): the parameters hold their values again
+            base = self.units[x.unit].slots[x.slot].param.data
+            return base.as_strided(x.shape, x.stride, base.storage_offset() + x.offset)
         last = self._last
         if last is not None and last.unit == x.unit:
             tensors = self._ready(last)  # another saved view of the unit just loaded
@@ -406,7 +472,28 @@ class ParameterStreamer:
             self._last = None
 
     # ------------------------------------------------------------ resident views
-    def _install_all(self) -> None:
+    def _idle(self, p: nn.Parameter) -> bool:
+        """Whether ``p`` is one of ours and holds its placeholder now (not inside a forward or
+        a load)."""
+        s = self._slot_of.get(id(p))
+        return s is not None and s.installs == 0 and id(s) not in self._loading
+
+    def _check_placeholder(self, s: _Slot) -> None:
+        """A parameter between uses holds its placeholder; anything else came from outside."""
+        data = s.param.data
+        ph = s.placeholder
+        if data.data_ptr() != ph.data_ptr() or data.dtype != ph.dtype or data.shape != ph.shape:
+            raise ConfigError(
+                f"parameter {s.name!r} was replaced while streamed (model.to(), .half(), "
+                f"p.data = ...: now {data.dtype} {tuple(data.shape)} on {data.device}); the "
+                f"streamer keeps its own values: call streamer.close() first (the model is "
+                f"resident again), convert the model, then stream_parameters() again"
+            )
+
+    def _install_all(self, *, check: bool = True) -> None:
+        for s in self._slots:
+            if check and s.installs == 0:
+                self._check_placeholder(s)
         for u in self.units:
             for s, t in zip(u.slots, self._ready(self._start(u))):
                 if s.installs == 0:
@@ -420,24 +507,103 @@ class ParameterStreamer:
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
         """Install every parameter for the block (e.g. around ``optimizer.step()``), then store
-        the possibly updated values back to their tier."""
+        the possibly updated values back to their tier. Nested blocks are the outer one (an
+        inner exit stored the values and put the placeholders back, and the outer one then
+        stored those NaN placeholders as the weights)."""
         self._check_open()
+        if self._resident:
+            with torch.no_grad():
+                yield
+            return
         self._drop_prefetch()  # they hold values from before the update
         with torch.no_grad():
             self._install_all()
+            self._resident = True
             try:
                 yield
             finally:
+                self._resident = False
                 for s in self._slots:
-                    value = s.param.detach()
-                    if self._store is not None:
-                        new = self._store.write(value.cpu())
-                        self._store.free(s.home)
-                        s.home = new
-                    else:
-                        s.home.copy_(value)  # synchronous: the home is not read before it lands
-                    s.param.data = s.placeholder
+                    self._store_back(s)
                     s.installs = 0
+
+    def _store_back(self, s: _Slot) -> None:
+        """Write the installed (possibly updated) value of ``s`` to its tier; placeholder back."""
+        value = s.param.detach()
+        if self._store is not None:
+            new = self._store.write(value.cpu())
+            self._store.free(s.home)
+            s.home = new
+        else:
+            s.home.copy_(value)  # synchronous: the home is not read before it lands
+        s.param.data = s.placeholder
+
+    def _home_value(self, s: _Slot) -> torch.Tensor:
+        """A host copy of the value on the tier (the caller may keep or edit it)."""
+        if self._store is not None:
+            return self._store.get(s.home).result()  # bounded: one read
+        return s.home.clone()
+
+    # ------------------------------------------------------------ state_dict / load_state_dict
+    def _shared_value(self, state_dict: dict, s: _Slot) -> torch.Tensor:
+        """The value of ``s`` for ``state_dict``: one tensor for all its keys (tied weights), as
+        in the resident model's (weak references: the dict and its tensors are the caller's)."""
+        ref, given = self._given
+        if ref() is not state_dict:
+            given = {}
+            with contextlib.suppress(TypeError):  # a plain dict passed as ``destination=``
+                self._given = (weakref.ref(state_dict), given)
+        value = given[id(s)]() if id(s) in given else None
+        if value is None:
+            value = self._home_value(s)
+            given[id(s)] = weakref.ref(value)
+        return value
+
+    def _make_state_dict(self, u: _Unit):
+        slot_of = {id(s.param): s for s in u.slots}
+
+        def hook(module, state_dict, prefix, local_metadata) -> None:
+            for name, p in module._parameters.items():
+                s = slot_of.get(id(p))
+                key = prefix + name
+                if s is None or key not in state_dict or isinstance(state_dict[key], nn.Parameter):
+                    continue  # not ours, or keep_vars=True: the caller asked for the Parameter
+                if state_dict[key].data_ptr() == s.placeholder.data_ptr():
+                    state_dict[key] = self._shared_value(state_dict, s)
+
+        return hook
+
+    def _make_load_pre(self, u: _Unit):
+        def hook(module, state_dict, prefix, local_metadata, *args) -> None:
+            if local_metadata.get("assign_to_params_buffers"):
+                # torch would swap in the state dict's tensors as new, unstreamed Parameters
+                raise ConfigError(
+                    "load_state_dict(assign=True) on a streamed model would replace the "
+                    "streamed parameters by resident ones; load without assign= (the values "
+                    "are copied to the tier), or call streamer.close() first"
+                )
+            todo = [s for s in u.slots if s.installs == 0 and id(s) not in self._loading]
+            for s in todo:
+                self._check_placeholder(s)
+            if not todo:
+                return
+            self._drop_prefetch()  # they hold the values from before the load
+            for s, t in zip(u.slots, self._ready(self._start(u))):
+                if s in todo:
+                    s.param.data = t
+                    self._loading.add(id(s))
+
+        return hook
+
+    def _make_load_post(self, u: _Unit):
+        def hook(module, incompatible_keys) -> None:
+            with torch.no_grad():
+                for s in u.slots:
+                    if id(s) in self._loading:
+                        self._loading.discard(id(s))
+                        self._store_back(s)
+
+        return hook
 
     def _drop_prefetch(self) -> None:
         for index, load in list(self._pending.items()):
@@ -459,7 +625,7 @@ class ParameterStreamer:
         with torch.no_grad():
             for s in self._slots:
                 s.installs = 0
-            self._install_all()
+            self._install_all(check=False)  # a converted model gets its streamed values back
         for s in self._slots:
             s.installs = 0
             with contextlib.suppress(AttributeError):
@@ -467,6 +633,7 @@ class ParameterStreamer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        _OPEN.discard(self)
         self._closed = True
         self._finalizer()
 
@@ -510,7 +677,8 @@ def stream_parameters(
     bytes of installed parameters (default: twice the largest module). Outputs and gradients are
     identical to the resident model; parameters shared by several modules (tied weights) are
     stored once. Buffers move to ``device`` and stay there. Wrap optimizer steps in
-    ``with streamer.resident():``. A model is streamed by one streamer at a time
+    ``with streamer.resident():``; ``state_dict()`` (host copies) and ``load_state_dict()``
+    work while streamed. A model is streamed by one streamer at a time
     (``ConfigError`` otherwise: close the first one).
     """
     return ParameterStreamer(model, budget=budget, tier=tier, device=device, spill_dir=spill_dir)
@@ -531,10 +699,44 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
             m._buffers[name] = moved[id(b)]
 
 
+# open streamers, checked by one global optimizer step pre-hook (registered with the first one)
+_OPEN: weakref.WeakSet[ParameterStreamer] = weakref.WeakSet()
+_GUARD: list = []
+
+
+def _guard_steps(streamer: ParameterStreamer) -> None:
+    """A step on streamed parameters outside ``resident()`` failed in torch's kernel ("more than
+    one element of the written-to tensor refers to a single memory location"), naming neither
+    the streamer nor the fix. One hook for all streamers, never removed: a hook removed while
+    another thread's ``step()`` iterates torch's global hooks would break that step."""
+    _OPEN.add(streamer)
+    if not _GUARD:
+        _GUARD.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    for streamer in list(_OPEN):
+        if streamer._resident:
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and streamer._idle(p):
+                    raise ConfigError(
+                        f"{type(opt).__name__}.step() on parameters held by stream_parameters() "
+                        f"(their values are NaN placeholders between uses); call it inside "
+                        f"`with streamer.resident(): opt.step()`"
+                    )
+
+
+def is_streamed(p: torch.Tensor) -> bool:
+    """Whether an open :class:`ParameterStreamer` holds ``p`` (its values are a placeholder)."""
+    owner = getattr(p, _OWNER_ATTR, None)
+    return owner is not None and owner() is not None
+
+
 def _refuse_streamed(slots: list[_Slot]) -> None:
     for s in slots:
-        owner = getattr(s.param, _OWNER_ATTR, None)
-        if owner is not None and owner() is not None:
+        if is_streamed(s.param):
             raise ConfigError(
                 f"parameter {s.name!r} is already streamed by another ParameterStreamer "
                 f"(its values are that streamer's NaN placeholders); call close() on it "
