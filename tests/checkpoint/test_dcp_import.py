@@ -1,4 +1,5 @@
-"""Issue 24: ``import_dcp`` on untrusted or damaged DCP checkpoints, ``export_dcp`` with none.
+"""Issue 24: ``import_dcp`` on untrusted or damaged DCP checkpoints, ``export_dcp`` with none
+or of a wrapped model.
 
 A crafted ``.metadata`` or non-tensor entry used to run code (DCP unpickles both); damaged input
 let DCP's ``CheckpointException`` (a ``BaseException``) escape ``except Exception``; exporting a
@@ -14,6 +15,7 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from tensortier.checkpoint import Checkpointer, export_dcp, import_dcp
 from tensortier.errors import ConfigError, CorruptDataError
@@ -149,3 +151,26 @@ def test_export_without_a_checkpoint_says_there_is_none(tmp_path):
         with pytest.raises(ConfigError, match="holds no checkpoint"):
             export_dcp(str(where), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+class _Wrapper(torch.nn.Module):
+    """Holds the model as ``.module``, as DDP does: its state_dict keys gain ``module.``."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+
+@pytest.mark.parametrize("wrap", ["module", "compiled"])
+def test_export_of_a_wrapped_model_loads_into_the_bare_model(tmp_path, wrap):
+    m, _ = _trained()
+    wrapped = _Wrapper(m) if wrap == "module" else torch.compile(m)
+    with Checkpointer(str(tmp_path / "ck")) as ck:
+        ck.save(0, model=wrapped)
+    export_dcp(str(tmp_path / "ck"), str(tmp_path / "dcp"))
+    torch.manual_seed(1)
+    bare = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    state = {"model": get_model_state_dict(bare)}  # the bare model's FQNs, as DCP names them
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    set_model_state_dict(bare, state["model"])
+    assert all(torch.equal(p, q) for p, q in zip(bare.parameters(), m.parameters()))

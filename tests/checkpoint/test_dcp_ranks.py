@@ -7,9 +7,13 @@ import os
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+)
 
-from tensortier.checkpoint import Checkpointer, import_dcp
+from tensortier.checkpoint import Checkpointer, export_dcp, import_dcp
 from tensortier.optim import OffloadedAdamW
 from tests import distributed
 
@@ -68,3 +72,24 @@ def test_imported_fqn_keyed_optimizer_state_restores_into_a_sharded_offloaded_ad
         got = distributed.run(_restore_sharded, 2, root, wrap, timeout=60)
         for r in range(2):
             assert got[r] == expected, f"{wrap}: rank {r} lost the imported optimizer state"
+
+
+def _save_ddp(rank: int, world: int, root: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(_model())
+    ddp(torch.randn(4, 8)).square().sum().backward()
+    with Checkpointer(root) as ck:
+        ck.save(0, model=ddp)
+
+
+def test_export_of_a_ddp_checkpoint_loads_into_the_bare_model(tmp_path):
+    root = str(tmp_path / "ck")
+    distributed.run(_save_ddp, 2, root, timeout=60)
+    export_dcp(root, str(tmp_path / "dcp"))
+    torch.manual_seed(1)
+    bare = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    state = {"model": get_model_state_dict(bare)}  # no "module.": DCP's names for DDP's
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    set_model_state_dict(bare, state["model"])
+    assert all(torch.equal(p, q) for p, q in zip(bare.parameters(), _model().parameters()))

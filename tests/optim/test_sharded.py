@@ -445,3 +445,51 @@ def test_edits_of_opt_state_apply_on_every_rank_as_in_ddp_with_fused_adamw():
     the same edit."""
     for same in distributed.run(_edit_state_sharded, 2, timeout=120):
         assert all(same), same
+
+
+class _WithEmpty(torch.nn.Module):
+    """A linear layer and two 0-element parameters (one with rows, one without)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+        self.flat = torch.nn.Parameter(torch.empty(0))
+        self.rows = torch.nn.Parameter(torch.empty(4, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).square().mean() + self.flat.sum() + self.rows.sum()
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    a, b = a["state"], b["state"]
+    return sorted(a, key=int) == sorted(b, key=int) and all(
+        a[k].keys() == b[k].keys() and all(torch.equal(a[k][n], b[k][n]) for n in a[k]) for k in a
+    )
+
+
+def _empty_params(rank: int, world: int) -> dict:
+    m, ref = _WithEmpty(), _WithEmpty()
+    opt = OffloadedAdamW(m.parameters(), lr=1e-2, shard=True)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for model, o in ((m, opt), (ref, topt)):
+        model(torch.ones(2, 8)).backward()
+        o.step()
+    full = opt.full_state_dict()
+    back = torch.optim.AdamW(_WithEmpty().parameters(), lr=1e-2)
+    back.load_state_dict(full)  # into torch.optim.AdamW, then into a new sharded optimizer
+    again = OffloadedAdamW(_WithEmpty().parameters(), lr=1e-2, shard=True)
+    again.load_state_dict(back.state_dict())
+    out = {
+        "full": _same_state(full, topt.state_dict()),
+        "again": _same_state(again.full_state_dict(), topt.state_dict()),
+    }
+    opt.close()
+    again.close()
+    return out
+
+
+def test_sharded_state_of_empty_parameters_matches_torch_adamw():
+    # shard=True kept no state for a 0-element parameter, where torch.optim.AdamW keeps its
+    # step and empty moments: full_state_dict() lacked them, and a round trip lost their step.
+    assert distributed.run(_empty_params, 2) == [{"full": True, "again": True}] * 2

@@ -1,6 +1,8 @@
 """Replay buffer and memory bank spilling RAM -> remote pool -> disk, on a Ray cluster of
 simulated nodes on this machine (one cluster for the module, tiny items)."""
 
+from concurrent.futures import Future
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ ray = pytest.importorskip("ray")
 
 from tensortier.errors import ConfigError, NodeLostError, TierFullError  # noqa: E402
 from tensortier.rl import MemoryBank, Prioritized, ReplayBuffer  # noqa: E402
+from tensortier.rl._remote_spill import RemoteSpill  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
 from tests.ray_cluster import cluster_fixture  # noqa: E402
 
@@ -166,3 +169,46 @@ def test_bad_tier_arguments_are_config_errors(tmp_path):
         ReplayBuffer(8, tier=["disk", "remote"])
     with pytest.raises(ConfigError, match="remote= is given"):
         MemoryBank(8, remote=object())
+
+
+class _Nodes:
+    """A store putting object i on node ``node-{i % 3}``; gets of a lost node's objects fail."""
+
+    def __init__(self):
+        self.held: dict[int, tuple[str, torch.Tensor]] = {}
+        self.lost: set[str] = set()
+
+    def put(self, t: torch.Tensor) -> Future:
+        h = len(self.held)
+        self.held[h] = (f"node-{h % 3}", t.clone())
+        return _done(h)
+
+    def get(self, h: int) -> Future:
+        node, t = self.held[h]
+        if node in self.lost:
+            return _done(exc=NodeLostError(f"{node} was lost", node=node))
+        return _done(t)
+
+    def free(self, h: int) -> None:
+        del self.held[h]
+
+
+def _done(value=None, exc: BaseException | None = None) -> Future:
+    f: Future = Future()
+    if exc is not None:
+        f.set_exception(exc)
+    else:
+        f.set_result(value)
+    return f
+
+
+def test_a_read_from_two_lost_nodes_names_both():
+    # The error named only the first lost node, though items on both were dropped.
+    store = _Nodes()
+    spill = RemoteSpill(store, group_bytes=4)  # one 4-byte item per object: objects 0, 1, 2
+    assert spill.put([10, 11, 12], [b"aaaa", b"bbbb", b"cccc"]) == []
+    store.lost = {"node-0", "node-2"}
+    with pytest.raises(NodeLostError, match=r"node-0.*node-2") as err:
+        spill.read([10, 11, 12])
+    assert sorted(err.value.lost) == [10, 12]
+    assert spill.read([11]) == [b"bbbb"]

@@ -451,3 +451,48 @@ def test_puts_after_every_memory_node_actor_died_say_so(cluster):
         s.free(h)
     finally:
         s.close()
+
+
+def test_get_many_of_single_puts_looks_each_handle_up_a_bounded_number_of_times(store, monkeypatch):
+    # _fetch scanned every handle for each object, twice: n single puts cost 2n^2 key reads.
+    n = 40
+    tensors = [torch.full((3,), float(i)) for i in range(n)]
+    hs = [store.write(t) for t in tensors]
+    reads = [0]
+    plain = RemoteHandle.key.fget
+
+    def counted(h: RemoteHandle) -> int:
+        reads[0] += 1
+        return plain(h)
+
+    monkeypatch.setattr(RemoteHandle, "key", property(counted))
+    try:
+        backs = store.get_many(hs).result(timeout=60)
+        assert all(torch.equal(b, t) for b, t in zip(backs, tensors))
+        assert reads[0] <= 8 * n, f"{reads[0]} key reads for {n} handles"
+    finally:
+        monkeypatch.undo()
+        for h in hs:
+            store.free(h)
+
+
+def test_a_small_put_retried_after_its_node_is_lost_names_its_own_size(cluster):
+    # The retry on another node said "a 104KiB tensor" for a 40-byte one (the padded size),
+    # where the first attempt's refusal names both.
+    c, workers, _ = cluster
+    doomed = c.add_node(num_cpus=0, object_store_memory=_STORE)
+    s = RemoteStore("8MiB", nodes=[workers[0], doomed.node_id], timeout=30, io_threads=1)
+    try:
+        big = torch.zeros(s.stats.budget_bytes // 2 - MIN_OBJECT // 2, dtype=torch.uint8)
+        full = s.write(big)  # the first node: < MIN_OBJECT free
+        gone = s.write(torch.ones(10))
+        assert (full.node, gone.node) == (workers[0], doomed.node_id)
+        c.remove_node(doomed, allow_graceful=False)
+        lost = s.get(gone)  # finds the node lost, before the put below is sent
+        put = s.put(torch.ones(10))  # reserved on the doomed node, then retried on the full one
+        with pytest.raises(NodeLostError):
+            lost.result(timeout=60)
+        with pytest.raises(TierFullError, match=r"a 40B tensor \(104KiB .*put_many"):
+            put.result(timeout=60)
+    finally:
+        s.close()

@@ -30,7 +30,11 @@ def export_dcp(directory: str | os.PathLike, dcp_dir: str | os.PathLike, *, step
 
     The optimizer keeps the layout it was saved in: ``torch.optim``'s integer ids, which
     ``dcp.load`` fills into a template of that layout (``dcp_to_torch_save`` reads it whole).
-    DCP's ``get_state_dict(model, optimizer)`` names parameters by FQN instead, and naming them
+    Model keys are the bare model's FQNs, as DCP's ``get_model_state_dict`` names them: a
+    wrapper's leading ``module.`` (DDP) or ``_orig_mod.`` (``torch.compile``) that every saved
+    key carries is dropped, so a model saved wrapped loads into the bare model's template (a
+    model whose only child is itself named ``module`` loses that name too). DCP's
+    ``get_state_dict(model, optimizer)`` names parameters by FQN instead, and naming them
     needs the objects: for that layout (torchtitan's), ``Checkpointer.restore`` into them, then
     ``dcp.save`` what ``get_state_dict`` returns."""
     import torch.distributed.checkpoint as dcp
@@ -39,8 +43,24 @@ def export_dcp(directory: str | os.PathLike, dcp_dir: str | os.PathLike, *, step
 
     tree, saved = read_checkpoint(os.fspath(directory), step)  # ConfigError if there is none
     state = {k: tree[k] for k in PARTS if tree.get(k) is not None}
+    if isinstance(state.get("model"), dict):
+        state["model"] = _unwrapped(state["model"])
     dcp.save(state, checkpoint_id=os.fspath(dcp_dir), no_dist=True)
     return saved
+
+
+def _unwrapped(model: dict) -> dict:
+    """``model`` without the wrapper names that lead every key (``module._orig_mod.w`` -> ``w``)."""
+    from tensortier.checkpoint._validate import WRAPPERS
+
+    while model and all(
+        isinstance(k, str) and "." in k and k.split(".", 1)[0] in WRAPPERS for k in model
+    ):
+        heads = {k.split(".", 1)[0] for k in model}
+        if len(heads) != 1:
+            break
+        model = {k.split(".", 1)[1]: v for k, v in model.items()}
+    return model
 
 
 class _Saved:

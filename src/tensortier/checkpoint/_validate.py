@@ -57,11 +57,11 @@ def _check_optimizer(state: object) -> None:
 
 
 # wrappers that prefix a module's state_dict keys: DDP, torch.compile, FSDP1, checkpoint_wrapper
-_WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def _bare(key: str) -> str:
-    return ".".join(part for part in key.split(".") if part not in _WRAPPERS)
+    return ".".join(part for part in key.split(".") if part not in WRAPPERS)
 
 
 def align_model_keys(tree: dict, own: dict) -> dict:

@@ -70,11 +70,14 @@ def partition(
     """Pieces of ``params`` each rank owns; ``load`` (bytes per rank) is updated, for balance."""
     out: list[list[Piece]] = [[] for _ in range(world)]
     for i, p in enumerate(params):
-        if not p.requires_grad or p.numel() == 0:
+        if not p.requires_grad:
             continue
-        cuts = row_cuts(p, world, unit)
+        cuts = row_cuts(p, world, unit) if p.numel() else None
         if cuts is None:  # owned whole by the least-loaded rank (lowest rank on ties)
             owner = min(range(world), key=lambda r: (load[r], r))
+            if not p.numel():  # an empty piece: its step and empty moments, as torch.optim keeps
+                out[owner].append(Piece(i, 0, 0))
+                continue
             cuts = [(0, p.numel()) if r == owner else (0, 0) for r in range(world)]
         for r, (a, b) in enumerate(cuts):
             if b > a:

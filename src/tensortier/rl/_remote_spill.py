@@ -9,8 +9,8 @@ it needs once (Ray then caches the object on this node, so later reads of the ba
 Faults. A put the pool refuses (``TierFullError``) or that fails (its node died, a timeout) leaves
 its items to the next tier: :meth:`put` returns them, nothing is lost (they are still in RAM). A
 read from a lost node raises :class:`NodeLostError` with ``lost`` set to every slot of the
-batches that node held: the owner drops those items (non-durable items have no other copy) and
-counts them. Every remote call has the pool's timeout, so nothing here waits forever.
+batches that node held (the message names every lost node the read met; ``node`` is the first):
+the owner drops those items (non-durable items have no other copy) and counts them. Every remote call has the pool's timeout, so nothing here waits forever.
 
 Not thread-safe (the store's owner holds a lock); :meth:`close` never blocks (it only frees).
 """
@@ -100,21 +100,27 @@ class RemoteSpill:
         futs = {bid: self.remote.get(self.batches[bid][0]) for bid in need}
         out: list = [None] * len(slots)
         lost: list[int] = []
-        first: NodeLostError | None = None
+        errors: dict[str, NodeLostError] = {}  # lost node -> its first error, in order met
         for bid, fut in futs.items():
             try:
                 data = fut.result().numpy()
             except NodeLostError as exc:
-                first = first or exc
+                errors.setdefault(exc.node, exc)
                 lost += sorted(self.batches[bid][1])
                 continue
             for i in need[bid]:
                 _, off, n = self.loc[slots[i]]
                 out[i] = data[off : off + n].tobytes()
-        if first is not None:
+        if errors:
+            first = next(iter(errors.values()))
+            where = (
+                f"memory node {first.node}, which was"
+                if len(errors) == 1
+                else f"memory nodes {', '.join(errors)}, which were"
+            )
             err = NodeLostError(
-                f"{len(lost)} spilled items were held on memory node {first.node}, which was "
-                f"lost: they are dropped (counted in stats['lost_items']); the rest stay",
+                f"{len(lost)} spilled items were held on {where} lost: they are dropped "
+                f"(counted in stats['lost_items']); the rest stay",
                 node=first.node,
             )
             err.lost = lost  # type: ignore[attr-defined]

@@ -476,7 +476,7 @@ class RemoteStore(StoreBase):
         node = self._reserve(_stored(nbytes), set(), what)  # TierFullError before any byte moves
 
         def send() -> RemoteHandle:
-            node_id, ref, seconds = self._send(data.numpy(), node)
+            node_id, ref, seconds = self._send(data.numpy(), node, what)
             handle = RemoteHandle(
                 next(_handle_ids), node_id, nbytes, tensor.dtype, tuple(tensor.shape)
             )
@@ -524,7 +524,7 @@ class RemoteStore(StoreBase):
             except BaseException:
                 self._unreserve(node, _stored(total))
                 raise
-            node_id, ref, seconds = self._send(payload, node)
+            node_id, ref, seconds = self._send(payload, node, what)
             key = next(_handle_ids)
             handles = [
                 RemoteHandle(next(_handle_ids), node_id, d.numel(), t.dtype, tuple(t.shape), key, o)
@@ -551,8 +551,9 @@ class RemoteStore(StoreBase):
             )
         return as_bytes(tensor.detach())
 
-    def _send(self, payload: np.ndarray, node: _Node) -> tuple[str, object, float]:
-        """Send to ``node`` (reserved); if that node fails, retry on another one with room.
+    def _send(self, payload: np.ndarray, node: _Node, what: str) -> tuple[str, object, float]:
+        """Send to ``node`` (reserved); if that node fails, retry on another one with room
+        (``what``: the payload for the retry's TierFullError, as ``_reserve`` takes it).
         Returns (node id, ObjectRef of the bytes there, seconds)."""
         ray = require_ray("RemoteStore")
         payload = _padded(payload)
@@ -585,7 +586,7 @@ class RemoteStore(StoreBase):
                 raise
             else:
                 return node.node_id, ref, time.perf_counter() - t0
-            node = self._reserve(nbytes, tried)  # TierFullError when no other node has room
+            node = self._reserve(nbytes, tried, what)  # TierFullError when no other node has room
 
     def _register(
         self, handles: list[RemoteHandle], ref, nbytes: int, seconds: float, batch: int = -1
@@ -722,8 +723,12 @@ class RemoteStore(StoreBase):
         t0 = time.perf_counter()
         nbytes = 0
         self._check_session()
+        members: dict[int, list] = {}  # object key -> its (handle, out) pairs: one pass, not n
+        for h, out in zip(handles, outs):
+            if h.nbytes:
+                members.setdefault(h.key, []).append((h, out))
         for key, (node, ref) in where.items():
-            what = f"{format_size(sum(h.nbytes for h in handles if h.key == key))}"
+            what = f"{format_size(sum(h.nbytes for h, _ in members[key]))}"
             try:
                 arr = ray.get(ref, timeout=self.timeout)
             except ray.exceptions.GetTimeoutError as exc:
@@ -742,10 +747,9 @@ class RemoteStore(StoreBase):
                 self._mark_lost(node)
                 raise self._lost_error(node.node_id, f"{what} was held there") from exc
             try:  # arr: a read-only view of the local object store
-                for h, out in zip(handles, outs):
-                    if h.nbytes and h.key == key:
-                        np.copyto(out.numpy(), arr[h.offset : h.offset + h.nbytes])
-                        nbytes += h.nbytes
+                for h, out in members[key]:
+                    np.copyto(out.numpy(), arr[h.offset : h.offset + h.nbytes])
+                    nbytes += h.nbytes
             finally:
                 del arr
         with self._lock:
