@@ -3,7 +3,9 @@
 A codec turns one tensor into a few payload tensors (what actually crosses the tier) plus a small
 metadata dict, and back. Lossless codecs are bit-exact for every dtype they accept (``-0.0`` and
 NaN payloads included, because they compare and copy bit patterns, never float values); the lossy
-down-cast codecs are opt-in and say so in ``lossless = False``.
+down-cast codecs are opt-in and say so in ``lossless = False``. A lossless codec stores data it
+cannot shrink (random bytes, a tensor without zeros for sparse) as a copy of its bits: a payload
+is never larger than the tensor.
 
 This module owns the encodings and the helpers that *measure* their speed and ratio for the
 planner's profile. It never decides when to use a codec: the planner's simulator does that
@@ -143,6 +145,31 @@ def _from_bits(bits: torch.Tensor, meta: dict) -> torch.Tensor:
     return bits.view(dtype).reshape(shape)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _stored_raw(bits: torch.Tensor, meta: dict) -> tuple[list[torch.Tensor], dict]:
+    """Compress only where it pays: data the codec would not shrink (random bytes, a dense
+    tensor for sparse) is stored as a copy of its bits, never larger than the tensor. A copy,
+    because the caller frees or reuses the source once encoded."""
+    return [bits.clone()], {**meta, "raw": True}
+
+
+def _from_raw(codec: str, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+    """Decodes what :func:`_stored_raw` made, on the payload's device (a copy: the payload's
+    memory goes back to its pool once decoded)."""
+    (bits,) = payloads
+    dtype, shape = _dtype(meta["dtype"]), tuple(meta["shape"])
+    expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if _nbytes(bits) != expected or int(meta.get("nbytes", expected)) != expected:
+        raise CorruptDataError(
+            f"{codec} payload stored raw has {_nbytes(bits)} bytes, expected {expected}"
+        )
+    flat = bits.reshape(-1).view(torch.uint8).clone()
+    return _from_bits(flat.view(_bits_dtype(dtype)), meta)
+
+
 class SparseCodec:
     """Bitmask of the nonzero elements plus the packed nonzeros (FlashNeuron/Gist/cDMA style).
 
@@ -161,19 +188,27 @@ class SparseCodec:
         bits = _host_copy(_as_bits(t))
         mask = bits != 0
         pad = (-mask.numel()) % 8
+        # count_nonzero: mask.sum() made an int64 copy of the mask (8 bytes per element)
+        if (mask.numel() + pad) // 8 + int(torch.count_nonzero(mask)) * bits.element_size() >= (
+            _nbytes(bits)
+        ):
+            return _stored_raw(bits, {**_meta(t), "n": bits.numel()})
         padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
         packed = (padded << _shifts(bits.device)).sum(dim=1, dtype=torch.uint8)
         return [packed, bits[mask]], {**_meta(t), "n": bits.numel()}
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+        if meta.get("raw"):
+            return _from_raw(self.name, payloads, meta)
         packed, values = payloads
         n = int(meta["n"])
         mask = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n].bool()
         if values.device.type == "cpu":
-            if mask.numel() != n or int(mask.sum()) != values.numel():
+            nonzeros = int(torch.count_nonzero(mask))
+            if mask.numel() != n or nonzeros != values.numel():
                 raise CorruptDataError(
                     f"sparse payload has {values.numel()} values for a mask of "
-                    f"{int(mask.sum())} nonzeros (n={n})"
+                    f"{nonzeros} nonzeros (n={n})"
                 )
             bits = torch.zeros(n, dtype=values.dtype)
             bits[mask] = values
@@ -209,14 +244,20 @@ class _HostBytesCodec(abc.ABC):
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
-        raw = _host_copy(_as_bits(t)).view(torch.uint8).numpy()
+        bits = _host_copy(_as_bits(t)).view(torch.uint8)
+        raw = bits.numpy()
         out = self._compress(memoryview(raw))
-        payload = torch.frombuffer(bytearray(out), dtype=torch.uint8) if out else torch.empty(0)
-        return [payload.to(torch.uint8)], {**_meta(t), "nbytes": raw.nbytes}
+        if len(out) >= raw.nbytes:  # incompressible: stored raw, never larger than the tensor
+            del out
+            return _stored_raw(bits, {**_meta(t), "nbytes": raw.nbytes})
+        payload = torch.frombuffer(bytearray(out), dtype=torch.uint8)
+        return [payload], {**_meta(t), "nbytes": raw.nbytes}
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
-        (payload,) = payloads
         size = int(meta["nbytes"])
+        if meta.get("raw"):
+            return _from_raw(self.name, payloads, meta)
+        (payload,) = payloads
         data = _host_copy(payload).numpy()  # decompression runs on the host, where bytes are
         try:
             raw = self._decompress(memoryview(data), size) if size else b""
