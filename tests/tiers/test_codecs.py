@@ -317,3 +317,19 @@ def test_sparse_codec_makes_no_int64_copy_of_its_mask():
     out = c.decode(payloads, meta)
     assert w.stop() - start < (4 * 32) << 20  # mask, its uint8 copies, the result
     assert torch.equal(out, t)
+
+
+def test_cast_overflows_names_the_values_fp16_would_turn_into_inf():
+    from tensortier.tiers.codecs import cast_overflows
+
+    big = torch.tensor([1.0, -7e4, float("nan"), float("inf")])
+    assert cast_overflows("fp16", big) and not cast_overflows("bf16", big)
+    c = get_codec("fp16")
+    assert torch.isinf(c.decode(*c.encode(big))[1])  # what the docstring warns of
+    # 65519 still rounds to 65504; inf and NaN are no overflow (they stay what they were)
+    fits = torch.tensor([65519.0, -65504.0, float("inf"), float("nan"), 1e-9])
+    assert not cast_overflows("fp16", fits)
+    assert cast_overflows("fp16", torch.tensor([65520.0]))
+    assert cast_overflows("bf16", torch.tensor([3.4e38]))
+    assert not any(cast_overflows(n, big) for n in LOSSLESS_CODECS)
+    assert not cast_overflows("fp16", torch.ones(3, 0))

@@ -326,8 +326,12 @@ class Lz4Codec(_HostBytesCodec):
 class CastCodec:
     """Opt-in lossy down-cast of float32 activations to fp16 or bf16 (half the bytes).
 
-    Not bit-exact: gradients change slightly. Use it only where the user accepts that
-    (``allow_lossy=True`` in the planner).
+    Not bit-exact: values round to the target's precision (relative error up to 2**-11 for fp16,
+    2**-8 for bf16) and gradients change slightly. fp16 also has a narrow range: finite values
+    beyond +-65504 come back as +-inf and those below about 6e-8 as 0 (bf16 keeps float32's
+    range), which can make the gradients inf or NaN. Use it only where the user accepts that
+    (``allow_lossy=True`` in the planner, which never picks a cast for a tensor whose probed
+    values it would turn into inf: :func:`cast_overflows`).
     """
 
     lossless = False
@@ -392,6 +396,17 @@ LOSSY_CODECS = ("fp16", "bf16")
 def accepts(name: str, dtype: torch.dtype) -> bool:
     """Whether codec ``name`` can encode tensors of ``dtype``."""
     return dtype == torch.float32 if name in LOSSY_CODECS else dtype in LOSSLESS_DTYPES
+
+
+def cast_overflows(name: str, t: torch.Tensor) -> bool:
+    """Whether lossy cast ``name`` turns a finite value of ``t`` into inf (fp16 above 65504).
+    Reads ``t`` in 1M-element chunks: the planner's probe runs it within the memory budget."""
+    if name not in LOSSY_CODECS or not t.dtype.is_floating_point or t.numel() == 0:
+        return False
+    to = torch.float16 if name == "fp16" else torch.bfloat16
+    chunks = flat_values(t.detach()).split(1 << 20)
+    peaks = [torch.where(torch.isfinite(c), c.abs(), 0.0).amax() for c in chunks]
+    return bool(torch.isinf(torch.stack(peaks).amax().to(to)))  # one host sync
 
 
 def payload_bytes(payloads: list[torch.Tensor]) -> int:
@@ -494,6 +509,7 @@ __all__ = [
     "SparseCodec",
     "ZstdCodec",
     "accepts",
+    "cast_overflows",
     "estimate_ratio",
     "get_codec",
     "measure_codec",
