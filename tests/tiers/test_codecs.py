@@ -333,3 +333,13 @@ def test_cast_overflows_names_the_values_fp16_would_turn_into_inf():
     assert cast_overflows("bf16", torch.tensor([3.4e38]))
     assert not any(cast_overflows(n, big) for n in LOSSLESS_CODECS)
     assert not cast_overflows("fp16", torch.ones(3, 0))
+
+
+@pytest.mark.parametrize("kw", [{"level": 99}, {"level": "3"}, {"level": None}, {"threads": 1.5}])
+def test_a_bad_zstd_level_is_refused_when_the_codec_is_made(kw):
+    # it failed with zstandard's bare ValueError on a copy worker, at the first backward
+    from tensortier.tiers.codecs import ZstdCodec
+
+    with pytest.raises(ConfigError, match=r"ZstdCodec\(.*pass an int level up to 22"):
+        ZstdCodec(**kw)
+    assert ZstdCodec(level=3).name == "zstd3"

@@ -287,6 +287,14 @@ class ZstdCodec(_HostBytesCodec):
     def __init__(self, level: int = 1, threads: int = 0):
         import zstandard
 
+        try:  # checked here: a bad level otherwise failed on a copy worker, in the backward
+            zstandard.ZstdCompressor(level=level, threads=threads)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"ZstdCodec(level={level!r}, threads={threads!r}): {exc}; pass an int level up "
+                f"to {zstandard.MAX_COMPRESSION_LEVEL} (1, the default, is fast; negative is "
+                f"faster still) and an int threads (0: none, -1: one per core)"
+            ) from None
         self.name = f"zstd{level}" if level != 1 else "zstd"
         self._level, self._threads = level, threads
         self._zstd = zstandard
