@@ -343,3 +343,30 @@ def test_a_bad_zstd_level_is_refused_when_the_codec_is_made(kw):
     with pytest.raises(ConfigError, match=r"ZstdCodec\(.*pass an int level up to 22"):
         ZstdCodec(**kw)
     assert ZstdCodec(level=3).name == "zstd3"
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_a_frame_longer_or_shorter_than_its_tensor_is_a_corrupt_data_error(codec):
+    c = get_codec(codec)
+    payloads, meta = c.encode(torch.arange(1000.0) % 7)
+    for nbytes in (3996, 4004):
+        with pytest.raises(CorruptDataError, match=f"{codec} payload"):
+            c.decode(payloads, {**meta, "nbytes": nbytes, "shape": [nbytes // 4]})
+
+
+def test_zstd_decodes_into_the_tensor_without_a_second_copy():
+    """Decoding to ``bytes`` and copying them into a bytearray held the tensor twice."""
+    from tensortier._memory import HighWater, status_bytes
+
+    if not status_bytes("VmHWM"):
+        pytest.skip("needs /proc/self/status")
+    t = torch.zeros(64 << 20, dtype=torch.uint8)  # 64 MiB
+    t[::7] = 3
+    c = get_codec("zstd")
+    payloads, meta = c.encode(t)
+    w = HighWater()
+    w.start()
+    start = status_bytes("VmRSS")
+    out = c.decode(payloads, meta)
+    assert w.stop() - start < 96 << 20  # the result, not twice it
+    assert torch.equal(out, t)

@@ -235,12 +235,13 @@ class _HostBytesCodec(abc.ABC):
     lossless = True
 
     @abc.abstractmethod
-    def _compress(self, data: memoryview) -> bytes:
-        """The compressed bytes."""
+    def _compress(self, data: memoryview) -> bytes | bytearray:
+        """The compressed bytes (a bytearray is wrapped without a copy)."""
 
     @abc.abstractmethod
-    def _decompress(self, data: memoryview, size: int) -> bytes:
-        """``size`` bytes back from ``data``."""
+    def _decompress(self, data: memoryview, size: int) -> bytearray:
+        """``size`` bytes back from ``data``, in a bytearray: the result is a tensor over its
+        memory (decoding to ``bytes`` and copying them peaked at twice the tensor)."""
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
@@ -250,7 +251,9 @@ class _HostBytesCodec(abc.ABC):
         if len(out) >= raw.nbytes:  # incompressible: stored raw, never larger than the tensor
             del out
             return _stored_raw(bits, {**_meta(t), "nbytes": raw.nbytes})
-        payload = torch.frombuffer(bytearray(out), dtype=torch.uint8)
+        payload = torch.frombuffer(
+            out if isinstance(out, bytearray) else bytearray(out), dtype=torch.uint8
+        )
         return [payload], {**_meta(t), "nbytes": raw.nbytes}
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
@@ -260,7 +263,7 @@ class _HostBytesCodec(abc.ABC):
         (payload,) = payloads
         data = _host_copy(payload).numpy()  # decompression runs on the host, where bytes are
         try:
-            raw = self._decompress(memoryview(data), size) if size else b""
+            raw = self._decompress(memoryview(data), size) if size else bytearray()
         except Exception as exc:  # zstandard.ZstdError, lz4's RuntimeError: the bytes are damaged
             raise CorruptDataError(
                 f"{self.name} payload of {data.nbytes} bytes cannot be decoded ({exc}); it was "
@@ -270,8 +273,10 @@ class _HostBytesCodec(abc.ABC):
             raise CorruptDataError(
                 f"{self.name} payload decoded to {len(raw)} bytes, expected {size}"
             )
-        bits = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0)
-        bits = bits.to(torch.uint8).view(_bits_dtype(_dtype(meta["dtype"])))
+        bits = (
+            torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        )
+        bits = bits.view(_bits_dtype(_dtype(meta["dtype"])))
         return _to_device(_from_bits(bits, meta), payload.device)
 
 
@@ -310,8 +315,15 @@ class ZstdCodec(_HostBytesCodec):
     def _compress(self, data: memoryview) -> bytes:
         return self._contexts()[0].compress(data)
 
-    def _decompress(self, data: memoryview, size: int) -> bytes:
-        return self._contexts()[1].decompress(data, max_output_size=size)
+    def _decompress(self, data: memoryview, size: int) -> bytearray:
+        reader = self._contexts()[1].stream_reader(data)
+        out = bytearray(size)
+        view, n = memoryview(out), 0
+        while n < size and (k := reader.readinto(view[n:])):
+            n += k
+        if n != size or reader.read(1):
+            raise ValueError(f"the frame holds {'more' if n == size else n} bytes, not {size}")
+        return out
 
 
 class Lz4Codec(_HostBytesCodec):
@@ -323,12 +335,12 @@ class Lz4Codec(_HostBytesCodec):
     def _compress(self, data: memoryview) -> bytes:
         import lz4.frame
 
-        return lz4.frame.compress(data, compression_level=0)
+        return lz4.frame.compress(data, compression_level=0, return_bytearray=True)
 
-    def _decompress(self, data: memoryview, size: int) -> bytes:
+    def _decompress(self, data: memoryview, size: int) -> bytearray:
         import lz4.frame
 
-        return lz4.frame.decompress(data)
+        return lz4.frame.decompress(data, return_bytearray=True)
 
 
 class CastCodec:
