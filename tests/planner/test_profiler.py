@@ -499,3 +499,15 @@ def test_the_bandwidth_probe_moves_through_as_many_io_threads_as_the_offloader(
         off.close()
     assert threads == 1  # a budget under 256 MiB on a CPU
     assert made["tt-plan"] == [threads]
+
+
+def test_the_probe_offers_no_cast_that_would_turn_a_tensor_into_inf():
+    """With allow_lossy the planner chose fp16 wherever it was fastest: an activation beyond
+    +-65504 came back inf (NaN gradients). The probe now offers only the casts that fit it."""
+    from tensortier.planner.profiler import ProbeCodec
+
+    probe = ProbeCodec(("sparse", "fp16", "bf16"))
+    probe.see(torch.tensor([1.0, 0.0, 7e4, -2.0]))
+    probe.see(torch.tensor([1.0, 0.0, 6e4, -2.0]))
+    assert set(probe.seen[0]["ratios"]) == {"sparse", "bf16"}
+    assert set(probe.seen[1]["ratios"]) == {"sparse", "fp16", "bf16"}

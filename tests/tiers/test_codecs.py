@@ -240,7 +240,8 @@ def test_conjugate_and_negative_views_round_trip_their_values(codec, view):
 @pytest.mark.parametrize("codec", ["zstd", "lz4"])
 def test_truncated_compressed_payload_is_a_corrupt_data_error(codec):
     c = get_codec(codec)
-    (payload,), meta = c.encode(torch.randn(1000))
+    (payload,), meta = c.encode(torch.arange(1000.0) % 7)  # compressible: not stored raw
+    assert "raw" not in meta
     with pytest.raises(CorruptDataError, match=f"{codec} payload .* cannot be decoded"):
         c.decode([payload[:-7].clone()], meta)
 
@@ -265,3 +266,107 @@ def test_a_tensor_that_requires_grad_comes_back_detached_from_every_codec(codec)
     out = c.decode(payloads, meta)
     assert not any(p.requires_grad for p in payloads)
     assert not out.requires_grad and out.grad_fn is None
+
+
+def _incompressible(codec: str) -> torch.Tensor:
+    """Random bytes (zstd, lz4 cannot shrink them) or a tensor without zeros (sparse)."""
+    g = torch.Generator().manual_seed(7)
+    if codec == "sparse":
+        return torch.rand(4096, generator=g) + 1.0
+    return torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g).view(torch.float32)
+
+
+@pytest.mark.parametrize("codec", LOSSLESS_CODECS)
+def test_data_a_codec_cannot_shrink_is_stored_raw_never_larger(codec):
+    # zstd/lz4 frames of random bytes were 1.00002-1.00006x the tensor, a sparse payload of a
+    # dense fp32 tensor 1.03x (uint8: 1.125x): compress only where it pays
+    t = _incompressible(codec)
+    c = get_codec(codec)
+    payloads, meta = c.encode(t)
+    assert payload_bytes(payloads) == t.numel() * t.element_size()
+    expected = t.clone()
+    t.fill_(0.0)  # the payload is a copy: the engine frees or reuses the source once encoded
+    out = c.decode(payloads, meta)
+    assert out.dtype == t.dtype and out.shape == t.shape
+    assert torch.equal(_bits(out), _bits(expected))
+    assert out.untyped_storage().data_ptr() != payloads[0].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("codec", LOSSLESS_CODECS)
+def test_a_damaged_raw_payload_is_a_corrupt_data_error(codec):
+    c = get_codec(codec)
+    (payload,), meta = c.encode(_incompressible(codec))
+    with pytest.raises(CorruptDataError, match=f"{codec} payload stored raw has"):
+        c.decode([payload[:-4].clone()], meta)
+
+
+def test_sparse_codec_makes_no_int64_copy_of_its_mask():
+    """Counting the mask's nonzeros with .sum() made an int64 copy of it (8 bytes per element):
+    encoding 256 MiB of uint8 peaked at 11x the tensor."""
+    from tensortier._memory import HighWater, status_bytes
+
+    if not status_bytes("VmHWM"):
+        pytest.skip("needs /proc/self/status")
+    t = torch.zeros(32 << 20, dtype=torch.uint8)  # 32 MiB: its int64 copy would be 256 MiB
+    t[::16] = 1
+    c = get_codec("sparse")
+    w = HighWater()
+    w.start()
+    start = status_bytes("VmRSS")
+    payloads, meta = c.encode(t)
+    out = c.decode(payloads, meta)
+    assert w.stop() - start < (4 * 32) << 20  # mask, its uint8 copies, the result
+    assert torch.equal(out, t)
+
+
+def test_cast_overflows_names_the_values_fp16_would_turn_into_inf():
+    from tensortier.tiers.codecs import cast_overflows
+
+    big = torch.tensor([1.0, -7e4, float("nan"), float("inf")])
+    assert cast_overflows("fp16", big) and not cast_overflows("bf16", big)
+    c = get_codec("fp16")
+    assert torch.isinf(c.decode(*c.encode(big))[1])  # what the docstring warns of
+    # 65519 still rounds to 65504; inf and NaN are no overflow (they stay what they were)
+    fits = torch.tensor([65519.0, -65504.0, float("inf"), float("nan"), 1e-9])
+    assert not cast_overflows("fp16", fits)
+    assert cast_overflows("fp16", torch.tensor([65520.0]))
+    assert cast_overflows("bf16", torch.tensor([3.4e38]))
+    assert not any(cast_overflows(n, big) for n in LOSSLESS_CODECS)
+    assert not cast_overflows("fp16", torch.ones(3, 0))
+
+
+@pytest.mark.parametrize("kw", [{"level": 99}, {"level": "3"}, {"level": None}, {"threads": 1.5}])
+def test_a_bad_zstd_level_is_refused_when_the_codec_is_made(kw):
+    # it failed with zstandard's bare ValueError on a copy worker, at the first backward
+    from tensortier.tiers.codecs import ZstdCodec
+
+    with pytest.raises(ConfigError, match=r"ZstdCodec\(.*pass an int level up to 22"):
+        ZstdCodec(**kw)
+    assert ZstdCodec(level=3).name == "zstd3"
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_a_frame_longer_or_shorter_than_its_tensor_is_a_corrupt_data_error(codec):
+    c = get_codec(codec)
+    payloads, meta = c.encode(torch.arange(1000.0) % 7)
+    for nbytes in (3996, 4004):
+        with pytest.raises(CorruptDataError, match=f"{codec} payload"):
+            c.decode(payloads, {**meta, "nbytes": nbytes, "shape": [nbytes // 4]})
+
+
+def test_zstd_decodes_into_the_tensor_without_a_second_copy():
+    """Decoding to ``bytes`` and copying them into a bytearray held the tensor twice."""
+    from tensortier._memory import HighWater, status_bytes
+
+    if not status_bytes("VmHWM"):
+        pytest.skip("needs /proc/self/status")
+    t = torch.zeros(64 << 20, dtype=torch.uint8)  # 64 MiB
+    t[::7] = 3
+    c = get_codec("zstd")
+    payloads, meta = c.encode(t)
+    w = HighWater()
+    w.start()
+    start = status_bytes("VmRSS")
+    out = c.decode(payloads, meta)
+    assert w.stop() - start < 96 << 20  # the result, not twice it
+    assert torch.equal(out, t)

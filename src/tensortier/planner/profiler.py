@@ -48,6 +48,7 @@ from tensortier.tiers.codecs import (
     LOSSY_CODECS,
     CodecSpeed,
     accepts,
+    cast_overflows,
     estimate_ratio,
 )
 from tensortier.transfer.streams import timing_event
@@ -196,7 +197,7 @@ class ProbeCodec:
         ratios = {
             c: estimate_ratio(c, t, zero_frac=z, sample_bytes=256 << 10)
             for c in self.codecs
-            if accepts(c, t.dtype)
+            if accepts(c, t.dtype) and not cast_overflows(c, t)  # fp16 would make it inf
         }
         nbytes = t.numel() * t.element_size()
         self.seen.append(

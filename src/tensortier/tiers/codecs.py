@@ -3,7 +3,9 @@
 A codec turns one tensor into a few payload tensors (what actually crosses the tier) plus a small
 metadata dict, and back. Lossless codecs are bit-exact for every dtype they accept (``-0.0`` and
 NaN payloads included, because they compare and copy bit patterns, never float values); the lossy
-down-cast codecs are opt-in and say so in ``lossless = False``.
+down-cast codecs are opt-in and say so in ``lossless = False``. A lossless codec stores data it
+cannot shrink (random bytes, a tensor without zeros for sparse) as a copy of its bits: a payload
+is never larger than the tensor.
 
 This module owns the encodings and the helpers that *measure* their speed and ratio for the
 planner's profile. It never decides when to use a codec: the planner's simulator does that
@@ -143,6 +145,31 @@ def _from_bits(bits: torch.Tensor, meta: dict) -> torch.Tensor:
     return bits.view(dtype).reshape(shape)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _stored_raw(bits: torch.Tensor, meta: dict) -> tuple[list[torch.Tensor], dict]:
+    """Compress only where it pays: data the codec would not shrink (random bytes, a dense
+    tensor for sparse) is stored as a copy of its bits, never larger than the tensor. A copy,
+    because the caller frees or reuses the source once encoded."""
+    return [bits.clone()], {**meta, "raw": True}
+
+
+def _from_raw(codec: str, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+    """Decodes what :func:`_stored_raw` made, on the payload's device (a copy: the payload's
+    memory goes back to its pool once decoded)."""
+    (bits,) = payloads
+    dtype, shape = _dtype(meta["dtype"]), tuple(meta["shape"])
+    expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if _nbytes(bits) != expected or int(meta.get("nbytes", expected)) != expected:
+        raise CorruptDataError(
+            f"{codec} payload stored raw has {_nbytes(bits)} bytes, expected {expected}"
+        )
+    flat = bits.reshape(-1).view(torch.uint8).clone()
+    return _from_bits(flat.view(_bits_dtype(dtype)), meta)
+
+
 class SparseCodec:
     """Bitmask of the nonzero elements plus the packed nonzeros (FlashNeuron/Gist/cDMA style).
 
@@ -161,19 +188,27 @@ class SparseCodec:
         bits = _host_copy(_as_bits(t))
         mask = bits != 0
         pad = (-mask.numel()) % 8
+        # count_nonzero: mask.sum() made an int64 copy of the mask (8 bytes per element)
+        if (mask.numel() + pad) // 8 + int(torch.count_nonzero(mask)) * bits.element_size() >= (
+            _nbytes(bits)
+        ):
+            return _stored_raw(bits, {**_meta(t), "n": bits.numel()})
         padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
         packed = (padded << _shifts(bits.device)).sum(dim=1, dtype=torch.uint8)
         return [packed, bits[mask]], {**_meta(t), "n": bits.numel()}
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+        if meta.get("raw"):
+            return _from_raw(self.name, payloads, meta)
         packed, values = payloads
         n = int(meta["n"])
         mask = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n].bool()
         if values.device.type == "cpu":
-            if mask.numel() != n or int(mask.sum()) != values.numel():
+            nonzeros = int(torch.count_nonzero(mask))
+            if mask.numel() != n or nonzeros != values.numel():
                 raise CorruptDataError(
                     f"sparse payload has {values.numel()} values for a mask of "
-                    f"{int(mask.sum())} nonzeros (n={n})"
+                    f"{nonzeros} nonzeros (n={n})"
                 )
             bits = torch.zeros(n, dtype=values.dtype)
             bits[mask] = values
@@ -200,26 +235,35 @@ class _HostBytesCodec(abc.ABC):
     lossless = True
 
     @abc.abstractmethod
-    def _compress(self, data: memoryview) -> bytes:
-        """The compressed bytes."""
+    def _compress(self, data: memoryview) -> bytes | bytearray:
+        """The compressed bytes (a bytearray is wrapped without a copy)."""
 
     @abc.abstractmethod
-    def _decompress(self, data: memoryview, size: int) -> bytes:
-        """``size`` bytes back from ``data``."""
+    def _decompress(self, data: memoryview, size: int) -> bytearray:
+        """``size`` bytes back from ``data``, in a bytearray: the result is a tensor over its
+        memory (decoding to ``bytes`` and copying them peaked at twice the tensor)."""
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
-        raw = _host_copy(_as_bits(t)).view(torch.uint8).numpy()
+        bits = _host_copy(_as_bits(t)).view(torch.uint8)
+        raw = bits.numpy()
         out = self._compress(memoryview(raw))
-        payload = torch.frombuffer(bytearray(out), dtype=torch.uint8) if out else torch.empty(0)
-        return [payload.to(torch.uint8)], {**_meta(t), "nbytes": raw.nbytes}
+        if len(out) >= raw.nbytes:  # incompressible: stored raw, never larger than the tensor
+            del out
+            return _stored_raw(bits, {**_meta(t), "nbytes": raw.nbytes})
+        payload = torch.frombuffer(
+            out if isinstance(out, bytearray) else bytearray(out), dtype=torch.uint8
+        )
+        return [payload], {**_meta(t), "nbytes": raw.nbytes}
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
-        (payload,) = payloads
         size = int(meta["nbytes"])
+        if meta.get("raw"):
+            return _from_raw(self.name, payloads, meta)
+        (payload,) = payloads
         data = _host_copy(payload).numpy()  # decompression runs on the host, where bytes are
         try:
-            raw = self._decompress(memoryview(data), size) if size else b""
+            raw = self._decompress(memoryview(data), size) if size else bytearray()
         except Exception as exc:  # zstandard.ZstdError, lz4's RuntimeError: the bytes are damaged
             raise CorruptDataError(
                 f"{self.name} payload of {data.nbytes} bytes cannot be decoded ({exc}); it was "
@@ -229,8 +273,10 @@ class _HostBytesCodec(abc.ABC):
             raise CorruptDataError(
                 f"{self.name} payload decoded to {len(raw)} bytes, expected {size}"
             )
-        bits = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0)
-        bits = bits.to(torch.uint8).view(_bits_dtype(_dtype(meta["dtype"])))
+        bits = (
+            torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        )
+        bits = bits.view(_bits_dtype(_dtype(meta["dtype"])))
         return _to_device(_from_bits(bits, meta), payload.device)
 
 
@@ -246,6 +292,14 @@ class ZstdCodec(_HostBytesCodec):
     def __init__(self, level: int = 1, threads: int = 0):
         import zstandard
 
+        try:  # checked here: a bad level otherwise failed on a copy worker, in the backward
+            zstandard.ZstdCompressor(level=level, threads=threads)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"ZstdCodec(level={level!r}, threads={threads!r}): {exc}; pass an int level up "
+                f"to {zstandard.MAX_COMPRESSION_LEVEL} (1, the default, is fast; negative is "
+                f"faster still) and an int threads (0: none, -1: one per core)"
+            ) from None
         self.name = f"zstd{level}" if level != 1 else "zstd"
         self._level, self._threads = level, threads
         self._zstd = zstandard
@@ -261,8 +315,15 @@ class ZstdCodec(_HostBytesCodec):
     def _compress(self, data: memoryview) -> bytes:
         return self._contexts()[0].compress(data)
 
-    def _decompress(self, data: memoryview, size: int) -> bytes:
-        return self._contexts()[1].decompress(data, max_output_size=size)
+    def _decompress(self, data: memoryview, size: int) -> bytearray:
+        reader = self._contexts()[1].stream_reader(data)
+        out = bytearray(size)
+        view, n = memoryview(out), 0
+        while n < size and (k := reader.readinto(view[n:])):
+            n += k
+        if n != size or reader.read(1):
+            raise ValueError(f"the frame holds {'more' if n == size else n} bytes, not {size}")
+        return out
 
 
 class Lz4Codec(_HostBytesCodec):
@@ -274,19 +335,23 @@ class Lz4Codec(_HostBytesCodec):
     def _compress(self, data: memoryview) -> bytes:
         import lz4.frame
 
-        return lz4.frame.compress(data, compression_level=0)
+        return lz4.frame.compress(data, compression_level=0, return_bytearray=True)
 
-    def _decompress(self, data: memoryview, size: int) -> bytes:
+    def _decompress(self, data: memoryview, size: int) -> bytearray:
         import lz4.frame
 
-        return lz4.frame.decompress(data)
+        return lz4.frame.decompress(data, return_bytearray=True)
 
 
 class CastCodec:
     """Opt-in lossy down-cast of float32 activations to fp16 or bf16 (half the bytes).
 
-    Not bit-exact: gradients change slightly. Use it only where the user accepts that
-    (``allow_lossy=True`` in the planner).
+    Not bit-exact: values round to the target's precision (relative error up to 2**-11 for fp16,
+    2**-8 for bf16) and gradients change slightly. fp16 also has a narrow range: finite values
+    beyond +-65504 come back as +-inf and those below about 6e-8 as 0 (bf16 keeps float32's
+    range), which can make the gradients inf or NaN. Use it only where the user accepts that
+    (``allow_lossy=True`` in the planner, which never picks a cast for a tensor whose probed
+    values it would turn into inf: :func:`cast_overflows`).
     """
 
     lossless = False
@@ -351,6 +416,17 @@ LOSSY_CODECS = ("fp16", "bf16")
 def accepts(name: str, dtype: torch.dtype) -> bool:
     """Whether codec ``name`` can encode tensors of ``dtype``."""
     return dtype == torch.float32 if name in LOSSY_CODECS else dtype in LOSSLESS_DTYPES
+
+
+def cast_overflows(name: str, t: torch.Tensor) -> bool:
+    """Whether lossy cast ``name`` turns a finite value of ``t`` into inf (fp16 above 65504).
+    Reads ``t`` in 1M-element chunks: the planner's probe runs it within the memory budget."""
+    if name not in LOSSY_CODECS or not t.dtype.is_floating_point or t.numel() == 0:
+        return False
+    to = torch.float16 if name == "fp16" else torch.bfloat16
+    chunks = flat_values(t.detach()).split(1 << 20)
+    peaks = [torch.where(torch.isfinite(c), c.abs(), 0.0).amax() for c in chunks]
+    return bool(torch.isinf(torch.stack(peaks).amax().to(to)))  # one host sync
 
 
 def payload_bytes(payloads: list[torch.Tensor]) -> int:
@@ -453,6 +529,7 @@ __all__ = [
     "SparseCodec",
     "ZstdCodec",
     "accepts",
+    "cast_overflows",
     "estimate_ratio",
     "get_codec",
     "measure_codec",
