@@ -4,6 +4,7 @@ offloader whose disk tier really takes activations out of the process's RSS."""
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import textwrap
@@ -21,9 +22,12 @@ linux = pytest.mark.skipif(not status_bytes("VmHWM"), reason="needs /proc/self/s
 def test_a_high_water_mark_survives_a_nested_reset():
     outer = HighWater()
     outer.start()
-    big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    # 64 MiB of its own mapping, touched: unmapped at close whatever glibc's heap holds (a
+    # torch tensor could be carved from a free heap chunk an earlier test left, and stay in RSS)
+    big = mmap.mmap(-1, 64 << 20)
+    torch.frombuffer(big, dtype=torch.uint8).fill_(1)
     peak_with_big = status_bytes("VmRSS")
-    del big
+    big.close()
     inner = HighWater()
     inner.start()  # resets the kernel's mark, as every meter must
     reset_peak_rss()  # and someone else's reset too
