@@ -228,12 +228,16 @@ def test_close_from_a_done_callback_of_its_own_future_releases_everything(kind, 
         closed.set()
 
     gate = threading.Event()
-    slow = s._executor.submit(gate.wait)  # so the put is still queued when the callback is added
+    # every I/O thread waits, so the put is still queued when the callback is added (with one
+    # thread free the put could finish first, and the callback would run here, on this thread)
+    slow = [s._executor.submit(gate.wait) for _ in range(s._executor._max_workers)]
     f = s.put(torch.ones(8))
     f.add_done_callback(close_it)
+    assert not f.done()
     gate.set()
     assert closed.wait(60) and not errors, errors
-    slow.result(timeout=10)
+    for job in slow:
+        job.result(timeout=10)
     assert s.closed and len(s) == 0
     assert quiesce(60) and _released(s)
     with pytest.raises(ClosedError):
