@@ -7,6 +7,8 @@ tensortier. Offloading moves saved tensors and must never change a single bit of
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -224,6 +226,54 @@ def test_stream_parameters_trains_a_tied_hf_model_bit_identical(kind):
     finally:
         streamer.close()
     assert_same_params(got, ref)
+
+
+def _streamed_steps(model, kind: str, streamer, opt, steps: range) -> None:
+    torch.manual_seed(1234)
+    for step in steps:
+        model(**batch(kind, step)).loss.backward()
+        with streamer.resident() if streamer else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_a_streamed_hf_model_saves_and_loads_its_real_weights(kind, tier, tmp_path, spill_dir):
+    """While streamed, a model's parameters hold NaN placeholders between forwards: its
+    ``state_dict()``, ``save_pretrained`` and a ``Checkpointer`` save wrote the NaNs (silently: the
+    reloaded model was all NaN), and ``load_state_dict`` into it failed with torch's "more than
+    one element of the written-to tensor". Both now see the real weights (tied ones included)."""
+    ref = build(kind, dropout=0.1)
+    got = twin(ref)
+    later = build(kind, seed=5)  # weights loaded into the streamed model mid-run
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _streamed_steps(ref, kind, None, ref_opt, range(2))
+    streamer = tt.stream_parameters(got, tier=tier, spill_dir=spill_dir)
+    try:
+        opt = torch.optim.AdamW(got.parameters(), lr=1e-2)
+        _streamed_steps(got, kind, streamer, opt, range(2))
+        want = {k: v.clone() for k, v in ref.state_dict().items()}
+        saved = got.state_dict()
+        assert list(saved) == list(want)
+        assert all(torch.equal(saved[k], want[k]) for k in want), "state_dict() is not the weights"
+        got.save_pretrained(tmp_path / "hf")
+        with tt.Checkpointer(tmp_path / "ck") as ck:
+            ck.save(1, model=got)
+        ref.load_state_dict(later.state_dict())
+        got.load_state_dict(later.state_dict())  # then trained on, streamed
+        _streamed_steps(ref, kind, None, ref_opt, range(2, 4))
+        _streamed_steps(got, kind, streamer, opt, range(2, 4))
+    finally:
+        streamer.close()
+    assert_same_params(got, ref)
+    reloaded = type(got).from_pretrained(tmp_path / "hf")
+    restored = build(kind, seed=9)
+    with tt.Checkpointer(tmp_path / "ck") as ck:
+        ck.restore(model=restored)
+    for copy in (reloaded, restored):
+        for name, w in copy.state_dict().items():
+            assert torch.equal(w, want[name]), f"{name} was saved from the placeholders"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -27,6 +27,11 @@ the host is done with leaves an event on its stream, and a load that would put m
 bytes on the device waits for the oldest of those events first (FSDP's rate limiter); prefetches
 never wait, they are skipped.
 
+``state_dict()`` and ``load_state_dict()`` (of the model or any module in it) install the real
+values for the call, and a load writes the new values to the tier, so saving a streamed model
+(``save_pretrained``, a ``Checkpointer``) saves its weights, not the placeholders
+(``keep_vars=True`` hands out the parameters themselves: placeholders again after the call).
+
 Buffers are not streamed: they move to the device once, and stay there after ``close()``.
 
 A model can be streamed by one streamer at a time: streaming it again would record the first
@@ -226,6 +231,7 @@ class ParameterStreamer:
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
+            self._hooks += self._state_dict_hooks(u)
         self._hooks.append(self.model.register_forward_pre_hook(self._enter))
         self._hooks.append(self.model.register_forward_hook(self._exit, always_call=True))
 
@@ -429,15 +435,53 @@ class ParameterStreamer:
                 yield
             finally:
                 for s in self._slots:
-                    value = s.param.detach()
-                    if self._store is not None:
-                        new = self._store.write(value.cpu())
-                        self._store.free(s.home)
-                        s.home = new
-                    else:
-                        s.home.copy_(value)  # synchronous: the home is not read before it lands
+                    self._store_back(s)
                     s.param.data = s.placeholder
                     s.installs = 0
+
+    def _store_back(self, s: _Slot) -> None:
+        """Write the installed (possibly updated) value of ``s`` to its tier."""
+        value = s.param.detach()
+        if self._store is not None:
+            new = self._store.write(value.cpu())
+            self._store.free(s.home)
+            s.home = new
+        else:
+            s.home.copy_(value)  # synchronous: the home is not read before it lands
+
+    # ------------------------------------------------------------ state dicts
+    def _state_dict_hooks(self, u: _Unit) -> list:
+        """``state_dict()`` / ``load_state_dict()`` of ``u``'s module (or of any module above it)
+        see and set the real values: between forwards the parameters are placeholders, and a
+        saved model was all NaN."""
+        m = u.module
+        return [
+            m.register_state_dict_pre_hook(lambda *_: self._hold(u, loading=False)),
+            m.register_state_dict_post_hook(lambda *_: self._release_held(u, loaded=False)),
+            m.register_load_state_dict_pre_hook(lambda *_: self._hold(u, loading=True)),
+            m.register_load_state_dict_post_hook(lambda *_: self._release_held(u, loaded=True)),
+        ]
+
+    def _hold(self, u: _Unit, *, loading: bool) -> None:
+        """Install ``u``'s real values for the length of a state-dict call."""
+        if loading:
+            self._drop_prefetch()  # they would install the values from before the load
+        if any(s.installs == 0 for s in u.slots):
+            for s, t in zip(u.slots, self._ready(self._start(u))):
+                if s.installs == 0:
+                    s.param.data = t
+        for s in u.slots:
+            s.installs += 1
+
+    def _release_held(self, u: _Unit, *, loaded: bool) -> None:
+        """Undo :meth:`_hold`; a loaded value is written to the tier first."""
+        with torch.no_grad():
+            for s in u.slots:
+                s.installs -= 1
+                if s.installs == 0:
+                    if loaded:
+                        self._store_back(s)
+                    s.param.data = s.placeholder
 
     def _drop_prefetch(self) -> None:
         for index, load in list(self._pending.items()):
@@ -510,7 +554,8 @@ def stream_parameters(
     bytes of installed parameters (default: twice the largest module). Outputs and gradients are
     identical to the resident model; parameters shared by several modules (tied weights) are
     stored once. Buffers move to ``device`` and stay there. Wrap optimizer steps in
-    ``with streamer.resident():``. A model is streamed by one streamer at a time
+    ``with streamer.resident():``; ``state_dict()`` and ``load_state_dict()`` work as on the
+    resident model. A model is streamed by one streamer at a time
     (``ConfigError`` otherwise: close the first one).
     """
     return ParameterStreamer(model, budget=budget, tier=tier, device=device, spill_dir=spill_dir)
