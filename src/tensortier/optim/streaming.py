@@ -514,6 +514,16 @@ class ParameterStreamer:
         self._closed = True
         self._finalizer()
 
+    def __getstate__(self) -> dict:
+        """Refused: ``copy.deepcopy(model)`` (an EMA, ``AveragedModel``) or pickling a streamed
+        model reaches the streamer through its hooks, and failed on the loader's queue; the copy
+        would hold the placeholders anyway."""
+        raise ConfigError(
+            "a streamed model cannot be copied or pickled (its parameters are placeholders, its "
+            "hooks this streamer's): load model.state_dict() (the real weights) into a copy made "
+            "before stream_parameters(), or close() the streamer first"
+        )
+
     def __enter__(self) -> ParameterStreamer:
         return self
 
