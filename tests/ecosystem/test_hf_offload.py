@@ -68,6 +68,23 @@ def test_offload_module_on_the_block_list_trains_bit_identical(kind):
     assert_same_params(got, ref)
 
 
+def test_a_copy_of_a_model_under_offload_module_runs_plainly_once_removed(spill_dir):
+    """``copy.deepcopy(model)`` after ``offload_module`` (an EMA, a reference or teacher model)
+    copies the hooks, which call the same offloader: after ``handle.remove()`` the copy's
+    forward raised ``ClosedError`` ("tt.offload() closes the previous settings' offloader"). The
+    copy's hooks now stop with the original's."""
+    model = build("gpt2")
+    plain = twin(model)
+    handle = tt.offload_module(blocks(model), tier="disk", spill_dir=spill_dir, min_bytes=0)
+    teacher = copy.deepcopy(model)
+    handle.remove()
+    x = batch("gpt2", 0)
+    teacher(**x).loss.backward()
+    plain(**x).loss.backward()
+    for (name, a), b in zip(teacher.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_offload_module_runs_one_pass_per_forward(kind):
     """One offload pass spans the forward however many blocks are hooked (issue 12 #4: each

@@ -1369,8 +1369,13 @@ class _Blocks:
         self.active = False
         self.frame: Any = None  # the outermost running block's Module._call_impl frame
         self.thread: int | None = None  # and the thread running it
+        # set by remove(): copy.deepcopy(model) copies the hooks (which call this object), and
+        # a copy's forward must run plainly once the original's hooks are removed
+        self.removed = False
 
     def enter(self, module: nn.Module, args) -> None:
+        if self.removed:
+            return
         self.abandon_if_left()
         self.depth += 1
         if self.depth == 1:
@@ -1380,6 +1385,8 @@ class _Blocks:
             self.frame, self.thread = _call_frame(), threading.get_ident()
 
     def leave(self, module: nn.Module, args, output) -> None:
+        if self.removed and self.depth == 0:  # a copy's block entered after remove()
+            return
         self.depth -= 1
         if self.depth == 0:
             self.frame = None
@@ -1442,6 +1449,7 @@ class OffloadHandle:
         self._hooks = []
         blocks, self._blocks = self._blocks, None  # (it holds the offloader)
         if blocks is not None:
+            blocks.removed = True  # the hooks deep copies of the model still hold
             blocks.abandon_if_left()  # a block interrupted by a BaseException: hooks off
         off, self._offloader = self._offloader, None
         if off is not None and self._owned:
