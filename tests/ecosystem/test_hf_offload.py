@@ -295,6 +295,37 @@ def test_a_streamed_hf_model_saves_and_loads_its_real_weights(kind, tier, tmp_pa
             assert torch.equal(w, want[name]), f"{name} was saved from the placeholders"
 
 
+@pytest.mark.parametrize("make", ["fused", "foreach", "offloaded"])
+def test_an_optimizer_step_outside_resident_names_the_fix(make):
+    """A streamed model's parameters are placeholders between forwards; ``opt.step()`` without
+    ``with streamer.resident():`` (the HF ``Trainer``'s loop, or a forgotten line) wrote into
+    them: fused AdamW (the ``Trainer``'s default) crashed the process with a segmentation fault,
+    foreach AdamW raised torch's "more than one element of the written-to tensor". It is a
+    ``ConfigError`` naming the fix, raised before anything changed."""
+    ref = build("gpt2")
+    got = twin(ref)
+    streamer = tt.stream_parameters(got)
+    try:
+        if make == "offloaded":
+            opt = tt.OffloadedAdamW(got.parameters(), lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(got.parameters(), lr=1e-2, **{make: True})
+        got(**batch("gpt2", 0)).loss.backward()
+        with pytest.raises(ConfigError, match=r"streamer\.resident\(\)"):
+            opt.step()
+        with streamer.resident():
+            opt.step()  # the step refused changed nothing: this one is the first
+    finally:
+        streamer.close()
+        if make == "offloaded":
+            opt.close()
+    flags = {"foreach": True} if make == "foreach" else {"fused": True}  # offloaded: fused's bits
+    want = torch.optim.AdamW(ref.parameters(), lr=1e-2, **flags)
+    ref(**batch("gpt2", 0)).loss.backward()
+    want.step()
+    assert_same_params(got, ref)
+
+
 def test_copying_a_streamed_hf_model_names_the_fix():
     """``copy.deepcopy(model)`` (an EMA, ``AveragedModel``, a reference model) of a streamed model
     failed deep in ``copy`` with "cannot pickle '_queue.SimpleQueue' object"; a copy would hold

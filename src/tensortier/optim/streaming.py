@@ -31,6 +31,8 @@ never wait, they are skipped.
 values for the call, and a load writes the new values to the tier, so saving a streamed model
 (``save_pretrained``, a ``Checkpointer``) saves its weights, not the placeholders
 (``keep_vars=True`` hands out the parameters themselves: placeholders again after the call).
+An optimizer's ``step()`` outside ``resident()`` would update the placeholders (fused AdamW wrote
+out of bounds and crashed the process): a global step pre-hook refuses it with a ``ConfigError``.
 
 Buffers are not streamed: they move to the device once, and stay there after ``close()``.
 
@@ -43,6 +45,7 @@ This module owns the parameter tensors' storage only; it never changes gradients
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -53,6 +56,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import check_device, normalize_device
 from tensortier._lifetime import Finalizer
@@ -234,6 +238,10 @@ class ParameterStreamer:
             self._hooks += self._state_dict_hooks(u)
         self._hooks.append(self.model.register_forward_pre_hook(self._enter))
         self._hooks.append(self.model.register_forward_hook(self._exit, always_call=True))
+        self._slot_of = {id(s.param): s for s in self._slots}
+        # every optimizer's step: refused on placeholders (fused AdamW wrote out of bounds)
+        hook = functools.partial(_before_any_step, weakref.ref(self))
+        self._hooks.append(register_optimizer_step_pre_hook(hook))
 
     def _store_homes(self) -> None:
         """Copy every parameter to its tier, before any parameter is touched."""
@@ -419,6 +427,20 @@ class ParameterStreamer:
                     s.param.data = t
                 s.installs += 1
 
+    def _check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step would update placeholders: refuse it before anything changes."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                s = self._slot_of.get(id(p))
+                if s is not None and s.installs == 0 and p.grad is not None:
+                    raise ConfigError(
+                        f"{type(optimizer).__name__}.step() on the streamed parameter {s.name!r}, "
+                        f"which holds a placeholder between forwards (an update would write "
+                        f"into it; fused AdamW out of bounds): step inside `with "
+                        f"streamer.resident(): opt.step()` (an HF Trainer: override its "
+                        f"optimizer's step, or do not stream); nothing was changed"
+                    )
+
     def stats(self) -> StreamStats:
         """Counters of this streamer, live (they keep counting)."""
         return self._stats
@@ -529,6 +551,13 @@ class ParameterStreamer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _before_any_step(ref: weakref.ref, optimizer: torch.optim.Optimizer, *_args) -> None:
+    """Global optimizer step pre-hook of an open streamer."""
+    streamer = ref()
+    if streamer is not None and not streamer._closed:
+        streamer._check_step(optimizer)
 
 
 def _build_units(model: nn.Module) -> tuple[list[_Unit], list[_Slot]]:
