@@ -247,6 +247,43 @@ def test_stream_parameters_trains_a_tied_hf_model_bit_identical(kind):
     assert_same_params(got, ref)
 
 
+@pytest.mark.parametrize("how", ["offload_module", "tt.offload"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_activation_offload_with_streamed_parameters(kind, how, spill_dir):
+    """Parameters streamed and activations offloaded, the two memory savers together. Only the
+    innermost saved-tensor hooks run: ``offload_module`` inside the streamed model kept the
+    streamed parameters by reference, so backward read their NaN placeholders (wrong gradients,
+    silently); ``tt.offload`` around it offloaded nothing. Each now hands on what the other owns."""
+    ref = build(kind, dropout=0.1)
+    got = twin(ref)
+    train(ref, kind, steps=2)
+    streamer = tt.stream_parameters(got)
+    handle = None
+    if how == "offload_module":
+        handle = tt.offload_module(blocks(got), tier="disk", spill_dir=spill_dir, min_bytes=0)
+        off, ctx = handle.offloader, contextlib.nullcontext
+    else:
+        off = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0)
+        ctx = lambda: off  # noqa: E731
+    try:
+        opt = torch.optim.AdamW(got.parameters(), lr=1e-2)
+        torch.manual_seed(1234)
+        for step in range(2):
+            with ctx():
+                loss = got(**batch(kind, step)).loss
+            loss.backward()
+            with streamer.resident():
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert off.stats.bytes_offloaded["disk"] > 0, "no activation was offloaded"
+    finally:
+        streamer.close()
+        if handle is not None:
+            handle.remove()
+        off.close()
+    assert_same_params(got, ref)
+
+
 def _streamed_steps(model, kind: str, streamer, opt, steps: range) -> None:
     torch.manual_seed(1234)
     for step in steps:

@@ -52,6 +52,7 @@ from tensortier import _dist, _lifetime
 from tensortier._device import normalize_device
 from tensortier._memory import release_freed_memory
 from tensortier._renamed import OFFLOAD_RENAMES, renamed
+from tensortier._saved_hooks import Outer, is_streamed, outer_hooks, pack_outer
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
@@ -386,6 +387,7 @@ class Offloader:
         self.records: list[dict] = []
         self._lock = threading.RLock()
         self._hooks: Any = None
+        self._outer: tuple | None = None  # saved-tensor hooks around ours while active
         self._thread: int | None = None  # the thread whose saved-tensor hooks are ours
         self._module_hooks: list = []
         self._pass: _Pass | None = None
@@ -481,6 +483,7 @@ class Offloader:
         global _last_stats
         _last_stats = self.stats
         p = self._pass
+        self._outer = outer_hooks()  # a streamed model's, around offload_module's blocks
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()  # raises inside disable_saved_tensors_hooks: stay inactive then
         self._hooks = hooks
@@ -540,6 +543,8 @@ class Offloader:
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> Any:
         p = self._pass
+        if self._outer is not None and is_streamed(t):  # its streamer saves it (_saved_hooks.py)
+            return pack_outer(self._outer, t)
         if torch.compiler.is_dynamo_compiling():
             # dynamo is tracing this hook into a compiled graph, where it would do nothing: the
             # flag (replayed when the graph runs) makes the hooked block fail with a clear error
@@ -561,6 +566,8 @@ class Offloader:
             self.stats.pack_seconds += time.perf_counter() - t0
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, Outer):
+            return packed.unpack(packed.packed)
         if isinstance(packed, _Leaf):
             _check_version(packed, _amos_enabled())
             return packed.tensor

@@ -60,6 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import check_device, normalize_device
 from tensortier._lifetime import Finalizer
+from tensortier._saved_hooks import STREAMED_ATTR, Outer, outer_hooks, pack_outer
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
@@ -68,9 +69,6 @@ from tensortier.tiers.host import HostPool, pinned_copy
 from tensortier.tiers.placement import Placement
 from tensortier.transfer.streams import SideStreams, consume
 from tensortier.transfer.streams import event as new_event
-
-# attribute set on a streamed Parameter: a weakref to its streamer (one streamer per parameter)
-_OWNER_ATTR = "_tensortier_streamer"
 
 
 class ParamTier(str, Enum):
@@ -191,6 +189,7 @@ class ParameterStreamer:
         self._live_bytes = 0
         self._hooks = []
         self._saved_ctx = None
+        self._outer: tuple | None = None  # (pack, unpack) around the model's forward, if any
         self._depth = 0
         self._last: _Load | None = None
         # CUDA: (event, bytes) of units the host let go of, possibly still read by queued kernels
@@ -231,7 +230,7 @@ class ParameterStreamer:
         with torch.no_grad():
             for s in self._slots:
                 s.param.data = s.placeholder
-                setattr(s.param, _OWNER_ATTR, weakref.ref(self))
+                setattr(s.param, STREAMED_ATTR, weakref.ref(self))
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
@@ -375,6 +374,9 @@ class ParameterStreamer:
         self._depth += 1
         if self._depth == 1:
             self._release_last()
+            # the saved-tensor hooks around the model (tt.offload, save_on_cpu, a checkpoint):
+            # ours shadow them, so what is not a parameter is handed on to them
+            self._outer = outer_hooks()
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
@@ -382,20 +384,22 @@ class ParameterStreamer:
         self._depth -= 1
         if self._depth == 0 and self._saved_ctx is not None:
             self._saved_ctx.__exit__(None, None, None)
-            self._saved_ctx = None
+            self._saved_ctx = self._outer = None
 
     def _pack(self, t: torch.Tensor):
-        if not self._installed or t.device != self.device:
-            return t
-        hit = self._installed.get(t.untyped_storage().data_ptr())
-        if hit is None:
-            return t
+        hit = None
+        if self._installed and t.device == self.device:
+            hit = self._installed.get(t.untyped_storage().data_ptr())
+        if hit is None:  # not a parameter: as the hooks around the model would save it
+            return t if self._outer is None else pack_outer(self._outer, t)
         unit, pos = hit
         base = self.units[unit].slots[pos].param.data
         rel = t.storage_offset() - base.storage_offset()
         return _Token(unit, pos, tuple(t.shape), tuple(t.stride()), rel)
 
     def _unpack(self, x):
+        if isinstance(x, Outer):
+            return x.unpack(x.packed)
         if not isinstance(x, _Token):
             return x
         last = self._last
@@ -529,7 +533,7 @@ class ParameterStreamer:
         for s in self._slots:
             s.installs = 0
             with contextlib.suppress(AttributeError):
-                delattr(s.param, _OWNER_ATTR)
+                delattr(s.param, STREAMED_ATTR)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -617,7 +621,7 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
 
 def _refuse_streamed(slots: list[_Slot]) -> None:
     for s in slots:
-        owner = getattr(s.param, _OWNER_ATTR, None)
+        owner = getattr(s.param, STREAMED_ATTR, None)
         if owner is not None and owner() is not None:
             raise ConfigError(
                 f"parameter {s.name!r} is already streamed by another ParameterStreamer "
