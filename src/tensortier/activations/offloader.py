@@ -497,6 +497,7 @@ class Offloader:
 
     def _deactivate(self, exc_type=None, exc=None, tb=None) -> None:
         hooks, self._hooks = self._hooks, None
+        self._outer = None
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
