@@ -41,3 +41,10 @@ def is_streamed(t: torch.Tensor) -> bool:
     (saving it by reference keeps the Parameter, whose values are gone by backward)."""
     owner = getattr(t, STREAMED_ATTR, None)
     return owner is not None and owner() is not None
+
+
+def of_streamed(t: torch.Tensor) -> bool:
+    """Whether saving ``t`` must go to the streamer: a streamed parameter or a view of one
+    (``nn.Linear`` saves ``weight.t()``; kept or offloaded, its values stayed alive or were
+    copied until backward, beyond the streaming budget)."""
+    return is_streamed(t) or (t._base is not None and is_streamed(t._base))

@@ -52,7 +52,7 @@ from tensortier import _dist, _lifetime
 from tensortier._device import normalize_device
 from tensortier._memory import release_freed_memory
 from tensortier._renamed import OFFLOAD_RENAMES, renamed
-from tensortier._saved_hooks import Outer, is_streamed, outer_hooks, pack_outer
+from tensortier._saved_hooks import Outer, of_streamed, outer_hooks, pack_outer
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
@@ -548,7 +548,7 @@ class Offloader:
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> Any:
         p = self._pass
-        if self._outer is not None and is_streamed(t):  # its streamer saves it (_saved_hooks.py)
+        if self._outer is not None and of_streamed(t):  # its streamer saves it (_saved_hooks.py)
             return pack_outer(self._outer, t)
         if torch.compiler.is_dynamo_compiling():
             # dynamo is tracing this hook into a compiled graph, where it would do nothing: the
