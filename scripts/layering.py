@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tensortier/_ray.py",
             "tensortier/_stats.py",
             "tensortier/_renamed.py",
+            "tensortier/_saved_hooks.py",
             "tensortier/errors.py",
             "tensortier/models/",  # reference models: torch only
         ),

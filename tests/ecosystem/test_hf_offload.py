@@ -7,11 +7,15 @@ tensortier. Offloading moves saved tensors and must never change a single bit of
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import tensortier as tt
+from tensortier.errors import ConfigError
 from tests.ecosystem._hf import (
     KINDS,
     assert_same_params,
@@ -62,6 +66,23 @@ def test_offload_module_on_the_block_list_trains_bit_identical(kind):
         handle.remove()
         off.close()
     assert_same_params(got, ref)
+
+
+def test_a_copy_of_a_model_under_offload_module_runs_plainly_once_removed(spill_dir):
+    """``copy.deepcopy(model)`` after ``offload_module`` (an EMA, a reference or teacher model)
+    copies the hooks, which call the same offloader: after ``handle.remove()`` the copy's
+    forward raised ``ClosedError`` ("tt.offload() closes the previous settings' offloader"). The
+    copy's hooks now stop with the original's."""
+    model = build("gpt2")
+    plain = twin(model)
+    handle = tt.offload_module(blocks(model), tier="disk", spill_dir=spill_dir, min_bytes=0)
+    teacher = copy.deepcopy(model)
+    handle.remove()
+    x = batch("gpt2", 0)
+    teacher(**x).loss.backward()
+    plain(**x).loss.backward()
+    for (name, a), b in zip(teacher.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -224,6 +245,138 @@ def test_stream_parameters_trains_a_tied_hf_model_bit_identical(kind):
     finally:
         streamer.close()
     assert_same_params(got, ref)
+
+
+@pytest.mark.parametrize("how", ["offload_module", "tt.offload"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_activation_offload_with_streamed_parameters(kind, how, spill_dir):
+    """Parameters streamed and activations offloaded, the two memory savers together. Only the
+    innermost saved-tensor hooks run: ``offload_module`` inside the streamed model kept the
+    streamed parameters by reference, so backward read their NaN placeholders (wrong gradients,
+    silently); ``tt.offload`` around it offloaded nothing. Each now hands on what the other owns."""
+    ref = build(kind, dropout=0.1)
+    got = twin(ref)
+    train(ref, kind, steps=2)
+    streamer = tt.stream_parameters(got)
+    handle = None
+    if how == "offload_module":
+        handle = tt.offload_module(blocks(got), tier="disk", spill_dir=spill_dir, min_bytes=0)
+        off, ctx = handle.offloader, contextlib.nullcontext
+    else:
+        off = tt.offload(tier="disk", spill_dir=spill_dir, min_bytes=0)
+        ctx = lambda: off  # noqa: E731
+    try:
+        opt = torch.optim.AdamW(got.parameters(), lr=1e-2)
+        torch.manual_seed(1234)
+        for step in range(2):
+            with ctx():
+                loss = got(**batch(kind, step)).loss
+            loss.backward()
+            with streamer.resident():
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert off.stats.bytes_offloaded["disk"] > 0, "no activation was offloaded"
+    finally:
+        streamer.close()
+        if handle is not None:
+            handle.remove()
+        off.close()
+    assert_same_params(got, ref)
+
+
+def _streamed_steps(model, kind: str, streamer, opt, steps: range) -> None:
+    torch.manual_seed(1234)
+    for step in steps:
+        model(**batch(kind, step)).loss.backward()
+        with streamer.resident() if streamer else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_a_streamed_hf_model_saves_and_loads_its_real_weights(kind, tier, tmp_path, spill_dir):
+    """While streamed, a model's parameters hold NaN placeholders between forwards: its
+    ``state_dict()``, ``save_pretrained`` and a ``Checkpointer`` save wrote the NaNs (silently: the
+    reloaded model was all NaN), and ``load_state_dict`` into it failed with torch's "more than
+    one element of the written-to tensor". Both now see the real weights (tied ones included)."""
+    ref = build(kind, dropout=0.1)
+    got = twin(ref)
+    later = build(kind, seed=5)  # weights loaded into the streamed model mid-run
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _streamed_steps(ref, kind, None, ref_opt, range(1))
+    streamer = tt.stream_parameters(got, tier=tier, spill_dir=spill_dir)
+    try:
+        opt = torch.optim.AdamW(got.parameters(), lr=1e-2)
+        _streamed_steps(got, kind, streamer, opt, range(1))
+        want = {k: v.clone() for k, v in ref.state_dict().items()}
+        saved = got.state_dict()
+        assert list(saved) == list(want)
+        assert all(torch.equal(saved[k], want[k]) for k in want), "state_dict() is not the weights"
+        got.save_pretrained(tmp_path / "hf")
+        with tt.Checkpointer(tmp_path / "ck") as ck:
+            ck.save(1, model=got)
+        ref.load_state_dict(later.state_dict())
+        got.load_state_dict(later.state_dict())  # then trained on, streamed
+        _streamed_steps(ref, kind, None, ref_opt, range(1, 2))
+        _streamed_steps(got, kind, streamer, opt, range(1, 2))
+    finally:
+        streamer.close()
+    assert_same_params(got, ref)
+    reloaded = type(got).from_pretrained(tmp_path / "hf")
+    restored = build(kind, seed=9)
+    with tt.Checkpointer(tmp_path / "ck") as ck:
+        ck.restore(model=restored)
+    for other in (reloaded, restored):
+        for name, w in other.state_dict().items():
+            assert torch.equal(w, want[name]), f"{name} was saved from the placeholders"
+
+
+@pytest.mark.parametrize("make", ["fused", "foreach", "offloaded"])
+def test_an_optimizer_step_outside_resident_names_the_fix(make):
+    """A streamed model's parameters are placeholders between forwards; ``opt.step()`` without
+    ``with streamer.resident():`` (the HF ``Trainer``'s loop, or a forgotten line) wrote into
+    them: fused AdamW (the ``Trainer``'s default) crashed the process with a segmentation fault,
+    foreach AdamW raised torch's "more than one element of the written-to tensor". It is a
+    ``ConfigError`` naming the fix, raised before anything changed."""
+    ref = build("gpt2")
+    got = twin(ref)
+    streamer = tt.stream_parameters(got)
+    try:
+        if make == "offloaded":
+            opt = tt.OffloadedAdamW(got.parameters(), lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(got.parameters(), lr=1e-2, **{make: True})
+        got(**batch("gpt2", 0)).loss.backward()
+        with pytest.raises(ConfigError, match=r"streamer\.resident\(\)"):
+            opt.step()
+        with streamer.resident():
+            opt.step()  # the step refused changed nothing: this one is the first
+    finally:
+        streamer.close()
+        if make == "offloaded":
+            opt.close()
+    flags = {"foreach": True} if make == "foreach" else {"fused": True}  # offloaded: fused's bits
+    want = torch.optim.AdamW(ref.parameters(), lr=1e-2, **flags)
+    ref(**batch("gpt2", 0)).loss.backward()
+    want.step()
+    assert_same_params(got, ref)
+
+
+def test_copying_a_streamed_hf_model_names_the_fix():
+    """``copy.deepcopy(model)`` (an EMA, ``AveragedModel``, a reference model) of a streamed model
+    failed deep in ``copy`` with "cannot pickle '_queue.SimpleQueue' object"; a copy would hold
+    the placeholders anyway. It is a ``ConfigError`` naming what to copy instead."""
+    model = build("gpt2")
+    streamer = tt.stream_parameters(model)
+    try:
+        with pytest.raises(ConfigError, match="state_dict"):
+            copy.deepcopy(model)
+        with pytest.raises(ConfigError, match="state_dict"):
+            torch.optim.swa_utils.AveragedModel(model)
+    finally:
+        streamer.close()
+    copy.deepcopy(model)  # resident again: copies as any model
 
 
 @pytest.mark.parametrize("kind", KINDS)

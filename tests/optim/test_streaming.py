@@ -426,6 +426,29 @@ def test_tt_offload_around_a_streamed_model_still_offloads_activations():
         streamer.close()
 
 
+def test_offload_module_inside_a_streamed_model_hands_weight_views_to_the_streamer():
+    """``nn.Linear`` saves ``weight.t()``, a view, not the Parameter: ``offload_module`` inside a
+    streamed model offloaded (or kept) a copy of every weight it ran, so the installed values
+    lived until backward (the streaming budget broken) instead of being reloaded as tokens."""
+    ref, m = _model(), _model()
+    x = torch.randn(5, 8)
+    ref(x).square().sum().backward()
+    streamer = tt.stream_parameters(m)
+    m(x).square().sum().backward()
+    plain = streamer.stats().loads  # forward and backward loads of the streamed model alone
+    handle = tt.offload_module(m, tier="host", min_bytes=0)
+    try:
+        for p in m.parameters():
+            p.grad = None
+        m(x).square().sum().backward()
+        assert streamer.stats().loads == 2 * plain  # backward reloaded every unit again
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        handle.remove()
+        streamer.close()
+
+
 def test_a_load_that_fails_in_the_pre_hook_leaves_the_next_forward_correct():
     """torch runs ``always_call`` forward hooks when a pre-hook raised: the post-hook undid an
     install that never happened (count -1), so the next forward kept the NaN placeholder."""

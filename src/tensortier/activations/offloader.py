@@ -52,6 +52,7 @@ from tensortier import _dist, _lifetime
 from tensortier._device import normalize_device
 from tensortier._memory import release_freed_memory
 from tensortier._renamed import OFFLOAD_RENAMES, renamed
+from tensortier._saved_hooks import Outer, of_streamed, outer_hooks, pack_outer
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError, TierFullError
@@ -390,6 +391,7 @@ class Offloader:
         self.records: list[dict] = []
         self._lock = threading.RLock()
         self._hooks: Any = None
+        self._outer: tuple | None = None  # saved-tensor hooks around ours while active
         self._thread: int | None = None  # the thread whose saved-tensor hooks are ours
         self._module_hooks: list = []
         self._pass: _Pass | None = None
@@ -485,6 +487,7 @@ class Offloader:
         global _last_stats
         _last_stats = self.stats
         p = self._pass
+        self._outer = outer_hooks()  # a streamed model's, around offload_module's blocks
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()  # raises inside disable_saved_tensors_hooks: stay inactive then
         self._hooks = hooks
@@ -498,6 +501,7 @@ class Offloader:
 
     def _deactivate(self, exc_type=None, exc=None, tb=None) -> None:
         hooks, self._hooks = self._hooks, None
+        self._outer = None
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
@@ -544,6 +548,8 @@ class Offloader:
     # ------------------------------------------------------------------ hooks
     def _pack(self, t: torch.Tensor) -> Any:
         p = self._pass
+        if self._outer is not None and of_streamed(t):  # its streamer saves it (_saved_hooks.py)
+            return pack_outer(self._outer, t)
         if torch.compiler.is_dynamo_compiling():
             # dynamo is tracing this hook into a compiled graph, where it would do nothing: the
             # flag (replayed when the graph runs) makes the hooked block fail with a clear error
@@ -565,6 +571,8 @@ class Offloader:
             self.stats.pack_seconds += time.perf_counter() - t0
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, Outer):
+            return packed.unpack(packed.packed)
         if isinstance(packed, _Leaf):
             _check_version(packed, _amos_enabled())
             return packed.tensor
@@ -1376,8 +1384,13 @@ class _Blocks:
         self.active = False
         self.frame: Any = None  # the outermost running block's Module._call_impl frame
         self.thread: int | None = None  # and the thread running it
+        # set by remove(): copy.deepcopy(model) copies the hooks (which call this object), and
+        # a copy's forward must run plainly once the original's hooks are removed
+        self.removed = False
 
     def enter(self, module: nn.Module, args) -> None:
+        if self.removed:
+            return
         self.abandon_if_left()
         self.depth += 1
         if self.depth == 1:
@@ -1387,6 +1400,8 @@ class _Blocks:
             self.frame, self.thread = _call_frame(), threading.get_ident()
 
     def leave(self, module: nn.Module, args, output) -> None:
+        if self.removed and self.depth == 0:  # a copy's block entered after remove()
+            return
         self.depth -= 1
         if self.depth == 0:
             self.frame = None
@@ -1449,6 +1464,7 @@ class OffloadHandle:
         self._hooks = []
         blocks, self._blocks = self._blocks, None  # (it holds the offloader)
         if blocks is not None:
+            blocks.removed = True  # the hooks deep copies of the model still hold
             blocks.abandon_if_left()  # a block interrupted by a BaseException: hooks off
         off, self._offloader = self._offloader, None
         if off is not None and self._owned:

@@ -36,7 +36,9 @@ stores them back to the tier.
 
 Saved-tensor hooks already active around the forward (``tt.offload``) still get every saved
 tensor that is not a streamed parameter: the streamer's hooks, pushed on top of theirs, hand them
-down. Converting the model while streamed
+down; an offloader inside the model (``offload_module``) hands the streamed parameters up to the
+streamer's (``_saved_hooks.py``). ``copy.deepcopy`` or pickling a streamed model is a
+:class:`ConfigError` (copy the ``state_dict()``). Converting the model while streamed
 (``model.to(dtype)``, ``.half()``, ``p.data = ...``) replaces the placeholders: the next use
 raises :class:`ConfigError` (close first, convert, stream again).
 
@@ -63,6 +65,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import check_device, normalize_device
 from tensortier._lifetime import Finalizer
+from tensortier._saved_hooks import STREAMED_ATTR, Outer, is_streamed, outer_hooks, pack_outer
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
@@ -71,9 +74,6 @@ from tensortier.tiers.host import HostPool, pinned_copy
 from tensortier.tiers.placement import Placement
 from tensortier.transfer.streams import SideStreams, consume
 from tensortier.transfer.streams import event as new_event
-
-# attribute set on a streamed Parameter: a weakref to its streamer (one streamer per parameter)
-_OWNER_ATTR = "_tensortier_streamer"
 
 
 class ParamTier(str, Enum):
@@ -128,14 +128,6 @@ class _Load:
     tensors: list[torch.Tensor] | None = None
     event: Any = None  # CUDA: recorded on the side stream after the copies
     streams: set = field(default_factory=set)  # consumer streams that waited on ``event``
-
-
-@dataclass(frozen=True)
-class _Outer:
-    """A saved tensor packed by the hooks that were active around the forward (``tt.offload``)."""
-
-    unpack: Any
-    packed: Any
 
 
 @dataclass(frozen=True)
@@ -250,7 +242,7 @@ class ParameterStreamer:
         with torch.no_grad():
             for s in self._slots:
                 s.param.data = s.placeholder
-                setattr(s.param, _OWNER_ATTR, weakref.ref(self))
+                setattr(s.param, STREAMED_ATTR, weakref.ref(self))
         for u in self.units:
             self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
             self._hooks.append(u.module.register_forward_hook(self._make_post(u), always_call=True))
@@ -370,8 +362,7 @@ class ParameterStreamer:
             # the blocks alone, and the parameters it saved were the placeholders again by its
             # inner backward: NaN gradients. (A non-reentrant recompute has its own hooks, which
             # keep what they save: pushing ours would change what it counts.)
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            u.pushed.append(self._depth == 0 and top is None)
+            u.pushed.append(self._depth == 0 and outer_hooks() is None)
             if u.pushed[-1]:
                 self._push()
             for s in u.slots:
@@ -416,7 +407,7 @@ class ParameterStreamer:
         """Saved tensors of the forward go through ``_pack`` (outermost module only)."""
         self._depth += 1
         if self._depth == 1:
-            self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            self._outer = outer_hooks()
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
 
@@ -436,14 +427,14 @@ class ParameterStreamer:
         if hit is None:
             if self._outer is None:
                 return t
-            return _Outer(self._outer[1], self._outer[0](t))  # e.g. tt.offload's
+            return pack_outer(self._outer, t)  # e.g. tt.offload's (_saved_hooks.py)
         unit, pos = hit
         base = self.units[unit].slots[pos].param.data
         rel = t.storage_offset() - base.storage_offset()
         return _Token(unit, pos, tuple(t.shape), tuple(t.stride()), rel)
 
     def _unpack(self, x):
-        if isinstance(x, _Outer):
+        if isinstance(x, Outer):
             return x.unpack(x.packed)
         if not isinstance(x, _Token):
             return x
@@ -629,13 +620,23 @@ class ParameterStreamer:
         for s in self._slots:
             s.installs = 0
             with contextlib.suppress(AttributeError):
-                delattr(s.param, _OWNER_ATTR)
+                delattr(s.param, STREAMED_ATTR)
         for h in self._hooks:
             h.remove()
         self._hooks = []
         _OPEN.discard(self)
         self._closed = True
         self._finalizer()
+
+    def __getstate__(self) -> dict:
+        """Refused: ``copy.deepcopy(model)`` (an EMA, ``AveragedModel``) or pickling a streamed
+        model reaches the streamer through its hooks, and failed on the loader's queue; the copy
+        would hold the placeholders anyway."""
+        raise ConfigError(
+            "a streamed model cannot be copied or pickled (its parameters are placeholders, its "
+            "hooks this streamer's): load model.state_dict() (the real weights) into a copy made "
+            "before stream_parameters(), or close() the streamer first"
+        )
 
     def __enter__(self) -> ParameterStreamer:
         return self
@@ -726,12 +727,6 @@ def _before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
                         f"(their values are NaN placeholders between uses); call it inside "
                         f"`with streamer.resident(): opt.step()`"
                     )
-
-
-def is_streamed(p: torch.Tensor) -> bool:
-    """Whether an open :class:`ParameterStreamer` holds ``p`` (its values are a placeholder)."""
-    owner = getattr(p, _OWNER_ATTR, None)
-    return owner is not None and owner() is not None
 
 
 def _refuse_streamed(slots: list[_Slot]) -> None:
