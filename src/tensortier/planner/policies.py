@@ -606,7 +606,24 @@ def choose(
         f"no {policy} plan fits a budget of {format_size(given)}: the smallest peak this model "
         f"reaches is {format_size(reached)} (policy {policy!r}, {opts.margin:.0%} margin). Raise "
         f"the budget to at least {format_size_up(minimum)}"
-        + (", or use policy='auto'." if policy != "auto" else "."),
+        + _own_floor(policy, tried, reached, opts),
         budget=given,
         minimum=minimum,
+    )
+
+
+def _own_floor(policy: str, tried: list[Choice], reached: int, opts: Options) -> str:
+    """The end of a single policy's ``BudgetError``. Why: the minimum it names is the model's
+    floor over every plan; where ``policy``'s own peak is above that floor (``keep`` always),
+    "raise the budget to the minimum, or use auto" was false: that budget alone was refused
+    again with ``policy``."""
+    if policy == "auto":
+        return "."
+    own = tried[0].result.peak_bytes
+    if own <= reached:
+        return ", or use policy='auto'."
+    needs = format_size_up(int(math.ceil(own / (1 - opts.margin))))
+    return (
+        f" with policy='auto': policy {policy!r} peaked at {format_size(own)} here, so with it "
+        f"the budget must be at least {needs}."
     )
