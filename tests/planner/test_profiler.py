@@ -63,6 +63,47 @@ def test_timing_passes_keep_the_groups_asked_and_calibrate(spill_dir):
     assert p.transient_factor >= 0 and p.move_s_per_byte >= 0
 
 
+class _HalvesItsInput(nn.Module):
+    """Writes its input in place (valid in plain PyTorch: nothing saved that input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(128, 128)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return x + self.lin(x).tanh()
+
+
+def test_a_unit_that_writes_its_input_in_place_is_not_recomputable(spill_dir):
+    """A recompute reruns the unit on its input as the forward left it: the in-place write ran
+    twice, and a ``recompute_all`` plan trained with silently wrong gradients. Such a unit is
+    profiled as not recomputable (kept or swapped), the others stay recomputable."""
+    from tensortier.planner.runtime import Recompute
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 128), _HalvesItsInput(), nn.Linear(128, 1))
+    x = torch.randn(64, 128)
+    m(x).sum().backward()
+    plain = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    rc = Recompute(m, ["1"])
+    try:  # why: the recompute halves the input again (wrong gradients, or autograd's error)
+        m(x).sum().backward()
+        assert not all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters()))
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+    rc.remove()
+    m.zero_grad(set_to_none=True)
+    prof = _profiler(spill_dir)
+    try:
+        _step(m, x, prof.forward())
+        p = prof.finish()
+    finally:
+        prof.offloader.close()
+    assert {u.name: u.recomputable for u in p.units} == {"0": True, "1": False, "2": True}
+
+
 def test_every_unit_kept_is_a_keep_pass(spill_dir):
     m, x = _mlp(), torch.randn(256, 128)
     prof = _profiler(spill_dir)

@@ -356,6 +356,8 @@ class Profiler:
         self.units: dict[int, str] = {}  # id(module) -> unit name
         self.kinds: dict[str, str] = {}  # unit name -> its structure (see _structure)
         self.inputs: dict[str, int] = {}
+        self._versions: dict[str, list[tuple[torch.Tensor, int]]] = {}  # the probe's unit inputs
+        self.writes_input: set[str] = set()  # units the probe saw write an input in place
         self.grads: dict[str, int] = {}
         self.order: list[str] = []
         self.offloader = offloader  # reuse the warm-up's: its buffers are not this iteration's
@@ -407,6 +409,9 @@ class Profiler:
             if len(self._passes) == 0:
                 self.order.append(name)
                 self.inputs[name] = sum(t.untyped_storage().nbytes() for t in tensors_in(args))
+                self._versions[name] = [
+                    (t, t._version) for t in tensors_in(args) if not t.is_inference()
+                ]
             cur.fwd[name] = [self._now(cur), 0.0]
             self._unit_now = name
 
@@ -419,6 +424,9 @@ class Profiler:
             return
         cur.fwd[name][1] = self._now(cur)
         self._unit_now = None
+        # a recompute would rerun the in-place write on the input the forward left
+        if any(t._version != v for t, v in self._versions.pop(name, ())):
+            self.writes_input.add(name)
         outs = [t for t in tensors_in(output) if t.requires_grad]
         if outs:
 
@@ -646,7 +654,7 @@ class Profiler:
                 bwd_s=costs[n][1],
                 input_bytes=self.inputs.get(n, 0),
                 grad_bytes=self.grads.get(n, 0),
-                recomputable=True,
+                recomputable=n not in self.writes_input,
             )
             for n in unit_names
         ]
