@@ -128,6 +128,18 @@ def test_a_single_policy_budget_error_names_a_budget_that_policy_passes(make_pro
         assert "or use policy='auto'" in str(err)
 
 
+@pytest.mark.parametrize("budget, margin", [(1, 0.1), (3, 0.7)])
+def test_a_budget_of_a_few_bytes_is_a_budget_error_naming_the_minimum(make_profile, budget, margin):
+    """A budget of a few bytes (a size meant in GiB, given as an int) left 0 bytes after the
+    margin, and ``auto`` raised "budget: got 0; it must be larger than 0 bytes", naming neither
+    the budget given nor the minimum."""
+    from dataclasses import replace
+
+    with pytest.raises(BudgetError) as caught:
+        choose(make_profile(), budget, "auto", replace(FAST, margin=margin))
+    assert caught.value.minimum >= 10**9 and "at least" in str(caught.value)
+
+
 def test_unknown_policy_is_a_config_error(make_profile):
     with pytest.raises(ConfigError, match="unknown policy"):
         choose(make_profile(), "1GiB", "greedy")

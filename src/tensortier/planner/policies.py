@@ -576,7 +576,7 @@ def choose(
     """The plan of ``policy`` for ``budget``; raises :class:`BudgetError` if it does not fit."""
     opts = opts or Options()
     given = parse_size(budget, name="budget", allow_zero=False)
-    b = planning_budget(given, opts)
+    b = max(1, planning_budget(given, opts))  # a few bytes less the margin: no plan, not 0
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     t0 = time.monotonic()
