@@ -811,6 +811,34 @@ def _at_least(message: str) -> int:
     return parse_size(re.search(r"at least ([0-9.]+[KMGT]?i?B)", message).group(1))
 
 
+def test_a_keep_budget_error_names_the_budget_keep_itself_needs(spill_dir, make_profile):
+    """The minimum is the model's floor over every plan; "raise the budget to at least
+    <minimum>, or use policy='auto'" was false for ``policy='keep'``: that budget was refused
+    again. The message names the budget keep needs, and keep fits it."""
+    from tensortier.errors import BudgetError
+
+    profile = make_profile(n_units=2, tensor_bytes=10_000_000, per_unit=1)
+
+    def planned(budget: str):
+        off = planned_offload(budget, spill_dir=spill_dir, policy="keep", options=FAST)
+        off._overhead = 1_000_003
+        return off
+
+    off = planned("1MiB")
+    try:
+        with pytest.raises(BudgetError) as caught:
+            off._choose(profile)
+    finally:
+        off.close()
+    message = str(caught.value)
+    assert "with policy='auto'" in message and message.count("at least") == 2
+    off = planned(re.findall(r"at least ([0-9.]+[KMGT]?i?B)", message)[-1])
+    try:
+        assert off._choose(profile).result.peak_bytes <= off._planning_budget()
+    finally:
+        off.close()
+
+
 def test_the_minimum_a_budget_error_names_is_enough_when_passed_back(spill_dir, make_profile):
     """ "Raise the budget to at least X": X was rounded to three digits, often down, so the
     budget the message named was refused again. Both messages round up."""

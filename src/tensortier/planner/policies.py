@@ -602,28 +602,29 @@ def choose(
         tried = [one]
     reached = _smallest(profile, opts, tried)
     minimum = int(math.ceil(reached / (1 - opts.margin)))
-    raise BudgetError(
+    own = tried[0].result.peak_bytes if policy != "auto" else reached
+    err = BudgetError(
         f"no {policy} plan fits a budget of {format_size(given)}: the smallest peak this model "
         f"reaches is {format_size(reached)} (policy {policy!r}, {opts.margin:.0%} margin). Raise "
         f"the budget to at least {format_size_up(minimum)}"
-        + _own_floor(policy, tried, reached, opts),
+        + policy_tail(policy, own, reached, int(math.ceil(own / (1 - opts.margin)))),
         budget=given,
         minimum=minimum,
     )
+    err.policy_peak = own  # what ``policy`` itself reached (the runtime words the error again)
+    raise err
 
 
-def _own_floor(policy: str, tried: list[Choice], reached: int, opts: Options) -> str:
-    """The end of a single policy's ``BudgetError``. Why: the minimum it names is the model's
-    floor over every plan; where ``policy``'s own peak is above that floor (``keep`` always),
-    "raise the budget to the minimum, or use auto" was false: that budget alone was refused
-    again with ``policy``."""
+def policy_tail(policy: str, own: int, reached: int, needs: int) -> str:
+    """The end of a ``BudgetError`` whose minimum is the model's floor ``reached`` over every
+    plan. Why: where ``policy``'s own peak ``own`` is above it (``keep`` always), "raise the
+    budget to the minimum, or use auto" was false: that budget alone was refused again with
+    ``policy``; it needs ``needs``."""
     if policy == "auto":
         return "."
-    own = tried[0].result.peak_bytes
     if own <= reached:
         return ", or use policy='auto'."
-    needs = format_size_up(int(math.ceil(own / (1 - opts.margin))))
     return (
         f" with policy='auto': policy {policy!r} peaked at {format_size(own)} here, so with it "
-        f"the budget must be at least {needs}."
+        f"the budget must be at least {format_size_up(needs)}."
     )

@@ -123,7 +123,15 @@ from tensortier.planner.buckets import dimension_map, input_shapes, scale_profil
 from tensortier.planner.cache import cache_key, load_cached, model_signature, save_cached
 from tensortier.planner.config import PlanConfig
 from tensortier.planner.ops import SelectivePolicy, preload
-from tensortier.planner.policies import Choice, Options, choose, evaluate, plan_all, smallest
+from tensortier.planner.policies import (
+    Choice,
+    Options,
+    choose,
+    evaluate,
+    plan_all,
+    policy_tail,
+    smallest,
+)
 from tensortier.planner.profile import Profile
 from tensortier.planner.profiler import (
     PeakMeter,
@@ -1034,6 +1042,7 @@ class PlannedOffload:
             choice = bounded_choice(profile, choice, planning, limit, cfg.policy, inner)
         except BudgetError as e:  # say it in the user's terms
             minimum = int((e.minimum + self._overhead) / (1 - margin)) + 1
+            own = getattr(e, "policy_peak", e.minimum)  # the measured bound's has none
             buffers = (
                 f"the offloader keeps {format_size(self._overhead)} of buffers resident and "
                 if self._overhead
@@ -1043,7 +1052,9 @@ class PlannedOffload:
                 f"no {cfg.policy} plan fits a budget of {format_size(cfg.budget)}: {buffers}"
                 f"the smallest peak a plan reaches is {format_size(e.minimum)} "
                 f"({margin:.0%} margin). Raise the budget to at least {format_size_up(minimum)}"
-                + (", or use policy='auto'." if cfg.policy != "auto" else ".")
+                + policy_tail(
+                    cfg.policy, own, e.minimum, int((own + self._overhead) / (1 - margin)) + 1
+                )
                 + allocator_hint(profile),
                 budget=cfg.budget,
                 minimum=minimum,
