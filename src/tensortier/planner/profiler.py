@@ -357,7 +357,7 @@ class Profiler:
         self.kinds: dict[str, str] = {}  # unit name -> its structure (see _structure)
         self.inputs: dict[str, int] = {}
         self._versions: dict[str, list[tuple[torch.Tensor, int]]] = {}  # the probe's unit inputs
-        self.writes_input: set[str] = set()  # units the probe saw write an input in place
+        self.writes_input: set[str] = set()  # see _note_input_writes
         self.grads: dict[str, int] = {}
         self.order: list[str] = []
         self.offloader = offloader  # reuse the warm-up's: its buffers are not this iteration's
@@ -424,9 +424,6 @@ class Profiler:
             return
         cur.fwd[name][1] = self._now(cur)
         self._unit_now = None
-        # a recompute would rerun the in-place write on the input the forward left
-        if any(t._version != v for t, v in self._versions.pop(name, ())):
-            self.writes_input.add(name)
         outs = [t for t in tensors_in(output) if t.requires_grad]
         if outs:
 
@@ -491,9 +488,19 @@ class Profiler:
         finally:
             self._unit_now = None
             cur.t_fwd_end = self._now(cur)
+            self._note_input_writes()
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+
+    def _note_input_writes(self) -> None:
+        """Units whose input was written in place after the unit began (by the unit or by code
+        after it): a recompute reruns the unit on the input as the forward left it (silently
+        wrong gradients, or autograd's in-place error), so they are not recomputable."""
+        for name, inputs in self._versions.items():
+            if any(t._version != v for t, v in inputs):
+                self.writes_input.add(name)
+        self._versions = {}
 
     def _close_pass(self) -> None:
         """The pass whose backward has run: read its peak and its offloader's records."""
