@@ -105,6 +105,41 @@ def test_lossy_codecs_only_when_allowed(make_profile):
     assert lossy.result.step_s <= strict.result.step_s + 1e-9
 
 
+@pytest.mark.parametrize("policy", ["keep", "recompute_all", "swap_all"])
+def test_a_single_policy_budget_error_names_a_budget_that_policy_passes(make_profile, policy):
+    """The minimum is the model's floor over every plan. The message said "raise the budget to
+    at least <minimum>, or use policy='auto'", but ``keep`` (and ``recompute_all`` here) was
+    refused again at that budget: it must say what the policy itself needs."""
+    from tensortier._units import parse_size
+
+    p = make_profile()
+    with pytest.raises(BudgetError) as caught:
+        choose(p, 1000, policy, FAST)
+    err = caught.value
+    assert choose(p, err.minimum, "auto", FAST).result.peak_bytes <= err.minimum
+    sizes = [parse_size(s) for s in re.findall(r"at least ([0-9.]+[KMGT]?i?B)", str(err))]
+    assert sizes[0] >= err.minimum
+    try:
+        choose(p, err.minimum, policy, FAST)
+    except BudgetError:
+        assert "with policy='auto'" in str(err) and len(sizes) == 2
+        assert choose(p, sizes[1], policy, FAST).result.peak_bytes <= sizes[1]
+    else:
+        assert "or use policy='auto'" in str(err)
+
+
+@pytest.mark.parametrize("budget, margin", [(1, 0.1), (3, 0.7)])
+def test_a_budget_of_a_few_bytes_is_a_budget_error_naming_the_minimum(make_profile, budget, margin):
+    """A budget of a few bytes (a size meant in GiB, given as an int) left 0 bytes after the
+    margin, and ``auto`` raised "budget: got 0; it must be larger than 0 bytes", naming neither
+    the budget given nor the minimum."""
+    from dataclasses import replace
+
+    with pytest.raises(BudgetError) as caught:
+        choose(make_profile(), budget, "auto", replace(FAST, margin=margin))
+    assert caught.value.minimum >= 10**9 and "at least" in str(caught.value)
+
+
 def test_unknown_policy_is_a_config_error(make_profile):
     with pytest.raises(ConfigError, match="unknown policy"):
         choose(make_profile(), "1GiB", "greedy")

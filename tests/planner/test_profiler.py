@@ -63,6 +63,89 @@ def test_timing_passes_keep_the_groups_asked_and_calibrate(spill_dir):
     assert p.transient_factor >= 0 and p.move_s_per_byte >= 0
 
 
+class _HalvesItsInput(nn.Module):
+    """Writes its input in place (valid in plain PyTorch: nothing saved that input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(128, 128)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return x + self.lin(x).tanh()
+
+
+def test_a_unit_that_writes_its_input_in_place_is_not_recomputable(spill_dir):
+    """A recompute reruns the unit on its input as the forward left it: the in-place write ran
+    twice, and a ``recompute_all`` plan trained with silently wrong gradients. Such a unit is
+    profiled as not recomputable (kept or swapped), the others stay recomputable."""
+    from tensortier.planner.runtime import Recompute
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 128), _HalvesItsInput(), nn.Linear(128, 1))
+    x = torch.randn(64, 128)
+    m(x).sum().backward()
+    plain = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    rc = Recompute(m, ["1"])
+    try:  # why: the recompute halves the input again (wrong gradients, or autograd's error)
+        m(x).sum().backward()
+        assert not all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters()))
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+    rc.remove()
+    m.zero_grad(set_to_none=True)
+    prof = _profiler(spill_dir)
+    try:
+        _step(m, x, prof.forward())
+        p = prof.finish()
+    finally:
+        prof.offloader.close()
+    assert {u.name: u.recomputable for u in p.units} == {"0": True, "1": False, "2": True}
+
+
+class _WritesAnInputLater(nn.Module):
+    """Code after unit ``a`` writes ``a``'s input in place (nothing saved it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.b = nn.Linear(128, 128), nn.Linear(128, 1)
+        self.a = nn.Sequential(nn.Tanh(), nn.Linear(128, 128))  # saves tanh(h), not h
+
+    def forward(self, x):
+        h = self.pre(x)
+        y = self.a(h)
+        h.mul_(3)
+        return self.b(y + h)
+
+
+def test_a_unit_whose_input_is_written_after_it_ran_is_not_recomputable(spill_dir):
+    """The recompute of ``a`` ran on the input as the forward left it: autograd's in-place
+    error at the first planned backward (or wrong gradients where no version is checked)."""
+    from tensortier.planner.runtime import Recompute
+
+    torch.manual_seed(0)
+    m, x = _WritesAnInputLater(), torch.randn(64, 128)
+    m(x).sum().backward()
+    plain = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    rc = Recompute(m, ["a"])
+    try:  # why
+        m(x).sum().backward()
+        assert not all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters()))
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+    rc.remove()
+    m.zero_grad(set_to_none=True)
+    prof = _profiler(spill_dir)
+    try:
+        _step(m, x, prof.forward())
+        p = prof.finish()
+    finally:
+        prof.offloader.close()
+    assert {u.name: u.recomputable for u in p.units} == {"pre": True, "a": False, "b": True}
+
+
 def test_every_unit_kept_is_a_keep_pass(spill_dir):
     m, x = _mlp(), torch.randn(256, 128)
     prof = _profiler(spill_dir)

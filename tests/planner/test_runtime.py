@@ -101,6 +101,35 @@ def test_recompute_wrapper_is_exact_and_removable():
     assert m[1].__dict__["forward"] is users
 
 
+def _bn_mlp(width: int = 64, depth: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [
+        nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU())
+        for _ in range(depth)
+    ]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["whole", "selective"])
+def test_a_recomputed_batchnorm_moves_its_running_stats_once(selective):
+    """Checkpoint reruns a unit's forward in backward: BatchNorm in train mode updated its
+    running mean, variance and batch count again there, so every planned step with a recomputed
+    BatchNorm moved them twice (the gradients stayed equal: they use the batch's statistics)."""
+    x = torch.randn(32, 64)
+
+    def step(wrap: bool) -> list[torch.Tensor]:
+        m = _bn_mlp()
+        sel = {n: frozenset(range(16)) for n in ("0", "2")} if selective else None
+        rc = Recompute(m, [] if selective else ["0", "2"], sel) if wrap else None
+        for _ in range(2):
+            m(x).square().mean().backward()
+        if rc is not None:
+            rc.remove()
+        return [p.grad for p in m.parameters()] + list(m.buffers())
+
+    assert all(torch.equal(a, b) for a, b in zip(step(False), step(True), strict=True))
+
+
 @pytest.mark.parametrize("budget", ["1MiB", "64MiB"])
 def test_planned_offload_matches_plain_gradients(tmp_path, budget):
     m = _mlp(width=512, depth=4)
@@ -780,6 +809,34 @@ def _at_least(message: str) -> int:
     from tensortier._units import parse_size
 
     return parse_size(re.search(r"at least ([0-9.]+[KMGT]?i?B)", message).group(1))
+
+
+def test_a_keep_budget_error_names_the_budget_keep_itself_needs(spill_dir, make_profile):
+    """The minimum is the model's floor over every plan; "raise the budget to at least
+    <minimum>, or use policy='auto'" was false for ``policy='keep'``: that budget was refused
+    again. The message names the budget keep needs, and keep fits it."""
+    from tensortier.errors import BudgetError
+
+    profile = make_profile(n_units=2, tensor_bytes=10_000_000, per_unit=1)
+
+    def planned(budget: str):
+        off = planned_offload(budget, spill_dir=spill_dir, policy="keep", options=FAST)
+        off._overhead = 1_000_003
+        return off
+
+    off = planned("1MiB")
+    try:
+        with pytest.raises(BudgetError) as caught:
+            off._choose(profile)
+    finally:
+        off.close()
+    message = str(caught.value)
+    assert "with policy='auto'" in message and message.count("at least") == 2
+    off = planned(re.findall(r"at least ([0-9.]+[KMGT]?i?B)", message)[-1])
+    try:
+        assert off._choose(profile).result.peak_bytes <= off._planning_budget()
+    finally:
+        off.close()
 
 
 def test_the_minimum_a_budget_error_names_is_enough_when_passed_back(spill_dir, make_profile):

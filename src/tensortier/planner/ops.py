@@ -26,7 +26,6 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     SAC_IGNORED_OPS,
     CheckpointPolicy,
-    checkpoint,
     create_selective_checkpoint_contexts,
 )
 
@@ -170,9 +169,6 @@ class SelectivePolicy:
             )
 
         return create_selective_checkpoint_contexts(policy)
-
-    def run(self, fn, *args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.contexts, **kwargs)
 
 
 def measure_sac_overhead(device: torch.device | None = None, n: int = 200) -> float:

@@ -576,7 +576,7 @@ def choose(
     """The plan of ``policy`` for ``budget``; raises :class:`BudgetError` if it does not fit."""
     opts = opts or Options()
     given = parse_size(budget, name="budget", allow_zero=False)
-    b = planning_budget(given, opts)
+    b = max(1, planning_budget(given, opts))  # a few bytes less the margin: no plan, not 0
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     t0 = time.monotonic()
@@ -602,11 +602,29 @@ def choose(
         tried = [one]
     reached = _smallest(profile, opts, tried)
     minimum = int(math.ceil(reached / (1 - opts.margin)))
-    raise BudgetError(
+    own = tried[0].result.peak_bytes if policy != "auto" else reached
+    err = BudgetError(
         f"no {policy} plan fits a budget of {format_size(given)}: the smallest peak this model "
         f"reaches is {format_size(reached)} (policy {policy!r}, {opts.margin:.0%} margin). Raise "
         f"the budget to at least {format_size_up(minimum)}"
-        + (", or use policy='auto'." if policy != "auto" else "."),
+        + policy_tail(policy, own, reached, int(math.ceil(own / (1 - opts.margin)))),
         budget=given,
         minimum=minimum,
+    )
+    err.policy_peak = own  # what ``policy`` itself reached (the runtime words the error again)
+    raise err
+
+
+def policy_tail(policy: str, own: int, reached: int, needs: int) -> str:
+    """The end of a ``BudgetError`` whose minimum is the model's floor ``reached`` over every
+    plan. Why: where ``policy``'s own peak ``own`` is above it (``keep`` always), "raise the
+    budget to the minimum, or use auto" was false: that budget alone was refused again with
+    ``policy``; it needs ``needs``."""
+    if policy == "auto":
+        return "."
+    if own <= reached:
+        return ", or use policy='auto'."
+    return (
+        f" with policy='auto': policy {policy!r} peaked at {format_size(own)} here, so with it "
+        f"the budget must be at least {format_size_up(needs)}."
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -357,6 +358,9 @@ class Profiler:
         self.units: dict[int, str] = {}  # id(module) -> unit name
         self.kinds: dict[str, str] = {}  # unit name -> its structure (see _structure)
         self.inputs: dict[str, int] = {}
+        # the probe's unit inputs and versions (see _note_input_writes)
+        self._versions: dict[str, list[tuple[torch.Tensor | weakref.ref, int]]] = {}
+        self.writes_input: set[str] = set()  # see _note_input_writes
         self.grads: dict[str, int] = {}
         self.order: list[str] = []
         self.offloader = offloader  # reuse the warm-up's: its buffers are not this iteration's
@@ -406,8 +410,12 @@ class Profiler:
         name = self.units.get(id(module))
         if name is not None and name not in cur.fwd:  # not again while a checkpoint recomputes
             if len(self._passes) == 0:
+                self._note_input_writes()
                 self.order.append(name)
                 self.inputs[name] = sum(t.untyped_storage().nbytes() for t in tensors_in(args))
+                self._versions[name] = [
+                    (t, t._version) for t in tensors_in(args) if not t.is_inference()
+                ]
             cur.fwd[name] = [self._now(cur), 0.0]
             self._unit_now = name
 
@@ -420,6 +428,7 @@ class Profiler:
             return
         cur.fwd[name][1] = self._now(cur)
         self._unit_now = None
+        self._note_input_writes(name)
         outs = [t for t in tensors_in(output) if t.requires_grad]
         if outs:
 
@@ -484,9 +493,27 @@ class Profiler:
         finally:
             self._unit_now = None
             cur.t_fwd_end = self._now(cur)
+            self._note_input_writes()
+            self._versions = {}
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+
+    def _note_input_writes(self, unit: str | None = None) -> None:
+        """Units whose input was written in place after the unit began (by the unit or by code
+        after it): a recompute reruns the unit on the input as the forward left it (silently
+        wrong gradients, or autograd's in-place error), so they are not recomputable. Checked
+        at the ``unit``'s end, then for every unit (``None``) at each unit's start and at the
+        forward's end, while the inputs live: held after their unit, offloaded inputs stayed
+        in memory and raised the probe's peak."""
+        for name in [unit] if unit is not None else list(self._versions):
+            inputs = self._versions.pop(name, [])
+            alive = [(r() if isinstance(r, weakref.ref) else r, v) for r, v in inputs]
+            alive = [(t, v) for t, v in alive if t is not None]
+            if any(t._version != v for t, v in alive):
+                self.writes_input.add(name)
+            elif alive:
+                self._versions[name] = [(weakref.ref(t), v) for t, v in alive]
 
     def _close_pass(self) -> None:
         """The pass whose backward has run: read its peak and its offloader's records."""
@@ -647,7 +674,7 @@ class Profiler:
                 bwd_s=costs[n][1],
                 input_bytes=self.inputs.get(n, 0),
                 grad_bytes=self.grads.get(n, 0),
-                recomputable=True,
+                recomputable=n not in self.writes_input,
             )
             for n in unit_names
         ]

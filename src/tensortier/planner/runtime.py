@@ -97,6 +97,7 @@ This module never moves bytes itself: the activation offloader does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -122,7 +123,15 @@ from tensortier.planner.buckets import dimension_map, input_shapes, scale_profil
 from tensortier.planner.cache import cache_key, load_cached, model_signature, save_cached
 from tensortier.planner.config import PlanConfig
 from tensortier.planner.ops import SelectivePolicy, preload
-from tensortier.planner.policies import Choice, Options, choose, evaluate, plan_all, smallest
+from tensortier.planner.policies import (
+    Choice,
+    Options,
+    choose,
+    evaluate,
+    plan_all,
+    policy_tail,
+    smallest,
+)
 from tensortier.planner.profile import Profile
 from tensortier.planner.profiler import (
     PeakMeter,
@@ -249,17 +258,54 @@ def without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _recomputed(forward: Callable, policy: SelectivePolicy | None) -> Callable:
-    """``forward`` under non-reentrant checkpoint (selective with ``policy``) when autograd
-    records, without the KV cache (see :func:`without_kv_cache`); as it was otherwise."""
+class _RunningStatsKept:
+    """The recompute's context: the running statistics of ``module``'s norms in train mode
+    (BatchNorm's mean, variance and batch count) as they were before the rerun. Why: the
+    forward already moved them once; a recompute moving them again changed the model."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.saved = [
+            (b, b.clone())
+            for m in self.module.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase)
+            and m.training
+            and m.track_running_stats
+            for b in m.buffers(recurse=False)
+        ]
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for b, was in self.saved:
+                b.copy_(was)
+        self.saved = []
+
+
+def _recomputed(module: nn.Module, policy: SelectivePolicy | None) -> Callable:
+    """``module.forward`` under non-reentrant checkpoint (selective with ``policy``) when
+    autograd records, without the KV cache (see :func:`without_kv_cache`), its running
+    statistics moved by the forward alone (:class:`_RunningStatsKept`); as it was otherwise."""
+    forward = module.forward
+
+    @contextlib.contextmanager
+    def kept(rec):
+        with _RunningStatsKept(module), rec:
+            yield
+
+    def contexts():
+        fwd, rec = (contextlib.nullcontext(), contextlib.nullcontext())
+        if policy is not None:
+            fwd, rec = policy.contexts()
+        return fwd, kept(rec)
 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         args, kwargs = without_kv_cache(args, kwargs)
-        if policy is None:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return policy.run(forward, *args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
 
@@ -284,7 +330,7 @@ class Recompute:
             if module is None:
                 continue
             own = module.__dict__.get("forward")  # a user's wrapper stays when we are removed
-            module.forward = _recomputed(module.forward, policy)
+            module.forward = _recomputed(module, policy)
             self._wrapped.append((module, own))
 
     def remove(self) -> None:
@@ -996,6 +1042,7 @@ class PlannedOffload:
             choice = bounded_choice(profile, choice, planning, limit, cfg.policy, inner)
         except BudgetError as e:  # say it in the user's terms
             minimum = int((e.minimum + self._overhead) / (1 - margin)) + 1
+            own = getattr(e, "policy_peak", e.minimum)  # the measured bound's has none
             buffers = (
                 f"the offloader keeps {format_size(self._overhead)} of buffers resident and "
                 if self._overhead
@@ -1005,7 +1052,9 @@ class PlannedOffload:
                 f"no {cfg.policy} plan fits a budget of {format_size(cfg.budget)}: {buffers}"
                 f"the smallest peak a plan reaches is {format_size(e.minimum)} "
                 f"({margin:.0%} margin). Raise the budget to at least {format_size_up(minimum)}"
-                + (", or use policy='auto'." if cfg.policy != "auto" else ".")
+                + policy_tail(
+                    cfg.policy, own, e.minimum, int((own + self._overhead) / (1 - margin)) + 1
+                )
                 + allocator_hint(profile),
                 budget=cfg.budget,
                 minimum=minimum,
