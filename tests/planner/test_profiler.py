@@ -79,29 +79,15 @@ def test_a_unit_that_writes_its_input_in_place_is_not_recomputable(spill_dir):
     """A recompute reruns the unit on its input as the forward left it: the in-place write ran
     twice, and a ``recompute_all`` plan trained with silently wrong gradients. Such a unit is
     profiled as not recomputable (kept or swapped), the others stay recomputable."""
-    from tensortier.planner.runtime import Recompute
-
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(128, 128), _HalvesItsInput(), nn.Linear(128, 1))
     x = torch.randn(64, 128)
-    m(x).sum().backward()
-    plain = [p.grad.clone() for p in m.parameters()]
-    m.zero_grad(set_to_none=True)
-    rc = Recompute(m, ["1"])
-    try:  # why: the recompute halves the input again (wrong gradients, or autograd's error)
-        m(x).sum().backward()
-        assert not all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters()))
-    except RuntimeError as e:
-        assert "modified by an inplace operation" in str(e)
-    rc.remove()
-    m.zero_grad(set_to_none=True)
-    prof = _profiler(spill_dir)
-    try:
-        _step(m, x, prof.forward())
-        p = prof.finish()
-    finally:
-        prof.offloader.close()
-    assert {u.name: u.recomputable for u in p.units} == {"0": True, "1": False, "2": True}
+    # the recompute halves the input again
+    assert _recomputed_wrong_then_profiled(m, x, "1", spill_dir) == {
+        "0": True,
+        "1": False,
+        "2": True,
+    }
 
 
 class _WritesAnInputLater(nn.Module):
@@ -122,28 +108,13 @@ class _WritesAnInputLater(nn.Module):
 def test_a_unit_whose_input_is_written_after_it_ran_is_not_recomputable(spill_dir):
     """The recompute of ``a`` ran on the input as the forward left it: autograd's in-place
     error at the first planned backward (or wrong gradients where no version is checked)."""
-    from tensortier.planner.runtime import Recompute
-
     torch.manual_seed(0)
     m, x = _WritesAnInputLater(), torch.randn(64, 128)
-    m(x).sum().backward()
-    plain = [p.grad.clone() for p in m.parameters()]
-    m.zero_grad(set_to_none=True)
-    rc = Recompute(m, ["a"])
-    try:  # why
-        m(x).sum().backward()
-        assert not all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters()))
-    except RuntimeError as e:
-        assert "modified by an inplace operation" in str(e)
-    rc.remove()
-    m.zero_grad(set_to_none=True)
-    prof = _profiler(spill_dir)
-    try:
-        _step(m, x, prof.forward())
-        p = prof.finish()
-    finally:
-        prof.offloader.close()
-    assert {u.name: u.recomputable for u in p.units} == {"pre": True, "a": False, "b": True}
+    assert _recomputed_wrong_then_profiled(m, x, "a", spill_dir) == {
+        "pre": True,
+        "a": False,
+        "b": True,
+    }
 
 
 def test_every_unit_kept_is_a_keep_pass(spill_dir):
@@ -594,3 +565,28 @@ def test_the_probe_offers_no_cast_that_would_turn_a_tensor_into_inf():
     probe.see(torch.tensor([1.0, 0.0, 6e4, -2.0]))
     assert set(probe.seen[0]["ratios"]) == {"sparse", "bf16"}
     assert set(probe.seen[1]["ratios"]) == {"sparse", "fp16", "bf16"}
+
+
+def _recomputed_wrong_then_profiled(m: nn.Module, x: torch.Tensor, unit: str, spill_dir) -> dict:
+    """Shows that recomputing ``unit`` changes the gradients (or raises autograd's in-place
+    error), then returns each unit's ``recomputable`` from a profiled step."""
+    from tensortier.planner.runtime import Recompute
+
+    m(x).sum().backward()
+    plain = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    rc = Recompute(m, [unit])
+    try:
+        m(x).sum().backward()
+        assert not all(torch.equal(a, p.grad) for a, p in zip(plain, m.parameters()))
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+    rc.remove()
+    m.zero_grad(set_to_none=True)
+    prof = _profiler(spill_dir)
+    try:
+        _step(m, x, prof.forward())
+        p = prof.finish()
+    finally:
+        prof.offloader.close()
+    return {u.name: u.recomputable for u in p.units}
