@@ -154,22 +154,9 @@ def test_the_report_explains_every_action_notation_and_how_to_apply_it(make_prof
 def test_a_training_runs_report_agrees_with_the_plan_it_runs(spill_dir, tmp_path, policy):
     """``tt.offload(budget=..., report=...)``: the header, the chosen row and the plan that runs
     are one plan (the table used to re-plan every policy for the budget without the margin)."""
-    import torch
-    from torch import nn
-
-    from tensortier.planner.runtime import planned_offload
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
-    x = torch.randn(64, 256)
+    model, x = _four_layers()
     path = tmp_path / "plan.html"
-    off = planned_offload(
-        "64MiB",
-        spill_dir=spill_dir,
-        policy=policy,
-        options=Options(search_iters=60, search_seconds=5),
-        report=str(path),
-    )
+    off = _reported_offload(spill_dir, path, policy)
     try:
         for _ in range(5):  # warm-up, probe, two timing passes, the plan
             model.zero_grad(set_to_none=True)
@@ -241,23 +228,12 @@ def test_a_report_that_cannot_be_written_warns_and_training_goes_on(spill_dir, t
     ``with`` (the first plan), ending the run; now one warning, and the gradients are still
     those of plain PyTorch."""
     import torch
-    from torch import nn
 
-    from tensortier.planner.runtime import planned_offload
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
-    x = torch.randn(64, 256)
+    model, x = _four_layers()
     model(x).sum().backward()
     plain = [p.grad.clone() for p in model.parameters()]
     path = tmp_path / "missing" / "plan.html"
-    off = planned_offload(
-        "64MiB",
-        spill_dir=spill_dir,
-        policy="capuchin",
-        options=Options(search_iters=60, search_seconds=5),
-        report=str(path),
-    )
+    off = _reported_offload(spill_dir, path, "capuchin")
     try:
         with pytest.warns(UserWarning, match="could not be written"):
             for _ in range(6):  # warm-up, probe, two timing passes, the plan twice
@@ -289,22 +265,9 @@ def test_a_report_path_that_is_a_directory_is_refused_before_anything_is_written
 def test_a_replan_mid_training_rewrites_the_report(spill_dir, tmp_path):
     """A checked step over the budget re-plans with a wider margin; the report kept showing the
     first plan (its peak, its margin) while another plan ran."""
-    import torch
-    from torch import nn
-
-    from tensortier.planner.runtime import planned_offload
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
-    x = torch.randn(64, 256)
+    model, x = _four_layers()
     path = tmp_path / "plan.html"
-    off = planned_offload(
-        "64MiB",
-        spill_dir=spill_dir,
-        policy="capuchin",
-        options=Options(search_iters=60, search_seconds=5),
-        report=str(path),
-    )
+    off = _reported_offload(spill_dir, path, "capuchin")
     try:
         for step in range(6):  # warm-up, probe, two timing passes, the plan, the re-plan
             if step == 5:  # as if the first planned step had peaked at twice the budget
@@ -322,3 +285,26 @@ def test_a_replan_mid_training_rewrites_the_report(spill_dir, tmp_path):
     text = _page_text(path)
     assert f"planned for {planned_for}" in text  # the wider margin's
     assert re.search(rf"predicted peak {re.escape(peak)},", text)
+
+
+def _four_layers():
+    """The report tests' model (four Linear+ReLU layers of 256) and its input, seeded."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)))
+    return model, torch.randn(64, 256)
+
+
+def _reported_offload(spill_dir, path, policy: str):
+    """``tt.offload(budget="64MiB", policy=policy, report=path)`` with a short plan search."""
+    from tensortier.planner.runtime import planned_offload
+
+    return planned_offload(
+        "64MiB",
+        spill_dir=spill_dir,
+        policy=policy,
+        options=Options(search_iters=60, search_seconds=5),
+        report=str(path),
+    )
