@@ -719,14 +719,22 @@ def test_cuda_source_freed_while_its_copy_is_in_flight_is_not_reused_under_it():
         host.free()
 
 
+def _hold_h2d(engine: TransferEngine, cycles: int) -> None:
+    """Queue a long kernel on the engine's h2d side stream: the next H2D copies run after it (they
+    wait for no other stream, so a sleep on the caller's stream would not hold them)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.stream(engine._streams.stream(device, "h2d")):
+        torch.cuda._sleep(cycles)
+
+
 @pytest.mark.gpu
 def test_block_freed_under_a_queued_h2d_is_not_rewritten_on_cuda():
-    """review-12-18 #3 sketch: the H2D resolves at issue and queues behind the consumer; the
-    block is freed and the same buffer written from the host; the copy must read the old bytes."""
+    """review-12-18 #3 sketch: the H2D resolves at issue and is still queued; the block is freed
+    and the same buffer written from the host; the copy must read the old bytes."""
     with TransferEngine(host=HostPool("256MiB")) as e:
         x = torch.full((16 << 20,), 3.0, device="cuda")
         h = e.to_host(x).result()
-        torch.cuda._sleep(2_000_000_000)  # the H2D queues behind the consumer stream
+        _hold_h2d(e, 2_000_000_000)  # the H2D queues behind this
         y = e.to_device(h).result()  # resolves at issue
         h.free()
         e.host.alloc(h.nbytes).view.fill_(0)  # a same-class block, written from the host
@@ -739,11 +747,60 @@ def test_synchronize_waits_for_host_to_device_copies():
     """REVIEW #13: H2D bytes were released at submission, so synchronize() did not wait for them."""
     with TransferEngine(host=HostPool("256MiB")) as engine:
         host = engine.to_host(torch.randn(8 << 20, device="cuda")).result()
-        torch.cuda._sleep(1_000_000_000)  # the H2D waits for the consumer stream, then copies
+        _hold_h2d(engine, 1_000_000_000)  # the H2D queues behind this
         y = engine.to_device(host, free=True).result()
         engine.synchronize()
         assert host.block.freed, "synchronize() returned before the copy finished"
         del y
+
+
+@pytest.mark.gpu
+def test_h2d_does_not_wait_for_the_compute_queued_before_it():
+    """stop-37 lead: the destination came from the caller's stream's pool, so the copy waited for
+    every kernel queued there first (a backward prefetch never overlapped the compute before it).
+    It is the h2d side stream's memory now (torchtune's unpack): the copy runs at once."""
+    with TransferEngine(host=HostPool("256MiB")) as e:
+        x = torch.randn(8 << 20, device="cuda")
+        h = e.to_host(x).result()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of compute queued on the caller's stream
+        queued = torch.cuda.Event()
+        queued.record()
+        y = e.to_device(h, free=True).result()
+        e.synchronize()  # the copy's event has completed: its bytes are back
+        assert not queued.query(), "the H2D waited for the compute queued before it"
+        assert torch.equal(y, x)
+
+
+@pytest.mark.gpu
+def test_h2d_of_a_callers_pinned_tensor_waits_for_its_producer():
+    """A caller's own pinned tensor may still be the target of a non_blocking D2H queued on its
+    stream: that copy, unlike the engine's blocks, runs after the caller's stream."""
+    with TransferEngine(host=HostPool("64MiB")) as e:
+        x = torch.randn(4 << 20, device="cuda")
+        pinned = torch.empty(x.shape, pin_memory=True)
+        torch.cuda._sleep(1_000_000_000)
+        pinned.copy_(x, non_blocking=True)  # still queued behind the sleep
+        assert torch.equal(e.to_device(pinned).result(), x)
+
+
+@pytest.mark.gpu
+def test_h2d_destination_read_on_another_stream_is_not_reused_under_it():
+    """The destination is the side stream's memory: ``result()`` on a reader's stream records it
+    there, so once dropped it is not lent to the next copy while that stream still reads it."""
+    with TransferEngine(host=HostPool("256MiB")) as e:
+        fives = e.to_host(torch.full((16 << 20,), 5.0, device="cuda")).result()
+        minus = e.to_host(torch.full((16 << 20,), -1.0, device="cuda")).result()
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            y = e.to_device(fives, free=True).result()
+            torch.cuda._sleep(1_000_000_000)
+            out = y * 2  # reads y after the sleep
+        del y  # the reader has not read it yet
+        z = e.to_device(minus, free=True).result()  # its memory must not be y's
+        reader.synchronize()
+        assert bool((out == 10.0).all()), "the next copy overwrote a destination still being read"
+        assert bool((z == -1.0).all())
 
 
 @pytest.mark.gpu

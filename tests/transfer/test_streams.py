@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from tensortier import HostPool, TransferEngine
 from tensortier.checkpoint import checkpointer
 from tensortier.optim._staging import Staging
 from tensortier.transfer import streams
@@ -218,6 +219,20 @@ def test_copy_new_allocates_on_the_side_stream_without_waiting(cuda):
     assert [t.name for t in out] == ["home@dev"]
 
 
+def test_copy_new_after_a_producer_and_a_blocking_event(cuda):
+    copies = SideStreams()
+    out, done = copies.copy_new(
+        [cuda.tensor("pinned", "cpu")], CUDA, after=streams.COMPUTE, blocking=True
+    )
+    side = copies.stream(CUDA, "h2d").name
+    assert cuda.log == [
+        ("wait_stream", side, "compute"),
+        ("to", "pinned", True, side),
+        ("record", done.name, side),
+    ]
+    assert done.blocking
+
+
 def test_cpu_device_does_plain_copies_and_no_event():
     copies = SideStreams()
     dst, src = torch.zeros(4, dtype=torch.float64), torch.arange(4, dtype=torch.float32)
@@ -231,6 +246,34 @@ def test_cpu_device_does_plain_copies_and_no_event():
 
 
 # ------------------------------------------------------------------ the clients' sequences
+@pytest.mark.parametrize("own", [False, True], ids=["pool-block", "callers-tensor"])
+def test_engine_h2d_allocates_on_its_side_stream_and_every_reader_records(cuda, own):
+    """stop-37 lead: the destination came from the consumer's pool, so the copy first waited for
+    every kernel queued there (a backward prefetch could not overlap the compute before it).
+    Now torchtune's unpack: allocated and copied on the h2d side stream, no wait (a caller's own
+    tensor: after its producer's stream); each reader waits for the event and ``record_stream``s
+    the destination, and the engine keeps source and destination until the copy ran."""
+    pending, issued = [], []
+    with TransferEngine(host=HostPool("1MiB", pin=False)) as engine:
+        engine._completer.put = pending.append
+        producer = FakeStream(cuda, "producer") if own else None
+        src = cuda.tensor("pinned", "cpu")
+        engine._h2d(src, CUDA, producer, lambda d, on: issued.append((d, on)), None, None)
+    side = engine._streams.stream(CUDA, "h2d").name
+    (item,) = pending
+    wait = [("wait_stream", side, "producer")] if own else []
+    assert cuda.log == wait + [("to", "pinned", True, side), ("record", item.event.name, side)]
+    assert item.event.blocking  # the completion thread sleeps on it
+    ((dst, on_result),) = issued
+    assert item.keep == (src, dst)
+    cuda.log.clear()
+    assert on_result(dst) is dst  # Transfer.result() on the reader's (here: compute) stream
+    assert cuda.log == [
+        ("wait_event", "compute", item.event.name),
+        ("record_stream", dst.name, "compute"),
+    ]
+
+
 def test_gradient_staging_sequence(cuda):
     staging = Staging({CUDA})
     views = [cuda.tensor("v0", "cpu"), cuda.tensor("v1", "cpu")]
