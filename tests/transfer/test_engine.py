@@ -407,11 +407,66 @@ def test_callbacks_on_transfer_threads_never_wait_for_bytes():
     with TransferEngine(host=HostPool("16MiB", pin=False), inflight_budget="1MiB") as e:
         held = e._throttle.acquire(1 << 20)  # the bound is full
         try:
-            chained = e._cpu.submit(lambda: e.to_host(torch.zeros(1 << 18)).result(timeout=10))
+            chained = e._cpu.submit(lambda: e.to_host(torch.zeros(1 << 18)))
             assert _finishes(lambda: chained.result(timeout=10)), "a transfer thread waited"
-            chained.result().free()
+            chained.result().result(timeout=10).free()  # waited for here, not on the worker
         finally:
             held.release()
+
+
+def _in_callback(fut, fn) -> dict:
+    """Run ``fn`` in a done-callback of ``fut``; what it returned or raised, once it ran."""
+    out: dict = {}
+
+    def callback(_):
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    fut.add_done_callback(callback)
+    return out
+
+
+@pytest.mark.parametrize("call", ["result", "exception", "synchronize", "close"])
+def test_a_callback_that_waits_on_the_engine_raises_naming_the_fix(call):
+    """stop 36 "engine callback self-deadlock": a done-callback runs on the engine's thread that
+    finished the transfer; waiting there for a transfer queued behind it (here: on the only copy
+    worker) never ended (`.result()` without a timeout hung the engine and its close())."""
+    with TransferEngine(host=HostPool("16MiB", pin=False), io_threads=1) as e:
+        gate = threading.Event()
+        e._cpu.submit(gate.wait)  # the callback below runs on the one copy worker
+        fut = e.to_host(torch.ones(1024))
+
+        def wait():
+            if call in ("result", "exception"):
+                inner = e.to_host(torch.zeros(1024))  # queued behind this callback
+                return getattr(inner, call)(timeout=5)  # old code: TimeoutError after 5 s
+            return getattr(e, call)()
+
+        out = _in_callback(fut, wait)
+        gate.set()
+        fut.result(timeout=10).free()
+        _until(lambda: bool(out))
+        assert isinstance(out.get("error"), RuntimeError), out
+        assert "add_done_callback" in str(out["error"]) and "own thread" in str(out["error"])
+        assert _finishes(e.synchronize)
+
+
+def test_a_callback_on_the_completion_thread_cannot_wait_for_a_later_copy():
+    """The CUDA form: callbacks of device copies run on the one completion thread, which must
+    finish the later copy itself."""
+    with TransferEngine(host=HostPool("1MiB", pin=False)) as e:
+        first, later = _Event(), _Event()
+        fut = _pending(e, first, _Source())
+        queued = _pending(e, later, _Source())
+        out = _in_callback(fut, lambda: queued.result(timeout=5))
+        first.done.set()
+        later.done.set()
+        _until(lambda: bool(out))
+        assert isinstance(out.get("error"), RuntimeError), out
+        assert queued.result(timeout=10) == "copied"
+        assert _in_callback(queued, lambda: fut.result()) == {"value": "copied"}  # done: fine
 
 
 # ----------------------------------------------------------------------------- completion thread

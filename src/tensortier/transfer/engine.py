@@ -155,6 +155,7 @@ class Transfer(Future, Generic[T]):
 
     def result(self, timeout: float | None = None) -> T:
         if not self.done():
+            _refuse_in_callback("Transfer.result() of an unfinished transfer")
             t0 = time.perf_counter()
             value = super().result(timeout)
             with self._stats_lock:
@@ -162,6 +163,11 @@ class Transfer(Future, Generic[T]):
         else:
             value = super().result(timeout)
         return self._on_result(value) if self._on_result is not None else value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            _refuse_in_callback("Transfer.exception() of an unfinished transfer")
+        return super().exception(timeout)
 
 
 class _HostCopy(threading.Event):
@@ -381,11 +387,16 @@ def _fail_then_release(fut: Transfer, ticket: _Ticket, error: BaseException) -> 
         ticket.release()
 
 
-def _refuse_in_callback() -> None:
+def _refuse_in_callback(what: str) -> None:
+    """A wait on an engine thread (a transfer's callback, a copy worker, the completion thread)
+    may wait for work queued behind itself on that very thread: the executor self-deadlock
+    (stop 36). Refused even where another thread happens to be free: whether it deadlocks must
+    not depend on ``io_threads`` or the device (the completion thread is always one)."""
     if getattr(_local, "releasing", 0):
         raise RuntimeError(
-            "synchronize()/close() called from a transfer's callback would wait for itself; "
-            "call it from your own thread"
+            f"{what} called from a transfer's callback (on an engine thread) would wait for work "
+            "queued behind that callback, which then never runs; chain the next step with "
+            "add_done_callback, or wait from your own thread"
         )
 
 
@@ -688,7 +699,7 @@ class TransferEngine:
         copies included). Raises ``TimeoutError`` after ``timeout`` seconds (None: no bound; every
         transfer gives its bytes back when it finishes or fails, so this returns while the device
         and the disk make progress)."""
-        _refuse_in_callback()
+        _refuse_in_callback("TransferEngine.synchronize()")
         if not self._throttle.wait_idle(timeout):
             raise TimeoutError(
                 f"{self._throttle.inflight} bytes still in flight after {timeout}s; the device or "
@@ -699,7 +710,7 @@ class TransferEngine:
         """Wait for transfers in flight, then stop the engine's threads (and its own host pool)."""
         if self._closed:
             return
-        _refuse_in_callback()
+        _refuse_in_callback("TransferEngine.close()")
         self._throttle.refuse_new()  # calls made from now on raise; those in flight finish
         self.synchronize()
         self._closed = True
