@@ -817,6 +817,7 @@ def test_h2d_does_not_wait_for_the_compute_queued_before_it():
     with TransferEngine(host=HostPool("256MiB")) as e:
         x = torch.randn(8 << 20, device="cuda")
         h = e.to_host(x).result()
+        e.to_device(h).result()  # warm: the side stream's pool caches a block (no cudaMalloc)
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # ~1 s of compute queued on the caller's stream
         queued = torch.cuda.Event()
