@@ -860,6 +860,21 @@ def test_h2d_destination_read_on_another_stream_is_not_reused_under_it():
 
 
 @pytest.mark.gpu
+def test_cuda_callback_waiting_for_a_later_copy_raises_instead_of_hanging():
+    """stop 36's self-deadlock on a GPU: the callback runs on the completion thread, the only one
+    that could finish the copy it waits for."""
+    with TransferEngine(host=HostPool("64MiB")) as e:
+        x = torch.randn(1 << 20, device="cuda")
+        torch.cuda._sleep(200_000_000)  # the copy is still queued when the callback is added
+        fut = e.to_host(x)
+        out = _in_callback(fut, lambda: e.to_host(x).result(timeout=5))
+        fut.result().free()
+        _until(lambda: bool(out))
+        assert isinstance(out.get("error"), RuntimeError), out
+        assert _finishes(e.synchronize)
+
+
+@pytest.mark.gpu
 def test_dropped_cuda_engines_are_collected_with_their_threads():
     """REVIEW #8 GPU sketch: create, use and drop 20 engines; threads back to baseline."""
     TransferEngine(host=HostPool("16MiB")).close()
