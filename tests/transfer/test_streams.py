@@ -274,6 +274,30 @@ def test_engine_h2d_allocates_on_its_side_stream_and_every_reader_records(cuda, 
     ]
 
 
+def test_engine_h2d_waits_for_the_callers_stream_only_for_a_callers_own_tensor(cuda, monkeypatch):
+    """A pool block is complete on the host (its D2H event was waited on); a caller's pinned tensor
+    may still be the target of a ``non_blocking`` copy queued on the caller's stream."""
+
+    class Issued(Exception):
+        pass
+
+    seen = []
+
+    def copy_new(host, device, *, after=None, blocking=False):
+        seen.append(after)
+        raise Issued
+
+    with TransferEngine(host=HostPool("1MiB", pin=False)) as engine:
+        block = engine.to_host(torch.ones(4)).result()
+        monkeypatch.setattr(engine._streams, "copy_new", copy_new)
+        monkeypatch.setattr(engine, "_target", lambda device: CUDA)
+        for host in (block, torch.ones(4)):
+            with pytest.raises(Issued):
+                engine.to_device(host)
+        block.free()
+    assert seen == [None, cuda.compute]
+
+
 def test_gradient_staging_sequence(cuda):
     staging = Staging({CUDA})
     views = [cuda.tensor("v0", "cpu"), cuda.tensor("v1", "cpu")]
