@@ -273,9 +273,10 @@ def test_cuda_inplace_change_while_the_copy_is_in_flight_raises(spill_dir, tier)
 
 def test_cuda_mixed_tiers_never_rewrite_a_block_under_its_queued_copy(spill_dir):
     """review-12-18 #3: when host and disk records mix (the planner's plans, tier="auto"), the disk
-    reads of backward land in pool blocks; a host record's block, freed while its H2D still waits
-    behind the consumer stream, must not be one of them (the gradients would silently read the
-    disk record's bytes)."""
+    reads of backward land in pool blocks; a host record's block, freed while its H2D is still
+    queued, must not be one of them (the gradients would silently read the disk record's bytes).
+    The copies wait for no compute stream, so the sleep that holds them is queued on the engine's
+    h2d side stream."""
     model = _gpt(n_layer=4)
     x, y = random_batch(model.cfg, 4, device="cuda")
     model(x, y).backward()
@@ -291,7 +292,8 @@ def test_cuda_mixed_tiers_never_rewrite_a_block_under_its_queued_copy(spill_dir)
     for _ in range(3):
         with off:
             loss = model(x, y)
-        torch.cuda._sleep(1_000_000_000)  # backward's H2D copies queue behind this
+        with torch.cuda.stream(off._engine._streams.stream(torch.device("cuda", 0), "h2d")):
+            torch.cuda._sleep(1_000_000_000)  # backward's H2D copies queue behind this
         loss.backward()
         torch.cuda.synchronize()
         assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))

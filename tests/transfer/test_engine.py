@@ -407,11 +407,66 @@ def test_callbacks_on_transfer_threads_never_wait_for_bytes():
     with TransferEngine(host=HostPool("16MiB", pin=False), inflight_budget="1MiB") as e:
         held = e._throttle.acquire(1 << 20)  # the bound is full
         try:
-            chained = e._cpu.submit(lambda: e.to_host(torch.zeros(1 << 18)).result(timeout=10))
+            chained = e._cpu.submit(lambda: e.to_host(torch.zeros(1 << 18)))
             assert _finishes(lambda: chained.result(timeout=10)), "a transfer thread waited"
-            chained.result().free()
+            chained.result().result(timeout=10).free()  # waited for here, not on the worker
         finally:
             held.release()
+
+
+def _in_callback(fut, fn) -> dict:
+    """Run ``fn`` in a done-callback of ``fut``; what it returned or raised, once it ran."""
+    out: dict = {}
+
+    def callback(_):
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    fut.add_done_callback(callback)
+    return out
+
+
+@pytest.mark.parametrize("call", ["result", "exception", "synchronize", "close"])
+def test_a_callback_that_waits_on_the_engine_raises_naming_the_fix(call):
+    """stop 36 "engine callback self-deadlock": a done-callback runs on the engine's thread that
+    finished the transfer; waiting there for a transfer queued behind it (here: on the only copy
+    worker) never ended (`.result()` without a timeout hung the engine and its close())."""
+    with TransferEngine(host=HostPool("16MiB", pin=False), io_threads=1) as e:
+        gate = threading.Event()
+        e._cpu.submit(gate.wait)  # the callback below runs on the one copy worker
+        fut = e.to_host(torch.ones(1024))
+
+        def wait():
+            if call in ("result", "exception"):
+                inner = e.to_host(torch.zeros(1024))  # queued behind this callback
+                return getattr(inner, call)(timeout=5)  # old code: TimeoutError after 5 s
+            return getattr(e, call)()
+
+        out = _in_callback(fut, wait)
+        gate.set()
+        fut.result(timeout=10).free()
+        _until(lambda: bool(out))
+        assert isinstance(out.get("error"), RuntimeError), out
+        assert "add_done_callback" in str(out["error"]) and "own thread" in str(out["error"])
+        assert _finishes(e.synchronize)
+
+
+def test_a_callback_on_the_completion_thread_cannot_wait_for_a_later_copy():
+    """The CUDA form: callbacks of device copies run on the one completion thread, which must
+    finish the later copy itself."""
+    with TransferEngine(host=HostPool("1MiB", pin=False)) as e:
+        first, later = _Event(), _Event()
+        fut = _pending(e, first, _Source())
+        queued = _pending(e, later, _Source())
+        out = _in_callback(fut, lambda: queued.result(timeout=5))
+        first.done.set()
+        later.done.set()
+        _until(lambda: bool(out))
+        assert isinstance(out.get("error"), RuntimeError), out
+        assert queued.result(timeout=10) == "copied"
+        assert _in_callback(queued, lambda: fut.result()) == {"value": "copied"}  # done: fine
 
 
 # ----------------------------------------------------------------------------- completion thread
@@ -719,14 +774,22 @@ def test_cuda_source_freed_while_its_copy_is_in_flight_is_not_reused_under_it():
         host.free()
 
 
+def _hold_h2d(engine: TransferEngine, cycles: int) -> None:
+    """Queue a long kernel on the engine's h2d side stream: the next H2D copies run after it (they
+    wait for no other stream, so a sleep on the caller's stream would not hold them)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.stream(engine._streams.stream(device, "h2d")):
+        torch.cuda._sleep(cycles)
+
+
 @pytest.mark.gpu
 def test_block_freed_under_a_queued_h2d_is_not_rewritten_on_cuda():
-    """review-12-18 #3 sketch: the H2D resolves at issue and queues behind the consumer; the
-    block is freed and the same buffer written from the host; the copy must read the old bytes."""
+    """review-12-18 #3 sketch: the H2D resolves at issue and is still queued; the block is freed
+    and the same buffer written from the host; the copy must read the old bytes."""
     with TransferEngine(host=HostPool("256MiB")) as e:
         x = torch.full((16 << 20,), 3.0, device="cuda")
         h = e.to_host(x).result()
-        torch.cuda._sleep(2_000_000_000)  # the H2D queues behind the consumer stream
+        _hold_h2d(e, 2_000_000_000)  # the H2D queues behind this
         y = e.to_device(h).result()  # resolves at issue
         h.free()
         e.host.alloc(h.nbytes).view.fill_(0)  # a same-class block, written from the host
@@ -739,11 +802,76 @@ def test_synchronize_waits_for_host_to_device_copies():
     """REVIEW #13: H2D bytes were released at submission, so synchronize() did not wait for them."""
     with TransferEngine(host=HostPool("256MiB")) as engine:
         host = engine.to_host(torch.randn(8 << 20, device="cuda")).result()
-        torch.cuda._sleep(1_000_000_000)  # the H2D waits for the consumer stream, then copies
+        _hold_h2d(engine, 1_000_000_000)  # the H2D queues behind this
         y = engine.to_device(host, free=True).result()
         engine.synchronize()
         assert host.block.freed, "synchronize() returned before the copy finished"
         del y
+
+
+@pytest.mark.gpu
+def test_h2d_does_not_wait_for_the_compute_queued_before_it():
+    """stop-37 lead: the destination came from the caller's stream's pool, so the copy waited for
+    every kernel queued there first (a backward prefetch never overlapped the compute before it).
+    It is the h2d side stream's memory now (torchtune's unpack): the copy runs at once."""
+    with TransferEngine(host=HostPool("256MiB")) as e:
+        x = torch.randn(8 << 20, device="cuda")
+        h = e.to_host(x).result()
+        e.to_device(h).result()  # warm: the side stream's pool caches a block (no cudaMalloc)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of compute queued on the caller's stream
+        queued = torch.cuda.Event()
+        queued.record()
+        y = e.to_device(h, free=True).result()
+        e.synchronize()  # the copy's event has completed: its bytes are back
+        assert not queued.query(), "the H2D waited for the compute queued before it"
+        assert torch.equal(y, x)
+
+
+@pytest.mark.gpu
+def test_h2d_of_a_callers_pinned_tensor_waits_for_its_producer():
+    """A caller's own pinned tensor may still be the target of a non_blocking D2H queued on its
+    stream: that copy, unlike the engine's blocks, runs after the caller's stream."""
+    with TransferEngine(host=HostPool("64MiB")) as e:
+        x = torch.randn(4 << 20, device="cuda")
+        pinned = torch.empty(x.shape, pin_memory=True)
+        torch.cuda._sleep(1_000_000_000)
+        pinned.copy_(x, non_blocking=True)  # still queued behind the sleep
+        assert torch.equal(e.to_device(pinned).result(), x)
+
+
+@pytest.mark.gpu
+def test_h2d_destination_read_on_another_stream_is_not_reused_under_it():
+    """The destination is the side stream's memory: ``result()`` on a reader's stream records it
+    there, so once dropped it is not lent to the next copy while that stream still reads it."""
+    with TransferEngine(host=HostPool("256MiB")) as e:
+        fives = e.to_host(torch.full((16 << 20,), 5.0, device="cuda")).result()
+        minus = e.to_host(torch.full((16 << 20,), -1.0, device="cuda")).result()
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            y = e.to_device(fives, free=True).result()
+            torch.cuda._sleep(1_000_000_000)
+            out = y * 2  # reads y after the sleep
+        del y  # the reader has not read it yet
+        z = e.to_device(minus, free=True).result()  # its memory must not be y's
+        reader.synchronize()
+        assert bool((out == 10.0).all()), "the next copy overwrote a destination still being read"
+        assert bool((z == -1.0).all())
+
+
+@pytest.mark.gpu
+def test_cuda_callback_waiting_for_a_later_copy_raises_instead_of_hanging():
+    """stop 36's self-deadlock on a GPU: the callback runs on the completion thread, the only one
+    that could finish the copy it waits for."""
+    with TransferEngine(host=HostPool("64MiB")) as e:
+        x = torch.randn(1 << 20, device="cuda")
+        torch.cuda._sleep(200_000_000)  # the copy is still queued when the callback is added
+        fut = e.to_host(x)
+        out = _in_callback(fut, lambda: e.to_host(x).result(timeout=5))
+        fut.result().free()
+        _until(lambda: bool(out))
+        assert isinstance(out.get("error"), RuntimeError), out
+        assert _finishes(e.synchronize)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from tensortier import HostPool, TransferEngine
 from tensortier.checkpoint import checkpointer
 from tensortier.optim._staging import Staging
 from tensortier.transfer import streams
@@ -218,6 +219,20 @@ def test_copy_new_allocates_on_the_side_stream_without_waiting(cuda):
     assert [t.name for t in out] == ["home@dev"]
 
 
+def test_copy_new_after_a_producer_and_a_blocking_event(cuda):
+    copies = SideStreams()
+    out, done = copies.copy_new(
+        [cuda.tensor("pinned", "cpu")], CUDA, after=streams.COMPUTE, blocking=True
+    )
+    side = copies.stream(CUDA, "h2d").name
+    assert cuda.log == [
+        ("wait_stream", side, "compute"),
+        ("to", "pinned", True, side),
+        ("record", done.name, side),
+    ]
+    assert done.blocking
+
+
 def test_cpu_device_does_plain_copies_and_no_event():
     copies = SideStreams()
     dst, src = torch.zeros(4, dtype=torch.float64), torch.arange(4, dtype=torch.float32)
@@ -231,6 +246,58 @@ def test_cpu_device_does_plain_copies_and_no_event():
 
 
 # ------------------------------------------------------------------ the clients' sequences
+@pytest.mark.parametrize("own", [False, True], ids=["pool-block", "callers-tensor"])
+def test_engine_h2d_allocates_on_its_side_stream_and_every_reader_records(cuda, own):
+    """stop-37 lead: the destination came from the consumer's pool, so the copy first waited for
+    every kernel queued there (a backward prefetch could not overlap the compute before it).
+    Now torchtune's unpack: allocated and copied on the h2d side stream, no wait (a caller's own
+    tensor: after its producer's stream); each reader waits for the event and ``record_stream``s
+    the destination, and the engine keeps source and destination until the copy ran."""
+    pending, issued = [], []
+    with TransferEngine(host=HostPool("1MiB", pin=False)) as engine:
+        engine._completer.put = pending.append
+        producer = FakeStream(cuda, "producer") if own else None
+        src = cuda.tensor("pinned", "cpu")
+        engine._h2d(src, CUDA, producer, lambda d, on: issued.append((d, on)), None, None)
+    side = engine._streams.stream(CUDA, "h2d").name
+    (item,) = pending
+    wait = [("wait_stream", side, "producer")] if own else []
+    assert cuda.log == wait + [("to", "pinned", True, side), ("record", item.event.name, side)]
+    assert item.event.blocking  # the completion thread sleeps on it
+    ((dst, on_result),) = issued
+    assert item.keep == (src, dst)
+    cuda.log.clear()
+    assert on_result(dst) is dst  # Transfer.result() on the reader's (here: compute) stream
+    assert cuda.log == [
+        ("wait_event", "compute", item.event.name),
+        ("record_stream", dst.name, "compute"),
+    ]
+
+
+def test_engine_h2d_waits_for_the_callers_stream_only_for_a_callers_own_tensor(cuda, monkeypatch):
+    """A pool block is complete on the host (its D2H event was waited on); a caller's pinned tensor
+    may still be the target of a ``non_blocking`` copy queued on the caller's stream."""
+
+    class Issued(Exception):
+        pass
+
+    seen = []
+
+    def copy_new(host, device, *, after=None, blocking=False):
+        seen.append(after)
+        raise Issued
+
+    with TransferEngine(host=HostPool("1MiB", pin=False)) as engine:
+        block = engine.to_host(torch.ones(4)).result()
+        monkeypatch.setattr(engine._streams, "copy_new", copy_new)
+        monkeypatch.setattr(engine, "_target", lambda device: CUDA)
+        for host in (block, torch.ones(4)):
+            with pytest.raises(Issued):
+                engine.to_device(host)
+        block.free()
+    assert seen == [None, cuda.compute]
+
+
 def test_gradient_staging_sequence(cuda):
     staging = Staging({CUDA})
     views = [cuda.tensor("v0", "cpu"), cuda.tensor("v1", "cpu")]
@@ -244,7 +311,9 @@ def test_gradient_staging_sequence(cuda):
         ("record_stream", "g1", side),
         ("record", staged._event.name, side),
     ]
-    assert not staged._event.blocking
+    # the tt-adamw worker (and step()'s check) sleeps on it: these waits overlap CPU work, unlike
+    # torchao's serial step() (stop-37 lead; see optim/_staging.py "Waits")
+    assert staged._event.blocking
 
 
 def test_write_back_waits_for_compute_once_per_step_and_compute_waits_at_the_end(cuda):
@@ -269,6 +338,7 @@ def test_write_back_waits_for_compute_once_per_step_and_compute_waits_at_the_end
         ("record", end, side),
         ("wait_event", "compute", end),
     ]
+    assert first.event.blocking and second.event.blocking  # the worker sleeps on them
     cuda.log.clear()
     staging.write_back([(cuda.tensor("p2"), cuda.tensor("m2", "cpu"))], Holder())
     assert cuda.log[0] == ("wait_stream", side, "compute")  # the next step waits again

@@ -35,6 +35,8 @@ import weakref
 
 import torch
 
+from tensortier.transfer.streams import consume
+
 log = logging.getLogger("tensortier.optim.adamw")
 
 
@@ -163,4 +165,5 @@ class DeferredWriteBack(ParamReaders):
 
     @staticmethod
     def _wait(device: torch.device, event) -> None:
-        torch.cuda.current_stream(device).wait_event(event)
+        # device-side (streams.consume): no record_stream, a parameter is never freed under it
+        consume(event, torch.cuda.current_stream(device))

@@ -27,7 +27,14 @@ CUDA gradients (written to be correct by construction, compared line by line wit
   each module's forward waits for its own parameters' copies (``_readers.DeferredWriteBack``).
 
 Waits: CUDA events complete once the copies queued before them ran; they cannot hang unless the
-device does. This module never runs an update and never touches optimizer state.
+device does. Every event a host thread synchronizes on is blocking (``cudaEventBlockingSync``: the
+thread sleeps). torchao synchronizes default events (spinning or yielding, by the device's
+schedule flags) because its waits are serial inside ``step()``; here they overlap CPU work: the
+worker waits for a snapshot through the GPU's lag behind backward, and ``step()``'s check and
+write-back waits run beside the worker's CPU AdamW, whose intra-op threads a spinning core would
+slow. The transfer engine's completion thread and the checkpointer's persist thread sleep the same
+way, as does transformers' generation (``torch.Event(blocking=True)`` on its pinned D2H). This
+module never runs an update and never touches optimizer state.
 """
 
 from __future__ import annotations
@@ -152,7 +159,9 @@ class Staging:
     def _d2h(self, device, views, grads) -> Staged:
         # after the compute stream (the gradients are final there); each g is record_stream-ed:
         # the allocator must not reuse it before its copy ran
-        event = self._streams.copy(zip(views, grads), device, direction="d2h", record_sources=True)
+        event = self._streams.copy(
+            zip(views, grads), device, direction="d2h", record_sources=True, blocking=True
+        )
         return Staged(views, event)
 
     def fence(self, device: torch.device) -> None:
@@ -209,7 +218,8 @@ class Staging:
         first = not self._wb_devices.get(device)
         self._wb_devices[device] = True
         pairs = [(p, m.view(p.shape)) for p, m in cuda]
-        event = self._streams.copy(pairs, device, direction="h2d", after=COMPUTE if first else None)
+        after = COMPUTE if first else None
+        event = self._streams.copy(pairs, device, direction="h2d", after=after, blocking=True)
         if holder is None:
             event.synchronize()
             return None

@@ -5,9 +5,10 @@
   completion thread waits on the events in order, then drops the source and resolves the future,
   so the source stays alive exactly until its copy has finished (no ``record_stream``, no
   device-wide sync).
-* host -> device: the destination is allocated on the consumer's stream (the caller's current
-  stream of the target device, captured when the call is made), the copy runs on that device's
-  second side stream, and ``result()`` makes the caller's stream wait on the copy's event
+* host -> device: the destination is allocated from the target device's second side stream
+  (torchtune's unpack), so the copy waits for no compute already queued (a caller's own host
+  tensor: after the caller's current stream, where its producer may be); ``result()`` makes the
+  caller's stream wait on the copy's event and ``record_stream``-s the destination on it
   (device-side). The engine keeps the source block and the destination until the copy is done.
 * host <-> a store (``to_store``/``from_store``: any :class:`~tensortier.tiers.base.Store`, the
   disk tier's files or other machines' RAM through
@@ -154,6 +155,7 @@ class Transfer(Future, Generic[T]):
 
     def result(self, timeout: float | None = None) -> T:
         if not self.done():
+            _refuse_in_callback("Transfer.result() of an unfinished transfer")
             t0 = time.perf_counter()
             value = super().result(timeout)
             with self._stats_lock:
@@ -161,6 +163,11 @@ class Transfer(Future, Generic[T]):
         else:
             value = super().result(timeout)
         return self._on_result(value) if self._on_result is not None else value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            _refuse_in_callback("Transfer.exception() of an unfinished transfer")
+        return super().exception(timeout)
 
 
 class _HostCopy(threading.Event):
@@ -380,11 +387,16 @@ def _fail_then_release(fut: Transfer, ticket: _Ticket, error: BaseException) -> 
         ticket.release()
 
 
-def _refuse_in_callback() -> None:
+def _refuse_in_callback(what: str) -> None:
+    """A wait on an engine thread (a transfer's callback, a copy worker, the completion thread)
+    may wait for work queued behind itself on that very thread: the executor self-deadlock
+    (stop 36). Refused even where another thread happens to be free: whether it deadlocks must
+    not depend on ``io_threads`` or the device (the completion thread is always one)."""
     if getattr(_local, "releasing", 0):
         raise RuntimeError(
-            "synchronize()/close() called from a transfer's callback would wait for itself; "
-            "call it from your own thread"
+            f"{what} called from a transfer's callback (on an engine thread) would wait for work "
+            "queued behind that callback, which then never runs; chain the next step with "
+            "add_done_callback, or wait from your own thread"
         )
 
 
@@ -545,7 +557,6 @@ class TransferEngine:
         self._check_open()
         _check_tensor("to_device(host)", host, HostTensor, Encoded)
         target = self._target(device)
-        consumer = self._consumer(target)
         if isinstance(host, Encoded):
             if not all(isinstance(p, HostTensor) for p in host.parts):
                 raise ValueError(
@@ -569,13 +580,14 @@ class TransferEngine:
                     [p.tensor for p in host.parts],
                     "device",
                     target,
-                    consumer,
                     release,
                 )
             else:
                 block = host.block if isinstance(host, HostTensor) else None
                 release = host.free if (free and block is not None) else None
-                self._h2d_future(fut, ticket, src, target, consumer, release, block)
+                # a caller's own tensor may still be written by work queued on its stream
+                after = self._caller_stream(target) if block is None else None
+                self._h2d_future(fut, ticket, src, target, after, release, block)
         except BaseException:
             ticket.release()
             raise
@@ -668,16 +680,15 @@ class TransferEngine:
             )
         store = self._store(store)
         target = self._target(device) if to == "device" else torch.device("cpu")
-        consumer = self._consumer(target) if to == "device" else None
         fut = self._new()
         ticket = self._throttle.acquire(handle.nbytes)
         try:
             if isinstance(handle, Encoded):
-                self._from_store_encoded(fut, ticket, store, handle, to, target, consumer, free)
+                self._from_store_encoded(fut, ticket, store, handle, to, target, free)
             elif to == "device" and target.type == "cpu":
                 self._read_to_cpu(fut, ticket, store, handle, free)
             else:
-                self._read_to_block(fut, ticket, store, handle, to, target, consumer, free)
+                self._read_to_block(fut, ticket, store, handle, to, target, free)
         except BaseException:
             ticket.release()
             raise
@@ -688,7 +699,7 @@ class TransferEngine:
         copies included). Raises ``TimeoutError`` after ``timeout`` seconds (None: no bound; every
         transfer gives its bytes back when it finishes or fails, so this returns while the device
         and the disk make progress)."""
-        _refuse_in_callback()
+        _refuse_in_callback("TransferEngine.synchronize()")
         if not self._throttle.wait_idle(timeout):
             raise TimeoutError(
                 f"{self._throttle.inflight} bytes still in flight after {timeout}s; the device or "
@@ -699,7 +710,7 @@ class TransferEngine:
         """Wait for transfers in flight, then stop the engine's threads (and its own host pool)."""
         if self._closed:
             return
-        _refuse_in_callback()
+        _refuse_in_callback("TransferEngine.close()")
         self._throttle.refuse_new()  # calls made from now on raise; those in flight finish
         self.synchronize()
         self._closed = True
@@ -750,8 +761,9 @@ class TransferEngine:
         return self.device if device is None else check_device(device)
 
     @staticmethod
-    def _consumer(target: torch.device):
-        """The stream that will use a copy to ``target``: the caller's, captured now."""
+    def _caller_stream(target: torch.device):
+        """The caller's current stream of ``target``, captured now: where the producer of a
+        caller's own host tensor (a ``non_blocking`` D2H into pinned memory) may still be queued."""
         return torch.cuda.current_stream(target) if target.type == "cuda" else None
 
     def _alloc(self, nbytes: int) -> HostBlock:
@@ -845,11 +857,12 @@ class TransferEngine:
         self._completer.put(_Pending(event, src, then, fail))  # keeps src until the copy is done
 
     def _h2d(
-        self, src: torch.Tensor, target: torch.device, consumer, issued, then, fail, block=None
+        self, src: torch.Tensor, target: torch.device, after, issued, then, fail, block=None
     ) -> None:
-        """Copy host ``src`` (the memory of pool ``block``, if any) to ``target``.
+        """Copy host ``src`` (the memory of pool ``block``, if any) to ``target``, after the work
+        queued on stream ``after`` (None: the source is complete on the host).
         ``issued(dst, on_result)`` as soon as ``dst`` can be handed out (CUDA: at once,
-        ``on_result`` orders the consumer after the copy); ``then()`` once the copy is complete and
+        ``on_result`` orders the reader after the copy); ``then()`` once the copy is complete and
         ``src`` may be reused. The copy's completion is recorded on ``block``, so freeing the block
         before then never lets the pool lend the memory under the copy."""
         if target.type != "cuda":
@@ -864,24 +877,23 @@ class TransferEngine:
 
             self._on_cpu(copy, fail, done)
             return
-        with torch.cuda.device(target), torch.cuda.stream(consumer):
-            dst = torch.empty(src.shape, dtype=src.dtype, device=target)  # the consumer's memory
-        # after the consumer: dst's memory may have been freed by work pending there
-        event = self._streams.copy(
-            [(dst, src)], target, direction="h2d", after=consumer, blocking=True
-        )
+        # dst is the h2d side stream's memory (torchtune's unpack): no wait for the compute
+        # queued so far, which a destination from the caller's pool would need
+        (dst,), event = self._streams.copy_new([src], target, after=after, blocking=True)
         if block is not None:
             block.record(event)
 
         def on_result(value: torch.Tensor) -> torch.Tensor:
-            current = torch.cuda.current_stream(target)  # device-side wait, no host sync
-            consume(event, current, [value] if current != consumer else ())
+            # the reader's stream waits for the copy (device-side, no host sync) and is recorded
+            # on dst: freed, its memory is reused only after the reader's work queued so far
+            consume(event, torch.cuda.current_stream(target), [value])
             return value
 
         issued(dst, on_result)
+        # src and dst live until the copy ran (a pool block, a caller's tensor: not reused under it)
         self._completer.put(_Pending(event, (src, dst), then, fail))
 
-    def _h2d_future(self, fut, ticket, src, target, consumer, release, block) -> None:
+    def _h2d_future(self, fut, ticket, src, target, after, release, block) -> None:
         """``to_device`` of a raw host tensor: resolve ``fut`` when issued, bytes back when done."""
 
         def then() -> None:
@@ -897,7 +909,7 @@ class TransferEngine:
             _fail_then_release(fut, ticket, error)
 
         issue = lambda dst, on: self._issue(fut, dst, on)  # noqa: E731
-        self._h2d(src, target, consumer, issue, then, fail, block)
+        self._h2d(src, target, after, issue, then, fail, block)
 
     @staticmethod
     def _issue(fut: Transfer, dst: torch.Tensor, on_result) -> None:
@@ -1055,7 +1067,7 @@ class TransferEngine:
 
         inner.add_done_callback(done)
 
-    def _read_to_block(self, fut, ticket, store: Store, handle, to, target, consumer, free) -> None:
+    def _read_to_block(self, fut, ticket, store: Store, handle, to, target, free) -> None:
         """Read ``handle`` of ``store`` into a pool block, then hand it out (``to="host"``) or
         copy it to ``target``."""
         block = self._alloc(handle.length)
@@ -1080,7 +1092,7 @@ class TransferEngine:
                     if to == "host":
                         self._resolve(fut, ticket, host)
                     else:
-                        h2d = (fut, ticket, host.tensor, target, consumer, host.free, block)
+                        h2d = (fut, ticket, host.tensor, target, None, host.free, block)
                         self._h2d_future(*h2d)
                 except BaseException as exc:
                     fail(exc)
@@ -1088,7 +1100,7 @@ class TransferEngine:
         inner.add_done_callback(read_done)
 
     def _from_store_encoded(
-        self, fut, ticket, store: Store, enc: Encoded, to, target, consumer, free
+        self, fut, ticket, store: Store, enc: Encoded, to, target, free
     ) -> None:
         if any(isinstance(p, HostTensor) for p in enc.parts):
             raise ValueError("these payloads are on the host: use to_device(encoded)")
@@ -1101,13 +1113,11 @@ class TransferEngine:
                     return
                 self._count(f"{store.tier}2h", enc.payload_bytes)
                 release = (lambda: enc.free(store)) if free else None
-                self._decode_to(fut, ticket, enc, f.result(), to, target, consumer, release)
+                self._decode_to(fut, ticket, enc, f.result(), to, target, release)
 
         stored.add_done_callback(done)
 
-    def _decode_to(
-        self, fut, ticket, enc: Encoded, payloads, to, target, consumer, release
-    ) -> None:
+    def _decode_to(self, fut, ticket, enc: Encoded, payloads, to, target, release) -> None:
         """Decode on a host thread, then hand out a host block (``to="host"``), a CPU tensor, or
         copy the raw bytes to ``target`` from a pool block. Host payloads are read until decoded."""
         done = _record_host([p.block for p in enc.parts if isinstance(p, HostTensor)])
@@ -1127,7 +1137,7 @@ class TransferEngine:
             if to == "host":
                 self._resolve(fut, ticket, host)
             else:
-                self._h2d_future(fut, ticket, host.tensor, target, consumer, host.free, block)
+                self._h2d_future(fut, ticket, host.tensor, target, None, host.free, block)
 
         self._on_cpu(decode, self._failer(fut, ticket), done)
 

@@ -18,7 +18,9 @@ The sequence, :meth:`SideStreams.copy` (compared line by line with the peers, ``
 4. an event recorded on the side stream after the copies, ``blocking=True`` where a host thread
    sleeps on it (``cudaEventBlockingSync``) instead of spinning.
 The consumer side is :func:`consume`: a stream waits for the event (device-side) and the tensors
-it will read are ``record_stream``-ed on it.
+it will read are ``record_stream``-ed on it. Copies into new device memory (the engine's H2D, the
+parameter streamer) are :meth:`SideStreams.copy_new`, torchtune's unpack: allocated from the side
+stream's pool, so they wait for no other stream.
 
 Side streams belong to an owner (:class:`SideStreams`), one per device and direction, made once
 and kept, never one per copy: ``torch.cuda.Stream()`` takes the next of PyTorch's pooled streams
@@ -153,15 +155,29 @@ class SideStreams:
         return done
 
     def copy_new(
-        self, host: list[torch.Tensor], device: torch.device
+        self,
+        host: list[torch.Tensor],
+        device: torch.device,
+        *,
+        after=None,
+        blocking: bool = False,
     ) -> tuple[list[torch.Tensor], torch.cuda.Event]:
-        """New ``device`` copies of pinned host tensors, allocated from the h2d side stream's pool
-        (so no wait on any other stream: the memory is the side stream's), and the event after
-        them. The consumer :func:`consume`-s the event and the tensors."""
+        """New ``device`` copies of host tensors, allocated from the h2d side stream's pool, and
+        the event after them: torchtune's unpack (``.to("cuda", non_blocking=True)`` under
+        ``torch.cuda.stream(s1)``). The memory is the side stream's, so the copies wait for no
+        other stream (a prefetch overlaps the compute queued before it); ``after`` (a stream,
+        ``COMPUTE``; default ``None``) is only for a source whose producer may still be queued
+        there. Every reader must :func:`consume` the event *and* the tensors: ``record_stream`` is
+        what keeps the memory from being reused under the reader's kernels once it is freed."""
         side = self.stream(device, "h2d")
-        with torch.cuda.stream(side):
-            out = [h.to(device, non_blocking=True) for h in host]
-            done = event()
+        done = event(blocking=blocking)
+        with torch.cuda.device(device):
+            if isinstance(after, str):  # COMPUTE
+                after = torch.cuda.current_stream(device)
+            if after is not None:
+                side.wait_stream(after)
+            with torch.cuda.stream(side):
+                out = [h.to(device, non_blocking=True) for h in host]
             done.record(side)
         return out, done
 
