@@ -324,8 +324,6 @@ def test_cast_overflows_names_the_values_fp16_would_turn_into_inf():
 
     big = torch.tensor([1.0, -7e4, float("nan"), float("inf")])
     assert cast_overflows("fp16", big) and not cast_overflows("bf16", big)
-    c = get_codec("fp16")
-    assert torch.isinf(c.decode(*c.encode(big))[1])  # what the docstring warns of
     # 65519 still rounds to 65504; inf and NaN are no overflow (they stay what they were)
     fits = torch.tensor([65519.0, -65504.0, float("inf"), float("nan"), 1e-9])
     assert not cast_overflows("fp16", fits)
@@ -370,3 +368,19 @@ def test_zstd_decodes_into_the_tensor_without_a_second_copy():
     out = c.decode(payloads, meta)
     assert w.stop() - start < 96 << 20  # the result, not twice it
     assert torch.equal(out, t)
+
+
+def test_fp16_refuses_a_tensor_it_would_turn_into_inf_on_every_encode():
+    """The planner probed one step; a later step's tensor beyond +-65504 was stored as inf and
+    silently corrupted the gradients. Every encode checks it; inf and NaN stay what they were."""
+    c = get_codec("fp16")
+    with pytest.raises(ConfigError, match="beyond fp16's range.*codec='bf16'"):
+        c.encode(torch.tensor([1.0, -7e4]))
+    with pytest.raises(ConfigError, match="beyond fp16's range"):
+        c.encode(torch.full((5 << 20,), 1.0).index_fill_(0, torch.tensor([(5 << 20) - 1]), 7e4))
+    fits = torch.tensor([65519.0, float("inf"), float("-inf"), float("nan"), -0.0])
+    out = c.decode(*c.encode(fits))
+    assert torch.equal(out.view(torch.int32)[[1, 2, 4]], fits.view(torch.int32)[[1, 2, 4]])
+    assert out[0] == 65504 and out[3].isnan()
+    assert get_codec("bf16").decode(*get_codec("bf16").encode(torch.tensor([7e4])))[0] == 70144
+    assert c.decode(*c.encode(torch.ones(0, 3))).shape == (0, 3)

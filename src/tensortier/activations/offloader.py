@@ -621,7 +621,10 @@ class Offloader:
             # lossy codec must give the same values as the round trip, whatever the timing
             typed = value.reshape(-1).view(torch.uint8).view(record.dtype)
             payloads, meta = record.codec.encode(typed)
-            value = record.codec.decode(payloads, meta).reshape(-1).view(torch.uint8)
+            # the forward's encode of these values (record.meta, on a device) checked them too:
+            # its fp16 overflow flag is older, so reading it does not wait for this backward
+            value = record.codec.decode(payloads, {**meta, **record.meta})
+            value = value.reshape(-1).view(torch.uint8)
         elif record.codec is not None and not isinstance(parts, _Source):
             if isinstance(value, _Payloads):  # an Encoded's payloads on the device: decode there
                 value = value.decode()

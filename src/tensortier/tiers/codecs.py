@@ -347,9 +347,10 @@ class CastCodec:
     """Opt-in lossy down-cast of float32 activations to fp16 or bf16 (half the bytes).
 
     Not bit-exact: values round to the target's precision (relative error up to 2**-11 for fp16,
-    2**-8 for bf16) and gradients change slightly. fp16 also has a narrow range: finite values
-    beyond +-65504 come back as +-inf and those below about 6e-8 as 0 (bf16 keeps float32's
-    range), which can make the gradients inf or NaN. Use it only where the user accepts that
+    2**-8 for bf16) and gradients change slightly. fp16 also has a narrow range: values below
+    about 6e-8 come back as 0, and a tensor with finite values beyond +-65504 (which would come
+    back as inf) is a ``ConfigError`` naming the fix, raised by encode on the host and by decode
+    on a device (bf16 keeps float32's range). Use it only where the user accepts that
     (``allow_lossy=True`` in the planner, which never picks a cast for a tensor whose probed
     values it would turn into inf: :func:`cast_overflows`).
     """
@@ -367,11 +368,68 @@ class CastCodec:
         self.name = "fp16" if to == torch.float16 else "bf16"
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+        """The cast; fp16 also checks every tensor for values it turns into inf (the planner's
+        probe saw one step only). On the host that raises now; on a device the flag is read
+        when the payload is decoded, which is after the cast ran: no host sync here."""
         _check_dtype(self.name, t, (torch.float32,))
-        return [t.detach().to(self.to)], _meta(t)  # a payload, not a node of the user's graph
+        t = t.detach()  # a payload, not a node of the user's graph
+        cast, meta = t.to(self.to), _meta(t)
+        if self.to == torch.float16 and t.numel():
+            flag = _cast_overflow(t, self.to, cast)
+            if t.device.type == "cpu":
+                _raise_if_overflowed(self.name, bool(flag))
+            else:
+                meta["overflow"] = _DeviceFlag(flag)
+        return [cast], meta
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+        flag = meta.get("overflow")
+        if flag is not None:
+            _raise_if_overflowed(self.name, flag.is_set())
         return payloads[0].to(_dtype(meta["dtype"])).reshape(tuple(meta["shape"]))
+
+
+class _DeviceFlag:
+    """A 0-dim device bool read on the host later without a host sync: copied to pinned memory
+    in stream order, with an event behind the copy. Read after the payload encoded with it has
+    moved, the event is long done and ``is_set`` does not wait."""
+
+    def __init__(self, flag: torch.Tensor):
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._host.copy_(flag, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def is_set(self) -> bool:
+        self._done.synchronize()  # returns at once once the forward has run this far
+        return bool(self._host)
+
+
+def _raise_if_overflowed(name: str, overflowed: bool) -> None:
+    if overflowed:
+        raise ConfigError(
+            f"codec {name!r}: a tensor has finite values beyond fp16's range (+-65504) that it "
+            f"would store as inf, corrupting the gradients; use codec='bf16' (float32's range) "
+            f"or keep this tensor out of the codec (a decide= hook giving it codec=None)"
+        )
+
+
+def _cast_overflow(t: torch.Tensor, to: torch.dtype, cast: torch.Tensor | None = None):
+    """0-dim bool on ``t``'s device, no host sync: whether casting ``t`` to ``to`` (``cast``, if
+    already made) turned a finite value into inf, i.e. it holds more infs than ``t``. In chunks
+    of 4M elements, so the temporaries stay small (the planner's probe runs within the budget)."""
+    flat, n = flat_values(t.detach()), 1 << 22
+    made = cast.reshape(-1) if cast is not None else None
+    grew = [
+        torch.count_nonzero(
+            torch.isinf(flat[i : i + n].to(to) if made is None else made[i : i + n])
+        )
+        - torch.count_nonzero(torch.isinf(flat[i : i + n]))
+        for i in range(0, flat.numel(), n)
+    ]
+    if not grew:
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return torch.stack(grew).sum() > 0
 
 
 def get_codec(name: str) -> Codec:
@@ -420,13 +478,11 @@ def accepts(name: str, dtype: torch.dtype) -> bool:
 
 def cast_overflows(name: str, t: torch.Tensor) -> bool:
     """Whether lossy cast ``name`` turns a finite value of ``t`` into inf (fp16 above 65504).
-    Reads ``t`` in 1M-element chunks: the planner's probe runs it within the memory budget."""
+    The planner's probe; :class:`CastCodec` itself checks every fp16 encode."""
     if name not in LOSSY_CODECS or not t.dtype.is_floating_point or t.numel() == 0:
         return False
     to = torch.float16 if name == "fp16" else torch.bfloat16
-    chunks = flat_values(t.detach()).split(1 << 20)
-    peaks = [torch.where(torch.isfinite(c), c.abs(), 0.0).amax() for c in chunks]
-    return bool(torch.isinf(torch.stack(peaks).amax().to(to)))  # one host sync
+    return bool(_cast_overflow(t, to))  # one host sync
 
 
 def payload_bytes(payloads: list[torch.Tensor]) -> int:
