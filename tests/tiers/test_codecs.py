@@ -182,6 +182,36 @@ def test_corrupt_sparse_payload_raises_a_typed_error():
         c.decode([packed, values[:-1]], meta)
 
 
+def _damaged_sparse(device: str) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    c = get_codec("sparse")
+    (packed, values), meta = c.encode(torch.relu(torch.randn(1000)))
+    packed, values = packed.to(device), values.to(device)
+    return [
+        (packed[:-1], values, meta),  # a short mask
+        (torch.cat([packed, packed]), values, meta),  # a long one (its tail was ignored)
+        (packed, torch.cat([values] * 3), meta),  # more values than elements
+        (packed, values.view(torch.uint8), meta),  # values of another width
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_a_sparse_payload_of_the_wrong_size_is_corrupt_on_any_device(case):
+    """Decode off the host skipped the size checks (they used to need the data): a short mask
+    failed with a RuntimeError from reshape. They come from shapes alone now, and the "meta"
+    device takes the device route (no count of set bits) here on the CPU."""
+    for device in ("cpu", "meta"):
+        packed, values, meta = _damaged_sparse(device)[case]
+        with pytest.raises(CorruptDataError, match="sparse payload"):
+            get_codec("sparse").decode([packed, values], meta)
+
+
+@pytest.mark.gpu
+def test_cuda_sparse_payload_of_the_wrong_size_is_corrupt():
+    for packed, values, meta in _damaged_sparse("cuda"):
+        with pytest.raises(CorruptDataError, match="sparse payload"):
+            get_codec("sparse").decode([packed, values], meta)
+
+
 def test_zero_fraction_needs_no_copy_of_the_tensor():
     """The planner's probe runs it on every saved tensor within the memory budget: it used to
     make a bool mask and an int64 copy of it (2.25x the tensor's bytes)."""

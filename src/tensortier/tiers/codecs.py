@@ -202,10 +202,11 @@ class SparseCodec:
             return _from_raw(self.name, payloads, meta)
         packed, values = payloads
         n = int(meta["n"])
+        _check_sparse_sizes(packed, values, n, _dtype(meta["dtype"]))
         mask = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n].bool()
         if values.device.type == "cpu":
             nonzeros = int(torch.count_nonzero(mask))
-            if mask.numel() != n or nonzeros != values.numel():
+            if nonzeros != values.numel():
                 raise CorruptDataError(
                     f"sparse payload has {values.numel()} values for a mask of "
                     f"{nonzeros} nonzeros (n={n})"
@@ -215,6 +216,24 @@ class SparseCodec:
         else:
             bits = _scatter_by_mask(mask, values)
         return _from_bits(bits, meta)
+
+
+def _check_sparse_sizes(
+    packed: torch.Tensor, values: torch.Tensor, n: int, dtype: torch.dtype
+) -> None:
+    """What a sparse payload's sizes must be, checked from shapes alone (no host sync, so on
+    every device; a device tensor's mask was not checked and failed in a reshape). Whether the
+    count of values matches the mask's set bits needs the data: checked on the host only."""
+    if packed.dtype != torch.uint8 or packed.numel() != (n + 7) // 8:
+        raise CorruptDataError(
+            f"sparse payload's mask has {packed.numel()} {packed.dtype} bytes, expected "
+            f"{(n + 7) // 8} uint8 for n={n}"
+        )
+    if values.dtype != _bits_dtype(dtype) or values.numel() > n:
+        raise CorruptDataError(
+            f"sparse payload has {values.numel()} {values.dtype} values, expected at most {n} "
+            f"{_bits_dtype(dtype)} for n={n}"
+        )
 
 
 def _scatter_by_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
