@@ -382,21 +382,53 @@ def test_a_frame_longer_or_shorter_than_its_tensor_is_a_corrupt_data_error(codec
             c.decode(payloads, {**meta, "nbytes": nbytes, "shape": [nbytes // 4]})
 
 
-def test_zstd_decodes_into_the_tensor_without_a_second_copy():
-    """Decoding to ``bytes`` and copying them into a bytearray held the tensor twice."""
+def _peak(fn):
+    """``fn()`` and the growth of this process's resident memory while it ran."""
     from tensortier._memory import HighWater, status_bytes
 
     if not status_bytes("VmHWM"):
         pytest.skip("needs /proc/self/status")
-    t = torch.zeros(64 << 20, dtype=torch.uint8)  # 64 MiB
-    t[::7] = 3
-    c = get_codec("zstd")
-    payloads, meta = c.encode(t)
     w = HighWater()
     w.start()
     start = status_bytes("VmRSS")
-    out = c.decode(payloads, meta)
-    assert w.stop() - start < 96 << 20  # the result, not twice it
+    out = fn()
+    return out, w.stop() - start
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_decode_writes_into_the_tensor_without_a_second_copy(codec):
+    """Decoding to ``bytes`` and copying them into a bytearray held the tensor twice (zstd;
+    lz4.frame.decompress does the same inside, so lz4 streams the frame into one buffer)."""
+    t = torch.zeros(64 << 20, dtype=torch.uint8)  # 64 MiB
+    t[::7] = 3
+    c = get_codec(codec)
+    payloads, meta = c.encode(t)
+    out, grew = _peak(lambda: c.decode(payloads, meta))
+    assert grew < 96 << 20  # the result, not twice it
+    assert torch.equal(out, t)
+
+
+def test_lz4_truncated_or_trailing_frame_is_a_corrupt_data_error():
+    c = get_codec("lz4")
+    t = torch.arange(100_000.0) % 7
+    (payload,), meta = c.encode(t)
+    tail = torch.zeros(5, dtype=torch.uint8)
+    for bad, why in [(payload[:-3], "cut short"), (torch.cat([payload, tail]), "5 bytes follow")]:
+        with pytest.raises(CorruptDataError, match=why):
+            c.decode([bad], meta)
+    assert torch.equal(c.decode([payload], meta), t)
+
+
+def test_sparse_encode_and_decode_take_a_few_chunks_beyond_their_output():
+    """A whole-tensor mask and its uint8, padded and shifted copies (encode), the unpacked mask's
+    copies and int64 indices (decode): 64 MiB of fp32 peaked at +150 MiB and +177 MiB."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.relu(torch.randn(16 << 20, generator=g))  # 64 MiB, half zeros
+    c = get_codec("sparse")
+    (payloads, meta), grew = _peak(lambda: c.encode(t))
+    assert grew < payload_bytes(payloads) + (24 << 20)
+    out, grew = _peak(lambda: c.decode(payloads, meta))
+    assert grew < (64 + 24) << 20
     assert torch.equal(out, t)
 
 

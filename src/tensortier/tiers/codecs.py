@@ -186,16 +186,26 @@ class SparseCodec:
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
         bits = _host_copy(_as_bits(t))
-        mask = bits != 0
-        pad = (-mask.numel()) % 8
-        # count_nonzero: mask.sum() made an int64 copy of the mask (8 bytes per element)
-        if (mask.numel() + pad) // 8 + int(torch.count_nonzero(mask)) * bits.element_size() >= (
-            _nbytes(bits)
-        ):
-            return _stored_raw(bits, {**_meta(t), "n": bits.numel()})
-        padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
-        packed = (padded << _shifts(bits.device)).sum(dim=1, dtype=torch.uint8)
-        return [packed, bits[mask]], {**_meta(t), "n": bits.numel()}
+        n, meta = bits.numel(), {**_meta(t), "n": bits.numel()}
+        nonzeros = int(torch.count_nonzero(bits))  # in place: no mask, no int64 copy of one
+        if (n + 7) // 8 + nonzeros * bits.element_size() >= _nbytes(bits):
+            return _stored_raw(bits, meta)
+        packed = torch.empty((n + 7) // 8, dtype=torch.uint8)
+        values = torch.empty(nonzeros, dtype=bits.dtype)
+        done = 0
+        for i in range(0, n, _CHUNK):  # a mask of the whole tensor and its copies: 4 B/element
+            part = bits[i : i + _CHUNK]
+            mask = part != 0
+            k = int(torch.count_nonzero(mask))
+            values[done : done + k] = part[mask]  # masked_select(out=) took 4.5x the chunk
+            done += k
+            m = mask.view(torch.uint8)
+            if len(m) % 8:
+                m = torch.nn.functional.pad(m, (0, 8 - len(m) % 8))
+            m = m.view(-1, 8)
+            shifted = m.bitwise_left_shift_(_shifts(bits.device))
+            torch.sum(shifted, dim=1, dtype=torch.uint8, out=packed[i // 8 : i // 8 + len(m)])
+        return [packed, values], meta
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         if meta.get("raw"):
@@ -203,19 +213,31 @@ class SparseCodec:
         packed, values = payloads
         n = int(meta["n"])
         _check_sparse_sizes(packed, values, n, _dtype(meta["dtype"]))
-        mask = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n].bool()
-        if values.device.type == "cpu":
-            nonzeros = int(torch.count_nonzero(mask))
-            if nonzeros != values.numel():
-                raise CorruptDataError(
-                    f"sparse payload has {values.numel()} values for a mask of "
-                    f"{nonzeros} nonzeros (n={n})"
-                )
-            bits = torch.zeros(n, dtype=values.dtype)
-            bits[mask] = values
-        else:
-            bits = _scatter_by_mask(mask, values)
+        if values.device.type != "cpu":
+            return _from_bits(_scatter_by_mask(_unpack_mask(packed, 0, n), values), meta)
+        bits, done = torch.zeros(n, dtype=values.dtype), 0
+        for i in range(0, n, _CHUNK):  # chunks: the temporaries stay small (see encode)
+            mask = _unpack_mask(packed, i, min(i + _CHUNK, n))
+            k = int(torch.count_nonzero(mask))
+            if done + k <= values.numel():
+                bits[i : i + _CHUNK].masked_scatter_(mask, values[done : done + k])
+            done += k
+        if done != values.numel():
+            raise CorruptDataError(
+                f"sparse payload has {values.numel()} values for a mask of {done} nonzeros (n={n})"
+            )
         return _from_bits(bits, meta)
+
+
+# elements per step of sparse encode/decode on the host (a multiple of 8): temporaries of at most
+# 17 bytes per element of a chunk (mask, int64 indices, values) whatever the tensor's size
+_CHUNK = 1 << 20
+
+
+def _unpack_mask(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Elements ``start:stop`` (``start`` a multiple of 8) of the bitmask ``packed`` as bools."""
+    part = packed[start // 8 : (stop + 7) // 8].unsqueeze(1) >> _shifts(packed.device)
+    return part.bitwise_and_(1).view(-1)[: stop - start].view(torch.bool)
 
 
 def _check_sparse_sizes(
@@ -242,8 +264,10 @@ def _scatter_by_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     zeros = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
     if values.numel() == 0:
         return zeros
-    index = torch.cumsum(mask, 0) - 1
-    index.clamp_(0, values.numel() - 1)  # a corrupt mask reads wrong values, never out of bounds
+    index = torch.cumsum(mask, 0, dtype=torch.int32 if mask.numel() < 2**31 else torch.int64)
+    index.sub_(1).clamp_(
+        0, values.numel() - 1
+    )  # a corrupt mask reads wrong values, never out of bounds
     return torch.where(mask, values.index_select(0, index), zeros)
 
 
@@ -357,9 +381,31 @@ class Lz4Codec(_HostBytesCodec):
         return lz4.frame.compress(data, compression_level=0, return_bytearray=True)
 
     def _decompress(self, data: memoryview, size: int) -> bytearray:
+        """Streams the frame into one buffer, 1 MiB at a time: ``lz4.frame.decompress`` decodes
+        into its own buffer and copies that into the bytearray (twice the tensor at the peak)."""
         import lz4.frame
 
-        return lz4.frame.decompress(data, return_bytearray=True)
+        out, n, pos, step = bytearray(size), 0, 0, 1 << 16
+        view, frame = memoryview(out), lz4.frame.LZ4FrameDecompressor()
+        while not frame.eof:
+            if frame.needs_input and pos >= len(data):
+                raise ValueError(f"the frame is cut short after {n} of {size} bytes")
+            # bytes: the decompressor joins a chunk to what it kept of the last (a memoryview
+            # cannot be joined); at most 64 KiB copied at a time
+            chunk = bytes(data[pos : pos + step]) if frame.needs_input else b""
+            pos += len(chunk)
+            piece = frame.decompress(chunk, max_length=1 << 20)
+            if n + len(piece) > size:
+                raise ValueError(f"the frame holds more than {size} bytes")
+            view[n : n + len(piece)] = piece
+            n += len(piece)
+        if n != size:
+            raise ValueError(f"the frame holds {n} bytes, not {size}")
+        if pos < len(data) or frame.unused_data:
+            raise ValueError(
+                f"{len(data) - pos + len(frame.unused_data or b'')} bytes follow the frame"
+            )
+        return out
 
 
 class CastCodec:
