@@ -434,14 +434,14 @@ class CastCodec:
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         """The cast; fp16 also checks every tensor for values it turns into inf (the planner's
-        probe saw one step only). On the host that raises now; on a device the flag is read
+        probe saw one step only). On the host that raises now; on a CUDA device the flag is read
         when the payload is decoded, which is after the cast ran: no host sync here."""
         _check_dtype(self.name, t, (torch.float32,))
         t = t.detach()  # a payload, not a node of the user's graph
         cast, meta = t.to(self.to), _meta(t)
         if self.to == torch.float16 and t.numel():
             flag = _cast_overflow(t, self.to, cast)
-            if t.device.type == "cpu":
+            if t.device.type != "cuda":  # the host (or a device without CUDA events): now
                 _raise_if_overflowed(self.name, bool(flag))
             else:
                 meta["overflow"] = _DeviceFlag(flag)
@@ -463,7 +463,7 @@ class _DeviceFlag:
         self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
         self._host.copy_(flag, non_blocking=True)
         self._done = torch.cuda.Event()
-        self._done.record()
+        self._done.record(torch.cuda.current_stream(flag.device))  # the copy's stream
 
     def is_set(self) -> bool:
         self._done.synchronize()  # returns at once once the forward has run this far
