@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from tensortier.errors import ConfigError, CorruptDataError
@@ -190,22 +191,8 @@ class SparseCodec:
         nonzeros = int(torch.count_nonzero(bits))  # in place: no mask, no int64 copy of one
         if (n + 7) // 8 + nonzeros * bits.element_size() >= _nbytes(bits):
             return _stored_raw(bits, meta)
-        packed = torch.empty((n + 7) // 8, dtype=torch.uint8)
-        values = torch.empty(nonzeros, dtype=bits.dtype)
-        done = 0
-        for i in range(0, n, _CHUNK):  # a mask of the whole tensor and its copies: 4 B/element
-            part = bits[i : i + _CHUNK]
-            mask = part != 0
-            k = int(torch.count_nonzero(mask))
-            values[done : done + k] = part[mask]  # masked_select(out=) took 4.5x the chunk
-            done += k
-            m = mask.view(torch.uint8)
-            if len(m) % 8:
-                m = torch.nn.functional.pad(m, (0, 8 - len(m) % 8))
-            m = m.view(-1, 8)
-            shifted = m.bitwise_left_shift_(_shifts(bits.device))
-            torch.sum(shifted, dim=1, dtype=torch.uint8, out=packed[i // 8 : i // 8 + len(m)])
-        return [packed, values], meta
+        packed, values = _pack_on_host(bits.numpy(), nonzeros)
+        return [torch.from_numpy(packed), torch.from_numpy(values)], meta
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         if meta.get("raw"):
@@ -214,30 +201,59 @@ class SparseCodec:
         n = int(meta["n"])
         _check_sparse_sizes(packed, values, n, _dtype(meta["dtype"]))
         if values.device.type != "cpu":
-            return _from_bits(_scatter_by_mask(_unpack_mask(packed, 0, n), values), meta)
-        bits, done = torch.zeros(n, dtype=values.dtype), 0
-        for i in range(0, n, _CHUNK):  # chunks: the temporaries stay small (see encode)
-            mask = _unpack_mask(packed, i, min(i + _CHUNK, n))
-            k = int(torch.count_nonzero(mask))
-            if done + k <= values.numel():
-                bits[i : i + _CHUNK].masked_scatter_(mask, values[done : done + k])
-            done += k
+            return _from_bits(_scatter_by_mask(_unpack_mask(packed, n), values), meta)
+        bits = np.zeros(n, dtype=values.numpy().dtype)
+        done = _unpack_on_host(packed.numpy(), values.numpy(), bits)
         if done != values.numel():
             raise CorruptDataError(
                 f"sparse payload has {values.numel()} values for a mask of {done} nonzeros (n={n})"
             )
-        return _from_bits(bits, meta)
+        return _from_bits(torch.from_numpy(bits), meta)
 
 
-# elements per step of sparse encode/decode on the host (a multiple of 8): temporaries of at most
-# 17 bytes per element of a chunk (mask, int64 indices, values) whatever the tensor's size
-_CHUNK = 1 << 20
+# Elements per step of sparse encode/decode on the host (a multiple of 8): temporaries of at most
+# 9 bytes per element of a chunk (mask, selected values) whatever the tensor's size. A mask of the
+# whole tensor and its uint8, padded and shifted copies took 4 bytes per element; numpy's
+# packbits/unpackbits and boolean indexing make no copies and no int64 indices.
+_CHUNK = 1 << 21
 
 
-def _unpack_mask(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Elements ``start:stop`` (``start`` a multiple of 8) of the bitmask ``packed`` as bools."""
-    part = packed[start // 8 : (stop + 7) // 8].unsqueeze(1) >> _shifts(packed.device)
-    return part.bitwise_and_(1).view(-1)[: stop - start].view(torch.bool)
+def _pack_on_host(bits: np.ndarray, nonzeros: int) -> tuple[np.ndarray, np.ndarray]:
+    """The little-endian bitmask of ``bits``' nonzero elements, and those elements."""
+    packed = np.empty((bits.size + 7) // 8, np.uint8)
+    values = np.empty(nonzeros, bits.dtype)
+    done = 0
+    for i in range(0, bits.size, _CHUNK):
+        part = bits[i : i + _CHUNK]
+        mask = part != 0
+        picked = part[mask]
+        values[done : done + picked.size] = picked
+        done += picked.size
+        packed[i // 8 : i // 8 + (part.size + 7) // 8] = np.packbits(mask, bitorder="little")
+    return packed, values
+
+
+def _unpack_on_host(packed: np.ndarray, values: np.ndarray, out: np.ndarray) -> int:
+    """Scatters ``values`` into the zeros ``out`` where ``packed``'s bits are set; returns the
+    count of set bits (values are written only while that count fits them)."""
+    done = 0
+    for i in range(0, out.size, _CHUNK):
+        part = out[i : i + _CHUNK]
+        mask = np.unpackbits(
+            packed[i // 8 : i // 8 + (part.size + 7) // 8], count=part.size, bitorder="little"
+        )
+        mask = mask.view(bool)
+        k = int(np.count_nonzero(mask))
+        if done + k <= values.size:
+            part[mask] = values[done : done + k]
+        done += k
+    return done
+
+
+def _unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` bits of the little-endian bitmask ``packed``, as bools on its device."""
+    shifted = packed.unsqueeze(1) >> _shifts(packed.device)
+    return shifted.bitwise_and_(1).view(-1)[:n].view(torch.bool)
 
 
 def _check_sparse_sizes(
@@ -265,9 +281,8 @@ def _scatter_by_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     if values.numel() == 0:
         return zeros
     index = torch.cumsum(mask, 0, dtype=torch.int32 if mask.numel() < 2**31 else torch.int64)
-    index.sub_(1).clamp_(
-        0, values.numel() - 1
-    )  # a corrupt mask reads wrong values, never out of bounds
+    # a corrupt mask reads wrong values, never out of bounds
+    index.sub_(1).clamp_(0, values.numel() - 1)
     return torch.where(mask, values.index_select(0, index), zeros)
 
 
