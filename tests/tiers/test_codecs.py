@@ -463,3 +463,21 @@ def test_sparse_chunks_meet_at_any_size(monkeypatch, dtype):
         if not meta.get("raw"):
             mask = (_bits(t) != 0).numpy()
             assert payloads[0].numpy().tobytes() == np.packbits(mask, bitorder="little").tobytes()
+
+
+def test_estimated_sparse_ratio_is_the_payloads_for_dense_and_complex_tensors():
+    """Dense data is stored raw (ratio 1, not 1.03 or 1.125), and a complex tensor's mask has a
+    bit per real component (itemsize 4 for complex64, not 8)."""
+    from tensortier.tiers.codecs import estimate_ratio
+
+    g = torch.Generator().manual_seed(0)
+    keep = torch.rand(4096, generator=g) > 0.5
+    for t in (
+        torch.randn(4096, generator=g, dtype=torch.complex64) * keep,
+        torch.randn(4096, generator=g),
+        torch.ones(4096, dtype=torch.bool),
+        torch.relu(torch.randn(4096, generator=g)),
+    ):
+        payloads, _ = get_codec("sparse").encode(t)
+        actual = payload_bytes(payloads) / (t.numel() * t.element_size())
+        assert estimate_ratio("sparse", t) == pytest.approx(actual, abs=1e-3)

@@ -580,8 +580,10 @@ def zero_fraction(t: torch.Tensor) -> float:
 
 
 def sparse_ratio(zero_frac: float, itemsize: int) -> float:
-    """Predicted payload/raw bytes of :class:`SparseCodec` for a given zero fraction."""
-    return 1.0 / (8 * itemsize) + (1.0 - zero_frac)
+    """Predicted payload/raw bytes of :class:`SparseCodec` for a given zero fraction (of elements
+    of ``itemsize`` bytes: a complex tensor's real components); at most 1, as what would not
+    shrink is stored raw."""
+    return min(1.0, 1.0 / (8 * itemsize) + (1.0 - zero_frac))
 
 
 @dataclass
@@ -649,7 +651,7 @@ def estimate_ratio(
         return 0.5
     if name == "sparse":
         z = zero_fraction(t) if zero_frac is None else zero_frac
-        return sparse_ratio(z, 1 if t.dtype == torch.bool else t.element_size())
+        return sparse_ratio(z, _bits_dtype(t.dtype).itemsize)  # complex: per real component
     bits = _as_bits(t.detach())
     n = max(1, sample_bytes // bits.element_size())
     head = bits[:n]
