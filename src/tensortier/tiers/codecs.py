@@ -490,7 +490,8 @@ def _raise_if_overflowed(name: str, overflowed: bool) -> None:
         raise ConfigError(
             f"codec {name!r}: a tensor has finite values beyond fp16's range (+-65504) that it "
             f"would store as inf, corrupting the gradients; use codec='bf16' (float32's range) "
-            f"or keep this tensor out of the codec (a decide= hook giving it codec=None)"
+            f"or keep this tensor out of the codec (a decide= hook giving it codec=None; the "
+            f"planner, which chose fp16 from a step whose values fit: Options(allow_lossy=False))"
         )
 
 
