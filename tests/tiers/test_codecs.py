@@ -446,6 +446,11 @@ def test_fp16_refuses_a_tensor_it_would_turn_into_inf_on_every_encode():
     assert out[0] == 65504 and out[3].isnan()
     assert get_codec("bf16").decode(*get_codec("bf16").encode(torch.tensor([7e4])))[0] == 70144
     assert c.decode(*c.encode(torch.ones(0, 3))).shape == (0, 3)
+    # on a device the flag travels in the metadata (a 0-dim tensor) and decode raises
+    payloads, meta = c.encode(torch.ones(3))
+    with pytest.raises(ConfigError, match="beyond fp16's range"):
+        c.decode(payloads, {**meta, "overflow": torch.tensor(True)})
+    assert torch.equal(c.decode(payloads, {**meta, "overflow": torch.tensor(False)}), torch.ones(3))
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int16, torch.float32, torch.complex128])

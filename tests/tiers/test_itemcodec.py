@@ -287,3 +287,13 @@ def test_a_header_that_does_not_fit_its_payload_is_corrupt_data(item, old, new):
         _codec.decode(bad)
     with pytest.raises(CorruptDataError):
         _codec.decode_batch([bad, bad])
+
+
+def test_a_nested_or_meta_tensor_is_refused_naming_the_fix():
+    """The stores' rule (check_storable): a nested tensor failed with torch's reshape error, a meta
+    one with NotImplementedError from a copy."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"field 'x': nested tensors .* t\.unbind\(\)"):
+        _codec.encode({"x": nested})
+    with pytest.raises(TypeError, match="field 'x': a meta tensor has no values"):
+        _codec.encode({"x": torch.ones(3, device="meta")})

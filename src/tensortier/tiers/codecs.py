@@ -449,40 +449,24 @@ class CastCodec:
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         """The cast; fp16 also checks every tensor for values it turns into inf (the planner's
-        probe saw one step only). On the host that raises now; on a CUDA device the flag is read
-        when the payload is decoded, which is after the cast ran: no host sync here."""
+        probe saw one step only). On the host that raises now; on a device the flag goes in the
+        metadata and decode raises (the offloader copies it to the host in stream order:
+        :class:`~tensortier.transfer.streams.HostScalar`): no host sync here."""
         _check_dtype(self.name, t, (torch.float32,))
         t = t.detach()  # a payload, not a node of the user's graph
         cast, meta = t.to(self.to), _meta(t)
         if self.to == torch.float16 and t.numel():
             flag = _cast_overflow(t, self.to, cast)
-            if t.device.type != "cuda":  # the host (or a device without CUDA events): now
+            if t.device.type == "cpu":
                 _raise_if_overflowed(self.name, bool(flag))
-            else:
-                meta["overflow"] = _DeviceFlag(flag)
+            else:  # a 0-dim device tensor: the activation offloader reads it without a sync
+                meta["overflow"] = flag
         return [cast], meta
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
-        flag = meta.get("overflow")
-        if flag is not None:
-            _raise_if_overflowed(self.name, flag.is_set())
+        if "overflow" in meta:  # bool() of a device tensor syncs; the offloader's copy does not
+            _raise_if_overflowed(self.name, bool(meta["overflow"]))
         return payloads[0].to(_dtype(meta["dtype"])).reshape(tuple(meta["shape"]))
-
-
-class _DeviceFlag:
-    """A 0-dim device bool read on the host later without a host sync: copied to pinned memory
-    in stream order, with an event behind the copy. Read after the payload encoded with it has
-    moved, the event is long done and ``is_set`` does not wait."""
-
-    def __init__(self, flag: torch.Tensor):
-        self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._host.copy_(flag, non_blocking=True)
-        self._done = torch.cuda.Event()
-        self._done.record(torch.cuda.current_stream(flag.device))  # the copy's stream
-
-    def is_set(self) -> bool:
-        self._done.synchronize()  # returns at once once the forward has run this far
-        return bool(self._host)
 
 
 def _raise_if_overflowed(name: str, overflowed: bool) -> None:

@@ -39,6 +39,7 @@ import torch
 
 from tensortier._units import is_int
 from tensortier.errors import CorruptDataError
+from tensortier.tiers.disk import check_storable
 
 _LEN = struct.Struct("<I")
 _SINGLE = ""  # field name used when an item is one value rather than a dict
@@ -75,8 +76,12 @@ def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, by
     width would drop trailing NULs (``np.bytes_(b"a\\0")`` comes back ``b"a"``)."""
     what = "the value" if name == _SINGLE else f"field {name!r}"
     if isinstance(value, torch.Tensor):
-        if value.is_sparse or value.layout != torch.strided or value.is_quantized:
-            raise TypeError(f"{what}: only dense tensors can be stored; call .to_dense() first")
+        try:  # the stores' rule: a nested tensor failed in a reshape, a meta one in a copy
+            check_storable(value)
+            if value.is_meta:
+                raise TypeError("a meta tensor has no values; store a real one (.to_empty())")
+        except TypeError as exc:
+            raise TypeError(f"{what}: {exc}") from None
         dtype = str(value.dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
             raise TypeError(
