@@ -4,7 +4,8 @@ This module is the only place in the package that makes a CUDA stream or event, 
 ``wait_stream`` or ``record_stream`` (``tests/test_layering.py`` greps ``src`` for them). Its
 clients: the transfer engine (``engine.py``), ``OffloadedAdamW``'s gradient staging and parameter
 write-back (``optim/_staging.py``), the parameter streamer (``optim/streaming.py``), the
-checkpointer's snapshot (``checkpoint/checkpointer.py``) and the planner's timing events.
+checkpointer's snapshot (``checkpoint/checkpointer.py``), the planner's timing events and the
+activation offloader's :class:`HostScalar` (a codec's overflow flag).
 
 The sequence, :meth:`SideStreams.copy` (compared line by line with the peers, ``TRANSFER.md``):
 1. the side stream waits for ``after`` (device-side, no host sync), by default the device's
