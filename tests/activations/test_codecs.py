@@ -103,6 +103,35 @@ def test_cast_codecs_round_trip_through_the_engine(spill_dir, codec, served):
     off.close()
 
 
+def _overflow_in_second_step(off, device):
+    """Two steps through ``off``: the second saves values beyond fp16's range (what a probe of
+    the first step could not see); returns the error of each backward."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 256, device=device, requires_grad=True)
+    errors = []
+    for scale in (1.0, 1e5):
+        with off:
+            y = x * scale
+            loss = (y.sigmoid() * y).sum()  # mul saves y
+        try:
+            torch.autograd.grad(loss, x)
+            errors.append(None)
+        except tt.ConfigError as exc:
+            errors.append(str(exc))
+    off.close()
+    return errors
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_fp16_overflow_in_a_later_step_fails_that_backward(spill_dir, tier):
+    """fp16 stored a later step's values beyond +-65504 as inf (the overflow check ran on the
+    planner's probe only): gradients silently inf/NaN. Now that step's backward raises."""
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0, codec="fp16")
+    first, second = _overflow_in_second_step(off, "cpu")
+    assert first is None
+    assert second is not None and "codec='bf16'" in second
+
+
 def test_auto_with_a_codec_spills_payloads_that_do_not_fit_the_host_pool(spill_dir):
     """The payloads' size is known only once encoded, on a copy worker: a full host pool there
     sends the tensor to disk instead of failing the backward."""
@@ -231,7 +260,7 @@ def test_payloads_restored_raw_decode_on_the_consumer(spill_dir, tier):
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("codec", [*LOSSLESS_CODECS, "bf16"])
+@pytest.mark.parametrize("codec", [*LOSSLESS_CODECS, "bf16", "fp16"])
 def test_cuda_codec_pack_and_unpack_never_synchronise(spill_dir, tier, codec):
     """#8: under sync debug mode "error" any host sync in pack or unpack raises. Lossless codecs
     give gradients bit-identical to plain PyTorch."""
@@ -254,6 +283,18 @@ def test_cuda_codec_pack_and_unpack_never_synchronise(spill_dir, tier, codec):
     if codec in LOSSLESS_CODECS:
         assert all(torch.equal(a, p.grad) for a, p in zip(ref, model.parameters()))
     off.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("served", ["read back", "from the tensor"])
+def test_cuda_fp16_overflow_in_a_later_step_fails_that_backward(spill_dir, served):
+    """On the device the check is a flag read when the payload is decoded (no sync in pack),
+    also when backward takes the tensor itself (kept at the tail)."""
+    budget = 0 if served == "read back" else 1 << 30
+    off = tt.Offloader("host", min_bytes=0, codec="fp16", prefetch_budget=budget)
+    first, second = _overflow_in_second_step(off, "cuda")
+    assert first is None
+    assert second is not None and "codec='bf16'" in second
 
 
 @pytest.mark.gpu

@@ -261,3 +261,39 @@ def test_an_empty_tensor_payload_with_a_shape_of_elements_is_refused_not_junk_me
     with pytest.raises(CorruptDataError, match="empty payload"):
         _codec.decode_batch([bad, bad])
     assert _codec.decode(blob).shape == (0,)  # the honest blob still decodes
+
+
+def _rewrite_header(blob: bytes, old: bytes, new: bytes) -> bytes:
+    (hlen,) = _codec._LEN.unpack_from(blob, 0)
+    header = blob[4 : 4 + hlen].replace(old, new)
+    assert header != blob[4 : 4 + hlen]
+    return _codec._LEN.pack(len(header)) + header + blob[4 + hlen :]
+
+
+@pytest.mark.parametrize(
+    "item, old, new",
+    [
+        (torch.arange(3), b'"int64",[3]', b'"int64",[5]'),  # torch's reshape: RuntimeError
+        ({"t": torch.arange(4)}, b'"int64",[4],0,32', b'"int64",[3],0,32'),
+        ({"a": 1}, b'"s":false,', b""),  # no single-value flag: KeyError 's'
+        ({"a": 1}, b'"s":false', b'"s":true'),  # a single value without its field: KeyError ''
+    ],
+)
+def test_a_header_that_does_not_fit_its_payload_is_corrupt_data(item, old, new):
+    """A damaged or crafted header whose checksum holds failed with torch's RuntimeError or a
+    KeyError, from decode and decode_batch, instead of CorruptDataError."""
+    bad = _rewrite_header(_codec.encode(item), old, new)
+    with pytest.raises(CorruptDataError):
+        _codec.decode(bad)
+    with pytest.raises(CorruptDataError):
+        _codec.decode_batch([bad, bad])
+
+
+def test_a_nested_or_meta_tensor_is_refused_naming_the_fix():
+    """The stores' rule (check_storable): a nested tensor failed with torch's reshape error, a meta
+    one with NotImplementedError from a copy."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"field 'x': nested tensors .* t\.unbind\(\)"):
+        _codec.encode({"x": nested})
+    with pytest.raises(TypeError, match="field 'x': a meta tensor has no values"):
+        _codec.encode({"x": torch.ones(3, device="meta")})

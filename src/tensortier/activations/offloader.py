@@ -63,8 +63,8 @@ from tensortier.tiers.host import HostPool, size_class
 from tensortier.tiers.placement import Placement
 from tensortier.tiers.remote import RemoteHandle, RemoteStore
 from tensortier.transfer import Encoded, HostTensor, TransferEngine
+from tensortier.transfer.streams import HostScalar, share
 from tensortier.transfer.streams import current as _current_stream
-from tensortier.transfer.streams import share
 
 TIERS = ("host", "disk", "remote", "auto")
 # the tiers each ``tier=`` may place bytes on, in spill order
@@ -621,7 +621,10 @@ class Offloader:
             # lossy codec must give the same values as the round trip, whatever the timing
             typed = value.reshape(-1).view(torch.uint8).view(record.dtype)
             payloads, meta = record.codec.encode(typed)
-            value = record.codec.decode(payloads, meta).reshape(-1).view(torch.uint8)
+            # the forward's encode of these values (record.meta, on a device) checked them too:
+            # its fp16 overflow flag is older, so reading it does not wait for this backward
+            value = record.codec.decode(payloads, {**meta, **record.meta})
+            value = value.reshape(-1).view(torch.uint8)
         elif record.codec is not None and not isinstance(parts, _Source):
             if isinstance(value, _Payloads):  # an Encoded's payloads on the device: decode there
                 value = value.decode()
@@ -658,7 +661,8 @@ class Offloader:
         if codec is None:
             record.location.append(put(engine, data))
         elif data.device.type != "cpu" and getattr(codec, "encodes_on_device", False):
-            payloads, record.meta = codec.encode(data.view(record.dtype))
+            payloads, meta = codec.encode(data.view(record.dtype))
+            record.meta = {k: _host_scalar(v) for k, v in meta.items()}
             record.location.extend(put(engine, p) for p in payloads)
         else:
             loc = put(engine, data.view(record.dtype), codec=codec)
@@ -828,6 +832,14 @@ def _restore_payloads(
         then(done)
 
     gather(futures).add_done_callback(finished)
+
+
+def _host_scalar(value: Any) -> Any:
+    """A codec's metadata value, a 0-dim CUDA tensor (fp16's overflow flag) as a
+    :class:`HostScalar`: its decode reads it once the payloads moved, without a host sync."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cuda":
+        return HostScalar(value)
+    return value
 
 
 def _to_host(engine: TransferEngine, t: torch.Tensor, **codec) -> Future:

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from tensortier.errors import ConfigError, CorruptDataError
@@ -186,35 +187,91 @@ class SparseCodec:
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
         _check_dtype(self.name, t, LOSSLESS_DTYPES)
         bits = _host_copy(_as_bits(t))
-        mask = bits != 0
-        pad = (-mask.numel()) % 8
-        # count_nonzero: mask.sum() made an int64 copy of the mask (8 bytes per element)
-        if (mask.numel() + pad) // 8 + int(torch.count_nonzero(mask)) * bits.element_size() >= (
-            _nbytes(bits)
-        ):
-            return _stored_raw(bits, {**_meta(t), "n": bits.numel()})
-        padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
-        packed = (padded << _shifts(bits.device)).sum(dim=1, dtype=torch.uint8)
-        return [packed, bits[mask]], {**_meta(t), "n": bits.numel()}
+        n, meta = bits.numel(), {**_meta(t), "n": bits.numel()}
+        nonzeros = int(torch.count_nonzero(bits))  # in place: no mask, no int64 copy of one
+        if (n + 7) // 8 + nonzeros * bits.element_size() >= _nbytes(bits):
+            return _stored_raw(bits, meta)
+        packed, values = _pack_on_host(bits.numpy(), nonzeros)
+        return [torch.from_numpy(packed), torch.from_numpy(values)], meta
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
         if meta.get("raw"):
             return _from_raw(self.name, payloads, meta)
         packed, values = payloads
         n = int(meta["n"])
-        mask = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n].bool()
-        if values.device.type == "cpu":
-            nonzeros = int(torch.count_nonzero(mask))
-            if mask.numel() != n or nonzeros != values.numel():
-                raise CorruptDataError(
-                    f"sparse payload has {values.numel()} values for a mask of "
-                    f"{nonzeros} nonzeros (n={n})"
-                )
-            bits = torch.zeros(n, dtype=values.dtype)
-            bits[mask] = values
-        else:
-            bits = _scatter_by_mask(mask, values)
-        return _from_bits(bits, meta)
+        _check_sparse_sizes(packed, values, n, _dtype(meta["dtype"]))
+        if values.device.type != "cpu":
+            return _from_bits(_scatter_by_mask(_unpack_mask(packed, n), values), meta)
+        bits = np.zeros(n, dtype=values.numpy().dtype)
+        done = _unpack_on_host(packed.numpy(), values.numpy(), bits)
+        if done != values.numel():
+            raise CorruptDataError(
+                f"sparse payload has {values.numel()} values for a mask of {done} nonzeros (n={n})"
+            )
+        return _from_bits(torch.from_numpy(bits), meta)
+
+
+# Elements per step of sparse encode/decode on the host (a multiple of 8): temporaries of at most
+# 9 bytes per element of a chunk (mask, selected values) whatever the tensor's size. A mask of the
+# whole tensor and its uint8, padded and shifted copies took 4 bytes per element; numpy's
+# packbits/unpackbits and boolean indexing make no copies and no int64 indices.
+_CHUNK = 1 << 21
+
+
+def _pack_on_host(bits: np.ndarray, nonzeros: int) -> tuple[np.ndarray, np.ndarray]:
+    """The little-endian bitmask of ``bits``' nonzero elements, and those elements."""
+    packed = np.empty((bits.size + 7) // 8, np.uint8)
+    values = np.empty(nonzeros, bits.dtype)
+    done = 0
+    for i in range(0, bits.size, _CHUNK):
+        part = bits[i : i + _CHUNK]
+        mask = part != 0
+        picked = part[mask]
+        values[done : done + picked.size] = picked
+        done += picked.size
+        packed[i // 8 : i // 8 + (part.size + 7) // 8] = np.packbits(mask, bitorder="little")
+    return packed, values
+
+
+def _unpack_on_host(packed: np.ndarray, values: np.ndarray, out: np.ndarray) -> int:
+    """Scatters ``values`` into the zeros ``out`` where ``packed``'s bits are set; returns the
+    count of set bits (values are written only while that count fits them)."""
+    done = 0
+    for i in range(0, out.size, _CHUNK):
+        part = out[i : i + _CHUNK]
+        mask = np.unpackbits(
+            packed[i // 8 : i // 8 + (part.size + 7) // 8], count=part.size, bitorder="little"
+        )
+        mask = mask.view(bool)
+        k = int(np.count_nonzero(mask))
+        if done + k <= values.size:
+            part[mask] = values[done : done + k]
+        done += k
+    return done
+
+
+def _unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` bits of the little-endian bitmask ``packed``, as bools on its device."""
+    shifted = packed.unsqueeze(1) >> _shifts(packed.device)
+    return shifted.bitwise_and_(1).view(-1)[:n].view(torch.bool)
+
+
+def _check_sparse_sizes(
+    packed: torch.Tensor, values: torch.Tensor, n: int, dtype: torch.dtype
+) -> None:
+    """What a sparse payload's sizes must be, checked from shapes alone (no host sync, so on
+    every device; a device tensor's mask was not checked and failed in a reshape). Whether the
+    count of values matches the mask's set bits needs the data: checked on the host only."""
+    if packed.dtype != torch.uint8 or packed.numel() != (n + 7) // 8:
+        raise CorruptDataError(
+            f"sparse payload's mask has {packed.numel()} {packed.dtype} bytes, expected "
+            f"{(n + 7) // 8} uint8 for n={n}"
+        )
+    if values.dtype != _bits_dtype(dtype) or values.numel() > n:
+        raise CorruptDataError(
+            f"sparse payload has {values.numel()} {values.dtype} values, expected at most {n} "
+            f"{_bits_dtype(dtype)} for n={n}"
+        )
 
 
 def _scatter_by_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -223,8 +280,9 @@ def _scatter_by_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     zeros = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
     if values.numel() == 0:
         return zeros
-    index = torch.cumsum(mask, 0) - 1
-    index.clamp_(0, values.numel() - 1)  # a corrupt mask reads wrong values, never out of bounds
+    index = torch.cumsum(mask, 0, dtype=torch.int32 if mask.numel() < 2**31 else torch.int64)
+    # a corrupt mask reads wrong values, never out of bounds
+    index.sub_(1).clamp_(0, values.numel() - 1)
     return torch.where(mask, values.index_select(0, index), zeros)
 
 
@@ -338,18 +396,41 @@ class Lz4Codec(_HostBytesCodec):
         return lz4.frame.compress(data, compression_level=0, return_bytearray=True)
 
     def _decompress(self, data: memoryview, size: int) -> bytearray:
+        """Streams the frame into one buffer, 1 MiB at a time: ``lz4.frame.decompress`` decodes
+        into its own buffer and copies that into the bytearray (twice the tensor at the peak)."""
         import lz4.frame
 
-        return lz4.frame.decompress(data, return_bytearray=True)
+        out, n, pos, step = bytearray(size), 0, 0, 1 << 16
+        view, frame = memoryview(out), lz4.frame.LZ4FrameDecompressor()
+        while not frame.eof:
+            if frame.needs_input and pos >= len(data):
+                raise ValueError(f"the frame is cut short after {n} of {size} bytes")
+            # bytes: the decompressor joins a chunk to what it kept of the last (a memoryview
+            # cannot be joined); at most 64 KiB copied at a time
+            chunk = bytes(data[pos : pos + step]) if frame.needs_input else b""
+            pos += len(chunk)
+            piece = frame.decompress(chunk, max_length=1 << 20)
+            if n + len(piece) > size:
+                raise ValueError(f"the frame holds more than {size} bytes")
+            view[n : n + len(piece)] = piece
+            n += len(piece)
+        if n != size:
+            raise ValueError(f"the frame holds {n} bytes, not {size}")
+        if pos < len(data) or frame.unused_data:
+            raise ValueError(
+                f"{len(data) - pos + len(frame.unused_data or b'')} bytes follow the frame"
+            )
+        return out
 
 
 class CastCodec:
     """Opt-in lossy down-cast of float32 activations to fp16 or bf16 (half the bytes).
 
     Not bit-exact: values round to the target's precision (relative error up to 2**-11 for fp16,
-    2**-8 for bf16) and gradients change slightly. fp16 also has a narrow range: finite values
-    beyond +-65504 come back as +-inf and those below about 6e-8 as 0 (bf16 keeps float32's
-    range), which can make the gradients inf or NaN. Use it only where the user accepts that
+    2**-8 for bf16) and gradients change slightly. fp16 also has a narrow range: values below
+    about 6e-8 come back as 0, and a tensor with finite values beyond +-65504 (which would come
+    back as inf) is a ``ConfigError`` naming the fix, raised by encode on the host and by decode
+    on a device (bf16 keeps float32's range). Use it only where the user accepts that
     (``allow_lossy=True`` in the planner, which never picks a cast for a tensor whose probed
     values it would turn into inf: :func:`cast_overflows`).
     """
@@ -367,11 +448,53 @@ class CastCodec:
         self.name = "fp16" if to == torch.float16 else "bf16"
 
     def encode(self, t: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+        """The cast; fp16 also checks every tensor for values it turns into inf (the planner's
+        probe saw one step only). On the host that raises now; on a device the flag goes in the
+        metadata and decode raises (the offloader copies it to the host in stream order:
+        :class:`~tensortier.transfer.streams.HostScalar`): no host sync here."""
         _check_dtype(self.name, t, (torch.float32,))
-        return [t.detach().to(self.to)], _meta(t)  # a payload, not a node of the user's graph
+        t = t.detach()  # a payload, not a node of the user's graph
+        cast, meta = t.to(self.to), _meta(t)
+        if self.to == torch.float16 and t.numel():
+            flag = _cast_overflow(t, self.to, cast)
+            if t.device.type == "cpu":
+                _raise_if_overflowed(self.name, bool(flag))
+            else:  # a 0-dim device tensor: the activation offloader reads it without a sync
+                meta["overflow"] = flag
+        return [cast], meta
 
     def decode(self, payloads: list[torch.Tensor], meta: dict) -> torch.Tensor:
+        if "overflow" in meta:  # bool() of a device tensor syncs; the offloader's copy does not
+            _raise_if_overflowed(self.name, bool(meta["overflow"]))
         return payloads[0].to(_dtype(meta["dtype"])).reshape(tuple(meta["shape"]))
+
+
+def _raise_if_overflowed(name: str, overflowed: bool) -> None:
+    if overflowed:
+        raise ConfigError(
+            f"codec {name!r}: a tensor has finite values beyond fp16's range (+-65504) that it "
+            f"would store as inf, corrupting the gradients; use codec='bf16' (float32's range) "
+            f"or keep this tensor out of the codec (a decide= hook giving it codec=None; the "
+            f"planner, which chose fp16 from a step whose values fit: Options(allow_lossy=False))"
+        )
+
+
+def _cast_overflow(t: torch.Tensor, to: torch.dtype, cast: torch.Tensor | None = None):
+    """0-dim bool on ``t``'s device, no host sync: whether casting ``t`` to ``to`` (``cast``, if
+    already made) turned a finite value into inf, i.e. it holds more infs than ``t``. In chunks
+    of 4M elements, so the temporaries stay small (the planner's probe runs within the budget)."""
+    flat, n = flat_values(t.detach()), 1 << 22
+    made = cast.reshape(-1) if cast is not None else None
+    grew = [
+        torch.count_nonzero(
+            torch.isinf(flat[i : i + n].to(to) if made is None else made[i : i + n])
+        )
+        - torch.count_nonzero(torch.isinf(flat[i : i + n]))
+        for i in range(0, flat.numel(), n)
+    ]
+    if not grew:
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return torch.stack(grew).sum() > 0
 
 
 def get_codec(name: str) -> Codec:
@@ -420,13 +543,11 @@ def accepts(name: str, dtype: torch.dtype) -> bool:
 
 def cast_overflows(name: str, t: torch.Tensor) -> bool:
     """Whether lossy cast ``name`` turns a finite value of ``t`` into inf (fp16 above 65504).
-    Reads ``t`` in 1M-element chunks: the planner's probe runs it within the memory budget."""
+    The planner's probe; :class:`CastCodec` itself checks every fp16 encode."""
     if name not in LOSSY_CODECS or not t.dtype.is_floating_point or t.numel() == 0:
         return False
     to = torch.float16 if name == "fp16" else torch.bfloat16
-    chunks = flat_values(t.detach()).split(1 << 20)
-    peaks = [torch.where(torch.isfinite(c), c.abs(), 0.0).amax() for c in chunks]
-    return bool(torch.isinf(torch.stack(peaks).amax().to(to)))  # one host sync
+    return bool(_cast_overflow(t, to))  # one host sync
 
 
 def payload_bytes(payloads: list[torch.Tensor]) -> int:
@@ -444,8 +565,10 @@ def zero_fraction(t: torch.Tensor) -> float:
 
 
 def sparse_ratio(zero_frac: float, itemsize: int) -> float:
-    """Predicted payload/raw bytes of :class:`SparseCodec` for a given zero fraction."""
-    return 1.0 / (8 * itemsize) + (1.0 - zero_frac)
+    """Predicted payload/raw bytes of :class:`SparseCodec` for a given zero fraction (of elements
+    of ``itemsize`` bytes: a complex tensor's real components); at most 1, as what would not
+    shrink is stored raw."""
+    return min(1.0, 1.0 / (8 * itemsize) + (1.0 - zero_frac))
 
 
 @dataclass
@@ -513,7 +636,7 @@ def estimate_ratio(
         return 0.5
     if name == "sparse":
         z = zero_fraction(t) if zero_frac is None else zero_frac
-        return sparse_ratio(z, 1 if t.dtype == torch.bool else t.element_size())
+        return sparse_ratio(z, _bits_dtype(t.dtype).itemsize)  # complex: per real component
     bits = _as_bits(t.detach())
     n = max(1, sample_bytes // bits.element_size())
     head = bits[:n]

@@ -39,6 +39,7 @@ import torch
 
 from tensortier._units import is_int
 from tensortier.errors import CorruptDataError
+from tensortier.tiers.disk import check_storable
 
 _LEN = struct.Struct("<I")
 _SINGLE = ""  # field name used when an item is one value rather than a dict
@@ -75,8 +76,12 @@ def _field(name: str, value: Any, numpy_scalars: bool = False) -> tuple[list, by
     width would drop trailing NULs (``np.bytes_(b"a\\0")`` comes back ``b"a"``)."""
     what = "the value" if name == _SINGLE else f"field {name!r}"
     if isinstance(value, torch.Tensor):
-        if value.is_sparse or value.layout != torch.strided or value.is_quantized:
-            raise TypeError(f"{what}: only dense tensors can be stored; call .to_dense() first")
+        try:  # the stores' rule: a nested tensor failed in a reshape, a meta one in a copy
+            check_storable(value)
+            if value.is_meta:
+                raise TypeError("a meta tensor has no values; store a real one (.to_empty())")
+        except TypeError as exc:
+            raise TypeError(f"{what}: {exc}") from None
         dtype = str(value.dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
             raise TypeError(
@@ -429,7 +434,9 @@ _header_cache: dict[bytes, dict] = {}
 _schema_cache: dict[bytes, tuple[dict, struct.Struct]] = {}
 
 
-def _check_fields(fields: list) -> None:
+def _check_fields(fields: list, single: Any) -> None:
+    if not isinstance(single, bool) or (single and [f[0] for f in fields] != [_SINGLE]):
+        raise ValueError(f"bad single-value flag {single!r}")
     for f in fields:
         kind, dtype = f[1], f[2]
         if not isinstance(f[0], str) or kind not in ("np", "ns", "py", "pt", "b", "s"):
@@ -454,7 +461,7 @@ def _schema_entry(static: bytes) -> tuple[dict, struct.Struct]:
         for f in fields:
             if not isinstance(f, list) or len(f) != 4 or not is_int(f[3]) or f[3] < 0:
                 raise ValueError(f"bad field {f!r}")
-        _check_fields(fields)
+        _check_fields(fields, schema.get("s"))
         count = sum(f[3] + 2 for f in fields)
         entry = (schema, struct.Struct(f"<{count}Q"))
         if len(_schema_cache) > 4096:
@@ -507,7 +514,7 @@ def _header(blob: bytes | memoryview) -> tuple[bytes, dict, int]:
                 for f in fields:
                     if len(f) != 6:
                         raise ValueError(f"bad field {f!r}")
-                _check_fields(fields)
+                _check_fields(fields, meta.get("s"))
         except (ValueError, KeyError, TypeError, struct.error) as exc:
             raise CorruptDataError(f"item header is not valid ({exc})") from exc
         if len(_header_cache) > 4096:
@@ -584,7 +591,7 @@ def decode(blob: bytes | memoryview | np.ndarray, *, copy: bool = True) -> Any:
                 raw = raw.copy()
         try:
             out[name] = _value(kind, dtype, shape, raw)
-        except (ValueError, TypeError) as exc:  # a shape that does not fit the bytes
+        except (ValueError, TypeError, RuntimeError) as exc:  # a shape that does not fit the bytes
             raise CorruptDataError(f"field {name!r} does not match its header ({exc})") from exc
     return out[_SINGLE] if meta["s"] else out
 
@@ -636,7 +643,16 @@ def decode_batch(blobs: Sequence[bytes] | np.ndarray) -> tuple[Any, bool]:
     head = mat[:, 4:start]
     if not (head == head[0]).all():  # same length, different header: not collatable
         return [decode(row) for row in mat], False
-    out = {}
+    try:
+        out = _collate(mat, meta, start)
+    except (ValueError, TypeError, RuntimeError) as exc:  # shapes that do not fit the bytes
+        raise CorruptDataError(f"item blobs do not match their header ({exc})") from exc
+    return (out[_SINGLE] if meta["s"] else out), True
+
+
+def _collate(mat: np.ndarray, meta: dict, start: int) -> dict:
+    """The fields of equal-header blobs ``mat`` (one per row), stacked (see decode_batch)."""
+    out: dict = {}
     for name, kind, dtype, shape, off, n in meta["f"]:
         cols = mat[:, start + off : start + off + n]
         if kind == "b":
@@ -651,12 +667,12 @@ def decode_batch(blobs: Sequence[bytes] | np.ndarray) -> tuple[Any, bool]:
         if kind == "pt" and n == 0:
             if np.prod(shape, dtype=object) != 0:  # torch.empty would hand out junk memory
                 raise CorruptDataError(f"field {name!r}: an empty payload for shape {shape}")
-            out[name] = torch.empty(len(blobs), *shape, dtype=TORCH_DTYPES[dtype])
+            out[name] = torch.empty(len(mat), *shape, dtype=TORCH_DTYPES[dtype])
         elif kind == "pt":
-            out[name] = torch.from_numpy(cols).view(TORCH_DTYPES[dtype]).reshape(len(blobs), *shape)
+            out[name] = torch.from_numpy(cols).view(TORCH_DTYPES[dtype]).reshape(len(mat), *shape)
         else:
-            out[name] = cols.view(np.dtype(dtype)).reshape(len(blobs), *shape)
-    return (out[_SINGLE] if meta["s"] else out), True
+            out[name] = cols.view(np.dtype(dtype)).reshape(len(mat), *shape)
+    return out
 
 
 _SCHEMAS_PER_CALL = 8  # distinct headers decode_spans batches; past that, one decode() each

@@ -4,7 +4,8 @@ This module is the only place in the package that makes a CUDA stream or event, 
 ``wait_stream`` or ``record_stream`` (``tests/test_layering.py`` greps ``src`` for them). Its
 clients: the transfer engine (``engine.py``), ``OffloadedAdamW``'s gradient staging and parameter
 write-back (``optim/_staging.py``), the parameter streamer (``optim/streaming.py``), the
-checkpointer's snapshot (``checkpoint/checkpointer.py``) and the planner's timing events.
+checkpointer's snapshot (``checkpoint/checkpointer.py``), the planner's timing events and the
+activation offloader's :class:`HostScalar` (a codec's overflow flag).
 
 The sequence, :meth:`SideStreams.copy` (compared line by line with the peers, ``TRANSFER.md``):
 1. the side stream waits for ``after`` (device-side, no host sync), by default the device's
@@ -29,7 +30,8 @@ streams either: a shared stream would serialise one client's copies behind anoth
 (gradient D2H behind activation H2D, a parameter prefetch behind the engine's ``wait_stream``),
 which ``gpu-paths/REVIEW.md`` #11 names as lost overlap.
 
-This module orders copies; it never decides what to copy and never waits on the host.
+This module orders copies; it never decides what to copy and never waits on the host, except
+where :class:`HostScalar` is read (after the work queued before it has run, as a rule).
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ def event(*, blocking: bool = False) -> torch.cuda.Event:
 def timing_event() -> torch.cuda.Event:
     """An event that records a timestamp, for ``elapsed_time`` (the planner's profiler)."""
     return torch.cuda.Event(enable_timing=True)
+
+
+class HostScalar:
+    """A 0-dim device tensor read on the host later without a host sync now: copied to pinned
+    memory in stream order, with an event behind the copy. ``bool()`` waits for that event, done
+    by the time anything queued after it has run (the activation offloader reads a codec's
+    overflow flag once the payload encoded with it has been copied off the device)."""
+
+    def __init__(self, value: torch.Tensor):
+        self._host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        self._host.copy_(value, non_blocking=True)
+        self._done = event()
+        self._done.record(torch.cuda.current_stream(value.device))  # the copy's stream
+
+    def __bool__(self) -> bool:
+        self._done.synchronize()
+        return bool(self._host)
 
 
 def consume(done: torch.cuda.Event, stream, tensors: Iterable[torch.Tensor] = ()) -> None:
