@@ -7,6 +7,7 @@ accelerate's ``Accelerator`` with ``tt.offload`` and ``OffloadedAdamW`` through
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import shutil
 
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader
 
 import tensortier as tt
 from tensortier.errors import CorruptDataError
-from tests.ecosystem._hf import BATCH, SEQ, VOCAB, assert_same_params, build, twin
+from tests.ecosystem._hf import BATCH, SEQ, VOCAB, assert_same_params, batch, build, twin
 
 datasets = pytest.importorskip("datasets")
 
@@ -170,3 +171,68 @@ def test_a_loader_with_workers_resumed_mid_epoch_trains_on_with_the_same_dropout
     assert (len(first), len(rest)) == (11, 5)
     assert first + rest == want
     assert_same_params(got, ref)
+
+
+# ----------------------------------------------------------------------------- accelerate
+@pytest.fixture
+def accelerate_state():
+    """accelerate keeps one process-wide state (mixed precision included): reset it after, so
+    the Trainer tests of this process start from theirs."""
+    state = pytest.importorskip("accelerate.state")
+    yield
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _accelerated(model, opt, spill_dir, *, save=None, load=None) -> list[float]:
+    """The accelerate README loop on CPU under bf16 mixed precision: ``prepare``, accumulation
+    over two batches, ``clip_grad_norm_`` on the synced step, ``save_state`` at the end or
+    ``load_state`` first; with ``spill_dir``, each forward under ``tt.offload``. Losses and
+    gradient norms."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="bf16")
+    rows = [{k: v[i] for k, v in batch("llama", j).items()} for j in range(3) for i in range(BATCH)]
+    dl = DataLoader(rows, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+    model, opt, dl = acc.prepare(model, opt, dl)
+    if load is not None:
+        acc.load_state(load)
+    off = tt.offload(tier="disk", spill_dir=spill_dir) if spill_dir else contextlib.nullcontext()
+    torch.manual_seed(7)
+    out = []
+    try:
+        for b in dl:
+            with acc.accumulate(model):
+                with off:
+                    loss = model(**b).loss
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    out.append(acc.clip_grad_norm_(model.parameters(), 0.5).item())
+                opt.step()
+                opt.zero_grad()
+            out.append(loss.item())
+    finally:
+        getattr(off, "close", lambda: None)()
+    if save is not None:
+        acc.save_state(save)
+    return out
+
+
+def test_accelerate_bf16_accumulation_clipping_and_state_round_trip(
+    tmp_path, spill_dir, accelerate_state
+):
+    """accelerate's ``Accelerator`` (no test used it directly) with ``OffloadedAdamW`` prepared and
+    the forward under ``tt.offload``: the same losses, norms and weights as with fused AdamW, and
+    after ``save_state`` / ``load_state`` into fresh models and optimizers, again."""
+    ref = build("llama", dropout=0.1)
+    got = twin(ref)
+    fused = functools.partial(torch.optim.AdamW, lr=1e-2, fused=True)
+    offloaded = functools.partial(tt.OffloadedAdamW, lr=1e-2, tier="disk", spill_dir=spill_dir)
+    want = _accelerated(ref, fused(ref.parameters()), None, save=tmp_path / "ref")
+    with offloaded(got.parameters()) as opt:
+        assert _accelerated(got, opt, spill_dir, save=tmp_path / "tt") == want
+    assert_same_params(got, ref)
+    ref2, got2 = twin(ref), twin(ref)
+    want = _accelerated(ref2, fused(ref2.parameters()), None, load=tmp_path / "ref")
+    with offloaded(got2.parameters()) as opt:
+        assert _accelerated(got2, opt, spill_dir, load=tmp_path / "tt") == want
+    assert_same_params(got2, ref2)
