@@ -176,9 +176,10 @@ def test_a_loader_with_workers_resumed_mid_epoch_trains_on_with_the_same_dropout
 # ----------------------------------------------------------------------------- accelerate
 @pytest.fixture
 def accelerate_state():
-    """accelerate keeps one process-wide state (mixed precision included): reset it after, so
-    the Trainer tests of this process start from theirs."""
+    """accelerate keeps one process-wide state (mixed precision included) that an earlier
+    Trainer set: reset it before (bf16 is refused otherwise) and after (for the next Trainer)."""
     state = pytest.importorskip("accelerate.state")
+    state.AcceleratorState._reset_state(reset_partial_state=True)
     yield
     state.AcceleratorState._reset_state(reset_partial_state=True)
 
