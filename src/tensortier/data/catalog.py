@@ -426,7 +426,12 @@ class Catalog:
         the catalog that was pickled: one rebuilt there since would be read under the parent's
         orders and positions, silently other records. It is refused at the first read (raising
         here would kill a worker before the DataLoader can report why)."""
-        self.__init__(state["directory"], direct=state["direct"], max_open=state["max_open"])
+        try:
+            self.__init__(state["directory"], direct=state["direct"], max_open=state["max_open"])
+        except (OSError, CorruptDataError) as exc:  # deleted, or damaged: refused at first read
+            gone = isinstance(exc, (FileNotFoundError, NotADirectoryError))
+            self._unopened(state, "now no catalog" if gone else f"now unreadable: {exc}")
+            return
         now = self.manifest
         if (state.get("records", now.records), state.get("index_crc", now.index_crc)) != (
             now.records,
@@ -439,6 +444,16 @@ class Catalog:
             "closed"
         ):  # a closed catalog stays closed in a worker: reads raise ClosedError
             self.close()
+
+    def _unopened(self, state: dict, found: str) -> None:
+        """A closed catalog standing for the pickled one that can no longer be opened: its
+        length and settings as pickled, every read a ``CorruptDataError`` saying why."""
+        self.directory, self._direct_arg = state["directory"], state["direct"]
+        self._max_open, self._direct, self._stats = state["max_open"], None, ReadStats()
+        records, crc = state["records"], state["index_crc"]
+        self.manifest = Manifest(records, 0, {}, crc, 0, "")
+        self._index, self._files, self._finalizers = None, None, []
+        self._replaced = _replaced(self.directory, records, crc, found)
 
     def __repr__(self) -> str:
         return (

@@ -22,6 +22,7 @@ from typing import Any
 
 from tensortier._renamed import renamed
 from tensortier.data._epochs import EpochConfig
+from tensortier.data._order import derive_key
 from tensortier.data._pipeline import EpochBatch, LoaderStats
 from tensortier.data.catalog import Catalog, register_loader
 from tensortier.data.pytorch import EpochDataset
@@ -112,9 +113,14 @@ class Loader:
         if self.num_workers == 0:
             batches = ds.iterate(epoch, start)
         else:
+            import torch
             from torch.utils.data import DataLoader
 
             ds.set_epoch(epoch, start)  # the workers get a copy of the dataset as it is now
+            # the workers' base seed from this position, not from torch's global generator: a
+            # draw there per epoch would change the model's dropout with num_workers (and after
+            # a resume), and seeded from the order's seed, workers' random transforms repeat
+            seed = derive_key(ds.spec.seed, epoch, start, ds.rank, 0x3EED)
             loader = DataLoader(
                 ds,
                 batch_size=None,
@@ -122,6 +128,7 @@ class Loader:
                 multiprocessing_context=self.multiprocessing_context,
                 collate_fn=_identity,
                 persistent_workers=False,
+                generator=torch.Generator().manual_seed(seed),
             )
             batches = iter(loader)
         try:
