@@ -97,7 +97,8 @@ class ReplayBuffer:
         ``["remote", "disk"]``) or ``["remote"]`` (pool only: a full pool is TierFullError).
         Items on a memory node that is lost are dropped and counted in ``stats["lost_items"]``;
         sampling goes on over the rest. The pool is the caller's: ``close()`` frees this
-        buffer's objects in it and leaves it open."""
+        buffer's objects in it and leaves it open. A pool closed (or a Ray session ended) under
+        the buffer loses every item in it: they are dropped the same way, with one warning."""
         # every argument is checked before anything is allocated or created
         self.config, tiers = check_replay_args(
             max_items,
