@@ -211,7 +211,7 @@ def test_a_read_from_two_lost_nodes_names_both():
     store.lost = {"node-0", "node-2"}
     with pytest.raises(NodeLostError, match=r"node-0.*node-2") as err:
         spill.read([10, 11, 12])
-    assert sorted(err.value.lost) == [10, 12]
+    assert sorted(err.value.lost) == [10, 12] and err.value.nodes == ("node-0", "node-2")
     assert spill.read([11]) == [b"bbbb"]
 
 

@@ -140,6 +140,7 @@ class RemoteSpill:
                 f"{len(lost)} spilled items were held on {where} lost: they are dropped "
                 f"(counted in stats['lost_items']); the rest stay",
                 node=first.node,
+                nodes=tuple(errors),
             )
             err.lost = lost  # type: ignore[attr-defined]
             raise err from first
