@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -61,6 +61,10 @@ __all__ = ["Batch", "ReplayBuffer", "ReplayConfig"]
 
 # ufunc reductions called directly: ndarray.max/min add a Python wrapper (~0.1 us a call)
 _max_reduce, _min_reduce = np.maximum.reduce, np.minimum.reduce
+NOT_ITERABLE = (
+    "a ReplayBuffer is not iterable: draw batches with sample(batch_size), or read every item "
+    "with buf[buf.indices()]"
+)
 
 
 class ReplayBuffer:
@@ -180,6 +184,11 @@ class ReplayBuffer:
     def __contains__(self, index: object) -> bool:
         with self._lock:
             return self._store.contains(index)
+
+    def __iter__(self) -> NoReturn:
+        # without it, Python iterates through __getitem__(0), (1), ...: a KeyError on the first
+        # index add() never returned
+        raise TypeError(NOT_ITERABLE)
 
     def _check(self) -> None:
         if self._closed:
