@@ -256,3 +256,20 @@ def test_a_closed_pool_is_named_by_bank_reads_and_remote_only_spills(cluster):
     with pytest.raises(TierFullError, match="been closed"):
         bank.extend(_items(24, seed=1))
     bank.close()
+
+
+def test_sequence_sampling_after_a_loss_draws_again(cluster, tmp_path):
+    # sample(seq_len=) raised the NodeLostError of the items it met (plain sample() drew again).
+    pool = RemoteStore("4MiB", timeout=30)
+    items = _items(24)
+    buf = ReplayBuffer(64, host_budget="64KiB", tier="remote", remote=pool, spill_dir=tmp_path)
+    for i, it in enumerate(items):
+        buf.add(it, episode=i // 6, step=i % 6, version=1)
+    assert buf.stats["remote_items"] > 0
+    pool.close()  # every item in the pool is lost
+    with pytest.warns(RuntimeWarning, match="are lost"):
+        batch = buf.sample(4, seq_len=2)
+    assert batch.indices.shape == (4, 2) and buf.stats["lost_items"] > 0
+    alive = set(buf.indices().tolist())
+    assert set(batch.indices.ravel().tolist()) <= alive
+    buf.close()

@@ -468,10 +468,15 @@ class ReplayBuffer:
                 self._limit("sample", n, timeout)
             elif not len(self._store) and timeout != 0:
                 self._wait_items(timeout)  # then draws, or says why it cannot
-            drawn, weights, mask = self._draw_filtered(n, seq_len, max_staleness, pad, eta)
-            flat = drawn.reshape(-1)
-            keys = self._store.keys[drawn].copy()
-            blobs = self._store.blobs(flat)
+            while True:
+                drawn, weights, mask = self._draw_filtered(n, seq_len, max_staleness, pad, eta)
+                flat = drawn.reshape(-1)
+                keys = self._store.keys[drawn].copy()
+                try:
+                    blobs = self._store.blobs(flat)
+                    break
+                except NodeLostError:
+                    pass  # as in _sample_locked: those items were dropped, draw again
             self._use(flat if mask is None else drawn[mask])
             if self._limiter is not None:
                 self._limiter.sampled(n)
