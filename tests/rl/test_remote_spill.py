@@ -219,7 +219,10 @@ def test_a_closed_pool_drops_its_items_once_and_the_buffer_goes_on(cluster, tmp_
     # Every sample raised ClosedError forever once the caller closed the pool under the buffer.
     pool = RemoteStore("4MiB", timeout=30)
     items = _items(24)
-    buf = ReplayBuffer(64, host_budget="64KiB", tier="remote", remote=pool, spill_dir=tmp_path)
+    anneal = Prioritized(beta=0.0, beta_final=1.0, beta_steps=100)
+    buf = ReplayBuffer(
+        64, host_budget="64KiB", tier="remote", remote=pool, spill_dir=tmp_path, sampler=anneal
+    )
     keys = buf.extend(items).tolist()
     far = {k for k in keys if k % 64 in buf._store.rspill.loc}
     remote = buf.stats["remote_items"]
@@ -234,6 +237,7 @@ def test_a_closed_pool_drops_its_items_once_and_the_buffer_goes_on(cluster, tmp_
         for _ in range(3):
             assert not far & set(buf.sample(8).indices.tolist())
         more = buf.extend(_items(24, seed=1)).tolist()  # later spills go to disk
+    assert buf.beta == pytest.approx(0.04)  # four sample() calls: the failed draw not counted
     assert buf.stats["disk_items"] > 0 and len(buf) == 48 - remote
     alive = set(buf.indices().tolist())
     assert alive == (set(keys) - far) | set(more)
@@ -262,7 +266,10 @@ def test_sequence_sampling_after_a_loss_draws_again(cluster, tmp_path):
     # sample(seq_len=) raised the NodeLostError of the items it met (plain sample() drew again).
     pool = RemoteStore("4MiB", timeout=30)
     items = _items(24)
-    buf = ReplayBuffer(64, host_budget="64KiB", tier="remote", remote=pool, spill_dir=tmp_path)
+    anneal = Prioritized(beta=0.0, beta_final=1.0, beta_steps=100)
+    buf = ReplayBuffer(
+        64, host_budget="64KiB", tier="remote", remote=pool, spill_dir=tmp_path, sampler=anneal
+    )
     for i, it in enumerate(items):
         buf.add(it, episode=i // 6, step=i % 6, version=1)
     assert buf.stats["remote_items"] > 0
@@ -270,6 +277,7 @@ def test_sequence_sampling_after_a_loss_draws_again(cluster, tmp_path):
     with pytest.warns(RuntimeWarning, match="are lost"):
         batch = buf.sample(4, seq_len=2)
     assert batch.indices.shape == (4, 2) and buf.stats["lost_items"] > 0
+    assert buf.beta == pytest.approx(0.01)  # one sample() call
     alive = set(buf.indices().tolist())
     assert set(batch.indices.ravel().tolist()) <= alive
     buf.close()

@@ -54,7 +54,7 @@ from tensortier.rl._prefetch import STOP, Prefetcher
 from tensortier.rl._slot_meta import SlotMeta
 from tensortier.rl._store import ItemStore, as_index_array, check_items, not_picklable
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
-from tensortier.rl.sampler import Prioritized, Uniform, make_state
+from tensortier.rl.sampler import Prioritized, PrioritizedState, Uniform, make_state
 from tensortier.tiers import itemcodec as _codec
 
 __all__ = ["Batch", "ReplayBuffer", "ReplayConfig"]
@@ -435,6 +435,7 @@ class ReplayBuffer:
             except NodeLostError:
                 # the items that node held were dropped (each loss drops at least one, so this
                 # ends); draw again from the rest
+                self._redraw()
                 if len(self._store) == 0:
                     raise self._empty(None) from None
         self._use(slots)
@@ -442,6 +443,12 @@ class ReplayBuffer:
             self._limiter.sampled(n)
             self._cond.notify_all()  # inserters waiting for sampling to catch up
         return blobs, keys, weights
+
+    def _redraw(self) -> None:
+        """(lock held) A draw whose items were lost is not a sample() call: beta annealing
+        counts the draw that follows it only."""
+        if isinstance(self._sampler, PrioritizedState):
+            self._sampler.samples -= 1
 
     def _use(self, slots: np.ndarray) -> None:
         """(lock held) Count a draw of ``slots``; items drawn ``max_uses`` times are removed."""
@@ -476,7 +483,7 @@ class ReplayBuffer:
                     blobs = self._store.blobs(flat)
                     break
                 except NodeLostError:
-                    pass  # as in _sample_locked: those items were dropped, draw again
+                    self._redraw()  # as in _sample_locked: those items were dropped
             self._use(flat if mask is None else drawn[mask])
             if self._limiter is not None:
                 self._limiter.sampled(n)
