@@ -103,13 +103,17 @@ class PermissionDeniedError(TensortierError, PermissionError):
 class NodeLostError(TensortierError):
     """A remote memory node died or left the cluster, and the data it held is gone.
 
-    ``node`` is the node's Ray id. The store that raised it stays usable on its other nodes.
+    ``node`` is the node's Ray id; ``nodes`` every lost node the failed call met (``node``
+    first). The store that raised it stays usable on its other nodes.
     """
 
-    def __init__(self, message: str, *, node: str, tier: str = "remote"):
+    def __init__(
+        self, message: str, *, node: str, tier: str = "remote", nodes: tuple[str, ...] = ()
+    ):
         super().__init__(message)
         self.node = node
         self.tier = tier
+        self.nodes = tuple(nodes) or (node,)
 
 
 class ClosedError(TensortierError):

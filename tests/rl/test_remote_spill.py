@@ -1,6 +1,7 @@
 """Replay buffer and memory bank spilling RAM -> remote pool -> disk, on a Ray cluster of
 simulated nodes on this machine (one cluster for the module, tiny items)."""
 
+import warnings
 from concurrent.futures import Future
 
 import numpy as np
@@ -210,5 +211,73 @@ def test_a_read_from_two_lost_nodes_names_both():
     store.lost = {"node-0", "node-2"}
     with pytest.raises(NodeLostError, match=r"node-0.*node-2") as err:
         spill.read([10, 11, 12])
-    assert sorted(err.value.lost) == [10, 12]
+    assert sorted(err.value.lost) == [10, 12] and err.value.nodes == ("node-0", "node-2")
     assert spill.read([11]) == [b"bbbb"]
+
+
+def test_a_closed_pool_drops_its_items_once_and_the_buffer_goes_on(cluster, tmp_path):
+    # Every sample raised ClosedError forever once the caller closed the pool under the buffer.
+    pool = RemoteStore("4MiB", timeout=30)
+    items = _items(24)
+    anneal = Prioritized(beta=0.0, beta_final=1.0, beta_steps=100)
+    buf = ReplayBuffer(
+        64, host_budget="64KiB", tier="remote", remote=pool, spill_dir=tmp_path, sampler=anneal
+    )
+    keys = buf.extend(items).tolist()
+    far = {k for k in keys if k % 64 in buf._store.rspill.loc}
+    remote = buf.stats["remote_items"]
+    assert 0 < remote == len(far) < 24
+    pool.close()
+    with pytest.warns(RuntimeWarning, match="Close the ReplayBuffer before its RemoteStore"):
+        buf.sample(8)
+    st = buf.stats
+    assert st["lost_items"] == remote and st["remote_items"] == 0 and len(buf) == 24 - remote
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per sample
+        for _ in range(3):
+            assert not far & set(buf.sample(8).indices.tolist())
+        more = buf.extend(_items(24, seed=1)).tolist()  # later spills go to disk
+    assert buf.beta == pytest.approx(0.04)  # four sample() calls: the failed draw not counted
+    assert buf.stats["disk_items"] > 0 and len(buf) == 48 - remote
+    alive = set(buf.indices().tolist())
+    assert alive == (set(keys) - far) | set(more)
+    assert all(_same(buf[k], it) for k, it in zip(keys, items) if k in alive)
+    buf.close()
+
+
+def test_a_closed_pool_is_named_by_bank_reads_and_remote_only_spills(cluster):
+    pool = RemoteStore("4MiB", timeout=30)
+    bank = MemoryBank(64, host_budget="64KiB", tier=["remote"], remote=pool)
+    items = _items(24)
+    keys = bank.extend(items).tolist()
+    far = [k for k in keys if k % 64 in bank._store.rspill.loc]
+    pool.close()
+    with pytest.warns(RuntimeWarning), pytest.raises(NodeLostError, match="RemoteStore was closed"):
+        bank.get_many(far)
+    with pytest.raises(KeyError):  # dropped, as items of a lost node
+        bank.get_many(far[:1])
+    assert bank.stats["lost_items"] == len(far)
+    with pytest.raises(TierFullError, match="been closed"):
+        bank.extend(_items(24, seed=1))
+    bank.close()
+
+
+def test_sequence_sampling_after_a_loss_draws_again(cluster, tmp_path):
+    # sample(seq_len=) raised the NodeLostError of the items it met (plain sample() drew again).
+    pool = RemoteStore("4MiB", timeout=30)
+    items = _items(24)
+    anneal = Prioritized(beta=0.0, beta_final=1.0, beta_steps=100)
+    buf = ReplayBuffer(
+        64, host_budget="64KiB", tier="remote", remote=pool, spill_dir=tmp_path, sampler=anneal
+    )
+    for i, it in enumerate(items):
+        buf.add(it, episode=i // 6, step=i % 6, version=1)
+    assert buf.stats["remote_items"] > 0
+    pool.close()  # every item in the pool is lost
+    with pytest.warns(RuntimeWarning, match="are lost"):
+        batch = buf.sample(4, seq_len=2)
+    assert batch.indices.shape == (4, 2) and buf.stats["lost_items"] > 0
+    assert buf.beta == pytest.approx(0.01)  # one sample() call
+    alive = set(buf.indices().tolist())
+    assert set(batch.indices.ravel().tolist()) <= alive
+    buf.close()

@@ -804,3 +804,16 @@ def test_load_refuses_a_damaged_generator_state(tmp_path):
         with pytest.raises(CorruptDataError, match="rng"):
             ReplayBuffer.load(tmp_path / "saved")
     buf.close()
+
+
+def test_iterating_a_replay_buffer_names_sample_and_indices():
+    # Python iterated through buf[0], buf[1], ...: a KeyError at the first index add() never
+    # returned (keys are not positions), for local, served and sharded buffers alike.
+    from tensortier.rl.sharded import ShardedReplayBuffer
+
+    with ReplayBuffer(4) as buf:
+        buf.extend([{"i": i} for i in range(3)])
+        for obj in (buf, ShardedReplayBuffer.__new__(ShardedReplayBuffer)):
+            with pytest.raises(TypeError, match=r"not iterable: draw batches with sample.*indices"):
+                iter(obj)
+        assert [it["i"] for it in buf[buf.indices()]] == [0, 1, 2]  # what the message offers

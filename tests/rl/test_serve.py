@@ -21,7 +21,7 @@ from tensortier.rl import (  # noqa: E402
 from tensortier.rl._actors import call as _call  # noqa: E402
 from tensortier.rl.serve import _PARAM_THREADS  # noqa: E402
 from tensortier.tiers.remote import RemoteStore  # noqa: E402
-from tests.conftest import in_thread  # noqa: E402
+from tests.conftest import in_thread, same_item  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -428,3 +428,59 @@ def test_collectors_get_a_reader_and_local_stores_say_how_to_share(ray_session):
         for store in (buf, bank):
             with pytest.raises(TypeError, match=r"tt\.rl\.serve"):
                 pickle.dumps(store)
+
+
+def _bank_reads(bank, keys: list[int]) -> dict:
+    """What a bank answers to reads (items, or the error's type), for comparing two banks."""
+    gone = keys[0]
+    out = {}
+    for name, read in {
+        "get_many": lambda: bank.get_many(keys[2:5] + [keys[3], keys[3]]),  # repeats
+        "empty": lambda: bank.get_many([]),
+        "getitem": lambda: [bank[keys[4]], bank[np.int64(keys[5])], bank[keys[6:8]]],
+        "tensor": lambda: bank.get_many(torch.tensor(keys[5:7])),
+        "evicted": lambda: bank.get_many([keys[3], gone]),
+        "never added": lambda: bank.get_many([keys[-1] + 1]),
+        "bad": lambda: bank.get_many([1.5]),
+        "contains": lambda: (keys[3] in bank, gone in bank, "x" in bank),
+        "indices": lambda: bank.indices().tolist(),
+        "iterate": lambda: list(bank),
+    }.items():
+        try:
+            out[name] = read()
+        except (KeyError, TypeError) as exc:
+            out[name] = KeyError if isinstance(exc, KeyError) else TypeError
+    return out
+
+
+def test_a_served_bank_reads_as_the_local_bank_bit_for_bit(ray_session):
+    # A served bank had no get_many() or indices(), and `k in bank` / `list(bank)` raised a
+    # KeyError (Python fell back to bank[0], bank[1], ...).
+    rng = np.random.default_rng(0)
+    items = [
+        {"k": torch.randn(2, 3, dtype=torch.bfloat16), "a": rng.integers(0, 9, i), "i": i}
+        for i in range(12)
+    ]
+    local, remote = MemoryBank(10), serve(MemoryBank(10))
+    try:
+        keys = [local.extend(items[:6]).tolist() + local.extend(items[6:]).tolist()]
+        keys.append(remote.extend(items[:6]).tolist() + remote.extend(items[6:]).tolist())
+        assert keys[0] == keys[1]  # (the first two were evicted)
+        want, got = _bank_reads(local, keys[0]), _bank_reads(remote, keys[0])
+        assert want.keys() == got.keys()
+        for name in want:
+            assert _same_read(want[name], got[name]), name
+        assert want["evicted"] is KeyError and want["contains"] == (True, False, False)
+        assert len(want["iterate"]) == 10 and len(want["get_many"]) == 5
+    finally:
+        remote.close()
+        local.close()
+    with pytest.raises(ClosedError):
+        remote.get_many([])
+
+
+def _same_read(a, b) -> bool:
+    """Reads equal to the bit (lists and tuples of items, element by element)."""
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_read, a, b))
+    return same_item(a, b)

@@ -1,6 +1,7 @@
 """RemoteStore on a Ray cluster of simulated nodes on this machine (ray.cluster_utils.Cluster)."""
 
 import pathlib
+import threading
 import warnings
 
 import numpy as np
@@ -494,5 +495,62 @@ def test_a_small_put_retried_after_its_node_is_lost_names_its_own_size(cluster):
             lost.result(timeout=60)
         with pytest.raises(TierFullError, match=r"a 40B tensor \(104KiB .*put_many"):
             put.result(timeout=60)
+    finally:
+        s.close()
+
+
+def test_a_get_racing_a_prefetch_refill_takes_the_read_ahead_copy(store, monkeypatch):
+    # A get that came between the refill's pick (under the lock) and its read-ahead landing in
+    # `ahead` read on its own; the read-ahead copy then stayed in `ahead` for good, filling the
+    # window, so nothing more was read ahead.
+    data = [torch.full((1 << 16,), float(i)) for i in range(3)]
+    hs = [store.write(t) for t in data]
+    hits = store.stats.prefetch_hits
+    picked, go = threading.Event(), threading.Event()
+    real = store._read
+
+    def read(*args, **kwargs):  # the prefetching thread stops between its pick and its read
+        if threading.current_thread() is refill:
+            picked.set()
+            assert go.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_read", read)
+    refill = threading.Thread(
+        target=store.prefetch, args=(hs,), kwargs={"prefetch_budget": hs[0].nbytes}
+    )
+    refill.start()
+    try:
+        assert picked.wait(30)
+        first = store.get(hs[0])  # races the refill of hs[0]
+    finally:
+        go.set()
+        refill.join(30)
+    assert torch.equal(first.result(timeout=60), data[0])
+    for h, t in zip(hs[1:], data[1:]):
+        assert torch.equal(store.get(h).result(timeout=60), t)
+    assert store.stats.prefetch_hits - hits == 3  # each one served by its read-ahead
+    assert not store._prefetch.ahead  # nothing stranded
+    for h in hs:
+        store.free(h)
+
+
+def test_get_many_over_two_lost_nodes_names_both(cluster):
+    # The error named the first lost node only, both when the read found them lost and after.
+    c, _, _ = cluster
+    doomed = [c.add_node(num_cpus=0, object_store_memory=_STORE) for _ in range(2)]
+    ids = {d.node_id for d in doomed}
+    s = RemoteStore("16MiB", nodes=sorted(ids), timeout=30)
+    try:
+        hs = [s.write(torch.full((1 << 16,), float(i))) for i in range(4)]
+        assert {h.node for h in hs} == ids
+        for d in doomed:
+            c.remove_node(d, allow_graceful=False)
+        for _ in ("the read finds them lost", "known lost"):
+            with pytest.raises(NodeLostError) as err:
+                s.get_many(hs).result(timeout=60)
+            assert all(n in str(err.value) for n in ids)
+            assert set(err.value.nodes) == ids and err.value.node in ids
+        assert s.stats.lost_nodes == 2 and s.nodes == []
     finally:
         s.close()

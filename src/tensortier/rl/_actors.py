@@ -148,6 +148,12 @@ class BufferActor:
         with self.obj._lock:
             return self.obj._store.blobs(self.obj._slots(keys))
 
+    def indices(self) -> np.ndarray:
+        return self.obj.indices()
+
+    def contains(self, index: object) -> bool:
+        return index in self.obj
+
     def update(self, index: int, blob: bytes) -> None:
         with self.obj._lock:
             [slot] = self.obj._slots(np.asarray([index], np.int64))

@@ -12,11 +12,18 @@ read from a lost node raises :class:`NodeLostError` with ``lost`` set to every s
 batches that node held (the message names every lost node the read met; ``node`` is the first):
 the owner drops those items (non-durable items have no other copy) and counts them. Every remote call has the pool's timeout, so nothing here waits forever.
 
+A closed pool. The pool is the caller's: closed (or its Ray session ended, ``ray.shutdown()``)
+while the owner still holds items in it, every one of them is gone. The first read that meets it
+raises :class:`NodeLostError` (``node`` is "") with ``lost`` set to every remote slot, and warns
+once: the owner drops them all and counts them, like a lost node, and goes on without the pool
+(later spills go to the next tier; with none, ``closed`` lets its TierFullError say why).
+
 Not thread-safe (the store's owner holds a lock); :meth:`close` never blocks (it only frees).
 """
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import Future
 
 import numpy as np
@@ -32,8 +39,10 @@ class RemoteSpill:
     """Spilled items in ``remote``, any :class:`~tensortier.tiers.base.Store` (a RemoteStore
     here): only ``put``, ``get`` and ``free`` are used."""
 
-    def __init__(self, remote: Store, group_bytes: int = _GROUP):
+    def __init__(self, remote: Store, group_bytes: int = _GROUP, *, what: str = "store"):
         self.remote = remote
+        self.what = what  # the owner, for messages
+        self.closed: ClosedError | None = None  # why the pool refused, once it was closed
         self.group_bytes = group_bytes
         self.loc: dict[int, tuple[int, int, int]] = {}  # slot -> (batch, offset, length)
         self.batches: dict[int, tuple[object, set[int]]] = {}  # batch -> (handle, its slots)
@@ -66,7 +75,11 @@ class RemoteSpill:
             np.concatenate([np.frombuffer(blobs[i], np.uint8) for i in g], out=buf)
             try:
                 fut = self.remote.put(torch.from_numpy(buf))
-            except (TierFullError, ClosedError):
+            except ClosedError as exc:
+                self.closed, full = exc, True
+                rest += g
+                continue
+            except TierFullError:
                 full = True  # later groups would not fit either (or the pool is gone)
                 rest += g
                 continue
@@ -97,13 +110,18 @@ class RemoteSpill:
         need: dict[int, list[int]] = {}
         for i, s in enumerate(slots):
             need.setdefault(self.loc[s][0], []).append(i)
-        futs = {bid: self.remote.get(self.batches[bid][0]) for bid in need}
+        try:
+            futs = {bid: self.remote.get(self.batches[bid][0]) for bid in need}
+        except ClosedError as exc:
+            raise self._pool_gone(exc) from exc
         out: list = [None] * len(slots)
         lost: list[int] = []
         errors: dict[str, NodeLostError] = {}  # lost node -> its first error, in order met
         for bid, fut in futs.items():
             try:
                 data = fut.result().numpy()
+            except ClosedError as exc:
+                raise self._pool_gone(exc) from exc
             except NodeLostError as exc:
                 errors.setdefault(exc.node, exc)
                 lost += sorted(self.batches[bid][1])
@@ -122,10 +140,27 @@ class RemoteSpill:
                 f"{len(lost)} spilled items were held on {where} lost: they are dropped "
                 f"(counted in stats['lost_items']); the rest stay",
                 node=first.node,
+                nodes=tuple(errors),
             )
             err.lost = lost  # type: ignore[attr-defined]
             raise err from first
         return out
+
+    def _pool_gone(self, cause: ClosedError) -> NodeLostError:
+        """The error (and one-time warning) for a pool closed under its items: all are lost."""
+        self.closed = cause
+        lost = sorted(self.loc)
+        msg = (
+            f"{len(lost)} items this {self.what} spilled to its remote pool are lost: the "
+            f"RemoteStore was closed, or Ray shut down, while the {self.what} still held items "
+            f"in it ({cause}). They are dropped (counted in stats['lost_items']) and the "
+            f"{self.what} goes on without the pool. Close the {self.what} before its RemoteStore "
+            f"and before ray.shutdown()"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        err = NodeLostError(msg, node="")
+        err.lost = lost  # type: ignore[attr-defined]
+        return err
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s remote copy; frees its batch with the batch's last item."""

@@ -341,7 +341,7 @@ class ItemStore:
         self.tiers = tiers
         self.rspill: RemoteSpill | None = None
         if "remote" in tiers:
-            self.rspill = self._files.remote = RemoteSpill(remote)
+            self.rspill = self._files.remote = RemoteSpill(remote, what=what)
         self.on_drop = None  # called with the slots of lost items before they are removed
         self.recovered: np.ndarray = np.empty(0, np.int64)
         self.segment_size = segment_size
@@ -823,10 +823,16 @@ class ItemStore:
                         rs.release(s)
                 self.stats.remote_items -= placed
                 self.stats.spilled_items -= placed
+                why = (
+                    "no room for"
+                    if rs.closed is None
+                    else "been closed (or Ray shut down), so it cannot take"
+                )
                 raise TierFullError(
-                    f"{self.what}: the remote pool has no room for {len(rest)} items evicted "
+                    f"{self.what}: the remote pool has {why} {len(rest)} items evicted "
                     f"from RAM (tier=['remote'] has no disk tier after it); give the pool more "
-                    f"room or pass tier=['remote', 'disk']",
+                    f"room, keep it open while the {self.what} is used, or pass "
+                    f"tier=['remote', 'disk']",
                     tier="remote",
                     requested=sum(len(blobs[i]) for i in rest),
                 )

@@ -50,7 +50,8 @@ class MemoryBank:
         remote: Any = None,
     ):
         """``max_items``, ``tier`` and ``remote``: as :class:`~tensortier.rl.ReplayBuffer`'s (RAM -> remote
-        pool -> disk); reading an item lost with its memory node raises NodeLostError."""
+        pool -> disk); reading an item lost with its memory node (or with a pool closed under
+        the bank) raises NodeLostError once, and the lost items are dropped."""
         max_items = check_args(
             "MemoryBank", max_items, spill_dir=spill_dir, durable=durable, fsync=fsync
         )

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -54,13 +54,17 @@ from tensortier.rl._prefetch import STOP, Prefetcher
 from tensortier.rl._slot_meta import SlotMeta
 from tensortier.rl._store import ItemStore, as_index_array, check_items, not_picklable
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
-from tensortier.rl.sampler import Prioritized, Uniform, make_state
+from tensortier.rl.sampler import Prioritized, PrioritizedState, Uniform, make_state
 from tensortier.tiers import itemcodec as _codec
 
 __all__ = ["Batch", "ReplayBuffer", "ReplayConfig"]
 
 # ufunc reductions called directly: ndarray.max/min add a Python wrapper (~0.1 us a call)
 _max_reduce, _min_reduce = np.maximum.reduce, np.minimum.reduce
+NOT_ITERABLE = (
+    "a ReplayBuffer is not iterable: draw batches with sample(batch_size), or read every item "
+    "with buf[buf.indices()]"
+)
 
 
 class ReplayBuffer:
@@ -97,7 +101,8 @@ class ReplayBuffer:
         ``["remote", "disk"]``) or ``["remote"]`` (pool only: a full pool is TierFullError).
         Items on a memory node that is lost are dropped and counted in ``stats["lost_items"]``;
         sampling goes on over the rest. The pool is the caller's: ``close()`` frees this
-        buffer's objects in it and leaves it open."""
+        buffer's objects in it and leaves it open. A pool closed (or a Ray session ended) under
+        the buffer loses every item in it: they are dropped the same way, with one warning."""
         # every argument is checked before anything is allocated or created
         self.config, tiers = check_replay_args(
             max_items,
@@ -179,6 +184,11 @@ class ReplayBuffer:
     def __contains__(self, index: object) -> bool:
         with self._lock:
             return self._store.contains(index)
+
+    def __iter__(self) -> NoReturn:
+        # without it, Python iterates through __getitem__(0), (1), ...: a KeyError on the first
+        # index add() never returned
+        raise TypeError(NOT_ITERABLE)
 
     def _check(self) -> None:
         if self._closed:
@@ -425,6 +435,7 @@ class ReplayBuffer:
             except NodeLostError:
                 # the items that node held were dropped (each loss drops at least one, so this
                 # ends); draw again from the rest
+                self._redraw()
                 if len(self._store) == 0:
                     raise self._empty(None) from None
         self._use(slots)
@@ -432,6 +443,12 @@ class ReplayBuffer:
             self._limiter.sampled(n)
             self._cond.notify_all()  # inserters waiting for sampling to catch up
         return blobs, keys, weights
+
+    def _redraw(self) -> None:
+        """(lock held) A draw whose items were lost is not a sample() call: beta annealing
+        counts the draw that follows it only."""
+        if isinstance(self._sampler, PrioritizedState):
+            self._sampler.samples -= 1
 
     def _use(self, slots: np.ndarray) -> None:
         """(lock held) Count a draw of ``slots``; items drawn ``max_uses`` times are removed."""
@@ -458,10 +475,15 @@ class ReplayBuffer:
                 self._limit("sample", n, timeout)
             elif not len(self._store) and timeout != 0:
                 self._wait_items(timeout)  # then draws, or says why it cannot
-            drawn, weights, mask = self._draw_filtered(n, seq_len, max_staleness, pad, eta)
-            flat = drawn.reshape(-1)
-            keys = self._store.keys[drawn].copy()
-            blobs = self._store.blobs(flat)
+            while True:
+                drawn, weights, mask = self._draw_filtered(n, seq_len, max_staleness, pad, eta)
+                flat = drawn.reshape(-1)
+                keys = self._store.keys[drawn].copy()
+                try:
+                    blobs = self._store.blobs(flat)
+                    break
+                except NodeLostError:
+                    self._redraw()  # as in _sample_locked: those items were dropped
             self._use(flat if mask is None else drawn[mask])
             if self._limiter is not None:
                 self._limiter.sampled(n)

@@ -23,7 +23,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,7 @@ from tensortier.rl._store import as_index_array, check_items
 from tensortier.rl.memory_bank import MemoryBank
 from tensortier.rl.param_store import Params, ParamStore, check_version, deadline_of
 from tensortier.rl.rate_limiter import RateLimit
-from tensortier.rl.replay import ReplayBuffer
+from tensortier.rl.replay import NOT_ITERABLE, ReplayBuffer
 from tensortier.tiers import itemcodec as _codec
 
 _WAIT_CHUNK = 1.0  # longest one parameter wait holds an actor thread (seconds)
@@ -162,9 +162,36 @@ class RemoteReplayBuffer:
 
     def __getitem__(self, index):
         single = isinstance(index, (int, np.integer)) and not isinstance(index, bool)
-        keys = as_index_array(index, "index")
-        items = [_codec.decode(b) for b in self._do("get_blobs", keys)]
+        items = self._get(as_index_array(index, "index"))
         return items[0] if single else items
+
+    def get_many(self, indices) -> list[Any]:
+        """Items at ``indices``, in order (a repeated index gives its item again), as
+        ``MemoryBank.get_many``: one call to the actor."""
+        return self._get(as_index_array(indices, "indices"))
+
+    def _get(self, keys: np.ndarray) -> list[Any]:
+        return [_codec.decode(b) for b in self._do("get_blobs", keys)]
+
+    def __contains__(self, index: object) -> bool:
+        return bool(self._do("contains", index))
+
+    def indices(self) -> np.ndarray:
+        """Indices of the stored items, oldest first."""
+        return self._do("indices")
+
+    def __iter__(self) -> Iterator[Any]:
+        """A served bank's items, oldest first, as ``MemoryBank``'s (one call per item)."""
+        if self.kind == "replay":
+            raise TypeError(NOT_ITERABLE)
+        return self._items()
+
+    def _items(self) -> Iterator[Any]:
+        for key in self.indices().tolist():
+            try:
+                yield self[key]
+            except KeyError:  # deleted or evicted since the snapshot of the indices
+                continue
 
     def update(self, index: int, item: Any) -> None:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):

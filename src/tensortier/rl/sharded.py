@@ -46,7 +46,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -74,7 +74,7 @@ from tensortier.rl._api import (
 )
 from tensortier.rl._store import as_index_array, check_items
 from tensortier.rl.rate_limiter import RateLimit, RateLimiter
-from tensortier.rl.replay import ReplayBuffer
+from tensortier.rl.replay import NOT_ITERABLE, ReplayBuffer
 from tensortier.rl.sampler import Prioritized, PrioritizedState, check_priority, is_weights
 from tensortier.tiers import itemcodec as _codec
 
@@ -683,6 +683,9 @@ class ShardedReplayBuffer:
             raise self._lost_error(lost[0])
 
     __delitem__ = delete
+
+    def __iter__(self) -> NoReturn:
+        raise TypeError(NOT_ITERABLE)  # (else Python iterates through self[0], self[1], ...)
 
     def __len__(self) -> int:
         """Items in the live shards."""

@@ -448,12 +448,16 @@ class RemoteStore(StoreBase):
             for h in on_node:  # the bytes are gone: drop the references now
                 self._pool.refs.pop(h.key, None)
 
-    def _lost_error(self, node_id: str, what: str) -> NodeLostError:
+    def _lost_error(self, node_id: str, what: str, *more: str) -> NodeLostError:
+        """The error for data on lost node ``node_id`` (and on ``more`` lost nodes)."""
+        nodes = (node_id, *more)
+        where = f"node {node_id} is" if not more else f"nodes {', '.join(nodes)} are"
         return NodeLostError(
-            f"remote memory node {node_id} is lost (dead or left the Ray cluster): {what}. The "
+            f"remote memory {where} lost (dead or left the Ray cluster): {what}. The "
             f"store keeps working on its other nodes; free this handle and restore the data from "
             f"its source or a slower tier.",
             node=node_id,
+            nodes=nodes,
         )
 
     # ---------------------------------------------------------------- public API
@@ -656,7 +660,8 @@ class RemoteStore(StoreBase):
         """Fetch several tensors at once (one fetch per batch object); a future of them, in order.
 
         Does not use :meth:`prefetch`'s copies (use one or the other for the same handles). Fails
-        with the first error (:class:`NodeLostError` naming a lost node)."""
+        with :class:`NodeLostError` naming every lost node the handles were on (``nodes``), or
+        with the first other error."""
         check_many(handles, "RemoteStore.get_many(handles)", "RemoteHandles", RemoteHandle)
         for i, h in enumerate(handles):
             _check_handle(h, f"get_many(handles[{i}])")
@@ -680,10 +685,10 @@ class RemoteStore(StoreBase):
             if h.nbytes
         }
 
-    def _read(self, handles, outs, where, single: bool) -> Future:
+    def _read(self, handles, outs, where, single: bool, done: Future | None = None) -> Future:
         """Fetch ``handles`` into ``outs`` on an I/O thread; a future of the tensor (``single``)
-        or of the list of tensors."""
-        done = running()
+        or of the list of tensors (``done``, when given: a future handed out before the read)."""
+        done = running() if done is None else done
 
         def finish() -> None:
             with self._lock:
@@ -691,17 +696,16 @@ class RemoteStore(StoreBase):
             got = [o.view(h.dtype).reshape(h.shape) for h, o in zip(handles, outs)]
             done.set_result(got[0] if single else got)
 
-        lost = next(
-            (
-                h
-                for h in handles
-                if h.nbytes
-                and (where[h.key][0] is None or where[h.key][0].lost or where[h.key][1] is None)
-            ),
-            None,
-        )
-        if lost is not None:
-            done.set_exception(self._lost_error(lost.node, f"{lost} was held there"))
+        lost = [
+            h
+            for h in handles
+            if h.nbytes
+            and (where[h.key][0] is None or where[h.key][0].lost or where[h.key][1] is None)
+        ]
+        if lost:
+            nodes = list(dict.fromkeys(h.node for h in lost))  # each once, in order met
+            what = f"{lost[0]} was" if len(lost) == 1 else f"{len(lost)} tensors were"
+            done.set_exception(self._lost_error(nodes[0], f"{what} held there", *nodes[1:]))
         elif not where:
             finish()
         else:
@@ -727,25 +731,33 @@ class RemoteStore(StoreBase):
         for h, out in zip(handles, outs):
             if h.nbytes:
                 members.setdefault(h.key, []).append((h, out))
+        lost: dict[str, int] = {}  # lost node -> bytes of these handles it held, in order met
+        cause: BaseException | None = None
         for key, (node, ref) in where.items():
-            what = f"{format_size(sum(h.nbytes for h, _ in members[key]))}"
+            held = sum(h.nbytes for h, _ in members[key])
+            if node.lost:  # found lost by an earlier object of this call
+                lost[node.node_id] = lost.get(node.node_id, 0) + held
+                continue
             try:
                 arr = ray.get(ref, timeout=self.timeout)
             except ray.exceptions.GetTimeoutError as exc:
                 if self._node_alive(node.node_id):
                     raise TimeoutError(
-                        f"RemoteStore.get: {what} from memory node {node.node_id} did not arrive "
-                        f"within timeout={self.timeout}s; pass a larger timeout for slow links"
+                        f"RemoteStore.get: {format_size(held)} from memory node {node.node_id} "
+                        f"did not arrive within timeout={self.timeout}s; pass a larger timeout "
+                        f"for slow links"
                     ) from exc
                 self._mark_lost(node)
-                raise self._lost_error(node.node_id, f"{what} was held there") from exc
+                lost[node.node_id], cause = lost.get(node.node_id, 0) + held, cause or exc
+                continue
             except ray.exceptions.ObjectLostError as exc:
                 # We own the object and never free it early, so Ray reports it lost only once
                 # every copy's node failed (a failed reconstruction, here): the node is gone,
                 # whether or not its health checks have caught up yet. The memory node is the
                 # unit of failure.
                 self._mark_lost(node)
-                raise self._lost_error(node.node_id, f"{what} was held there") from exc
+                lost[node.node_id], cause = lost.get(node.node_id, 0) + held, cause or exc
+                continue
             try:  # arr: a read-only view of the local object store
                 for h, out in members[key]:
                     np.copyto(out.numpy(), arr[h.offset : h.offset + h.nbytes])
@@ -755,6 +767,10 @@ class RemoteStore(StoreBase):
         with self._lock:
             self.stats.bytes_read += nbytes
             self.stats.read_seconds += time.perf_counter() - t0
+        if lost:  # every lost node this read met, not only the first
+            what = f"{format_size(sum(lost.values()))} of this read was held there"
+            first, *more = lost
+            raise self._lost_error(first, what, *more) from cause
 
     @renamed(window="prefetch_budget")
     def prefetch(
@@ -799,13 +815,17 @@ class RemoteStore(StoreBase):
                     break
                 pf.order.popleft()
                 used += h.nbytes
-                start.append((h, self._where([h])))
+                # in `ahead` before the lock is released: a get from now on takes this read
+                # (else it would read on its own, and this copy would be left in `ahead` for good)
+                fut = running()
+                pf.ahead[h.id] = (h.nbytes, fut)
+                start.append((h, self._where([h]), fut))
             self.stats.prefetched += len(start)
-        for h, where in start:
-            fut = self._read([h], [_landing(h, None)], where, single=True)
-            with self._lock:
-                if self._live.get(h.id) is h:
-                    pf.ahead.setdefault(h.id, (h.nbytes, fut))
+        for h, where, fut in start:
+            try:
+                self._read([h], [_landing(h, None)], where, single=True, done=fut)
+            except BaseException as exc:  # (closed meanwhile): a get that took it must not hang
+                fut.set_exception(exc)
 
     def free(self, handle: RemoteHandle) -> None:
         """Give a tensor's memory back. Never blocks (safe in finalizers and callbacks); a handle
