@@ -179,9 +179,8 @@ class DcpAsync(_Variant):
         warnings.warn(
             f"DCP async_save needs a process group ({exc}); using gloo, world size 1", stacklevel=2
         )
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # an in-process store: a TCP one on a fixed port collided with a parallel run's
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.pg = True
 
     def finish(self):

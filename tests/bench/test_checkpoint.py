@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -130,3 +132,43 @@ def test_dcp_on_a_gpu_keeps_one_caching_writer_as_its_recipe_recommends(monkeypa
     model = torch.nn.Linear(2, 2)
     v.after_step(model, torch.optim.AdamW(model.parameters()), 1)
     assert isinstance(writers[0], FileSystemWriter) and writers[0].cache_staged_state_dict
+
+
+def test_dcps_fallback_process_group_needs_no_port_a_parallel_run_may_hold(monkeypatch, tmp_path):
+    """The fallback group for a DCP build that needs one listened on port 29533: a second run
+    on the machine (or anything else on that port) failed to start it."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from benchmarks import checkpoint
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    real, calls = dcp.async_save, []
+
+    def async_save(state, **kw):
+        calls.append(dist.is_initialized())
+        if not dist.is_initialized():
+            raise RuntimeError("needs a process group")
+        return real(state, **kw)
+
+    monkeypatch.setattr(dcp, "async_save", async_save)
+    held = socket.socket()
+    try:
+        held.bind(("127.0.0.1", 29533))
+        held.listen()
+    except OSError:
+        pass  # already held by someone else: the same situation
+    try:
+        v = checkpoint.DcpAsync(str(tmp_path), every=1)
+        model = torch.nn.Linear(2, 2)
+        with pytest.warns(UserWarning, match="using gloo"):
+            v.after_step(model, torch.optim.AdamW(model.parameters()), 0)
+        v.finish()
+        assert calls == [False, True] and v.persists and "MASTER_PORT" not in os.environ
+    finally:
+        held.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
