@@ -172,3 +172,28 @@ def test_dcps_fallback_process_group_needs_no_port_a_parallel_run_may_hold(monke
         held.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_torch_saves_stall_includes_the_fsync_the_loop_waits_for(monkeypatch, tmp_path):
+    """torch.save's fsync ran in the loop (its ``loop_s`` held it) but its stall stopped before
+    it, so its stall and the others' ratios to it were not of the same blocked time."""
+    from types import SimpleNamespace
+
+    from benchmarks import checkpoint
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(checkpoint, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    def save(obj, path):
+        clock.now += 2.0
+        open(path, "wb").close()
+
+    def fsync(root):
+        clock.now += 3.0
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    monkeypatch.setattr(checkpoint, "_fsync_tree", fsync)
+    v = checkpoint.TorchSave(str(tmp_path), every=1)
+    model = torch.nn.Linear(2, 2)
+    v.after_step(model, torch.optim.AdamW(model.parameters()), 0)
+    assert v.stalls == v.persists == v.durables == [5.0]
