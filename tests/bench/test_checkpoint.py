@@ -13,7 +13,7 @@ def test_bench_checkpoint_runs_the_three_variants_side_by_side(tmp_path):
         "checkpoint --quick --state-size 8MiB --every 2 --checkpoints 2 --auto-steps 12 --batch 4",
         tmp_path,
     )
-    assert data["measurement"]["order"] == ["none", "torch.save", "dcp", "tensortier"]
+    assert data["measurement"]["order"] == ["dd", "none", "torch.save", "dcp", "tensortier"]
     assert data["benchmark"] == "checkpoint" and "device" in data["env"]
     rows = {r["variant"]: r for r in data["rows"]}
     assert {"torch.save (sync)", "tensortier Checkpointer"} <= set(rows)
@@ -197,3 +197,52 @@ def test_torch_saves_stall_includes_the_fsync_the_loop_waits_for(monkeypatch, tm
     model = torch.nn.Linear(2, 2)
     v.after_step(model, torch.optim.AdamW(model.parameters()), 0)
     assert v.stalls == v.persists == v.durables == [5.0]
+
+
+def test_the_disk_limit_is_taken_in_every_round_beside_the_variants(monkeypatch, tmp_path):
+    """``dd`` ran once before the rounds, so a persist bandwidth of round 3 was divided by the
+    disk's speed of minutes before (the harness's rule: peers interleaved, ratios within a
+    round). Here the disk doubles its speed in round 2, and so does every variant's write."""
+    import argparse
+    import json
+
+    from benchmarks import checkpoint
+
+    rounds = iter([1.0, 2.0, 2.0])  # dd in rounds 1 and 2, then the idle write's dd
+    phase = [0]
+
+    def dd(directory, nbytes):
+        return next(rounds), 0.0
+
+    def one_variant(variant_fn, model, opt, width, args, steps, device):
+        persist = 2.0 if phase[0] == 0 else 1.0  # 1 GB: 0.5 GB/s, then 1 GB/s
+        return {"name": variant_fn(str(tmp_path)).name, "nbytes": 10**9, "stall_s": 1.0,
+                "persist_s": persist, "persist_gbps": 1 / persist, "durable_s": persist,
+                "loop_s": 1.0, "peak": 0}  # fmt: skip
+
+    real_run = checkpoint.harness.Session.run
+
+    def run(self, variants, measure):
+        def in_round(v, r):
+            phase[0] = r
+            return measure(v, r)
+
+        return real_run(self, variants, in_round)
+
+    monkeypatch.setattr(checkpoint, "dd_bandwidth", dd)
+    monkeypatch.setattr(checkpoint, "_one_variant", one_variant)
+    monkeypatch.setattr(checkpoint.harness.Session, "run", run)
+    monkeypatch.setattr(checkpoint, "idle_persist_gbps", lambda *a: 2.0)
+    monkeypatch.setattr(checkpoint, "_auto_row", lambda *a: {"checkpoints": 0, "steps_saved": [],
+        "interval": 1, "slowdown": 0.0, "cpu_slowdown": 0.0})  # fmt: skip
+    p = argparse.ArgumentParser()
+    checkpoint.add_args(p)
+    out = tmp_path / "c.json"
+    argv = ["--quick", "--state-size", "1MiB", "--every", "1", "--checkpoints", "1"]
+    argv += ["--rounds", "2", "--quiet-wait", "0", "--dir", str(tmp_path), "--json", str(out)]
+    checkpoint.run(p.parse_args(argv))
+    data = json.loads(out.read_text())
+    assert data["measurement"]["order"][:2] == ["dd", "none"]
+    for row in data["rows"]:
+        assert row["persist_vs_disk_limit"] == 0.5, row
+    assert data["tensortier_idle_persist_vs_disk_limit"] == 1.0
