@@ -533,7 +533,24 @@ def run(args: argparse.Namespace) -> list[dict]:
             "env": environment(),
         },
     )
+    harness.require(_checks(rows, ratios))
     return rows
+
+
+def _checks(rows: list[dict], ratios: dict) -> dict[str, bool]:
+    """The run's correctness checks (those of the sections that ran), for
+    :func:`harness.require`: a limiter that drifted out of its buffer or a disk tier that read
+    back other bytes did not do the work its figures claim."""
+    from benchmarks.replay_sharded import checks
+
+    out = checks(ratios)
+    if "ratelimit_drift_within_buffer" in ratios:
+        name = "the rate-limited buffer's drift stayed inside its error buffer"
+        out[name] = bool(ratios["ratelimit_drift_within_buffer"])
+    for r in rows:
+        if r.get("peer") == "disk tier write (DiskStore.put)":
+            out["the disk tier read back every byte it wrote"] = bool(r["intact"])
+    return out
 
 
 def main() -> None:

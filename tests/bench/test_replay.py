@@ -72,3 +72,44 @@ def test_a_section_run_alone_records_the_load(module, tmp_path, monkeypatch):
     m = json.loads(out.read_text())["measurement"]
     assert m["load_before"]["cpus"] > 0 and m["load_after"] and m["noisy"] is True
     assert "1 round: spread unknown" in m["noisy_reasons"]
+
+
+def test_a_shard_limiter_out_of_its_error_buffer_fails_the_run(tmp_path, monkeypatch):
+    """``replay_sharded``'s error-buffer check was a ratio in the JSON: a rate limiter whose
+    ``diff`` left ``[min_diff, max_diff]`` still exited 0. It now exits non-zero after the JSON."""
+    from benchmarks import replay_sharded
+
+    ratios = {"sharded_ratelimit_within_error_buffer": 0.0}
+    monkeypatch.setattr(replay_sharded, "sharded_section", lambda *a: ([{"peer": "p"}], ratios))
+    out = tmp_path / "s.json"
+    with pytest.raises(SystemExit, match="inside the error buffer"):
+        replay_sharded.main(["--quiet-wait", "0", "--json", str(out)])
+    assert json.loads(out.read_text())["ratios"] == ratios
+
+
+def test_the_replay_runs_checks_fail_it(tmp_path, monkeypatch):
+    """``replay`` exited 0 whatever its checks said: the rate-limited drift, the shards' error
+    buffer, the disk tier's read-back."""
+    import argparse
+
+    from benchmarks import replay, replay_sharded
+
+    def peer(python, name, n, *a, **kw):
+        if name == "tensortier-ratelimited":
+            return {"samples_per_insert": 8.0, "max_drift_items": 5000, "allowed_drift_items": 2048}
+        return {"add_per_s": 1.0, "sample_items_per_s": 1.0, "update_items_per_s": 1.0}
+
+    monkeypatch.setattr(replay, "_run_peer", peer)
+    monkeypatch.setattr(replay, "_main_peers", lambda *a: {"tensortier": sys.executable})
+    monkeypatch.setattr(replay, "_ray_sections", lambda *a: None)
+    p = argparse.ArgumentParser()
+    replay.add_args(p)
+    out = tmp_path / "r.json"
+    args = p.parse_args(["--quick", "--spill-items", "0", "--quiet-wait", "0", "--json", str(out)])
+    with pytest.raises(SystemExit, match="drift stayed inside"):
+        replay.run(args)
+    assert json.loads(out.read_text())["ratios"]["ratelimit_drift_within_buffer"] == 0.0
+    assert replay._checks([], {"sharded_ratelimit_within_error_buffer": 1.0}) == {
+        "the rate-limited shards kept diff inside the error buffer": True
+    }
+    assert replay_sharded.checks({}) == {}
