@@ -123,15 +123,8 @@ def _build(variant: str, model, rank: int, world: int, args, device):
             shard=False if variant == "ddp-tt-unsharded" else None,
             defer_gather=variant == "ddp-tt-defer",
         )
-        return (
-            ddp,
-            opt,
-            lambda: (
-                opt.stats().host_state_bytes
-                + (opt._gatherer.host_bytes if opt._gatherer else 0)
-                + (opt._deferred.thread.gatherer.host_bytes if opt._deferred else 0)
-            ),
-        )
+        # the state alone, as every peer's is counted: the gathers' buffers are apart
+        return ddp, opt, lambda: opt.stats().host_state_bytes
     if variant.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -151,6 +144,18 @@ def _build(variant: str, model, rank: int, world: int, args, device):
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
         return model, opt, lambda: _state_bytes(opt)
     raise ValueError(variant)
+
+
+def _gather_buffer_bytes(opt) -> int | None:
+    """Host bytes of a sharded ``OffloadedAdamW``'s all-gather buffers (None for a peer without
+    them): communication buffers, reported beside the state, as no peer's state counts its own
+    (DDP's buckets, FSDP2's all-gather buffers, DeepSpeed's)."""
+    if not hasattr(opt, "_gatherer"):
+        return None
+    deferred = getattr(opt, "_deferred", None)
+    return (opt._gatherer.host_bytes if opt._gatherer else 0) + (
+        deferred.thread.gatherer.host_bytes if deferred else 0
+    )
 
 
 def _deepspeed(model, args):
@@ -260,6 +265,7 @@ def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
         "step_ms": float(np.median(st)) * 1e3,
         "iter_ms": float(np.median(np.array(fb) + np.array(st))) * 1e3,
         "optimizer_state_bytes": int(state_bytes()),
+        "gather_buffer_bytes": _gather_buffer_bytes(opt),
         "optimizer_rss_bytes": int(rss_bytes() - rss0),
         "params_sha256": _params_digest(model, opt),
     }
@@ -480,6 +486,7 @@ def run(args) -> list[dict]:
         "step_ms",
         "iter_ms",
         "optimizer_state_bytes",
+        "gather_buffer_bytes",
         "optimizer_rss_bytes",
         "stall_s",
         "dcp_save_s",
@@ -606,7 +613,8 @@ def _summary(rows: list[dict]) -> dict:
         "2 ranks on a 2-core machine shared with other jobs: iteration times vary by tens of "
         "percent between runs; each rank's row is its median of --rounds interleaved rounds "
         "(the measurement block: spreads, ratios within a round). optimizer_state_bytes "
-        "counts the host state (and for ddp-tt its all-gather buffer); optimizer_rss_bytes is "
+        "counts the optimizer's host state of every variant alike (the tensortier variants' "
+        "all-gather buffers are apart, gather_buffer_bytes); optimizer_rss_bytes is "
         "the process's RSS growth from optimizer creation on, dominated by gradients, DDP "
         "buckets and allocator caching, so it does not isolate the optimizer."
     )

@@ -135,3 +135,35 @@ def test_the_checkpoint_target_is_judged_against_async_save_with_save_beside_it(
                    dcp_async_save_error="RuntimeError: no CPU backend")]  # fmt: skip
     target = _summary(failed)["stall_target"]
     assert target["met"] is None and "no CPU backend" in target["why"]
+
+
+def _ddp_tt_bytes(rank, world):
+    import torch
+
+    from benchmarks.distributed import _build, _cfg, _gather_buffer_bytes
+    from tensortier.models.gpt import GPT, random_batch
+
+    args = {"layers": 1, "embd": 32, "seq": 8, "vocab": 64, "bucket_size": "64KiB"}
+    out = {}
+    for variant in ("ddp-tt", "ddp-tt-defer"):
+        torch.manual_seed(0)
+        model = GPT(_cfg(args))
+        module, opt, state_bytes = _build(variant, model, rank, world, args, torch.device("cpu"))
+        for i in range(2):
+            module(*random_batch(_cfg(args), 2, seed=rank * 10 + i)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[variant] = [state_bytes(), opt.stats().host_state_bytes, _gather_buffer_bytes(opt)]
+        opt.close()
+    return out
+
+
+def test_ddp_tt_state_bytes_leave_out_the_all_gather_buffers_as_every_peers_do():
+    """ddp-tt's optimizer_state_bytes added its all-gather buffers to its state (no peer's
+    counts its communication buffers), so its state against the unsharded one was overstated;
+    the buffers are reported apart."""
+    from tests.distributed import run
+
+    for got in run(_ddp_tt_bytes, 2):
+        for variant, (state, host_state, buffers) in got.items():
+            assert state == host_state and buffers > 0, (variant, state, host_state, buffers)
