@@ -27,3 +27,38 @@ def test_a_lossless_plan_whose_gradients_differ_fails_the_run_after_the_json(tmp
     assert "m@0.5 swap_all: gradients bit-identical" in str(got.value)
     assert "fine" not in str(got.value) and "keep" not in str(got.value)
     assert [r["grads_match"] for r in json.loads(out.read_text())["rows"]] == [True, None, False]
+
+
+def test_the_sweeps_model_and_batch_live_on_the_machines_device(monkeypatch):
+    """The worker built its model and batch on the CPU even on a GPU machine, so the sweep
+    measured the host's memory and speed, not the device's the budgets are for."""
+    import torch
+
+    from tensortier import _device
+
+    monkeypatch.setattr(_device, "default_device", lambda: torch.device("meta"))
+    args = argparse.Namespace(model="gpt:1x32x2", heads=2, seq=8, vocab=64)
+    model, x, y = planner._build(args)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert x.device.type == y.device.type == "meta"
+
+
+def test_a_step_is_metered_on_its_device_as_the_planner_meters_it(monkeypatch):
+    """The step's peak is the planner's ``PeakMeter`` of the batch's device (the RSS was read
+    whatever the device), and its time ends after the device's last kernel."""
+    import torch
+
+    from tensortier.planner import profiler
+
+    devices = []
+
+    class Meter(profiler.PeakMeter):
+        def __init__(self, device):
+            devices.append(device)
+            super().__init__(device)
+
+    monkeypatch.setattr(profiler, "PeakMeter", Meter)
+    args = argparse.Namespace(model="gpt:1x32x2", heads=2, seq=8, vocab=64)
+    var = {"peaks": []}
+    dt, peak, digest = planner._Runner(*planner._build(args)).step(var)
+    assert devices == [torch.device("cpu")] and var["peaks"] == [peak] and peak > 0
