@@ -113,3 +113,60 @@ def test_the_replay_runs_checks_fail_it(tmp_path, monkeypatch):
         "the rate-limited shards kept diff inside the error buffer": True
     }
     assert replay_sharded.checks({}) == {}
+
+
+@pytest.mark.parametrize("peer", ["deque", "rllib", "torchrl"])
+def test_every_peer_extends_and_collates_its_samples_as_tensortier(peer, tmp_path, monkeypatch):
+    """RLlib's sample returned a list of episodes (tensortier's and TorchRL's a stacked batch),
+    and only tensortier's ``extend`` was measured: the peers now do the same work."""
+    from benchmarks import _replay_peers as rp
+
+    if rp.missing(peer):
+        pytest.skip(rp.missing(peer))
+    real, calls = rp.collate, []
+    monkeypatch.setattr(rp, "collate", lambda items: calls.append(len(items)) or real(items))
+    out = rp.PEERS[peer](1200, 64, 16, 3, str(tmp_path))
+    assert out["extend_items_per_s"] > 0 and out["extend_steady_gb_per_s"] > 0
+    if peer != "torchrl":  # TorchRL's sample is a stacked TensorDict already
+        assert calls == [16] * 3
+
+
+def test_collate_stacks_every_field():
+    import numpy as np
+
+    from benchmarks._replay_peers import collate
+
+    got = collate([{"obs": np.zeros(3, np.uint8), "action": 1, "reward": 0.5}] * 2)
+    assert got["obs"].shape == (2, 3) and got["action"].tolist() == [1, 1]
+    assert got["reward"].dtype == np.float64
+
+
+def test_a_peer_that_is_not_installed_says_so_with_no_figures(tmp_path, monkeypatch, capsys):
+    """A peer whose library does not load ended as an exit code's traceback (RLlib) or had no
+    row at all (TorchRL without its venv); its row now says ``not installed`` and holds no
+    figures."""
+    import argparse
+
+    from benchmarks import _replay_peers as rp
+    from benchmarks import replay
+
+    monkeypatch.setitem(rp.NEEDS, "deque", ("tt_no_such_module",))
+    rp.main(["deque", "10", "8", "2", "1", str(tmp_path)])
+    got = json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])
+    assert got == {"error": got["error"], "not_installed": True}
+    assert got["error"].startswith("not installed: tt_no_such_module")
+
+    def peer(python, name, *a, **kw):
+        return {"add_per_s": 1.0, "extend_items_per_s": 1.0, "sample_items_per_s": 1.0,
+                "update_items_per_s": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(replay, "_run_peer", peer)
+    monkeypatch.setattr(replay, "_torchrl_python", lambda d: (None, "its venv did not build"))
+    p = argparse.ArgumentParser()
+    replay.add_args(p)
+    argv = ["--quick", "--spill-items", "0", "--skip", "rllib,ratelimit,ray,sharded,params,nodes"]
+    out = tmp_path / "r.json"
+    replay.run(p.parse_args([*argv, "--quiet-wait", "0", "--json", str(out)]))
+    rows = {r["peer"]: r for r in json.loads(out.read_text())["rows"] if r["section"] == "main"}
+    assert rows["torchrl"]["error"] == "not installed: its venv did not build"
+    assert "add_per_s" not in rows["torchrl"] and rows["deque"]["add_per_s"] == 1.0
