@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from benchmarks import _harness as harness
-from benchmarks._common import write_json
+from benchmarks._common import PeakRSS, write_json
 from tensortier._device import rss_bytes
 from tensortier._units import print_table
 
@@ -234,9 +234,13 @@ def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
         random_batch(cfg, args["batch"], seed=1000 * rank + i, device=device)
         for i in range(args["steps"] + 2)
     ]
-    rss0 = rss_bytes()
+    peak = PeakRSS()
+    rss0 = peak.reset()  # model and batches exist: what follows is the variant's own
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     if variant == "checkpoint":
-        return _checkpoint(rank, world, model, batches, args, device, rss0)
+        row = _checkpoint(rank, world, model, batches, args, device, rss0)
+        return {**row, **_peaks(peak, rss0, device)}
     if variant == "deepspeed-zero2-offload":
         engine, opt, state_bytes = _deepspeed(model, args)
 
@@ -268,10 +272,21 @@ def _measure(rank: int, world: int, variant: str, args: dict, device) -> dict:
         "gather_buffer_bytes": _gather_buffer_bytes(opt),
         "optimizer_rss_bytes": int(rss_bytes() - rss0),
         "params_sha256": _params_digest(model, opt),
+        **_peaks(peak, rss0, device),
     }
     if hasattr(opt, "close"):
         opt.close()
     return row
+
+
+def _peaks(peak: PeakRSS, rss0: int, device: torch.device) -> dict:
+    """The variant's peak memory over the model and batches, measured alike on every rank of
+    every variant: the RSS high-water mark (``peak_rss_growth_bytes``; the end's RSS growth
+    misses what was freed before it) and, on CUDA, the allocator's (``peak_device_bytes``)."""
+    out = {"peak_rss_growth_bytes": max(0, peak.peak() - rss0)}
+    if device.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
 
 
 def _params_digest(model, opt) -> str:
@@ -488,6 +503,7 @@ def run(args) -> list[dict]:
         "optimizer_state_bytes",
         "gather_buffer_bytes",
         "optimizer_rss_bytes",
+        "peak_rss_growth_bytes",
         "stall_s",
         "dcp_save_s",
         "dcp_async_save_stall_s",

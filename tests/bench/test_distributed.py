@@ -167,3 +167,24 @@ def test_ddp_tt_state_bytes_leave_out_the_all_gather_buffers_as_every_peers_do()
     for got in run(_ddp_tt_bytes, 2):
         for variant, (state, host_state, buffers) in got.items():
             assert state == host_state and buffers > 0, (variant, state, host_state, buffers)
+
+
+def _measured(rank, world, tmp):
+    import torch
+
+    from benchmarks.distributed import _measure
+
+    args = {"layers": 1, "embd": 32, "seq": 8, "vocab": 64, "bucket_size": "64KiB", "batch": 2,
+            "steps": 1, "dir": tmp}  # fmt: skip
+    return _measure(rank, world, "ddp-tt-unsharded", args, torch.device("cpu"))
+
+
+def test_every_variant_records_its_peak_memory_not_only_its_rss_at_the_end(tmp_path):
+    """A rank's memory was its RSS growth at the end (``optimizer_rss_bytes``), which misses
+    what a step allocated and freed; its RSS high-water mark over the model and data is now
+    beside it, measured alike for every variant."""
+    from tests.distributed import run
+
+    for row in run(_measured, 2, str(tmp_path)):
+        assert row["peak_rss_growth_bytes"] >= max(0, row["optimizer_rss_bytes"]), row
+        assert row["peak_rss_growth_bytes"] > 0
