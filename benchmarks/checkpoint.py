@@ -28,6 +28,7 @@ from tqdm import tqdm
 from benchmarks import _harness as harness
 from benchmarks._common import PeakRSS, environment, write_json
 from benchmarks._mlp import build, train
+from benchmarks.checkpoint_replica import _clone, _same
 from benchmarks.tiers import dd_bandwidth
 from tensortier._device import default_device
 from tensortier._memory import trim
@@ -227,17 +228,32 @@ class Tensortier(_Variant):
         self.nbytes = hist[-1]["bytes"] if hist else 0
 
 
-def idle_persist_gbps(model, opt, directory: str) -> float:
-    """tensortier's persist bandwidth with the training loop idle (the writer alone)."""
+def idle_persist_gbps(model, opt, directory: str) -> tuple[float, bool]:
+    """tensortier's persist bandwidth with the training loop idle (the writer alone), and
+    whether its checkpoint restores the state it saved bit for bit (the rounds' figures are of
+    checkpoints nothing read back)."""
     root = tempfile.mkdtemp(prefix="tt-bench-ckpt-", dir=directory)
     try:
         with Checkpointer(root, every=1) as ck:
             for step in range(2):  # the first save allocates and faults in the images
                 ck.save(step, model=model, optimizer=opt)
                 ck.wait()
-            return ck.stats().last_persist_gbps
+            gbps = ck.stats().last_persist_gbps
+            return gbps, restores_what_it_saved(ck, model, opt)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def restores_what_it_saved(ck: Checkpointer, model, opt) -> bool:
+    """Clears the model's and the optimizer's state, restores ``ck``'s newest checkpoint into
+    them and compares it with the state as saved, bit for bit."""
+    saved = _clone({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    with torch.no_grad():  # a restore that loads nothing must not pass
+        for t in [*model.parameters(), *(v for st in opt.state.values() for v in st.values())]:
+            if torch.is_tensor(t):
+                t.zero_()
+    ck.restore(model=model, optimizer=opt)
+    return _same({"model": model.state_dict(), "optimizer": opt.state_dict()}, saved)
 
 
 def _fresh_start(rss: PeakRSS) -> int:
@@ -442,7 +458,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         timed["dd"] = harness.variant_stats(per_round, "dd", ["write_gbps"])
         dd_write = timed["dd"]["write_gbps"]["median"]
     idle_dd = dd_bandwidth(args.dir, dd_bytes)[0]  # the limit when the idle write runs
-    idle = idle_persist_gbps(model, opt, args.dir)
+    idle, intact = idle_persist_gbps(model, opt, args.dir)
     auto_row = _auto_row(model, opt, width, args, auto_steps, device)
     print_table(rows, COLUMNS)
     print(
@@ -463,6 +479,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         auto=auto_row,
         disk_limit_gbps=dd_write,
         tensortier_idle_persist_gbps=idle,
+        tensortier_restored_bit_identical=intact,
         tensortier_idle_persist_vs_disk_limit=idle / idle_dd,
         disk_limit_before_idle_gbps=idle_dd,
         every=every,
@@ -472,6 +489,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         state_size=state,
         dir=args.dir,
     )
+    harness.require({"tensortier's checkpoint restored the state it saved bit for bit": intact})
     return rows + [auto_row]
 
 

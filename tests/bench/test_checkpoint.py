@@ -232,7 +232,7 @@ def test_the_disk_limit_is_taken_in_every_round_beside_the_variants(monkeypatch,
     monkeypatch.setattr(checkpoint, "dd_bandwidth", dd)
     monkeypatch.setattr(checkpoint, "_one_variant", one_variant)
     monkeypatch.setattr(checkpoint.harness.Session, "run", run)
-    monkeypatch.setattr(checkpoint, "idle_persist_gbps", lambda *a: 2.0)
+    monkeypatch.setattr(checkpoint, "idle_persist_gbps", lambda *a: (2.0, True))
     monkeypatch.setattr(checkpoint, "_auto_row", lambda *a: {"checkpoints": 0, "steps_saved": [],
         "interval": 1, "slowdown": 0.0, "cpu_slowdown": 0.0})  # fmt: skip
     p = argparse.ArgumentParser()
@@ -246,3 +246,27 @@ def test_the_disk_limit_is_taken_in_every_round_beside_the_variants(monkeypatch,
     for row in data["rows"]:
         assert row["persist_vs_disk_limit"] == 0.5, row
     assert data["tensortier_idle_persist_vs_disk_limit"] == 1.0
+    rounds = iter([1.0, 2.0, 2.0])
+    monkeypatch.setattr(checkpoint, "idle_persist_gbps", lambda *a: (2.0, False))
+    with pytest.raises(SystemExit, match="restored the state it saved"):
+        checkpoint.run(p.parse_args(argv))
+    assert json.loads(out.read_text())["tensortier_restored_bit_identical"] is False
+
+
+def test_tensortiers_checkpoint_is_read_back_and_a_wrong_restore_fails_the_run(
+    tmp_path, monkeypatch
+):
+    """Nothing read a checkpoint back: the figures could be of checkpoints that do not restore.
+    The idle save is now restored into the cleared model and optimizer and compared bit for
+    bit; a restore that loads nothing fails."""
+    from benchmarks import _mlp, checkpoint
+
+    dev = torch.device("cpu")
+    model, opt, width = _mlp.build(1 << 20, dev)
+    _mlp.train(model, opt, width, 2, 2, dev)
+    before = [p.clone() for p in model.parameters()]
+    assert checkpoint.idle_persist_gbps(model, opt, str(tmp_path))[1] is True
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore", lambda self, **kw: None)
+    assert checkpoint.idle_persist_gbps(model, opt, str(tmp_path))[1] is False
+    assert [p.name for p in tmp_path.iterdir()] == []
