@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import _harness as harness
-from benchmarks._common import environment, write_json
+from benchmarks._common import PeakRSS, environment, write_json
 from tensortier._units import format_size, parse_size, print_table
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool
@@ -186,8 +186,11 @@ def _disk_rounds(args, session: harness.Session, size: int, tensor_bytes: int) -
             w, r = dd_bandwidth(args.dir, size)
             out = {"write_gbps": w, "read_gbps": r}
         else:
+            rss = PeakRSS()
+            start = rss.reset()  # the tensors written, the read targets, the tier's buffers
             w, r, intact, direct = tier_bandwidth(args.dir, size, tensor_bytes)
-            out = {"write_gbps": w, "read_gbps": r, "intact": intact, "direct_io": direct}
+            out = {"write_gbps": w, "read_gbps": r, "intact": intact, "direct_io": direct,
+                   "peak_extra_rss": max(0, rss.peak() - start)}  # fmt: skip
         bar.update()
         return out
 
@@ -223,6 +226,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             stats = harness.variant_stats(per_round, variant, [metric])
             timed.setdefault(variant, {}).update(stats)
             row = {"path": path, "bytes": size, "gbps": stats[metric]["median"]}
+            if variant == "tensortier":  # dd runs in its own process: its peak is not ours
+                row["peak_extra_rss"] = max(g["tensortier"]["peak_extra_rss"] for g in per_round)
             row["ratio_vs_limit"] = 1.0 if vs is None else vs["median"]
             if vs is not None:
                 row["ratio_vs_limit_spread"] = vs["spread"]

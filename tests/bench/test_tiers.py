@@ -27,6 +27,7 @@ def test_bench_tiers_writes_rows_against_dd(tmp_path):
         paths["host->disk (tensortier)"]["ratio_vs_limit"] == m["ratios"]["write_vs_dd"]["median"]
     )
     assert paths["disk->host (tensortier)"]["gbps_stats"]["n"] == 2
+    assert paths["host->disk (tensortier)"]["peak_extra_rss"] >= 32 << 20  # the data written
     assert [p.name for p in tmp_path.iterdir()] == ["tiers.json"]  # scratch files cleaned up
 
 
