@@ -548,7 +548,7 @@ def _checks(rows: list[dict], ratios: dict) -> dict[str, bool]:
     back other bytes did not do the work its figures claim."""
     from benchmarks.replay_sharded import checks
 
-    out = checks(ratios)
+    out = {**checks(ratios), **params_nodes.checks(rows)}
     if "ratelimit_drift_within_buffer" in ratios:
         name = "the rate-limited buffer's drift stayed inside its error buffer"
         out[name] = bool(ratios["ratelimit_drift_within_buffer"])

@@ -170,3 +170,24 @@ def test_a_peer_that_is_not_installed_says_so_with_no_figures(tmp_path, monkeypa
     rows = {r["peer"]: r for r in json.loads(out.read_text())["rows"] if r["section"] == "main"}
     assert rows["torchrl"]["error"] == "not installed: its venv did not build"
     assert "add_per_s" not in rows["torchrl"] and rows["deque"]["add_per_s"] == 1.0
+
+
+def test_a_reader_that_gets_another_version_fails_the_params_nodes_run(tmp_path, monkeypatch):
+    """The readers' latency counted any version that arrived (a stale one too): nothing
+    checked what they read. Each reader now returns its tensors' first values, and a reader
+    that did not read the version just published fails the run after the JSON."""
+    import numpy as np
+
+    from benchmarks import params_nodes as pn
+    from tensortier.rl import param_nodes
+
+    _, firsts = pn.Reader().set_weights(param_nodes.encode(pn._state(64, 3)))  # raw bytes
+    assert pn._touch(list(pn._state(64, 3).values())) == firsts  # the served path's float32
+    assert pn._is_version(firsts, 3) and not pn._is_version(firsts, 2)
+    assert not pn._is_version([3.0, 4.0, 5.0, np.float32(7.0)], 3)
+    row = {"section": "params-nodes", "peer": "p", "bytes": 64, "intact": False}
+    monkeypatch.setattr(pn, "section", lambda sizes, rounds: [row])
+    out = tmp_path / "pn.json"
+    with pytest.raises(SystemExit, match="read the version just published"):
+        pn.main(["--quiet-wait", "0", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"] == [row]
