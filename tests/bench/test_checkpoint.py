@@ -38,6 +38,7 @@ def test_bench_checkpoint_replica_restores_from_both_sources(tmp_path):
     assert disk["source"].startswith("disk (cold") and replica["source"].startswith("in-memory")
     assert len(disk["all_s"]) == len(replica["all_s"]) == len(wire["all_s"]) == 2
     assert data["replica_vs_disk"] == replica["restore_s"] / disk["restore_s"]
+    assert disk["peak_extra_rss"] > 0 and replica["peak_extra_rss"] > 0  # each source's own
     assert data["checkpoint_bytes"] > 8e6 * 0.9 and "POSIX_FADV_DONTNEED" in data["cold_disk"]
     assert [list(p) for p in data["replica_push_phases"]] == [
         ["choose", "start", "send", "commit"]
