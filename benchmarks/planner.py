@@ -9,9 +9,9 @@ step of every policy per round (the first round warms each one up), so the slow 
 shared host hit every policy alike.
 
 The model trains on the machine's device (a GPU when there is one, else the CPU). Peaks are
-honest over every step, the first included: each step's high-water mark (reset at its start;
-the planner's own ``PeakMeter``: the CUDA allocator's on a GPU, the RSS on the CPU) above what
-was in use at its start, plus whatever that policy's earlier steps left resident (its
+honest over every step, the first included: each step's high-water mark (reset at its start:
+the CUDA allocator's allocated bytes on a GPU, the RSS on the CPU) above what was in use at its
+start, plus whatever that policy's earlier steps left resident (its
 offloader's staging and read buffers), so a policy's buffers count against its budget the way
 they would if it ran alone. The step time is the fastest round (a shared host's CPU steal
 only adds time; the median is reported beside it). Gradients are compared with plain training's
@@ -134,10 +134,43 @@ def _in_use(device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
 
 
+class _StepPeak:
+    """One step's high-water mark on ``device``: the CUDA allocator's allocated bytes (as the
+    activations area reads it; its cache is not emptied, which would make every timed step
+    allocate afresh), else the RSS's (a ``HighWater``: the planner's own meters nest in it)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._watch = None
+
+    def start(self) -> int:
+        """Resets the mark; the memory in use now."""
+        import torch
+
+        from tensortier._memory import HighWater
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        start = _in_use(self.device)
+        self._watch = HighWater()
+        self._watch.start()
+        return start
+
+    def stop(self) -> int:
+        """The mark since :meth:`start`, after the step's last kernel."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._watch.stop()
+
+
 class _Runner:
-    """Runs one step of a variant and measures its peak honestly (see the module docstring):
-    with the planner's own meter (``PeakMeter``: the device's allocator on CUDA, the RSS
-    high-water mark on the CPU), the step timed to its last kernel."""
+    """Runs one step of a variant and measures its peak honestly (see the module docstring) on
+    the batch's device, the step timed to its last kernel."""
 
     def __init__(self, model, x, y):
         self.model, self.x, self.y = model, x, y
@@ -145,34 +178,33 @@ class _Runner:
     def step(self, var: dict) -> tuple[float, int, str]:
         import torch
 
-        from tensortier.planner.profiler import PeakMeter
-
         model, device = self.model, self.x.device
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         model.zero_grad(set_to_none=True)
         wrap = var.get("wrap")
-        meter = PeakMeter(device)
-        with meter:
-            t0 = time.perf_counter()
-            installed = wrap() if wrap is not None else None
-            try:
-                ctx = var.get("ctx")
-                if ctx is not None:
-                    with ctx:
-                        loss = model(self.x, self.y)
-                else:
+        meter = _StepPeak(device)
+        start = meter.start()
+        t0 = time.perf_counter()
+        installed = wrap() if wrap is not None else None
+        try:
+            ctx = var.get("ctx")
+            if ctx is not None:
+                with ctx:
                     loss = model(self.x, self.y)
-                loss.backward()
-                del loss
-                sync()
-                dt = time.perf_counter() - t0
-            finally:
-                if installed is not None:
-                    installed.remove()
+            else:
+                loss = model(self.x, self.y)
+            loss.backward()
+            del loss
+            sync()
+            dt = time.perf_counter() - t0
+            high = meter.stop()
+        finally:
+            if installed is not None:
+                installed.remove()
         digest = _grad_digest(model)
         model.zero_grad(set_to_none=True)
-        peak = meter.delta + var.get("resident", 0)
-        var["resident"] = max(0, var.get("resident", 0) + _in_use(device) - meter.start)
+        peak = max(0, high - start) + var.get("resident", 0)
+        var["resident"] = max(0, var.get("resident", 0) + _in_use(device) - start)
         var["peaks"].append(peak)
         return dt, peak, digest
 
