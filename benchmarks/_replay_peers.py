@@ -44,6 +44,29 @@ def _timed(fn, count: int) -> float:
     return count / (time.perf_counter() - t0)
 
 
+def _item(payload: np.ndarray, i: int) -> dict:
+    """One transition as every peer stores it: its observation, action and reward."""
+    return {"obs": payload.copy(), "action": i % 4, "reward": float(i)}
+
+
+def collate(items: list[dict]) -> dict:
+    """The batch a learner consumes, one stacked array per field, as tensortier's ``sample``
+    and TorchRL's return it: peers that hand back a list collate it inside their sample time."""
+    return {k: np.stack([np.asarray(it[k]) for it in items]) for k in items[0]}
+
+
+def _extend_rates(out: dict, extend, n: int, item_bytes: int, prepare=None) -> None:
+    """``extend`` stores the n prepared items 1000 at a time: into an empty buffer, then again
+    into the full one (the steady state: every call evicts as many items as it adds).
+    ``prepare``, untimed before each pass: a peer that cannot take the same items twice."""
+    for key in ("extend_items_per_s", "extend_steady_items_per_s"):
+        if prepare is not None:
+            prepare()
+        out[key] = _timed(extend, n)
+    out["extend_gb_per_s"] = out["extend_items_per_s"] * item_bytes / 1e9
+    out["extend_steady_gb_per_s"] = out.pop("extend_steady_items_per_s") * item_bytes / 1e9
+
+
 def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
     from tensortier.rl import Prioritized, ReplayBuffer
 
@@ -61,7 +84,7 @@ def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
 
     def add():
         for i in range(n):
-            buf.add({"obs": payload.copy(), "action": i % 4, "reward": float(i)})
+            buf.add(_item(payload, i))
 
     out["add_per_s"] = _timed(add, n)
     out["rss_after_add"] = _rss() - base
@@ -86,7 +109,7 @@ def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
     batches.clear()
     # extend: the same items built first (the collector's data), then stored 1000 at a time; the
     # heap the add run freed is reused, so this measures the copy more than fresh-page faults
-    items = [{"obs": payload.copy(), "action": i % 4, "reward": float(i)} for i in range(n)]
+    items = [_item(payload, i) for i in range(n)]
     buf = ReplayBuffer(
         n,
         host_budget=budget or (2 * n * (item_bytes + 200)),
@@ -98,11 +121,7 @@ def run_tensortier(n, item_bytes, batch, rounds, directory, budget=None):
         for i in range(0, n, 1000):
             buf.extend(items[i : i + 1000])
 
-    out["extend_items_per_s"] = _timed(extend, n)
-    out["extend_gb_per_s"] = out["extend_items_per_s"] * item_bytes / 1e9
-    # steady state: the buffer is full, every extend evicts as many items as it adds (a
-    # collector feeding a buffer at capacity, the usual case over a training run)
-    out["extend_steady_gb_per_s"] = _timed(extend, n) * item_bytes / 1e9
+    _extend_rates(out, extend, n, item_bytes)
     buf.close()
     return out
 
@@ -204,13 +223,38 @@ def run_torchrl(n, item_bytes, batch, rounds, directory, budget=None):
 
     out["update_items_per_s"] = _timed(update, rounds * batch)
     out["rss_growth"] = _rss() - base
+    batches.clear()
+    rb = None  # the add run's buffer goes before the items are built, as tensortier's
+    # extend, as tensortier's: the collector's batches built first (TensorDicts of 1000 items,
+    # TorchRL's unit of a batched insert), then stored into a fresh buffer
+    chunks = [
+        TensorDict(
+            {
+                "obs": torch.from_numpy(np.stack([payload] * min(1000, n - i))),
+                "action": torch.arange(i, min(n, i + 1000)) % 4,
+                "reward": torch.arange(i, min(n, i + 1000), dtype=torch.float32),
+            },
+            [min(1000, n - i)],
+        )
+        for i in range(0, n, 1000)
+    ]
+    rb = TensorDictReplayBuffer(
+        storage=LazyMemmapStorage(n, scratch_dir=directory),
+        sampler=PrioritizedSampler(n, alpha=ALPHA, beta=BETA),
+        batch_size=batch,
+    )
+
+    def extend():
+        for chunk in chunks:
+            rb.extend(chunk)
+
+    _extend_rates(out, extend, n, item_bytes)
     return out
 
 
 def run_rllib(n, item_bytes, batch, rounds, directory, budget=None):
     """RLlib's PrioritizedEpisodeReplayBuffer: transitions arrive as 100-step episode chunks
     (RLlib's unit of insertion), so add throughput counts timesteps."""
-    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
     from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
         PrioritizedEpisodeReplayBuffer,
     )
@@ -224,14 +268,7 @@ def run_rllib(n, item_bytes, batch, rounds, directory, budget=None):
 
     def add():
         for start in range(0, n, T):
-            steps = min(T, n - start)
-            ep = SingleAgentEpisode(
-                observations=[payload.copy() for _ in range(steps + 1)],
-                actions=[i % 4 for i in range(start, start + steps)],
-                rewards=[float(i) for i in range(start, start + steps)],
-                len_lookback_buffer=0,
-            )
-            buf.add([ep])
+            buf.add([_episode(payload, start, min(T, n - start))])
 
     out["add_per_s"] = _timed(add, n)
     out["rss_after_add"] = _rss() - base
@@ -239,7 +276,7 @@ def run_rllib(n, item_bytes, batch, rounds, directory, budget=None):
     t_sample = t_update = 0.0
     for p in prios:  # RLlib updates the priorities of the last sampled batch only
         t0 = time.perf_counter()
-        buf.sample(num_items=batch, beta=BETA, n_step=1)
+        collate([_step_of(ep) for ep in buf.sample(num_items=batch, beta=BETA, n_step=1)])
         t1 = time.perf_counter()
         buf.update_priorities(p)
         t_update += time.perf_counter() - t1
@@ -248,7 +285,42 @@ def run_rllib(n, item_bytes, batch, rounds, directory, budget=None):
     out["sample_ms"] = batch / out["sample_items_per_s"] * 1e3
     out["update_items_per_s"] = rounds * batch / t_update
     out["rss_growth"] = _rss() - base
+    del buf
+    # extend, as tensortier's: the collector's episodes built first (new ones for each pass:
+    # RLlib takes an episode it holds as a continuation), 1000 steps per add call
+    episodes: list = []
+    buf = PrioritizedEpisodeReplayBuffer(capacity=n, alpha=ALPHA)
+
+    def prepare():
+        episodes[:] = [_episode(payload, start, min(T, n - start)) for start in range(0, n, T)]
+
+    def extend():
+        for i in range(0, len(episodes), 1000 // T):
+            buf.add(episodes[i : i + 1000 // T])
+
+    _extend_rates(out, extend, n, item_bytes, prepare)
     return out
+
+
+def _episode(payload: np.ndarray, start: int, steps: int):
+    """``steps`` transitions from ``start`` as one RLlib episode chunk."""
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    return SingleAgentEpisode(
+        observations=[payload.copy() for _ in range(steps + 1)],
+        actions=[i % 4 for i in range(start, start + steps)],
+        rewards=[float(i) for i in range(start, start + steps)],
+        len_lookback_buffer=0,
+    )
+
+
+def _step_of(episode) -> dict:
+    """The transition a one-step sample of RLlib holds, as the other peers store it."""
+    return {
+        "obs": episode.get_observations(0),
+        "action": episode.get_actions(0),
+        "reward": episode.get_rewards(0),
+    }
 
 
 def run_deque(n, item_bytes, batch, rounds, directory, budget=None):
@@ -263,7 +335,7 @@ def run_deque(n, item_bytes, batch, rounds, directory, budget=None):
     def add():
         maxp = 1.0
         for i in range(n):
-            items.append({"obs": payload.copy(), "action": i % 4, "reward": float(i)})
+            items.append(_item(payload, i))
             prios.append(maxp)
             if len(prios) > n:
                 prios.pop(0)
@@ -279,8 +351,7 @@ def run_deque(n, item_bytes, batch, rounds, directory, budget=None):
             idx = rng.choice(len(p), batch, p=p)
             w = (len(p) * p[idx]) ** -BETA
             w /= w.max()
-            got = [items[i] for i in idx]
-            np.stack([g["obs"] for g in got])  # the collated batch a learner consumes
+            collate([items[i] for i in idx])  # the batch a learner consumes
             drawn.append((idx, w))
 
     out["sample_items_per_s"] = _timed(sample, rounds * batch)
@@ -294,6 +365,18 @@ def run_deque(n, item_bytes, batch, rounds, directory, budget=None):
 
     out["update_items_per_s"] = _timed(update, rounds * batch)
     out["rss_growth"] = _rss() - base
+    items.clear()
+    prios.clear()
+    batch_items = [_item(payload, i) for i in range(n)]  # the collector's, built first
+
+    def extend():
+        for i in range(0, n, 1000):
+            chunk = batch_items[i : i + 1000]
+            items.extend(chunk)
+            prios.extend([1.0] * len(chunk))
+            del prios[: max(0, len(prios) - n)]
+
+    _extend_rates(out, extend, n, item_bytes)
     return out
 
 
@@ -318,7 +401,7 @@ def run_tensortier_spill(n, item_bytes, batch, rounds, directory, budget=None):
     step = 1000
     for start in tqdm(range(0, n, step), desc="spill run: add", unit_scale=step, leave=False):
         for i in range(start, min(n, start + step)):
-            buf.add({"obs": payload.copy(), "action": i % 4, "reward": float(i)})
+            buf.add(_item(payload, i))
         peak = max(peak, _rss() - base)
     wall = time.perf_counter() - t0
     out["add_per_s"] = n / wall
@@ -378,9 +461,30 @@ PEERS = {
 }
 
 
+# what a peer's library needs to load (``make bench-peers`` installs them)
+NEEDS = {"torchrl": ("torchrl", "tensordict"), "rllib": ("ray.rllib",)}
+
+
+def missing(peer: str) -> str | None:
+    """Why ``peer``'s library does not load here (None: it does): its row then says so, with
+    no figures, rather than an exit code's traceback."""
+    import importlib
+
+    for module in NEEDS.get(peer, ()):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return f"not installed: {module} ({exc})"
+    return None
+
+
 def main(argv: list[str]) -> None:
     peer, n, item_bytes, batch, rounds, directory = argv[:6]
     budget = int(argv[6]) if len(argv) > 6 else None
+    why = missing(peer)
+    if why is not None:
+        print("RESULT " + json.dumps({"error": why, "not_installed": True}), flush=True)
+        return
     out = PEERS[peer](int(n), int(item_bytes), int(batch), int(rounds), directory, budget)
     out["peak_rss"] = _peak_rss()
     print("RESULT " + json.dumps(out), flush=True)

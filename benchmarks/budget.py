@@ -59,22 +59,35 @@ def one_run(model: str, frac: float) -> dict:
 
 def run(args) -> None:
     rows = []
-    for _ in range(args.runs):
-        for model in args.models.split(","):
-            r = one_run(model, args.budget_frac)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+    models = args.models.split(",")
+    # the load envelope of the whole run beside each run's own (memory only: no quiet wait)
+    session = harness.Session("budget", args.runs, quiet_wait=0)
+    with session:
+        for _ in range(args.runs):
+            for model in models:
+                r = one_run(model, args.budget_frac)
+                rows.append(r)
+                session.sample()
+                print(json.dumps(r), flush=True)
     ok = [r for r in rows if "error" not in r]
     summary = {
         "runs": len(rows),
         "errors": len(rows) - len(ok),
         "max_over_budget": max((r["max_over_budget"] for r in ok), default=None),
+        # per model, how far its runs' worst steps spread (the copies' timing moves them)
+        "max_over_budget_stats": {
+            m: harness.spread_stats(r["max_over_budget"] for r in ok if r["model"] == m)
+            for m in models
+        },
         "over_budget_runs": sum(r["max_over_budget"] > 1 for r in ok),
         "load_1m_range": [min(r["load_1m"] for r in rows), max(r["load_1m"] for r in rows)],
         "cpus": os.cpu_count(),
     }
     print(json.dumps(summary))
-    write_json(args.json, "budget", rows, summary=summary)  # with the device and versions
+    measurement = session.report({})
+    print(harness.summary_line(measurement))
+    # with the device and versions
+    write_json(args.json, "budget", rows, summary=summary, measurement=measurement)
     harness.require(
         {
             f"run {i} ({r['model']}): gradients bit-identical to plain's": r["grads_match"]

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from benchmarks import _harness as harness
 from benchmarks._common import PeakRSS, environment, write_json
 from benchmarks._mlp import build, train
+from benchmarks.checkpoint_replica import _clone, _same
 from benchmarks.tiers import dd_bandwidth
 from tensortier._device import default_device
 from tensortier._memory import trim
@@ -96,6 +97,8 @@ class _Variant(abc.ABC):
 
 
 class TorchSave(_Variant):
+    """``torch.save`` then fsync, both in the loop: the peers' checkpoints are durable too."""
+
     name = "torch.save (sync)"
 
     def after_step(self, model, opt, i):
@@ -104,11 +107,11 @@ class TorchSave(_Variant):
         path = os.path.join(self.root, f"step-{i}.pt")
         t0 = time.perf_counter()
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
-        t1 = time.perf_counter()
-        _fsync_tree(self.root)  # what durability costs on top (not counted as the loop's stall)
-        self.stalls.append(t1 - t0)
-        self.persists.append(time.perf_counter() - t0)
-        self.durables.append(self.persists[-1])
+        _fsync_tree(self.root)  # durable, as DCP's and tensortier's writes are
+        # the loop waits for the fsync too: its stall is the whole save, as its loop_s shows
+        self.stalls.append(time.perf_counter() - t0)
+        self.persists.append(self.stalls[-1])
+        self.durables.append(self.stalls[-1])
         self.nbytes = os.path.getsize(path)
         os.unlink(path)
 
@@ -179,9 +182,8 @@ class DcpAsync(_Variant):
         warnings.warn(
             f"DCP async_save needs a process group ({exc}); using gloo, world size 1", stacklevel=2
         )
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # an in-process store: a TCP one on a fixed port collided with a parallel run's
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.pg = True
 
     def finish(self):
@@ -226,17 +228,32 @@ class Tensortier(_Variant):
         self.nbytes = hist[-1]["bytes"] if hist else 0
 
 
-def idle_persist_gbps(model, opt, directory: str) -> float:
-    """tensortier's persist bandwidth with the training loop idle (the writer alone)."""
+def idle_persist_gbps(model, opt, directory: str) -> tuple[float, bool]:
+    """tensortier's persist bandwidth with the training loop idle (the writer alone), and
+    whether its checkpoint restores the state it saved bit for bit (the rounds' figures are of
+    checkpoints nothing read back)."""
     root = tempfile.mkdtemp(prefix="tt-bench-ckpt-", dir=directory)
     try:
         with Checkpointer(root, every=1) as ck:
             for step in range(2):  # the first save allocates and faults in the images
                 ck.save(step, model=model, optimizer=opt)
                 ck.wait()
-            return ck.stats().last_persist_gbps
+            gbps = ck.stats().last_persist_gbps
+            return gbps, restores_what_it_saved(ck, model, opt)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def restores_what_it_saved(ck: Checkpointer, model, opt) -> bool:
+    """Clears the model's and the optimizer's state, restores ``ck``'s newest checkpoint into
+    them and compares it with the state as saved, bit for bit."""
+    saved = _clone({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    with torch.no_grad():  # a restore that loads nothing must not pass
+        for t in [*model.parameters(), *(v for st in opt.state.values() for v in st.values())]:
+            if torch.is_tensor(t):
+                t.zero_()
+    ck.restore(model=model, optimizer=opt)
+    return _same({"model": model.state_dict(), "optimizer": opt.state_dict()}, saved)
 
 
 def _fresh_start(rss: PeakRSS) -> int:
@@ -278,20 +295,23 @@ def _one_variant(variant_fn, model, opt, width, args, steps, device) -> dict:
     """One checkpointing variant's run: its medians over its checkpoints, loop time, peak."""
     variant, loop, peak = _measure(variant_fn, model, opt, width, args, steps, device, None)
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    persist = med(variant.persists)
     return {
         "name": variant.name,
         "nbytes": variant.nbytes,
         "stall_s": med(variant.stalls),
-        "persist_s": med(variant.persists),
+        "persist_s": persist,
+        "persist_gbps": variant.nbytes / persist / 1e9 if persist else float("nan"),
         "durable_s": med(variant.durables),
         "loop_s": loop,
         "peak": peak,
     }
 
 
-def _rows(session: harness.Session, per_round: list[dict], keys: list[str], dd_write: float):
-    """One row per variant: medians over the rounds; its stall against torch.save's and its
-    loop against the no-checkpoint loop taken within each round."""
+def _rows(session: harness.Session, per_round: list[dict], keys: list[str]):
+    """One row per variant: medians over the rounds; its stall against torch.save's, its loop
+    against the no-checkpoint loop and its persist bandwidth against ``dd``'s, each taken
+    within a round (a disk's speed drifts with its other tenants, as a loop's does)."""
     rows, errors, timed, ratios = [], [], {}, {}
     for key in keys:
         runs = [got[key] for got in per_round if "error" not in got[key]]
@@ -303,6 +323,10 @@ def _rows(session: harness.Session, per_round: list[dict], keys: list[str], dd_w
             per_round, key, "torch.save", "stall_s"
         )
         ratios[f"{key}_loop_vs_none"] = harness.round_ratios(per_round, key, "none", "loop_s")
+        ratios[f"{key}_persist_vs_dd"] = harness.round_ratios(
+            per_round, key, "dd", "persist_gbps", "write_gbps"
+        )
+        vs_dd = ratios[f"{key}_persist_vs_dd"]["median"]
         med = {m: s["median"] for m, s in timed[key].items()}
         durable = harness.spread_stats(r["durable_s"] for r in runs)["median"]
         gbps = runs[0]["nbytes"] / med["persist_s"] / 1e9 if med["persist_s"] else float("nan")
@@ -316,7 +340,7 @@ def _rows(session: harness.Session, per_round: list[dict], keys: list[str], dd_w
                 "persist_s": med["persist_s"],
                 "durable_s": durable,
                 "persist_gbps": gbps,
-                "persist_vs_disk_limit": gbps / dd_write if dd_write else float("nan"),
+                "persist_vs_disk_limit": float("nan") if vs_dd is None else vs_dd,
                 "peak_extra_rss": max(r["peak"] for r in runs),
                 "slowdown": (ratios[f"{key}_loop_vs_none"]["median"] or float("nan")) - 1,
                 **session.row_fields(timed[key]),
@@ -407,7 +431,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         f"checkpoint every {every} steps x {count}, auto run {auto_steps} steps, dir {args.dir}"
     )
     train(model, opt, width, args.batch, 3, device)  # warm up: optimizer state exists
-    dd_write, _ = dd_bandwidth(args.dir, min(state, 1 << 30))
+    dd_bytes = min(state, 1 << 30)
     variants: dict[str, Callable[[str], _Variant]] = {
         "torch.save": lambda r: TorchSave(r, every),
         "dcp": lambda r: DcpAsync(r, every),
@@ -415,21 +439,26 @@ def run(args: argparse.Namespace) -> list[dict]:
     }
 
     session = harness.Session.from_args("checkpoint", args)
-    bar = tqdm(total=session.rounds * 4, desc="checkpoint variants", unit="run")
+    bar = tqdm(total=session.rounds * 5, desc="checkpoint variants", unit="run")
 
     def measure(key: str, _round: int) -> dict:
         bar.update()
+        if key == "dd":  # the disk's limit in this round, as the tiers benchmark takes it
+            return {"write_gbps": dd_bandwidth(args.dir, dd_bytes)[0]}
         if key == "none":  # the same steps with no checkpoint, in the same round
             trim()  # from a given-back heap, as every checkpointing variant starts
             return {"loop_s": train(model, opt, width, args.batch, steps, device)}
         return _one_variant(variants[key], model, opt, width, args, steps, device)
 
     with session:
-        per_round = session.run(["none", *variants], measure)
+        per_round = session.run(["dd", "none", *variants], measure)
         bar.close()
-        rows, timed, ratios = _rows(session, per_round, list(variants), dd_write)
+        rows, timed, ratios = _rows(session, per_round, list(variants))
         base = harness.spread_stats(got["none"].get("loop_s") for got in per_round)["median"]
-    idle = idle_persist_gbps(model, opt, args.dir)
+        timed["dd"] = harness.variant_stats(per_round, "dd", ["write_gbps"])
+        dd_write = timed["dd"]["write_gbps"]["median"]
+    idle_dd = dd_bandwidth(args.dir, dd_bytes)[0]  # the limit when the idle write runs
+    idle, intact = idle_persist_gbps(model, opt, args.dir)
     auto_row = _auto_row(model, opt, width, args, auto_steps, device)
     print_table(rows, COLUMNS)
     print(
@@ -438,7 +467,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         f"{auto_row['slowdown']:.2%} wall, {auto_row['cpu_slowdown']:.2%} CPU time (target < "
         f"{args.max_overhead:.1%}); disk limit (dd) "
         f"{dd_write:.2f} GB/s; tensortier persist with the loop idle {idle:.2f} GB/s "
-        f"({idle / dd_write:.0%} of it)"
+        f"({idle / idle_dd:.0%} of dd's {idle_dd:.2f} GB/s just before it)"
     )
     measurement = session.report(timed, ratios)
     print(harness.summary_line(measurement))
@@ -450,7 +479,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         auto=auto_row,
         disk_limit_gbps=dd_write,
         tensortier_idle_persist_gbps=idle,
-        tensortier_idle_persist_vs_disk_limit=idle / dd_write,
+        tensortier_restored_bit_identical=intact,
+        tensortier_idle_persist_vs_disk_limit=idle / idle_dd,
+        disk_limit_before_idle_gbps=idle_dd,
         every=every,
         checkpoints_per_variant=count,
         baseline_loop_s=base,
@@ -458,6 +489,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         state_size=state,
         dir=args.dir,
     )
+    harness.require({"tensortier's checkpoint restored the state it saved bit for bit": intact})
     return rows + [auto_row]
 
 

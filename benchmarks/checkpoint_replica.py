@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks import _harness as harness
-from benchmarks._common import environment, two_ray_nodes, write_json
+from benchmarks._common import PeakRSS, environment, two_ray_nodes, write_json
 from tensortier._units import format_size, parse_size, print_table
 from tensortier.checkpoint import Checkpointer
 
@@ -70,6 +70,7 @@ class _Seconds:
     wire: list[float] = field(default_factory=list)
     push_phases: list[dict] = field(default_factory=list)  # where each push's time went
     restore_phases: list[dict] = field(default_factory=list)  # each replica restore's
+    peaks: dict[str, list[int]] = field(default_factory=dict)  # source -> each restore's peak
 
 
 def _save(ckdir: str, r: int, model, opt, sec: _Seconds) -> int:
@@ -94,11 +95,14 @@ def _restore_both(ckdir: str, r: int, target, target_opt, sec: _Seconds) -> dict
     got = {}
     for source in ("disk", "replica") if r % 2 == 0 else ("replica", "disk"):
         cached = drop_cache(ckdir) if source == "disk" else 0
+        rss = PeakRSS()
+        start = rss.reset()  # each source's own peak: what its restore holds beyond the target
         t0 = time.perf_counter()
         with Checkpointer(ckdir, keep=2, replicas=int(source == "replica")) as ck:
             st = ck.restore(model=target, optimizer=target_opt)
             phases = ck.stats().last_replica_restore_phases
         seconds = time.perf_counter() - t0
+        sec.peaks.setdefault(source, []).append(max(0, rss.peak() - start))
         if st.source != source:
             raise RuntimeError(f"restore read from {st.source}: {st.fallback}")
         (sec.disk if source == "disk" else sec.replica).append(seconds)
@@ -160,6 +164,8 @@ def _rows(session: harness.Session, sec: _Seconds, nbytes: int):
     timed = {k: harness.variant_stats(per_round, k, ["restore_s"]) for k in per_round[0]}
     for row, key in zip(rows, ("disk", "replica", "wire")):
         row.update(session.row_fields(timed[key]))
+        if key in sec.peaks:  # the wire's transfer lands in the other node's store
+            row["peak_extra_rss"] = max(sec.peaks[key])
     ratios = {
         "replica_vs_disk": harness.round_ratios(per_round, "replica", "disk", "restore_s"),
         "wire_vs_disk": harness.round_ratios(per_round, "wire", "disk", "restore_s"),
@@ -208,7 +214,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows, timed, ratios = _rows(session, sec, nbytes)
     disk, replica = rows[0]["restore_s"], rows[1]["restore_s"]
     measurement = session.report(timed, ratios)
-    print_table(rows, ["source", "restore_s", "gbps", "vs_disk", "noisy"])
+    print_table(rows, ["source", "restore_s", "gbps", "vs_disk", "peak_extra_rss", "noisy"])
     print(harness.summary_line(measurement))
     print(
         f"replica/disk restore time: {replica / disk:.3f}x (target <= 0.3x); push "

@@ -127,10 +127,22 @@ def stop_cluster(c, tmp: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _touch(tensors) -> None:
+def _touch(tensors) -> list[float]:
+    """Reads one byte of every page of ``tensors``; their first float32 values, whatever their
+    dtype (main's and the argument path's are raw bytes), which say the version that arrived:
+    :func:`_state` fills each tensor with the version plus its place."""
+    firsts = []
     for t in tensors:
         if t.numel():
-            float(t.reshape(-1).view(torch.uint8)[::4096].sum())  # one byte of every page
+            raw = t.reshape(-1).view(torch.uint8)
+            float(raw[::4096].sum())  # one byte of every page
+            firsts.append(float(raw[:4].view(torch.float32)[0]))
+    return firsts
+
+
+def _is_version(firsts: list[float], version: int) -> bool:
+    """Whether a reader's first values are those of :func:`_state` at ``version``."""
+    return firsts == [float(version + i) for i in range(4)]
 
 
 class Reader:
@@ -144,7 +156,7 @@ class Reader:
 
         return ray.get_runtime_context().get_node_id()
 
-    def read(self, store, version: int, mode: str) -> float:
+    def read(self, store, version: int, mode: str) -> tuple[float, list[float]]:
         import ray
 
         if mode == "cow":
@@ -156,17 +168,17 @@ class Reader:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 tensors = [torch.from_numpy(a) for a in p[1:]]
-        _touch(tensors)
+        firsts = _touch(tensors)
         self.held = p
-        return time.monotonic()
+        return time.monotonic(), firsts
 
-    def set_weights(self, payload) -> float:
+    def set_weights(self, payload) -> tuple[float, list[float]]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             tensors = [torch.from_numpy(a) for a in payload[1:]]
-        _touch(tensors)
+        firsts = _touch(tensors)
         self.held = payload
-        return time.monotonic()
+        return time.monotonic(), firsts
 
     def drop(self) -> None:
         self.held = None
@@ -197,7 +209,7 @@ def _path_rows(path: str, sizes: list[int], rounds: int, store: int, head_store:
         pstore = serve(ParamStore(), scheduling_strategy=Pin(head, soft=False))
         version = 0
         for nbytes in sizes:
-            lat, copies = [], {}
+            lat, copies, intact = [], {}, True
             for i in range(rounds + 1):  # round 0 warms up (and is the one counted for copies)
                 before = plasma_bytes()
                 if path == "per reader: argument":
@@ -217,7 +229,8 @@ def _path_rows(path: str, sizes: list[int], rounds: int, store: int, head_store:
                     t0 = time.monotonic()
                     version = pstore.publish(state)
                     done = ray.get(pending, timeout=600)
-                lat.append(max(done) - t0)
+                lat.append(max(t for t, _ in done) - t0)
+                intact = intact and all(_is_version(firsts, i) for _, firsts in done)
                 if i == 0:
                     after = plasma_bytes()
                     real = sum(t.numel() * 4 for t in _state(nbytes, 0).values())
@@ -236,6 +249,7 @@ def _path_rows(path: str, sizes: list[int], rounds: int, store: int, head_store:
                     "latency_s": min(lat[1:]),
                     "latency_median_s": statistics.median(lat[1:]),
                     "copies_per_node": copies,
+                    "intact": intact,  # every reader read the version just published
                 }
             )
             print(f"  {path}: {format_size(real)} -> {min(lat[1:]):.3f} s, copies {copies}")
@@ -289,6 +303,16 @@ def main(argv: list[str] | None = None) -> None:
         settings={"sizes": sizes, "rounds": args.rounds, "readers": list(READERS_PER_NODE)},
     )
     print(harness.summary_line(measurement))
+    harness.require(checks(rows))
+
+
+def checks(rows: list[dict]) -> dict[str, bool]:
+    """Per path and size, whether every reader read the version just published (a stale or
+    torn one would make its latency meaningless), for :func:`harness.require`."""
+    name = "params-nodes {} {}: every reader read the version just published"
+    return {
+        name.format(r["peer"], format_size(r["bytes"])): r["intact"] for r in rows if "intact" in r
+    }
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ same budget, and runs its plan through its own offloader. All of them then run i
 step of every policy per round (the first round warms each one up), so the slow minutes of a
 shared host hit every policy alike.
 
-Peaks are honest over every step, the first included: each step's RSS high-water mark (reset at
-its start) above the RSS at its start, plus whatever that policy's earlier steps left resident
-(its offloader's staging and read buffers), so a policy's buffers count against its budget the
-way they would if it ran alone. The step time is the fastest round (a shared host's CPU steal
+The model trains on the machine's device (a GPU when there is one, else the CPU). Peaks are
+honest over every step, the first included: each step's high-water mark (reset at its start:
+the CUDA allocator's allocated bytes on a GPU, the RSS on the CPU) above what was in use at its
+start, plus whatever that policy's earlier steps left resident (its
+offloader's staging and read buffers), so a policy's buffers count against its budget the way
+they would if it ran alone. The step time is the fastest round (a shared host's CPU steal
 only adds time; the median is reported beside it). Gradients are compared with plain training's
 bit for bit (lossless plans must match exactly).
 
@@ -87,8 +89,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------ worker side
 def _build(args):
+    """The model and its batch on the machine's device (a lent GPU, else the CPU), where a
+    user's job trains it: a sweep on the CPU of a GPU machine measured the wrong memory."""
     import torch
 
+    from tensortier._device import default_device
     from tensortier.models import GPT, GPTConfig, Llama, LlamaConfig, random_batch
 
     kind, _, shape = args.model.partition(":")
@@ -103,8 +108,9 @@ def _build(args):
     else:
         cfg = GPTConfig(**common)
         model = GPT(cfg)
-    x, y = random_batch(cfg, batch, args.seq, seed=1)
-    return model, x, y
+    device = default_device()
+    x, y = random_batch(cfg, batch, args.seq, seed=1, device=device)
+    return model.to(device), x, y
 
 
 def _grad_digest(model) -> str:
@@ -114,26 +120,70 @@ def _grad_digest(model) -> str:
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if p.grad is not None:
             h.update(name.encode())
-            h.update(p.grad.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            grad = p.grad.detach().cpu().contiguous()
+            h.update(grad.view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
+def _in_use(device) -> int:
+    """The memory a budget counts on ``device`` now: CUDA's allocated bytes, else the RSS."""
+    import torch
+
+    from tensortier._device import rss_bytes
+
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
+
+
+class _StepPeak:
+    """One step's high-water mark on ``device``: the CUDA allocator's allocated bytes (as the
+    activations area reads it; its cache is not emptied, which would make every timed step
+    allocate afresh), else the RSS's (a ``HighWater``: the planner's own meters nest in it)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._watch = None
+
+    def start(self) -> int:
+        """Resets the mark; the memory in use now."""
+        import torch
+
+        from tensortier._memory import HighWater
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        start = _in_use(self.device)
+        self._watch = HighWater()
+        self._watch.start()
+        return start
+
+    def stop(self) -> int:
+        """The mark since :meth:`start`, after the step's last kernel."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._watch.stop()
+
+
 class _Runner:
-    """Runs one step of a variant and measures its peak honestly (see the module docstring)."""
+    """Runs one step of a variant and measures its peak honestly (see the module docstring) on
+    the batch's device, the step timed to its last kernel."""
 
     def __init__(self, model, x, y):
         self.model, self.x, self.y = model, x, y
 
     def step(self, var: dict) -> tuple[float, int, str]:
-        from tensortier._device import rss_bytes
-        from tensortier._memory import HighWater
+        import torch
 
-        model = self.model
+        model, device = self.model, self.x.device
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         model.zero_grad(set_to_none=True)
         wrap = var.get("wrap")
-        watch = HighWater()
-        start = rss_bytes()
-        watch.start()
+        meter = _StepPeak(device)
+        start = meter.start()
         t0 = time.perf_counter()
         installed = wrap() if wrap is not None else None
         try:
@@ -145,15 +195,16 @@ class _Runner:
                 loss = model(self.x, self.y)
             loss.backward()
             del loss
+            sync()
             dt = time.perf_counter() - t0
-            high = watch.stop()
+            high = meter.stop()
         finally:
             if installed is not None:
                 installed.remove()
         digest = _grad_digest(model)
         model.zero_grad(set_to_none=True)
         peak = max(0, high - start) + var.get("resident", 0)
-        var["resident"] = max(0, var.get("resident", 0) + rss_bytes() - start)
+        var["resident"] = max(0, var.get("resident", 0) + _in_use(device) - start)
         var["peaks"].append(peak)
         return dt, peak, digest
 

@@ -8,8 +8,10 @@ first use; torch 2.14.1 is a CUDA build of several GB). RLlib's ``PrioritizedEpi
 runs in this environment (the ``bench-rl`` extra, ``make bench-peers``); DI-engine is reported as not measured (its ``gym==0.25.1`` dependency does not
 build).
 
-Sections: (1) 100k x 10 KB items (``--quick``: 10k): add, ``extend`` (1000 items a call),
-prioritized sample (batch 256) and priority update throughput, peak RSS; (1b) the rate-limited
+Sections: (1) 100k x 10 KB items (``--quick``: 10k): add, ``extend`` (1000 items a call, the
+items built first), prioritized sample (batch 256, collated into one array per field as a
+learner consumes it: peers whose sample returns a list collate it inside its time) and priority
+update throughput, peak RSS, alike for every peer; (1b) the rate-limited
 path: a collector thread and a learner held to ``samples_per_insert=8``; (2) sample latency with 10k vs 1M items (small items, so the
 sampler and index are what scale); (3) a spill run: 1M x 10 KB with a 2 GiB RAM budget
 (``--spill-items`` to scale it down at the same RAM/total ratio); (4) Ray: 4 collector tasks adding,
@@ -290,7 +292,7 @@ def _params_section(nbytes: int, readers: int = 8) -> list[dict]:
     return rows
 
 
-MAIN_TIMED = ("add_per_s", "sample_items_per_s", "update_items_per_s")
+MAIN_TIMED = ("add_per_s", "extend_items_per_s", "sample_items_per_s", "update_items_per_s")
 
 
 def _main_rows(session: harness.Session, per_round: list[dict], peers: list[str], n: int):
@@ -419,7 +421,8 @@ NOTES: dict[str, str] = {
     "di-engine": "not measured: DI-engine 0.5.3 needs gym==0.25.1, whose setup fails to build "
     "with current setuptools ('extras_require must be a dictionary ...')",
     "rllib": "PrioritizedEpisodeReplayBuffer (ray[rllib]) in this environment, fed 100-step "
-    "episodes; its update_priorities applies to the last sampled batch only",
+    "episodes (extend: 10 of them per add call); its sample's one-step episodes are collated "
+    "into arrays in its sample time; its update_priorities applies to the last sampled batch only",
 }
 COLUMNS = [
     "section",
@@ -461,15 +464,15 @@ def _sizes(args: argparse.Namespace) -> tuple[int, int, int, int, int]:
 
 def _main_peers(args: argparse.Namespace, skip: set[str], notes: dict[str, str]) -> dict:
     """Section 1's peers and the Python each runs under: TorchRL's own venv, when it loads
-    (where it came from, or why it did not, goes into ``notes``)."""
+    (where it came from, or why it did not, goes into ``notes``; a TorchRL that does not load
+    runs under None: its row says it is not installed)."""
     main_peers = [("tensortier", sys.executable), ("deque", sys.executable)]
     if "rllib" not in skip:
         main_peers.append(("rllib", sys.executable))
     if "torchrl" not in skip:
         py, where = _torchrl_python(args.cache_dir)
         notes["torchrl"] = where
-        if py:
-            main_peers.insert(1, ("torchrl", py))
+        main_peers.insert(1, ("torchrl", py))
     return dict(main_peers)
 
 
@@ -503,6 +506,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # TorchRL's own venv
 
     def measure(peer: str, r: int) -> dict:
+        if python[peer] is None:  # nothing measured, nothing made up
+            return {"error": f"not installed: {notes[peer]}", "not_installed": True}
         env = clean if peer == "torchrl" else None
         res = _run_peer(python[peer], peer, n, item_bytes, args.batch, rounds, args.dir, env=env)
         print(f"  round {r + 1}: {peer}: {res.get('error') or 'ok'}")
@@ -533,7 +538,24 @@ def run(args: argparse.Namespace) -> list[dict]:
             "env": environment(),
         },
     )
+    harness.require(_checks(rows, ratios))
     return rows
+
+
+def _checks(rows: list[dict], ratios: dict) -> dict[str, bool]:
+    """The run's correctness checks (those of the sections that ran), for
+    :func:`harness.require`: a limiter that drifted out of its buffer or a disk tier that read
+    back other bytes did not do the work its figures claim."""
+    from benchmarks.replay_sharded import checks
+
+    out = {**checks(ratios), **params_nodes.checks(rows)}
+    if "ratelimit_drift_within_buffer" in ratios:
+        name = "the rate-limited buffer's drift stayed inside its error buffer"
+        out[name] = bool(ratios["ratelimit_drift_within_buffer"])
+    for r in rows:
+        if r.get("peer") == "disk tier write (DiskStore.put)":
+            out["the disk tier read back every byte it wrote"] = bool(r["intact"])
+    return out
 
 
 def main() -> None:

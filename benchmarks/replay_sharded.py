@@ -84,6 +84,15 @@ def sharded_section(
     return rows, ratios
 
 
+def checks(ratios: dict) -> dict[str, bool]:
+    """The section's correctness check, for :func:`harness.require` (empty where it did not run):
+    a rate limiter whose ``diff`` left its error buffer did not limit, whatever its rates."""
+    key = "sharded_ratelimit_within_error_buffer"
+    if key not in ratios:
+        return {}
+    return {"the rate-limited shards kept diff inside the error buffer": bool(ratios[key])}
+
+
 def _shards_row(
     ray, tasks, k: int, directory: str, item_bytes: int, batch: int, seconds: float
 ) -> dict:
@@ -200,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             "env": environment(),
         },
     )
+    harness.require(checks(ratios))
 
 
 if __name__ == "__main__":

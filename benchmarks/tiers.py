@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import _harness as harness
-from benchmarks._common import environment, write_json
+from benchmarks._common import PeakRSS, environment, write_json
 from tensortier._units import format_size, parse_size, print_table
 from tensortier.tiers.disk import DiskStore
 from tensortier.tiers.host import HostPool
@@ -93,11 +93,19 @@ def tier_bandwidth(
     return write, read, intact, direct
 
 
-def cuda_bandwidth(nbytes: int) -> list[dict]:
-    """Engine device<->host against plain pinned copy_, GB/s."""
+CUDA_PATHS = (  # (metric, row path, the metric it is compared with)
+    ("d2h_torch_gbps", "device->host pinned copy_ (torch)", "d2h_torch_gbps"),
+    ("d2h_tt_gbps", "device->host (tensortier)", "d2h_torch_gbps"),
+    ("h2d_torch_gbps", "host->device pinned copy_ (torch)", "h2d_torch_gbps"),
+    ("h2d_tt_gbps", "host->device (tensortier)", "h2d_torch_gbps"),
+)
+
+
+def cuda_bandwidth(nbytes: int) -> dict:
+    """One round of the engine's device<->host copies against a plain pinned ``copy_``: GB/s,
+    each the best of 3 back-to-back copies (the metrics of :data:`CUDA_PATHS`)."""
     dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    rows = []
 
     def timed(fn) -> float:
         torch.cuda.synchronize()
@@ -109,21 +117,39 @@ def cuda_bandwidth(nbytes: int) -> list[dict]:
     with TransferEngine(host=HostPool(nbytes * 4)) as engine:
         for _ in range(2):  # warm the pool and the streams
             engine.to_host(dev).result().free()
-        peer_d2h = max(timed(lambda: pinned.copy_(dev, non_blocking=True)) for _ in range(3))
-        peer_h2d = max(timed(lambda: dev.copy_(pinned, non_blocking=True)) for _ in range(3))
+        out = {
+            "d2h_torch_gbps": max(timed(lambda: pinned.copy_(dev, non_blocking=True)) for _ in range(3)),
+            "h2d_torch_gbps": max(timed(lambda: dev.copy_(pinned, non_blocking=True)) for _ in range(3)),
+        }  # fmt: skip
         held = []
-        tt_d2h = max(timed(lambda: held.append(engine.to_host(dev).result())) for _ in range(3))
+        out["d2h_tt_gbps"] = max(
+            timed(lambda: held.append(engine.to_host(dev).result())) for _ in range(3)
+        )
         host = held[-1]
-        tt_h2d = max(timed(lambda: engine.to_device(host).result()) for _ in range(3))
+        out["h2d_tt_gbps"] = max(timed(lambda: engine.to_device(host).result()) for _ in range(3))
         for h in held:
             h.free()
-    for path, gbps, limit in [
-        ("device->host pinned copy_ (torch)", peer_d2h, peer_d2h),
-        ("device->host (tensortier)", tt_d2h, peer_d2h),
-        ("host->device pinned copy_ (torch)", peer_h2d, peer_h2d),
-        ("host->device (tensortier)", tt_h2d, peer_h2d),
-    ]:
-        rows.append({"path": path, "bytes": nbytes, "gbps": gbps, "ratio_vs_limit": gbps / limit})
+    return out
+
+
+def _cuda_rows(session: harness.Session, per_round: list[dict], nbytes: int, timed, ratios):
+    """The CUDA rows: per path its median over the rounds with the harness fields, and the
+    engine's ratio to the plain copy taken within each round (as the disk rows')."""
+    rows = []
+    for metric, path, limit in CUDA_PATHS:
+        stats = harness.variant_stats(per_round, "cuda", [metric])
+        timed.setdefault("cuda", {}).update(stats)
+        row = {
+            "path": path,
+            "bytes": nbytes,
+            "gbps": stats[metric]["median"],
+            "ratio_vs_limit": 1.0,
+        }
+        if metric != limit:
+            vs = harness.round_ratios(per_round, "cuda", "cuda", metric, limit)
+            ratios[metric.replace("_gbps", "_vs_torch")] = vs
+            row.update(ratio_vs_limit=vs["median"], ratio_vs_limit_spread=vs["spread"])
+        rows.append({**row, **session.row_fields({"gbps": stats[metric]})})
     return rows
 
 
@@ -148,22 +174,28 @@ def run_remote(args: argparse.Namespace) -> list[dict]:
 
 
 def _disk_rounds(args, session: harness.Session, size: int, tensor_bytes: int) -> list[dict]:
-    """``dd`` and the disk tier, interleaved in rounds; each write then read."""
-
-    bar = tqdm(total=session.rounds * 2, desc="tiers", unit="run")
+    """``dd`` and the disk tier, interleaved in rounds, each write then read; on CUDA the
+    device<->host copies too, in the same rounds."""
+    variants = ["dd", "tensortier", *(["cuda"] if torch.cuda.is_available() else [])]
+    bar = tqdm(total=session.rounds * len(variants), desc="tiers", unit="run")
 
     def measure(variant: str, _round: int) -> dict:
-        if variant == "dd":
+        if variant == "cuda":
+            out = cuda_bandwidth(min(size, 1 << 30))
+        elif variant == "dd":
             w, r = dd_bandwidth(args.dir, size)
             out = {"write_gbps": w, "read_gbps": r}
         else:
+            rss = PeakRSS()
+            start = rss.reset()  # the tensors written, the read targets, the tier's buffers
             w, r, intact, direct = tier_bandwidth(args.dir, size, tensor_bytes)
-            out = {"write_gbps": w, "read_gbps": r, "intact": intact, "direct_io": direct}
+            out = {"write_gbps": w, "read_gbps": r, "intact": intact, "direct_io": direct,
+                   "peak_extra_rss": max(0, rss.peak() - start)}  # fmt: skip
         bar.update()
         return out
 
     with session:
-        per_round = session.run(["dd", "tensortier"], measure)
+        per_round = session.run(variants, measure)
     bar.close()
     return per_round
 
@@ -194,12 +226,14 @@ def run(args: argparse.Namespace) -> list[dict]:
             stats = harness.variant_stats(per_round, variant, [metric])
             timed.setdefault(variant, {}).update(stats)
             row = {"path": path, "bytes": size, "gbps": stats[metric]["median"]}
+            if variant == "tensortier":  # dd runs in its own process: its peak is not ours
+                row["peak_extra_rss"] = max(g["tensortier"]["peak_extra_rss"] for g in per_round)
             row["ratio_vs_limit"] = 1.0 if vs is None else vs["median"]
             if vs is not None:
                 row["ratio_vs_limit_spread"] = vs["spread"]
             rows.append({**row, **session.row_fields({"gbps": stats[metric]})})
     if torch.cuda.is_available():
-        rows += cuda_bandwidth(min(size, 1 << 30))
+        rows += _cuda_rows(session, per_round, min(size, 1 << 30), timed, ratios)
     print_table(
         rows,
         [

@@ -26,6 +26,26 @@ def test_a_step_over_the_budget_is_counted_and_written(monkeypatch, tmp_path):
     assert "device" in data["env"] and "tensortier" in data["env"]["versions"]
 
 
+def test_the_run_records_its_load_and_each_models_spread(monkeypatch, tmp_path):
+    """Only each run's 1-minute load was kept: no load before and after the run, no highest
+    load during it, no spread of a model's runs."""
+    peaks = iter([[50, 90], [40, 70], [50, 95], [40, 60]])
+
+    def fake_spawn(args, model):
+        *prof, last = next(peaks)
+        row = {"budget_bytes": 100, "peak_bytes": last, "grads_match": True}
+        return {"budgets": [{"rows": [row], "profiling_peaks": prof}]}
+
+    monkeypatch.setattr(budget, "_spawn", fake_spawn)
+    out = tmp_path / "b.json"
+    budget.run(Namespace(runs=2, models="a,b", budget_frac=0.6, json=str(out)))
+    data = json.loads(out.read_text())
+    m = data["measurement"]
+    assert m["rounds"] == 2 and m["load_before"]["cpus"] > 0 and m["load_after"]
+    stats = data["summary"]["max_over_budget_stats"]
+    assert stats["a"]["n"] == 2 and stats["a"]["median"] == 0.925 and stats["b"]["max"] == 0.7
+
+
 def test_gradients_that_differ_from_plain_fail_the_run_after_the_json(monkeypatch, tmp_path):
     """The JSON had no device or versions, and ``grads_match: false`` passed silently."""
     row = {"budget_bytes": 100, "peak_bytes": 50, "grads_match": False}

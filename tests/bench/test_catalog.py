@@ -77,3 +77,24 @@ def test_a_read_returning_another_record_of_the_same_size_is_not_intact(tmp_path
     env.close()
     assert bench.read_lmdb(root, args, idx, recs)["intact"] is False
     assert bench.random_reads("lmdb", root, recs, count=200)["intact"] is False  # unchecked before
+
+
+def test_catalog_cpu_writes_its_spreads_load_versions_and_peak_and_checks_the_bytes(
+    tmp_path, monkeypatch
+):
+    """``benchmarks.catalog_cpu`` printed medians only: no JSON, load, versions, spread or
+    peak, and the records it read were counted by length. A wrong record now fails the run."""
+    from benchmarks import catalog_cpu
+
+    out = tmp_path / "cpu.json"
+    argv = ["--dir", str(tmp_path), "--records", "40", "--rounds", "2", "--io-threads", "2"]
+    catalog_cpu.main([*argv, "--quiet-wait", "0", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["intact"] is True and data["peak_rss"] > 0 and data["env"]["versions"]
+    assert data["measurement"]["rounds"] == 2 and data["measurement"]["load_before"]["cpus"] > 0
+    rows = {r["phase"]: r for r in data["rows"]}
+    assert rows["build process"]["n"] == 2 and "spread" in rows["random us/record"]
+    monkeypatch.setattr(bench.Records, "match", lambda self, indices, got: False)
+    with pytest.raises(SystemExit, match="byte for byte"):
+        catalog_cpu.main([*argv, "--quiet-wait", "0", "--json", str(out)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.json"]

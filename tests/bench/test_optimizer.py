@@ -69,3 +69,49 @@ def test_a_rows_memory_figures_come_from_the_same_worst_round(tmp_path):
     (row,) = _rows(session, per_round, ["tt-host"], str(tmp_path))
     assert row["step_ms"] == 2.0  # the median round
     assert row["peak_rss_bytes"] == 900 and row["optimizer_rss_bytes"] == 500
+
+
+class _Stats:
+    kernel_seconds = 0.0
+    launched_in_backward = host_state_bytes = 0
+    steps = 1
+
+
+class _PhasedAdamW:
+    """An OffloadedAdamW stand-in whose kernels take 1 s during backward, 2 s in step()."""
+
+    def __init__(self, params):
+        self.params, self.st, self.overlap = list(params), _Stats(), True
+        self.params[0].register_post_accumulate_grad_hook(self._in_backward)
+
+    def _in_backward(self, _p):
+        self.st.kernel_seconds += 1.0
+
+    def stats(self):
+        return self.st
+
+    def step(self):
+        self.st.kernel_seconds += 2.0
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def close(self):
+        pass
+
+
+def test_kernel_ms_in_backward_counts_only_the_kernels_that_ran_during_backward(
+    tmp_path, monkeypatch
+):
+    """``kernel_ms_in_backward`` was every kernel second of the timed steps, those step() ran
+    included; it is now the kernels of the backward alone, step()'s beside it."""
+    import argparse
+
+    from benchmarks import optimizer
+
+    monkeypatch.setattr(optimizer, "_optimizer", lambda v, params, args: _PhasedAdamW(params))
+    args = argparse.Namespace(child="tt-host", params=600, width=16, batch=2, steps=2,
+                              out=str(tmp_path / "p.npy"), dir=str(tmp_path))  # fmt: skip
+    row = optimizer._child(args)
+    assert row["kernel_ms_in_backward"] == 1000.0 and row["kernel_ms_in_step"] == 2000.0

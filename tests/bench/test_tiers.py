@@ -27,6 +27,7 @@ def test_bench_tiers_writes_rows_against_dd(tmp_path):
         paths["host->disk (tensortier)"]["ratio_vs_limit"] == m["ratios"]["write_vs_dd"]["median"]
     )
     assert paths["disk->host (tensortier)"]["gbps_stats"]["n"] == 2
+    assert paths["host->disk (tensortier)"]["peak_extra_rss"] >= 32 << 20  # the data written
     assert [p.name for p in tmp_path.iterdir()] == ["tiers.json"]  # scratch files cleaned up
 
 
@@ -71,3 +72,41 @@ def test_bytes_read_back_wrong_fail_the_run_after_the_json(tmp_path, monkeypatch
         tiers.run(args)
     data = json.loads(out.read_text())
     assert data["intact"] is False and data["direct_io"] is True
+
+
+def test_the_cuda_rows_are_measured_in_the_rounds_with_their_noise_fields(tmp_path, monkeypatch):
+    """The CUDA rows were a best of 3 taken after the rounds: no spread, no noise verdict, no
+    same-round ratio. They now run in every round beside dd and the disk tier."""
+    import argparse
+    import json
+
+    from benchmarks import tiers
+
+    speeds = iter([(10.0, 20.0), (30.0, 20.0)])  # round 1: engine 0.5x; round 2: 1.5x
+
+    def cuda(nbytes):
+        tt, torch_ = next(speeds)
+        return {"d2h_torch_gbps": torch_, "d2h_tt_gbps": tt,
+                "h2d_torch_gbps": torch_, "h2d_tt_gbps": tt}  # fmt: skip
+
+    from benchmarks import _common
+
+    monkeypatch.setattr(tiers.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_common, "device_name", lambda: "a GPU")
+    monkeypatch.setattr(tiers, "cuda_bandwidth", cuda)
+    monkeypatch.setattr(tiers, "dd_bandwidth", lambda d, n: (1.0, 1.0))
+    monkeypatch.setattr(tiers, "tier_bandwidth", lambda d, n, t: (1.0, 1.0, True, True))
+    p = argparse.ArgumentParser()
+    tiers.add_args(p)
+    out = tmp_path / "tiers.json"
+    argv = ["--quick", "--rounds", "2", "--dir", str(tmp_path), "--quiet-wait", "0"]
+    tiers.run(p.parse_args([*argv, "--json", str(out)]))
+    data = json.loads(out.read_text())
+    assert data["measurement"]["order"] == ["dd", "tensortier", "cuda"] * 2
+    rows = {r["path"]: r for r in data["rows"]}
+    tt = rows["device->host (tensortier)"]
+    assert tt["gbps_stats"]["n"] == 2 and tt["gbps_stats"]["spread"] == 2.0
+    assert tt["noisy"] and "gbps spread 200.0% > 10%" in tt["noisy_reasons"]
+    assert tt["ratio_vs_limit"] == 1.0 and tt["ratio_vs_limit_spread"] == 2.0  # 0.5x and 1.5x
+    assert rows["host->device pinned copy_ (torch)"]["gbps_stats"]["median"] == 20.0
+    assert "cuda d2h_tt_gbps" in " ".join(data["measurement"]["noisy_reasons"])
