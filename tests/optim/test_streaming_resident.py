@@ -142,3 +142,61 @@ def test_replacing_a_child_that_holds_streamed_parameters_is_refused_a_wrapper_i
         assert torch.equal(m(x), ref(x))
     finally:
         streamer.close()
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward makes its stream lag, and marks when that stream caught up."""
+
+    done: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(2_000_000_000)  # about a second: the host is long done by then
+        _SleepInBackward.done.append(torch.cuda.Event())
+        _SleepInBackward.done[-1].record()
+        return g
+
+
+class _TwoStreams(torch.nn.Module):
+    """Branch ``a`` on the current stream, branch ``b`` on a side stream, independent."""
+
+    def __init__(self, side):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.side = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), side
+
+    def forward(self, x):
+        main = torch.cuda.current_stream()
+        ha = self.a(x)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            hb = self.b(_SleepInBackward.apply(x))
+        main.wait_stream(self.side)
+        return ha + hb
+
+
+@pytest.mark.gpu
+def test_cuda_a_unit_read_on_a_side_stream_in_backward_is_released_on_that_stream():
+    """Backward released a unit on the stream of the *next* unit's node. ``b``'s backward ran
+    on the side stream and ``a``'s on the current one, independent: the budget counted ``b``'s
+    bytes as free while the side stream was still reading them (with ``budget`` = one unit,
+    ``a`` was loaded before the side stream was done, the host never waited for it)."""
+    side = torch.cuda.Stream()
+    ref, m = _TwoStreams(side).cuda(), _TwoStreams(side)
+    x = torch.randn(8, 256, device="cuda", requires_grad=True)
+    ref(x).square().sum().backward()
+    streamer = tt.stream_parameters(m, budget=256 * 257 * 4, device="cuda")
+    try:
+        _SleepInBackward.done.clear()
+        m(x).square().sum().backward()
+        # loading ``a`` waited for ``b``'s release, recorded after the sleep on the side stream
+        assert _SleepInBackward.done[-1].query()
+        torch.cuda.synchronize()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        streamer.close()

@@ -131,7 +131,7 @@ class _Load:
     future: Future | None = None  # loader-thread job returning (tensors, event)
     tensors: list[torch.Tensor] | None = None
     event: Any = None  # CUDA: recorded on the side stream after the copies
-    streams: set = field(default_factory=set)  # consumer streams that waited on ``event``
+    streams: dict = field(default_factory=dict)  # consumers that waited on ``event``, by handle
 
 
 @dataclass(frozen=True)
@@ -330,15 +330,20 @@ class ParameterStreamer:
                 # a device-side wait (the host never blocks); the tensors' memory is not reused
                 # before this stream is done
                 consume(load.event, stream, load.tensors)
-                load.streams.add(stream.cuda_stream)
+                load.streams[stream.cuda_stream] = stream
         return load.tensors
 
-    def _released(self, nbytes: int) -> None:
-        """The host is done with ``nbytes`` of a unit; the device is done at this event."""
+    def _released(self, nbytes: int, streams=()) -> None:
+        """The host is done with ``nbytes`` of a unit; the device is done once each stream that
+        read it (default: the current one) is done with the work queued so far (FSDP2 records
+        its post-backward free on the stream that ran that backward). The bytes go with the last
+        event: the queue is waited on in order."""
         if self._cuda:
-            event = new_event(blocking=True)  # a waiting host sleeps instead of spinning
-            event.record(torch.cuda.current_stream(self.device))
-            self._releasing.append((event, nbytes))
+            streams = list(streams) or [torch.cuda.current_stream(self.device)]
+            for i, stream in enumerate(streams):
+                event = new_event(blocking=True)  # a waiting host sleeps instead of spinning
+                event.record(stream)
+                self._releasing.append((event, nbytes if i == len(streams) - 1 else 0))
             self._releasing_bytes += nbytes
 
     def _make_room(self, nbytes: int, *, wait: bool) -> bool:
@@ -488,7 +493,8 @@ class ParameterStreamer:
         if self._last is not None:
             nbytes = self.units[self._last.unit].nbytes
             self._live_bytes -= nbytes
-            self._released(nbytes)
+            # the streams of the backward nodes that read it, not the next unit's
+            self._released(nbytes, self._last.streams.values())
             self._last = None
 
     # ------------------------------------------------------------ resident views
