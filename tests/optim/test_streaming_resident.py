@@ -200,3 +200,23 @@ def test_cuda_a_unit_read_on_a_side_stream_in_backward_is_released_on_that_strea
             assert torch.equal(p.grad, q.grad)
     finally:
         streamer.close()
+
+
+def test_re_tying_a_streamed_parameter_is_refused_naming_close():
+    """``head.weight = embed.weight`` (HF ``tie_weights``) while streamed: the head's unit kept
+    installing its old parameter, so its forward read the tied one's NaN placeholder: a wrong
+    evaluation silently, and in training an error that named this very tying as the fix."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m)
+    try:
+        with pytest.raises(ConfigError, match=r"Linear\.weight = \.\.\..*close\(\) first"):
+            m[2].inner[0].weight = m[3].inner[0].weight
+        with pytest.raises(ConfigError, match=r"Linear\.weight = \.\.\."):
+            m[4].weight = torch.nn.Parameter(torch.zeros(2, 16))
+        m[4].weight = m[4].weight  # the same Parameter again (an idempotent tie_weights)
+        x = torch.randn(3, 8)
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+    finally:
+        streamer.close()
+    m[2].inner[0].weight = m[3].inner[0].weight  # closed: the model is the user's again

@@ -8,7 +8,7 @@ shape (one element, expanded), so autograd, ``.grad`` and optimizers still see t
 shape, and a use outside the owning module's forward computes NaN instead of stale values; when
 that forward saves it for backward (a parent reading its child's weight: ``F.linear(x,
 self.embed.weight)``) it is a :class:`ConfigError`, and so is replacing a child that holds streamed
-parameters (HF ``resize_token_embeddings``). ``state_dict(keep_vars=True)`` gives the Parameters
+parameters (HF ``resize_token_embeddings``) or re-assigning a streamed parameter (tying weights). ``state_dict(keep_vars=True)`` gives the Parameters
 themselves, as ``parameters()`` does: placeholders between uses. A forward pre-hook installs the unit's real values (prefetched while the
 previous unit ran), a forward hook puts the placeholders back. Autograd would keep the installed
 tensors alive until backward; a saved-tensors hook replaces them by a token, and backward loads
@@ -64,7 +64,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import check_device, normalize_device
@@ -770,6 +773,25 @@ def _guard_steps(streamer: ParameterStreamer) -> None:
     if not _GUARD:
         _GUARD.append(register_optimizer_step_pre_hook(_before_step))
         _GUARD.append(register_module_module_registration_hook(_before_child_set))
+        _GUARD.append(register_module_parameter_registration_hook(_before_param_set))
+
+
+def _before_param_set(module: nn.Module, name: str, new: nn.Parameter | None) -> None:
+    """Refuse re-assigning a streamed parameter, or assigning one to another place: the
+    streamer installs each parameter for the modules that held it when streaming began, so the
+    module given it would compute with its NaN placeholder (``tie_weights``, a tied head)."""
+    old = module._parameters.get(name)
+    if old is new or not _OPEN:
+        return
+    for p in (old, new):
+        if p is not None and is_streamed(p):
+            raise ConfigError(
+                f"{type(module).__name__}.{name} = ...: the parameter replaced or assigned is "
+                f"streamed by stream_parameters(), which installs it only for the modules that "
+                f"held it when streaming began (elsewhere its value is a NaN placeholder); call "
+                f"streamer.close() first (the model is resident again), change the model (e.g. "
+                f"tie the weights), then stream_parameters() again"
+            )
 
 
 def _before_child_set(parent: nn.Module, name: str, new: nn.Module | None) -> None:
