@@ -7,13 +7,15 @@ take it away from the outer. Between uses each parameter holds a NaN placeholder
 shape (one element, expanded), so autograd, ``.grad`` and optimizers still see the parameter's
 shape, and a use outside the owning module's forward computes NaN instead of stale values; when
 that forward saves it for backward (a parent reading its child's weight: ``F.linear(x,
-self.embed.weight)``) it is a :class:`ConfigError`, and so is replacing a child that holds streamed
-parameters (HF ``resize_token_embeddings``) or re-assigning a streamed parameter (tying weights). ``state_dict(keep_vars=True)`` gives the Parameters
-themselves, as ``parameters()`` does: placeholders between uses. A forward pre-hook installs the unit's real values (prefetched while the
-previous unit ran), a forward hook puts the placeholders back. Autograd would keep the installed
-tensors alive until backward; a saved-tensors hook replaces them by a token, and backward loads
-the parameter again (prefetching the unit before it) when the token is unpacked. Values are
-copied, never recomputed, so outputs and gradients are bit-identical to the resident model.
+self.embed.weight)``) it is a :class:`ConfigError`, and so is replacing a child that holds
+streamed parameters (HF ``resize_token_embeddings``) or re-assigning a streamed parameter (tying
+weights). ``state_dict(keep_vars=True)`` gives the Parameters themselves, as ``parameters()``
+does: placeholders between uses. A forward pre-hook installs the unit's real values (prefetched
+while the previous unit ran), a forward hook puts the placeholders back. Autograd would keep the
+installed tensors alive until backward; a saved-tensors hook replaces them by a token, and
+backward loads the parameter again (prefetching the unit before it) when the token is unpacked.
+Values are copied, never recomputed, so outputs and gradients are bit-identical to the resident
+model.
 
 Copies on CUDA (the copy-stream pattern of torchtune's ``OffloadActivations``): host-to-device
 copies run on one side stream per streamer (``transfer.streams``: ``copy_new``, ``consume``), from
@@ -56,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -336,7 +338,7 @@ class ParameterStreamer:
                 load.streams[stream.cuda_stream] = stream
         return load.tensors
 
-    def _released(self, nbytes: int, streams=()) -> None:
+    def _released(self, nbytes: int, streams: Iterable = ()) -> None:
         """The host is done with ``nbytes`` of a unit; the device is done once each stream that
         read it (default: the current one) is done with the work queued so far (FSDP2 records
         its post-backward free on the stream that ran that backward). The bytes go with the last
@@ -801,17 +803,16 @@ def _before_child_set(parent: nn.Module, name: str, new: nn.Module | None) -> No
     if old is None or old is new or not _OPEN:
         return
     kept = set() if new is None else {id(p) for p in new.parameters()}
-    for streamer in list(_OPEN):
-        for p in old.parameters():
-            s = streamer._slot_of.get(id(p))
-            if s is not None and id(p) not in kept:
-                raise ConfigError(
-                    f"child module {name!r} holds parameter {s.name!r} streamed by "
-                    f"stream_parameters(); replacing it (HF resize_token_embeddings, "
-                    f"set_output_embeddings) drops that parameter, and a copy made from it now "
-                    f"copies its NaN placeholder: call streamer.close() first (the model is "
-                    f"resident again), change the model, then stream_parameters() again"
-                )
+    for p in old.parameters():
+        if id(p) not in kept and is_streamed(p):
+            slot = getattr(p, STREAMED_ATTR)()._slot_of[id(p)]
+            raise ConfigError(
+                f"child module {name!r} holds parameter {slot.name!r} streamed by "
+                f"stream_parameters(); replacing it (HF resize_token_embeddings, "
+                f"set_output_embeddings) drops that parameter, and a copy made from it now "
+                f"copies its NaN placeholder: call streamer.close() first (the model is "
+                f"resident again), change the model, then stream_parameters() again"
+            )
 
 
 def _before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
@@ -835,9 +836,9 @@ def _used_outside(s: _Slot) -> ConfigError:
         f"parameter {s.name!r} was used outside the forward of the module that owns it (a "
         f"parent reading a child's weight, e.g. tied weights F.linear(x, self.embed.weight)): "
         f"there it holds stream_parameters()'s NaN placeholder. Use it through a module that "
-        f"owns it (tie by sharing the Parameter: self.head = nn.Linear(...); self.head.weight "
-        f"= self.embed.weight), or run the forward and backward inside "
-        f"`with streamer.resident():` (every parameter installed)"
+        f"owns it (in the model, before streaming it, tie by sharing the Parameter: self.head "
+        f"= nn.Linear(...); self.head.weight = self.embed.weight), or run the forward and "
+        f"backward inside `with streamer.resident():` (every parameter installed)"
     )
 
 
