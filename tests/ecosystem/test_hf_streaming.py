@@ -67,11 +67,15 @@ def test_hf_steps_run_wholly_inside_resident_train_bit_identical(kind):
 def test_hf_resize_token_embeddings_while_streamed_is_refused_and_the_fix_trains(kind):
     """``resize_token_embeddings`` copied the NaN placeholders into the new embedding and head;
     ``state_dict()`` (``save_pretrained``) saved them silently, and an untied head's weights
-    were lost even after ``close()``. Now it is refused naming the fix, which trains bit for bit
-    as the plain resized model."""
+    were lost even after ``close()``; inside ``resident()`` the new embedding went (host tier:
+    torch's size mismatch) or stayed half-stored (disk tier). Now it is refused naming the fix,
+    which trains bit for bit as the plain resized model."""
     ref = build(kind)
     got = twin(ref)
     streamer = tt.stream_parameters(got)
+    refused = pytest.raises(ConfigError, match="resize_token_embeddings.*close")
+    with refused, streamer.resident():  # the real values are installed, not kept when resized
+        got.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
     with pytest.raises(ConfigError, match="resize_token_embeddings.*close"):
         # Llama's untied head is replaced by a new one: refused at once; GPT-2's tied embedding
         # is resized in place: its next use is refused

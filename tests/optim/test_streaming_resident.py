@@ -220,3 +220,24 @@ def test_re_tying_a_streamed_parameter_is_refused_naming_close():
     finally:
         streamer.close()
     m[2].inner[0].weight = m[3].inner[0].weight  # closed: the model is the user's again
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_parameter_replaced_inside_resident_is_refused_and_the_rest_is_kept(tier, spill_dir):
+    """``resize_token_embeddings`` (or ``.half()``) inside ``resident()``: the host tier failed
+    at the block's end in torch's ``copy_`` (size mismatch), leaving the later parameters
+    installed; the disk tier stored the new value while the parameter went back to the old
+    placeholder: the module computed with the old shape, silently."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m, tier=tier, spill_dir=spill_dir)
+    x = torch.randn(3, 8)
+    try:
+        refused = pytest.raises(ConfigError, match=r"'0\.weight' was replaced inside resident")
+        with refused, streamer.resident(), torch.no_grad():
+            m[0].weight.data = torch.zeros(17, 8)
+            m[4].bias.add_(1)  # an update next to it is kept
+            ref[4].bias.add_(1)
+        assert torch.equal(m(x), ref(x))
+    finally:
+        streamer.close()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))

@@ -565,9 +565,21 @@ class ParameterStreamer:
             with torch.no_grad():
                 for ptr in installed:
                     self._installed.pop(ptr, None)
+                replaced = [s for s in self._slots if not _fits(s.param.data, s.placeholder)]
                 for s in self._slots:
-                    self._store_back(s)
+                    if s in replaced:  # its home keeps the value from before the block
+                        s.param.data = s.placeholder
+                    else:
+                        self._store_back(s)
                     s.installs = 0
+            if replaced:
+                raise ConfigError(
+                    f"parameter {replaced[0].name!r} was replaced inside resident() by one of "
+                    f"another shape, dtype or device (HF resize_token_embeddings, .half(), "
+                    f"p.data = ...); its new value was not kept: call streamer.close() first "
+                    f"(the model is resident again), change the model, then stream_parameters() "
+                    f"again"
+                )
 
     def _store_back(self, s: _Slot) -> None:
         """Write the installed (possibly updated) value of ``s`` to its tier; placeholder back."""
@@ -827,6 +839,16 @@ def _before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
                         f"(their values are NaN placeholders between uses); call it inside "
                         f"`with streamer.resident(): opt.step()`"
                     )
+
+
+def _fits(value: torch.Tensor, placeholder: torch.Tensor) -> bool:
+    """Whether ``value`` can go to the home ``placeholder`` stands for (an update, not a
+    conversion)."""
+    return (value.shape, value.dtype, value.device) == (
+        placeholder.shape,
+        placeholder.dtype,
+        placeholder.device,
+    )
 
 
 def _used_outside(s: _Slot) -> ConfigError:
