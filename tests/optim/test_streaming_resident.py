@@ -241,3 +241,28 @@ def test_a_parameter_replaced_inside_resident_is_refused_and_the_rest_is_kept(ti
     finally:
         streamer.close()
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+
+
+def test_a_load_that_fails_entering_resident_installs_nothing():
+    """A read failing on the third unit as ``resident()`` began left the first units installed
+    for good (their device memory never released, outside the budget's count)."""
+    ref, m = _model(), _model()
+    streamer = tt.stream_parameters(m)
+    start, calls = streamer._start, []
+
+    def failing_third(u):
+        calls.append(u.index)
+        if len(calls) == 3:
+            raise OSError("a read failed")
+        return start(u)
+
+    streamer._start = failing_third
+    try:
+        with pytest.raises(OSError, match="read failed"), streamer.resident():
+            pass
+        assert all(torch.isnan(p).all() for p in m.parameters())  # placeholders, every one
+        streamer._start = start
+        x = torch.randn(3, 8)
+        assert torch.equal(m(x), ref(x))
+    finally:
+        streamer.close()

@@ -528,8 +528,10 @@ class ParameterStreamer:
             if check and s.installs == 0:
                 self._check_placeholder(s)
         installed = []
-        for u in self.units:
-            for pos, (s, t) in enumerate(zip(u.slots, self._ready(self._start(u)))):
+        # every unit loaded before any is installed: a failed read leaves none installed
+        loaded = [self._ready(self._start(u)) for u in self.units]
+        for u, tensors in zip(self.units, loaded):
+            for pos, (s, t) in enumerate(zip(u.slots, tensors)):
                 if s.installs == 0:
                     s.param.data = t
                     installed.append(t.untyped_storage().data_ptr())
