@@ -266,3 +266,37 @@ def test_a_load_that_fails_entering_resident_installs_nothing():
         assert torch.equal(m(x), ref(x))
     finally:
         streamer.close()
+
+
+class _GraphConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, adj, x):
+        return torch.sparse.mm(adj, x @ self.weight)  # a unit's forward saves ``adj``
+
+
+class _Graph(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = _GraphConv()
+
+    def forward(self, adj, x):
+        return self.conv(adj, torch.sparse.mm(adj, x))  # saved outside any unit too
+
+
+def test_a_sparse_tensor_saved_by_a_streamed_model_trains_as_the_resident_model():
+    """A GNN's sparse adjacency saved for backward (outside and inside a unit): the saved-tensor
+    hook asked it for its storage, "Cannot access storage of SparseTensorImpl"."""
+    ref, m = _Graph(), _Graph()
+    streamer = tt.stream_parameters(m)
+    adj = torch.eye(5).to_sparse().requires_grad_()
+    x = torch.randn(5, 4, requires_grad=True)
+    try:
+        for model in (ref, m):
+            model(adj, x).square().sum().backward()
+        _same_grads(m, ref)
+    finally:
+        streamer.close()

@@ -74,7 +74,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import check_device, normalize_device
 from tensortier._lifetime import Finalizer
-from tensortier._saved_hooks import STREAMED_ATTR, Outer, is_streamed, outer_hooks, pack_outer
+from tensortier._saved_hooks import (
+    STREAMED_ATTR,
+    Outer,
+    is_streamed,
+    of_streamed,
+    outer_hooks,
+    pack_outer,
+)
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
@@ -456,7 +463,9 @@ class ParameterStreamer:
 
     def _pack(self, t: torch.Tensor):
         hit = None
-        if t.device == self.device:
+        # installed values and placeholders are dense; a sparse tensor has no storage to ask
+        ours = self._installed or of_streamed(t)
+        if ours and t.device == self.device and t.layout == torch.strided:
             ptr = t.untyped_storage().data_ptr()
             hit = self._installed.get(ptr)
             if hit is None and ptr in self._placeholder_of:
