@@ -5,12 +5,17 @@ unique ``nn.Parameter``): a parameter shared by several modules (tied embeddings
 and is installed for every module that uses it, counted so that the inner of two users does not
 take it away from the outer. Between uses each parameter holds a NaN placeholder of the right
 shape (one element, expanded), so autograd, ``.grad`` and optimizers still see the parameter's
-shape, and any use outside the owning module's forward fails loudly instead of silently computing
-with stale values. A forward pre-hook installs the unit's real values (prefetched while the
-previous unit ran), a forward hook puts the placeholders back. Autograd would keep the installed
-tensors alive until backward; a saved-tensors hook replaces them by a token, and backward loads
-the parameter again (prefetching the unit before it) when the token is unpacked. Values are
-copied, never recomputed, so outputs and gradients are bit-identical to the resident model.
+shape, and a use outside the owning module's forward computes NaN instead of stale values; when
+that forward saves it for backward (a parent reading its child's weight: ``F.linear(x,
+self.embed.weight)``) it is a :class:`ConfigError`, and so is replacing a child that holds
+streamed parameters (HF ``resize_token_embeddings``) or re-assigning a streamed parameter (tying
+weights). ``state_dict(keep_vars=True)`` gives the Parameters themselves, as ``parameters()``
+does: placeholders between uses. A forward pre-hook installs the unit's real values (prefetched
+while the previous unit ran), a forward hook puts the placeholders back. Autograd would keep the
+installed tensors alive until backward; a saved-tensors hook replaces them by a token, and
+backward loads the parameter again (prefetching the unit before it) when the token is unpacked.
+Values are copied, never recomputed, so outputs and gradients are bit-identical to the resident
+model.
 
 Copies on CUDA (the copy-stream pattern of torchtune's ``OffloadActivations``): host-to-device
 copies run on one side stream per streamer (``transfer.streams``: ``copy_new``, ``consume``), from
@@ -53,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -61,11 +66,22 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tensortier._device import check_device, normalize_device
 from tensortier._lifetime import Finalizer
-from tensortier._saved_hooks import STREAMED_ATTR, Outer, is_streamed, outer_hooks, pack_outer
+from tensortier._saved_hooks import (
+    STREAMED_ATTR,
+    Outer,
+    is_streamed,
+    of_streamed,
+    outer_hooks,
+    pack_outer,
+)
 from tensortier._stats import register as register_stats
 from tensortier._units import SizeLike, format_size, parse_size
 from tensortier.errors import BudgetError, ClosedError, ConfigError
@@ -127,7 +143,7 @@ class _Load:
     future: Future | None = None  # loader-thread job returning (tensors, event)
     tensors: list[torch.Tensor] | None = None
     event: Any = None  # CUDA: recorded on the side stream after the copies
-    streams: set = field(default_factory=set)  # consumer streams that waited on ``event``
+    streams: dict = field(default_factory=dict)  # consumers that waited on ``event``, by handle
 
 
 @dataclass(frozen=True)
@@ -216,20 +232,24 @@ class ParameterStreamer:
         (on failure nothing was swapped yet: the model is untouched)."""
         place = Placement((self.tier.value,), directory=spill_dir, where="stream_parameters")
         disk = self.tier is ParamTier.DISK
-        self._store = place.open_disk(owner="tensortier-params") if disk else None
-        # CUDA host tier: copies are issued inline on the side stream, no thread needed
-        need_thread = self._store is not None or not self._cuda
-        self._loader = (
-            ThreadPoolExecutor(1, thread_name_prefix="tt-params") if need_thread else None
-        )
-        # CUDA, disk tier: reads land in pinned staging blocks, lent again after their H2D copy
-        staged = self._store is not None and self._cuda
-        self._staging = HostPool(2 * self.budget, pin=True) if staged else None
-        self._finalizer = Finalizer(self, _shutdown, self._loader, self._store, self._staging)
-        self._copies = SideStreams()  # H2D only: one side stream, made now
-        if self._cuda:
-            self._copies.stream(self.device, "h2d")
+        store = place.open_disk(owner="tensortier-params") if disk else None
+        loader = staging = None
         try:
+            # CUDA host tier: copies are issued inline on the side stream, no thread needed
+            if store is not None or not self._cuda:
+                loader = ThreadPoolExecutor(1, thread_name_prefix="tt-params")
+            # CUDA, disk tier: reads land in pinned staging blocks, lent again after their copy
+            if store is not None and self._cuda:
+                staging = HostPool(2 * self.budget, pin=True)
+        except BaseException:
+            _shutdown(loader, store, staging)
+            raise
+        self._store, self._loader, self._staging = store, loader, staging
+        self._finalizer = Finalizer(self, _shutdown, loader, store, staging)
+        self._copies = SideStreams()  # H2D only: one side stream, made now
+        try:
+            if self._cuda:
+                self._copies.stream(self.device, "h2d")
             self._store_homes()
         except BaseException:
             self._finalizer()  # nothing was swapped yet: the model is untouched
@@ -237,7 +257,20 @@ class ParameterStreamer:
 
     def _take_over(self) -> None:
         """Move the buffers to ``device``, swap every parameter for its placeholder and hook
-        every unit's forward."""
+        every unit's forward. A failure gives the parameters back and closes the tier now (not
+        at garbage collection: a held traceback keeps this streamer alive)."""
+        originals = [s.param.data for s in self._slots]
+        try:
+            self._swap_and_hook()
+        except BaseException:
+            with torch.no_grad():
+                for s, data in zip(self._slots, originals):
+                    s.param.data = data
+            self._unhook()
+            self._finalizer()
+            raise
+
+    def _swap_and_hook(self) -> None:
         _buffers_to(self.model, self.device)
         with torch.no_grad():
             for s in self._slots:
@@ -263,6 +296,7 @@ class ParameterStreamer:
                 else:
                     s.home = pinned_copy(p) if self._cuda else p.to("cpu", copy=True)
                 s.placeholder = _placeholder(s.param, self.device)
+        self._placeholder_of = {s.placeholder.untyped_storage().data_ptr(): s for s in self._slots}
 
     # ------------------------------------------------------------ loading
     def _read(self, u: _Unit) -> tuple[list[torch.Tensor], Any]:
@@ -308,15 +342,20 @@ class ParameterStreamer:
                 # a device-side wait (the host never blocks); the tensors' memory is not reused
                 # before this stream is done
                 consume(load.event, stream, load.tensors)
-                load.streams.add(stream.cuda_stream)
+                load.streams[stream.cuda_stream] = stream
         return load.tensors
 
-    def _released(self, nbytes: int) -> None:
-        """The host is done with ``nbytes`` of a unit; the device is done at this event."""
+    def _released(self, nbytes: int, streams: Iterable = ()) -> None:
+        """The host is done with ``nbytes`` of a unit; the device is done once each stream that
+        read it (default: the current one) is done with the work queued so far (FSDP2 records
+        its post-backward free on the stream that ran that backward). The bytes go with the last
+        event: the queue is waited on in order."""
         if self._cuda:
-            event = new_event(blocking=True)  # a waiting host sleeps instead of spinning
-            event.record(torch.cuda.current_stream(self.device))
-            self._releasing.append((event, nbytes))
+            streams = list(streams) or [torch.cuda.current_stream(self.device)]
+            for i, stream in enumerate(streams):
+                event = new_event(blocking=True)  # a waiting host sleeps instead of spinning
+                event.record(stream)
+                self._releasing.append((event, nbytes if i == len(streams) - 1 else 0))
             self._releasing_bytes += nbytes
 
     def _make_room(self, nbytes: int, *, wait: bool) -> bool:
@@ -368,7 +407,8 @@ class ParameterStreamer:
             for s in u.slots:
                 if s.installs == 0:
                     self._check_placeholder(s)
-            tensors = self._load(u).tensors
+            # inside resident() every value is installed (and maybe updated since the tier's)
+            tensors = [s.param.data for s in u.slots] if self._resident else self._load(u).tensors
             u.entered += 1
             for pos, (s, t) in enumerate(zip(u.slots, tensors)):
                 if s.installs == 0:  # else an enclosing user of a shared parameter installed it
@@ -377,7 +417,8 @@ class ParameterStreamer:
                 s.installs += 1
             self._live_bytes += u.nbytes
             self._stats.peak_resident_bytes = max(self._stats.peak_resident_bytes, self._live_bytes)
-            self._prefetch(u.index + 1)
+            if not self._resident:  # a prefetch now would read values from before the block
+                self._prefetch(u.index + 1)
 
         return pre
 
@@ -422,8 +463,13 @@ class ParameterStreamer:
 
     def _pack(self, t: torch.Tensor):
         hit = None
-        if self._installed and t.device == self.device:
-            hit = self._installed.get(t.untyped_storage().data_ptr())
+        # installed values and placeholders are dense; a sparse tensor has no storage to ask
+        ours = self._installed or of_streamed(t)
+        if ours and t.device == self.device and t.layout == torch.strided:
+            ptr = t.untyped_storage().data_ptr()
+            hit = self._installed.get(ptr)
+            if hit is None and ptr in self._placeholder_of:
+                raise _used_outside(self._placeholder_of[ptr])
         if hit is None:
             if self._outer is None:
                 return t
@@ -438,7 +484,9 @@ class ParameterStreamer:
             return x.unpack(x.packed)
         if not isinstance(x, _Token):
             return x
-        if self._closed:  # a graph from before close(): the parameters hold their values again
+        if self._closed or self._resident:
+            # a graph from before close(): the parameters hold their values again; inside
+            # resident(): they are installed, maybe updated since the forward (as in torch)
             base = self.units[x.unit].slots[x.slot].param.data
             return base.as_strided(x.shape, x.stride, base.storage_offset() + x.offset)
         last = self._last
@@ -459,7 +507,8 @@ class ParameterStreamer:
         if self._last is not None:
             nbytes = self.units[self._last.unit].nbytes
             self._live_bytes -= nbytes
-            self._released(nbytes)
+            # the streams of the backward nodes that read it, not the next unit's
+            self._released(nbytes, self._last.streams.values())
             self._last = None
 
     # ------------------------------------------------------------ resident views
@@ -476,20 +525,28 @@ class ParameterStreamer:
         if data.data_ptr() != ph.data_ptr() or data.dtype != ph.dtype or data.shape != ph.shape:
             raise ConfigError(
                 f"parameter {s.name!r} was replaced while streamed (model.to(), .half(), "
-                f"p.data = ...: now {data.dtype} {tuple(data.shape)} on {data.device}); the "
+                f"p.data = ..., HF resize_token_embeddings, which also copied the NaN "
+                f"placeholder: now {data.dtype} {tuple(data.shape)} on {data.device}); the "
                 f"streamer keeps its own values: call streamer.close() first (the model is "
                 f"resident again), convert the model, then stream_parameters() again"
             )
 
-    def _install_all(self, *, check: bool = True) -> None:
+    def _install_all(self, *, check: bool = True) -> list[int]:
+        """Install every parameter; the storages installed now (saved as tokens in a forward)."""
         for s in self._slots:
             if check and s.installs == 0:
                 self._check_placeholder(s)
-        for u in self.units:
-            for s, t in zip(u.slots, self._ready(self._start(u))):
+        installed = []
+        # every unit loaded before any is installed: a failed read leaves none installed
+        loaded = [self._ready(self._start(u)) for u in self.units]
+        for u, tensors in zip(self.units, loaded):
+            for pos, (s, t) in enumerate(zip(u.slots, tensors)):
                 if s.installs == 0:
                     s.param.data = t
+                    installed.append(t.untyped_storage().data_ptr())
+                    self._installed[installed[-1]] = (u.index, pos)
                 s.installs += 1
+        return installed
 
     def stats(self) -> StreamStats:
         """Counters of this streamer, live (they keep counting)."""
@@ -498,25 +555,42 @@ class ParameterStreamer:
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
         """Install every parameter for the block (e.g. around ``optimizer.step()``), then store
-        the possibly updated values back to their tier. Nested blocks are the outer one (an
-        inner exit stored the values and put the placeholders back, and the outer one then
-        stored those NaN placeholders as the weights)."""
+        the possibly updated values back to their tier. The block runs in the caller's grad
+        mode, as with a resident model: a forward there backpropagates, inside the block or
+        after it (its parameters are reloaded then), and in-place edits of parameters need
+        ``torch.no_grad()``. Nested blocks are the outer one (an inner exit stored the values
+        and put the placeholders back, and the outer one then stored those NaN placeholders as
+        the weights)."""
         self._check_open()
         if self._resident:
-            with torch.no_grad():
-                yield
+            yield
             return
         self._drop_prefetch()  # they hold values from before the update
         with torch.no_grad():
-            self._install_all()
-            self._resident = True
-            try:
-                yield
-            finally:
-                self._resident = False
+            installed = self._install_all()
+        self._resident = True
+        try:
+            yield  # in the caller's grad mode: a forward here backpropagates (saved as tokens)
+        finally:
+            self._resident = False
+            with torch.no_grad():
+                for ptr in installed:
+                    self._installed.pop(ptr, None)
+                replaced = [s for s in self._slots if not _fits(s.param.data, s.placeholder)]
                 for s in self._slots:
-                    self._store_back(s)
+                    if s in replaced:  # its home keeps the value from before the block
+                        s.param.data = s.placeholder
+                    else:
+                        self._store_back(s)
                     s.installs = 0
+            if replaced:
+                raise ConfigError(
+                    f"parameter {replaced[0].name!r} was replaced inside resident() by one of "
+                    f"another shape, dtype or device (HF resize_token_embeddings, .half(), "
+                    f"p.data = ...); its new value was not kept: call streamer.close() first "
+                    f"(the model is resident again), change the model, then stream_parameters() "
+                    f"again"
+                )
 
     def _store_back(self, s: _Slot) -> None:
         """Write the installed (possibly updated) value of ``s`` to its tier; placeholder back."""
@@ -561,6 +635,8 @@ class ParameterStreamer:
                     continue  # not ours, or keep_vars=True: the caller asked for the Parameter
                 if state_dict[key].data_ptr() == s.placeholder.data_ptr():
                     state_dict[key] = self._shared_value(state_dict, s)
+                elif self._idle(p):  # replaced while streamed: it would save what replaced it
+                    self._check_placeholder(s)
 
         return hook
 
@@ -617,16 +693,22 @@ class ParameterStreamer:
             for s in self._slots:
                 s.installs = 0
             self._install_all(check=False)  # a converted model gets its streamed values back
+        self._installed.clear()
         for s in self._slots:
             s.installs = 0
+        self._unhook()
+        self._closed = True
+        self._finalizer()
+
+    def _unhook(self) -> None:
+        """The model's parameters and modules are no longer this streamer's."""
+        for s in self._slots:
             with contextlib.suppress(AttributeError):
                 delattr(s.param, STREAMED_ATTR)
         for h in self._hooks:
             h.remove()
         self._hooks = []
         _OPEN.discard(self)
-        self._closed = True
-        self._finalizer()
 
     def __getstate__(self) -> dict:
         """Refused: ``copy.deepcopy(model)`` (an EMA, ``AveragedModel``) or pickling a streamed
@@ -708,11 +790,52 @@ _GUARD: list = []
 def _guard_steps(streamer: ParameterStreamer) -> None:
     """A step on streamed parameters outside ``resident()`` failed in torch's kernel ("more than
     one element of the written-to tensor refers to a single memory location"), naming neither
-    the streamer nor the fix. One hook for all streamers, never removed: a hook removed while
-    another thread's ``step()`` iterates torch's global hooks would break that step."""
+    the streamer nor the fix; a child module replaced by one built from the placeholders (HF
+    ``resize_token_embeddings``' new untied ``lm_head``) lost its weights silently. One hook of
+    each for all streamers, never removed: a hook removed while another thread's ``step()``
+    iterates torch's global hooks would break that step."""
     _OPEN.add(streamer)
     if not _GUARD:
         _GUARD.append(register_optimizer_step_pre_hook(_before_step))
+        _GUARD.append(register_module_module_registration_hook(_before_child_set))
+        _GUARD.append(register_module_parameter_registration_hook(_before_param_set))
+
+
+def _before_param_set(module: nn.Module, name: str, new: nn.Parameter | None) -> None:
+    """Refuse re-assigning a streamed parameter, or assigning one to another place: the
+    streamer installs each parameter for the modules that held it when streaming began, so the
+    module given it would compute with its NaN placeholder (``tie_weights``, a tied head)."""
+    old = module._parameters.get(name)
+    if old is new or not _OPEN:
+        return
+    for p in (old, new):
+        if p is not None and is_streamed(p):
+            raise ConfigError(
+                f"{type(module).__name__}.{name} = ...: the parameter replaced or assigned is "
+                f"streamed by stream_parameters(), which installs it only for the modules that "
+                f"held it when streaming began (elsewhere its value is a NaN placeholder); call "
+                f"streamer.close() first (the model is resident again), change the model (e.g. "
+                f"tie the weights), then stream_parameters() again"
+            )
+
+
+def _before_child_set(parent: nn.Module, name: str, new: nn.Module | None) -> None:
+    """Refuse replacing a child that holds streamed parameters by one that does not hold them
+    (a wrapper that keeps the child, as PEFT's, is fine)."""
+    old = parent._modules.get(name)
+    if old is None or old is new or not _OPEN:
+        return
+    kept = set() if new is None else {id(p) for p in new.parameters()}
+    for p in old.parameters():
+        if id(p) not in kept and is_streamed(p):
+            slot = getattr(p, STREAMED_ATTR)()._slot_of[id(p)]
+            raise ConfigError(
+                f"child module {name!r} holds parameter {slot.name!r} streamed by "
+                f"stream_parameters(); replacing it (HF resize_token_embeddings, "
+                f"set_output_embeddings) drops that parameter, and a copy made from it now "
+                f"copies its NaN placeholder: call streamer.close() first (the model is "
+                f"resident again), change the model, then stream_parameters() again"
+            )
 
 
 def _before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
@@ -727,6 +850,29 @@ def _before_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
                         f"(their values are NaN placeholders between uses); call it inside "
                         f"`with streamer.resident(): opt.step()`"
                     )
+
+
+def _fits(value: torch.Tensor, placeholder: torch.Tensor) -> bool:
+    """Whether ``value`` can go to the home ``placeholder`` stands for (an update, not a
+    conversion)."""
+    return (value.shape, value.dtype, value.device) == (
+        placeholder.shape,
+        placeholder.dtype,
+        placeholder.device,
+    )
+
+
+def _used_outside(s: _Slot) -> ConfigError:
+    """A forward saved a placeholder for backward: code outside the module that owns ``s`` (a
+    parent reading its child's weight) computed with its NaN values."""
+    return ConfigError(
+        f"parameter {s.name!r} was used outside the forward of the module that owns it (a "
+        f"parent reading a child's weight, e.g. tied weights F.linear(x, self.embed.weight)): "
+        f"there it holds stream_parameters()'s NaN placeholder. Use it through a module that "
+        f"owns it (in the model, before streaming it, tie by sharing the Parameter: self.head "
+        f"= nn.Linear(...); self.head.weight = self.embed.weight), or run the forward and "
+        f"backward inside `with streamer.resident():` (every parameter installed)"
+    )
 
 
 def _refuse_streamed(slots: list[_Slot]) -> None:
