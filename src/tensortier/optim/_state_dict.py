@@ -280,7 +280,7 @@ class StateDicts:
             got = loaded.get(id(s))
             s.has_state = got is not None
             s.step = torch.tensor(got[3] if got else 0.0, dtype=torch.float32)
-            s.version = s.local._version if got is not None else -1
+            s.version = s.data_version if got is not None else -1
         for g, sg in zip(self.groups, groups):
             for k, v in sg.items():
                 if k != "params" and k not in TORCH_KEYS:

@@ -544,7 +544,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         tensor on its owner; ``step`` is a plain tensor, the same on every owner. Parameters owned
         but not stepped yet have ``step`` 0 and zero moments (equivalent to no state, so
         ``dcp.load`` into a fresh optimizer's ``state_dict()`` works). For the full layout of
-        ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective).
+        ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective). DCP's
+        ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``) calls the parameters a
+        rank does not own missing: load with ``set_optimizer_state_dict(...,
+        options=StateDictOptions(strict=False))`` (and the model strictly, on its own).
         """
         self._check_open()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim runs them
