@@ -621,7 +621,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         state_dict = self._dicts.local()
         pos = {id(p): i for i, p in enumerate(self._all_params())}
         for p, entry in edits:
-            state_dict["state"][pos[id(p)]] = entry
+            if entry:
+                state_dict["state"][pos[id(p)]] = entry
+            else:  # emptied, deleted or assigned {}: fresh state, as torch's next step makes it
+                state_dict["state"].pop(pos[id(p)], None)
         try:
             self._load(state_dict)
         except (ValueError, TypeError, KeyError) as exc:
