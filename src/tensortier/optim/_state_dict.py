@@ -188,7 +188,7 @@ class StateDicts:
         for s in self.layout.slots():
             i = ids[pos[id(s.param)]]
             e = state_dict["state"].get(i, state_dict["state"].get(str(i)))
-            if e is None:
+            if not e:  # absent, or torch's empty entry (opt.state[p] read before p's first step)
                 continue
             step = e.get("step")
             step = float(step.item() if torch.is_tensor(step) else step)
