@@ -3,6 +3,8 @@
 does) or re-assign a key; here ``opt.state[p]`` is a copy, and such edits were lost silently.
 Each test makes the same edits on ``torch.optim.AdamW(fused=True)`` and compares bit for bit."""
 
+import collections
+
 import pytest
 import torch
 
@@ -100,7 +102,9 @@ def test_an_edit_of_the_wrong_shape_is_refused_and_changes_nothing():
 
 def _replace(opt, params):
     """The whole-entry edits torch code makes on its ``defaultdict``: a re-assigned entry (then
-    edited through the live dict), an emptied one, a deleted one and a popped one."""
+    edited through the live dict), an emptied one, a deleted one and a popped one. Raised
+    AttributeError, as did ``opt.state.clear()``; ``opt.state = defaultdict(dict)`` broke the
+    next ``step()`` (AttributeError: no ``take_edits``)."""
     w = params[0]
     opt.state[w] = {k: v.clone() for k, v in opt.state[w].items()}
     opt.state[w]["exp_avg"].mul_(0.25)  # the assigned dict is the live one until the step
@@ -126,6 +130,9 @@ def test_assigned_deleted_and_popped_entries_of_opt_state_behave_as_in_torch(tmp
             o.zero_grad()
         o.state.clear()  # everything fresh at the next step
         assert len(o.state) == 0
+        _backward(model, g)
+        o.step()
+        o.state = collections.defaultdict(dict)  # a reset some training code does
         _backward(model, g)
         o.step()
     for p, q in zip(a.parameters(), b.parameters()):

@@ -15,7 +15,8 @@ The copies handed out are kept until that point (an edit of a temporary, as in
 As torch's ``defaultdict``, the view takes ``opt.state[p] = entry`` (the entry is loaded at that
 point, and stays the live dict until then) and ``del opt.state[p]`` (and ``pop``, ``clear``, as
 ``MutableMapping`` derives them): the parameter's next step starts from fresh state, as torch's
-does for an empty entry.
+does for an empty entry. Assigning ``opt.state`` itself (``opt.state = defaultdict(dict)``, a
+reset some training code does) replaces every entry the same way.
 
 An always empty ``state`` made ``torch.distributed.checkpoint.state_dict``'s
 ``get_optimizer_state_dict`` take a "first" step with zero gradients, advancing every step
@@ -107,6 +108,13 @@ class StateView(MutableMapping):
             raise KeyError(param)
         self[param] = {}
         self._handed[-1] = (param, None, None)  # out of the mapping, fresh at the next step
+
+    def clear(self) -> None:
+        """Every parameter starts from fresh state at the next step (no state is read)."""
+        params = self._params()
+        gone = {id(p) for p in params}
+        self._handed = [h for h in self._handed if id(h[0]) not in gone]
+        self._handed += [(p, None, None) for p in params]
 
     def __contains__(self, param: object) -> bool:  # without reading the state (Mapping's would)
         return any(p is param for p in self._params())

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -228,7 +228,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize
         )
         super().__init__(params, {**defaults, **TORCH_KEYS})
-        self.state = StateView(weakref.ref(self))  # type: ignore[assignment]
         self._step_supports_amp_scaling = True  # GradScaler: grad_scale / found_inf, as fused AdamW
         self._sharding = Sharding(list(self._all_params()), process_group, shard)
         self._defer_gather = bool(defer_gather)
@@ -393,6 +392,30 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for part in (self._updater, self._spec, self._stepper):
             part.stats = self._stats
         record_memory(self._stats, self._states, self._staging)
+
+    @property
+    def state(self) -> StateView:  # type: ignore[override]
+        """``opt.state[p]``: copies of ``p``'s state whose edits are loaded (``_state_view.py``)."""
+        return self.__dict__["_view"]
+
+    @state.setter
+    def state(self, value: Mapping) -> None:
+        """``opt.state = defaultdict(dict)`` (a reset, as in torch: every parameter fresh at its
+        next step) or a mapping of entries: replaces every entry of the view."""
+        view = self.__dict__.get("_view")
+        if view is None:  # torch.optim.Optimizer.__init__'s own defaultdict
+            self.__dict__["_view"] = StateView(weakref.ref(self))
+            return
+        if value is view:  # opt.state = opt.state
+            return
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"opt.state = {type(value).__name__}: assign a mapping of parameters to their "
+                f"state, e.g. collections.defaultdict(dict) for fresh state"
+            )
+        entries = dict(value)  # before clear(): value may be this view itself
+        view.clear()
+        view.update(entries)
 
     @property
     def overlap(self) -> bool:
