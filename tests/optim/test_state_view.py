@@ -142,7 +142,7 @@ def test_assigned_deleted_and_popped_entries_of_opt_state_behave_as_in_torch(tmp
     opt.close()
 
 
-def test_assigning_opt_state_of_a_foreign_parameter_or_a_non_dict_is_refused():
+def test_assigning_opt_state_of_a_foreign_parameter_or_a_non_dict_is_refused_get_is_torchs():
     model = _model()
     opt = OffloadedAdamW(model.parameters(), lr=1e-2)
     with pytest.raises(KeyError, match="not a parameter of this optimizer"):
@@ -151,4 +151,5 @@ def test_assigning_opt_state_of_a_foreign_parameter_or_a_non_dict_is_refused():
         opt.state[next(model.parameters())] = None
     with pytest.raises(KeyError):
         del opt.state[next(model.parameters())]  # no state yet: as torch's defaultdict
+    assert opt.state.get(next(model.parameters())) is None and len(opt.state) == 0  # no entry
     opt.close()

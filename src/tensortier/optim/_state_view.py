@@ -109,6 +109,12 @@ class StateView(MutableMapping):
         self[param] = {}
         self._handed[-1] = (param, None, None)  # out of the mapping, fresh at the next step
 
+    def get(self, param: object, default=None):
+        """As ``defaultdict.get``: ``default`` for a parameter without state (no entry made)."""
+        if param not in self:
+            return default
+        return self[param]
+
     def clear(self) -> None:
         """Every parameter starts from fresh state at the next step (no state is read)."""
         params = self._params()
