@@ -570,7 +570,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective). DCP's
         ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``) calls the parameters a
         rank does not own missing: load with ``set_optimizer_state_dict(...,
-        options=StateDictOptions(strict=False))`` (and the model strictly, on its own).
+        options=StateDictOptions(strict=False))`` (and the model strictly, on its own), or use
+        ``flatten_optimizer_state_dict=True`` in both calls.
         """
         self._check_open()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim runs them
