@@ -198,3 +198,25 @@ def test_opt_state_reads_like_torch_and_dcp_get_state_dict_changes_nothing():
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(ref.state[p][key], opt.state[q][key]), key
     opt.close()
+
+
+def test_torch_state_dict_with_an_empty_entry_loads_as_fresh_state():
+    """Reading ``opt.state[p]`` of a parameter that has no state yet inserts ``{}`` into torch's
+    ``defaultdict``, and ``state_dict()`` keeps it; loading that raised a bare TypeError
+    ("float() argument must be ... not 'NoneType'"). An empty entry is fresh state, as in torch."""
+    a, b = _model(), _model()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    frozen = [a[2].weight, a[2].bias]
+    for p in frozen:
+        p.requires_grad_(False)
+    _train(a, ref, 2)
+    assert ref.state[frozen[0]] == {}  # inserted by the read
+    for p in frozen:
+        p.requires_grad_(True)
+    opt = OffloadedAdamW(b.parameters(), lr=1e-2)
+    opt.load_state_dict(ref.state_dict())
+    b.load_state_dict(a.state_dict())
+    for m, o in ((a, ref), (b, opt)):
+        _train(m, o, 2, seed=3)
+    assert _same(a, b)
+    opt.close()

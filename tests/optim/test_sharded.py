@@ -434,6 +434,10 @@ def _edit_state_sharded(rank: int, world: int) -> list[bool]:
                 for p in model.parameters():
                     if o is ref or p in o.state:
                         o.state[p]["exp_avg"].zero_()
+            if i == 2:  # a deleted entry: fresh state on each rank holding a part of it
+                for p in list(model.parameters())[:2]:
+                    if o is ref or p in o.state:
+                        del o.state[p]
         out[o is ref] = [p.detach().clone() for p in model.parameters()]
     opt.close()
     return [torch.equal(x, y) for x, y in zip(out[True], out[False])]
@@ -441,8 +445,8 @@ def _edit_state_sharded(rank: int, world: int) -> list[bool]:
 
 def test_edits_of_opt_state_apply_on_every_rank_as_in_ddp_with_fused_adamw():
     """``opt.state[p]`` under sharding (``optim/_state_view.py``): a parameter cut across ranks
-    reads as its Shard(0) DTensor; zeroing each rank's moments trains as DDP + fused AdamW with
-    the same edit."""
+    reads as its Shard(0) DTensor; zeroing each rank's moments, or deleting its entry, trains as
+    DDP + fused AdamW with the same edits."""
     for same in distributed.run(_edit_state_sharded, 2, timeout=120):
         assert all(same), same
 

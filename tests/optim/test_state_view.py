@@ -3,6 +3,8 @@
 does) or re-assign a key; here ``opt.state[p]`` is a copy, and such edits were lost silently.
 Each test makes the same edits on ``torch.optim.AdamW(fused=True)`` and compares bit for bit."""
 
+import collections
+
 import pytest
 import torch
 
@@ -95,4 +97,59 @@ def test_an_edit_of_the_wrong_shape_is_refused_and_changes_nothing():
     for i, entry in before["state"].items():
         for key, value in entry.items():
             assert torch.equal(value, after["state"][i][key]), (i, key)
+    opt.close()
+
+
+def _replace(opt, params):
+    """The whole-entry edits torch code makes on its ``defaultdict``: a re-assigned entry (then
+    edited through the live dict), an emptied one, a deleted one and a popped one. Raised
+    AttributeError, as did ``opt.state.clear()``; ``opt.state = defaultdict(dict)`` broke the
+    next ``step()`` (AttributeError: no ``take_edits``)."""
+    w = params[0]
+    opt.state[w] = {k: v.clone() for k, v in opt.state[w].items()}
+    opt.state[w]["exp_avg"].mul_(0.25)  # the assigned dict is the live one until the step
+    opt.state[params[1]] = {}
+    del opt.state[params[2]]
+    assert params[2] not in opt.state and params[3] in opt.state
+    opt.state.pop(params[3])
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_assigned_deleted_and_popped_entries_of_opt_state_behave_as_in_torch(tmp_path, tier):
+    a, b = _model(), _model()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    opt = OffloadedAdamW(b.parameters(), lr=1e-2, tier=tier, spill_dir=tmp_path)
+    for model, o in ((a, ref), (b, opt)):
+        g = torch.Generator().manual_seed(1)
+        for i in range(4):
+            _backward(model, g)
+            if i == 2:
+                _replace(o, list(model.parameters()))
+                assert len(o.state) == 4
+            o.step()
+            o.zero_grad()
+        o.state.clear()  # everything fresh at the next step
+        assert len(o.state) == 0
+        _backward(model, g)
+        o.step()
+        o.state = collections.defaultdict(dict)  # a reset some training code does
+        _backward(model, g)
+        o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref.state[p][key], opt.state[q][key]), key
+    opt.close()
+
+
+def test_assigning_opt_state_of_a_foreign_parameter_or_a_non_dict_is_refused_get_is_torchs():
+    model = _model()
+    opt = OffloadedAdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(KeyError, match="not a parameter of this optimizer"):
+        opt.state[torch.nn.Parameter(torch.zeros(2))] = {}
+    with pytest.raises(TypeError, match="pass a dict like the one opt.state"):
+        opt.state[next(model.parameters())] = None
+    with pytest.raises(KeyError):
+        del opt.state[next(model.parameters())]  # no state yet: as torch's defaultdict
+    assert opt.state.get(next(model.parameters())) is None and len(opt.state) == 0  # no entry
     opt.close()

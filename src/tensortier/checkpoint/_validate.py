@@ -153,7 +153,34 @@ def _ghost(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def refuse_partial(t: object, name: str, restoring: bool = False) -> None:
+    """A DTensor with a ``Partial`` placement over more than one rank holds on each rank an
+    addend of its value, not a chunk of it. Saved as its local tensor (like a ``Replicate``
+    one), the checkpoint would silently hold one rank's addend. Restored, every rank would hold
+    the whole value as its addend. Either way, raise a ``ConfigError`` that names the fix."""
+    placements = getattr(t, "placements", None)
+    if placements is None or not any(
+        p.is_partial() and t.device_mesh.size(d) > 1 for d, p in enumerate(placements)
+    ):
+        return
+    what = (
+        f"{name} is a DTensor with placements {tuple(placements)}: a Partial placement holds on "
+        f"each rank an addend of the value, not the value, so"
+    )
+    if restoring:
+        raise ConfigError(
+            f"{what} a checkpoint cannot be restored into it; restore into a Replicate (or "
+            f"plain) tensor, then redistribute it"
+        )
+    raise ConfigError(
+        f"{what} it cannot be checkpointed; reduce it first, e.g. "
+        f"t.redistribute(placements=[Replicate()]) (a collective, on every rank), and save that"
+    )
+
+
 def _check_model(saved: dict, own: dict, path: str, strict: bool) -> None:
+    for k, v in own.items():
+        refuse_partial(v, f"model/{k}", restoring=True)
     missing = [k for k in own if k not in saved] if strict else []
     unexpected = [k for k in saved if k not in own] if strict else []
     shapes = [

@@ -65,7 +65,7 @@ from tensortier.checkpoint._persist import (
 from tensortier.checkpoint._policy import AutoInterval
 from tensortier.checkpoint._rng import rng_state, set_rng_state
 from tensortier.checkpoint._tree import decode, encode
-from tensortier.checkpoint._validate import align_model_keys, check_tree
+from tensortier.checkpoint._validate import align_model_keys, check_tree, refuse_partial
 from tensortier.errors import BudgetError, ClosedError, ConfigError, CorruptDataError, SpillDirError
 from tensortier.tiers.disk import _probe_direct, as_bytes
 from tensortier.tiers.host import aligned_empty
@@ -283,6 +283,7 @@ class _Captured:
             while name in self._names:
                 name += "'"
             self._names.add(name)
+            refuse_partial(t, name)
             if self.group.many and _ranks.held_elsewhere(t):
                 self.elsewhere.add(name)
             t, chunk = self.group.held(t)

@@ -163,6 +163,14 @@ class Slot:
         """The parameter data this slot updates (detached; a DTensor's local shard)."""
         return self.view(self.local.detach())
 
+    @property
+    def data_version(self) -> int:
+        """Moves with every in-place change of the parameter's data. A DTensor (FSDP2) has two
+        counters: an in-place op on the DTensor (``p.mul_()``, ``load_state_dict``,
+        ``nn.init``) bumps only its own, a write to its local shard (ours) only the shard's."""
+        v = self.local._version
+        return v if self.local is self.param else v + self.param._version
+
     def grad(self) -> torch.Tensor | None:
         g = self.param.grad
         return None if g is None else self.view(local(g))

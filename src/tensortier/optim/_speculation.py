@@ -146,8 +146,7 @@ class Speculator:
     def _speculate(self, bucket: Bucket) -> None:
         slots = [s for s in bucket.slots if s.param.grad is not None]
         if not slots or any(
-            s.param.grad.is_sparse or s.version == -1 or s.local._version != s.version
-            for s in slots
+            s.param.grad.is_sparse or s.version == -1 or s.data_version != s.version for s in slots
         ):
             return  # sparse, or the master needs seeding from the parameter: step() does it
         grads = [s.grad() for s in slots]
@@ -166,7 +165,7 @@ class Speculator:
             grads=[weakref.ref(g) for g in grads],
             ptrs=[g.data_ptr() for g in grads],
             versions=[g._version for g in grads],
-            param_versions=[s.local._version for s in slots],
+            param_versions=[s.data_version for s in slots],
             layouts=_layouts(grads),
             scale=scale,
             hyper=hyper,
@@ -244,7 +243,7 @@ class Speculator:
             return False, True, None
         current = [s for s in b.slots if s.param.grad is not None]
         if current != spec.slots or any(
-            s.local._version != v for s, v in zip(spec.slots, spec.param_versions)
+            s.data_version != v for s, v in zip(spec.slots, spec.param_versions)
         ):
             return False, True, None
         if _layouts([s.grad() for s in spec.slots]) != spec.layouts:  # e.g. .data of another dtype

@@ -188,7 +188,7 @@ class StateDicts:
         for s in self.layout.slots():
             i = ids[pos[id(s.param)]]
             e = state_dict["state"].get(i, state_dict["state"].get(str(i)))
-            if e is None:
+            if not e:  # absent, or torch's empty entry (opt.state[p] read before p's first step)
                 continue
             step = e.get("step")
             step = float(step.item() if torch.is_tensor(step) else step)
@@ -280,7 +280,7 @@ class StateDicts:
             got = loaded.get(id(s))
             s.has_state = got is not None
             s.step = torch.tensor(got[3] if got else 0.0, dtype=torch.float32)
-            s.version = s.local._version if got is not None else -1
+            s.version = s.data_version if got is not None else -1
         for g, sg in zip(self.groups, groups):
             for k, v in sg.items():
                 if k != "params" and k not in TORCH_KEYS:

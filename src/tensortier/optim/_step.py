@@ -176,4 +176,4 @@ class Step:
     def _wrote(slots: list[Slot]) -> None:
         """The parameters hold the masters' values: later changes are the user's."""
         for s in slots:
-            s.version = s.local._version
+            s.version = s.data_version

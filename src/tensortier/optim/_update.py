@@ -94,7 +94,7 @@ class Updater:
             if b.in_place
             else [  # in place: the parameter is the master
                 s.tensor().reshape(-1).to("cpu")
-                if s.version == -1 or s.local._version != s.version
+                if s.version == -1 or s.data_version != s.version
                 else None
                 for s in slots
             ]

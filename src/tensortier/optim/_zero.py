@@ -166,7 +166,7 @@ def _record_versions(slots: list[Slot]) -> None:
     (recorded before the write, the next step saw a changed parameter and compared every
     master with it: half the update's CPU time)."""
     for s in slots:
-        s.version = s.local._version
+        s.version = s.data_version
 
 
 class DeferredWrites(ParamReaders):
@@ -322,7 +322,7 @@ class ShardedStep(Step):
             if self.deferred is None:  # deferred: recorded once each gather wrote its bucket
                 for s in self.layout.slots():
                     if s.version != -1 or id(s) in updated:
-                        s.version = s.local._version
+                        s.version = s.data_version
             if scale_t is not None:  # fused AdamW leaves the unscaled gradients in .grad
                 for p in (p for g in self.groups for p in g["params"]):
                     if p.grad is not None:

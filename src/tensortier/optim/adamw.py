@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -228,7 +228,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize
         )
         super().__init__(params, {**defaults, **TORCH_KEYS})
-        self.state = StateView(weakref.ref(self))  # type: ignore[assignment]
         self._step_supports_amp_scaling = True  # GradScaler: grad_scale / found_inf, as fused AdamW
         self._sharding = Sharding(list(self._all_params()), process_group, shard)
         self._defer_gather = bool(defer_gather)
@@ -395,6 +394,30 @@ class OffloadedAdamW(torch.optim.Optimizer):
         record_memory(self._stats, self._states, self._staging)
 
     @property
+    def state(self) -> StateView:  # type: ignore[override]
+        """``opt.state[p]``: copies of ``p``'s state whose edits are loaded (``_state_view.py``)."""
+        return self.__dict__["_view"]
+
+    @state.setter
+    def state(self, value: Mapping) -> None:
+        """``opt.state = defaultdict(dict)`` (a reset, as in torch: every parameter fresh at its
+        next step) or a mapping of entries: replaces every entry of the view."""
+        view = self.__dict__.get("_view")
+        if view is None:  # torch.optim.Optimizer.__init__'s own defaultdict
+            self.__dict__["_view"] = StateView(weakref.ref(self))
+            return
+        if value is view:  # opt.state = opt.state
+            return
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"opt.state = {type(value).__name__}: assign a mapping of parameters to their "
+                f"state, e.g. collections.defaultdict(dict) for fresh state"
+            )
+        entries = dict(value)  # before clear(): value may be this view itself
+        view.clear()
+        view.update(entries)
+
+    @property
     def overlap(self) -> bool:
         """Whether bucket updates are speculated during backward."""
         return self._spec.overlap
@@ -544,7 +567,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         tensor on its owner; ``step`` is a plain tensor, the same on every owner. Parameters owned
         but not stepped yet have ``step`` 0 and zero moments (equivalent to no state, so
         ``dcp.load`` into a fresh optimizer's ``state_dict()`` works). For the full layout of
-        ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective).
+        ``torch.optim.AdamW`` on every rank use :meth:`full_state_dict` (a collective). DCP's
+        ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``) calls the parameters a
+        rank does not own missing: load with ``set_optimizer_state_dict(...,
+        options=StateDictOptions(strict=False))`` (and the model strictly, on its own), or use
+        ``flatten_optimizer_state_dict=True`` in both calls.
         """
         self._check_open()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim runs them
@@ -618,7 +645,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         state_dict = self._dicts.local()
         pos = {id(p): i for i, p in enumerate(self._all_params())}
         for p, entry in edits:
-            state_dict["state"][pos[id(p)]] = entry
+            if entry:
+                state_dict["state"][pos[id(p)]] = entry
+            else:  # emptied, deleted or assigned {}: fresh state, as torch's next step makes it
+                state_dict["state"].pop(pos[id(p)], None)
         try:
             self._load(state_dict)
         except (ValueError, TypeError, KeyError) as exc:
