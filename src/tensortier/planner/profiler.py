@@ -170,6 +170,13 @@ def tensors_in(x) -> list[torch.Tensor]:
     return []
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose life bounds every write to ``t``'s version counter: its view base.
+    Why: a unit's input is often a view that dies with the unit (``base.view(...)``); a write
+    through another view of ``base`` later bumps the version they share."""
+    return t if t._base is None else t._base
+
+
 class ProbeCodec:
     """Measures what the planner needs of each storage the probe moves (:meth:`see`, called in
     the pack hook on the forward thread, in pack order). Not passed to the offloader as a codec:
@@ -414,7 +421,7 @@ class Profiler:
                 self.order.append(name)
                 self.inputs[name] = sum(t.untyped_storage().nbytes() for t in tensors_in(args))
                 self._versions[name] = [
-                    (t, t._version) for t in tensors_in(args) if not t.is_inference()
+                    (_root(t), t._version) for t in tensors_in(args) if not t.is_inference()
                 ]
             cur.fwd[name] = [self._now(cur), 0.0]
             self._unit_now = name
