@@ -138,6 +138,7 @@ from tensortier.planner.profiler import (
     Profiler,
     calibrate,
     measured_bound,
+    norm_statistics,
     own_rng,
     plan_units,
     preload_codecs,
@@ -268,14 +269,7 @@ class _RunningStatsKept:
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
-        self.saved = [
-            (b, b.clone())
-            for m in self.module.modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase)
-            and m.training
-            and m.track_running_stats
-            for b in m.buffers(recurse=False)
-        ]
+        self.saved = [(b, b.clone()) for b in norm_statistics(self.module)]
 
     def __exit__(self, *exc) -> None:
         with torch.no_grad():
