@@ -145,6 +145,29 @@ def test_a_unit_whose_viewed_input_is_written_after_it_ran_is_not_recomputable(s
     }
 
 
+class _PassesByKeyword(nn.Module):
+    """Calls ``_HalvesItsInput`` with its input by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.halve, self.b = nn.Linear(128, 128), _HalvesItsInput(), nn.Linear(128, 1)
+
+    def forward(self, x):
+        return self.b(self.halve(x=self.pre(x)))
+
+
+def test_a_unit_that_writes_an_input_passed_by_keyword_is_not_recomputable(spill_dir):
+    """PyTorch's global pre-hook sees positional arguments only: ``layer(x=h)`` escaped the
+    check, and recompute_all trained with silently wrong gradients."""
+    torch.manual_seed(0)
+    m, x = _PassesByKeyword(), torch.randn(64, 128)
+    assert _recomputed_wrong_then_profiled(m, x, "halve", spill_dir) == {
+        "pre": True,
+        "halve": False,
+        "b": True,
+    }
+
+
 def test_every_unit_kept_is_a_keep_pass(spill_dir):
     m, x = _mlp(), torch.randn(256, 128)
     prof = _profiler(spill_dir)

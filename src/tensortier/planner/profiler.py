@@ -397,6 +397,7 @@ class Profiler:
         self.writes_input: set[str] = set()  # see _note_input_writes
         self._buffers: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}  # see _pre, _post
         self.writes_buffer: set[str] = set()  # units whose forward changes a buffer (see _post)
+        self._keyword_unit: str | None = None  # the unit _pre just noted (see _keywords)
         self.grads: dict[str, int] = {}
         self.order: list[str] = []
         self.offloader = offloader  # reuse the warm-up's: its buffers are not this iteration's
@@ -443,6 +444,10 @@ class Profiler:
             self._n_params = len(params)
             hook = eager(self._grad_done)  # the last accumulation ends the backward
             self._param_hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
+            self._hooks += [  # removed with the probe's global hooks
+                m.register_forward_pre_hook(eager(self._keywords), with_kwargs=True)
+                for m in named.values()
+            ]
         name = self.units.get(id(module))
         if name is not None and name not in cur.fwd:  # not again while a checkpoint recomputes
             if len(self._passes) == 0:
@@ -453,8 +458,18 @@ class Profiler:
                     (_root(t), t._version) for t in tensors_in(args) if not t.is_inference()
                 ]
                 self._buffers[name] = buffer_versions(module)
+                self._keyword_unit = name
             cur.fwd[name] = [self._now(cur), 0.0]
             self._unit_now = name
+
+    def _keywords(self, module: nn.Module, args, kwargs) -> None:
+        """The probe's unit inputs passed by keyword (``layer(x=h)``) join those :meth:`_pre`
+        noted: the global pre-hook sees positional arguments only."""
+        name, self._keyword_unit = self._keyword_unit, None
+        if name is not None and self.units.get(id(module)) == name:
+            self._versions[name] += [
+                (_root(t), t._version) for t in tensors_in(kwargs) if not t.is_inference()
+            ]
 
     def _post(self, module: nn.Module, args, output) -> None:
         cur = self._cur
