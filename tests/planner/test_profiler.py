@@ -117,6 +117,57 @@ def test_a_unit_whose_input_is_written_after_it_ran_is_not_recomputable(spill_di
     }
 
 
+class _WritesAViewedInputLater(nn.Module):
+    """``a``'s input is a view that dies with the call; code after ``a`` writes the same memory
+    through another view of its base (nothing saved ``a``'s input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.b = nn.Linear(128, 128), nn.Linear(128, 1)
+        self.a = nn.Sequential(nn.Tanh(), nn.Linear(128, 128))
+
+    def forward(self, x):
+        h = self.pre(x)
+        y = self.a(h.view(-1, 128))
+        h[:, :8].mul_(3)
+        return self.b(y + h)
+
+
+def test_a_unit_whose_viewed_input_is_written_after_it_ran_is_not_recomputable(spill_dir):
+    """The probe followed the input view itself, dead at the write: a ``recompute_all`` plan
+    recomputed ``a`` on the written memory and trained with silently wrong gradients."""
+    torch.manual_seed(0)
+    m, x = _WritesAViewedInputLater(), torch.randn(64, 128)
+    assert _recomputed_wrong_then_profiled(m, x, "a", spill_dir) == {
+        "pre": True,
+        "a": False,
+        "b": True,
+    }
+
+
+class _PassesByKeyword(nn.Module):
+    """Calls ``_HalvesItsInput`` with its input by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.halve, self.b = nn.Linear(128, 128), _HalvesItsInput(), nn.Linear(128, 1)
+
+    def forward(self, x):
+        return self.b(self.halve(x=self.pre(x)))
+
+
+def test_a_unit_that_writes_an_input_passed_by_keyword_is_not_recomputable(spill_dir):
+    """PyTorch's global pre-hook sees positional arguments only: ``layer(x=h)`` escaped the
+    check, and recompute_all trained with silently wrong gradients."""
+    torch.manual_seed(0)
+    m, x = _PassesByKeyword(), torch.randn(64, 128)
+    assert _recomputed_wrong_then_profiled(m, x, "halve", spill_dir) == {
+        "pre": True,
+        "halve": False,
+        "b": True,
+    }
+
+
 def test_every_unit_kept_is_a_keep_pass(spill_dir):
     m, x = _mlp(), torch.randn(256, 128)
     prof = _profiler(spill_dir)

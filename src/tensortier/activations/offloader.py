@@ -508,6 +508,16 @@ class Offloader:
         if hooks is not None:
             hooks.__exit__(exc_type, exc, tb)
 
+    def awaiting_backward(self) -> bool:
+        """Whether the last ``with`` forward ended and what it saved (and moved) is alive with
+        its backward not begun: a forward entered now comes before that backward (gradient
+        accumulation over summed losses), which the planner cannot budget."""
+        p = self._pass
+        if p is None or not p.forward_ended or p.backward_started:
+            return False
+        with self._lock:
+            return any(r() is not None for r in p.order)
+
     def _idle(self) -> bool:
         """Not active and no saved tensor of any pass alive: closing now loses nothing."""
         if self._hooks is not None:

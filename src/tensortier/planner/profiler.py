@@ -170,6 +170,40 @@ def tensors_in(x) -> list[torch.Tensor]:
     return []
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose life bounds every write to ``t``'s version counter: its view base.
+    Why: a unit's input is often a view that dies with the unit (``base.view(...)``); a write
+    through another view of ``base`` later bumps the version they share."""
+    return t if t._base is None else t._base
+
+
+def norm_statistics(module: nn.Module) -> list[torch.Tensor]:
+    """The running statistics of ``module``'s norms in train mode (BatchNorm's mean, variance
+    and batch count): the forward moves them, and a recompute puts them back itself."""
+    return [
+        b
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+        for b in m.buffers(recurse=False)
+    ]
+
+
+def buffer_versions(module: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """``module``'s buffers (by name, with their versions) but :func:`norm_statistics`.
+    Why: a unit whose forward writes or rebinds one (an EMA, a step count) changes the model
+    again when recomputed, and its rerun reads the changed value."""
+    restored = {id(b) for b in norm_statistics(module)}
+    return {n: (b, b._version) for n, b in module.named_buffers() if id(b) not in restored}
+
+
+def _changed(before: dict[str, tuple[torch.Tensor, int]], module: nn.Module) -> bool:
+    """Whether a buffer of :func:`buffer_versions` was written, rebound, added or removed."""
+    now = buffer_versions(module)
+    return now.keys() != before.keys() or any(
+        b is not now[n][0] or v != now[n][1] for n, (b, v) in before.items()
+    )
+
+
 class ProbeCodec:
     """Measures what the planner needs of each storage the probe moves (:meth:`see`, called in
     the pack hook on the forward thread, in pack order). Not passed to the offloader as a codec:
@@ -361,6 +395,9 @@ class Profiler:
         # the probe's unit inputs and versions (see _note_input_writes)
         self._versions: dict[str, list[tuple[torch.Tensor | weakref.ref, int]]] = {}
         self.writes_input: set[str] = set()  # see _note_input_writes
+        self._buffers: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}  # see _pre, _post
+        self.writes_buffer: set[str] = set()  # units whose forward changes a buffer (see _post)
+        self._keyword_unit: str | None = None  # the unit _pre just noted (see _keywords)
         self.grads: dict[str, int] = {}
         self.order: list[str] = []
         self.offloader = offloader  # reuse the warm-up's: its buffers are not this iteration's
@@ -407,6 +444,10 @@ class Profiler:
             self._n_params = len(params)
             hook = eager(self._grad_done)  # the last accumulation ends the backward
             self._param_hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
+            self._hooks += [  # removed with the probe's global hooks
+                m.register_forward_pre_hook(eager(self._keywords), with_kwargs=True)
+                for m in named.values()
+            ]
         name = self.units.get(id(module))
         if name is not None and name not in cur.fwd:  # not again while a checkpoint recomputes
             if len(self._passes) == 0:
@@ -414,10 +455,21 @@ class Profiler:
                 self.order.append(name)
                 self.inputs[name] = sum(t.untyped_storage().nbytes() for t in tensors_in(args))
                 self._versions[name] = [
-                    (t, t._version) for t in tensors_in(args) if not t.is_inference()
+                    (_root(t), t._version) for t in tensors_in(args) if not t.is_inference()
                 ]
+                self._buffers[name] = buffer_versions(module)
+                self._keyword_unit = name
             cur.fwd[name] = [self._now(cur), 0.0]
             self._unit_now = name
+
+    def _keywords(self, module: nn.Module, args, kwargs) -> None:
+        """The probe's unit inputs passed by keyword (``layer(x=h)``) join those :meth:`_pre`
+        noted: the global pre-hook sees positional arguments only."""
+        name, self._keyword_unit = self._keyword_unit, None
+        if name is not None and self.units.get(id(module)) == name:
+            self._versions[name] += [
+                (_root(t), t._version) for t in tensors_in(kwargs) if not t.is_inference()
+            ]
 
     def _post(self, module: nn.Module, args, output) -> None:
         cur = self._cur
@@ -429,6 +481,10 @@ class Profiler:
         cur.fwd[name][1] = self._now(cur)
         self._unit_now = None
         self._note_input_writes(name)
+        before = self._buffers.pop(name, None)
+        if before is not None and _changed(before, module):
+            # a recompute would move it again (and rerun on the moved value)
+            self.writes_buffer.add(name)
         outs = [t for t in tensors_in(output) if t.requires_grad]
         if outs:
 
@@ -494,7 +550,7 @@ class Profiler:
             self._unit_now = None
             cur.t_fwd_end = self._now(cur)
             self._note_input_writes()
-            self._versions = {}
+            self._versions, self._buffers = {}, {}
             for h in self._hooks:
                 h.remove()
             self._hooks = []
@@ -674,7 +730,7 @@ class Profiler:
                 bwd_s=costs[n][1],
                 input_bytes=self.inputs.get(n, 0),
                 grad_bytes=self.grads.get(n, 0),
-                recomputable=n not in self.writes_input,
+                recomputable=n not in self.writes_input | self.writes_buffer,
             )
             for n in unit_names
         ]

@@ -138,6 +138,7 @@ from tensortier.planner.profiler import (
     Profiler,
     calibrate,
     measured_bound,
+    norm_statistics,
     own_rng,
     plan_units,
     preload_codecs,
@@ -268,14 +269,7 @@ class _RunningStatsKept:
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
-        self.saved = [
-            (b, b.clone())
-            for m in self.module.modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase)
-            and m.training
-            and m.track_running_stats
-            for b in m.buffers(recurse=False)
-        ]
+        self.saved = [(b, b.clone()) for b in norm_statistics(self.module)]
 
     def __exit__(self, *exc) -> None:
         with torch.no_grad():
@@ -513,6 +507,7 @@ class PlannedOffload:
         if not self._agreed:
             self._agreed = True
             agree_settings(cfg)
+        self._check_one_forward_per_backward()
         if self._rss0 is None and self.offloader is None and not torch.cuda.is_available():
             from tensortier._device import rss_bytes
 
@@ -537,6 +532,24 @@ class PlannedOffload:
             raise
         self._bypassed.append(False)
         return self
+
+    def _check_one_forward_per_backward(self) -> None:
+        """ConfigError for a forward entered before the previous one's backward (losses summed
+        over micro-batches, then one backward). Why: the planner profiles and meters one forward
+        with its backward; it profiled such forwards with no backward time and metered each
+        alone while the others' activations stayed, so the whole step ran over the budget
+        silently. Seen while every saved tensor is moved (warm-up, profiling, swap plans)."""
+        from tensortier.errors import ConfigError
+
+        if not any(off.awaiting_backward() for off in self._offloaders() if not off.closed):
+            return
+        raise ConfigError(
+            "tt.offload(budget=...): this forward began while the previous one inside `with` "
+            "still waits for its backward; the budget covers one forward and its backward at a "
+            "time. For gradient accumulation call backward() after each micro-batch's forward "
+            "((loss / k).backward(): gradients add up in .grad); if you skipped a backward on "
+            "purpose, drop that forward's loss first (del loss)."
+        )
 
     def _enter(self) -> None:
         from tensortier.activations import Offloader
