@@ -249,3 +249,73 @@ def test_offload_inside_allow_mutation_on_saved_tensors_says_why_it_raises():
         assert "allow_mutation_on_saved_tensors() does not cover" in str(err.value)
     finally:
         off.close()
+
+
+def _saved_input_then_modified(alias: bool):
+    """A Linear saves its input; the input is then changed in place, by the caller's own name or,
+    after that name is gone, through a ``detach()`` alias (which shares the version counter)."""
+    torch.manual_seed(0)
+    pre, lin = nn.Linear(64, 64), nn.Linear(64, 8)
+    h = pre(torch.randn(32, 64))
+    y = lin(h)
+    if alias:
+        d = h.detach()
+        del h
+        d.mul_(3)
+    else:
+        h.mul_(3)
+    y.square().mean().backward()
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["same_name", "detached_alias"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_inplace_change_of_a_saved_input_raises_like_pytorch(spill_dir, tier, alias):
+    """PyTorch hands a pack hook a fresh ``detach()`` of a saved input, which dies at once: the
+    check followed that alias, saw nothing, and backward used the changed values silently."""
+    with pytest.raises(RuntimeError, match=INPLACE):  # plain PyTorch
+        _saved_input_then_modified(alias)
+    # no read-ahead: the source of the tail is not kept, the saved input lives only as bytes moved
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0, prefetch_budget=0)
+    try:
+        with pytest.raises(RuntimeError, match=INPLACE), off:
+            _saved_input_then_modified(alias)
+    finally:
+        off.close()
+
+
+def test_version_tracking_changes_no_version_and_keeps_no_bytes(spill_dir):
+    """The tracker of a moved tensor shares its version counter, not its storage."""
+    x = torch.randn(256, 256, requires_grad=True)
+    off = tt.Offloader("host", spill_dir=spill_dir, min_bytes=0, prefetch_budget=0)
+    try:
+        with off:
+            h = x * 2
+            before = h._version
+            y = h.sin()  # saves its input h
+        assert h._version == before
+        off._engine.synchronize()  # the copy is written: the engine no longer holds the source
+        ref = torch.multiprocessing.reductions.StorageWeakRef(h.untyped_storage())
+        del h
+        assert ref.expired()  # nothing of tensortier's holds the moved bytes
+        y.sum().backward()
+        assert torch.equal(x.grad, 2 * (x * 2).cos())
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["same_name", "detached_alias"])
+def test_inplace_change_of_a_kept_tensor_raises_like_pytorch(spill_dir, alias):
+    """A tensor the offloader keeps (under ``min_bytes``) is returned by reference from the pack
+    hook, and PyTorch skips its own check whenever hooks are set: it ran on silently."""
+    off = tt.Offloader("host", spill_dir=spill_dir)  # 1 MiB min_bytes: every tensor is kept
+    try:
+        with pytest.raises(RuntimeError, match=INPLACE), off:
+            _saved_input_then_modified(alias)
+        with pytest.raises(RuntimeError, match=INPLACE), off:
+            _saved_then_modified()
+        ref = _inplace_that_autograd_allows()  # what autograd allows stays allowed
+        with off:
+            got = _inplace_that_autograd_allows()
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    finally:
+        off.close()

@@ -196,31 +196,35 @@ class _Record:
         self.used = False  # every handle served in the current backward: do not prefetch again
 
 
+def _version_tracker(t: torch.Tensor) -> torch.Tensor | None:
+    """An empty tensor sharing ``t``'s version counter but not its storage. Why: PyTorch skips
+    its in-place check for tensors saved through hooks, and hands a pack hook a fresh
+    ``detach()`` of a saved input, which dies at once (a weakref to it, or to a view's base, saw
+    nothing: backward used the changed values silently). Every alias of the storage (the
+    caller's name, a view, a ``detach()``) writes this counter; the moved bytes stay free.
+    ``_make_subclass`` is ``detach()`` with metadata changes allowed (as ``nn.Parameter``); the
+    ``set_`` runs below ADInplaceOrView, so the shared counter is not bumped by it."""
+    if t.is_inference():  # no version counter
+        return None
+    tracker = torch.Tensor._make_subclass(torch.Tensor, t)
+    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+        tracker.set_(torch.empty(0, dtype=t.dtype, device=t.device))
+    return tracker
+
+
 class _Handle:
     """What autograd holds instead of a saved tensor: a view description over a record (with the
     lazy conjugate/negative bits of a math view: the storage holds the unconjugated values), and
-    the version of the tensor that was saved (PyTorch skips its own check when hooks are set)."""
+    the version of the tensor that was saved with a tracker of its counter (PyTorch skips its
+    own check when hooks are set)."""
 
-    __slots__ = (
-        "record",
-        "dtype",
-        "size",
-        "stride",
-        "offset",
-        "conj",
-        "neg",
-        "version",
-        "saved",
-        "base",
-    )
+    __slots__ = ("record", "dtype", "size", "stride", "offset", "conj", "neg", "version", "tracker")
 
     def __init__(self, record: _Record, t: torch.Tensor):
         self.record, self.dtype = record, t.dtype
         self.size, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
         self.conj, self.neg = t.is_conj(), t.is_neg()
-        self.version, self.saved = t._version, weakref.ref(t)
-        # a view shares its base's version counter and often dies right after the op saved it
-        self.base = weakref.ref(t._base) if t._base is not None else None
+        self.version, self.tracker = t._version, _version_tracker(t)
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -248,9 +252,10 @@ def _view(storage_u8: torch.Tensor, h: _Handle) -> torch.Tensor:
 
 
 class _Leaf:
-    """A leaf that requires grad, saved by reference (``_held_by_graph``), with its version: the
-    user may still change it in place before backward (a manual SGD step), which PyTorch's own
-    check, skipped when hooks are set, would refuse."""
+    """A tensor saved by reference (a leaf that requires grad, ``_held_by_graph``, or one the
+    offloader keeps), with its version: the user may still change it in place before backward
+    (a manual SGD step, ``h.mul_()`` on a layer's input), which PyTorch's own check, skipped when
+    hooks are set, would refuse."""
 
     __slots__ = ("tensor", "version")
 
@@ -273,15 +278,10 @@ _AMOS_HINT = (
 def _check_version(h: _Handle | _Leaf, under_amos: bool = False) -> None:
     """Raise PyTorch's own error if the saved tensor was modified in place after it was packed
     (saved inside ``allow_mutation_on_saved_tensors()``: with the reason it did not help)."""
-    if isinstance(h, _Leaf):
-        t = h.tensor
-    else:
-        t = h.saved()
-        if t is None and h.base is not None:
-            t = h.base()
+    t = h.tensor if isinstance(h, _Leaf) else h.tracker
     if t is None or t._version == h.version:
         return
-    size = ", ".join(str(s) for s in t.shape)
+    size = ", ".join(str(s) for s in (h.tensor.shape if isinstance(h, _Leaf) else h.size))
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
         f"operation: [{t.type()} [{size}]] is at version {t._version}; expected version "
@@ -1073,13 +1073,13 @@ class _Pass:
         if again is not None:
             return again
         if self._stays(t, base, nbytes):
-            return t
+            return _Leaf(t)
         action = self._action(t, nbytes)
         if action.tier == "keep":
             stats.bytes_kept += nbytes
             # decided once per storage, as moved ones are: saving it again asks nothing
             self.by_storage[ptr] = (weakref.ref(storage), None)
-            return t
+            return _Leaf(t)
         tier = self._fitting_tier(t, action.tier, nbytes)
         record = _Record(self, self.index, nbytes, t.device, tier)
         record.dtype = t.dtype
@@ -1108,7 +1108,7 @@ class _Pass:
         storage_ref, record_ref = known
         if record_ref is None and storage_ref() is storage:  # kept before: kept again
             self.off.stats.bytes_kept += nbytes
-            return t
+            return _Leaf(t)
         record = record_ref() if record_ref is not None else None
         if storage_ref() is storage and record is not None:  # same live storage: move it once
             self.off.stats.bytes_deduplicated += nbytes
