@@ -319,3 +319,30 @@ def test_inplace_change_of_a_kept_tensor_raises_like_pytorch(spill_dir, alias):
         assert all(torch.equal(a, b) for a, b in zip(ref, got))
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_an_optimizer_step_before_backward_raises_like_pytorch(spill_dir, tier):
+    """Weights are saved by reference; an ``opt.step()`` between forward and backward changes
+    them in place. Plain PyTorch refuses the backward; under the offloader it used the stepped
+    weights silently."""
+
+    def step_then_backward(ctx) -> None:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x = torch.randn(8, 64)
+        m(x).sum().backward()
+        with ctx:
+            loss = m(x).sum()
+        opt.step()
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match=INPLACE):
+        step_then_backward(contextlib.nullcontext())
+    off = tt.Offloader(tier, spill_dir=spill_dir, min_bytes=0)
+    try:
+        with pytest.raises(RuntimeError, match=INPLACE):
+            step_then_backward(off)
+    finally:
+        off.close()

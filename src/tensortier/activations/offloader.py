@@ -1063,7 +1063,7 @@ class _Pass:
         ptr = storage.data_ptr()
         base = t._base
         if self._is_param(ptr) or (base is not None and isinstance(base, nn.Parameter)):
-            return t  # a parameter, a view of one, or a buffer: saved by reference
+            return _Leaf(t)  # a parameter, a view of one, or a buffer: saved by reference
         if _held_by_graph(t if base is None else base):
             return _Leaf(t)  # a weight that is no Parameter (or a view of one): by reference
         stats = self.off.stats
