@@ -74,6 +74,15 @@ class HostScalar:
         return bool(self._host)
 
 
+def _wait_for(side: torch.cuda.Stream, device: torch.device, after) -> None:
+    """``side`` waits (device-side) for the work queued on ``after``: ``COMPUTE`` (the device's
+    current stream), a stream, or ``None`` (nothing: only the side stream's own earlier work)."""
+    if isinstance(after, str):  # COMPUTE
+        after = torch.cuda.current_stream(device)
+    if after is not None:
+        side.wait_stream(after)
+
+
 def consume(done: torch.cuda.Event, stream, tensors: Iterable[torch.Tensor] = ()) -> None:
     """``stream`` waits for ``done`` (device-side: the host never blocks); ``tensors``, read on
     ``stream`` but allocated on another one, are ``record_stream``-ed on it so their memory is
@@ -161,10 +170,7 @@ class SideStreams:
         side = self.stream(device, direction)
         done = event(blocking=blocking)
         with torch.cuda.device(device):
-            if isinstance(after, str):  # COMPUTE
-                after = torch.cuda.current_stream(device)
-            if after is not None:
-                side.wait_stream(after)
+            _wait_for(side, device, after)
             with torch.cuda.stream(side):
                 for dst, src in pairs:
                     _copy(dst, src if read is None else read(src))
@@ -191,10 +197,7 @@ class SideStreams:
         side = self.stream(device, "h2d")
         done = event(blocking=blocking)
         with torch.cuda.device(device):
-            if isinstance(after, str):  # COMPUTE
-                after = torch.cuda.current_stream(device)
-            if after is not None:
-                side.wait_stream(after)
+            _wait_for(side, device, after)
             with torch.cuda.stream(side):
                 out = [h.to(device, non_blocking=True) for h in host]
             done.record(side)
