@@ -430,7 +430,8 @@ class CastCodec:
     2**-8 for bf16) and gradients change slightly. fp16 also has a narrow range: values below
     about 6e-8 come back as 0, and a tensor with finite values beyond +-65504 (which would come
     back as inf) is a ``ConfigError`` naming the fix, raised by encode on the host and by decode
-    on a device (bf16 keeps float32's range). Use it only where the user accepts that
+    on a device. bf16 keeps float32's exponent range but not its very top: finite values of
+    about 3.3961e38 and above round to inf, unchecked. Use it only where the user accepts that
     (``allow_lossy=True`` in the planner, which never picks a cast for a tensor whose probed
     values it would turn into inf: :func:`cast_overflows`).
     """
@@ -473,7 +474,7 @@ def _raise_if_overflowed(name: str, overflowed: bool) -> None:
     if overflowed:
         raise ConfigError(
             f"codec {name!r}: a tensor has finite values beyond fp16's range (+-65504) that it "
-            f"would store as inf, corrupting the gradients; use codec='bf16' (float32's range) "
+            f"would store as inf, corrupting the gradients; use codec='bf16' (float32's exponent range) "
             f"or keep this tensor out of the codec (a decide= hook giving it codec=None; the "
             f"planner, which chose fp16 from a step whose values fit: Options(allow_lossy=False))"
         )
