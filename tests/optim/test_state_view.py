@@ -30,6 +30,14 @@ def _reset(opt, params):
     opt.state[params[-1]]["step"] = torch.tensor(1.0)
 
 
+def _assert_same_as_torch(a, b, ref, opt) -> None:
+    """Parameters and every AdamW state tensor of ``b``/``opt`` equal torch's ``a``/``ref``."""
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref.state[p][key], opt.state[q][key]), key
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("when", ["after step", "between backward and step"])
 def test_in_place_and_assigned_edits_of_opt_state_apply_as_in_torch(tmp_path, tier, when):
@@ -46,10 +54,7 @@ def test_in_place_and_assigned_edits_of_opt_state_apply_as_in_torch(tmp_path, ti
             o.zero_grad()
             if i == 1 and when == "after step":
                 _reset(o, list(model.parameters()))
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(ref.state[p][key], opt.state[q][key]), key
+    _assert_same_as_torch(a, b, ref, opt)
     opt.close()
 
 
@@ -135,10 +140,7 @@ def test_assigned_deleted_and_popped_entries_of_opt_state_behave_as_in_torch(tmp
         o.state = collections.defaultdict(dict)  # a reset some training code does
         _backward(model, g)
         o.step()
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(ref.state[p][key], opt.state[q][key]), key
+    _assert_same_as_torch(a, b, ref, opt)
     opt.close()
 
 
